@@ -1,0 +1,225 @@
+"""Process-group topology: the one place that knows how ranks form a grid.
+
+Ranks are laid out on a (pp, dp, tp) grid with TP innermost, so that the
+ranks of one TP group are adjacent (they share a node and its fast links)::
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+The grid arithmetic (:class:`Grid`) is pure and needs no processes.
+:class:`Topology` builds the torch process groups for every axis and carries
+the :class:`~hybrid.comm.Communicator` that every collective goes through.
+
+Axes:
+    ``tp``    tensor-model parallel (layers split across these ranks)
+    ``dp``    data parallel (ZeRO partitions state across these ranks)
+    ``pp``    pipeline parallel (stages)
+    ``mp``    model parallel = tp × pp (all ranks that hold one model replica)
+    ``world`` every rank
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from hybrid.comm import Communicator
+
+AXES = ("tp", "dp", "pp", "mp", "world")
+
+
+class TopologyError(ValueError):
+    """A parallel layout that cannot be built from the given sizes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Coord:
+    tp: int
+    dp: int
+    pp: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """Pure rank arithmetic for a world of ``tp * dp * pp`` ranks."""
+
+    tp: int
+    dp: int
+    pp: int
+
+    @classmethod
+    def build(cls, world_size: int, tp: int = 1, pp: int = 1, dp: Optional[int] = None) -> "Grid":
+        """Validate the sizes and infer ``dp = world / (tp * pp)`` when not given."""
+        for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp)):
+            if not isinstance(value, int) or value < 1:
+                raise TopologyError(f"{name} must be an integer >= 1, got {value!r}")
+        if world_size % (tp * pp) != 0:
+            raise TopologyError(
+                f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
+                f"choose tensor-model-parallel and pipeline sizes whose product divides the "
+                f"number of processes"
+            )
+        inferred = world_size // (tp * pp)
+        if dp is None:
+            dp = inferred
+        elif not isinstance(dp, int) or dp < 1:
+            raise TopologyError(f"dp must be an integer >= 1, got {dp!r}")
+        elif dp != inferred:
+            raise TopologyError(
+                f"tp*dp*pp = {tp}*{dp}*{pp} = {tp * dp * pp} does not equal the world size "
+                f"{world_size}; leave dp unset to infer it ({inferred})"
+            )
+        return cls(tp=tp, dp=dp, pp=pp)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    def size(self, axis: str) -> int:
+        _check_axis(axis)
+        return {"tp": self.tp, "dp": self.dp, "pp": self.pp,
+                "mp": self.tp * self.pp, "world": self.world_size}[axis]
+
+    def rank_of(self, coord: Coord) -> int:
+        for name, value, size in (("tp", coord.tp, self.tp), ("dp", coord.dp, self.dp),
+                                  ("pp", coord.pp, self.pp)):
+            if not 0 <= value < size:
+                raise TopologyError(f"{name} coordinate {value} is outside [0, {size})")
+        return coord.tp + self.tp * (coord.dp + self.dp * coord.pp)
+
+    def coord_of(self, rank: int) -> Coord:
+        if not 0 <= rank < self.world_size:
+            raise TopologyError(f"rank {rank} is outside the world [0, {self.world_size})")
+        tp_rank = rank % self.tp
+        dp_rank = (rank // self.tp) % self.dp
+        pp_rank = rank // (self.tp * self.dp)
+        return Coord(tp=tp_rank, dp=dp_rank, pp=pp_rank)
+
+    def rank_in(self, axis: str, rank: int) -> int:
+        """The position of global ``rank`` inside its group along ``axis``."""
+        return self.group_ranks(axis, rank).index(rank)
+
+    def group_ranks(self, axis: str, rank: int) -> List[int]:
+        """Global ranks of the ``axis`` group that contains ``rank``, in group-rank order."""
+        _check_axis(axis)
+        c = self.coord_of(rank)
+        if axis == "world":
+            return list(range(self.world_size))
+        if axis == "tp":
+            return [self.rank_of(Coord(t, c.dp, c.pp)) for t in range(self.tp)]
+        if axis == "dp":
+            return [self.rank_of(Coord(c.tp, d, c.pp)) for d in range(self.dp)]
+        if axis == "pp":
+            return [self.rank_of(Coord(c.tp, c.dp, p)) for p in range(self.pp)]
+        # mp: every (tp, pp) pair at this dp coordinate, tp innermost.
+        return [self.rank_of(Coord(t, c.dp, p)) for p in range(self.pp) for t in range(self.tp)]
+
+    def all_groups(self, axis: str) -> List[List[int]]:
+        """Every group along ``axis``, each as its ranks, ordered by their lowest rank."""
+        seen: Dict[int, List[int]] = {}
+        for r in range(self.world_size):
+            ranks = self.group_ranks(axis, r)
+            seen.setdefault(ranks[0], ranks)
+        return [seen[k] for k in sorted(seen)]
+
+
+def _check_axis(axis: str) -> None:
+    if axis not in AXES:
+        raise TopologyError(f"unknown axis {axis!r}; expected one of {', '.join(AXES)}")
+
+
+class Topology:
+    """The process groups of a parallel layout, and the communicator over them.
+
+    ``Topology(tp, pp=1, dp=None)`` must be constructed by every rank in the
+    same order, after :func:`hybrid.init_distributed` (or with a world of one
+    process, where no process group is needed). Pass it explicitly to every
+    component that communicates.
+    """
+
+    def __init__(self, tp: int = 1, pp: int = 1, dp: Optional[int] = None, *,
+                 timeout_s: Optional[float] = None):
+        if dist.is_available() and dist.is_initialized():
+            world_size, rank = dist.get_world_size(), dist.get_rank()
+        else:
+            world_size, rank = 1, 0
+        self.grid = Grid.build(world_size, tp=tp, pp=pp, dp=dp)
+        self.rank = rank
+        self.coord = self.grid.coord_of(rank)
+        self._groups: Dict[str, object] = {}
+        if world_size > 1:
+            self._build_groups()
+        self.comm = Communicator(self, timeout_s=timeout_s)
+
+    @classmethod
+    def local(cls) -> "Topology":
+        """A one-process topology that never communicates, even inside a larger world.
+
+        Used for single-process references (tests, conversion tools).
+        """
+        topo = cls.__new__(cls)
+        topo.grid = Grid(tp=1, dp=1, pp=1)
+        topo.rank = 0
+        topo.coord = Coord(0, 0, 0)
+        topo._groups = {}
+        topo.comm = Communicator(topo, timeout_s=None)
+        return topo
+
+    def _build_groups(self) -> None:
+        # new_group is collective over the whole world: every rank creates every
+        # group in the same order and keeps only the ones it belongs to.
+        for axis in ("tp", "dp", "pp", "mp"):
+            for ranks in self.grid.all_groups(axis):
+                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                if self.rank in ranks:
+                    self._groups[axis] = group
+        self._groups["world"] = dist.group.WORLD
+
+    # ---- queries -----------------------------------------------------------------
+    def group(self, axis: str):
+        """The torch process group of this rank along ``axis`` (None when its size is 1)."""
+        _check_axis(axis)
+        return self._groups.get(axis)
+
+    def size(self, axis: str) -> int:
+        return self.grid.size(axis)
+
+    def rank_in(self, axis: str) -> int:
+        return self.grid.rank_in(axis, self.rank)
+
+    def group_ranks(self, axis: str, rank: Optional[int] = None) -> List[int]:
+        return self.grid.group_ranks(axis, self.rank if rank is None else rank)
+
+    def coord_of(self, rank: int) -> Coord:
+        return self.grid.coord_of(rank)
+
+    @property
+    def world_size(self) -> int:
+        return self.grid.world_size
+
+    # Short names used throughout the library.
+    tp_size = property(lambda self: self.grid.tp)
+    dp_size = property(lambda self: self.grid.dp)
+    pp_size = property(lambda self: self.grid.pp)
+    tp_rank = property(lambda self: self.coord.tp)
+    dp_rank = property(lambda self: self.coord.dp)
+    pp_rank = property(lambda self: self.coord.pp)
+    tp_group = property(lambda self: self.group("tp"))
+    dp_group = property(lambda self: self.group("dp"))
+
+    @property
+    def device(self) -> torch.device:
+        if torch.cuda.is_available() and self.world_size >= 1 and dist.is_initialized() \
+                and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def describe(self) -> str:
+        return (f"world={self.world_size} tp={self.tp_size} dp={self.dp_size} "
+                f"pp={self.pp_size} rank={self.rank} coord=(tp={self.tp_rank}, "
+                f"dp={self.dp_rank}, pp={self.pp_rank})")
+
+    def __repr__(self) -> str:
+        return f"Topology({self.describe()})"

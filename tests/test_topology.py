@@ -1,0 +1,111 @@
+import itertools
+
+import pytest
+import torch
+
+from hybrid.topology import Coord, Grid, Topology, TopologyError
+from tests.multiproc import run_distributed
+
+SHAPES = [(w, tp, pp) for w in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+          for tp in (1, 2, 3, 4, 8) for pp in (1, 2, 3, 4) if w % (tp * pp) == 0]
+
+
+@pytest.mark.parametrize("world,tp,pp", SHAPES)
+def test_grid_is_a_bijection_with_tp_innermost(world, tp, pp):
+    g = Grid.build(world, tp=tp, pp=pp)
+    assert g.dp * tp * pp == world
+    for rank in range(world):
+        c = g.coord_of(rank)
+        assert rank == c.tp + tp * (c.dp + g.dp * c.pp)
+        assert g.rank_of(c) == rank
+    # Every axis partitions the world into disjoint groups of the axis size.
+    for axis in ("tp", "dp", "pp", "mp", "world"):
+        groups = g.all_groups(axis)
+        flat = sorted(itertools.chain.from_iterable(groups))
+        assert flat == list(range(world))
+        assert all(len(grp) == g.size(axis) for grp in groups)
+        for grp in groups:
+            for pos, r in enumerate(grp):
+                assert g.group_ranks(axis, r) == grp
+                assert g.rank_in(axis, r) == pos
+    # TP groups are runs of adjacent ranks (one node).
+    for grp in g.all_groups("tp"):
+        assert grp == list(range(grp[0], grp[0] + tp))
+    # Members of a dp group differ only in their dp coordinate.
+    for grp in g.all_groups("dp"):
+        coords = [g.coord_of(r) for r in grp]
+        assert len({(c.tp, c.pp) for c in coords}) == 1
+        assert [c.dp for c in coords] == list(range(g.dp))
+
+
+def test_grid_known_layout():
+    g = Grid.build(8, tp=2, pp=2)
+    assert g.dp == 2
+    assert g.all_groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g.all_groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g.all_groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert g.all_groups("mp") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert g.coord_of(7) == Coord(tp=1, dp=1, pp=1)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(world_size=6, tp=4), "not divisible by tp\\*pp = 4\\*1"),
+    (dict(world_size=8, tp=2, pp=3), "not divisible by tp\\*pp = 2\\*3"),
+    (dict(world_size=4, tp=0), "tp must be an integer >= 1"),
+    (dict(world_size=4, pp=-1), "pp must be an integer >= 1"),
+    (dict(world_size=0), "world_size must be an integer >= 1"),
+    (dict(world_size=8, tp=2, dp=3), "does not equal the world size 8"),
+    (dict(world_size=8, tp=2, dp=0), "dp must be an integer >= 1"),
+])
+def test_grid_rejects_bad_shapes(kwargs, match):
+    with pytest.raises(TopologyError, match=match):
+        Grid.build(**kwargs)
+
+
+def test_grid_rejects_bad_queries():
+    g = Grid.build(4, tp=2)
+    with pytest.raises(TopologyError, match="rank 4 is outside"):
+        g.coord_of(4)
+    with pytest.raises(TopologyError, match="unknown axis 'xp'"):
+        g.group_ranks("xp", 0)
+
+
+def test_single_process_topology_needs_no_process_group():
+    topo = Topology()
+    assert topo.world_size == 1 and topo.tp_size == 1 and topo.dp_size == 1
+    t = torch.ones(3)
+    topo.comm.all_reduce(t, "dp")
+    assert torch.equal(t, torch.ones(3))
+    with pytest.raises(TopologyError):
+        Topology(tp=2)
+
+
+def _check_groups_all_tp():
+    return {tp: _check_groups(Topology(tp=tp)) for tp in (1, 2, 4)}
+
+
+def _check_groups(topo):
+    import torch.distributed as dist
+
+    out = {}
+    for axis in ("tp", "dp", "mp", "world"):
+        # Every group reduces exactly its members' ranks.
+        t = torch.tensor([float(topo.rank)])
+        topo.comm.all_reduce(t, axis)
+        out[axis] = (t.item(), float(sum(topo.group_ranks(axis))), topo.rank_in(axis), topo.size(axis))
+    g = torch.zeros(topo.size("tp"))
+    topo.comm.all_gather_into_tensor(g, torch.tensor([float(dist.get_rank())]), "tp")
+    out["gathered_tp"] = g.tolist()
+    out["tp_ranks"] = topo.group_ranks("tp")
+    return out
+
+
+def test_process_groups_match_the_grid():
+    results = run_distributed(_check_groups_all_tp, 4)
+    for rank, tp in itertools.product(range(4), (1, 2, 4)):
+        res = results[rank][tp]
+        for axis in ("tp", "dp", "mp", "world"):
+            got, expected, _, _ = res[axis]
+            assert got == expected, (rank, axis)
+        assert res["gathered_tp"] == [float(r) for r in res["tp_ranks"]]
+        assert res["tp"][2] == rank % tp
