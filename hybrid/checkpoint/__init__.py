@@ -1,0 +1,35 @@
+"""Checkpoint storage: crash-safe, checksummed, readable without a process group.
+
+The trainer and engine decide *what* to save; this package decides *how*:
+
+* :func:`save_checkpoint` - every rank writes its shards, the coordinator
+  seals the iteration with ``metadata.json`` and moves ``latest``;
+* :class:`CheckpointReader` - resolves ``DIR`` / ``DIR/iter_N``, verifies
+  checksums, loads shards (safetensors, ``weights_only`` files, JSON only);
+* :class:`CheckpointWriter` - the phases of a save, for tools that write a
+  checkpoint from one process;
+* :func:`capture_rng_state` / :func:`restore_rng_state` - per-rank RNG state.
+
+See ``docs/checkpoints.md`` for the on-disk format.
+"""
+
+from hybrid.checkpoint.directory import has_checkpoint, list_iterations, resolve_checkpoint_dir
+from hybrid.checkpoint.errors import (CheckpointError, CheckpointFormatError, CheckpointNotFoundError,
+                                      ChecksumMismatchError, IncompleteCheckpointError,
+                                      MissingShardError)
+from hybrid.checkpoint.layout import LATEST_FILE, METADATA_FILE, Layout, iteration_dir_name
+from hybrid.checkpoint.manifest import FORMAT_VERSION, FileRecord, Manifest
+from hybrid.checkpoint.reader import CheckpointReader
+from hybrid.checkpoint.rng import capture_rng_state, restore_rng_state
+from hybrid.checkpoint.safetensors_stream import TensorSource, write_safetensors
+from hybrid.checkpoint.save import gather_single_process, save_checkpoint
+from hybrid.checkpoint.writer import CheckpointWriter
+
+__all__ = [
+    "save_checkpoint", "gather_single_process", "CheckpointReader", "CheckpointWriter", "Layout",
+    "Manifest", "FileRecord", "FORMAT_VERSION", "TensorSource", "write_safetensors",
+    "capture_rng_state", "restore_rng_state", "has_checkpoint", "list_iterations",
+    "resolve_checkpoint_dir", "iteration_dir_name", "LATEST_FILE", "METADATA_FILE",
+    "CheckpointError", "CheckpointFormatError", "CheckpointNotFoundError", "ChecksumMismatchError",
+    "IncompleteCheckpointError", "MissingShardError",
+]

@@ -1,0 +1,147 @@
+"""``metadata.json``: the plain-JSON manifest of one checkpoint iteration.
+
+It holds everything needed to interpret the tensor files without a process
+group: the layout, the model configuration, the iteration and consumed
+samples, the caller's parameter index (TP partition metadata and flat
+offsets), the caller's trainer state (LR schedule, loss scaler, ...), and the
+size and sha256 of every file. The storage layer treats ``model_config``,
+``param_index`` and ``trainer_state`` as opaque JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional
+
+from hybrid.checkpoint.errors import CheckpointFormatError
+from hybrid.checkpoint.layout import Layout
+from hybrid.checkpoint.value_checks import check_json_value
+
+FORMAT_NAME = "hybrid-checkpoint"
+FORMAT_VERSION = 1
+
+FILE_KINDS = ("model", "optimizer", "rank_state")
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRecord:
+    """One file of an iteration directory, as written by one rank."""
+
+    name: str
+    kind: str  # one of FILE_KINDS
+    sha256: str
+    nbytes: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: Optional[int]  # None for model files (one per TP rank, shared by the DP group)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or "/" in self.name or "\\" in self.name \
+                or self.name in ("", ".", ".."):
+            raise CheckpointFormatError(f"file name {self.name!r} must be a plain name inside the "
+                                        f"iteration directory")
+        if self.kind not in FILE_KINDS:
+            raise CheckpointFormatError(f"file {self.name!r}: kind {self.kind!r} is not one of "
+                                        f"{FILE_KINDS}")
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "FileRecord":
+        return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    iteration: int
+    layout: Layout
+    files: Dict[str, FileRecord]
+    consumed_samples: int = 0
+    model_config: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    param_index: Any = None
+    trainer_state: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    created_utc: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def files_of_kind(self, kind: str) -> List[FileRecord]:
+        return [r for r in self.files.values() if r.kind == kind]
+
+    def has_kind(self, kind: str) -> bool:
+        return any(r.kind == kind for r in self.files.values())
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "iteration": self.iteration,
+            "consumed_samples": self.consumed_samples,
+            "created_utc": self.created_utc,
+            "layout": self.layout.to_json(),
+            "model_config": self.model_config,
+            "param_index": self.param_index,
+            "trainer_state": self.trainer_state,
+            "files": {name: rec.to_json() for name, rec in sorted(self.files.items())},
+        }
+
+    def dumps(self) -> bytes:
+        doc = self.to_json()
+        check_json_value(doc, "metadata")
+        return (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode("utf-8")
+
+    @classmethod
+    def from_json(cls, doc: Any, source: str) -> "Manifest":
+        """Parse a manifest; ``source`` (the file path) appears in every error."""
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+            raise CheckpointFormatError(f"{source} is not a hybrid checkpoint manifest "
+                                        f"(missing \"format\": \"{FORMAT_NAME}\")")
+        version = doc.get("format_version")
+        if version != FORMAT_VERSION:
+            raise CheckpointFormatError(
+                f"{source} has format_version {version!r}; this version of hybrid reads version "
+                f"{FORMAT_VERSION}. Use the hybrid release that wrote it, or convert it")
+        missing = [k for k in ("iteration", "layout", "files") if k not in doc]
+        if missing:
+            raise CheckpointFormatError(f"{source} lacks required keys {missing}")
+        try:
+            files = {name: FileRecord.from_json(rec) for name, rec in doc["files"].items()}
+            return cls(iteration=int(doc["iteration"]), layout=Layout.from_json(doc["layout"]),
+                       files=files, consumed_samples=int(doc.get("consumed_samples", 0)),
+                       model_config=doc.get("model_config") or {},
+                       param_index=doc.get("param_index"),
+                       trainer_state=doc.get("trainer_state") or {},
+                       created_utc=doc.get("created_utc", ""), format_version=version)
+        except CheckpointFormatError as e:
+            raise CheckpointFormatError(f"{source}: {e}") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            raise CheckpointFormatError(f"{source} is malformed: {e}") from None
+
+
+def read_manifest(iter_dir: Path) -> Manifest:
+    path = Path(iter_dir) / "metadata.json"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointFormatError(f"{path} is not valid JSON ({e}); the file is damaged") from None
+    return Manifest.from_json(doc, str(path))
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def expected_file_names(layout: Layout, kinds: Iterable[str]) -> Dict[str, str]:
+    """Every file name a complete save of ``kinds`` must contain, mapped to its kind."""
+    names: Dict[str, str] = {}
+    kinds = set(kinds)
+    if "model" in kinds:
+        for t, p in layout.model_positions():
+            names[layout.model_file(t, p)] = "model"
+    for kind, name_of in (("optimizer", layout.optimizer_file), ("rank_state", layout.rank_state_file)):
+        if kind in kinds:
+            for t, d, p in layout.rank_positions():
+                names[name_of(t, d, p)] = kind
+    return names

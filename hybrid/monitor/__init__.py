@@ -1,0 +1,22 @@
+"""Training monitoring: console lines, TensorBoard events, TFLOP/s, MFU and memory.
+
+* :class:`TrainingMonitor` - what the trainer calls every iteration;
+* :func:`resolve_peak_flops`, :class:`MatmulProbe` - the peak MFU refers to;
+* :func:`read_memory_stats` - CUDA allocator or process RSS.
+
+See ``docs/monitoring.md``.
+"""
+
+from hybrid.monitor.flops import (MatmulProbe, PeakFlops, model_flops_utilization,
+                                  resolve_peak_flops, table_peak_tflops, tflops_per_device)
+from hybrid.monitor.interval import IntervalAccumulator, IntervalSummary, IterationMetrics
+from hybrid.monitor.memory import MemoryStats, read_memory_stats
+from hybrid.monitor.tensorboard_writer import HPARAMS_TAG, TRAIN_TAGS, VALID_TAGS, TensorBoardWriter
+from hybrid.monitor.training_monitor import TrainingMonitor
+
+__all__ = [
+    "TrainingMonitor", "IterationMetrics", "IntervalSummary", "IntervalAccumulator",
+    "PeakFlops", "MatmulProbe", "resolve_peak_flops", "table_peak_tflops", "tflops_per_device",
+    "model_flops_utilization", "MemoryStats", "read_memory_stats", "TensorBoardWriter",
+    "TRAIN_TAGS", "VALID_TAGS", "HPARAMS_TAG",
+]

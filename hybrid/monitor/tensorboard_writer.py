@@ -1,0 +1,104 @@
+"""TensorBoard events of a training run, x-axis = iteration.
+
+The tag set is fixed (dashboards and tests rely on it):
+
+=========================  ============================================
+``train/lm_loss``          mean training loss over the log interval
+``train/lr``               learning rate
+``train/grad_norm``        gradient norm
+``train/loss_scale``       loss scale (1 when training without one)
+``train/skipped_iters``    skipped iterations in the interval
+``train/iteration_time_s`` mean iteration time in the interval
+``train/tokens_per_sec``   tokens per second, whole job
+``train/tflops_per_device`` achieved model TFLOP/s per device
+``train/mfu``              model FLOPs utilization (fraction of peak)
+``train/batch_size``       global batch size in samples
+``memory/allocated_bytes`` CUDA allocated, or process RSS on CPU
+``memory/peak_bytes``      CUDA peak allocated, or peak RSS on CPU
+``valid/lm_loss``          validation loss
+``valid/ppl``              validation perplexity
+=========================  ============================================
+
+plus the hyperparameters as a markdown table under the text tag
+``hyperparameters``. A scalar whose value is unknown (no peak for MFU, no
+grad norm) or not finite is not written for that step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Mapping, Optional
+
+from hybrid.monitor.console import perplexity
+from hybrid.monitor.interval import IntervalSummary
+
+TRAIN_TAGS = (
+    "train/lm_loss", "train/lr", "train/grad_norm", "train/loss_scale", "train/skipped_iters",
+    "train/iteration_time_s", "train/tokens_per_sec", "train/tflops_per_device", "train/mfu",
+    "train/batch_size", "memory/allocated_bytes", "memory/peak_bytes",
+)
+VALID_TAGS = ("valid/lm_loss", "valid/ppl")
+HPARAMS_TAG = "hyperparameters"
+
+
+def train_scalars(s: IntervalSummary) -> Dict[str, Optional[float]]:
+    """The value of every train/memory tag for one interval (None: unknown)."""
+    return {
+        "train/lm_loss": s.lm_loss,
+        "train/lr": s.learning_rate,
+        "train/grad_norm": s.grad_norm,
+        "train/loss_scale": 1.0 if s.loss_scale is None else s.loss_scale,
+        "train/skipped_iters": float(s.skipped_iters),
+        "train/iteration_time_s": s.iteration_time_s,
+        "train/tokens_per_sec": s.tokens_per_sec,
+        "train/tflops_per_device": s.tflops_per_device,
+        "train/mfu": s.mfu,
+        "train/batch_size": float(s.batch_size),
+        "memory/allocated_bytes": None if s.memory is None else float(s.memory.allocated_bytes),
+        "memory/peak_bytes": None if s.memory is None else float(s.memory.peak_bytes),
+    }
+
+
+def hparams_markdown(hparams: Mapping[str, Any]) -> str:
+    rows = [f"| {k} | {_cell(v)} |" for k, v in sorted(hparams.items())]
+    return "\n".join(["| hyperparameter | value |", "| --- | --- |", *rows])
+
+
+def _cell(value: Any) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+class TensorBoardWriter:
+    """Writes the tags above to ``log_dir``. Create it on the logging rank only."""
+
+    def __init__(self, log_dir: str, flush_secs: int = 30):
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
+
+        self.log_dir = log_dir
+        self._writer = SummaryWriter(log_dir=log_dir, flush_secs=flush_secs)
+        self._closed = False
+
+    def _scalar(self, tag: str, value: Optional[float], step: int) -> None:
+        if value is not None and math.isfinite(value):
+            self._writer.add_scalar(tag, value, global_step=step)
+
+    def write_train(self, s: IntervalSummary) -> None:
+        for tag, value in train_scalars(s).items():
+            self._scalar(tag, value, s.iteration)
+
+    def write_validation(self, iteration: int, lm_loss: float) -> None:
+        self._scalar("valid/lm_loss", lm_loss, iteration)
+        self._scalar("valid/ppl", perplexity(lm_loss), iteration)
+
+    def write_hparams(self, hparams: Mapping[str, Any], step: int = 0) -> None:
+        self._writer.add_text(HPARAMS_TAG, hparams_markdown(hparams), global_step=step)
+
+    def flush(self) -> None:
+        if not self._closed:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._writer.flush()
+            self._writer.close()
+            self._closed = True

@@ -1,0 +1,118 @@
+"""The trainer's monitor: one console line per log interval, and TensorBoard events.
+
+Every rank may call it; only the rank built with ``is_logging_rank=True``
+keeps metrics, prints and writes event files (the others do nothing), so
+callers need no rank checks around it. Values must already be reduced over
+ranks (the loss averaged over DP, the grad norm global) by the caller.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from hybrid.monitor.console import format_train_line, format_validation_line
+from hybrid.monitor.flops import PeakFlops
+from hybrid.monitor.interval import IntervalAccumulator, IntervalSummary, IterationMetrics
+from hybrid.monitor.memory import MemoryStats, read_memory_stats
+from hybrid.monitor.tensorboard_writer import TensorBoardWriter
+
+
+def _print_line(line: str) -> None:
+    print(line, flush=True)
+
+
+class TrainingMonitor:
+    """Args:
+        train_iters: total iterations of the run (for ``iteration/total``).
+        log_interval: report every this many iterations (and at ``train_iters``).
+        is_logging_rank: whether this rank prints and writes TensorBoard events.
+        seq_length: tokens per sample.
+        world_size: number of devices (processes) sharing the work, for per-device rates.
+        flops_per_token: model FLOPs per token, forward + backward; None disables TFLOP/s and MFU.
+        peak: the device peak for MFU (:func:`hybrid.monitor.flops.resolve_peak_flops`).
+        tensorboard_dir: where to write event files; None for console only.
+        device: the training device, for memory statistics.
+        print_fn: receives each console line.
+        memory_fn: returns a :class:`MemoryStats` snapshot for ``device``.
+    """
+
+    def __init__(self, *, train_iters: int, log_interval: int, is_logging_rank: bool,
+                 seq_length: int, world_size: int, flops_per_token: Optional[float] = None,
+                 peak: Optional[PeakFlops] = None, tensorboard_dir: Optional[str] = None,
+                 device: Optional[torch.device] = None,
+                 print_fn: Callable[[str], None] = _print_line,
+                 memory_fn: Callable[[Optional[torch.device]], MemoryStats] = read_memory_stats):
+        if train_iters < 1:
+            raise ValueError(f"train_iters must be >= 1, got {train_iters}")
+        if log_interval < 1:
+            raise ValueError(f"log_interval (--log-interval) must be >= 1, got {log_interval}")
+        self.train_iters, self.log_interval = train_iters, log_interval
+        self.is_logging_rank = is_logging_rank
+        self.device = device
+        self._print, self._memory = print_fn, memory_fn
+        self._acc = IntervalAccumulator(seq_length, world_size, flops_per_token, peak)
+        self._tb = (TensorBoardWriter(tensorboard_dir)
+                    if is_logging_rank and tensorboard_dir is not None else None)
+        self.peak = peak
+        self.last_summary: Optional[IntervalSummary] = None
+
+    def announce(self) -> None:
+        """Print how TFLOP/s and MFU are computed (once, at start-up)."""
+        if not self.is_logging_rank:
+            return
+        peak = self.peak.describe() if self.peak else "unknown (MFU not reported; pass --peak-tflops)"
+        self._print(f"MFU peak: {peak}")
+
+    def log_hparams(self, hparams: Mapping[str, Any]) -> None:
+        """Record the run's settings as a TensorBoard text table."""
+        if self._tb is not None:
+            self._tb.write_hparams(hparams)
+
+    def record(self, metrics: IterationMetrics) -> Optional[str]:
+        """Add one iteration; at the end of a log interval print and return its line."""
+        if not self.is_logging_rank:
+            return None
+        self._acc.add(metrics)
+        it = metrics.iteration
+        if it % self.log_interval != 0 and it != self.train_iters:
+            return None
+        return self.flush_interval()
+
+    def flush_interval(self) -> Optional[str]:
+        """Report the iterations recorded so far even mid-interval (e.g. before an early exit)."""
+        if not self.is_logging_rank or len(self._acc) == 0:
+            return None
+        summary = self._acc.summarize(self.train_iters, self._memory(self.device))
+        self.last_summary = summary
+        line = format_train_line(summary)
+        self._print(line)
+        if self._tb is not None:
+            self._tb.write_train(summary)
+        return line
+
+    def record_validation(self, iteration: int, lm_loss: float) -> Optional[str]:
+        """Report a validation loss (already averaged over ``--eval-iters`` and ranks)."""
+        if not self.is_logging_rank:
+            return None
+        line = format_validation_line(iteration, lm_loss)
+        self._print(line)
+        if self._tb is not None:
+            self._tb.write_validation(iteration, lm_loss)
+        return line
+
+    def flush(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file; safe to call more than once."""
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self) -> "TrainingMonitor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

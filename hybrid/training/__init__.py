@@ -1,0 +1,1 @@
+"""The pretraining driver: arguments, the training loop, checkpoints and text generation."""

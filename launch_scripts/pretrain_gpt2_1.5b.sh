@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Pretrain GPT-2 XL (1.5B) on one node of 8 GPUs: ZeRO-2 over 8 data-parallel ranks, bf16.
+# GPT-2 XL has 25 attention heads, so its only tensor-parallel sizes are 1, 5 and 25: keep TP=1.
+#
+# Environment (defaults in brackets):
+#   DATA_PATH         [required] preprocessed data prefix(es), with optional blend weights: "0.7 a_text_document 0.3 b_text_document"
+#   TOKENIZER_MODEL   [required] SentencePiece model used to preprocess the data
+#   CHECKPOINT_DIR    [checkpoints/gpt2-1.5b]   where checkpoints are saved and resumed from
+#   TENSORBOARD_DIR   [runs/gpt2-1.5b]          TensorBoard event files
+#   GPUS_PER_NODE     [8]
+#   TP                [1]     tensor-model-parallel size (must divide 25 heads)
+#   ZERO_STAGE        [2]
+#   MICRO_BATCH       [8]
+#   GLOBAL_BATCH      [512]
+#   SEQ_LENGTH        [1024]
+#   TRAIN_ITERS       [300000]
+#   LR                [1.5e-4]
+#   MIN_LR            [1.0e-5]
+#   WARMUP_ITERS      [2000]
+#   SAVE_INTERVAL     [1000]
+#   EXTRA_ARGS        []      appended to the trainer's flags
+set -euo pipefail
+: "${DATA_PATH:?set DATA_PATH to the preprocessed data prefix (see tools/preprocess_data.py)}"
+: "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to the SentencePiece model used for preprocessing}"
+CHECKPOINT_DIR="${CHECKPOINT_DIR:-checkpoints/gpt2-1.5b}"
+TENSORBOARD_DIR="${TENSORBOARD_DIR:-runs/gpt2-1.5b}"
+GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
+TP="${TP:-1}"
+ZERO_STAGE="${ZERO_STAGE:-2}"
+MICRO_BATCH="${MICRO_BATCH:-8}"
+GLOBAL_BATCH="${GLOBAL_BATCH:-512}"
+SEQ_LENGTH="${SEQ_LENGTH:-1024}"
+TRAIN_ITERS="${TRAIN_ITERS:-300000}"
+LR="${LR:-1.5e-4}"
+MIN_LR="${MIN_LR:-1.0e-5}"
+WARMUP_ITERS="${WARMUP_ITERS:-2000}"
+SAVE_INTERVAL="${SAVE_INTERVAL:-1000}"
+EXTRA_ARGS="${EXTRA_ARGS:-}"
+
+# shellcheck disable=SC2086
+exec torchrun --standalone --nproc-per-node "$GPUS_PER_NODE" -m hybrid.train \
+  --model gpt2-xl \
+  --tensor-model-parallel-size "$TP" --zero-stage "$ZERO_STAGE" \
+  --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH" \
+  --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS" \
+  --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine --lr-warmup-iters "$WARMUP_ITERS" \
+  --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02 \
+  --bf16 --recompute-activations --recompute-granularity selective \
+  --data-path $DATA_PATH --split 949,50,1 --tokenizer-model "$TOKENIZER_MODEL" \
+  --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL" --keep-last 3 \
+  --eval-interval 1000 --eval-iters 10 --log-interval 10 --tensorboard-dir "$TENSORBOARD_DIR" \
+  $EXTRA_ARGS

@@ -1,0 +1,211 @@
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid.checkpoint import (CheckpointError, CheckpointFormatError, CheckpointNotFoundError,
+                               CheckpointReader, CheckpointWriter, ChecksumMismatchError,
+                               IncompleteCheckpointError, Layout, MissingShardError,
+                               capture_rng_state, has_checkpoint, restore_rng_state,
+                               save_checkpoint)
+from hybrid.checkpoint.atomic import sha256_of_file
+from hybrid.topology import Coord
+from tests.checkpoint.shard_fixtures import (assert_state_equal, manifest_fields, model_shard,
+                                             optimizer_shard, save_rank)
+
+LAYOUT = Layout(tp=2, dp=2, zero_stage=1, precision="bf16")
+
+
+def _write_all_ranks(save_dir, iteration, layout=LAYOUT, keep_last=None):
+    """One process writes every rank's files, as an offline conversion tool would."""
+    writer = CheckpointWriter(save_dir, iteration, layout)
+    writer.prepare()
+    records = [writer.write_model_shard(model_shard(t), t) for t, _ in layout.model_positions()]
+    for t, d, _ in layout.rank_positions():
+        records.append(writer.write_optimizer_shard(optimizer_shard(t, d, iteration), t, d))
+    writer.commit(records, keep_last=keep_last, **manifest_fields(iteration))
+    return writer.iter_dir
+
+
+def test_round_trip_every_shard_and_the_manifest(tmp_path):
+    iter_dir = _write_all_ranks(tmp_path, 40)
+    assert iter_dir == tmp_path / "iter_0000040"
+    assert (tmp_path / "latest").read_text() == "iter_0000040\n"
+    assert sorted(p.name for p in iter_dir.iterdir()) == [
+        "metadata.json", "model_tp00.safetensors", "model_tp01.safetensors",
+        "optim_tp00_dp00.pt", "optim_tp00_dp01.pt", "optim_tp01_dp00.pt", "optim_tp01_dp01.pt"]
+    reader = CheckpointReader(tmp_path)
+    assert reader.path == iter_dir and reader.iteration == 40
+    assert reader.layout == LAYOUT
+    expected = manifest_fields(40)
+    assert reader.consumed_samples == expected["consumed_samples"]
+    assert reader.model_config == expected["model_config"]
+    assert reader.param_index == expected["param_index"]
+    assert reader.trainer_state == expected["trainer_state"]
+    assert reader.has_optimizer_state and not reader.has_rank_state
+    for t in range(2):
+        shard = reader.load_model_shard(t)
+        assert_state_equal(shard, {k: v.contiguous() for k, v in model_shard(t).items()})
+        for d in range(2):
+            loaded = reader.load_optimizer_shard(t, d)
+            assert_state_equal(loaded, optimizer_shard(t, d, 40))
+    with reader.open_model_shard(1) as f:
+        assert torch.equal(f.get_tensor("layers.0.qkv.bias"), model_shard(1)["layers.0.qkv.bias"])
+    assert reader.model_shard_header(0)["embedding.weight"] == ((16, 8), "BF16")
+    # The manifest is plain JSON and records every file's true digest.
+    doc = json.loads((iter_dir / "metadata.json").read_text())
+    assert doc["layout"] == {"tp": 2, "dp": 2, "pp": 1, "zero_stage": 1, "precision": "bf16"}
+    for name, rec in doc["files"].items():
+        assert rec["sha256"] == sha256_of_file(iter_dir / name).sha256
+    assert CheckpointReader(iter_dir).iteration == 40  # an explicit iteration dir loads too
+
+
+def test_single_process_save_with_rng_state_resumes_the_same_random_stream(tmp_path):
+    torch.manual_seed(1), random.seed(2), np.random.seed(3)
+    save_checkpoint(tmp_path, 7, Layout(tp=1, dp=1), Coord(0, 0, 0), model_state=model_shard(0),
+                    rank_state=capture_rng_state(), **manifest_fields(7))
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(99), random.seed(99), np.random.seed(99)
+    restore_rng_state(CheckpointReader(tmp_path).load_rank_state(0, 0))
+    again = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(expected[0], again[0]) and expected[1:] == again[1:]
+    with pytest.raises(CheckpointError, match="without optimizer state"):
+        CheckpointReader(tmp_path).load_optimizer_shard(0, 0)
+
+
+def test_corrupted_shard_names_the_file(tmp_path):
+    iter_dir = _write_all_ranks(tmp_path, 10)
+    victim = iter_dir / "optim_tp01_dp00.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    reader = CheckpointReader(tmp_path)
+    reader.load_optimizer_shard(0, 0)  # other files still load
+    with pytest.raises(ChecksumMismatchError, match=r"optim_tp01_dp00\.pt.*corrupted"):
+        reader.load_optimizer_shard(1, 0)
+    with pytest.raises(ChecksumMismatchError, match=r"optim_tp01_dp00\.pt"):
+        reader.verify_all()
+
+
+def test_truncated_and_missing_shards(tmp_path):
+    iter_dir = _write_all_ranks(tmp_path, 10)
+    model = iter_dir / "model_tp01.safetensors"
+    model.write_bytes(model.read_bytes()[:-4])
+    with pytest.raises(ChecksumMismatchError, match=r"model_tp01\.safetensors has \d+ bytes"):
+        CheckpointReader(tmp_path).load_model_shard(1)
+    (iter_dir / "model_tp00.safetensors").unlink()
+    with pytest.raises(MissingShardError, match=r"model_tp00\.safetensors is missing"):
+        CheckpointReader(tmp_path).load_model_shard(0)
+
+
+def test_incomplete_directory_is_refused_and_latest_kept(tmp_path):
+    _write_all_ranks(tmp_path, 10)
+    partial = tmp_path / "iter_0000020"
+    partial.mkdir()
+    (partial / "model_tp00.safetensors").write_bytes(b"half")
+    assert CheckpointReader(tmp_path).iteration == 10
+    with pytest.raises(IncompleteCheckpointError,
+                       match=r"iter_0000020 has no metadata.json.*points at iter_0000010"):
+        CheckpointReader(partial)
+
+
+def test_next_save_cleans_up_leftovers(tmp_path):
+    _write_all_ranks(tmp_path, 10)
+    (tmp_path / "iter_0000015").mkdir()
+    (tmp_path / "iter_0000015" / "optim_tp00_dp00.pt.tmp.123").write_bytes(b"x")
+    (tmp_path / "latest.tmp.456").write_bytes(b"iter_00")
+    _write_all_ranks(tmp_path, 20)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000010", "iter_0000020", "latest"]
+
+
+def test_keep_last_removes_only_older_complete_checkpoints(tmp_path):
+    for it in (10, 20, 30):
+        _write_all_ranks(tmp_path, it, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000020", "iter_0000030", "latest"]
+    # A run rolled back to iteration 20 saves 25: 30 (another timeline) is left alone.
+    _write_all_ranks(tmp_path, 25, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000025", "iter_0000030", "latest"]
+    assert CheckpointReader(tmp_path).iteration == 25
+
+
+def test_resaving_the_iteration_latest_points_at(tmp_path):
+    _write_all_ranks(tmp_path, 10)
+    save_rank(tmp_path, 20, Layout(tp=1, dp=1), Coord(0, 0, 0), scale=1.0)
+    save_rank(tmp_path, 20, Layout(tp=1, dp=1), Coord(0, 0, 0), scale=2.0)
+    reader = CheckpointReader(tmp_path)
+    assert reader.iteration == 20 and reader.layout == Layout(tp=1, dp=1)
+    assert torch.equal(reader.load_model_shard(0)["final_norm.weight"], torch.full((8,), 2.0))
+
+
+def test_nothing_to_load(tmp_path):
+    assert not has_checkpoint(tmp_path)
+    with pytest.raises(CheckpointNotFoundError, match="holds no checkpoint"):
+        CheckpointReader(tmp_path)
+    with pytest.raises(CheckpointNotFoundError, match="does not exist"):
+        CheckpointReader(tmp_path / "nope")
+    _write_all_ranks(tmp_path, 10)
+    assert has_checkpoint(tmp_path)
+    (tmp_path / "latest").unlink()
+    with pytest.raises(CheckpointNotFoundError, match=r"no 'latest' file.*iter_0000010"):
+        CheckpointReader(tmp_path)
+    (tmp_path / "latest").write_text("../../etc\n")
+    with pytest.raises(CheckpointNotFoundError, match="not an iteration directory name"):
+        CheckpointReader(tmp_path)
+
+
+def test_unsupported_manifest_version(tmp_path):
+    iter_dir = _write_all_ranks(tmp_path, 10)
+    doc = json.loads((iter_dir / "metadata.json").read_text())
+    doc["format_version"] = 99
+    (iter_dir / "metadata.json").write_text(json.dumps(doc))
+    with pytest.raises(CheckpointFormatError, match="format_version 99"):
+        CheckpointReader(tmp_path)
+
+
+def test_values_that_would_not_load_are_refused_at_save(tmp_path):
+    layout, coord = Layout(tp=1, dp=1), Coord(0, 0, 0)
+    with pytest.raises(CheckpointError, match=r"optimizer state for optim_tp00_dp00\.pt\['step'\].*"
+                                              r"numpy"):
+        save_checkpoint(tmp_path, 1, layout, coord, model_state=model_shard(0),
+                        optimizer_state={"step": np.int64(3)})
+    with pytest.raises(CheckpointError, match=r"model_config\['dropout'\].*Tensor"):
+        save_checkpoint(tmp_path, 1, layout, coord, model_state=model_shard(0),
+                        model_config={"dropout": torch.tensor(0.1)})
+    with pytest.raises(CheckpointError, match=r"trainer_state\['best'\]: inf"):
+        save_checkpoint(tmp_path, 1, layout, coord, model_state=model_shard(0),
+                        trainer_state={"best": float("inf")})
+    assert not has_checkpoint(tmp_path)
+
+
+def test_commit_refuses_a_missing_rank_file(tmp_path):
+    writer = CheckpointWriter(tmp_path, 5, LAYOUT)
+    writer.prepare()
+    records = [writer.write_model_shard(model_shard(0), 0)]  # TP rank 1 never wrote
+    with pytest.raises(CheckpointError, match=r"missing 1 file\(s\): model_tp01\.safetensors"):
+        writer.commit(records)
+    assert not (writer.iter_dir / "metadata.json").exists() and not has_checkpoint(tmp_path)
+
+
+def test_layout_and_coord_validation(tmp_path):
+    with pytest.raises(CheckpointFormatError, match="zero_stage"):
+        Layout(tp=1, dp=1, zero_stage=4)
+    with pytest.raises(CheckpointFormatError, match="precision"):
+        Layout(tp=1, dp=1, precision="fp8")
+    with pytest.raises(CheckpointError, match=r"coord.dp = 1 is outside \[0, 1\)"):
+        save_checkpoint(tmp_path, 1, Layout(tp=2, dp=1), Coord(0, 1, 0), model_state={})
+    with pytest.raises(CheckpointError, match=r"keep_last \(--keep-last\) must be an integer >= 1"):
+        save_checkpoint(tmp_path, 1, Layout(tp=1, dp=1), Coord(0, 0, 0), model_state={},
+                        keep_last=0)
+    assert not any(tmp_path.iterdir())  # refused before touching the disk
+    assert Layout(tp=2, dp=2, pp=2).optimizer_file(1, 0, 1) == "optim_tp01_dp00_pp01.pt"
+
+
+def test_manifest_cannot_point_outside_its_directory(tmp_path):
+    iter_dir = _write_all_ranks(tmp_path, 10)
+    doc = json.loads((iter_dir / "metadata.json").read_text())
+    doc["files"]["../../escape"] = dict(doc["files"]["optim_tp00_dp00.pt"], name="../../escape")
+    (iter_dir / "metadata.json").write_text(json.dumps(doc))
+    with pytest.raises(CheckpointFormatError, match="plain name inside the iteration directory"):
+        CheckpointReader(tmp_path)
