@@ -1,0 +1,269 @@
+"""Read a DeepSpeed-style JSON config into a :class:`~hybrid.config.schema.HybridConfig`.
+
+Every DeepSpeed key falls in one of four kinds:
+
+* mapped: translated to a hybrid key (see ``docs/config.md`` for the table);
+* fixed: a setting hybrid always has, accepted only at that value
+  (``zero_optimization.contiguous_gradients: true``);
+* known but unsupported: an error that names the key and says what to do;
+* unknown: an error with the nearest known key.
+
+Nothing is silently ignored. Values DeepSpeed's Hugging Face integration
+fills in (``"auto"``) must be given as numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping
+
+from hybrid.config.errors import ConfigError, suggestion, value_suggestion
+from hybrid.config.schema import HybridConfig
+from hybrid.optim.lr_schedule import DEEPSPEED_SCHEDULER_PARAMS, deepspeed_schedule_kwargs
+
+# section -> {DeepSpeed key: hybrid dotted key}
+_MAPPED = {
+    "": {"train_batch_size": "global_batch_size", "train_micro_batch_size_per_gpu": "micro_batch_size",
+         "gradient_accumulation_steps": "gradient_accumulation_steps", "gradient_clipping": "clip_grad",
+         "steps_per_print": "steps_per_print"},
+    "zero_optimization": {"stage": "zero.stage", "reduce_bucket_size": "zero.bucket_size",
+                          "overlap_comm": "zero.overlap_comm"},
+    "fp16": {"loss_scale": "loss_scaling.loss_scale", "initial_scale_power": "loss_scaling.initial_scale_power",
+             "loss_scale_window": "loss_scaling.loss_scale_window", "hysteresis": "loss_scaling.hysteresis",
+             "min_loss_scale": "loss_scaling.min_loss_scale"},
+    "tensorboard": {"enabled": "tensorboard.enabled", "output_path": "tensorboard.output_path",
+                    "job_name": "tensorboard.job_name"},
+}
+# Sections whose keys are handled by dedicated code below (besides those in _MAPPED).
+_HANDLED = {"": {"zero_optimization", "fp16", "bf16", "optimizer", "scheduler", "tensorboard"},
+            "fp16": {"enabled"}, "bf16": {"enabled"}, "optimizer": {"type", "params"},
+            "scheduler": {"type", "params"}}
+
+# Settings hybrid always has: accepted at exactly this value.
+_FIXED = {
+    "": {"wall_clock_breakdown": False, "prescale_gradients": False, "sparse_gradients": False,
+         "gradient_predivide_factor": 1.0, "memory_breakdown": False, "dump_state": False},
+    "zero_optimization": {"contiguous_gradients": True, "reduce_scatter": True, "allgather_partitions": True},
+    "fp16": {"auto_cast": False, "consecutive_hysteresis": False},
+    "optimizer.params": {"bias_correction": True, "amsgrad": False, "nesterov": False, "dampening": 0.0},
+}
+
+_ISSUE_8 = "it comes with the ZeRO-3/CPU-offload issue (#8); remove the key for now"
+# Known DeepSpeed keys hybrid does not support, with what to do instead.
+_UNSUPPORTED = {
+    "": {
+        "amp": "use bf16.enabled or fp16.enabled", "activation_checkpointing":
+        "set hybrid's 'recompute' (none|full|selective) instead", "flops_profiler": "remove it",
+        "zero_allow_untested_optimizer": "remove it; hybrid builds the optimizer from 'optimizer'",
+        "zero_force_ds_cpu_optimizer": _ISSUE_8, "sparse_attention": "remove it", "wandb": "remove it",
+        "csv_monitor": "remove it", "comet": "remove it", "comms_logger": "use engine.comm_report()",
+        "elasticity": "remove it", "pipeline": "remove it", "data_types": "remove it",
+        "communication_data_type": "remove it; hybrid reduces in the parameters' dtype",
+        "seq_parallel_communication_data_type": "remove it", "checkpoint": "remove it",
+        "aio": _ISSUE_8, "autotuning": "remove it", "compression_training": "remove it",
+        "data_efficiency": "remove it", "curriculum_learning": "remove it", "quantize_training": "remove it",
+        "eigenvalue": "remove it", "progressive_layer_drop": "remove it", "disable_allgather": "remove it",
+        "dataloader_drop_last": "remove it", "load_universal_checkpoint": "remove it",
+        "use_node_local_storage": "remove it", "nebula": "remove it", "timers": "remove it",
+        "weight_quantization": "remove it", "hybrid_engine": "remove it", "graph_harvesting": "remove it",
+        "torch_autocast": "set hybrid's 'precision' and 'autocast: true' instead", "compile": "remove it",
+        "bfloat16": "write it as 'bf16'", "train_batch_size_per_gpu": "use train_micro_batch_size_per_gpu",
+    },
+    "zero_optimization": {
+        "allgather_bucket_size": "hybrid gathers whole partitions; remove it",
+        "offload_optimizer": _ISSUE_8, "offload_param": _ISSUE_8, "cpu_offload": _ISSUE_8,
+        "cpu_offload_params": _ISSUE_8, "cpu_offload_use_pin_memory": _ISSUE_8,
+        "stage3_max_live_parameters": _ISSUE_8, "stage3_max_reuse_distance": _ISSUE_8,
+        "stage3_prefetch_bucket_size": _ISSUE_8, "stage3_param_persistence_threshold": _ISSUE_8,
+        "stage3_model_persistence_threshold": _ISSUE_8, "stage3_gather_16bit_weights_on_model_save": _ISSUE_8,
+        "stage3_gather_fp16_weights_on_model_save": _ISSUE_8, "sub_group_size": _ISSUE_8,
+        "elastic_checkpoint": "remove it", "load_from_fp32_weights": "remove it",
+        "round_robin_gradients": "remove it", "zero_hpz_partition_size": "remove it",
+        "zero_quantized_weights": "remove it", "zero_quantized_gradients": "remove it",
+        "mics_shard_size": "remove it", "mics_hierarchical_params_gather": "remove it",
+        "ignore_unused_parameters": "remove it", "legacy_stage1": "remove it",
+        "memory_efficient_linear": "remove it", "use_multi_rank_bucket_allreduce": "remove it",
+    },
+    "fp16": {"fp16_master_weights_and_grads": "hybrid keeps fp32 master weights; remove it"},
+    "bf16": {"immediate_grad_update": "remove it", "check_grad_overflow": "remove it",
+             "bf16_master_weights_and_grads": "hybrid keeps fp32 master weights; remove it",
+             "bf16_optimizer_states": "hybrid keeps fp32 optimizer states; remove it"},
+    "optimizer.params": {"torch_adam": "remove it; hybrid picks its Adam implementation itself"},
+}
+
+_OPTIMIZER_PARAMS = {"adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode"},
+                     "adamw": {"lr", "betas", "eps", "weight_decay", "adam_w_mode"},
+                     "sgd": {"lr", "momentum", "weight_decay"}}
+_SUPPORTED_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
+_UNSUPPORTED_OPTIMIZERS = ("lamb", "onebitadam", "zerooneadam", "onebitlamb", "adagrad", "lion", "muadam",
+                           "muadamw", "musgd", "muon", "adafactor")
+
+
+def known_top_level_keys() -> set:
+    return (set(_MAPPED[""]) | _HANDLED[""] | set(_FIXED[""]) | set(_UNSUPPORTED[""]))
+
+
+def from_deepspeed(ds: Mapping[str, Any]) -> HybridConfig:
+    """Translate a DeepSpeed config dict; raises :class:`ConfigError` on anything not translatable."""
+    if not isinstance(ds, Mapping):
+        raise ConfigError(f"a DeepSpeed config must be a JSON object, got {type(ds).__name__}")
+    _reject_auto(ds, "")
+    native: Dict[str, Any] = {}
+    origin: Dict[str, str] = {}  # hybrid key -> DeepSpeed key, for error messages
+
+    def put(native_key: str, value: Any, ds_key: str) -> None:
+        native[native_key] = value
+        origin[native_key] = ds_key
+
+    _check_keys(ds, "")
+    _map_section(ds, "", put)
+    for section in ("zero_optimization", "fp16", "bf16", "tensorboard"):
+        if section in ds:
+            sub = _section(ds, section)
+            _check_keys(sub, section)
+            _map_section(sub, section, put)
+    _map_precision(ds, put)
+    if "optimizer" in ds:
+        _map_optimizer(_section(ds, "optimizer"), put)
+    if "scheduler" in ds:
+        _map_scheduler(_section(ds, "scheduler"), native, put)
+    try:
+        from hybrid.config.parse import apply_overrides
+
+        return apply_overrides(HybridConfig(), native)
+    except ConfigError as err:
+        message = str(err)
+        for native_key, ds_key in origin.items():
+            if f"'{native_key}" in message:
+                message += f" [from DeepSpeed key '{ds_key}']"
+                break
+        raise ConfigError(message) from None
+
+
+def _section(ds: Mapping, name: str) -> Mapping:
+    value = ds[name]
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"DeepSpeed key '{name}' must be an object, got {value!r}")
+    return value
+
+
+def _reject_auto(node: Any, path: str) -> None:
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            _reject_auto(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(node, str) and node == "auto":
+        raise ConfigError(f"DeepSpeed key '{path}' is \"auto\", which only DeepSpeed's Hugging Face integration "
+                          f"fills in; give the value explicitly")
+
+
+def _check_keys(section: Mapping, name: str, allowed=None) -> None:
+    """Raise for fixed keys at other values, unsupported keys and unknown keys of one section."""
+    mapped = set(_MAPPED.get(name, {})) | _HANDLED.get(name, set()) | set(allowed or ())
+    fixed = _FIXED.get(name, {})
+    unsupported = _UNSUPPORTED.get(name, {})
+    prefix = f"{name}." if name else ""
+    for key, value in section.items():
+        if key in mapped:
+            continue
+        if key in fixed:
+            if value != fixed[key] or isinstance(value, bool) != isinstance(fixed[key], bool):
+                raise ConfigError(f"DeepSpeed key '{prefix}{key}' = {value!r} is not supported: hybrid always "
+                                  f"behaves as {key}={fixed[key]!r}; set that value or remove the key")
+            continue
+        if key in unsupported:
+            raise ConfigError(f"DeepSpeed key '{prefix}{key}' is not supported by hybrid: {unsupported[key]}")
+        known = mapped | set(fixed) | set(unsupported)
+        raise ConfigError(f"unknown DeepSpeed key '{prefix}{key}'.{suggestion(key, known, prefix)}")
+
+
+def _map_section(section: Mapping, name: str, put) -> None:
+    prefix = f"{name}." if name else ""
+    for key, native_key in _MAPPED.get(name, {}).items():
+        if key in section:
+            value = section[key]
+            if key == "gradient_clipping" and value is None:
+                value = 0.0
+            put(native_key, value, prefix + key)
+
+
+def _enabled(ds: Mapping, name: str) -> bool:
+    if name not in ds:
+        return False
+    value = ds[name].get("enabled", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"DeepSpeed key '{name}.enabled' must be true or false, got {value!r}")
+    return value
+
+
+def _map_precision(ds: Mapping, put) -> None:
+    fp16, bf16 = _enabled(ds, "fp16"), _enabled(ds, "bf16")
+    if fp16 and bf16:
+        raise ConfigError("DeepSpeed keys 'fp16.enabled' and 'bf16.enabled' are both true; enable one of them")
+    if fp16:
+        put("precision", "fp16", "fp16.enabled")
+    elif bf16:
+        put("precision", "bf16", "bf16.enabled")
+
+
+def _map_optimizer(opt: Mapping, put) -> None:
+    _check_keys(opt, "optimizer")
+    type_name = opt.get("type")
+    if not isinstance(type_name, str):
+        raise ConfigError(f"DeepSpeed key 'optimizer.type' must be one of "
+                          f"{', '.join(_SUPPORTED_OPTIMIZERS.values())}, got {type_name!r}")
+    kind = type_name.lower()
+    if kind not in _SUPPORTED_OPTIMIZERS:
+        hint = ("it is a DeepSpeed optimizer hybrid does not implement" if kind in _UNSUPPORTED_OPTIMIZERS
+                else f"unknown optimizer.{value_suggestion(type_name, _SUPPORTED_OPTIMIZERS.values())}")
+        raise ConfigError(f"DeepSpeed optimizer.type {type_name!r} is not supported ({hint}); use one of "
+                          f"{', '.join(_SUPPORTED_OPTIMIZERS.values())}")
+    params = opt.get("params", {})
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"DeepSpeed key 'optimizer.params' must be an object, got {params!r}")
+    _check_keys(params, "optimizer.params", allowed=_OPTIMIZER_PARAMS[kind])
+    # DeepSpeed's "Adam" is AdamW (decoupled decay) unless adam_w_mode is false.
+    if kind in ("adam", "adamw"):
+        adam_w_mode = params.get("adam_w_mode", True)
+        if not isinstance(adam_w_mode, bool):
+            raise ConfigError(f"DeepSpeed key 'optimizer.params.adam_w_mode' must be true or false, "
+                              f"got {adam_w_mode!r}")
+        if kind == "adamw" and not adam_w_mode:
+            raise ConfigError("DeepSpeed optimizer.type 'AdamW' with optimizer.params.adam_w_mode false is "
+                              "contradictory; use type 'Adam' with adam_w_mode false for L2-style Adam")
+        kind = "adamw" if adam_w_mode else "adam"
+    put("optimizer.type", kind, "optimizer.type")
+    for key in ("lr", "betas", "eps", "weight_decay", "momentum"):
+        if key in params:
+            put(f"optimizer.{key}", params[key], f"optimizer.params.{key}")
+
+
+def _map_scheduler(sched: Mapping, native: dict, put) -> None:
+    _check_keys(sched, "scheduler")
+    type_name = sched.get("type")
+    if type_name not in DEEPSPEED_SCHEDULER_PARAMS:
+        others = "LRRangeTest", "OneCycle"
+        hint = "" if type_name in others else value_suggestion(str(type_name), DEEPSPEED_SCHEDULER_PARAMS)
+        raise ConfigError(f"DeepSpeed scheduler.type {type_name!r} is not supported; use one of "
+                          f"{', '.join(DEEPSPEED_SCHEDULER_PARAMS)}.{hint}")
+    params = sched.get("params", {})
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"DeepSpeed key 'scheduler.params' must be an object, got {params!r}")
+    defaults = DEEPSPEED_SCHEDULER_PARAMS[type_name]
+    for key, value in params.items():
+        if key not in defaults:
+            raise ConfigError(f"unknown DeepSpeed key 'scheduler.params.{key}' for {type_name}."
+                              f"{suggestion(key, defaults, 'scheduler.params.')}")
+        if key == "warmup_type" and value not in ("linear", "log"):
+            raise ConfigError(f"DeepSpeed key 'scheduler.params.warmup_type' must be 'linear' or 'log', "
+                              f"got {value!r}")
+        if key != "warmup_type" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"DeepSpeed key 'scheduler.params.{key}' must be a number, got {value!r}")
+    for key, default in defaults.items():
+        if default is None and key != "warmup_max_lr" and key not in params:
+            raise ConfigError(f"DeepSpeed scheduler {type_name} needs 'scheduler.params.{key}'")
+    base_lr = native.get("optimizer.lr", HybridConfig().optimizer.lr)
+    kwargs = deepspeed_schedule_kwargs(type_name, params, float(base_lr))
+    # DeepSpeed's WarmupLR/WarmupDecayLR set the peak through warmup_max_lr, whatever the optimizer's lr.
+    put("optimizer.lr", kwargs.pop("max_lr"), f"scheduler.params ({type_name})")
+    put("scheduler.type", kwargs.pop("decay_style"), "scheduler.type")
+    for key, value in kwargs.items():
+        put(f"scheduler.{key}", value, f"scheduler.params ({type_name})")

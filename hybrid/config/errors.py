@@ -1,0 +1,30 @@
+"""The one error type of the config package, and the nearest-key suggestion."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
+
+class ConfigError(ValueError):
+    """A configuration value or key that hybrid cannot use; the message says how to fix it."""
+
+
+def suggestion(key: str, candidates: Iterable[str], prefix: str = "") -> str:
+    """`` Did you mean 'prefix.x'?`` for the closest candidate, or a list of the valid ones."""
+    candidates = sorted(set(candidates))
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    if close:
+        return f" Did you mean '{prefix}{close[0]}'?"
+    return f" Valid keys here: {', '.join(candidates)}."
+
+
+def value_suggestion(value: str, choices: Iterable[str]) -> str:
+    """`` Did you mean 'x'?`` when a bad value is close to a valid one, else an empty string."""
+    close = difflib.get_close_matches(value, sorted(set(choices)), n=1, cutoff=0.6)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def unknown_key_error(path: str, key: str, candidates: Iterable[str], what: str = "config key") -> ConfigError:
+    full = f"{path}.{key}" if path else key
+    return ConfigError(f"unknown {what} '{full}'.{suggestion(key, candidates, f'{path}.' if path else '')}")

@@ -1,0 +1,101 @@
+"""One entry point for every form a config can take: object, dict, JSON file, YAML file.
+
+A mapping is read as DeepSpeed-style when it has a key only DeepSpeed uses
+(``train_batch_size``, ``zero_optimization``, ``fp16``, ...), an
+``optimizer``/``scheduler`` object with ``params``, or a DeepSpeed scheduler
+type (``"WarmupLR"``); otherwise it is hybrid's native layout.
+A mapping that mixes native-only and DeepSpeed-only keys is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+from hybrid.config.deepspeed import from_deepspeed, known_top_level_keys
+from hybrid.config.errors import ConfigError
+from hybrid.config.parse import parse_native
+from hybrid.config.schema import HybridConfig
+
+ConfigSource = Union[None, HybridConfig, Mapping[str, Any], str, os.PathLike]
+
+_DEEPSPEED_SCHEDULERS = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"}
+
+
+def load_config(source: ConfigSource = None) -> HybridConfig:
+    """A validated :class:`HybridConfig` from ``source``.
+
+    ``source`` is None (all defaults), a HybridConfig, a native or DeepSpeed
+    mapping, or the path of a ``.json``/``.yaml``/``.yml`` file holding one.
+    """
+    if source is None:
+        return HybridConfig()
+    if isinstance(source, HybridConfig):
+        return parse_native(source)
+    if isinstance(source, (str, os.PathLike)):
+        return load_config_file(source)
+    if isinstance(source, Mapping):
+        return _from_mapping(source, where="the config")
+    raise ConfigError(f"a config must be a HybridConfig, a dict, or a path to a JSON/YAML file; "
+                      f"got {type(source).__name__}")
+
+
+def load_config_file(path: Union[str, os.PathLike]) -> HybridConfig:
+    path = Path(path)
+    data = read_config_file(path)
+    try:
+        return _from_mapping(data, where=f"config file {path}")
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+
+
+def read_config_file(path: Union[str, os.PathLike]) -> Any:
+    """Parse a JSON or YAML file (chosen by suffix) into Python data, with errors naming the file."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".yaml", ".yml"):
+        raise ConfigError(f"config file {path} must end in .json, .yaml or .yml (got {suffix or 'no suffix'!r})")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    if suffix == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"config file {path} is not valid JSON: {err}") from None
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    return {} if data is None else data
+
+
+def is_deepspeed_style(data: Mapping[str, Any]) -> bool:
+    native_top = {f for f in HybridConfig.__dataclass_fields__}
+    if any(k in known_top_level_keys() and k not in native_top for k in data):
+        return True
+    for section in ("optimizer", "scheduler"):
+        value = data.get(section)
+        if isinstance(value, Mapping) and "params" in value:
+            return True
+    scheduler = data.get("scheduler")
+    return isinstance(scheduler, Mapping) and scheduler.get("type") in _DEEPSPEED_SCHEDULERS
+
+
+def _from_mapping(data: Any, where: str) -> HybridConfig:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where} must be a mapping of keys to values, got {type(data).__name__}")
+    if not is_deepspeed_style(data):
+        return parse_native(data)
+    native_only = sorted(k for k in data if k in HybridConfig.__dataclass_fields__
+                         and k not in known_top_level_keys())
+    if native_only:
+        ds_only = sorted(k for k in data if k in known_top_level_keys()
+                         and k not in HybridConfig.__dataclass_fields__)
+        raise ConfigError(f"{where} mixes hybrid keys ({', '.join(native_only)}) with DeepSpeed keys "
+                          f"({', '.join(ds_only) or 'optimizer/scheduler with params'}); write it in one style")
+    return from_deepspeed(data)

@@ -1,0 +1,207 @@
+"""Native config: defaults, loaders, type conversion, overrides and every error case."""
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from hybrid.config import ConfigError, HybridConfig, load_config
+from hybrid.config.parse import to_plain
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+
+FULL = {
+    "precision": "bf16", "autocast": False,
+    "loss_scaling": {"loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 3,
+                     "min_loss_scale": 0.5},
+    "zero": {"stage": 2, "bucket_size": 1000, "overlap_comm": False},
+    "optimizer": {"type": "adamw", "lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1,
+                  "decay_1d_params": True},
+    "scheduler": {"type": "cosine", "warmup_iters": 10, "warmup_style": "linear", "warmup_start_lr": 1e-5,
+                  "decay_iters": 100, "min_lr": 3e-5},
+    "clip_grad": 1.0, "micro_batch_size": 2, "gradient_accumulation_steps": 4, "global_batch_size": 64,
+    "tensor_parallel_size": 2, "recompute": "selective",
+    "tensorboard": {"enabled": True, "output_path": "tb", "job_name": "run1"},
+    "seed": 7, "steps_per_print": 5, "use_fused_kernels": False,
+}
+
+
+def test_defaults_are_valid_and_documented_values():
+    cfg = load_config(None)
+    assert cfg == HybridConfig()
+    assert cfg.precision == "fp32" and cfg.zero.stage == 0 and cfg.zero.bucket_size == 25_000_000
+    assert cfg.zero.overlap_comm is True and cfg.optimizer.type == "adamw"
+    assert cfg.loss_scaling.initial_scale_power == 16 and cfg.loss_scaling.loss_scale_window == 1000
+    assert cfg.loss_scaling.hysteresis == 2 and cfg.loss_scaling.min_loss_scale == 1.0
+    assert cfg.loss_scaling.loss_scale == 0.0
+    assert cfg.resolve_batch(4).gradient_accumulation_steps == 1
+
+
+def test_full_dict_round_trips_through_json_and_yaml(tmp_path):
+    cfg = load_config(FULL)
+    assert cfg.optimizer.betas == (0.9, 0.95) and cfg.zero.stage == 2 and cfg.recompute == "selective"
+    assert cfg.tensorboard.job_name == "run1" and cfg.use_fused_kernels is False
+    assert to_plain(cfg) == {**FULL, "optimizer": {**FULL["optimizer"], "momentum": 0.0},
+                             "loss_scaling": {**FULL["loss_scaling"], "loss_scale": 0.0}}
+    (tmp_path / "c.json").write_text(json.dumps(cfg.to_dict()))
+    assert load_config(tmp_path / "c.json") == cfg
+    import yaml
+
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    assert load_config(str(tmp_path / "c.yaml")) == cfg
+
+
+def test_yaml_scientific_notation_without_dot_is_read_as_a_number(tmp_path):
+    # YAML 1.1 reads 3e-4 as a string; the loader converts numeric strings for numeric keys.
+    (tmp_path / "c.yml").write_text("optimizer:\n  lr: 3e-4\nzero:\n  bucket_size: 5e6\n")
+    cfg = load_config(tmp_path / "c.yml")
+    assert cfg.optimizer.lr == 3e-4 and cfg.zero.bucket_size == 5_000_000
+    assert isinstance(cfg.zero.bucket_size, int)
+
+
+def test_enum_values_are_case_insensitive():
+    cfg = load_config({"precision": "BF16", "optimizer": {"type": "AdamW", "lr": 1e-3},
+                       "scheduler": {"type": "Constant"}})
+    assert cfg.precision == "bf16" and cfg.optimizer.type == "adamw"
+    assert cfg.scheduler.type == "constant"
+
+
+def test_empty_yaml_file_gives_defaults(tmp_path):
+    (tmp_path / "empty.yaml").write_text("")
+    assert load_config(tmp_path / "empty.yaml") == HybridConfig()
+
+
+def test_overrides_dotted_and_section_forms_keep_other_keys():
+    cfg = load_config(FULL)
+    new = cfg.with_overrides({"optimizer.lr": 1e-4, "zero": {"stage": 1}, "precision": "fp16"})
+    assert new.optimizer.lr == 1e-4 and new.zero.stage == 1 and new.precision == "fp16"
+    assert new.zero.bucket_size == 1000 and new.optimizer.betas == (0.9, 0.95)
+    assert cfg.optimizer.lr == 3e-4  # the original is unchanged
+
+
+def test_section_dataclass_override_replaces_the_section():
+    from hybrid.config import ZeroConfig
+
+    new = HybridConfig.from_dict({"zero": {"bucket_size": 7}}).with_overrides({"zero": ZeroConfig(stage=2)})
+    assert new.zero == ZeroConfig(stage=2)
+
+
+def test_config_object_is_copied_and_revalidated():
+    cfg = HybridConfig()
+    cfg.zero.stage = 5
+    with pytest.raises(ConfigError, match="'zero.stage' must be one of 0, 1, 2, got 5"):
+        load_config(cfg)
+    cfg.zero.stage = "two"
+    with pytest.raises(ConfigError, match="'zero.stage' must be an integer, got 'two'"):
+        load_config(cfg)
+    cfg.zero.stage = 1
+    copy = load_config(cfg)
+    copy.zero.stage = 2
+    assert cfg.zero.stage == 1
+
+
+@pytest.mark.parametrize("data,match", [
+    ({"precison": "bf16"}, r"unknown config key 'precison'\. Did you mean 'precision'\?"),
+    ({"optimizer": {"learning_rate": 1e-3}}, r"unknown config key 'optimizer\.learning_rate'\. Valid keys here: "
+                                             r"betas, decay_1d_params, eps, lr"),
+    ({"zero": {"stag": 1}}, r"unknown config key 'zero\.stag'\. Did you mean 'zero\.stage'\?"),
+    ({"schedular": {}}, r"Did you mean 'scheduler'\?"),
+    ({"zero_optimisation": {}}, r"Did you mean the DeepSpeed key 'zero_optimization'\?"),
+    ({"precision": "bf61"}, r"'precision' must be one of fp32, bf16, fp16; got 'bf61'\. Did you mean 'bf16'\?"),
+    ({"optimizer": {"type": "lamb"}}, r"'optimizer\.type' must be one of adamw, adam, sgd; got 'lamb'"),
+    ({"recompute": "partial"}, r"'recompute' must be one of none, full, selective"),
+    ({"scheduler": {"type": "cosin", "decay_iters": 10}}, r"Did you mean 'cosine'\?"),
+    ({"scheduler": {"warmup_style": "exp"}}, r"'scheduler\.warmup_style' must be one of linear, log"),
+    ({"zero": {"stage": 3}}, r"ZeRO stage 3 is not supported yet"),
+    ({"zero": {"stage": -1}}, r"'zero\.stage' must be one of 0, 1, 2, got -1"),
+    ({"zero": {"overlap_comm": "yes"}}, r"'zero\.overlap_comm' must be true or false, got 'yes'"),
+    ({"zero": {"bucket_size": 1.5}}, r"'zero\.bucket_size' must be an integer, got 1\.5"),
+    ({"zero": {"bucket_size": 0}}, r"'zero\.bucket_size' must be >= 1, got 0"),
+    ({"micro_batch_size": True}, r"'micro_batch_size' must be an integer, got True"),
+    ({"optimizer": {"lr": "fast"}}, r"'optimizer\.lr' must be a number, got 'fast'"),
+    ({"optimizer": {"lr": 0}}, r"'optimizer\.lr' must be > 0\.0, got 0\.0"),
+    ({"optimizer": {"lr": float("nan")}}, r"'optimizer\.lr' must be a finite number"),
+    ({"optimizer": {"betas": [0.9]}}, r"'optimizer\.betas' must be a list of 2 numbers"),
+    ({"optimizer": {"betas": [0.9, 1.0]}}, r"'optimizer\.betas\[1\]' must be in \[0, 1\)"),
+    ({"optimizer": {"eps": -1}}, r"'optimizer\.eps' must be > 0\.0"),
+    ({"optimizer": {"weight_decay": -0.1}}, r"'optimizer\.weight_decay' must be >= 0\.0"),
+    ({"optimizer": {"momentum": 0.9}}, r"'optimizer\.momentum' applies to sgd only"),
+    ({"optimizer": {"type": "sgd", "momentum": 1.0}}, r"'optimizer\.momentum' must be < 1\.0"),
+    ({"scheduler": {"type": "linear"}}, r"needs 'scheduler\.decay_iters'"),
+    ({"scheduler": {"type": "cosine", "warmup_iters": 10, "decay_iters": 10}},
+     r"'scheduler\.decay_iters' \(10\) must be greater than 'scheduler\.warmup_iters' \(10\)"),
+    ({"scheduler": {"warmup_style": "log", "warmup_iters": 1}}, r"'log' needs scheduler\.warmup_iters >= 2"),
+    ({"scheduler": {"min_lr": 1.0}}, r"'scheduler\.min_lr' \(1\.0\) exceeds the peak 'optimizer\.lr'"),
+    ({"scheduler": {"warmup_start_lr": 1.0}}, r"'scheduler\.warmup_start_lr' \(1\.0\) exceeds the peak"),
+    ({"scheduler": {"warmup_iters": -1}}, r"'scheduler\.warmup_iters' must be >= 0"),
+    ({"loss_scaling": {"hysteresis": 0}}, r"'loss_scaling\.hysteresis' must be >= 1"),
+    ({"loss_scaling": {"loss_scale_window": 0}}, r"'loss_scaling\.loss_scale_window' must be >= 1"),
+    ({"loss_scaling": {"min_loss_scale": 0}}, r"'loss_scaling\.min_loss_scale' must be > 0\.0"),
+    ({"loss_scaling": {"loss_scale": -2}}, r"'loss_scaling\.loss_scale' must be >= 0\.0"),
+    ({"loss_scaling": {"initial_scale_power": 65}}, r"'loss_scaling\.initial_scale_power' must be <= 64"),
+    ({"clip_grad": -1}, r"'clip_grad' must be >= 0\.0"),
+    ({"tensor_parallel_size": 0}, r"'tensor_parallel_size' must be >= 1"),
+    ({"steps_per_print": -1}, r"'steps_per_print' must be >= 0"),
+    ({"seed": "x"}, r"'seed' must be an integer"),
+    ({"autocast": True}, r"'autocast' is true but 'precision' is fp32"),
+    ({"tensorboard": {"enabled": True, "output_path": ""}}, r"'tensorboard\.output_path' is empty"),
+    ({"tensorboard": {"job_name": 3}}, r"'tensorboard\.job_name' must be a string"),
+    ({"optimizer": 3}, r"config section 'optimizer' must be a mapping"),
+    ({"micro_batch_size": 3, "gradient_accumulation_steps": 2, "global_batch_size": 20},
+     r"global_batch_size 20 is not divisible by micro_batch_size 3 x gradient_accumulation_steps 2 = 6"),
+    ({1: 2}, r"config keys must be strings"),
+])
+def test_bad_native_config_names_the_key(data, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(data)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"optimizer.learning_rate": 1}, r"unknown config key 'optimizer\.learning_rate'"),
+    ({"optimiser.lr": 1}, r"unknown config section 'optimiser'\. Did you mean 'optimizer'\?"),
+    ({"zero": 2}, r"config key 'zero' is a section; override its keys, e.g\. 'zero\.stage'"),
+    ({"zero.stage": 7}, r"'zero\.stage' must be one of 0, 1, 2, got 7"),
+])
+def test_bad_overrides(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        HybridConfig().with_overrides(overrides)
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(ConfigError, match=r"config file .*missing\.json does not exist"):
+        load_config(tmp_path / "missing.json")
+    (tmp_path / "c.toml").write_text("")
+    with pytest.raises(ConfigError, match=r"must end in \.json, \.yaml or \.yml \(got '\.toml'\)"):
+        load_config(tmp_path / "c.toml")
+    (tmp_path / "bad.json").write_text("{\"zero\": ")
+    with pytest.raises(ConfigError, match=r"bad\.json is not valid JSON"):
+        load_config(tmp_path / "bad.json")
+    (tmp_path / "bad.yaml").write_text("zero: [1,\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml is not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match=r"list\.yaml must be a mapping"):
+        load_config(tmp_path / "list.yaml")
+    (tmp_path / "typo.yaml").write_text("zero:\n  stgae: 1\n")
+    with pytest.raises(ConfigError, match=r"typo\.yaml: unknown config key 'zero\.stgae'"):
+        load_config(tmp_path / "typo.yaml")
+    with pytest.raises(ConfigError, match=r"a config must be a HybridConfig, a dict, or a path"):
+        load_config(42)
+
+
+def _leaf_keys(cls, prefix=""):
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            yield from _leaf_keys(f.default_factory, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name
+
+
+def test_every_key_is_documented_in_docs_config_md():
+    text = DOCS.read_text()
+    keys = list(_leaf_keys(HybridConfig))
+    assert len(keys) > 25
+    missing = [k for k in keys if not re.search(rf"`{re.escape(k)}`", text)]
+    assert not missing, f"docs/config.md lacks {missing}"
