@@ -1,0 +1,226 @@
+"""Autograd communication primitives for tensor (and sequence) parallelism.
+
+Each primitive is a pair of collectives over the ``"tp"`` axis of a
+:class:`~hybrid.topology.Topology`: one in the forward pass and its adjoint in
+the backward pass. With one TP rank every primitive is the identity.
+
+Tensor-parallel (last-dim) primitives::
+
+    copy_to_tp_region        fwd: identity           bwd: all-reduce
+    reduce_from_tp_region    fwd: all-reduce         bwd: identity
+    scatter_to_tp_region     fwd: split last dim     bwd: all-gather last dim
+    gather_from_tp_region    fwd: all-gather last    bwd: split last dim
+
+Sequence-parallel primitives act on dim 0, the sequence dim of the
+``[s, b, h]`` activations used inside the model::
+
+    scatter_to_sequence_parallel_region         fwd: split dim 0        bwd: all-gather dim 0
+    gather_from_sequence_parallel_region        fwd: all-gather dim 0   bwd: reduce-scatter dim 0
+    reduce_scatter_to_sequence_parallel_region  fwd: reduce-scatter 0   bwd: all-gather dim 0
+
+Every collective goes through ``topology.comm`` on the ``"tp"`` group.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hybrid.topology import Topology
+
+AXIS = "tp"
+
+
+# ---- raw collectives (no autograd) -------------------------------------------------
+def _all_reduce(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
+    if topo.tp_size == 1:
+        return x
+    # A fresh buffer: the incoming tensor may be shared with other graph edges.
+    out = x.contiguous().clone()
+    topo.comm.all_reduce(out, AXIS)
+    return out
+
+
+def _split_last(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
+    n = topo.tp_size
+    if n == 1:
+        return x
+    if x.shape[-1] % n != 0:
+        raise ValueError(f"last dim {x.shape[-1]} is not divisible by the tensor-parallel size {n}")
+    return x.chunk(n, dim=-1)[topo.tp_rank].contiguous()
+
+
+def _gather_last(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
+    n = topo.tp_size
+    if n == 1:
+        return x
+    x = x.contiguous()
+    # Gathered along dim 0 (the layout every backend accepts), then viewed as [n, *x.shape].
+    buf = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
+    topo.comm.all_gather_into_tensor(buf, x, AXIS)
+    buf = buf.view((n,) + tuple(x.shape))
+    # [n, ..., k] -> [..., n*k] with rank r's piece at columns [r*k, (r+1)*k).
+    return buf.movedim(0, -2).reshape(*x.shape[:-1], n * x.shape[-1])
+
+
+def _split_first(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
+    n = topo.tp_size
+    if n == 1:
+        return x
+    if x.shape[0] % n != 0:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the tensor-parallel size {n}; "
+                         f"with sequence_parallel=True the sequence must split evenly over TP ranks")
+    return x.chunk(n, dim=0)[topo.tp_rank].contiguous()
+
+
+def _gather_first(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
+    n = topo.tp_size
+    if n == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
+    topo.comm.all_gather_into_tensor(out, x, AXIS)
+    return out
+
+
+def _reduce_scatter_first(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
+    n = topo.tp_size
+    if n == 1:
+        return x
+    if x.shape[0] % n != 0:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the tensor-parallel size {n}; "
+                         f"with sequence_parallel=True the sequence must split evenly over TP ranks")
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
+    topo.comm.reduce_scatter_tensor(out, x, AXIS)
+    return out
+
+
+# ---- autograd functions ----------------------------------------------------------------
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topo):
+        ctx.topo = topo
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.topo), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topo):
+        return _all_reduce(x, topo)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topo):
+        ctx.topo = topo
+        return _split_last(x, topo)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_last(g, ctx.topo), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topo):
+        ctx.topo = topo
+        return _gather_last(x, topo)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split_last(g, ctx.topo), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topo):
+        ctx.topo = topo
+        return _split_first(x, topo)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_first(g, ctx.topo), None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topo, reduce_scatter_grad):
+        ctx.topo = topo
+        ctx.reduce_scatter_grad = reduce_scatter_grad
+        return _gather_first(x, topo)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.reduce_scatter_grad:
+            return _reduce_scatter_first(g, ctx.topo), None, None
+        return _split_first(g, ctx.topo), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topo):
+        ctx.topo = topo
+        return _reduce_scatter_first(x, topo)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_first(g, ctx.topo), None
+
+
+# ---- public API ------------------------------------------------------------------------
+def copy_to_tp_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
+    """Identity forward; backward all-reduces the gradient over ``"tp"``.
+
+    Used where a replicated tensor enters a TP-partitioned computation (each
+    rank's gradient is a partial sum), and to wrap replicated parameters used
+    on sequence-sharded activations.
+    """
+    return _CopyToTP.apply(x, topo)
+
+
+def reduce_from_tp_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
+    """All-reduce (sum) over ``"tp"`` forward; identity backward. Any shape."""
+    return _ReduceFromTP.apply(x, topo)
+
+
+def scatter_to_tp_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
+    """``[..., n*k] -> [..., k]``: keep this TP rank's last-dim chunk; backward all-gathers it."""
+    return _ScatterToTP.apply(x, topo)
+
+
+def gather_from_tp_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
+    """``[..., k] -> [..., n*k]``: all-gather the last dim over ``"tp"`` in rank order; backward splits."""
+    return _GatherFromTP.apply(x, topo)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
+    """``[s, ...] -> [s/n, ...]``: keep this TP rank's sequence chunk; backward all-gathers dim 0."""
+    return _ScatterToSP.apply(x, topo)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, topo: "Topology",
+                                         reduce_scatter_grad: bool = True) -> torch.Tensor:
+    """``[s/n, ...] -> [s, ...]``: all-gather dim 0 over ``"tp"``.
+
+    Backward reduce-scatters the gradient (the gathered tensor feeds
+    TP-partitioned weights, so each rank holds a partial gradient); with
+    ``reduce_scatter_grad=False`` it only keeps this rank's chunk (the gathered
+    tensor was used identically on every rank).
+    """
+    return _GatherFromSP.apply(x, topo, reduce_scatter_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
+    """``[s, ...] -> [s/n, ...]``: sum over ``"tp"`` and keep this rank's chunk; backward all-gathers dim 0."""
+    return _ReduceScatterToSP.apply(x, topo)

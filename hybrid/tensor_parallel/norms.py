@@ -1,0 +1,86 @@
+"""LayerNorm and RMSNorm modules that know about sequence parallelism.
+
+Norm parameters are replicated over the TP group. Without sequence
+parallelism every TP rank normalises the same full activations, so each
+rank's weight gradient is already the full one. Under sequence parallelism
+each rank normalises only its sequence shard ``[s/tp, b, h]`` and its weight
+gradient is partial; the weights then pass through
+:func:`~hybrid.tensor_parallel.mappings.copy_to_tp_region`, whose backward
+all-reduces their gradient over ``"tp"``. Either way every TP rank ends with
+the same full gradient.
+
+The arithmetic is :mod:`hybrid.kernels` (fused CUDA kernels where they
+apply, torch otherwise). RMSNorm follows the Llama definition: normalise in
+fp32, cast back to the input dtype, then multiply by the weight.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import nn
+
+from hybrid import kernels, param_meta
+from hybrid.tensor_parallel import init as tp_init
+from hybrid.tensor_parallel.mappings import copy_to_tp_region
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hybrid.topology import Topology
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim. ``x`` ``[..., h]``, ``weight``/``bias`` ``[h]``."""
+    return kernels.layer_norm(x, weight, bias, eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in fp32 and cast back before the weight multiply."""
+    return kernels.rms_norm(x, weight, eps)
+
+
+class _TPNorm(nn.Module):
+    def __init__(self, hidden_size: int, topology: "Topology", eps: float, sequence_parallel: bool,
+                 bias: bool, device, dtype):
+        super().__init__()
+        self.topology = topology
+        self.hidden_size, self.eps, self.sequence_parallel = hidden_size, eps, sequence_parallel
+        self.weight = self._param(hidden_size, tp_init.ONES, device, dtype)
+        self.bias = self._param(hidden_size, tp_init.ZEROS, device, dtype) if bias else None
+
+    @staticmethod
+    def _param(n, init, device, dtype) -> nn.Parameter:
+        p = nn.Parameter(torch.empty(n, device=device, dtype=dtype))
+        param_meta.set_tp_meta(p)  # replicated
+        tp_init.set_initializer(p, init)
+        return p
+
+    def _shared(self, p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if p is None or not self.sequence_parallel:
+            return p
+        return copy_to_tp_region(p, self.topology)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, sp={self.sequence_parallel}"
+
+
+class LayerNorm(_TPNorm):
+    """LayerNorm with replicated ``weight``/``bias`` ``[h]``; input ``[s(/tp), b, h]``."""
+
+    def __init__(self, hidden_size: int, topology: "Topology", *, eps: float = 1e-5,
+                 sequence_parallel: bool = False, bias: bool = True, device=None, dtype=None):
+        super().__init__(hidden_size, topology, eps, sequence_parallel, bias, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self._shared(self.weight), self._shared(self.bias), self.eps)
+
+
+class RMSNorm(_TPNorm):
+    """RMSNorm with a replicated ``weight`` ``[h]``; input ``[s(/tp), b, h]``."""
+
+    def __init__(self, hidden_size: int, topology: "Topology", *, eps: float = 1e-6,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__(hidden_size, topology, eps, sequence_parallel, False, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self._shared(self.weight), self.eps)

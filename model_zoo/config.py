@@ -1,0 +1,128 @@
+"""``GPTConfig``: the shape and switches of a decoder-only transformer.
+
+One dataclass covers the GPT-2 family (learned positions, LayerNorm, GELU,
+biases, tied embeddings) and the Llama family (RoPE, RMSNorm, SwiGLU, no
+biases, untied head). :meth:`GPTConfig.validate` checks it against a
+tensor-parallel size and names the offending keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional
+
+POSITIONS = ("learned", "rope")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+RECOMPUTE = ("none", "full", "selective")
+
+
+def swiglu_ffn_size(hidden_size: int, multiple_of: int = 256) -> int:
+    """The Llama rule for the SwiGLU width: 2/3 of 4h, rounded up to ``multiple_of``."""
+    raw = int(2 * 4 * hidden_size / 3)
+    return multiple_of * -(-raw // multiple_of)
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    ffn_hidden_size: Optional[int] = None  # None: 4h (gelu) or the Llama rule (swiglu)
+    seq_length: int = 1024  # training sequence length
+    max_position_embeddings: Optional[int] = None  # learned table size; None: seq_length
+    position: str = "learned"  # "learned" | "rope"
+    rope_theta: float = 10000.0
+    norm: str = "layernorm"  # "layernorm" | "rmsnorm"
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"  # "gelu" (tanh approximation) | "swiglu"
+    bias: bool = True
+    tie_embeddings: bool = True
+    hidden_dropout: float = 0.0  # embeddings and both residual branches
+    attention_dropout: float = 0.0  # attention probabilities
+    init_std: float = 0.02
+    scaled_output_init: bool = True  # output projections use init_std / sqrt(2 * num_layers)
+    sequence_parallel: bool = False
+    recompute: str = "none"  # "none" | "full" (every layer) | "selective" (attention core)
+    vocab_pad_multiple: int = 128  # vocab padded to a multiple of this times tp
+
+    # ---- derived sizes ---------------------------------------------------------------
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return 4 * self.hidden_size if self.mlp == "gelu" else swiglu_ffn_size(self.hidden_size)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def num_positions(self) -> int:
+        return self.max_position_embeddings if self.max_position_embeddings is not None else self.seq_length
+
+    def padded_vocab_size(self, tp_size: int = 1) -> int:
+        unit = self.vocab_pad_multiple * tp_size
+        return -(-self.vocab_size // unit) * unit
+
+    # ---- validation ---------------------------------------------------------------------
+    def validate(self, tp_size: int = 1) -> "GPTConfig":
+        """Raise ``ValueError`` naming the key and the rule when the config cannot run at ``tp_size``."""
+        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "seq_length", "vocab_pad_multiple"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GPTConfig.{key} must be a positive integer, got {value!r}")
+        for key, allowed in (("position", POSITIONS), ("norm", NORMS), ("mlp", MLPS), ("recompute", RECOMPUTE)):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"GPTConfig.{key}={getattr(self, key)!r} is not one of {', '.join(allowed)}")
+        if self.ffn_hidden_size is not None and (not isinstance(self.ffn_hidden_size, int)
+                                                 or self.ffn_hidden_size < 1):
+            raise ValueError(f"GPTConfig.ffn_hidden_size must be a positive integer or None, "
+                             f"got {self.ffn_hidden_size!r}")
+        for key in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ValueError(f"GPTConfig.{key} must be in [0, 1), got {getattr(self, key)}")
+        if not self.norm_eps > 0 or not self.init_std > 0 or not self.rope_theta > 0:
+            raise ValueError(f"GPTConfig.norm_eps ({self.norm_eps}), init_std ({self.init_std}) and rope_theta "
+                             f"({self.rope_theta}) must be > 0")
+        if self.hidden_size % self.num_heads != 0:
+            raise ValueError(f"GPTConfig.hidden_size={self.hidden_size} must be divisible by "
+                             f"num_heads={self.num_heads}")
+        if self.position == "rope" and self.head_dim % 2 != 0:
+            raise ValueError(f"rotary positions need an even head dim, but hidden_size/num_heads = "
+                             f"{self.hidden_size}/{self.num_heads} = {self.head_dim}")
+        if self.position == "learned" and self.num_positions < self.seq_length:
+            raise ValueError(f"GPTConfig.max_position_embeddings={self.num_positions} is smaller than "
+                             f"seq_length={self.seq_length}; learned positions need one row per position")
+        if not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tensor-parallel size must be a positive integer, got {tp_size!r}")
+        if self.num_heads % tp_size != 0:
+            raise ValueError(f"GPTConfig.num_heads={self.num_heads} must be divisible by the tensor-parallel "
+                             f"size tp={tp_size} (attention heads are split over TP ranks)")
+        if self.ffn_size % tp_size != 0:
+            raise ValueError(f"GPTConfig.ffn_hidden_size={self.ffn_size} must be divisible by the "
+                             f"tensor-parallel size tp={tp_size}")
+        if self.sequence_parallel and self.seq_length % tp_size != 0:
+            raise ValueError(f"GPTConfig.seq_length={self.seq_length} must be divisible by the tensor-parallel "
+                             f"size tp={tp_size} when sequence_parallel=True")
+        return self
+
+    # ---- (de)serialisation ------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "GPTConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown GPTConfig keys {unknown}; valid keys are {sorted(known)}")
+        return cls(**d)
+
+    def replace(self, **changes) -> "GPTConfig":
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ValueError(f"unknown GPTConfig keys {unknown}; valid keys are {sorted(known)}")
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,193 @@
+"""``GPTModel``: a pre-LN decoder-only transformer over tensor-parallel layers.
+
+Parameter names (a converter maps them to other formats)::
+
+    embedding.word_embeddings.weight          [V_p/tp, h]  vocab-parallel, padded rows zero
+    embedding.position_embeddings.weight      [P, h]       learned positions only, replicated
+    layers.{i}.input_norm.{weight,bias}       [h]          replicated
+    layers.{i}.attention.qkv_proj.{weight,bias}  [3h/tp, h]   column-parallel, stride 3 ([q; k; v])
+    layers.{i}.attention.out_proj.weight      [h, h/tp]    row-parallel (bias [h] replicated)
+    layers.{i}.post_attention_norm.{weight,bias}
+    layers.{i}.mlp.in_proj.{weight,bias}      [f/tp, h] (GELU) or [2f/tp, h] ([gate; up], stride 2)
+    layers.{i}.mlp.out_proj.weight            [h, f/tp]    row-parallel (bias [h] replicated)
+    final_norm.{weight,bias}
+    lm_head.weight                            [V_p/tp, h]  untied models only
+
+Biases and the LayerNorm bias exist only when ``config.bias``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid import param_meta
+from hybrid.tensor_parallel import init as tp_init
+from hybrid.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from hybrid.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
+from hybrid.tensor_parallel.mappings import copy_to_tp_region, gather_from_tp_region
+from hybrid.tensor_parallel.random import RNGTracker, checkpoint
+from model_zoo.config import GPTConfig
+from model_zoo.transformer import TransformerLayer, dropout, make_norm, rope_cos_sin
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hybrid.topology import Topology
+
+
+class PositionTable(nn.Module):
+    """Learned position embeddings ``weight`` ``[P, h]``, replicated over ``"tp"``."""
+
+    def __init__(self, num_positions: int, hidden_size: int, init: tp_init.Initializer, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_positions, hidden_size, device=device, dtype=dtype))
+        param_meta.set_tp_meta(self.weight)
+        tp_init.set_initializer(self.weight, init)
+
+
+class GPTEmbedding(nn.Module):
+    """Token (+ learned position) embeddings: ids ``[s, b]`` -> ``[s, b, h]`` (``[s/tp, b, h]`` under SP)."""
+
+    def __init__(self, config: GPTConfig, topology: "Topology", device=None, dtype=None):
+        super().__init__()
+        self.topology = topology
+        self.sequence_parallel = config.sequence_parallel
+        init = tp_init.normal(config.init_std)
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, topology,
+                                                      pad_multiple=config.vocab_pad_multiple,
+                                                      sequence_parallel=config.sequence_parallel, init=init,
+                                                      device=device, dtype=dtype)
+        self.position_embeddings = (PositionTable(config.num_positions, config.hidden_size, init, device, dtype)
+                                    if config.position == "learned" else None)
+
+    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(ids)
+        if self.position_embeddings is not None:
+            topo, weight = self.topology, self.position_embeddings.weight
+            if self.sequence_parallel:
+                # Each rank embeds only its sequence shard, so the table's gradient is partial.
+                position_ids = position_ids.chunk(topo.tp_size, dim=0)[topo.tp_rank]
+                weight = copy_to_tp_region(weight, topo)
+            x = x + F.embedding(position_ids, weight)
+        return x
+
+
+class GPTModel(nn.Module):
+    """Decoder-only transformer; see the module docstring for parameters and layouts.
+
+    ``GPTModel(config, topology, device=None, dtype=None, seed=1234)``
+    validates ``config`` against ``topology.tp_size`` and initialises every
+    parameter from ``(seed, name)`` (identical full model at any TP size),
+    unless ``device="meta"``: then :meth:`materialize` does it later.
+    ``seed`` also seeds the dropout streams (:class:`RNGTracker`).
+    """
+
+    def __init__(self, config: GPTConfig, topology: "Topology", device=None, dtype=None, seed: int = 1234):
+        super().__init__()
+        config.validate(topology.tp_size)
+        self.config, self.topology, self.seed = config, topology, int(seed)
+        self.rng_tracker = RNGTracker(self.seed, topology)
+        device = torch.device(device) if device is not None else topology.device
+        self.embedding = GPTEmbedding(config, topology, device, dtype)
+        self.layers = nn.ModuleList(TransformerLayer(config, topology, self.rng_tracker, device, dtype)
+                                    for _ in range(config.num_layers))
+        self.final_norm = make_norm(config, topology, device, dtype)
+        self.lm_head = None
+        if not config.tie_embeddings:
+            self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, topology, bias=False,
+                                                sequence_parallel=config.sequence_parallel,
+                                                pad_multiple=config.vocab_pad_multiple,
+                                                weight_init=tp_init.normal(config.init_std), device=device,
+                                                dtype=dtype)
+        self.check_inputs = True  # one host sync per step; switch off once the data is trusted
+        if device.type != "meta":
+            self.materialize()
+
+    # ---- initialisation ---------------------------------------------------------------------
+    def materialize(self, device=None, dtype=None, only=None) -> "GPTModel":
+        """(Re)initialise parameters from ``(self.seed, name)``; meta parameters become real on ``device``."""
+        tp_init.materialize(self, self.seed, self.topology, device=device, dtype=dtype, only=only)
+        return self
+
+    # ---- shapes -----------------------------------------------------------------------------------
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.config.padded_vocab_size(self.topology.tp_size)
+
+    def head_weight(self) -> torch.Tensor:
+        """The ``[V_p/tp, h]`` output projection (the word embeddings when tied)."""
+        return self.embedding.word_embeddings.weight if self.lm_head is None else self.lm_head.weight
+
+    # ---- forward ----------------------------------------------------------------------------------
+    def _check(self, input_ids, labels, loss_mask, position_ids) -> None:
+        cfg, tp = self.config, self.topology.tp_size
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be an integer tensor [batch, seq], got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
+        b, s = input_ids.shape
+        if cfg.position == "learned" and s > cfg.num_positions:
+            raise ValueError(f"sequence length {s} exceeds max_position_embeddings={cfg.num_positions}")
+        if cfg.sequence_parallel and s % tp != 0:
+            raise ValueError(f"sequence length {s} must be divisible by the tensor-parallel size tp={tp} "
+                             f"when sequence_parallel=True")
+        for name, t in (("labels", labels), ("loss_mask", loss_mask), ("position_ids", position_ids)):
+            if t is not None and tuple(t.shape) != (b, s):
+                raise ValueError(f"{name} must have the shape of input_ids {(b, s)}, got {tuple(t.shape)}")
+        if loss_mask is not None and labels is None:
+            raise ValueError("loss_mask was given without labels")
+        if self.check_inputs and input_ids.numel() and bool(
+                ((input_ids < 0) | (input_ids >= cfg.vocab_size)).any()):
+            raise ValueError(f"input_ids must lie in [0, vocab_size={cfg.vocab_size}); got min "
+                             f"{int(input_ids.min())}, max {int(input_ids.max())}")
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                loss_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run the model on ``input_ids`` ``[b, s]``.
+
+        With ``labels`` ``[b, s]`` returns the scalar loss
+        ``sum(token_loss * loss_mask) / sum(loss_mask)`` (the mean over all
+        tokens without a mask), identical on every TP rank. Without labels
+        returns this rank's vocab-parallel logits ``[b, s, V_p/tp]`` (columns
+        ``[r*V_p/tp, (r+1)*V_p/tp)`` of the padded vocabulary; padded columns
+        are ``-inf``). :meth:`gather_logits` assembles ``[b, s, vocab_size]``.
+        """
+        self._check(input_ids, labels, loss_mask, position_ids)
+        cfg, topo = self.config, self.topology
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
+        rope = None
+        if cfg.position == "rope":
+            rope = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, self.head_weight().dtype)
+
+        x = self.embedding(input_ids.t(), position_ids.t())  # [s(/tp), b, h]
+        x = dropout(x, cfg.hidden_dropout, self.training, self.rng_tracker,
+                    "tp" if cfg.sequence_parallel else "shared")
+        for layer in self.layers:
+            if cfg.recompute == "full":
+                x = checkpoint(layer, x, rope, tracker=self.rng_tracker)
+            else:
+                x = layer(x, rope)
+        x = self.final_norm(x)
+        logits = column_parallel_linear(x, self.head_weight(), None, topo, cfg.sequence_parallel)  # [s, b, V_p/tp]
+
+        if labels is None:
+            return self._mask_padding(logits).transpose(0, 1).contiguous()
+        mask = None if loss_mask is None else loss_mask.t()
+        return vocab_parallel_cross_entropy(logits, labels.t(), topo, vocab_size=cfg.vocab_size, loss_mask=mask,
+                                            reduction="mean")
+
+    def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        local_v = logits.shape[-1]
+        n_valid = self.config.vocab_size - self.topology.tp_rank * local_v
+        if n_valid >= local_v:
+            return logits
+        padded = torch.arange(local_v, device=logits.device) >= n_valid
+        return logits.masked_fill(padded, float("-inf"))
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel ``[..., V_p/tp]`` -> full ``[..., vocab_size]`` (all-gather over ``"tp"``, differentiable)."""
+        return gather_from_tp_region(logits, self.topology)[..., :self.config.vocab_size]

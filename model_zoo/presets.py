@@ -1,0 +1,71 @@
+"""Named model shapes. ``get_preset(name, **overrides)`` returns a fresh :class:`GPTConfig`.
+
+Published parameter counts (logical vocabulary, no padding) are kept next to
+each preset in :data:`PUBLISHED_PARAMS`; the tests check the model against them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+from model_zoo.config import GPTConfig
+
+GPT2_VOCAB = 50257
+
+
+def _gpt2_style(hidden: int, layers: int, heads: int, seq: int = 1024, vocab: int = GPT2_VOCAB) -> GPTConfig:
+    return GPTConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, seq_length=seq,
+                     position="learned", norm="layernorm", norm_eps=1e-5, mlp="gelu", bias=True,
+                     tie_embeddings=True, hidden_dropout=0.1, attention_dropout=0.1)
+
+
+def _llama_style(hidden: int, layers: int, heads: int, ffn: int, vocab: int, seq: int) -> GPTConfig:
+    return GPTConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                     ffn_hidden_size=ffn, seq_length=seq, position="rope", rope_theta=10000.0, norm="rmsnorm",
+                     norm_eps=1e-6, mlp="swiglu", bias=False, tie_embeddings=False, hidden_dropout=0.0,
+                     attention_dropout=0.0, scaled_output_init=False)
+
+
+_PRESETS: Dict[str, Callable[[], GPTConfig]] = {
+    # Small enough for CPU tests and the demo: ~1.3M parameters.
+    "tiny": lambda: _gpt2_style(hidden=128, layers=4, heads=8, seq=128, vocab=4096).replace(
+        hidden_dropout=0.0, attention_dropout=0.0),
+    "llama-tiny": lambda: _llama_style(hidden=128, layers=4, heads=8, ffn=352, vocab=4096, seq=128),
+    "gpt2-small": lambda: _gpt2_style(hidden=768, layers=12, heads=12),
+    "gpt2-medium": lambda: _gpt2_style(hidden=1024, layers=24, heads=16),
+    "gpt2-large": lambda: _gpt2_style(hidden=1280, layers=36, heads=20),
+    "gpt2-xl": lambda: _gpt2_style(hidden=1600, layers=48, heads=25),
+    "megatron-8.3b": lambda: _gpt2_style(hidden=3072, layers=72, heads=24),
+    "turing-nlg-17b": lambda: _gpt2_style(hidden=4256, layers=78, heads=28),
+    "gpt3-175b": lambda: _gpt2_style(hidden=12288, layers=96, heads=96, seq=2048),
+    "llama-7b": lambda: _llama_style(hidden=4096, layers=32, heads=32, ffn=11008, vocab=32000, seq=4096),
+}
+
+# Exact published counts where one exists (Hugging Face checkpoints); the large
+# GPT-style models are published only by their nominal size.
+PUBLISHED_PARAMS: Dict[str, int] = {
+    "gpt2-small": 124_439_808,
+    "gpt2-medium": 354_823_168,
+    "gpt2-large": 774_030_080,
+    "gpt2-xl": 1_557_611_200,
+    "llama-7b": 6_738_415_616,
+}
+NOMINAL_PARAMS: Dict[str, float] = {
+    "megatron-8.3b": 8.3e9,
+    "turing-nlg-17b": 17.0e9,
+    "gpt3-175b": 175.0e9,
+}
+
+
+def list_presets() -> List[str]:
+    return list(_PRESETS)
+
+
+def get_preset(name: str, **overrides) -> GPTConfig:
+    """A new :class:`GPTConfig` for preset ``name``, with ``overrides`` applied (validated at tp=1)."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(_PRESETS)}")
+    config = _PRESETS[name]()
+    if overrides:
+        config = config.replace(**overrides)
+    return config.validate(1)

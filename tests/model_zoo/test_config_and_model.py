@@ -1,0 +1,125 @@
+"""GPTConfig validation, model input checks and single-process model behaviour."""
+
+import pytest
+import torch
+
+from hybrid.topology import Topology
+from model_zoo import GPTConfig, GPTModel, get_preset
+
+
+def _cfg(**kw):
+    base = dict(vocab_size=100, hidden_size=32, num_layers=1, num_heads=4, seq_length=16)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+@pytest.mark.parametrize("kw, tp, message", [
+    (dict(num_heads=6, hidden_size=36), 4, "num_heads=6 must be divisible by the tensor-parallel size tp=4"),
+    (dict(ffn_hidden_size=66), 4, "ffn_hidden_size=66 must be divisible by the tensor-parallel size tp=4"),
+    (dict(hidden_size=30), 1, "hidden_size=30 must be divisible by num_heads=4"),
+    (dict(seq_length=18, sequence_parallel=True), 4,
+     "seq_length=18 must be divisible by the tensor-parallel size tp=4 when sequence_parallel=True"),
+    (dict(position="alibi"), 1, "position='alibi' is not one of learned, rope"),
+    (dict(norm="batchnorm"), 1, "norm='batchnorm' is not one of layernorm, rmsnorm"),
+    (dict(recompute="some"), 1, "recompute='some' is not one of none, full, selective"),
+    (dict(hidden_dropout=1.0), 1, "hidden_dropout must be in \\[0, 1\\)"),
+    (dict(vocab_size=0), 1, "vocab_size must be a positive integer"),
+    (dict(max_position_embeddings=8), 1, "max_position_embeddings=8 is smaller than seq_length=16"),
+    (dict(hidden_size=36, num_heads=12, position="rope"), 1, "even head dim"),
+])
+def test_config_errors_name_the_key_and_rule(kw, tp, message):
+    with pytest.raises(ValueError, match=message):
+        _cfg(**kw).validate(tp)
+
+
+def test_config_round_trips_and_rejects_unknown_keys():
+    cfg = get_preset("llama-tiny")
+    assert GPTConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown GPTConfig keys \\['hidden'\\]"):
+        GPTConfig.from_dict({**cfg.to_dict(), "hidden": 3})
+
+
+def test_ffn_defaults():
+    assert _cfg().ffn_size == 128
+    assert _cfg(hidden_size=4096, num_heads=32, mlp="swiglu").ffn_size == 11008  # the Llama-7B width
+
+
+def test_forward_input_errors():
+    model = GPTModel(_cfg(), Topology.local())
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings=16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(ValueError, match="labels must have the shape of input_ids"):
+        model(ids, labels=torch.zeros(2, 7, dtype=torch.long))
+    with pytest.raises(ValueError, match="input_ids must lie in \\[0, vocab_size=100\\)"):
+        model(ids + 100)
+    with pytest.raises(ValueError, match="integer tensor"):
+        model(ids.float())
+    with pytest.raises(ValueError, match="target ids must lie in \\[0, vocab_size=100\\)"):
+        model(ids, labels=ids - 1)
+
+
+def test_loss_mask_and_mean():
+    model = GPTModel(_cfg(init_std=0.2), Topology.local())
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 100, (2, 8), generator=g)
+    labels = torch.randint(0, 100, (2, 8), generator=g)
+    logits = model.gather_logits(model(ids))
+    per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, 100), labels.reshape(-1), reduction="none")
+    mask = torch.zeros(2, 8)
+    mask[0, :3] = 1
+    assert torch.allclose(model(ids, labels=labels), per_token.mean(), rtol=1e-6)
+    assert torch.allclose(model(ids, labels=labels, loss_mask=mask), per_token.view(2, 8)[0, :3].mean(), rtol=1e-6)
+    assert model(ids, labels=labels, loss_mask=torch.zeros(2, 8)).item() == 0.0
+
+
+def test_meta_build_then_materialize_equals_direct_build():
+    cfg = get_preset("llama-tiny", num_layers=2)
+    direct = GPTModel(cfg, Topology.local(), seed=5)
+    lazy = GPTModel(cfg, Topology.local(), device="meta", seed=5)
+    assert all(p.is_meta for p in lazy.parameters())
+    lazy.materialize(device="cpu")
+    assert not any(p.is_meta for p in lazy.parameters())
+    a, b = dict(direct.named_parameters()), dict(lazy.named_parameters())
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ids = torch.randint(0, cfg.vocab_size, (1, 8))
+    assert torch.equal(direct(ids), lazy(ids))
+
+
+def test_tied_model_materialized_from_meta_keeps_the_tie():
+    cfg = get_preset("tiny", num_layers=1)
+    model = GPTModel(cfg, Topology.local(), device="meta").materialize(device="cpu")
+    assert model.lm_head is None and model.head_weight() is model.embedding.word_embeddings.weight
+
+
+def test_initial_values_follow_the_recorded_initializers():
+    cfg = _cfg(hidden_size=128, num_heads=4, num_layers=2, vocab_size=1000)
+    model = GPTModel(cfg, Topology.local(), seed=1)
+    params = dict(model.named_parameters())
+    std = params["layers.0.attention.qkv_proj.weight"].std().item()
+    out_std = params["layers.0.mlp.out_proj.weight"].std().item()
+    assert abs(std / 0.02 - 1) < 0.02
+    assert abs(out_std / (0.02 / 2.0) - 1) < 0.03  # std / sqrt(2 * 2 layers)
+    assert torch.equal(params["layers.0.input_norm.weight"], torch.ones(128))
+    assert torch.equal(params["layers.0.attention.qkv_proj.bias"], torch.zeros(384))
+    emb = params["embedding.word_embeddings.weight"]
+    assert emb.shape[0] == 1024 and torch.equal(emb[1000:], torch.zeros(24, 128))  # padded rows
+    # Distinct names give distinct draws; a different seed changes them.
+    assert not torch.equal(params["layers.0.attention.qkv_proj.weight"], params["layers.1.attention.qkv_proj.weight"])
+    other = GPTModel(cfg, Topology.local(), seed=2)
+    assert not torch.equal(other.embedding.word_embeddings.weight, emb)
+
+
+def test_eval_mode_is_deterministic_and_train_mode_drops():
+    cfg = _cfg(hidden_dropout=0.3, attention_dropout=0.3)
+    model = GPTModel(cfg, Topology.local())
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    model.eval()
+    assert torch.equal(model(ids, labels=ids), model(ids, labels=ids))
+    model.train()
+    first, second = model(ids, labels=ids), model(ids, labels=ids)
+    assert not torch.equal(first, second)  # the streams advance between steps
+    before = torch.get_rng_state()
+    model(ids, labels=ids)
+    assert torch.equal(before, torch.get_rng_state())  # the model's dropout never touches the global stream

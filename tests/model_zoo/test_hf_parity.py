@@ -1,0 +1,117 @@
+"""The GPT-2 and Llama switches compute exactly what Hugging Face's reference models compute.
+
+Each test builds a small random Hugging Face model (no download), copies its
+weights into a TP=1 GPTModel by name, and compares logits and loss in fp32.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybrid import param_meta
+from hybrid.topology import Topology
+from model_zoo import GPTConfig, GPTModel
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, HIDDEN, LAYERS, HEADS, SEQ, BATCH = 300, 64, 2, 4, 16, 2
+TOL = 1e-5
+
+
+def _load(model: GPTModel, tensors: dict) -> None:
+    """Copy full tensors into the TP=1 model (padding the vocabulary as its metadata says)."""
+    params = dict(model.named_parameters())
+    assert set(tensors) == set(params), set(tensors) ^ set(params)
+    with torch.no_grad():
+        for name, full in tensors.items():
+            p = params[name]
+            p.copy_(param_meta.shard(full.float(), param_meta.get_tp_meta(p), 1, 0))
+
+
+def _gpt2_weights(hf) -> dict:
+    sd = {k: v for k, v in hf.state_dict().items()}
+    out = {"embedding.word_embeddings.weight": sd["transformer.wte.weight"],
+           "embedding.position_embeddings.weight": sd["transformer.wpe.weight"],
+           "final_norm.weight": sd["transformer.ln_f.weight"], "final_norm.bias": sd["transformer.ln_f.bias"]}
+    for i in range(LAYERS):
+        src, dst = f"transformer.h.{i}.", f"layers.{i}."
+        for a, b in (("ln_1", "input_norm"), ("ln_2", "post_attention_norm")):
+            out[dst + b + ".weight"] = sd[src + a + ".weight"]
+            out[dst + b + ".bias"] = sd[src + a + ".bias"]
+        # Conv1D keeps [in, out]; our linear layers keep [out, in].
+        for a, b in (("attn.c_attn", "attention.qkv_proj"), ("attn.c_proj", "attention.out_proj"),
+                     ("mlp.c_fc", "mlp.in_proj"), ("mlp.c_proj", "mlp.out_proj")):
+            out[dst + b + ".weight"] = sd[src + a + ".weight"].t()
+            out[dst + b + ".bias"] = sd[src + a + ".bias"]
+    return out
+
+
+def _llama_weights(hf) -> dict:
+    sd = hf.state_dict()
+    out = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
+           "final_norm.weight": sd["model.norm.weight"], "lm_head.weight": sd["lm_head.weight"]}
+    for i in range(LAYERS):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        out[dst + "input_norm.weight"] = sd[src + "input_layernorm.weight"]
+        out[dst + "post_attention_norm.weight"] = sd[src + "post_attention_layernorm.weight"]
+        out[dst + "attention.qkv_proj.weight"] = torch.cat(
+            [sd[src + f"self_attn.{x}_proj.weight"] for x in "qkv"], dim=0)
+        out[dst + "attention.out_proj.weight"] = sd[src + "self_attn.o_proj.weight"]
+        out[dst + "mlp.in_proj.weight"] = torch.cat(
+            [sd[src + "mlp.gate_proj.weight"], sd[src + "mlp.up_proj.weight"]], dim=0)
+        out[dst + "mlp.out_proj.weight"] = sd[src + "mlp.down_proj.weight"]
+    return out
+
+
+def _randomise_norms(hf) -> None:
+    # Fresh norms are ones/zeros; random ones make a wrong eps, bias or weight placement visible.
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "ln" in name or "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if name.endswith("weight")
+                        else 0.1 * torch.randn(p.shape, generator=g))
+
+
+def _compare(ours: GPTModel, hf) -> None:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits.float()
+        got = ours.gather_logits(ours(ids))
+        loss = ours(ids, labels=labels)
+    assert got.shape == ref.shape == (BATCH, SEQ, VOCAB)
+    rel = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert rel < TOL, f"logits differ from Hugging Face: relative error {rel:.2e}"
+    ref_loss = F.cross_entropy(ref.reshape(-1, VOCAB), labels.reshape(-1))
+    assert abs(loss.item() - ref_loss.item()) <= TOL * ref_loss.item()
+    # The vocab-parallel logits mark the padding as never predicted.
+    raw = ours(ids)
+    assert raw.shape[-1] == ours.padded_vocab_size and torch.isinf(raw[..., VOCAB:]).all()
+
+
+def test_gpt2_switches_match_gpt2lmheadmodel():
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    hf = transformers.GPT2LMHeadModel(cfg).eval()
+    _randomise_norms(hf)
+    ours = GPTModel(GPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS,
+                              seq_length=SEQ), Topology.local()).eval()
+    _load(ours, _gpt2_weights(hf))
+    _compare(ours, hf)
+
+
+def test_llama_switches_match_llamaforcausallm():
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96,
+                                   num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                                   max_position_embeddings=SEQ, rope_theta=500.0, rms_norm_eps=1e-6,
+                                   tie_word_embeddings=False)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    _randomise_norms(hf)
+    ours = GPTModel(GPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS,
+                              ffn_hidden_size=96, seq_length=SEQ, position="rope", rope_theta=500.0,
+                              norm="rmsnorm", norm_eps=1e-6, mlp="swiglu", bias=False, tie_embeddings=False),
+                    Topology.local()).eval()
+    _load(ours, _llama_weights(hf))
+    _compare(ours, hf)

@@ -1,0 +1,82 @@
+"""Presets, parameter counts and model FLOPs."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from hybrid.topology import Topology
+from model_zoo import (GPTConfig, GPTModel, count_model_parameters, count_parameters, flops_per_token, get_preset,
+                       list_presets, matmul_parameters)
+from model_zoo.presets import NOMINAL_PARAMS, PUBLISHED_PARAMS
+
+REQUIRED = ("tiny", "llama-tiny", "gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl", "megatron-8.3b",
+            "turing-nlg-17b", "gpt3-175b", "llama-7b")
+
+
+def test_every_required_preset_exists():
+    assert set(REQUIRED) <= set(list_presets())
+
+
+@pytest.mark.parametrize("name", REQUIRED)
+def test_count_formula_matches_meta_model_and_publication(name):
+    cfg = get_preset(name)
+    model = GPTModel(cfg, Topology.local(), device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    built = count_model_parameters(model, 1)
+    assert built == count_parameters(cfg)
+    if name in PUBLISHED_PARAMS:
+        assert built == PUBLISHED_PARAMS[name]
+    if name in NOMINAL_PARAMS:
+        assert abs(built / NOMINAL_PARAMS[name] - 1) < 0.02, built
+
+
+def test_preset_shapes():
+    tnlg = get_preset("turing-nlg-17b")
+    assert (tnlg.num_layers, tnlg.hidden_size, tnlg.num_heads, tnlg.seq_length) == (78, 4256, 28, 1024)
+    mega = get_preset("megatron-8.3b")
+    assert (mega.num_layers, mega.hidden_size, mega.num_heads) == (72, 3072, 24)
+    llama = get_preset("llama-7b")
+    assert (llama.position, llama.norm, llama.mlp, llama.bias, llama.tie_embeddings) == (
+        "rope", "rmsnorm", "swiglu", False, False)
+    tiny = get_preset("tiny")
+    assert count_parameters(tiny) < 5_000_000 and tiny.seq_length <= 128
+
+
+def test_get_preset_overrides_and_errors():
+    assert get_preset("tiny", num_layers=2).num_layers == 2
+    a, b = get_preset("tiny"), get_preset("tiny")
+    a.num_layers = 1
+    assert b.num_layers != 1
+    with pytest.raises(ValueError, match="unknown model preset 'gpt5'.*tiny"):
+        get_preset("gpt5")
+    with pytest.raises(ValueError, match="unknown GPTConfig keys \\['n_layer'\\]"):
+        get_preset("tiny", n_layer=3)
+    with pytest.raises(ValueError, match="num_heads=8 must be divisible by the tensor-parallel size tp=3"):
+        get_preset("tiny").validate(3)
+
+
+# Hand count for h=8, L=2, f=32, V=10, s=4:
+#   per layer: qkv 8*24 = 192, out 8*8 = 64, MLP (GELU) 8*32 + 32*8 = 512   -> 768
+#   (SwiGLU) 2*32*8 + 32*8 = 768                                             -> 1024
+#   LM head 10*8 = 80
+#   GELU:   N = 2*768 + 80 = 1616,  6N = 9696,  attention 12*L*s*h = 12*2*4*8 = 768  -> 10464
+#   SwiGLU: N = 2*1024 + 80 = 2128, 6N = 12768, attention 768                       -> 13536
+HAND = {"gelu": (1616, 10464), "swiglu": (2128, 13536)}
+
+
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
+def test_flops_per_token_matches_hand_count_and_measured_matmuls(mlp):
+    extra = {} if mlp == "gelu" else dict(position="rope", norm="rmsnorm", bias=False, tie_embeddings=False)
+    cfg = GPTConfig(vocab_size=10, hidden_size=8, num_layers=2, num_heads=2, ffn_hidden_size=32, seq_length=4,
+                    vocab_pad_multiple=1, mlp=mlp, **extra)
+    n_matmul, total = HAND[mlp]
+    assert matmul_parameters(cfg) == n_matmul
+    assert flops_per_token(cfg) == total
+    assert flops_per_token(cfg, seq_length=8) == total + 768  # the attention term doubles with s
+
+    # torch's FLOP counter sees every linear (not the CPU attention kernel): 6N per token.
+    model = GPTModel(cfg, Topology.local())
+    ids = torch.randint(0, 10, (3, 4), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        model(ids, labels=ids).backward()
+    assert counter.get_total_flops() == 6 * n_matmul * ids.numel()
