@@ -27,6 +27,10 @@ import torch.distributed as dist
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.topology import Topology
 
+# torch 2.13 renamed the flat-tensor collectives; older releases (>= 2.4) have only the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,
@@ -131,7 +135,10 @@ class Communicator:
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, axis: str,
                                async_op: bool = False) -> Optional[Handle]:
-        """Gather ``input`` [k] from every rank of ``axis`` into ``output`` [n*k], in group-rank order."""
+        """Gather ``input`` [k, ...] from every rank of ``axis`` into ``output`` [n*k, ...], in group-rank order.
+
+        gloo needs ``output`` flat along dim 0 (not shaped [n, k, ...]).
+        """
         n = self.size(axis)
         if output.numel() != n * input.numel():
             raise ValueError(f"all_gather_into_tensor over {axis}: output has {output.numel()} "
@@ -141,7 +148,7 @@ class Communicator:
                 output.copy_(input.view_as(output))
             return Handle() if async_op else None
         self._record("all_gather", axis, _nbytes(output), (n - 1) / n)
-        return self._launch(lambda a: dist.all_gather_into_tensor(
+        return self._launch(lambda a: _all_gather_flat(
             output, input, group=self._group(axis), async_op=a), async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, axis: str,
@@ -157,7 +164,7 @@ class Communicator:
             return Handle() if async_op else None
         self._record("reduce_scatter", axis, _nbytes(input), (n - 1) / n)
         finish = (lambda: output.div_(n)) if op == "avg" else None
-        return self._launch(lambda a: dist.reduce_scatter_tensor(
+        return self._launch(lambda a: _reduce_scatter_flat(
             output, input, op=_REDUCE_OPS[op], group=self._group(axis), async_op=a),
             async_op, finish)
 

@@ -1,0 +1,55 @@
+"""The trainer's data: datasets for the train/valid splits and this rank's micro-batches.
+
+Sample order is a function of (seed, global sample index) only, and DP rank r
+reads its slice of each global batch, so the batches a run sees do not depend
+on its layout and a resumed run continues from ``consumed_samples`` exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+import torch
+
+from hybrid.data import build_train_valid_test_datasets
+from hybrid.training.arguments import TrainingArguments
+
+
+class MockDataset(torch.utils.data.Dataset):
+    """Random tokens, each sample drawn from a generator seeded by (seed, index): for benchmarks and smoke tests."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
+        self.num_samples, self.seq_length, self.vocab_size, self.seed = num_samples, seq_length, vocab_size, seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, idx: int) -> dict:
+        rng = np.random.default_rng([self.seed, idx])
+        tokens = torch.from_numpy(rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64))
+        return {"tokens": tokens[:-1], "labels": tokens[1:],
+                "loss_mask": torch.ones(self.seq_length, dtype=torch.float32),
+                "position_ids": torch.arange(self.seq_length, dtype=torch.int64)}
+
+
+@dataclasses.dataclass
+class TrainData:
+    train: torch.utils.data.Dataset
+    valid: Optional[torch.utils.data.Dataset]
+
+
+def build_data(args: TrainingArguments, seq_length: int, vocab_size: int, global_batch: int,
+               eod_id: Optional[int], rank: int, barrier) -> TrainData:
+    """Datasets sized for the whole run: ``train_iters`` global batches of training samples, and
+    enough validation samples for every evaluation (each evaluation reads the same ones)."""
+    train_samples = args.train_iters * global_batch
+    valid_samples = args.eval_iters * global_batch if args.eval_interval > 0 and args.eval_iters > 0 else 0
+    if args.mock_data:
+        valid = MockDataset(valid_samples, seq_length, vocab_size, args.seed + 1) if valid_samples else None
+        return TrainData(MockDataset(train_samples, seq_length, vocab_size, args.seed), valid)
+    train, valid, _ = build_train_valid_test_datasets(
+        args.data_path, args.split, seq_length, (train_samples, valid_samples, 0), seed=args.seed,
+        eod_id=eod_id, eod_mask_loss=args.eod_mask_loss, rank=rank, barrier=barrier)
+    return TrainData(train, valid)

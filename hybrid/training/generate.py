@@ -1,0 +1,111 @@
+"""Sample text from a trained checkpoint: ``python -m hybrid.training.generate --load DIR --prompt "..."``.
+
+The checkpoint's TP shards are merged into one TP=1 model in this process
+(one parameter at a time, through the recorded TP layout), so generation
+needs no process group whatever layout trained the model. Decoding is greedy,
+or sampling with temperature, top-k and top-p.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import List, Optional
+
+import torch
+
+from hybrid import param_meta
+from hybrid.checkpoint import CheckpointReader
+from hybrid.topology import Topology
+
+
+def load_model(load_dir) -> "torch.nn.Module":
+    """A TP=1 :class:`model_zoo.GPTModel` holding the weights of the checkpoint at ``load_dir``."""
+    from model_zoo import GPTConfig, GPTModel
+
+    reader = CheckpointReader(load_dir)
+    config = GPTConfig.from_dict(reader.model_config).replace(sequence_parallel=False, recompute="none")
+    model = GPTModel(config, Topology.local(), device="meta")
+    shards = [reader.open_model_shard(r) for r in range(reader.layout.tp)]
+    state = {}
+    for name, p in model.named_parameters():
+        pieces = [s.get_tensor(name) for s in shards]
+        meta = param_meta.get_tp_meta(p)
+        full = param_meta.merge(pieces, meta)
+        # At TP=1 the padded vocabulary has its own padding: re-shard the logical tensor for one rank.
+        state[name] = param_meta.shard(full, meta, 1, 0).float()
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval()
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Keep the ``top_k`` largest and the smallest set of tokens whose probability reaches ``top_p``."""
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1, None]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if 0.0 < top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token once the tokens before it already reach top_p.
+        drop = probs.cumsum(-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: List[int], max_new_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
+             top_p: float = 1.0, greedy: bool = False, eod_id: Optional[int] = None,
+             generator: Optional[torch.Generator] = None) -> List[int]:
+    """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens (stops early at ``eod_id``).
+
+    ``model`` is a TP=1 GPTModel; the context is cut to its last ``seq_length`` tokens.
+    """
+    if not prompt_ids:
+        raise ValueError("the prompt is empty; give at least one token")
+    if temperature <= 0 and not greedy:
+        raise ValueError(f"temperature must be > 0 for sampling, got {temperature}; use greedy decoding instead")
+    ids = list(prompt_ids)
+    window = model.config.seq_length
+    for _ in range(max_new_tokens):
+        context = torch.tensor([ids[-window:]], dtype=torch.int64)
+        logits = model(context)[0, -1, :model.config.vocab_size].float()
+        if greedy:
+            nxt = int(torch.argmax(logits))
+        else:
+            probs = torch.softmax(_filter_logits(logits / temperature, top_k, top_p), dim=-1)
+            nxt = int(torch.multinomial(probs, 1, generator=generator))
+        ids.append(nxt)
+        if eod_id is not None and nxt == eod_id:
+            break
+    return ids[len(prompt_ids):]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Generate text from a hybrid checkpoint.")
+    parser.add_argument("--load", required=True, help="checkpoint directory (its 'latest') or DIR/iter_N")
+    parser.add_argument("--tokenizer-model", required=True, help="the SentencePiece model used for training")
+    parser.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-k", type=int, default=40, help="0 disables")
+    parser.add_argument("--top-p", type=float, default=0.95, help="1 disables")
+    parser.add_argument("--seed", type=int, default=1234)
+    args = parser.parse_args(argv)
+    from hybrid.data import SentencePieceTokenizer
+
+    tokenizer = SentencePieceTokenizer(args.tokenizer_model)
+    model = load_model(args.load)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise SystemExit(f"--tokenizer-model has {tokenizer.vocab_size} tokens but the checkpoint's model has "
+                         f"{model.config.vocab_size}; use the tokenizer the model was trained with")
+    prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.eod_id]
+    generator = torch.Generator().manual_seed(args.seed)
+    out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, greedy=args.greedy, eod_id=tokenizer.eod_id, generator=generator)
+    print(args.prompt + tokenizer.decode([t for t in out if t != tokenizer.eod_id]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The main job: pretrain the `tiny` GPT on this machine's CPUs, end to end, with nothing downloaded.
+#   1. builds a corpus from the docstrings of the Python standard library (tools/make_stdlib_corpus.py)
+#   2. trains a SentencePiece tokenizer and preprocesses the corpus into an indexed dataset
+#   3. pretrains with TP=2 x DP=2 and ZeRO-1 on 4 CPU processes (torchrun, gloo)
+#   4. writes TensorBoard logs and checkpoints
+#   5. prints where they are and a text sample from the trained model
+# It sets up .venv on first use (launch_scripts/setup_env.sh).
+#
+# Environment (defaults in brackets):
+#   WORK_DIR        [runs/tiny]   everything the run writes
+#   NPROC           [4]           processes (CPU ranks)
+#   TP              [2]           tensor-model-parallel size
+#   ZERO_STAGE      [1]
+#   TRAIN_ITERS     [300]         optimizer steps (CI lowers it)
+#   MICRO_BATCH     [4]
+#   GLOBAL_BATCH    [16]
+#   SEQ_LENGTH      [128]
+#   VOCAB_SIZE      [4096]        SentencePiece vocabulary
+#   LR              [3e-3]
+#   EVAL_INTERVAL   [50]
+#   LOG_INTERVAL    [10]
+#   SAVE_INTERVAL   [100]
+#   MAX_DOCUMENTS   [0]           cap on corpus documents (0: all docstrings)
+#   SETUP           [1]           0 skips the virtual-environment set-up (use the active Python)
+#   EXTRA_ARGS      []            appended to the trainer's flags
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WORK_DIR="${WORK_DIR:-runs/tiny}"
+NPROC="${NPROC:-4}"
+TP="${TP:-2}"
+ZERO_STAGE="${ZERO_STAGE:-1}"
+TRAIN_ITERS="${TRAIN_ITERS:-300}"
+MICRO_BATCH="${MICRO_BATCH:-4}"
+GLOBAL_BATCH="${GLOBAL_BATCH:-16}"
+SEQ_LENGTH="${SEQ_LENGTH:-128}"
+VOCAB_SIZE="${VOCAB_SIZE:-4096}"
+LR="${LR:-3e-3}"
+EVAL_INTERVAL="${EVAL_INTERVAL:-50}"
+LOG_INTERVAL="${LOG_INTERVAL:-10}"
+SAVE_INTERVAL="${SAVE_INTERVAL:-100}"
+MAX_DOCUMENTS="${MAX_DOCUMENTS:-0}"
+SETUP="${SETUP:-1}"
+EXTRA_ARGS="${EXTRA_ARGS:-}"
+
+if [ "$SETUP" = "1" ]; then
+  source launch_scripts/setup_env.sh
+fi
+mkdir -p "$WORK_DIR"
+stage() { printf '\n== %s\n' "$1"; STAGE_START=$(date +%s.%N); }
+stage_done() { awk -v a="$STAGE_START" -v b="$(date +%s.%N)" 'BEGIN { printf "   (%.1f s)\n", b - a }'; }
+
+stage "1/4 corpus from the standard library's docstrings"
+python tools/make_stdlib_corpus.py --output "$WORK_DIR/corpus.jsonl" --max-documents "$MAX_DOCUMENTS"
+stage_done
+
+stage "2/4 SentencePiece tokenizer (vocab $VOCAB_SIZE) and preprocessing"
+python tools/train_tokenizer.py --input "$WORK_DIR/corpus.jsonl" --output-prefix "$WORK_DIR/tokenizer" \
+  --vocab-size "$VOCAB_SIZE" --model-type bpe --no-progress
+python tools/preprocess_data.py --input "$WORK_DIR/corpus.jsonl" --tokenizer-model "$WORK_DIR/tokenizer.model" \
+  --output-prefix "$WORK_DIR/corpus" --append-eod --workers 2 --no-progress
+stage_done
+
+stage "3/4 pretraining: $NPROC CPU processes, TP=$TP, ZeRO-$ZERO_STAGE, $TRAIN_ITERS iterations"
+# One intra-op thread per rank: the ranks already share the cores.
+# shellcheck disable=SC2086
+OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node "$NPROC" -m hybrid.train \
+  --model tiny --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH" \
+  --tensor-model-parallel-size "$TP" --zero-stage "$ZERO_STAGE" \
+  --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS" \
+  --lr "$LR" --min-lr "$(python -c "print($LR / 10)")" --lr-decay-style cosine \
+  --lr-warmup-iters "$((TRAIN_ITERS / 20 + 1))" --weight-decay 0.1 --clip-grad 1.0 \
+  --data-path "$WORK_DIR/corpus_text_document" --split 95,5,0 --tokenizer-model "$WORK_DIR/tokenizer.model" \
+  --save "$WORK_DIR/checkpoints" --save-interval "$SAVE_INTERVAL" --keep-last 2 \
+  --eval-interval "$EVAL_INTERVAL" --eval-iters 4 --log-interval "$LOG_INTERVAL" \
+  --tensorboard-dir "$WORK_DIR/tensorboard" --seed 1234 $EXTRA_ARGS
+stage_done
+
+stage "4/4 a sample from the trained model"
+python -m hybrid.training.generate --load "$WORK_DIR/checkpoints" --tokenizer-model "$WORK_DIR/tokenizer.model" \
+  --prompt "Return the" --max-new-tokens 40
+stage_done
+
+cat <<MSG
+
+Done.
+  checkpoints:  $WORK_DIR/checkpoints (latest: $(cat "$WORK_DIR/checkpoints/latest"))
+  TensorBoard:  $WORK_DIR/tensorboard
+  view with:    tensorboard --logdir $WORK_DIR/tensorboard
+MSG
