@@ -1,0 +1,47 @@
+"""Data pipeline: tokenizer, indexed datasets, GPT samples, blending and layout-invariant sampling.
+
+Names are imported on first use so that the preprocessing tools (numpy and
+sentencepiece only) do not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "SentencePieceTokenizer": "tokenizer",
+    "train_sentencepiece": "tokenizer",
+    "IndexedDataset": "indexed",
+    "IndexedDatasetWriter": "indexed",
+    "IndexFormatError": "indexed",
+    "best_dtype": "indexed",
+    "merge_datasets": "indexed",
+    "write_dataset": "indexed",
+    "preprocess": "preprocess",
+    "BadInputError": "preprocess",
+    "GPTDataset": "gpt_dataset",
+    "build_gpt_indices": "gpt_dataset",
+    "make_sample": "gpt_dataset",
+    "BlendedDataset": "blended",
+    "build_train_valid_test_datasets": "blended",
+    "parse_data_path": "blended",
+    "parse_split": "blended",
+    "GlobalBatchSampler": "sampler",
+    "MicroBatchSampler": "sampler",
+    "collate_samples": "sampler",
+    "iter_global_batches": "sampler",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hybrid.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,130 @@
+"""SentencePiece tokenizer: a thin wrapper for encoding, and training from text.
+
+The end-of-document (EOD) token is the model's ``</s>`` (eos) piece; models
+trained by :func:`train_sentencepiece` use ids unk=0, bos=1, eos=2, no pad.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Iterator, Sequence
+
+import sentencepiece as spm
+
+MODEL_TYPES = ("bpe", "unigram")
+
+
+class SentencePieceTokenizer:
+    """Encode/decode with a trained ``.model`` file.
+
+    ``eod_id`` is the eos id; a model without an eos piece cannot mark document
+    ends and is rejected when ``eod_id`` is read.
+    """
+
+    def __init__(self, model_path: str | os.PathLike):
+        self.model_path = os.fspath(model_path)
+        if not os.path.isfile(self.model_path):
+            raise FileNotFoundError(
+                f"tokenizer model {self.model_path} not found; train one with tools/train_tokenizer.py "
+                f"and pass the .model file (--tokenizer-model)"
+            )
+        self._sp = spm.SentencePieceProcessor(model_file=self.model_path)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    @property
+    def eod_id(self) -> int:
+        eos = self._sp.eos_id()
+        if eos < 0:
+            raise ValueError(
+                f"tokenizer {self.model_path} has no eos piece to use as end-of-document; "
+                f"retrain it with an eos id (tools/train_tokenizer.py keeps eos_id=2)"
+            )
+        return eos
+
+    @property
+    def bos_id(self) -> int:
+        return self._sp.bos_id()
+
+    @property
+    def unk_id(self) -> int:
+        return self._sp.unk_id()
+
+    @property
+    def pad_id(self) -> int:
+        return self._sp.pad_id()
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text, out_type=int)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # One thread: preprocessing parallelism comes from worker processes.
+        return self._sp.encode(list(texts), out_type=int, num_threads=1)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+    def id_to_piece(self, token_id: int) -> str:
+        return self._sp.id_to_piece(int(token_id))
+
+    def __repr__(self) -> str:
+        return f"SentencePieceTokenizer({self.model_path!r}, vocab_size={self.vocab_size})"
+
+
+def _lines_of(documents: Iterable[str]) -> Iterator[str]:
+    """SentencePiece trains on lines; a multi-line document yields each non-blank line."""
+    for doc in documents:
+        for line in doc.splitlines():
+            if line.strip():
+                yield line
+
+
+def train_sentencepiece(
+    documents: Iterable[str],
+    model_prefix: str | os.PathLike,
+    vocab_size: int,
+    model_type: str = "bpe",
+    character_coverage: float = 1.0,
+    byte_fallback: bool = False,
+    max_sentence_length: int = 16384,
+    input_sentence_size: int = 0,
+    num_threads: int | None = None,
+    verbose: bool = False,
+) -> str:
+    """Train a SentencePiece model from an iterable of documents; returns the ``.model`` path.
+
+    ``input_sentence_size`` > 0 samples that many lines (0 uses all). Lines
+    longer than ``max_sentence_length`` bytes are skipped by SentencePiece.
+    """
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
+    if vocab_size < 8:
+        raise ValueError(f"vocab_size must be at least 8, got {vocab_size}")
+    if not 0.0 < character_coverage <= 1.0:
+        raise ValueError(f"character_coverage must be in (0, 1], got {character_coverage}")
+    model_prefix = os.fspath(model_prefix)
+    parent = os.path.dirname(os.path.abspath(model_prefix))
+    os.makedirs(parent, exist_ok=True)
+    options = dict(
+        sentence_iterator=_lines_of(documents),
+        model_prefix=model_prefix,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        character_coverage=character_coverage,
+        byte_fallback=byte_fallback,
+        max_sentence_length=max_sentence_length,
+        input_sentence_size=input_sentence_size,
+        shuffle_input_sentence=input_sentence_size > 0,
+        num_threads=num_threads or os.cpu_count() or 1,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=0 if verbose else 2,
+    )
+    # minloglevel silences the trainer; its logstream option would redirect file
+    # descriptor 2, which hides progress bars and fails under captured stderr.
+    spm.SentencePieceTrainer.train(**options)
+    return model_prefix + ".model"

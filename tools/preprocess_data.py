@@ -1,0 +1,73 @@
+#!/usr/bin/env python
+"""Tokenize a corpus into Megatron-compatible indexed datasets.
+
+    python tools/preprocess_data.py --input corpus.jsonl --json-keys text \\
+        --tokenizer-model tok/spm.model --output-prefix data/corpus \\
+        --workers 2 --append-eod
+
+Writes ``{output-prefix}_{key}_document.bin/.idx`` for each key. ``--input`` is
+jsonl (one JSON object per line) or plain text with one document per
+blank-line-separated block (chosen by extension, or ``--input-format``).
+Output is byte-identical for any ``--workers``. A bad line aborts the run with
+its line number unless ``--on-bad-line skip`` is given, in which case bad
+lines are counted and listed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):
+    _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if _REPO not in sys.path:
+        sys.path.insert(0, _REPO)
+
+from hybrid.data.preprocess import BAD_LINE_POLICIES, INPUT_FORMATS, BadInputError, preprocess
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", required=True, help="jsonl, or plain text with blank-line-separated documents")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize (default: text)")
+    p.add_argument("--input-format", choices=INPUT_FORMATS, default="auto")
+    p.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=["SentencePieceTokenizer"],
+                   help="accepted for compatibility; only SentencePiece is supported")
+    p.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
+    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
+    p.add_argument("--log-interval", type=int, default=1000, help="documents between docs/s refreshes")
+    p.add_argument("--on-bad-line", choices=BAD_LINE_POLICIES, default="abort",
+                   help="abort (default): stop at the first bad line; skip: leave bad lines out and list them")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        result = preprocess(
+            args.input,
+            args.tokenizer_model,
+            args.output_prefix,
+            json_keys=args.json_keys,
+            workers=args.workers,
+            append_eod=args.append_eod,
+            on_bad_line=args.on_bad_line,
+            input_format=args.input_format,
+            log_interval=args.log_interval,
+            progress=not args.no_progress,
+        )
+    except (BadInputError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(result.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
