@@ -60,11 +60,14 @@ def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples:
                            all_gather_object=engine.topology.comm.all_gather_object)
 
 
-def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True) -> Dict[str, Any]:
+def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True,
+                keep_configured_schedule: bool = False) -> Dict[str, Any]:
     """Restore what :func:`save_engine` wrote; returns iteration, consumed samples and client state.
 
     ``load_optimizer=False`` loads the weights only (fine-tuning: new optimizer,
-    schedule and counters). Raises :class:`~hybrid.checkpoint.CheckpointError`
+    schedule and counters). A saved LR schedule whose settings differ from the
+    configured one is an error unless ``keep_configured_schedule``, which keeps
+    the configured settings at the saved position. Raises :class:`~hybrid.checkpoint.CheckpointError`
     naming what differs when the checkpoint cannot be loaded into this engine.
     """
     reader = CheckpointReader(load_dir)
@@ -95,7 +98,11 @@ def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True) -> D
         eng = state["engine"]
         engine.global_step = int(eng["global_step"])
         engine.micro_steps = int(eng["micro_steps"])
-        engine.lr_schedule.load_state_dict(eng["lr_schedule"])
+        try:
+            engine.lr_schedule.load_state_dict(eng["lr_schedule"], strict=not keep_configured_schedule)
+        except ValueError as e:
+            raise CheckpointError(f"{reader.path}: {e}. The trainer's --override-opt-param-scheduler keeps the "
+                                  f"new settings") from None
     return {"iteration": reader.iteration, "consumed_samples": reader.consumed_samples,
             "client_state": state.get("client", {}), "path": str(reader.path)}
 

@@ -99,6 +99,8 @@ class TrainingArguments:
     save_interval: Optional[int] = _arg(None, "save every this many steps")
     keep_last: Optional[int] = _arg(None, "keep only the newest K checkpoints")
     finetune: bool = _arg(False, "load weights only: new optimizer, schedule and data position")
+    override_opt_param_scheduler: bool = _arg(False, "on --load, keep the configured LR schedule settings "
+                                                     "(e.g. a longer --train-iters) at the saved position")
     # ---- evaluation, logging, exit --------------------------------------------------------------------
     eval_interval: int = _arg(1000, "evaluate on the validation split every this many steps (0 disables)")
     eval_iters: int = _arg(10, "validation batches per evaluation")

@@ -77,7 +77,8 @@ class Trainer:
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def _load(self, path: str) -> None:
-        state = load_engine(self.engine, path, load_optimizer=not self.args.finetune)
+        state = load_engine(self.engine, path, load_optimizer=not self.args.finetune,
+                            keep_configured_schedule=self.args.override_opt_param_scheduler)
         if not self.args.finetune:
             self.iteration = state["iteration"]
             self.consumed_samples = state["consumed_samples"]

@@ -1,0 +1,115 @@
+"""The launch paths end to end: the tiny demo script, SIGTERM during training, and a two-node torchrun."""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hybrid.checkpoint import CheckpointReader
+from tests.multiproc import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--vocab-size", "512", "--mock-data", "--micro-batch-size", "1", "--lr", "1e-3", "--eval-interval", "0"]
+
+
+def _env(**extra):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _torchrun(*args):
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def test_tiny_demo_end_to_end(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hybrid.monitor import TRAIN_TAGS, VALID_TAGS
+
+    work = tmp_path / "tiny"
+    proc = subprocess.run(["bash", str(REPO / "launch_scripts/pretrain_gpt_tiny.sh")], cwd=REPO, text=True,
+                          capture_output=True, timeout=600,
+                          env=_env(SETUP="0", WORK_DIR=str(work), TRAIN_ITERS="24", EVAL_INTERVAL="8",
+                                   SAVE_INTERVAL="12", LOG_INTERVAL="4", MAX_DOCUMENTS="3000", SEQ_LENGTH="64"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "tensorboard --logdir" in out and "a sample from the trained model" in out
+    # Validation loss clearly falls: from about ln(vocab) = 8.3 at initialisation, at every evaluation.
+    valid = [float(line.split("lm loss:")[1].split("|")[0]) for line in out.splitlines()
+             if line.startswith("validation at iteration")]
+    assert len(valid) == 3 and valid == sorted(valid, reverse=True), valid
+    assert valid[-1] < math.log(4096) - 1.0, valid
+    # Every TensorBoard tag is there with finite values.
+    (event_dir,) = {p.parent for p in (work / "tensorboard").rglob("events.out.tfevents.*")}
+    acc = EventAccumulator(str(event_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    scalars = set(acc.Tags()["scalars"])
+    for tag in list(TRAIN_TAGS) + list(VALID_TAGS):
+        assert tag in scalars, f"{tag} missing from {sorted(scalars)}"
+        assert all(math.isfinite(e.value) for e in acc.Scalars(tag)), tag
+    assert [e.step for e in acc.Scalars("train/lm_loss")] == [4, 8, 12, 16, 20, 24]
+    assert acc.Tags()["tensors"], "hyperparameters text is missing"
+    reader = CheckpointReader(work / "checkpoints")
+    assert reader.iteration == 24
+    reader.verify_all()
+
+
+def test_sigterm_saves_a_loadable_checkpoint(tmp_path):
+    save = tmp_path / "ckpt"
+    cmd = _torchrun("--standalone", "--nproc-per-node", "2", "-m", "hybrid.train", *SMALL,
+                    "--tensor-model-parallel-size", "2", "--train-iters", "100000", "--log-interval", "1",
+                    "--save", str(save))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("iteration") and "/100000" in line and int(line.split("/")[0].split()[-1]) >= 3:
+                break
+            assert time.monotonic() < deadline, "".join(lines[-30:])
+        # SLURM and torchrun signal every process of the job.
+        os.killpg(proc.pid, signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = "".join(lines) + rest
+    assert "exiting at iteration" in log and "received a termination signal" in log, log[-3000:]
+    reader = CheckpointReader(save)
+    assert 3 <= reader.iteration < 100000
+    reader.verify_all()
+    # And the same command resumes from it (here for one more iteration).
+    resumed = subprocess.run(_torchrun("--standalone", "--nproc-per-node", "2", "-m", "hybrid.train", *SMALL,
+                                       "--tensor-model-parallel-size", "2", "--train-iters", "100000",
+                                       "--exit-interval", str(reader.iteration + 1), "--log-interval", "1",
+                                       "--load", str(save)),
+                             cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert f"loaded {reader.path}" in resumed.stdout
+    assert f"exiting at iteration {reader.iteration + 1}: reached --exit-interval" in resumed.stdout
+
+
+def test_two_node_rendezvous_on_one_machine(tmp_path):
+    port = free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hybrid-test", "-m", "hybrid.train", *SMALL,
+              "--tensor-model-parallel-size", "2", "--zero-stage", "1", "--train-iters", "3", "--log-interval", "1",
+              "--save", str(tmp_path / "ckpt")]
+    agents = [subprocess.Popen(_torchrun("--node-rank", str(n), *common), cwd=REPO, env=_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
+    outs = [a.communicate(timeout=240)[0] for a in agents]
+    for a, out in zip(agents, outs):
+        assert a.returncode == 0, out[-3000:]
+    log = "".join(outs)
+    assert "world=4 tp=2 dp=2" in log
+    assert "iteration 3/3" in log
+    assert CheckpointReader(tmp_path / "ckpt").layout.dp == 2
