@@ -47,7 +47,9 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwa
         hybrid.init_distributed(timeout_s=timeout_s, backend="gloo" if world_size > 1 else None)
         out = fn(*args, **kwargs)
         results.put((rank, "ok", out))
-        hybrid.distributed.destroy_distributed()
+        from hybrid.distributed import destroy_distributed
+
+        destroy_distributed()
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, "error", traceback.format_exc()))
 

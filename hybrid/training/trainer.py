@@ -19,6 +19,7 @@ import hybrid
 from hybrid.checkpoint import has_checkpoint
 from hybrid.checkpoint.layout import parse_iteration_dir_name
 from hybrid.data import GlobalBatchSampler, iter_global_batches
+from hybrid.distributed import destroy_distributed
 from hybrid.engine.checkpoint import load_engine, save_engine
 from hybrid.monitor import IterationMetrics, TrainingMonitor, resolve_peak_flops
 from hybrid.topology import Topology
@@ -188,5 +189,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(f"hybrid-train: error: {e}") from None
     trainer = Trainer(args)
     trainer.train()
-    hybrid.distributed.destroy_distributed()
+    destroy_distributed()
     return 0
