@@ -26,7 +26,11 @@ _MAPPED = {
          "gradient_accumulation_steps": "gradient_accumulation_steps", "gradient_clipping": "clip_grad",
          "steps_per_print": "steps_per_print"},
     "zero_optimization": {"stage": "zero.stage", "reduce_bucket_size": "zero.bucket_size",
-                          "overlap_comm": "zero.overlap_comm"},
+                          "overlap_comm": "zero.overlap_comm",
+                          "stage3_param_persistence_threshold": "zero.persistence_threshold",
+                          "stage3_max_live_parameters": "zero.max_live_parameters",
+                          "stage3_prefetch_bucket_size": "zero.prefetch_bucket_size"},
+    "zero_optimization.offload_optimizer": {"device": "zero.offload_optimizer"},
     "fp16": {"loss_scale": "loss_scaling.loss_scale", "initial_scale_power": "loss_scaling.initial_scale_power",
              "loss_scale_window": "loss_scaling.loss_scale_window", "hysteresis": "loss_scaling.hysteresis",
              "min_loss_scale": "loss_scaling.min_loss_scale"},
@@ -35,6 +39,7 @@ _MAPPED = {
 }
 # Sections whose keys are handled by dedicated code below (besides those in _MAPPED).
 _HANDLED = {"": {"zero_optimization", "fp16", "bf16", "optimizer", "scheduler", "tensorboard"},
+            "zero_optimization": {"offload_optimizer"},
             "fp16": {"enabled"}, "bf16": {"enabled"}, "optimizer": {"type", "params"},
             "scheduler": {"type", "params"}}
 
@@ -43,11 +48,13 @@ _FIXED = {
     "": {"wall_clock_breakdown": False, "prescale_gradients": False, "sparse_gradients": False,
          "gradient_predivide_factor": 1.0, "memory_breakdown": False, "dump_state": False},
     "zero_optimization": {"contiguous_gradients": True, "reduce_scatter": True, "allgather_partitions": True},
+    # hybrid pins host buffers whenever the model is on a CUDA device
+    "zero_optimization.offload_optimizer": {"pin_memory": True},
     "fp16": {"auto_cast": False, "consecutive_hysteresis": False},
     "optimizer.params": {"bias_correction": True, "amsgrad": False, "nesterov": False, "dampening": 0.0},
 }
 
-_ISSUE_8 = "it comes with the ZeRO-3/CPU-offload issue (#8); remove the key for now"
+_ISSUE_8 = "hybrid does not implement it (parameter offload, NVMe and sub-groups are out of scope); remove it"
 # Known DeepSpeed keys hybrid does not support, with what to do instead.
 _UNSUPPORTED = {
     "": {
@@ -70,10 +77,9 @@ _UNSUPPORTED = {
     },
     "zero_optimization": {
         "allgather_bucket_size": "hybrid gathers whole partitions; remove it",
-        "offload_optimizer": _ISSUE_8, "offload_param": _ISSUE_8, "cpu_offload": _ISSUE_8,
-        "cpu_offload_params": _ISSUE_8, "cpu_offload_use_pin_memory": _ISSUE_8,
-        "stage3_max_live_parameters": _ISSUE_8, "stage3_max_reuse_distance": _ISSUE_8,
-        "stage3_prefetch_bucket_size": _ISSUE_8, "stage3_param_persistence_threshold": _ISSUE_8,
+        "offload_param": _ISSUE_8, "cpu_offload": "write it as offload_optimizer: {device: cpu}",
+        "cpu_offload_params": _ISSUE_8, "cpu_offload_use_pin_memory": "remove it; host buffers are pinned on GPUs",
+        "stage3_max_reuse_distance": "remove it; hybrid releases gathered parameters right after use",
         "stage3_model_persistence_threshold": _ISSUE_8, "stage3_gather_16bit_weights_on_model_save": _ISSUE_8,
         "stage3_gather_fp16_weights_on_model_save": _ISSUE_8, "sub_group_size": _ISSUE_8,
         "elastic_checkpoint": "remove it", "load_from_fp32_weights": "remove it",
@@ -121,6 +127,10 @@ def from_deepspeed(ds: Mapping[str, Any]) -> HybridConfig:
             sub = _section(ds, section)
             _check_keys(sub, section)
             _map_section(sub, section, put)
+            if section == "zero_optimization" and "offload_optimizer" in sub:
+                off = _section(sub, "offload_optimizer")
+                _check_keys(off, "zero_optimization.offload_optimizer")
+                _map_section(off, "zero_optimization.offload_optimizer", put)
     _map_precision(ds, put)
     if "optimizer" in ds:
         _map_optimizer(_section(ds, "optimizer"), put)

@@ -21,7 +21,8 @@ OPTIMIZERS = ("adamw", "adam", "sgd")
 DECAY_STYLES = ("constant", "linear", "cosine")
 WARMUP_STYLES = ("linear", "log")
 RECOMPUTE = ("none", "full", "selective")
-ZERO_STAGES = (0, 1, 2)
+ZERO_STAGES = (0, 1, 2, 3)
+OFFLOAD_DEVICES = ("none", "cpu")
 
 
 def _field(default=dataclasses.MISSING, *, help: str, factory=dataclasses.MISSING, **constraints):
@@ -47,10 +48,20 @@ class LossScalingConfig:
 class ZeroConfig:
     """The ZeRO optimizer over the data-parallel group."""
 
-    stage: int = _field(0, help="0: data parallel (all-reduce); 1: + partitioned fp32 master and optimizer "
-                                "states; 2: + partitioned gradients")
+    stage: int = _field(0, help="0: data parallel (all-reduce); 1: + partitioned fp32 master "
+                                                     "and optimizer states; 2: + partitioned gradients; 3: + "
+                                                     "partitioned parameters")
     bucket_size: int = _field(25_000_000, ge=1, help="elements per gradient bucket reduced as one collective")
     overlap_comm: bool = _field(True, help="launch each bucket's reduction during backward as soon as it fills")
+    offload_optimizer: str = _field("none", choices=OFFLOAD_DEVICES, help="cpu: fp32 master weights and optimizer "
+                                                                          "state in host memory, stepped by the "
+                                                                          "CPU Adam (stages 1-3)")
+    persistence_threshold: int = _field(100_000, ge=0, help="stage 3: parameters with at most this many elements "
+                                                            "stay whole on every rank")
+    max_live_parameters: int = _field(1_000_000_000, ge=1, help="stage 3: elements of gathered parameters held "
+                                                                "at once")
+    prefetch_bucket_size: int = _field(50_000_000, ge=0, help="stage 3: elements gathered ahead of the module "
+                                                              "that needs them; 0 disables prefetch")
 
 
 @dataclasses.dataclass

@@ -55,10 +55,10 @@ def _check_bounds(key: str, value, meta) -> None:
 
 def _cross_key_rules(cfg: HybridConfig) -> None:
     if cfg.zero.stage not in ZERO_STAGES:
-        later = " ZeRO stage 3 is not supported yet (it comes with the ZeRO-3/offload issue, #8);" \
-            if cfg.zero.stage == 3 else ""
-        raise ConfigError(f"config key 'zero.stage' must be one of 0, 1, 2, got {cfg.zero.stage}.{later} "
-                          f"use stage 2 for the most memory saving available now")
+        raise ConfigError(f"config key 'zero.stage' must be one of 0, 1, 2, 3, got {cfg.zero.stage}")
+    if cfg.zero.offload_optimizer != "none" and cfg.zero.stage == 0:
+        raise ConfigError("config key 'zero.offload_optimizer' is 'cpu' but 'zero.stage' is 0; offload moves the "
+                          "partitioned optimizer state, so set zero.stage to 1, 2 or 3, or offload_optimizer to none")
     if cfg.autocast and cfg.precision == "fp32":
         raise ConfigError("config key 'autocast' is true but 'precision' is fp32; autocast runs the forward "
                           "in bf16 or fp16: set precision to bf16 or fp16, or autocast to false")

@@ -16,7 +16,8 @@ FULL = {
     "precision": "bf16", "autocast": False,
     "loss_scaling": {"loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 3,
                      "min_loss_scale": 0.5},
-    "zero": {"stage": 2, "bucket_size": 1000, "overlap_comm": False},
+    "zero": {"stage": 2, "bucket_size": 1000, "overlap_comm": False, "offload_optimizer": "cpu",
+             "persistence_threshold": 10, "max_live_parameters": 5000, "prefetch_bucket_size": 0},
     "optimizer": {"type": "adamw", "lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1,
                   "decay_1d_params": True},
     "scheduler": {"type": "cosine", "warmup_iters": 10, "warmup_style": "linear", "warmup_start_lr": 1e-5,
@@ -91,7 +92,7 @@ def test_section_dataclass_override_replaces_the_section():
 def test_config_object_is_copied_and_revalidated():
     cfg = HybridConfig()
     cfg.zero.stage = 5
-    with pytest.raises(ConfigError, match="'zero.stage' must be one of 0, 1, 2, got 5"):
+    with pytest.raises(ConfigError, match="'zero.stage' must be one of 0, 1, 2, 3, got 5"):
         load_config(cfg)
     cfg.zero.stage = "two"
     with pytest.raises(ConfigError, match="'zero.stage' must be an integer, got 'two'"):
@@ -114,8 +115,12 @@ def test_config_object_is_copied_and_revalidated():
     ({"recompute": "partial"}, r"'recompute' must be one of none, full, selective"),
     ({"scheduler": {"type": "cosin", "decay_iters": 10}}, r"Did you mean 'cosine'\?"),
     ({"scheduler": {"warmup_style": "exp"}}, r"'scheduler\.warmup_style' must be one of linear, log"),
-    ({"zero": {"stage": 3}}, r"ZeRO stage 3 is not supported yet"),
-    ({"zero": {"stage": -1}}, r"'zero\.stage' must be one of 0, 1, 2, got -1"),
+    ({"zero": {"stage": 4}}, r"'zero\.stage' must be one of 0, 1, 2, 3, got 4"),
+    ({"zero": {"stage": -1}}, r"'zero\.stage' must be one of 0, 1, 2, 3, got -1"),
+    ({"zero": {"offload_optimizer": "nvme"}}, r"'zero\.offload_optimizer' must be one of none, cpu; got 'nvme'"),
+    ({"zero": {"stage": 0, "offload_optimizer": "cpu"}}, r"'zero\.offload_optimizer' is 'cpu' but 'zero\.stage' is 0"),
+    ({"zero": {"max_live_parameters": 0}}, r"'zero\.max_live_parameters' must be >= 1, got 0"),
+    ({"zero": {"persistence_threshold": -1}}, r"'zero\.persistence_threshold' must be >= 0, got -1"),
     ({"zero": {"overlap_comm": "yes"}}, r"'zero\.overlap_comm' must be true or false, got 'yes'"),
     ({"zero": {"bucket_size": 1.5}}, r"'zero\.bucket_size' must be an integer, got 1\.5"),
     ({"zero": {"bucket_size": 0}}, r"'zero\.bucket_size' must be >= 1, got 0"),
@@ -162,7 +167,7 @@ def test_bad_native_config_names_the_key(data, match):
     ({"optimizer.learning_rate": 1}, r"unknown config key 'optimizer\.learning_rate'"),
     ({"optimiser.lr": 1}, r"unknown config section 'optimiser'\. Did you mean 'optimizer'\?"),
     ({"zero": 2}, r"config key 'zero' is a section; override its keys, e.g\. 'zero\.stage'"),
-    ({"zero.stage": 7}, r"'zero\.stage' must be one of 0, 1, 2, got 7"),
+    ({"zero.stage": 7}, r"'zero\.stage' must be one of 0, 1, 2, 3, got 7"),
 ])
 def test_bad_overrides(overrides, match):
     with pytest.raises(ConfigError, match=match):

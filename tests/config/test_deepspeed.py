@@ -49,6 +49,19 @@ def test_full_deepspeed_config_maps_every_key(tmp_path):
     assert (tb.enabled, tb.output_path, tb.job_name) == (True, "tb_logs", "ds_job")
 
 
+def test_stage3_and_offload_keys():
+    cfg = from_deepspeed({"zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "stage3_param_persistence_threshold": 1e4, "stage3_max_live_parameters": 3e8,
+        "stage3_prefetch_bucket_size": 2e7}})
+    z = cfg.zero
+    assert (z.stage, z.offload_optimizer, z.persistence_threshold, z.max_live_parameters, z.prefetch_bucket_size) \
+        == (3, "cpu", 10_000, 300_000_000, 20_000_000)
+    assert from_deepspeed({"zero_optimization": {"stage": 1}}).zero.offload_optimizer == "none"
+    assert from_deepspeed({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"}}}) \
+        .zero.offload_optimizer == "none"
+
+
 def test_bf16_and_optimizer_kinds():
     assert load_config({"bf16": {"enabled": True}}).precision == "bf16"
     assert load_config({"bf16": {"enabled": False}}).precision == "fp32"
@@ -104,13 +117,20 @@ def test_detection():
     ({"zero_optimization": {"stage": 1, "reduce_bucket_sise": 10}},
      r"unknown DeepSpeed key 'zero_optimization\.reduce_bucket_sise'\. Did you mean "
      r"'zero_optimization\.reduce_bucket_size'\?"),
-    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
-     r"DeepSpeed key 'zero_optimization\.offload_optimizer' is not supported by hybrid: it comes with the "
-     r"ZeRO-3/CPU-offload issue \(#8\)"),
-    ({"zero_optimization": {"stage3_max_live_parameters": 1e9}}, r"'zero_optimization\.stage3_max_live_param"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
+     r"'zero\.offload_optimizer' must be one of none, cpu; got 'nvme'.*\[from DeepSpeed key "
+     r"'zero_optimization\.offload_optimizer\.device'\]"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}}},
+     r"'zero_optimization\.offload_optimizer\.pin_memory' = False is not supported"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+     r"unknown DeepSpeed key 'zero_optimization\.offload_optimizer\.ratio'"),
+    ({"zero_optimization": {"offload_param": {"device": "cpu"}}},
+     r"'zero_optimization\.offload_param' is not supported by hybrid"),
+    ({"zero_optimization": {"stage3_max_live_parameters": 0}}, r"'zero\.max_live_parameters' must be >= 1.*"
+                                                                r"\[from DeepSpeed key 'zero_optimization\.stage3_max_live"),
     ({"zero_optimization": {"allgather_bucket_size": 5e8}}, r"'zero_optimization\.allgather_bucket_size' is not "
                                                             r"supported"),
-    ({"zero_optimization": {"stage": 3}}, r"ZeRO stage 3 is not supported yet.*\[from DeepSpeed key "
+    ({"zero_optimization": {"stage": 4}}, r"'zero\.stage' must be one of 0, 1, 2, 3, got 4.*\[from DeepSpeed key "
                                           r"'zero_optimization\.stage'\]"),
     ({"zero_optimization": {"contiguous_gradients": False}},
      r"'zero_optimization\.contiguous_gradients' = False is not supported: hybrid always behaves as "

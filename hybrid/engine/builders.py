@@ -1,0 +1,68 @@
+"""Config sections -> the objects the engine drives (loss scaler, LR schedule, weight-decay grouping)."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from hybrid.config.errors import ConfigError
+from hybrid.config.schema import HybridConfig
+from hybrid.optim.lr_schedule import LRSchedule
+from hybrid.zero import LossScaler
+
+NoDecayFn = Callable[[str, torch.nn.Parameter], bool]
+
+
+def build_loss_scaler(cfg: HybridConfig) -> Optional[LossScaler]:
+    """A dynamic or static scaler for fp16; None (no scaling) for bf16 and fp32."""
+    if cfg.precision != "fp16":
+        return None
+    ls = cfg.loss_scaling
+    return LossScaler(dynamic=ls.loss_scale == 0, initial_scale_power=ls.initial_scale_power,
+                      static_scale=ls.loss_scale if ls.loss_scale > 0 else 1.0, window=ls.loss_scale_window,
+                      hysteresis=ls.hysteresis, min_scale=ls.min_loss_scale)
+
+
+def build_lr_schedule(cfg: HybridConfig) -> LRSchedule:
+    s = cfg.scheduler
+    return LRSchedule(cfg.optimizer.lr, decay_style=s.type, warmup_iters=s.warmup_iters,
+                      warmup_style=s.warmup_style, warmup_start_lr=s.warmup_start_lr,
+                      decay_iters=s.decay_iters, min_lr=s.min_lr)
+
+
+def exclude_1d_params(name: str, param: torch.nn.Parameter) -> bool:
+    """True for biases and norm weights (any parameter with at most one dimension): no weight decay."""
+    return param.dim() <= 1
+
+
+def decay_everything(name: str, param: torch.nn.Parameter) -> bool:
+    return False
+
+
+def no_weight_decay_rule(cfg: HybridConfig, user_rule: Optional[NoDecayFn]) -> NoDecayFn:
+    """The user's rule when given, else the config's default (``optimizer.decay_1d_params``)."""
+    if user_rule is not None:
+        if not callable(user_rule):
+            raise TypeError(f"no_weight_decay must be a callable (name, param) -> bool, got {user_rule!r}")
+        return user_rule
+    return decay_everything if cfg.optimizer.decay_1d_params else exclude_1d_params
+
+
+def check_recompute(model: torch.nn.Module, recompute: str) -> None:
+    """A requested recomputation must be the one the model was built with; the engine cannot add it.
+
+    ``'none'`` (the default) requests nothing and leaves a model_zoo model's own setting alone.
+    """
+    model_cfg = getattr(model, "config", None)
+    built_with = getattr(model_cfg, "recompute", None)
+    if built_with is None:
+        if recompute != "none":
+            raise ConfigError(f"config key 'recompute' is {recompute!r}, but {type(model).__name__} has no "
+                              f"recomputation switch; it applies to model_zoo models (build them with "
+                              f"GPTConfig(recompute=...)), or checkpoint your own layers and set 'none'")
+        return
+    if recompute != "none" and built_with != recompute:
+        raise ConfigError(f"config key 'recompute' is {recompute!r} but the model was built with "
+                          f"recompute={built_with!r}; build the model with GPTConfig(recompute={recompute!r}) "
+                          f"or set 'recompute' to {built_with!r}")

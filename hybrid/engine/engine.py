@@ -1,0 +1,238 @@
+"""The training engine: a model plus the ZeRO optimizer, precision, clipping, accumulation and schedule.
+
+A plain PyTorch loop changes in a few lines (docs/engine.md)::
+
+    engine = hybrid.initialize(model, config)
+    for batch in loader:
+        loss = loss_fn(engine(batch.x), batch.y)
+        engine.backward(loss)
+        engine.step()
+
+Call :meth:`Engine.backward` then :meth:`Engine.step` once per micro-batch.
+``step`` counts micro-steps; on every ``gradient_accumulation_steps``-th call
+(the accumulation boundary) it clips, steps the optimizer at the scheduled
+learning rate, advances the schedule (only when the step was not skipped for
+non-finite gradients) and zeroes the gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+import torch
+
+from hybrid.config.errors import ConfigError
+from hybrid.config.load import ConfigSource, load_config
+from hybrid.config.schema import HybridConfig
+from hybrid.engine.builders import (NoDecayFn, build_loss_scaler, build_lr_schedule, check_recompute,
+                                    no_weight_decay_rule)
+from hybrid.engine.precision import prepare_precision
+from hybrid.engine.step_logger import StepLogger
+from hybrid.topology import Topology
+from hybrid.zero import ZeroOptimizer
+
+CHECKPOINT_ISSUE = ("checkpoints (save_checkpoint/load_checkpoint) are not implemented yet: they come with the "
+                    "pretraining-driver and checkpoint issue (#5)")
+
+
+class Engine:
+    """Drives one model replica's shard; build it with :func:`initialize`.
+
+    Attributes: ``module`` (the wrapped model, in training precision),
+    ``optimizer`` (the :class:`~hybrid.zero.ZeroOptimizer`), ``lr_schedule``,
+    ``config`` (the validated :class:`HybridConfig`), ``topology``, ``batch``
+    (resolved :class:`~hybrid.config.BatchSizes`).
+    """
+
+    def __init__(self, model: torch.nn.Module, config: HybridConfig, topology: Topology, *,
+                 no_weight_decay: Optional[NoDecayFn] = None):
+        if isinstance(model, Engine):
+            raise TypeError("the model is already wrapped in an Engine; pass engine.module to re-wrap it")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"hybrid.initialize needs a torch.nn.Module, got {type(model).__name__}")
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError(f"{type(model).__name__} has no parameters with requires_grad=True; nothing to train")
+        model_topology = getattr(model, "topology", None)
+        if isinstance(model_topology, Topology) and model_topology.tp_size != topology.tp_size:
+            raise ConfigError(f"the model was built for tp={model_topology.tp_size} but the engine's topology has "
+                              f"tp={topology.tp_size}; pass the model's topology to hybrid.initialize")
+        self.config = config
+        self.topology = topology
+        self.batch = config.resolve_batch(topology.dp_size)
+        check_recompute(model, config.recompute)
+        self.module = model
+        model.train()
+        self._autocast_dtype = prepare_precision(model, config.precision, config.autocast)
+        self.lr_schedule = build_lr_schedule(config)
+        opt = config.optimizer
+        zero = config.zero
+        stage3 = dict(persistence_threshold=zero.persistence_threshold, max_live_parameters=zero.max_live_parameters,
+                      prefetch_numel=zero.prefetch_bucket_size) if zero.stage == 3 else {}
+        self.optimizer = ZeroOptimizer(
+            model, topology, stage=config.zero.stage, optimizer=opt.type, lr=self.lr_schedule.lr,
+            betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay, momentum=opt.momentum,
+            no_weight_decay=no_weight_decay_rule(config, no_weight_decay), bucket_size=config.zero.bucket_size,
+            overlap_comm=config.zero.overlap_comm, master_dtype=torch.float32,
+            loss_scaler=build_loss_scaler(config), clip_grad=config.clip_grad,
+            gradient_accumulation_steps=self.batch.gradient_accumulation_steps,
+            use_fused_kernels=config.use_fused_kernels, offload_optimizer=zero.offload_optimizer, **stage3)
+        self.micro_steps = 0
+        self.global_step = 0
+        self.last_lr: Optional[float] = None
+        self._awaiting_step = False
+        self._losses = []
+        self._logger = StepLogger(config, is_rank0=topology.rank == 0)
+
+    # ---- forward ----------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped model (under torch.autocast when ``autocast`` is configured)."""
+        with self._autocast():
+            return self.module(*args, **kwargs)
+
+    def _autocast(self):
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.topology.device.type, dtype=self._autocast_dtype)
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    # ---- backward and step ---------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss (a scalar, the mean over that micro-batch).
+
+        The optimizer applies the loss scale and averages gradients over the
+        data-parallel ranks and the accumulation steps. Call :meth:`step` next.
+        """
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"engine.backward needs a scalar loss tensor, got "
+                             f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+        if not loss.requires_grad:
+            raise ValueError("the loss does not require grad; was the forward run under torch.no_grad(), or "
+                             "are all parameters frozen?")
+        if self._awaiting_step:
+            raise RuntimeError("engine.backward() was called twice without engine.step(); call engine.step() "
+                               "after every backward (it counts the accumulation micro-steps)")
+        self.optimizer.backward(loss)
+        self._awaiting_step = True
+        if self._logger.wants_loss:
+            self._losses.append(loss.detach().float())
+
+    @property
+    def is_accumulation_boundary(self) -> bool:
+        """Whether the next :meth:`step` call ends a global batch (and steps the optimizer)."""
+        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+
+    def step(self) -> bool:
+        """End one micro-step; at the accumulation boundary clip, step, schedule and zero the gradients.
+
+        Returns True when this call updated the parameters, False between
+        boundaries and when the step was skipped for non-finite gradients.
+        """
+        if not self._awaiting_step:
+            raise RuntimeError("engine.step() was called without engine.backward(loss) for this micro-batch")
+        self._awaiting_step = False
+        boundary = self.is_accumulation_boundary
+        self.micro_steps += 1
+        if not boundary:
+            return False
+        lr = self.lr_schedule.lr
+        updated = bool(self.optimizer.step(lr=lr))
+        if updated:
+            self.last_lr = lr
+            self.lr_schedule.step()
+        self.optimizer.zero_grad()
+        self.global_step += 1
+        loss = None
+        if self._losses and self._logger.needs_loss(self.global_step):
+            loss = float(torch.stack(self._losses).mean())
+        self._losses.clear()
+        self._logger.log(self.global_step, loss, lr, self.loss_scale, self.skipped_steps)
+        return updated
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (``step`` already does this at each boundary)."""
+        self.optimizer.zero_grad()
+
+    # ---- state ---------------------------------------------------------------------------------------------
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step will use."""
+        return self.lr_schedule.lr
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.optimizer.loss_scale)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because the gradients were not finite (fp16 overflow, bf16 NaN/inf)."""
+        return int(self.optimizer.skipped_steps)
+
+    def get_grad_norm(self) -> float:
+        """L2 norm of the full unscaled gradient of the last global batch, before clipping (see the optimizer)."""
+        return self.optimizer.get_grad_norm()
+
+    def memory_report(self) -> dict:
+        """Per-rank bytes held for params, grads, master weights and optimizer states."""
+        return self.optimizer.memory_report()
+
+    def comm_report(self) -> dict:
+        """Bytes each collective moved in the last global batch."""
+        return self.optimizer.comm_report()
+
+    def save_checkpoint(self, directory) -> None:
+        raise NotImplementedError(CHECKPOINT_ISSUE)
+
+    def load_checkpoint(self, directory) -> None:
+        raise NotImplementedError(CHECKPOINT_ISSUE)
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard writer, if any."""
+        self._logger.close()
+
+    def __repr__(self) -> str:
+        return (f"Engine({type(self.module).__name__}, zero stage {self.config.zero.stage}, "
+                f"{self.config.precision}, {self.topology.describe()}, global_step={self.global_step})")
+
+
+def initialize(model: torch.nn.Module, config: ConfigSource = None, topology: Optional[Topology] = None, *,
+               no_weight_decay: Optional[NoDecayFn] = None, **overrides: Any) -> Engine:
+    """Wrap ``model`` in an :class:`Engine`.
+
+    ``config``: a :class:`HybridConfig`, a native or DeepSpeed-style dict, or a
+    JSON/YAML path (see :func:`hybrid.config.load_config`). ``overrides`` set
+    keys on top of it: top-level keys (``precision="bf16"``), section
+    mappings merged key by key (``zero={"stage": 2}``) or dotted paths
+    (``**{"optimizer.lr": 1e-4}``).
+
+    ``topology``: the parallel layout. Without one, the process group is
+    started from torchrun's environment (single process otherwise) and a
+    topology with ``tensor_parallel_size`` is built. A TP model must be
+    built on the same topology that is passed here.
+
+    ``no_weight_decay(name, param) -> bool`` picks parameters exempt from
+    weight decay; by default every parameter with at most one dimension
+    (biases, norm weights), unless ``optimizer.decay_1d_params`` is true.
+    """
+    cfg = load_config(config)
+    if overrides:
+        cfg = cfg.with_overrides(overrides)
+    if topology is None:
+        from hybrid.distributed import init_distributed
+
+        init_distributed()
+        topology = Topology(tp=cfg.tensor_parallel_size or 1)
+    elif cfg.tensor_parallel_size is not None and cfg.tensor_parallel_size != topology.tp_size:
+        raise ConfigError(f"config key 'tensor_parallel_size' is {cfg.tensor_parallel_size} but the topology "
+                          f"has tp={topology.tp_size}; leave the key unset to use the topology's, or build the "
+                          f"Topology with tp={cfg.tensor_parallel_size}")
+    return Engine(model, cfg, topology, no_weight_decay=no_weight_decay)

@@ -1,0 +1,215 @@
+"""Loading a checkpoint saved in any layout into a running engine.
+
+:func:`hybrid.engine.checkpoint.load_engine` calls :func:`load_resharded`
+when the saved layout (TP size, DP size, ZeRO stage, precision) differs from
+the engine's. Every rank then, one parameter at a time:
+
+1. reads its own TP piece of each weight straight from the saved TP pieces
+   (merge and re-split along the recorded partition dim, strided fused
+   layouts and vocabulary re-padding included; see :mod:`hybrid.convert.ranges`);
+2. rebuilds its flat ZeRO partition of the fp32 master weights and of every
+   optimizer moment: each parameter's saved state is gathered from the saved
+   flat partitions through the recorded offsets (stage 0 saved the whole
+   state on every DP rank: DP rank 0's copy is read), cut to this rank's TP
+   piece, and written at the offsets of *this* layout's partition;
+3. hands that partition to ``ZeroOptimizer.load_state_dict``, which writes
+   the masters into the parameters and all-gathers them over ``"dp"``.
+
+Counters, the loss scaler and (in ``load_engine``) the LR schedule carry
+over unchanged. A bf16/fp16 run's checkpoint loaded into an fp32 run
+continues from the fp32 master weights, not from their rounded copies.
+
+Random state: a new layout has no exact counterpart of every saved rank, so
+each rank restores the Python/NumPy/torch generators and the TP-shared
+dropout stream of saved rank (tp = this tp rank if the TP size is unchanged
+else 0, dp = this dp rank if it existed else 0); the per-TP-rank dropout
+stream is kept only when the TP size is unchanged (otherwise it restarts
+from the seed). Only a same-layout resume is bit-exact.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict, List, Optional
+
+import torch
+
+from hybrid.checkpoint import CheckpointReader, restore_rng_state
+from hybrid.convert.consolidate import MASTER, WEIGHT, CheckpointSource, ConversionError, Target
+from hybrid.param_meta import REPLICATED, full_shape, get_tp_meta
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hybrid.engine.engine import Engine
+    from hybrid.zero import ZeroOptimizer
+
+# Model settings that decide parameter shapes; named in errors when shapes disagree.
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "mlp", "bias",
+               "tie_embeddings", "position", "max_position_embeddings", "seq_length", "norm")
+
+
+def load_resharded(engine: "Engine", reader: CheckpointReader, *, load_optimizer: bool = True) -> None:
+    """Load ``reader``'s checkpoint into ``engine`` whatever layout saved it.
+
+    ``load_optimizer=False``: weights only (fine-tuning); the optimizer stays
+    fresh, with its master weights set from the checkpoint. Collective over
+    ``"dp"`` (the optimizer all-gathers the loaded parameters): every rank
+    must call it. Raises :class:`~hybrid.convert.consolidate.ConversionError`
+    naming both values when the checkpoint holds a different model.
+    """
+    topo = engine.topology
+    if topo.pp_size != 1:
+        raise ConversionError(f"loading into a pipeline-parallel job (pp={topo.pp_size}) from another layout "
+                              f"is not supported; load with the layout {reader.layout} that saved it")
+    entries = dict(engine.module.state_dict(keep_vars=True))
+    metas = {name: get_tp_meta(t) for name, t in entries.items()}
+    opt = engine.optimizer
+    # Entries the parameter index does not describe (frozen parameters, buffers) split like the current ones.
+    with CheckpointSource(reader, meta_fallback=lambda name: metas.get(name, REPLICATED)) as src:
+        _check_names(src, entries, reader, getattr(engine.module, "config", None))
+        if load_optimizer and not src.has_optimizer_state:
+            raise ConversionError(f"{reader.path} holds no optimizer state (it was saved for inference or "
+                                  f"imported); load it for its weights only (--finetune)")
+        masters = src.has_optimizer_state and (load_optimizer or src.weights_from_master)
+        from_optimizer = {r.name for r in opt.param_index if masters and src.has_state(r.name)}
+        with torch.no_grad():
+            for name, tensor in entries.items():
+                target = Target(metas[name], topo.tp_size, topo.tp_rank)
+                _check_shape(name, src, tensor, target, engine, reader)
+                if name not in from_optimizer:  # the others arrive with the master weights below
+                    tensor.copy_(src.read(name, WEIGHT, target=target))
+        if masters:
+            keys = src.state_keys() if load_optimizer else [MASTER]
+            opt.load_state_dict(_partition_state(opt, src, topo, keys, restore_counters=load_optimizer))
+        else:
+            refresh_master_from_model(opt)
+    if load_optimizer:
+        _restore_rng(engine, reader)
+        _rebase_micro_steps(engine, reader)
+
+
+def refresh_master_from_model(opt: "ZeroOptimizer") -> None:
+    """Copy the current parameters into this rank's master partition (after a weights-only load)."""
+    with torch.no_grad():
+        for part in opt.partitions:
+            if not part.aliased:
+                for master, param in zip(part.master_chunks, part.param_chunks):
+                    master.copy_(param)
+
+
+# ---- checks ---------------------------------------------------------------------------------------
+def _check_names(src: CheckpointSource, entries: Dict[str, torch.Tensor], reader: CheckpointReader,
+                 model_config) -> None:
+    saved, current = set(src.tensors), set(entries)
+    if saved == current:
+        return
+    missing, extra = sorted(current - saved), sorted(saved - current)
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    if extra:
+        parts.append(f"not in the current model: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
+    raise ConversionError(f"{reader.path} holds a different model: " + "; ".join(parts)
+                          + _config_hint(reader.model_config, model_config))
+
+
+def _check_shape(name: str, src: CheckpointSource, tensor: torch.Tensor, target: Target, engine: "Engine",
+                 reader: CheckpointReader) -> None:
+    saved = src.tensors[name]
+    current_full = tuple(full_shape(tensor.shape, target.meta, target.tp))
+    if saved.full_shape != current_full:
+        raise ConversionError(f"{name}: the checkpoint {reader.path} holds full shape {list(saved.full_shape)}, "
+                              f"the current model {list(current_full)}"
+                              + _config_hint(reader.model_config, getattr(engine.module, "config", None)))
+    try:
+        expected = saved.target_shape(target)
+    except ValueError as e:
+        raise ConversionError(f"{name}: cannot split the checkpoint's tensor for tp={target.tp}: {e}") from None
+    if expected != tuple(tensor.shape):
+        raise ConversionError(f"{name}: its TP piece at tp={target.tp} has shape {list(tensor.shape)} in the "
+                              f"current model but {list(expected)} from the checkpoint's metadata {saved.meta}; the "
+                              f"vocabulary padding (vocab_pad_multiple) or TP metadata differ")
+
+
+def _config_hint(saved: Optional[dict], current) -> str:
+    if not saved or current is None or not hasattr(current, "to_dict"):
+        return ""
+    now = current.to_dict()
+    diffs = [f"{k} {saved.get(k)!r} in the checkpoint vs {now.get(k)!r} now" for k in _SHAPE_KEYS
+             if k in saved and saved.get(k) != now.get(k)]
+    return f" ({'; '.join(diffs)})" if diffs else ""
+
+
+# ---- optimizer partitions ----------------------------------------------------------------------------
+def _partition_state(opt: "ZeroOptimizer", src: CheckpointSource, topo, keys: List[str],
+                     restore_counters: bool) -> dict:
+    """A ``ZeroOptimizer.state_dict()`` for this rank's partition in the current layout, filled from ``src``.
+
+    ``keys``: the optimizer tensors to take from the checkpoint (the others stay as this optimizer has them:
+    zero moments for a fresh one). ``restore_counters``: also take step counts and the loss scaler.
+    """
+    template = opt.state_dict()
+    wanted = [MASTER] + list(opt.inner.state_names)
+    saved_keys = src.state_keys()
+    absent = [k for k in keys if k in wanted and k not in saved_keys]
+    header = src.optimizer_header()
+    if absent:
+        raise ConversionError(f"{src.reader.path} has no optimizer state {absent} (saved by optimizer "
+                              f"{header.get('optimizer', {}).get('type')!r}); this run uses "
+                              f"{opt.inner.kind!r}: set the same optimizer, or load weights only (--finetune)")
+    groups = []
+    for group, tmpl in zip(opt.groups, template["groups"]):
+        flats = {k: (torch.zeros(group.partition_numel, dtype=tmpl[MASTER].dtype) if k in keys
+                     else tmpl[k].clone()) for k in wanted}
+        for rec in group.records:
+            mine = [p for p in rec.parts if p.part == opt.part]
+            if not mine:
+                continue
+            if not src.has_state(rec.name):
+                raise ConversionError(f"{src.reader.path} has no optimizer state for {rec.name!r}; load weights "
+                                      f"only (--finetune)")
+            target = Target(rec.tp_meta, topo.tp_size, topo.tp_rank)
+            for k in keys:
+                if k not in flats:
+                    continue
+                local = src.read(rec.name, k, target=target).reshape(-1)
+                for p in mine:
+                    n = p.param_end - p.param_start
+                    flats[k][p.partition_offset: p.partition_offset + n] = local[p.param_start: p.param_end]
+        groups.append({**{k: v for k, v in tmpl.items() if not isinstance(v, torch.Tensor)}, **flats})
+    state = dict(template, groups=groups)
+    if restore_counters:
+        for k in ("step", "global_steps", "skipped_steps", "loss_scaler"):
+            state[k] = header[k]
+        state["optimizer"] = dict(template["optimizer"], type=header["optimizer"]["type"],
+                                  lr=header["optimizer"]["lr"])
+    return state
+
+
+# ---- counters and random state ---------------------------------------------------------------------------
+def _rebase_micro_steps(engine: "Engine", reader: CheckpointReader) -> None:
+    # Micro-steps count micro-batches of the saving layout; its accumulation steps per global batch may
+    # differ. Checkpoints are taken at global-batch boundaries, so the count follows from global_step.
+    # load_engine restores the engine counters from reader.trainer_state after this call.
+    eng = reader.trainer_state.get("engine")
+    if isinstance(eng, dict) and "global_step" in eng:
+        eng["micro_steps"] = int(eng["global_step"]) * engine.batch.gradient_accumulation_steps
+        engine.micro_steps = eng["micro_steps"]
+
+
+def _restore_rng(engine: "Engine", reader: CheckpointReader) -> None:
+    if not reader.has_rank_state:
+        return
+    saved, topo = reader.layout, engine.topology
+    same_tp = saved.tp == topo.tp_size
+    state = reader.load_rank_state(topo.tp_rank if same_tp else 0, topo.dp_rank if topo.dp_rank < saved.dp else 0)
+    rng = dict(state["rng"])
+    if rng.get("torch_cuda") is not None and not torch.cuda.is_available():
+        rng["torch_cuda"] = None  # saved on a GPU, resumed without one: nothing to restore it into
+    restore_rng_state(rng)
+    tracker = getattr(engine.module, "rng_tracker", None)
+    streams = state.get("tp_rng")
+    if tracker is not None and streams:
+        tracker.set_states({k: v for k, v in streams.items() if same_tp or _stream_name(k) != "tp"})
+
+
+def _stream_name(key) -> str:
+    return key[0] if isinstance(key, (tuple, list)) else str(key).split("/")[0]

@@ -1,0 +1,259 @@
+"""Flat parameter buffers, the parameter index, and their DP partitioning.
+
+Trainable parameters are grouped by ``(dtype, weight decay on/off)``. Each
+group becomes one contiguous 1-D buffer, and every parameter of the group is
+rebound to a view into it, in module registration order. Frozen parameters
+(``requires_grad=False``) stay where they are; a parameter reachable under two
+names (tied weights) is placed once, under its first name.
+
+A group buffer is cut into *segments* of about ``bucket_numel`` elements
+holding whole parameters. Each segment is padded so that it divides into
+``parts`` equal chunks of a multiple of :data:`ALIGN_BYTES`::
+
+    group buffer  | segment 0               | segment 1         |
+                  | c0 | c1 | c2 | c3 (pad) | c0 | c1 | c2 | c3 |
+
+Part ``k`` (DP rank ``k`` for ZeRO stages 1-2; ``parts == 1`` for stage 0)
+owns chunk ``k`` of every segment. Its *flat partition* is the concatenation
+of those chunks: ``group.numel // parts`` elements, where the chunk of segment
+``s`` sits at partition offset ``s.start // parts``. The segment is the unit of
+gradient communication (one reduce per segment, launched as soon as its
+gradients are complete), so partitioning per segment lets gradients be
+reduce-scattered while backward is still running. A parameter may straddle
+chunk boundaries; :meth:`ParamRecord.parts` says which piece lives where.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from hybrid.param_meta import TPMeta, get_tp_meta
+
+ALIGN_BYTES = 128  # every chunk starts on a 128-byte boundary (vector loads, NCCL/gloo fast paths)
+
+NoDecayFn = Callable[[str, torch.nn.Parameter], bool]
+
+
+class ZeroConfigError(ValueError):
+    """A ZeRO optimizer argument or model that cannot be laid out."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One piece of a parameter that lives in one flat partition.
+
+    Elements ``[param_start, param_end)`` of the flattened parameter sit at
+    ``[partition_offset, partition_offset + param_end - param_start)`` of part
+    ``part``'s flat partition.
+    """
+
+    part: int
+    param_start: int
+    param_end: int
+    partition_offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamRecord:
+    """Where one trainable parameter lives in its group's flat buffer."""
+
+    name: str
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    group: int  # index into the optimizer's flat groups
+    segment: int  # index of the segment inside the group
+    offset: int  # element offset in the group's flat buffer
+    numel: int
+    position: int  # registration order among trainable parameters
+    weight_decay: bool
+    tp_meta: TPMeta
+    parts: Tuple[Part, ...]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": dtype_name(self.dtype),
+                "group": self.group, "segment": self.segment, "offset": self.offset,
+                "numel": self.numel, "position": self.position, "weight_decay": self.weight_decay,
+                "tp_meta": self.tp_meta.to_json(),
+                "parts": [dataclasses.asdict(p) for p in self.parts]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """``[start, start + size)`` of a group buffer; ``size`` divides into ``parts`` aligned chunks."""
+
+    start: int
+    size: int  # padded
+    used: int  # elements holding parameters; the rest is zero padding
+    records: Tuple[int, ...]  # indices into the group's records
+
+    def chunk_numel(self, parts: int) -> int:
+        return self.size // parts
+
+    def chunk_range(self, part: int, parts: int) -> Tuple[int, int]:
+        c = self.size // parts
+        return self.start + part * c, self.start + (part + 1) * c
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def align_elements(dtype: torch.dtype) -> int:
+    return max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+
+
+def plan_segments(numels: Sequence[int], parts: int, bucket_numel: int,
+                  align: int) -> List[Segment]:
+    """Cut parameters (given by size, in order) into padded segments. Pure arithmetic.
+
+    A segment takes whole parameters until adding the next would pass
+    ``bucket_numel``; a parameter larger than that gets a segment of its own.
+    Each segment is padded to a multiple of ``parts * align`` elements.
+    """
+    if parts < 1 or bucket_numel < 1 or align < 1:
+        raise ZeroConfigError(f"parts={parts}, bucket_numel={bucket_numel} and align={align} "
+                              f"must all be >= 1")
+    unit = parts * align
+    segments: List[Segment] = []
+    start, current, used = 0, [], 0
+
+    def close():
+        nonlocal start, current, used
+        size = -(-used // unit) * unit
+        segments.append(Segment(start=start, size=size, used=used, records=tuple(current)))
+        start, current, used = start + size, [], 0
+
+    for i, n in enumerate(numels):
+        if current and used + n > bucket_numel:
+            close()
+        current.append(i)
+        used += n
+    if current:
+        close()
+    return segments
+
+
+def param_parts(offset: int, numel: int, segment: Segment, parts: int) -> Tuple[Part, ...]:
+    """The pieces of the parameter at ``[offset, offset + numel)`` owned by each part."""
+    c = segment.chunk_numel(parts)
+    out = []
+    for k in range(parts):
+        lo, hi = segment.chunk_range(k, parts)
+        a, b = max(lo, offset), min(hi, offset + numel)
+        if a < b:
+            out.append(Part(part=k, param_start=a - offset, param_end=b - offset,
+                            partition_offset=segment.start // parts + (a - lo)))
+    assert sum(p.param_end - p.param_start for p in out) == numel and c > 0
+    return tuple(out)
+
+
+class FlatGroup:
+    """One contiguous buffer holding every trainable parameter of one (dtype, decay) class.
+
+    Attributes:
+        buffer: ``[numel]`` tensor of ``dtype``; each parameter's ``.data`` is a view into it.
+        segments: the padded segments, in buffer order.
+        records: the parameter records, in buffer order.
+        params: the parameters, parallel to ``records``.
+    """
+
+    def __init__(self, index: int, dtype: torch.dtype, weight_decay: bool,
+                 named: List[Tuple[str, torch.nn.Parameter, int]], parts: int, pad_parts: int,
+                 bucket_numel: int):
+        if pad_parts % parts != 0:
+            raise ZeroConfigError(f"pad_parts={pad_parts} must be a multiple of parts={parts}")
+        self.index = index
+        self.dtype = dtype
+        self.weight_decay = weight_decay
+        self.parts = parts
+        self.segments = plan_segments([p.numel() for _, p, _ in named], pad_parts, bucket_numel,
+                                      align_elements(dtype))
+        self.numel = self.segments[-1].start + self.segments[-1].size
+        self.device = named[0][1].device
+        self.params: List[torch.nn.Parameter] = [p for _, p, _ in named]
+        records: List[Optional[ParamRecord]] = [None] * len(named)
+        for s_idx, seg in enumerate(self.segments):
+            offset = seg.start
+            for r in seg.records:
+                name, p, position = named[r]
+                records[r] = ParamRecord(
+                    name=name, shape=tuple(p.shape), dtype=dtype, group=index, segment=s_idx,
+                    offset=offset, numel=p.numel(), position=position, weight_decay=weight_decay,
+                    tp_meta=get_tp_meta(p), parts=param_parts(offset, p.numel(), seg, parts))
+                offset += p.numel()
+        self.records: List[ParamRecord] = records  # type: ignore[assignment]
+        self.buffer = torch.zeros(self.numel, dtype=dtype, device=self.device)
+        for rec, p in zip(self.records, self.params):
+            view = self.buffer[rec.offset: rec.offset + rec.numel].view(rec.shape)
+            view.copy_(p.detach())
+            p.data = view
+
+    @property
+    def partition_numel(self) -> int:
+        return self.numel // self.parts
+
+    def chunk(self, flat: torch.Tensor, segment: int, part: int) -> torch.Tensor:
+        """Part ``part``'s chunk of ``segment`` in a buffer-shaped tensor ``flat`` [numel]."""
+        lo, hi = self.segments[segment].chunk_range(part, self.parts)
+        return flat[lo:hi]
+
+    def partition_chunk(self, partition: torch.Tensor, segment: int) -> torch.Tensor:
+        """The chunk of ``segment`` in a partition-shaped tensor ``partition`` [partition_numel]."""
+        seg = self.segments[segment]
+        lo = seg.start // self.parts
+        return partition[lo: lo + seg.chunk_numel(self.parts)]
+
+    def view_of(self, flat: torch.Tensor, record: int) -> torch.Tensor:
+        """The parameter-shaped view of record ``record`` in a buffer-shaped tensor ``flat``."""
+        rec = self.records[record]
+        return flat[rec.offset: rec.offset + rec.numel].view(rec.shape)
+
+    def segment_first_position(self, segment: int) -> int:
+        return min(self.records[r].position for r in self.segments[segment].records)
+
+
+def collect_trainable(model: torch.nn.Module) -> Tuple[List[Tuple[str, torch.nn.Parameter]],
+                                                       List[torch.nn.Parameter]]:
+    """Trainable parameters in registration order (tied ones once), and the frozen ones."""
+    trainable, frozen = [], []
+    for name, p in model.named_parameters():  # removes duplicates: a tied weight keeps its first name
+        if p.requires_grad:
+            trainable.append((name, p))
+        else:
+            frozen.append(p)
+    return trainable, frozen
+
+
+def build_flat_groups(model: torch.nn.Module, parts: int, pad_parts: int, bucket_numel: int,
+                      use_weight_decay: bool, no_weight_decay: Optional[NoDecayFn]) -> List[FlatGroup]:
+    """Rebind every trainable parameter of ``model`` to a view into a flat group buffer.
+
+    ``parts`` is how many flat partitions the state is cut into; segments are
+    padded for ``pad_parts`` (a multiple of ``parts``), so that stage 0 (one
+    part) lays out and communicates exactly the same bytes as stages 1-2.
+    """
+    trainable, _ = collect_trainable(model)
+    if not trainable:
+        raise ZeroConfigError("the model has no trainable parameters (all have requires_grad=False); "
+                              "there is nothing for the optimizer to update")
+    devices = {p.device for _, p in trainable}
+    if len(devices) > 1:
+        raise ZeroConfigError(f"trainable parameters are spread over devices {sorted(map(str, devices))}; "
+                              f"move the model to one device before building the optimizer")
+    classes: Dict[Tuple[torch.dtype, bool], List[Tuple[str, torch.nn.Parameter, int]]] = {}
+    for position, (name, p) in enumerate(trainable):
+        if not p.dtype.is_floating_point:
+            raise ZeroConfigError(f"parameter {name!r} has dtype {p.dtype}; only floating-point "
+                                  f"parameters can be trained")
+        if p.device.type == "meta":
+            raise ZeroConfigError(f"parameter {name!r} is on the meta device; materialise the model "
+                                  f"before building the optimizer")
+        decay = use_weight_decay and not (no_weight_decay is not None and no_weight_decay(name, p))
+        classes.setdefault((p.dtype, decay), []).append((name, p, position))
+    # Group order is the order in which each class first appears: the same on every rank.
+    keys = sorted(classes, key=lambda k: classes[k][0][2])
+    return [FlatGroup(i, dtype, decay, classes[(dtype, decay)], parts, pad_parts, bucket_numel)
+            for i, (dtype, decay) in enumerate(keys)]

@@ -1,0 +1,89 @@
+"""The global gradient L2 norm over DP partitions and TP shards.
+
+The norm must equal the one a single process would compute on the full model.
+Every gradient element is therefore counted by exactly one rank:
+
+* **DP**: in stages 1-2 each DP rank counts its own partition; in stage 0
+  every DP rank holds the same full reduced gradient, so only DP rank 0 counts.
+* **TP**: a TP-partitioned parameter's shards are disjoint, so every TP rank
+  counts its shard. A replicated parameter (``get_tp_meta(p).partitioned`` is
+  False, e.g. a layer norm) holds the same gradient on every TP rank, so only
+  TP rank 0 counts it.
+
+The per-rank sums of squares are added with one all-reduce of a float64
+scalar over the ``world`` axis. That one scalar also decides overflow for the
+whole world: it is non-finite exactly when some rank saw an inf or NaN, so
+every rank takes the same skip decision without a second collective.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Sequence
+
+import torch
+
+from hybrid.topology import Topology
+from hybrid.zero.flat_buffer import FlatGroup
+
+
+def _partitioned_runs(group: FlatGroup, segment: int, lo: int, hi: int) -> List[tuple]:
+    """Maximal ``(a, b)`` ranges of ``[lo, hi)`` (buffer coordinates) holding TP-partitioned parameters."""
+    runs: List[list] = []
+    for r in group.segments[segment].records:
+        rec = group.records[r]
+        if not rec.tp_meta.partitioned:
+            continue
+        a, b = max(lo, rec.offset), min(hi, rec.offset + rec.numel)
+        if a >= b:
+            continue
+        if runs and runs[-1][1] == a:
+            runs[-1][1] = b
+        else:
+            runs.append([a, b])
+    return [tuple(x) for x in runs]
+
+
+class GradNorm:
+    """Computes the squared global gradient norm from this rank's gradient chunks.
+
+    ``chunks[g][s]`` is this rank's reduced gradient for segment ``s`` of group
+    ``g`` (a view that stays valid across steps); ``part`` is which chunk of
+    each segment it is (0 when a rank holds whole segments, in stage 0).
+    """
+
+    def __init__(self, groups: Sequence[FlatGroup], chunks: Sequence[Sequence[torch.Tensor]],
+                 topology: Topology, part: int, counts_whole_gradient: bool):
+        self.topology = topology
+        self.device = groups[0].device
+        self.views: List[torch.Tensor] = []
+        if not counts_whole_gradient and topology.dp_rank != 0:
+            return  # stage 0: DP rank 0 counts for its DP group
+        for group, seg_chunks in zip(groups, chunks):
+            for s, chunk in enumerate(seg_chunks):
+                if topology.tp_rank == 0:
+                    self.views.append(chunk)
+                    continue
+                lo, _ = group.segments[s].chunk_range(part, group.parts)
+                for a, b in _partitioned_runs(group, s, lo, lo + chunk.numel()):
+                    self.views.append(chunk[a - lo: b - lo])
+
+    def local_sq(self) -> torch.Tensor:
+        """This rank's share of the squared norm, a float64 scalar tensor."""
+        if not self.views:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        norms = torch._foreach_norm(self.views, 2, dtype=torch.float32)
+        return torch.stack(norms).double().square().sum()
+
+    def global_sq(self) -> float:
+        """Squared L2 norm of the whole gradient (one all-reduce over ``world``)."""
+        total = self.local_sq().reshape(1)
+        self.topology.comm.all_reduce(total, "world")
+        return float(total.item())
+
+
+def clip_factor(norm: float, max_norm: float) -> float:
+    """The multiplier that brings a gradient of L2 ``norm`` to at most ``max_norm`` (0 disables)."""
+    if max_norm <= 0 or not math.isfinite(norm):
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))

@@ -1,0 +1,195 @@
+"""The inner optimizer: one update of flat master partitions, in place.
+
+A flat group's partition arrives as a short list of 1-D tensors (one chunk per
+segment, see :mod:`hybrid.zero.flat_buffer`), so every update is a handful of
+multi-tensor calls -- never a Python loop over parameters. Optimizer state
+(Adam's ``exp_avg`` / ``exp_avg_sq``, SGD's momentum) is one contiguous tensor
+per group, viewed as the same chunks, created on ``state_device`` (the
+parameters' device today; the CPU when the optimizer is offloaded).
+
+Gradients are multiplied by ``grad_factor`` on the fly: the optimizer folds
+loss unscaling, the 1/dp of the DP average and gradient clipping into that
+one number. When the parameters are bf16/fp16, the step also leaves the
+rounded new weights in the parameter chunks (``lowp``).
+
+Adam/AdamW run on the compiled kernel of :mod:`hybrid.kernels` when it is
+available (it reads bf16/fp16 gradients directly and fuses the low-precision
+copy-out), else on ``torch._fused_adamw_`` / ``torch._fused_adam_``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+KINDS = ("adamw", "adam", "sgd")
+
+
+def compiled_adam_available(device: torch.device) -> bool:
+    """Whether :mod:`hybrid.kernels` can run its compiled Adam on ``device`` (built on first use)."""
+    try:
+        from hybrid.kernels import default_registry
+    except ImportError:
+        return False
+    return default_registry().get("cuda_adam" if device.type == "cuda" else "cpu_adam") is not None
+
+
+def _inner_adam_step(params: List[torch.Tensor], grads: List[torch.Tensor],
+                     exp_avgs: List[torch.Tensor], exp_avg_sqs: List[torch.Tensor],
+                     lowp: Optional[List[torch.Tensor]], *, lr: float, beta1: float, beta2: float, eps: float,
+                     weight_decay: float, step: int, adamw: bool, grad_factor: float, compiled: bool) -> None:
+    """One Adam/AdamW update of flat master tensors in place. ``grads`` may be overwritten.
+
+    ``step`` is the 1-based update count (bias correction). AdamW decays the
+    weights (decoupled); Adam adds ``weight_decay * param`` to the gradient.
+    ``lowp`` (optional) receives the updated weights rounded to its dtype.
+    """
+    if compiled:
+        from hybrid.kernels import multi_tensor_adam
+
+        multi_tensor_adam(params, grads, exp_avgs, exp_avg_sqs, lowp, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                          weight_decay=weight_decay, step=step, adamw=adamw, grad_scale=grad_factor)
+        return
+    device, dtype = params[0].device, params[0].dtype
+    if grads[0].dtype != dtype or grads[0].device != device:
+        grads = [g.to(device=device, dtype=dtype) for g in grads]
+    fn = torch._fused_adamw_ if adamw else torch._fused_adam_
+    steps = [torch.tensor(float(step), device=device)] * len(params)
+    # torch's fused kernel divides gradients by grad_scale.
+    scale = None if grad_factor == 1.0 else torch.tensor(1.0 / grad_factor, device=device)
+    fn(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
+       weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
+    if lowp is not None:
+        torch._foreach_copy_(lowp, params)
+
+
+def _inner_sgd_step(params: List[torch.Tensor], grads: List[torch.Tensor],
+                    momentum_buffers: Optional[List[torch.Tensor]], *, lr: float, momentum: float,
+                    weight_decay: float, first: bool, grad_factor: float) -> None:
+    """SGD with optional momentum and L2 weight decay (no dampening, no Nesterov). ``grads`` may be overwritten."""
+    if grad_factor != 1.0:
+        torch._foreach_mul_(grads, grad_factor)
+    if weight_decay:
+        torch._foreach_add_(grads, params, alpha=weight_decay)
+    if momentum_buffers is not None:
+        if first:
+            torch._foreach_copy_(momentum_buffers, grads)
+        else:
+            torch._foreach_mul_(momentum_buffers, momentum)
+            torch._foreach_add_(momentum_buffers, grads)
+        grads = momentum_buffers
+    torch._foreach_add_(params, grads, alpha=-lr)
+
+
+def _split(flat: torch.Tensor, numels: List[int]) -> List[torch.Tensor]:
+    return list(torch.split(flat, numels))
+
+
+class _GroupState:
+    def __init__(self, masters: List[torch.Tensor], lowp: Optional[List[torch.Tensor]], weight_decay: float,
+                 names: List[str], device: torch.device):
+        self.masters = masters
+        self.lowp = lowp
+        self.weight_decay = weight_decay
+        self.numels = [m.numel() for m in masters]
+        total = sum(self.numels)
+        dtype = masters[0].dtype
+        self.state: Dict[str, torch.Tensor] = {n: torch.zeros(total, dtype=dtype, device=device)
+                                               for n in names}
+        self.views = {n: _split(t, self.numels) for n, t in self.state.items()}
+
+
+class InnerOptimizer:
+    """AdamW, Adam or SGD over lists of flat master chunks, one list per flat group."""
+
+    def __init__(self, kind: str, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, momentum: float = 0.0, use_kernels: bool = True):
+        if kind not in KINDS:
+            raise ValueError(f"unknown optimizer {kind!r}; expected one of {', '.join(KINDS)} "
+                             f"(config key optimizer.type)")
+        if lr < 0:
+            raise ValueError(f"learning rate must be >= 0, got {lr} (config key optimizer.params.lr)")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {tuple(betas)} "
+                             f"(config key optimizer.params.betas)")
+        if eps <= 0:
+            raise ValueError(f"eps must be > 0, got {eps} (config key optimizer.params.eps)")
+        if weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay} "
+                             f"(config key optimizer.params.weight_decay)")
+        if momentum < 0 or momentum >= 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum} (config key optimizer.params.momentum)")
+        self.kind = kind
+        self.lr = lr
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = eps
+        self.weight_decay = weight_decay
+        self.momentum = momentum
+        self.step_count = 0  # updates applied (skipped steps do not count)
+        self.groups: List[_GroupState] = []
+        self.use_kernels = use_kernels
+        self.compiled: Optional[bool] = None  # decided by the first group: compiled Adam or torch's
+
+    @property
+    def state_names(self) -> List[str]:
+        if self.kind in ("adamw", "adam"):
+            return ["exp_avg", "exp_avg_sq"]
+        return ["momentum_buffer"] if self.momentum else []
+
+    def add_group(self, masters: List[torch.Tensor], decay: bool, lowp: Optional[List[torch.Tensor]] = None,
+                  state_device: Optional[torch.device] = None) -> None:
+        """Register one flat group's master chunks (1-D, all of the master dtype).
+
+        ``lowp``: chunks (same sizes) that must hold the rounded weights after every step.
+        """
+        device = state_device if state_device is not None else masters[0].device
+        if self.compiled is None:
+            self.compiled = (self.use_kernels and self.kind != "sgd" and masters[0].dtype == torch.float32
+                             and compiled_adam_available(masters[0].device))
+        self.groups.append(_GroupState(masters, lowp, self.weight_decay if decay else 0.0,
+                                       self.state_names, device))
+
+    def step(self, grads: List[List[torch.Tensor]], grad_factor: float, lr: Optional[float] = None) -> None:
+        """Update every group's masters from ``grads[g]`` (chunks matching the masters) times ``grad_factor``."""
+        if lr is not None:
+            self.lr = lr
+        self.step_count += 1
+        for group, g_chunks in zip(self.groups, grads):
+            if self.kind == "sgd":
+                master = group.masters[0]
+                if g_chunks[0].dtype != master.dtype or g_chunks[0].device != master.device:
+                    g_chunks = [g.to(device=master.device, dtype=master.dtype) for g in g_chunks]
+                _inner_sgd_step(group.masters, g_chunks, group.views.get("momentum_buffer"), lr=self.lr,
+                                momentum=self.momentum, weight_decay=group.weight_decay,
+                                first=self.step_count == 1, grad_factor=grad_factor)
+                if group.lowp is not None:
+                    torch._foreach_copy_(group.lowp, group.masters)
+            else:
+                _inner_adam_step(group.masters, g_chunks, group.views["exp_avg"], group.views["exp_avg_sq"],
+                                 group.lowp, lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
+                                 weight_decay=group.weight_decay, step=self.step_count,
+                                 adamw=self.kind == "adamw", grad_factor=grad_factor, compiled=bool(self.compiled))
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for g in self.groups for t in g.state.values())
+
+    def state_dict(self) -> dict:
+        return {"kind": self.kind, "step": self.step_count, "lr": self.lr,
+                "groups": [dict(g.state) for g in self.groups]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd["kind"] != self.kind:
+            raise ValueError(f"checkpoint was written by optimizer {sd['kind']!r} but this run uses "
+                             f"{self.kind!r}; set optimizer.type to {sd['kind']!r} or start fresh")
+        if len(sd["groups"]) != len(self.groups):
+            raise ValueError(f"checkpoint has {len(sd['groups'])} parameter groups, this model has "
+                             f"{len(self.groups)}")
+        for g, saved in zip(self.groups, sd["groups"]):
+            for name, t in g.state.items():
+                if name not in saved or saved[name].numel() != t.numel():
+                    raise ValueError(f"optimizer state {name!r} in the checkpoint does not match this "
+                                     f"partition ({t.numel()} elements); reshard the checkpoint to this layout")
+                t.copy_(saved[name])
+        self.step_count = int(sd["step"])
+        self.lr = float(sd["lr"])

@@ -1,0 +1,360 @@
+"""ZeRO-3 parameter gathering: make a unit's parameters whole while they are used, and only then.
+
+Between uses every partitioned parameter's ``.data`` is an empty tensor of its
+dtype; the values live only in the DP ranks' partitions (see
+:mod:`hybrid.zero.stage3_layout`). A unit is *gathered* by one all-gather of
+its chunks over ``dp`` into a fresh ``[unit.numel]`` buffer, and each of its
+parameters' ``.data`` becomes a view into that buffer.
+
+When a unit is gathered and released:
+
+* **forward**: a forward pre-hook on the owning module gathers its unit and
+  the post-hook releases it. Any other use of a released parameter (a tied
+  embedding read by the LM head outside its module) is caught by a
+  ``TorchFunctionMode`` active during the forward, which gathers the unit on
+  demand and holds it until the innermost running module returns.
+* **backward**: tensors autograd saves that live in a gathered buffer (the
+  weight itself, or views of it) are replaced by a small reference
+  (``saved_tensors_hooks``); unpacking it in backward gathers the unit again.
+  The unit is released once all of its parameters have received their
+  gradient (or when backward ends).
+* **prefetch**: the sequence of units each phase fetched in the first step is
+  recorded; later, after each fetch, the next units of that sequence are
+  gathered asynchronously (up to ``prefetch_numel`` elements) while the
+  current module computes.
+
+Buffers are never recycled by hand: a released buffer may still be referenced
+by a view autograd holds for a moment, so reusing it would corrupt that view.
+The allocator recycles the memory once the last view is gone.
+
+``max_live_numel`` bounds the elements of all gathered (and in-flight)
+buffers: before a gather, units no module is using are released until the
+new one fits; prefetching never evicts. ``peak_live_numel`` records the
+largest total seen.
+
+Every gather is announced to :class:`~hybrid.zero.order_check.OrderCheck`
+first, so ranks that diverge raise :class:`GatherOrderError` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from hybrid.comm import Communicator, Handle
+from hybrid.zero.order_check import OrderCheck
+from hybrid.zero.stage3_layout import Unit
+
+
+@dataclasses.dataclass(frozen=True)
+class _SavedView:
+    """What autograd keeps instead of a tensor that lives in a gathered buffer."""
+
+    unit: int
+    offset: int
+    size: Tuple[int, ...]
+    stride: Tuple[int, ...]
+
+
+class _ExternalUse(TorchFunctionMode):
+    """Gathers released parameters that an op touches (uses outside the owning module)."""
+
+    def __init__(self, gatherer: "ParamGatherer"):
+        super().__init__()
+        self.gatherer = gatherer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        g = self.gatherer
+        if not g.busy:
+            for a in args:
+                if isinstance(a, nn.Parameter) and id(a) in g.unit_of_param:
+                    g.use_external(g.unit_of_param[id(a)])
+                elif isinstance(a, (list, tuple)):
+                    for b in a:
+                        if isinstance(b, nn.Parameter) and id(b) in g.unit_of_param:
+                            g.use_external(g.unit_of_param[id(b)])
+        return func(*args, **(kwargs or {}))
+
+
+class ParamGatherer:
+    """Gathers, prefetches and releases the units of one model (see the module docstring).
+
+    ``chunks[u]`` is this rank's ``[unit.chunk_numel]`` slice of unit ``u`` (a
+    view of the partition, updated in place by the optimizer); gathers run
+    over the ``dp`` group.
+    """
+
+    def __init__(self, units: List[Unit], chunks: List[torch.Tensor], comm: Communicator, order: OrderCheck,
+                 max_live_numel: int, prefetch_numel: int):
+        self.units = units
+        self.chunks = chunks
+        self.comm = comm
+        self.order = order
+        self.max_live_numel = max_live_numel
+        self.prefetch_numel = prefetch_numel
+        self.unit_of_param: Dict[int, int] = {id(p): u.index for u in units if not u.persistent for p in u.params}
+        self.live: Dict[int, torch.Tensor] = {}  # unit -> gathered buffer (persistent units included)
+        self.inflight: Dict[int, Tuple[Handle, torch.Tensor]] = {}
+        self.in_use: Dict[int, int] = {}  # unit -> frames holding it
+        self._storage: Dict[int, int] = {}  # data_ptr of a live buffer -> unit
+        self.live_numel = 0
+        self.peak_live_numel = 0
+        self.gathered_numel_total = 0
+        self.busy = False  # inside our own bookkeeping: the torch-function mode must not react
+        self.phase = "idle"
+        self.traces: Dict[str, List[int]] = {}
+        self._recording: Optional[List[int]] = None
+        self._cursor = 0
+        self.frames: List[List[int]] = []
+        self._orphans: List[int] = []  # externally used outside any module frame
+        self._ctx = []
+        self._empty = {u.index: torch.empty(0, dtype=chunks[u.index].dtype, device=chunks[u.index].device)
+                       for u in units}
+        self._shape_of: Dict[int, Tuple[int, ...]] = {id(p): rec.shape for u in units
+                                                      for rec, p in zip(u.records, u.params)}
+        for u in units:
+            if u.persistent:
+                self._persist(u)
+            else:
+                self._unbind(u)
+
+    # ---- binding ----------------------------------------------------------------------------
+    def _bind(self, u: Unit, buf: torch.Tensor) -> None:
+        busy, self.busy = self.busy, True  # setting .data is itself a torch function the mode would see
+        for rec, p in zip(u.records, u.params):
+            p.data = buf[rec.offset: rec.offset + rec.numel].view(rec.shape)
+        self.busy = busy
+
+    def _unbind(self, u: Unit) -> None:
+        busy, self.busy = self.busy, True
+        for p in u.params:
+            p.data = self._empty[u.index]
+        self.busy = busy
+
+    def shape_for_grad(self, p: nn.Parameter) -> None:
+        """Give a released parameter its shape (a one-element stride-0 stub) while autograd accumulates its gradient.
+
+        Autograd lays out a new ``.grad`` after the parameter's shape and
+        strides; a released parameter (``[0]``) would make it fail. The stub
+        is never read: the reducer takes the gradient right away and calls
+        :meth:`unshape`.
+        """
+        i = self.unit_of_param.get(id(p))
+        if i is None or i in self.live:
+            return
+        busy, self.busy = self.busy, True
+        p.data = self._empty[i].new_zeros(1).expand(self._shape_of[id(p)])
+        self.busy = busy
+
+    def unshape(self, p: nn.Parameter) -> None:
+        i = self.unit_of_param.get(id(p))
+        if i is None or i in self.live:
+            return
+        busy, self.busy = self.busy, True
+        p.data = self._empty[i]
+        self.busy = busy
+
+    def _persist(self, u: Unit) -> None:
+        """Persistent units stay gathered for good; their buffer is refreshed after every update."""
+        buf = torch.empty(u.numel, dtype=self.chunks[u.index].dtype, device=self.chunks[u.index].device)
+        self.comm.all_gather_into_tensor(buf, self.chunks[u.index], "dp")
+        self.live[u.index] = buf
+        self._bind(u, buf)
+
+    def refresh_persistent(self) -> None:
+        """All-gather every persistent unit's updated chunk into its buffer (after an optimizer step)."""
+        handles = [self.comm.all_gather_into_tensor(self.live[u.index], self.chunks[u.index], "dp", async_op=True)
+                   for u in self.units if u.persistent]
+        for h in handles:
+            h.wait()
+
+    # ---- gathering ----------------------------------------------------------------------------
+    def _issue(self, indices: List[int], why: str) -> None:
+        names = ", ".join(self.units[i].module_name for i in indices)
+        self.order.verify("gather-" + self.phase, indices, f"gather [{names}] ({why}, {self.phase})")
+        for i in indices:
+            u = self.units[i]
+            buf = torch.empty(u.numel, dtype=self.chunks[i].dtype, device=self.chunks[i].device)
+            handle = self.comm.all_gather_into_tensor(buf, self.chunks[i], "dp", async_op=True)
+            self.inflight[i] = (handle, buf)
+            self.live_numel += u.numel
+            self.gathered_numel_total += u.numel
+        self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+
+    def _complete(self, i: int) -> None:
+        handle, buf = self.inflight.pop(i)
+        handle.wait()
+        self.live[i] = buf
+        self._storage[buf.untyped_storage().data_ptr()] = i
+        self._bind(self.units[i], buf)
+
+    def ensure(self, i: int) -> torch.Tensor:
+        """Make unit ``i`` gathered (waiting for its prefetch, or gathering it now); returns its buffer."""
+        if i in self.live:
+            return self.live[i]
+        self.busy = True
+        try:
+            self._note_fetch(i)
+            if i not in self.inflight:
+                self._make_room(self.units[i].numel, protect=i)
+                self._issue([i], "demand")
+            self._complete(i)
+            self._prefetch()
+        finally:
+            self.busy = False
+        return self.live[i]
+
+    def release(self, i: int) -> None:
+        """Drop unit ``i``'s gathered buffer unless it is persistent or still in use by a running module."""
+        u = self.units[i]
+        if u.persistent or self.in_use.get(i, 0) > 0:
+            return
+        if i in self.inflight:
+            self._complete(i)
+        buf = self.live.pop(i, None)
+        if buf is None:
+            return
+        self._storage.pop(buf.untyped_storage().data_ptr(), None)
+        self.live_numel -= u.numel
+        self._unbind(u)
+
+    def release_all(self) -> None:
+        for i in list(self.inflight):
+            self._complete(i)
+        for i in list(self.live):
+            self.release(i)
+
+    def _make_room(self, numel: int, protect: int) -> None:
+        if self.live_numel + numel <= self.max_live_numel:
+            return
+        for i in list(self.inflight):  # finished prefetches become evictable
+            if i != protect and self.in_use.get(i, 0) == 0:
+                self._complete(i)
+        for i in list(self.live):
+            if self.live_numel + numel <= self.max_live_numel:
+                return
+            if i != protect and self.in_use.get(i, 0) == 0:
+                self.release(i)
+
+    # ---- prefetch -------------------------------------------------------------------------------------
+    def _note_fetch(self, i: int) -> None:
+        """Record the fetch in this phase's trace (first step) or advance the cursor along it."""
+        if self._recording is not None:
+            self._recording.append(i)
+            return
+        trace = self.traces.get(self.phase)
+        if trace is None:
+            return
+        if self._cursor < len(trace) and trace[self._cursor] == i:
+            self._cursor += 1
+            return
+        try:  # the step took a different path: resynchronise on the next occurrence, if any
+            self._cursor = trace.index(i, self._cursor) + 1
+        except ValueError:
+            self._cursor = len(trace)
+
+    def _prefetch(self) -> None:
+        trace = self.traces.get(self.phase)
+        if trace is None or self.prefetch_numel <= 0:
+            return
+        batch, budget, k = [], self.prefetch_numel, self._cursor
+        pending = self.live_numel
+        while k < len(trace) and budget > 0:
+            i = trace[k]
+            k += 1
+            if i in self.live or i in self.inflight or i in batch:
+                continue
+            n = self.units[i].numel
+            if n > budget or pending + n > self.max_live_numel:
+                break
+            batch.append(i)
+            budget -= n
+            pending += n
+        if batch:
+            self._issue(batch, "prefetch")
+
+    # ---- phases ------------------------------------------------------------------------------------------
+    def begin_phase(self, phase: str) -> None:
+        self.phase = phase
+        self._cursor = 0
+        self._recording = [] if phase not in self.traces else None
+        self._prefetch()  # the first units of the phase start moving right away
+
+    def end_phase(self) -> None:
+        if self._recording is not None:
+            self.traces[self.phase] = self._recording
+        self._recording = None
+        self.phase = "idle"
+
+    # ---- forward hooks ----------------------------------------------------------------------------
+    def module_pre(self, unit: Optional[int]) -> None:
+        frame: List[int] = []
+        if unit is not None:
+            self.ensure(unit)
+            self.in_use[unit] = self.in_use.get(unit, 0) + 1
+            frame.append(unit)
+        self.frames.append(frame)
+
+    def module_post(self) -> None:
+        if not self.frames:
+            return
+        for i in self.frames.pop():
+            self.in_use[i] -= 1
+            if self.in_use[i] == 0:
+                self.release(i)
+
+    def use_external(self, i: int) -> None:
+        """A released parameter of unit ``i`` is about to be used by an op outside its module."""
+        if i in self.live and self.in_use.get(i, 0) > 0:
+            return
+        self.ensure(i)
+        self.in_use[i] = self.in_use.get(i, 0) + 1
+        (self.frames[-1] if self.frames else self._orphans).append(i)
+
+    def enter_forward(self) -> None:
+        """Start of the root module's forward: install the saved-tensor hooks and the external-use mode."""
+        self.exit_forward()  # a forward that raised never ran its post-hook
+        self.begin_phase("forward")
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        mode = _ExternalUse(self)
+        hooks.__enter__()
+        mode.__enter__()
+        self._ctx = [hooks, mode]
+
+    def exit_forward(self) -> None:
+        """End of the root module's forward: release everything it gathered."""
+        if not self._ctx:
+            return
+        hooks, mode = self._ctx
+        self._ctx = []
+        mode.__exit__(None, None, None)
+        hooks.__exit__(None, None, None)
+        while self.frames:
+            self.module_post()
+        for i in self._orphans:
+            self.in_use[i] -= 1
+        self._orphans = []
+        self.release_all()
+        self.end_phase()
+
+    # ---- saved tensors --------------------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor):
+        if not self._storage or t.is_sparse or t.device.type == "meta":
+            return t
+        try:
+            i = self._storage.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            return t
+        if i is None:
+            return t
+        return _SavedView(i, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _SavedView):
+            return saved
+        buf = self.ensure(saved.unit)
+        return buf.as_strided(saved.size, saved.stride, saved.offset)

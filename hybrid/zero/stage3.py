@@ -1,0 +1,326 @@
+"""ZeRO stage 3: the parameters themselves are partitioned over the DP group.
+
+Each DP rank keeps only its partition of every unit (see
+:mod:`hybrid.zero.stage3_layout`): the low-precision weights, the gradients,
+the fp32 master weights and the optimizer state, 16Ψ/N_d bytes per rank in
+mixed precision with Adam. Whole parameters exist only while a module runs
+(:mod:`hybrid.zero.param_gather`); gradients are reduce-scattered into the
+partition during backward (:mod:`hybrid.zero.stage3_grads`). The update is
+the same inner optimizer as stages 1-2, on the flat partition, optionally in
+host memory (``offload_optimizer="cpu"``).
+
+Communication per step over ``dp``: an all-gather of the weights in forward,
+another in backward and a reduce-scatter of the gradients, 1.5x the all-reduce
+of stage 0 (less for persistent units, which are all-gathered once per step
+after the update instead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Dict, Iterator, List, Optional
+
+import torch
+
+from hybrid.zero.flat_buffer import ZeroConfigError
+from hybrid.zero.grad_norm import clip_factor
+from hybrid.zero.offload import HostCopy, host_device
+from hybrid.zero.optimizer import ZeroOptimizer, _check_args
+from hybrid.zero.order_check import OrderCheck
+from hybrid.zero.param_gather import ParamGatherer
+from hybrid.zero.stage3_grads import Stage3GradReducer
+from hybrid.zero.stage3_layout import Unit, build_units, partition_numel
+
+DEFAULT_PERSISTENCE_THRESHOLD = 100_000
+DEFAULT_MAX_LIVE = 1_000_000_000
+DEFAULT_PREFETCH = 50_000_000
+
+
+def _partition_runs(units: List[Unit], dp_rank: int, tp_rank: int):
+    """Per unit, this rank's chunk cut into ``(start, end, decay, counts_for_norm)`` runs (partition coordinates).
+
+    ``decay``: the elements are weight-decayed. ``counts_for_norm``: the
+    gradient norm counts them on this rank (TP-replicated parameters are
+    counted by TP rank 0 only; padding counts nowhere but is zero anyway).
+    """
+    runs = []
+    for u in units:
+        lo, hi = u.chunk_range(dp_rank)
+        base = u.partition_offset - lo
+        cut = min(max(u.decay_end, lo), hi)
+        for a, b, decay in ((lo, cut, True), (cut, hi, False)):
+            if a < b:
+                runs.append((base + a, base + b, decay))
+    norm_runs = []
+    for u in units:
+        lo, hi = u.chunk_range(dp_rank)
+        base = u.partition_offset - lo
+        for rec in u.records:
+            if tp_rank != 0 and not rec.tp_meta.partitioned:
+                continue
+            a, b = max(lo, rec.offset), min(hi, rec.offset + rec.numel)
+            if a < b:
+                norm_runs.append((base + a, base + b))
+    return runs, norm_runs
+
+
+class Stage3Optimizer(ZeroOptimizer):
+    """:class:`ZeroOptimizer` with ``stage=3``; built by ``ZeroOptimizer(model, topology, stage=3, ...)``.
+
+    Extra arguments: ``persistence_threshold`` (parameters with at most this
+    many elements stay whole on every rank), ``max_live_parameters``
+    (elements of gathered weights allowed at once), ``prefetch_numel``
+    (elements gathered ahead), ``offload_optimizer`` (``"none"`` or
+    ``"cpu"``), ``verify_order`` (check the gather order across DP ranks).
+    """
+
+    def __init__(self, model: torch.nn.Module, topology, *, stage: int = 3, optimizer: str = "adamw",
+                 lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 momentum: float = 0.0, no_weight_decay=None, bucket_size: int = 25_000_000,
+                 overlap_comm: bool = True, master_dtype: torch.dtype = torch.float32, loss_scaler=None,
+                 clip_grad: float = 0.0, gradient_accumulation_steps: int = 1, use_fused_kernels: bool = True,
+                 offload_optimizer: str = "none", persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
+                 max_live_parameters: int = DEFAULT_MAX_LIVE, prefetch_numel: int = DEFAULT_PREFETCH,
+                 verify_order: bool = True, partition_init=None):
+        _check_args(stage, bucket_size, gradient_accumulation_steps, clip_grad, master_dtype, topology, loss_scaler,
+                    offload_optimizer)
+        from hybrid.zero.inner import InnerOptimizer
+
+        self.inner = InnerOptimizer(optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                    momentum=momentum, use_kernels=use_fused_kernels)
+        self.model, self.topology, self.comm = model, topology, topology.comm
+        self.stage = 3
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.clip_grad = float(clip_grad)
+        self.loss_scaler = loss_scaler
+        self.use_fused_kernels = use_fused_kernels
+        self.offload_optimizer = offload_optimizer
+        dp, self.part = topology.dp_size, topology.dp_rank
+        self.partition_count = dp
+
+        self.units, self._frozen = build_units(model, dp, persistence_threshold, weight_decay > 0, no_weight_decay)
+        biggest = max((u for u in self.units if not u.persistent), key=lambda u: u.numel, default=None)
+        if biggest is not None and max_live_parameters < biggest.numel:
+            raise ZeroConfigError(f"max_live_parameters={max_live_parameters} elements cannot hold module "
+                                  f"{biggest.module_name!r} ({biggest.numel} elements when gathered); raise "
+                                  f"zero.max_live_parameters (DeepSpeed: stage3_max_live_parameters) to at "
+                                  f"least {biggest.numel}")
+        self.dtype = self.units[0].params[0].dtype
+        device = topology.device if partition_init is not None else next(
+            p.device for u in self.units for p in u.params)
+        self.device = device
+        self.partition = torch.empty(partition_numel(self.units), dtype=self.dtype, device=device)
+        if partition_init is not None:
+            partition_init(self.units, self.partition, topology)  # sharded deferred init: only this rank's slice
+        else:
+            self._partition_from_model()
+        chunks = [self.partition[u.partition_offset: u.partition_offset + u.chunk_numel] for u in self.units]
+        self.order = OrderCheck(self.comm, enabled=verify_order)
+        self.gatherer = ParamGatherer(self.units, chunks, self.comm, self.order, max_live_parameters, prefetch_numel)
+        self._hooks = self._register_module_hooks()
+
+        host = host_device(offload_optimizer, device)
+        self.reducer = Stage3GradReducer(self.units, self.comm, self.order, self.part, bucket_size, self.dtype, device,
+                                         host if host is not None else device, self.gatherer.release,
+                                         self.gatherer.shape_for_grad, self.gatherer.unshape)
+        self.reducer.attach_hooks()
+        self._setup_master(master_dtype, host)
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self._micro = 0
+        self._last_grad_norm = math.nan
+        self._last_comm: Dict[str, Dict[str, float]] = {}
+        self.comm.reset_stats()
+
+    # ---- set-up ---------------------------------------------------------------------------------------
+    def _partition_from_model(self) -> None:
+        """Copy this rank's chunk of every unit out of the (whole, DP-rank-0-synchronised) parameters."""
+        for u in self.units:
+            full = torch.zeros(u.numel, dtype=self.dtype, device=self.partition.device)
+            for rec, p in zip(u.records, u.params):
+                full[rec.offset: rec.offset + rec.numel].copy_(p.detach().reshape(-1))
+            self.comm.broadcast(full, "dp", src=0)
+            lo, hi = u.chunk_range(self.part)
+            self.partition[u.partition_offset: u.partition_offset + u.chunk_numel].copy_(full[lo:hi])
+        for p in self._frozen:
+            self.comm.broadcast(p.data, "dp", src=0)
+
+    def _setup_master(self, master_dtype: torch.dtype, host: Optional[torch.device]) -> None:
+        runs, norm_runs = _partition_runs(self.units, self.part, self.topology.tp_rank)
+        master_device = host if host is not None else self.device
+        self.aliased = master_dtype == self.dtype and master_device == self.device
+        if self.aliased:
+            self.master = self.partition
+        else:
+            pin = master_device.type == "cpu" and self.device.type == "cuda"
+            self.master = torch.empty(self.partition.numel(), dtype=master_dtype, device=master_device,
+                                      pin_memory=pin)
+            self.master.copy_(self.partition)
+        # the step writes the rounded weights here; a host staging copy when the partition is on an accelerator
+        self.lowp = None if self.aliased else HostCopy(self.partition, master_device)
+        grads = self.reducer.grads
+        self._group_grads = []
+        for decay in (True, False):
+            sel = [(a, b) for a, b, d in runs if d == decay]
+            if not sel:
+                continue
+            self.inner.add_group([self.master[a:b] for a, b in sel], decay=decay,
+                                 lowp=None if self.lowp is None else [self.lowp.host[a:b] for a, b in sel],
+                                 state_device=master_device)
+            self._group_grads.append([grads[a:b] for a, b in sel])
+        self._norm_views = [grads[a:b] for a, b in norm_runs]
+
+    def _register_module_hooks(self) -> list:
+        unit_of_module = {u.module_name: u.index for u in self.units if not u.persistent}
+        g = self.gatherer
+        hooks = []
+        for name, module in self.model.named_modules():
+            unit = unit_of_module.get(name)
+            if name == "":
+                def root_pre(m, args, unit=unit):
+                    g.enter_forward()
+                    g.module_pre(unit)
+
+                hooks.append(module.register_forward_pre_hook(root_pre))
+                hooks.append(module.register_forward_hook(lambda m, a, o: g.exit_forward()))
+            elif unit is not None:
+                hooks.append(module.register_forward_pre_hook(lambda m, a, unit=unit: g.module_pre(unit)))
+                hooks.append(module.register_forward_hook(lambda m, a, o: g.module_post()))
+        return hooks
+
+    # ---- the training step ----------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's mean loss; every unit is reduce-scattered on every micro-step."""
+        gas = self.gradient_accumulation_steps
+        if self._micro >= gas:
+            raise RuntimeError(f"backward() was called {self._micro + 1} times since the last step(), but "
+                               f"gradient_accumulation_steps={gas}; call step() once every {gas} micro-batches")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("backward() expects the scalar (mean) loss of one micro-batch")
+        self.gatherer.exit_forward()  # in case the model's forward post-hook did not run
+        factor = self.loss_scale / gas
+        self.gatherer.begin_phase("backward")
+        self.reducer.begin_backward()
+        try:
+            (loss * factor if factor != 1.0 else loss).backward()
+        finally:
+            self.reducer.end_backward()
+            self.gatherer.release_all()
+            self.gatherer.end_phase()
+        self._micro += 1
+
+    def step(self, lr: Optional[float] = None) -> bool:
+        gas = self.gradient_accumulation_steps
+        if self._micro != gas:
+            raise RuntimeError(f"step() after {self._micro} backward() calls, but gradient_accumulation_steps="
+                               f"{gas}; call backward() once per micro-batch and step() every {gas}")
+        if lr is not None:
+            if lr < 0:
+                raise ValueError(f"learning rate must be >= 0, got {lr}")
+            self.inner.lr = float(lr)
+        self.reducer.wait()
+        denominator = self.loss_scale * self.topology.dp_size
+        sq = self._global_sq()
+        overflow = not math.isfinite(sq)
+        self._last_grad_norm = math.sqrt(sq) / denominator if not overflow else sq
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow)
+        self.global_steps += 1
+        self._micro = 0
+        if overflow:
+            self.skipped_steps += 1
+        else:
+            factor = clip_factor(self._last_grad_norm, self.clip_grad) / denominator
+            self.inner.step(self._group_grads, factor)
+            if self.lowp is not None:
+                self.lowp.to_device()
+            self.gatherer.refresh_persistent()
+        self._last_comm = self.comm.report()
+        self.comm.reset_stats()
+        return not overflow
+
+    def _global_sq(self) -> float:
+        if self._norm_views:
+            norms = torch._foreach_norm(self._norm_views, 2, dtype=torch.float32)
+            local = torch.stack(norms).double().square().sum().reshape(1)
+        else:
+            local = torch.zeros(1, dtype=torch.float64)
+        local = local.to(self.reducer.grads.device)
+        self.comm.all_reduce(local, "world")
+        return float(local.item())
+
+    def zero_grad(self) -> None:
+        self.reducer.zero()
+
+    # ---- whole parameters on demand -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        """Every parameter whole for the duration of the block (reading or exporting weights; not for training).
+
+        All units are gathered at once, whatever ``max_live_parameters`` says
+        (and without counting towards ``peak_live_parameters``); writes to
+        the parameters inside the block are lost.
+        """
+        g = self.gatherer
+        saved, g.max_live_numel = g.max_live_numel, float("inf")
+        peak = g.peak_live_numel
+        try:
+            for u in self.units:
+                g.ensure(u.index)
+            yield
+        finally:
+            g.release_all()
+            g.max_live_numel = saved
+            g.peak_live_numel = peak
+
+    # ---- reports ---------------------------------------------------------------------------------------
+    def memory_report(self) -> Dict[str, int]:
+        """Bytes this rank holds, by kind (see :meth:`ZeroOptimizer.memory_report`), plus stage-3 extras.
+
+        ``params``: the parameter partition, whole persistent units and frozen
+        parameters. ``gathered``: whole-unit buffers gathered right now (0
+        between steps). ``master`` / ``optimizer_states``: fp32 masters (0
+        when they are the parameters) and Adam moments, in host memory when
+        offloaded. ``host_bytes``: what of ``total`` lives in host memory
+        because of offload; ``device_bytes``: the rest. ``peak_live_parameters``
+        (elements, not bytes, not in ``total``): the most gathered at once.
+        """
+        el = self.partition.element_size()
+        persistent = sum(self.gatherer.live[u.index].numel() for u in self.units if u.persistent) * el
+        rep = {"params": self.partition.numel() * el + persistent
+               + sum(p.numel() * p.element_size() for p in self._frozen)}
+        held = self.reducer.bytes_held()
+        rep["grads"] = held.pop("grads")
+        rep["master"] = 0 if self.aliased else self.master.numel() * self.master.element_size()
+        rep["optimizer_states"] = self.inner.state_bytes()
+        rep["gathered"] = self.gatherer.live_numel * el
+        rep.update(held)
+        if self.lowp is not None:
+            rep["lowp_staging"] = self.lowp.staging_bytes()
+        rep["total"] = sum(rep.values())
+        host = 0
+        if self.offload_optimizer == "cpu":
+            host = rep["master"] + rep["optimizer_states"] + rep.get("lowp_staging", 0)
+            if self.reducer.grads.device != self.device:
+                host += rep["grads"]
+        rep["host_bytes"] = host
+        rep["device_bytes"] = rep["total"] - host
+        rep["peak_live_parameters"] = int(self.gatherer.peak_live_numel)
+        return rep
+
+    def num_parameters(self) -> int:
+        return sum(r.numel for u in self.units for r in u.records)
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError("ZeRO stage 3 optimizer state_dict is not implemented yet (checkpointing of "
+                                  "stage-3 partitions); use stage 2 where checkpoints are needed")
+
+    def load_state_dict(self, sd: dict) -> None:
+        raise NotImplementedError("ZeRO stage 3 optimizer load_state_dict is not implemented yet")
+
+    def remove_hooks(self) -> None:
+        self.reducer.remove_hooks()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

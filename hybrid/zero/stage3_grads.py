@@ -1,0 +1,187 @@
+"""ZeRO-3 gradient reduction: unit gradients reduce-scattered in buckets into each rank's partition.
+
+A post-accumulate-grad hook copies each fresh ``param.grad`` into its unit's
+``[unit.numel]`` staging buffer and drops it (the full gradient never stays
+on a rank). When every parameter of a unit has its gradient the unit is
+*ready*: its gathered weights are released and it joins the open bucket. A
+bucket holding ``bucket_numel`` elements or more is reduce-scattered over
+``dp`` asynchronously; the rank's chunk of every unit in it is written (first
+micro-step after :meth:`zero`) or added (later micro-steps) into the gradient
+partition, which has the partition layout of :mod:`hybrid.zero.stage3_layout`.
+
+A unit's staging buffer is already in reduce-scatter order (chunk ``k`` is
+DP rank ``k``'s); a bucket of several units interleaves them rank by rank:
+``[u0.chunk0 u1.chunk0 .. | u0.chunk1 u1.chunk1 .. | ..]``.
+
+Units are launched in the order they became ready, which is the backward's
+order; :class:`~hybrid.zero.order_check.OrderCheck` verifies it is the same on
+every DP rank. Units that got no gradient in this backward (unused), or only
+part of it, are reduced when backward ends, in unit order, so every rank
+issues the same collectives. With ``offload`` the reduced chunks are copied
+into a gradient partition in host memory as they land.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Callable, Deque, Dict, List, Optional, Tuple
+
+import torch
+
+from hybrid.comm import Communicator, Handle
+from hybrid.zero.order_check import OrderCheck
+from hybrid.zero.stage3_layout import Unit
+
+
+class Stage3GradReducer:
+    """Owns the gradient partition ``grads`` ([partition_numel], on ``grad_device``) of one rank."""
+
+    def __init__(self, units: List[Unit], comm: Communicator, order: OrderCheck, dp_rank: int, bucket_numel: int,
+                 dtype: torch.dtype, device: torch.device, grad_device: torch.device,
+                 on_unit_done: Callable[[int], None], shape_for_grad: Callable[[torch.nn.Parameter], None],
+                 unshape: Callable[[torch.nn.Parameter], None]):
+        self.units = units
+        self.comm = comm
+        self.order = order
+        self.dp_rank = dp_rank
+        self.bucket_numel = bucket_numel
+        self.device = device
+        self.dtype = dtype
+        numel = sum(u.chunk_numel for u in units)
+        pin = grad_device.type == "cpu" and device.type == "cuda"
+        self.grads = torch.zeros(numel, dtype=dtype, device=grad_device, pin_memory=pin)
+        self._on_unit_done = on_unit_done
+        self._shape_for_grad, self._unshape = shape_for_grad, unshape
+        self._slot: Dict[int, Tuple[int, int]] = {}  # id(param) -> (unit, record)
+        for u in units:
+            for r, p in enumerate(u.params):
+                self._slot[id(p)] = (u.index, r)
+        self._staging: Dict[int, torch.Tensor] = {}
+        self._arrived: Dict[int, int] = {}
+        self._reduced = set()
+        self._bucket: List[int] = []
+        self._bucket_size = 0
+        self._fresh = [True] * len(units)
+        self._inflight: Deque[Tuple[Handle, Callable[[], None]]] = collections.deque()
+        self._hooks = []
+        self.staging_peak_bytes = 0
+        self._active = False
+
+    def attach_hooks(self) -> None:
+        for u in self.units:
+            for p in u.params:
+                self._hooks.append(p.register_hook(functools.partial(self._before_accumulate, p)))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # ---- backward -------------------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        self._active = True
+        self._arrived.clear()
+        self._reduced.clear()
+
+    def _stage_buffer(self, i: int) -> torch.Tensor:
+        buf = self._staging.get(i)
+        if buf is None:
+            # zeros: padding and unused parameters contribute nothing to the sum
+            buf = self._staging[i] = torch.zeros(self.units[i].numel, dtype=self.dtype, device=self.device)
+            held = sum(b.numel() for b in self._staging.values()) * buf.element_size()
+            self.staging_peak_bytes = max(self.staging_peak_bytes, held)
+        return buf
+
+    def _before_accumulate(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        self._shape_for_grad(param)
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        if not self._active or param.grad is None:
+            self._unshape(param)
+            return
+        i, r = self._slot[id(param)]
+        if i in self._reduced:
+            raise RuntimeError(f"parameter {self.units[i].records[r].name!r} received another gradient after its "
+                               f"unit was reduced in this backward (is it used in several re-entrant "
+                               f"checkpointed regions?)")
+        rec = self.units[i].records[r]
+        dst = self._stage_buffer(i)[rec.offset: rec.offset + rec.numel].view(rec.shape)
+        dst.add_(param.grad)
+        param.grad = None
+        self._unshape(param)
+        self._arrived[i] = self._arrived.get(i, 0) + 1
+        if self._arrived[i] == len(self.units[i].params):
+            self._ready(i)
+
+    def _ready(self, i: int) -> None:
+        self._reduced.add(i)
+        self._on_unit_done(i)
+        self._bucket.append(i)
+        self._bucket_size += self.units[i].numel
+        if self._bucket_size >= self.bucket_numel:
+            self._flush()
+
+    def end_backward(self) -> None:
+        """Reduce every unit not reduced yet (unused or partly used ones), then the open bucket."""
+        self._active = False
+        for u in self.units:
+            if u.index not in self._reduced:
+                self._ready(u.index)
+        self._flush()
+        self.order.verify("end-backward", (), "end of backward")
+
+    # ---- communication ----------------------------------------------------------------------------------
+    def _flush(self) -> None:
+        if not self._bucket:
+            return
+        bucket, self._bucket, self._bucket_size = self._bucket, [], 0
+        names = ", ".join(self.units[i].module_name for i in bucket)
+        self.order.verify("reduce", bucket, f"reduce-scatter [{names}]")
+        staged = [self._staging.pop(i, None) for i in bucket]
+        staged = [s if s is not None else torch.zeros(self.units[i].numel, dtype=self.dtype, device=self.device)
+                  for i, s in zip(bucket, staged)]
+        if len(bucket) == 1:
+            flat = staged[0]
+        else:
+            dp = self.units[0].dp
+            flat = torch.cat([s.view(dp, -1) for s in staged], dim=1).view(-1)
+        out = torch.empty(flat.numel() // self.units[0].dp, dtype=self.dtype, device=self.device)
+        handle = self.comm.reduce_scatter_tensor(out, flat, "dp", async_op=True)
+        # keep the input alive until the collective is done
+        self._inflight.append((handle, functools.partial(self._land, bucket, out, flat)))
+
+    def _land(self, bucket: List[int], out: torch.Tensor, flat: torch.Tensor) -> None:
+        o = 0
+        for i in bucket:
+            u = self.units[i]
+            c = u.chunk_numel
+            target = self.grads[u.partition_offset: u.partition_offset + c]
+            if self._fresh[i]:
+                target.copy_(out[o: o + c], non_blocking=True)
+                self._fresh[i] = False
+            else:
+                target.add_(out[o: o + c].to(target.device))
+            o += c
+        del flat
+
+    def wait(self) -> None:
+        while self._inflight:
+            handle, finish = self._inflight.popleft()
+            handle.wait()
+            finish()
+        if self.grads.device != self.device and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def zero(self) -> None:
+        self._fresh = [True] * len(self.units)
+        self.grads.zero_()
+
+    def chunk(self, i: int) -> torch.Tensor:
+        u = self.units[i]
+        return self.grads[u.partition_offset: u.partition_offset + u.chunk_numel]
+
+    def bytes_held(self) -> Dict[str, int]:
+        staging = sum(b.numel() * b.element_size() for b in self._staging.values())
+        return {"grads": self.grads.numel() * self.grads.element_size(), "grad_buckets": staging}

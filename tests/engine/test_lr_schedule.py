@@ -1,0 +1,130 @@
+"""LR schedules against hand-computed values, and the DeepSpeed schedules mapped onto them."""
+
+import math
+
+import pytest
+
+from hybrid.config import load_config
+from hybrid.engine.builders import build_lr_schedule
+from hybrid.optim import LRSchedule, deepspeed_schedule_kwargs
+
+
+def test_constant_without_warmup():
+    s = LRSchedule(0.5)
+    assert [s.lr_at(i) for i in (0, 1, 1000)] == [0.5, 0.5, 0.5]
+
+
+def test_linear_warmup_endpoints_then_constant():
+    s = LRSchedule(1.0, warmup_iters=4, warmup_start_lr=0.2)
+    assert s.lr_at(0) == pytest.approx(0.2)
+    assert s.lr_at(1) == pytest.approx(0.2 + 0.8 * 1 / 4)
+    assert s.lr_at(3) == pytest.approx(0.2 + 0.8 * 3 / 4)
+    assert s.lr_at(4) == 1.0 and s.lr_at(50) == 1.0
+
+
+def test_log_warmup_matches_ln_ratio():
+    s = LRSchedule(1e-3, warmup_iters=10, warmup_style="log", warmup_start_lr=1e-4)
+    assert s.lr_at(0) == pytest.approx(1e-4)  # ln(1) = 0
+    assert s.lr_at(4) == pytest.approx(1e-4 + 9e-4 * math.log(5) / math.log(10))
+    assert s.lr_at(9) == pytest.approx(1e-4 + 9e-4 * 1.0)  # ln(10)/ln(10) at the last warmup step
+    assert s.lr_at(10) == 1e-3
+
+
+def test_linear_decay_endpoints_and_floor():
+    s = LRSchedule(1.0, decay_style="linear", warmup_iters=2, decay_iters=12, min_lr=0.1)
+    assert s.lr_at(0) == 0.0 and s.lr_at(1) == pytest.approx(0.5)
+    assert s.lr_at(2) == pytest.approx(1.0)           # decay starts at the peak
+    assert s.lr_at(7) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway
+    assert s.lr_at(11) == pytest.approx(0.1 + 0.9 * 0.1)
+    assert s.lr_at(12) == pytest.approx(0.1) and s.lr_at(10**6) == pytest.approx(0.1)
+
+
+def test_cosine_decay_endpoints_midpoint_and_floor():
+    s = LRSchedule(2.0, decay_style="cosine", decay_iters=10, min_lr=0.2)
+    assert s.lr_at(0) == pytest.approx(2.0)
+    assert s.lr_at(5) == pytest.approx(0.2 + 1.8 * 0.5)
+    assert s.lr_at(3) == pytest.approx(0.2 + 1.8 * (1 + math.cos(math.pi * 0.3)) / 2)
+    assert s.lr_at(10) == pytest.approx(0.2) and s.lr_at(99) == pytest.approx(0.2)
+    assert all(s.lr_at(i) > s.lr_at(i + 1) for i in range(9))
+
+
+def test_step_advances_and_state_round_trips():
+    s = LRSchedule(1.0, decay_style="linear", warmup_iters=2, decay_iters=6)
+    assert s.lr == 0.0
+    assert s.step() == pytest.approx(0.5) and s.iteration == 1
+    s.step(); s.step()
+    state = s.state_dict()
+    t = LRSchedule(1.0, decay_style="linear", warmup_iters=2, decay_iters=6)
+    t.load_state_dict(state)
+    assert t.iteration == 3 and t.lr == s.lr == pytest.approx(0.75)
+    other = LRSchedule(2.0, decay_style="linear", warmup_iters=2, decay_iters=6)
+    with pytest.raises(ValueError, match=r"max_lr: checkpoint 1\.0 vs now 2\.0"):
+        other.load_state_dict(state)
+    other.load_state_dict(state, strict=False)
+    assert other.iteration == 3 and other.lr == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="invalid iteration"):
+        t.load_state_dict({"iteration": -1, "settings": t.settings()})
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_lr=0.0), r"max_lr must be > 0"),
+    (dict(max_lr=1.0, min_lr=2.0), r"min_lr \(2\.0\) <= max_lr"),
+    (dict(max_lr=1.0, decay_style="step"), r"decay_style must be one of constant, linear, cosine"),
+    (dict(max_lr=1.0, warmup_style="exp"), r"warmup_style must be one of linear, log"),
+    (dict(max_lr=1.0, decay_style="cosine"), r"cosine decay needs decay_iters > warmup_iters"),
+    (dict(max_lr=1.0, warmup_iters=-1), r"warmup_iters must be >= 0"),
+    (dict(max_lr=1.0, warmup_iters=1, warmup_style="log"), r"log warmup needs warmup_iters >= 2"),
+])
+def test_bad_schedule_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LRSchedule(**kwargs)
+
+
+def test_negative_step_index():
+    with pytest.raises(ValueError, match="step index must be >= 0"):
+        LRSchedule(1.0).lr_at(-1)
+
+
+def test_built_from_native_config():
+    cfg = load_config({"optimizer": {"lr": 6e-4}, "scheduler": {"type": "cosine", "warmup_iters": 10,
+                                                               "decay_iters": 110, "min_lr": 6e-5}})
+    s = build_lr_schedule(cfg)
+    assert s.lr_at(5) == pytest.approx(6e-4 * 5 / 10)
+    assert s.lr_at(60) == pytest.approx(6e-5 + 5.4e-4 * 0.5)
+    assert s.lr_at(110) == pytest.approx(6e-5)
+
+
+# DeepSpeed's formulas, written out by hand from its documentation: with i = the
+# scheduler's iteration, W = max(2, warmup_num_steps), T = total_num_steps,
+#   warmup gamma: linear i / W, log ln(i + 1) / ln(W)
+#   WarmupLR:       min + (max - min) * gamma (i < W), else max
+#   WarmupDecayLR:  as WarmupLR in warmup, then min + (max - min) * max(0, (T - i) / (T - W))
+#   WarmupCosineLR: lr * (wmin + (1 - wmin) * gamma) in warmup.
+def test_deepspeed_warmup_lr_log():
+    s = LRSchedule(**deepspeed_schedule_kwargs("WarmupLR", {"warmup_min_lr": 1e-5, "warmup_max_lr": 1e-3,
+                                                            "warmup_num_steps": 100}, 5e-4))
+    for i in (0, 1, 10, 50, 99):
+        assert s.lr_at(i) == pytest.approx(1e-5 + (1e-3 - 1e-5) * math.log(i + 1) / math.log(100))
+    assert s.lr_at(100) == pytest.approx(1e-3) and s.lr_at(5000) == pytest.approx(1e-3)
+
+
+def test_deepspeed_warmup_decay_lr_linear():
+    s = LRSchedule(**deepspeed_schedule_kwargs("WarmupDecayLR", {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 10, "total_num_steps": 110,
+        "warmup_type": "linear"}, 1.0))
+    for i in (0, 3, 9):
+        assert s.lr_at(i) == pytest.approx(0.1 * i / 10)
+    for i in (10, 35, 60, 109, 110, 200):
+        assert s.lr_at(i) == pytest.approx(0.1 * max(0.0, (110 - i) / (110 - 10)))
+
+
+def test_deepspeed_warmup_cosine_lr():
+    lr = 1e-3
+    s = LRSchedule(**deepspeed_schedule_kwargs("WarmupCosineLR", {
+        "total_num_steps": 1000, "warmup_num_steps": 100, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.01,
+        "warmup_type": "linear"}, lr))
+    for i in (0, 50, 99):
+        assert s.lr_at(i) == pytest.approx(lr * (0.1 + 0.9 * i / 100))
+    assert s.lr_at(100) == pytest.approx(lr)
+    assert s.lr_at(550) == pytest.approx(lr * (0.01 + 0.99 * 0.5))
+    assert s.lr_at(1000) == pytest.approx(lr * 0.01)

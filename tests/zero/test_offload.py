@@ -1,0 +1,78 @@
+"""Optimizer offload to host memory (stages 1-3) over 4 gloo ranks: parity, and no duplicated memory on CPU."""
+
+import pytest
+import torch
+
+from tests.multiproc import run_distributed
+from tests.zero.common import TiedMLP, max_rel_diff, rel_diff_list
+from tests.zero.test_gpt_parity import _reference
+from tests.zero.test_stage3 import _gpt_run, _losses
+
+WORLD = 4
+
+
+def _suite():
+    from hybrid import Topology
+
+    topo = Topology(tp=2)
+    res = {}
+    for stage in (1, 2, 3):
+        res[("fp32", stage)] = _gpt_run(topo, stage, offload="cpu")
+    for stage in (2, 3):
+        for offload in ("none", "cpu"):
+            res[("bf16", stage, offload)] = _gpt_run(topo, stage, dtype=torch.bfloat16, steps=2, offload=offload,
+                                                    threshold=0)
+    return res
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_suite, WORLD, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offloaded_fp32_parity_with_single_process_adamw(results, reference, stage):
+    ref_losses, ref_norms, ref_params = reference
+    key = ("fp32", stage)
+    assert rel_diff_list(_losses(results, key), ref_losses) < 1e-5
+    assert max_rel_diff(results[0][key]["params"], ref_params) < 1e-5
+    for r in results:
+        assert rel_diff_list(r[key]["norms"], ref_norms) < 1e-5
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_on_a_cpu_model_holds_no_second_copy(results, stage):
+    for r in results:
+        plain, off = r[("bf16", stage, "none")], r[("bf16", stage, "cpu")]
+        # The same arithmetic on the same tensors: identical losses, identical weights.
+        assert off["losses"] == plain["losses"]
+        if r["tp_rank"] == 0 and off["params"] is not None:
+            assert max_rel_diff(off["params"], plain["params"]) == 0.0
+        # Not one byte more than without offload: the host tensors are the partition's own.
+        keys = ("params", "grads", "master", "optimizer_states", "total")
+        assert {k: off["memory"][k] for k in keys} == {k: plain["memory"][k] for k in keys}
+        assert off["memory"].get("offload_staging", 0) == 0 and off["memory"].get("lowp_staging", 0) == 0
+        # ...and the report says which bytes are host-resident because of offload.
+        assert off["memory"]["host_bytes"] == off["memory"]["master"] + off["memory"]["optimizer_states"] > 0
+        assert plain["memory"]["host_bytes"] == 0
+        assert off["memory"]["device_bytes"] == off["memory"]["total"] - off["memory"]["host_bytes"]
+
+
+def test_offload_state_lives_on_the_cpu_and_stage0_refuses_it():
+    from hybrid import Topology
+    from hybrid.zero import ZeroConfigError, ZeroOptimizer
+
+    torch.manual_seed(0)
+    model = TiedMLP().to(torch.bfloat16)
+    opt = ZeroOptimizer(model, Topology.local(), stage=2, lr=1e-3, offload_optimizer="cpu")
+    assert all(p.master.device.type == "cpu" for p in opt.partitions)
+    assert all(t.device.type == "cpu" for g in opt.inner.groups for t in g.state.values())
+    with pytest.raises(ZeroConfigError, match="offload_optimizer='cpu' needs ZeRO stage 1, 2 or 3"):
+        ZeroOptimizer(TiedMLP(), Topology.local(), stage=0, offload_optimizer="cpu")
+    with pytest.raises(ZeroConfigError, match="offload_optimizer must be one of none, cpu"):
+        ZeroOptimizer(TiedMLP(), Topology.local(), stage=1, offload_optimizer="nvme")
