@@ -103,7 +103,9 @@ def main(argv=None) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, greedy=args.greedy, eod_id=tokenizer.eod_id, generator=generator)
-    print(args.prompt + tokenizer.decode([t for t in out if t != tokenizer.eod_id]))
+    # Decode prompt and continuation together so that word boundaries between them survive.
+    ids = (prompt if args.prompt else []) + out
+    print(tokenizer.decode([t for t in ids if t != tokenizer.eod_id]))
     return 0
 
 
