@@ -1,10 +1,18 @@
 """Layout-invariant parameter initialization.
 
 Each parameter's full (TP=1, unpadded) tensor is a pure function of
-``(seed, parameter name)``: it is drawn on the CPU in fp32 from a
-``torch.Generator`` seeded with a stable hash of ``f"{seed}:{name}"`` and then
-cut to this TP rank's piece with :func:`hybrid.param_meta.shard`. The same
-seed therefore gives the same full model at any TP size.
+``(seed, parameter name)``: it is drawn on the CPU in fp32 and then cut to
+this TP rank's piece with :func:`hybrid.param_meta.shard`. The same seed
+therefore gives the same full model at any TP size.
+
+The full tensor is drawn in *row blocks* (rows along dim 0, about
+``ROW_BLOCK_ELEMENTS`` elements per block), block ``b`` from its own
+``torch.Generator`` seeded with a stable hash of ``f"{seed}:{name}"`` (block
+0) or ``f"{seed}:{name}#{b}"``. Any range of rows can therefore be drawn
+without drawing the rest (:func:`draw_rows`, :func:`local_init_slice`): a
+ZeRO-3 rank materialises its slice of a 17B-parameter model without ever
+generating a whole weight. A tensor of one block draws exactly what one
+generator seeded with ``(seed, name)`` would.
 
 Each parameter records *how* it is initialized (an :class:`Initializer`), so a
 model built on the ``meta`` device can be materialized later, one parameter at
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -27,6 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _ATTR = "_hybrid_init"
 _KINDS = ("normal", "zeros", "ones")
+ROW_BLOCK_ELEMENTS = 1 << 16  # rows drawn from one generator; part of the init definition (changing it changes models)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +88,93 @@ def seed_for(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
+def rows_per_block(shape) -> int:
+    """Rows (along dim 0) drawn from one generator for a full tensor of ``shape``; all of them below 2-D."""
+    if len(shape) < 2:
+        return max(1, shape[0] if shape else 1)
+    return max(1, ROW_BLOCK_ELEMENTS // max(1, math.prod(shape[1:])))
+
+
+def draw_rows(init: Initializer, shape, seed: int, name: str, lo: int, hi: int,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rows ``[lo, hi)`` (dim 0) of the full fp32 tensor of ``shape`` that ``(seed, name)`` defines.
+
+    Only the row blocks that overlap ``[lo, hi)`` are drawn; a block wholly
+    inside the range is drawn straight into ``out`` (a contiguous fp32
+    ``[hi - lo, *shape[1:]]`` tensor, allocated when not given). A 0-d or
+    1-d tensor is one block (drawn whole, then sliced).
+    """
+    shape = list(shape)
+    if not shape:
+        return init.draw([], torch.Generator(device="cpu").manual_seed(seed_for(seed, name)))
+    rest = shape[1:]
+    if out is None:
+        out = torch.empty([hi - lo] + rest, dtype=torch.float32)
+    if init.kind != "normal" or hi <= lo:
+        return out.fill_(1.0 if init.kind == "ones" else 0.0)
+    per = rows_per_block(shape)
+    for b in range(lo // per, (hi - 1) // per + 1):
+        b_lo, b_hi = b * per, min((b + 1) * per, shape[0])
+        generator = torch.Generator(device="cpu").manual_seed(seed_for(seed, name if b == 0 else f"{name}#{b}"))
+        a, z = max(lo, b_lo), min(hi, b_hi)
+        if (a, z) == (b_lo, b_hi):  # contiguous rows in memory order: the same numbers as a fresh block
+            out[a - lo: z - lo].normal_(0.0, init.std, generator=generator)
+        else:
+            out[a - lo: z - lo].copy_(init.draw([b_hi - b_lo] + rest, generator)[a - b_lo: z - b_lo])
+    return out
+
+
 def full_init_tensor(param: torch.Tensor, name: str, seed: int, tp_size: int) -> torch.Tensor:
     """The logical full (TP=1, unpadded) fp32 CPU tensor of ``param`` (any device, including meta)."""
     meta = param_meta.get_tp_meta(param)
     shape = param_meta.full_shape(param.shape, meta, tp_size)
-    generator = torch.Generator(device="cpu").manual_seed(seed_for(seed, name))
-    return get_initializer(param).draw(shape, generator)
+    return draw_rows(get_initializer(param), shape, seed, name, 0, shape[0] if shape else 0)
+
+
+def _shard_rows(param: torch.Tensor, name: str, seed: int, tp_size: int, tp_rank: int, r0: int,
+                r1: int) -> torch.Tensor:
+    """Rows ``[r0, r1)`` (dim 0) of this TP rank's piece of ``param``, drawing only the full rows they come from."""
+    meta = param_meta.get_tp_meta(param)
+    full = param_meta.full_shape(param.shape, meta, tp_size)
+    init = get_initializer(param)
+    dim = None if not meta.partitioned else meta.dim % len(full)
+    if dim != 0:
+        rows = draw_rows(init, full, seed, name, r0, r1)  # the piece has every full row
+        return rows if dim is None else param_meta.shard(rows, meta, tp_size, tp_rank)
+    logical = full[0]
+    padded = param_meta.padded_size(logical, meta, tp_size) if meta.logical_size is not None else logical
+    block = padded // meta.stride
+    piece = block // tp_size
+    out = torch.zeros([r1 - r0] + list(full[1:]), dtype=torch.float32)  # padded rows (vocabulary) stay zero
+    j = r0
+    while j < r1:  # piece row j -> full row (j // piece) * block + tp_rank * piece + j % piece
+        s, w = divmod(j, piece)
+        end = min(r1, (s + 1) * piece)
+        f_lo = s * block + tp_rank * piece + w
+        f_hi = min(f_lo + (end - j), logical)
+        if f_lo < f_hi:
+            draw_rows(init, full, seed, name, f_lo, f_hi, out=out[j - r0: j - r0 + f_hi - f_lo])
+        j = end
+    return out
+
+
+def local_init_slice(param: torch.Tensor, name: str, seed: int, tp_size: int, tp_rank: int, start: int,
+                     end: int) -> torch.Tensor:
+    """Elements ``[start, end)`` of this TP rank's flattened initial piece of ``param``, as a 1-D fp32 tensor.
+
+    Equals ``local_init_tensor(...).reshape(-1)[start:end]`` but draws only
+    the row blocks those elements come from.
+    """
+    shape = tuple(param.shape)
+    if len(shape) < 2:
+        return local_init_tensor(param, name, seed, tp_size, tp_rank).reshape(-1)[start:end]
+    cols = math.prod(shape[1:])
+    r0, r1 = start // cols, -(-end // cols)
+    rows = _shard_rows(param, name, seed, tp_size, tp_rank, r0, r1)
+    if tuple(rows.shape[1:]) != shape[1:]:
+        raise ValueError(f"parameter {name}: piece rows have shape {tuple(rows.shape[1:])} but the parameter's "
+                         f"rows are {shape[1:]}; its TP metadata does not match the TP size {tp_size}")
+    return rows.reshape(-1)[start - r0 * cols: end - r0 * cols]
 
 
 def local_init_tensor(param: torch.Tensor, name: str, seed: int, tp_size: int, tp_rank: int) -> torch.Tensor:

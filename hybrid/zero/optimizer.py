@@ -261,7 +261,11 @@ class ZeroOptimizer:
         stages 0-1, this rank's partition in stage 2). ``grad_buckets``: stage 2
         staging buckets. ``master``: master weights that are not the parameters
         themselves (0 when the parameters are already in the master dtype).
-        ``optimizer_states``: Adam moments or SGD momentum. ``total``: the sum.
+        ``optimizer_states``: Adam moments or SGD momentum. ``offload_staging``:
+        host twins of device gradients/weights under offload on an accelerator
+        (absent otherwise). ``total``: the sum. ``host_bytes``: the part of
+        ``total`` in host memory because of ``offload_optimizer="cpu"`` (0
+        without offload); ``device_bytes``: ``total - host_bytes``.
         """
         rep = {"params": sum(g.buffer.numel() * g.buffer.element_size() for g in self.groups)
                + sum(p.numel() * p.element_size() for p in self._frozen)}

@@ -42,6 +42,7 @@ import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -104,6 +105,8 @@ class ParamGatherer:
         self.live_numel = 0
         self.peak_live_numel = 0
         self.gathered_numel_total = 0
+        self.prefetch_issued = 0  # units gathered ahead of use
+        self.prefetch_hits = 0  # fetches that found their unit already prefetched
         self.busy = False  # inside our own bookkeeping: the torch-function mode must not react
         self.phase = "idle"
         self.traces: Dict[str, List[int]] = {}
@@ -199,7 +202,9 @@ class ParamGatherer:
         self.busy = True
         try:
             self._note_fetch(i)
-            if i not in self.inflight:
+            if i in self.inflight:
+                self.prefetch_hits += 1
+            else:
                 self._make_room(self.units[i].numel, protect=i)
                 self._issue([i], "demand")
             self._complete(i)
@@ -221,6 +226,17 @@ class ParamGatherer:
         self._storage.pop(buf.untyped_storage().data_ptr(), None)
         self.live_numel -= u.numel
         self._unbind(u)
+
+    def reset(self) -> None:
+        """Forget every module frame and release every gathered unit.
+
+        Called before the optimizer updates the partition: a unit still
+        gathered then would hold stale weights in the next forward.
+        """
+        self.frames.clear()
+        self._orphans = []
+        self.in_use.clear()
+        self.release_all()
 
     def release_all(self) -> None:
         for i in list(self.inflight):
@@ -276,6 +292,7 @@ class ParamGatherer:
             pending += n
         if batch:
             self._issue(batch, "prefetch")
+            self.prefetch_issued += len(batch)
 
     # ---- phases ------------------------------------------------------------------------------------------
     def begin_phase(self, phase: str) -> None:
@@ -321,18 +338,20 @@ class ParamGatherer:
         self.begin_phase("forward")
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         mode = _ExternalUse(self)
-        hooks.__enter__()
-        mode.__enter__()
-        self._ctx = [hooks, mode]
+        # Activation checkpointing stops a recomputation as soon as it has what backward needs, which would
+        # skip the forward post-hooks that release units: recompute whole modules instead.
+        whole = torch.utils.checkpoint.set_checkpoint_early_stop(False)
+        for ctx in (hooks, mode, whole):
+            ctx.__enter__()
+        self._ctx = [hooks, mode, whole]
 
     def exit_forward(self) -> None:
         """End of the root module's forward: release everything it gathered."""
         if not self._ctx:
             return
-        hooks, mode = self._ctx
-        self._ctx = []
-        mode.__exit__(None, None, None)
-        hooks.__exit__(None, None, None)
+        ctxs, self._ctx = self._ctx, []
+        for ctx in reversed(ctxs):
+            ctx.__exit__(None, None, None)
         while self.frames:
             self.module_post()
         for i in self._orphans:

@@ -232,6 +232,7 @@ class Stage3Optimizer(ZeroOptimizer):
             self.skipped_steps += 1
         else:
             factor = clip_factor(self._last_grad_norm, self.clip_grad) / denominator
+            self.gatherer.reset()
             self.inner.step(self._group_grads, factor)
             if self.lowp is not None:
                 self.lowp.to_device()

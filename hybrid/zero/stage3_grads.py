@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Tuple
 
 import torch
 
