@@ -36,7 +36,9 @@ class TrainingArguments:
     # ---- parallelism ------------------------------------------------------------------
     tensor_model_parallel_size: int = _arg(1, "tensor-parallel ranks per model replica (adjacent ranks)")
     sequence_parallel: bool = _arg(False, "shard norm and dropout activations along the sequence over TP")
-    zero_stage: int = _arg(1, "ZeRO stage over the data-parallel group: 0, 1 or 2", choices=(0, 1, 2))
+    zero_stage: int = _arg(1, "ZeRO stage over the data-parallel group: 0, 1, 2 or 3", choices=(0, 1, 2, 3))
+    offload_optimizer: str = _arg("none", "keep fp32 master weights and optimizer state on the CPU (stages 1-3)",
+                                  choices=("none", "cpu"))
     zero_bucket_size: int = _arg(25_000_000, "elements per gradient bucket")
     distributed_timeout_minutes: float = _arg(10.0, "a collective that waits longer than this fails")
     # ---- model --------------------------------------------------------------------------
@@ -275,6 +277,11 @@ def validate(args: TrainingArguments, world_size: int) -> None:
         raise ArgumentError(f"--tokenizer-model {args.tokenizer_model}: no such file")
     if args.vocab_size is None and args.tokenizer_model is None and args.model is None:
         raise ArgumentError("the vocabulary size is unknown: give --tokenizer-model, --vocab-size or --model")
+    if args.offload_optimizer == "cpu" and args.zero_stage == 0:
+        raise ArgumentError("--offload-optimizer cpu needs --zero-stage 1, 2 or 3")
+    if args.zero_stage == 3 and (args.save is not None or args.load is not None):
+        raise ArgumentError("checkpoints of ZeRO stage 3 runs are not supported yet; use --zero-stage 1 or 2 "
+                            "with --save/--load")
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save DIR")
     if args.keep_last is not None and args.save is None:
@@ -354,7 +361,8 @@ def engine_config(args: TrainingArguments, dp_size: int):
             "hysteresis": args.hysteresis,
             "min_loss_scale": args.min_loss_scale,
         },
-        "zero": {"stage": args.zero_stage, "bucket_size": args.zero_bucket_size},
+        "zero": {"stage": args.zero_stage, "bucket_size": args.zero_bucket_size,
+                 "offload_optimizer": args.offload_optimizer},
         "optimizer": {"type": args.optimizer, "lr": args.lr, "betas": [args.adam_beta1, args.adam_beta2],
                       "eps": args.adam_eps, "weight_decay": args.weight_decay,
                       "momentum": args.sgd_momentum if args.optimizer == "sgd" else 0.0},
