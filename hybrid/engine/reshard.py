@@ -56,6 +56,9 @@ def load_resharded(engine: "Engine", reader: CheckpointReader, *, load_optimizer
     naming both values when the checkpoint holds a different model.
     """
     topo = engine.topology
+    if engine.optimizer.stage == 3:
+        raise ConversionError("loading a checkpoint into a ZeRO stage 3 engine is not supported yet (stage 3 has no "
+                              "optimizer state_dict); load it at stage 0, 1 or 2")
     if topo.pp_size != 1:
         raise ConversionError(f"loading into a pipeline-parallel job (pp={topo.pp_size}) from another layout "
                               f"is not supported; load with the layout {reader.layout} that saved it")

@@ -1,0 +1,274 @@
+"""``to-hf`` and ``from-hf``: hybrid checkpoints <-> Hugging Face ``transformers`` directories.
+
+Export (:func:`export_to_hf`) picks the architecture from the model's
+switches (GPT-2 switches -> ``GPT2LMHeadModel``, Llama switches ->
+``LlamaForCausalLM``), streams every HF tensor out of the checkpoint (fused
+``[q; k; v]`` and ``[gate; up]`` are read chunk by chunk, straight from the
+TP pieces), writes ``model.safetensors`` (sharded with the standard index
+past ``max_shard_bytes``) and ``config.json``, and copies the run's
+SentencePiece model to ``tokenizer.model`` when it had one.
+
+Import (:func:`import_from_hf`) reads ``config.json`` and the weights
+(safetensors or ``pytorch_model.bin`` via ``weights_only``), checks every
+tensor's name and shape against the model the config describes, and writes
+a weights-only hybrid checkpoint at any TP size: load it with ``--load DIR
+--finetune`` (new optimizer). Both directions move exact values: fp32 in,
+fp32 out is bit-identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from hybrid import param_meta
+from hybrid.checkpoint import CheckpointReader, CheckpointWriter, Layout
+from hybrid.checkpoint.atomic import write_bytes_atomic
+from hybrid.convert import hf_gpt2, hf_llama
+from hybrid.convert.consolidate import WEIGHT, CheckpointSource, ConversionError
+from hybrid.convert.hf_common import Link
+from hybrid.convert.hf_io import DEFAULT_MAX_SHARD_BYTES, HFDirectory, read_json, write_sharded
+from hybrid.convert.output import ProgressFactory, nbytes_of, open_bar, read_ahead, tracked
+from hybrid.convert.ranges import piece_size
+from hybrid.topology import Topology
+from model_zoo.config import GPTConfig
+
+MAPS = (hf_gpt2, hf_llama)
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_PRECISIONS = {v: k for k, v in PRECISION_DTYPES.items()}
+_HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+TOKENIZER_FILE = "tokenizer.model"
+
+
+@dataclasses.dataclass
+class ExportResult:
+    directory: Path
+    architecture: str
+    files: list
+    tokenizer: Optional[Path] = None
+    note: Optional[str] = None  # something the user should act on (a tokenizer that could not be copied)
+
+
+# ---- architecture choice ------------------------------------------------------------------------------
+def map_for_config(cfg: GPTConfig):
+    """The architecture map whose switches ``cfg`` has, or an error saying why none fits."""
+    reasons = []
+    for m in MAPS:
+        bad = m.mismatches(cfg)
+        if not bad:
+            return m
+        reasons.append(f"not {m.ARCHITECTURE}: {', '.join(bad)}")
+    raise ConversionError("the model matches no Hugging Face architecture hybrid can export (" + "; ".join(reasons)
+                          + ")")
+
+
+def map_for_hf(config: dict, where) -> object:
+    """The architecture map named by an HF ``config.json``."""
+    archs = config.get("architectures") or []
+    by_arch = {m.ARCHITECTURE: m for m in MAPS}
+    for a in archs:
+        if a in by_arch:
+            return by_arch[a]
+    by_type = {m.MODEL_TYPE: m for m in MAPS}
+    if not archs and config.get("model_type") in by_type:
+        return by_type[config["model_type"]]
+    named = archs or config.get("model_type")
+    supported = ", ".join(f"{m.ARCHITECTURE} (model_type {m.MODEL_TYPE!r})" for m in MAPS)
+    raise ConversionError(f"unknown architecture {named!r} in {where}; hybrid converts {supported}")
+
+
+def gpt_param_layout(cfg: GPTConfig) -> Dict[str, Tuple[Tuple[int, ...], param_meta.TPMeta]]:
+    """Every parameter of ``GPTModel(cfg)``: its logical full shape and TP metadata (no memory: meta device)."""
+    from model_zoo import GPTModel
+
+    model = GPTModel(cfg, Topology.local(), device="meta")
+    return {name: (tuple(param_meta.full_shape(p.shape, param_meta.get_tp_meta(p), 1)), param_meta.get_tp_meta(p))
+            for name, p in model.named_parameters()}
+
+
+def _hf_shape(link: Link, index: int, full_shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    shape = (full_shape[0] // len(link.hf),) + tuple(full_shape[1:])
+    return shape[::-1] if link.transpose else shape
+
+
+# ---- export ---------------------------------------------------------------------------------------------
+def export_to_hf(load, output, *, dtype: Optional[str] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 progress: Optional[ProgressFactory] = None) -> ExportResult:
+    """Write the checkpoint at ``load`` as a Hugging Face directory ``output``.
+
+    ``dtype`` (``fp32``/``bf16``/``fp16``) defaults to the run's precision.
+    For a bf16/fp16 run exported in fp32, the values are the fp32 master
+    weights when the checkpoint holds them.
+    """
+    reader = CheckpointReader(load)
+    if not reader.model_config:
+        raise ConversionError(f"{reader.path / 'metadata.json'} has no model_config; to-hf needs the model settings "
+                              f"(checkpoints written by hybrid's trainer and engine record them)")
+    try:
+        cfg = GPTConfig.from_dict(reader.model_config)
+    except (TypeError, ValueError) as e:
+        raise ConversionError(f"{reader.path / 'metadata.json'}: model_config is not a model_zoo GPTConfig: {e}") \
+            from None
+    arch = map_for_config(cfg)
+    out_dtype = PRECISION_DTYPES[_check_dtype(dtype or reader.layout.precision)]
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    with CheckpointSource(reader) as src:
+        links = arch.links(cfg)
+        _check_same_names(set(src.tensors), {link.hybrid for link in links}, reader.path)
+        total = sum(nbytes_of(src.tensors[link.hybrid].full_shape, out_dtype) for link in links)
+        bar = open_bar(progress, f"to-hf {arch.ARCHITECTURE}", total)
+        try:
+            tensors = {}
+            for link in links:
+                t = src.tensors[link.hybrid]
+                # Same dtype as saved: the saved weights are exact (masters rounded); else the best copy.
+                what = WEIGHT if t.dtype == out_dtype else src.best_weight(link.hybrid)
+                for i, hf_name in enumerate(link.hf):
+                    tensors[hf_name] = tracked(_hf_shape(link, i, t.full_shape), out_dtype,
+                                               lambda link=link, i=i, what=what: _export_tensor(
+                                                   src, link, i, what, out_dtype), bar)
+            files = write_sharded(out, tensors, max_shard_bytes)
+        finally:
+            bar.close()
+    config = arch.hf_config(cfg, _HF_DTYPE_NAMES[out_dtype])
+    write_bytes_atomic(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    result = ExportResult(out, arch.ARCHITECTURE, files)
+    _copy_tokenizer(reader, out, result)
+    return result
+
+
+def _export_tensor(src: CheckpointSource, link: Link, index: int, what: str, dtype: torch.dtype) -> torch.Tensor:
+    # A transposed HF tensor is filled through its transpose view: one strided pass, no second copy.
+    hf = torch.empty(_hf_shape(link, index, src.tensors[link.hybrid].full_shape), dtype=dtype)
+    view = hf.t() if link.transpose else hf
+    if len(link.hf) == 1:
+        src.read(link.hybrid, what, out=view)
+    else:
+        src.read_chunk(link.hybrid, index, len(link.hf), what, out=view)
+    return hf
+
+
+def _check_dtype(name: str) -> str:
+    if name not in PRECISION_DTYPES:
+        raise ConversionError(f"--dtype {name!r} is not one of {', '.join(PRECISION_DTYPES)}")
+    return name
+
+
+def _check_same_names(saved: set, expected: set, path) -> None:
+    if saved != expected:
+        missing, extra = sorted(expected - saved), sorted(saved - expected)
+        raise ConversionError(f"{path} does not hold the tensors its model_config describes: missing "
+                              f"{missing[:5]}, unexpected {extra[:5]}")
+
+
+def _copy_tokenizer(reader: CheckpointReader, out: Path, result: ExportResult) -> None:
+    args = (reader.trainer_state.get("client") or {}).get("args") or {}
+    tokenizer = args.get("tokenizer_model")
+    if not tokenizer:
+        return
+    path = Path(tokenizer)
+    if not path.is_file():
+        result.note = (f"the run's tokenizer {tokenizer} (--tokenizer-model) no longer exists; copy it to "
+                       f"{out / TOKENIZER_FILE} yourself")
+        return
+    shutil.copyfile(path, out / TOKENIZER_FILE)
+    result.tokenizer = out / TOKENIZER_FILE
+
+
+# ---- import ---------------------------------------------------------------------------------------------
+def import_from_hf(input_dir, save, *, tp: int = 1, dtype: Optional[str] = None,
+                   progress: Optional[ProgressFactory] = None) -> Path:
+    """Write the HF model directory ``input_dir`` as a weights-only hybrid checkpoint in ``save`` at ``tp``.
+
+    ``dtype`` defaults to the HF weights' dtype. Returns the iteration directory
+    (iteration 0; ``save/latest`` points at it).
+    """
+    if not isinstance(tp, int) or tp < 1:
+        raise ConversionError(f"--tp must be an integer >= 1, got {tp!r}")
+    where = Path(input_dir) / "config.json"
+    if not Path(input_dir).is_dir():
+        raise ConversionError(f"--input {input_dir} is not a directory (expected a Hugging Face model directory)")
+    hf_config = read_json(where)
+    arch = map_for_hf(hf_config, where)  # the model first: no point reading weights of an unknown one
+    cfg = arch.config_from_hf(hf_config, where)
+    try:
+        cfg.validate(tp)
+    except ValueError as e:
+        raise ConversionError(f"{where} describes a model that cannot be split over --tp {tp}: {e}") from None
+    hf = HFDirectory(input_dir)
+    layout = gpt_param_layout(cfg)
+    links = arch.links(cfg)
+    _check_hf_tensors(hf, arch, cfg, links, layout)
+    out_dtype = PRECISION_DTYPES[_check_dtype(dtype)] if dtype else hf.dtype(links[0].hf[0])
+    if out_dtype not in _DTYPE_PRECISIONS:
+        raise ConversionError(f"{hf.path} holds {out_dtype} weights; pass --dtype fp32, bf16 or fp16")
+    writer = CheckpointWriter(save, 0, Layout(tp=tp, dp=1, pp=1, zero_stage=0, precision=_DTYPE_PRECISIONS[out_dtype]))
+    total = tp * sum(nbytes_of(layout[link.hybrid][0], out_dtype) for link in links)
+    bar = open_bar(progress, f"from-hf {arch.ARCHITECTURE} to tp={tp}", total)
+    index = []
+    try:
+        writer.prepare()
+        records = []
+        for rank in range(tp):
+            sources = {}
+            for link in links:
+                full, meta = layout[link.hybrid]
+                local = _local_shape(full, meta, tp)
+                sources[link.hybrid] = tracked(local, out_dtype, lambda link=link, meta=meta, rank=rank: param_meta.shard(
+                    _hybrid_full(hf, link, out_dtype), meta, tp, rank), bar)
+                if rank == 0:
+                    index.append({"name": link.hybrid, "shape": list(local), "dtype": _HF_DTYPE_NAMES[out_dtype],
+                                  "tp_meta": meta.to_json()})
+            with read_ahead(sources) as ahead:
+                records.append(writer.write_model_shard(ahead, rank))
+        writer.commit(records, model_config=cfg.to_dict(), param_index=index,
+                      trainer_state={"imported_from": {"format": "huggingface", "architecture": arch.ARCHITECTURE,
+                                                       "path": str(hf.path.resolve())}})
+    finally:
+        bar.close()
+        hf.close()
+    return writer.iter_dir
+
+
+def _local_shape(full, meta: param_meta.TPMeta, tp: int) -> Tuple[int, ...]:
+    if not meta.partitioned:
+        return tuple(full)
+    shape = list(full)
+    shape[meta.dim] = piece_size(meta, full[meta.dim], tp)
+    return tuple(shape)
+
+
+def _hybrid_full(hf: HFDirectory, link: Link, dtype: torch.dtype) -> torch.Tensor:
+    parts = [hf.get(name) for name in link.hf]
+    parts = [p.t() if link.transpose else p for p in parts]
+    full = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=0)
+    return full.to(dtype)
+
+
+def _check_hf_tensors(hf: HFDirectory, arch, cfg: GPTConfig, links, layout) -> None:
+    wanted = {link.hybrid for link in links}
+    if wanted != set(layout):  # the map and model_zoo disagree: a bug, not a user error
+        raise ConversionError(f"internal: {arch.__name__} maps {sorted(wanted ^ set(layout))[:5]} differently "
+                              f"from model_zoo.GPTModel")
+    used = {name for link in links for name in link.hf}
+    missing = sorted(n for n in used if n not in hf.files)
+    if missing:
+        raise ConversionError(f"{hf.path} lacks {len(missing)} tensor(s) its config.json implies: "
+                              f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    unknown = sorted(n for n in hf.names() if n not in used and not arch.ignored(n, cfg))
+    if unknown:
+        raise ConversionError(f"{hf.path} holds tensor(s) the {arch.ARCHITECTURE} described by its config.json has "
+                              f"no place for: {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
+    for link in links:
+        full = layout[link.hybrid][0]
+        for i, name in enumerate(link.hf):
+            want = _hf_shape(link, i, full)
+            if hf.shape(name) != want:
+                raise ConversionError(f"{hf.path}: tensor {name} has shape {list(hf.shape(name))}, but config.json "
+                                      f"implies {list(want)}")

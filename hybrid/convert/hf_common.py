@@ -1,0 +1,48 @@
+"""What an architecture map (:mod:`~hybrid.convert.hf_gpt2`, :mod:`~hybrid.convert.hf_llama`) provides.
+
+A map relates the *full* (TP-merged, unpadded) hybrid state of a
+:class:`model_zoo.GPTModel` to a Hugging Face ``transformers`` state dict,
+tensor by tensor, with :class:`Link` records. Each map module defines:
+
+* ``ARCHITECTURE`` / ``MODEL_TYPE``: the ``config.json`` names;
+* ``mismatches(config) -> list[str]``: why a :class:`GPTConfig` is not of
+  this family (empty when it is);
+* ``hf_config(config, dtype_name) -> dict``: the ``config.json`` contents;
+* ``config_from_hf(hf, where) -> GPTConfig``: the reverse, refusing HF
+  settings hybrid cannot reproduce;
+* ``links(config) -> list[Link]``;
+* ``ignored(name, config) -> bool``: HF tensors that carry no information
+  of their own (a tied head, old attention-mask buffers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Tuple
+
+from hybrid.convert.consolidate import ConversionError
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One hybrid tensor and the HF tensors it is made of.
+
+    The hybrid tensor is the HF tensors concatenated along dim 0 (``[q; k; v]``
+    from three projections), each one transposed first when ``transpose``
+    (GPT-2's ``Conv1D`` stores ``[in, out]``; hybrid linear layers ``[out, in]``).
+    """
+
+    hybrid: str
+    hf: Tuple[str, ...]
+    transpose: bool = False
+
+
+def require(hf: Dict[str, Any], key: str, where: str) -> Any:
+    """``hf[key]``, or a :class:`ConversionError` naming the key and the file."""
+    if key not in hf or hf[key] is None:
+        raise ConversionError(f"{where} lacks {key!r}, which is needed to build the model")
+    return hf[key]
+
+
+def refuse(where: str, key: str, value: Any, why: str) -> ConversionError:
+    return ConversionError(f"{where}: {key}={value!r} is not supported ({why})")

@@ -1,0 +1,191 @@
+"""Hugging Face model directories on disk: reading their weights, writing sharded safetensors.
+
+Reading (:class:`HFDirectory`) accepts what ``save_pretrained`` writes:
+``model.safetensors``, sharded ``model-0000K-of-0000N.safetensors`` with
+``model.safetensors.index.json``, or the older ``pytorch_model.bin`` (also
+sharded with its index), opened with ``torch.load(weights_only=True,
+mmap=True)`` so that no pickled code runs and only the tensors read are
+paged in. Tensors are read one at a time.
+
+Writing (:func:`write_sharded`) follows the same convention: one
+``model.safetensors`` up to ``max_shard_bytes`` (5 GB by default, like
+``save_pretrained``), else numbered shards plus the index JSON mapping
+every tensor to its file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Mapping, Sequence, Tuple
+
+import safetensors
+import torch
+
+from hybrid.checkpoint import TensorSource
+from hybrid.checkpoint.atomic import write_bytes_atomic
+from hybrid.convert.consolidate import SAFETENSORS_DTYPES, ConversionError
+from hybrid.convert.output import nbytes_of, read_ahead, write_safetensors_file
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+BIN = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10 ** 9
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConversionError(f"{path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{path} is not valid JSON ({e})") from None
+
+
+class HFDirectory:
+    """The config and the tensors of a Hugging Face model directory, read lazily.
+
+    ``get(name)`` returns a new CPU tensor. The memory maps of both formats are
+    closed after ``mmap_budget`` bytes were read through them, so the resident
+    set stays bounded however large the files are.
+    """
+
+    def __init__(self, path, *, mmap_budget: int = 64 << 20):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise ConversionError(f"--input {self.path} is not a directory (expected a Hugging Face model "
+                                  f"directory with config.json)")
+        self.config: dict = read_json(self.path / "config.json")
+        self._budget, self._touched = mmap_budget, 0
+        self._bins: Dict[Path, dict] = {}
+        self._handles: Dict[Path, object] = {}
+        self.files: Dict[str, Path] = self._discover()
+        self._shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
+        for name, file in self.files.items():
+            self._shapes[name] = self._describe(name, file)
+
+    def _discover(self) -> Dict[str, Path]:
+        for index_name, single in ((SAFETENSORS_INDEX, SAFETENSORS), (BIN_INDEX, BIN)):
+            if (self.path / single).is_file():
+                return {name: self.path / single for name in self._names_in(self.path / single)}
+            if (self.path / index_name).is_file():
+                weight_map = read_json(self.path / index_name).get("weight_map")
+                if not isinstance(weight_map, dict):
+                    raise ConversionError(f"{self.path / index_name} has no 'weight_map' object")
+                files = {name: self.path / f for name, f in weight_map.items()}
+                for f in sorted(set(files.values())):
+                    if not f.is_file():
+                        raise ConversionError(f"{f} is missing: {self.path / index_name} maps tensors to it")
+                return files
+        raise ConversionError(f"{self.path} holds no weights: expected {SAFETENSORS}, {SAFETENSORS_INDEX}, {BIN} "
+                              f"or {BIN_INDEX}")
+
+    def _names_in(self, file: Path) -> List[str]:
+        if file.suffix == ".safetensors":
+            return list(self._handle(file).keys())
+        return list(self._bin(file).keys())
+
+    def _describe(self, name: str, file: Path) -> Tuple[Tuple[int, ...], torch.dtype]:
+        if file.suffix == ".safetensors":
+            try:
+                sl = self._handle(file).get_slice(name)
+            except Exception:  # noqa: BLE001 - the library raises its own error types
+                raise ConversionError(f"{file} has no tensor {name!r}, which its index maps to it") from None
+            code = sl.get_dtype()
+            if code not in SAFETENSORS_DTYPES:
+                raise ConversionError(f"{file}: tensor {name!r} has unsupported dtype {code}")
+            return tuple(sl.get_shape()), SAFETENSORS_DTYPES[code]
+        tensor = self._bin(file).get(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise ConversionError(f"{file} has no tensor {name!r}, which its index maps to it")
+        return tuple(tensor.shape), tensor.dtype
+
+    def _handle(self, file: Path):
+        if file not in self._handles:
+            self._handles[file] = safetensors.safe_open(str(file), framework="pt")
+        return self._handles[file]
+
+    def _bin(self, file: Path) -> dict:
+        if file not in self._bins:
+            try:
+                sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+                sd = torch.load(file, map_location="cpu", weights_only=True)
+            if not isinstance(sd, dict):
+                raise ConversionError(f"{file} does not hold a state dict (got {type(sd).__name__})")
+            self._bins[file] = sd
+        return self._bins[file]
+
+    # ---- access --------------------------------------------------------------------------------
+    def names(self) -> List[str]:
+        return list(self.files)
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        return self._shapes[name][0]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._shapes[name][1]
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.files:
+            raise ConversionError(f"{self.path} has no tensor {name!r}")
+        file = self.files[name]
+        # Both readers hand out views of a memory map, whose touched pages stay resident until it
+        # is closed: copy, and close the maps every `budget` bytes (reopened on the next read).
+        if file.suffix == ".safetensors":
+            tensor = self._handle(file).get_tensor(name).clone()
+        else:
+            tensor = self._bin(file)[name].clone()
+        self._touched += tensor.numel() * tensor.element_size()
+        if self._touched > self._budget:
+            self._bins.clear()
+            self._handles.clear()
+            self._touched = 0
+        return tensor
+
+    def close(self) -> None:
+        self._handles.clear()
+        self._bins.clear()
+
+
+def plan_shards(sizes: Sequence[Tuple[str, int]], max_shard_bytes: int) -> List[List[str]]:
+    """Cut tensors (in order) into files of at most ``max_shard_bytes`` (a larger tensor gets its own)."""
+    if max_shard_bytes < 1:
+        raise ConversionError(f"--max-shard-size must be positive, got {max_shard_bytes}")
+    shards: List[List[str]] = [[]]
+    used = 0
+    for name, n in sizes:
+        if shards[-1] and used + n > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += n
+    return shards
+
+
+def write_sharded(out_dir: Path, tensors: Mapping[str, TensorSource], max_shard_bytes: int) -> List[Path]:
+    """Write ``tensors`` (in order) as HF safetensors weights; returns the files written."""
+    sizes = [(name, nbytes_of(t.shape, t.dtype)) for name, t in tensors.items()]
+    shards = plan_shards(sizes, max_shard_bytes)
+    names = [SAFETENSORS] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    _remove_stale_weights(out_dir, keep=set(names))
+    for file, members in zip(names, shards):
+        with read_ahead({n: tensors[n] for n in members}) as sources:
+            write_safetensors_file(out_dir / file, sources, {"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(n for _, n in sizes)},
+                 "weight_map": {n: f for f, members in zip(names, shards) for n in members}}
+        write_bytes_atomic(out_dir / SAFETENSORS_INDEX, (json.dumps(index, indent=2) + "\n").encode())
+    return [out_dir / f for f in names]
+
+
+def _remove_stale_weights(out_dir: Path, keep: set) -> None:
+    # A weights file left by an earlier export would shadow or contradict the new one.
+    for entry in out_dir.iterdir():
+        stale = (entry.name.startswith("model") and entry.name.endswith(".safetensors")) or \
+            entry.name in (SAFETENSORS_INDEX, BIN, BIN_INDEX) or \
+            (entry.name.startswith("pytorch_model") and entry.name.endswith(".bin"))
+        if stale and entry.name not in keep and entry.is_file():
+            entry.unlink()

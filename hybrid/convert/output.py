@@ -1,0 +1,117 @@
+"""Small pieces shared by the writers: progress, read-ahead, atomic safetensors files.
+
+Every conversion takes ``progress``: ``None`` (silent) or a callable
+``progress(description, total_bytes)`` returning a bar with ``update(nbytes)``
+and ``close()`` (``tools/convert_checkpoint.py`` passes a tqdm factory).
+
+:func:`read_ahead` produces the next tensor of a file on a worker thread while
+the current one is written: writing runs at disk speed, so the reading and
+copying (which release the GIL) cost no extra time.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import math
+import os
+from pathlib import Path
+from typing import Callable, Dict, Iterator, Mapping, Optional
+
+import torch
+
+from hybrid.checkpoint import TensorSource, write_safetensors
+from hybrid.checkpoint.atomic import fsync_dir, temp_name_for
+
+ProgressFactory = Callable[[str, int], object]
+
+
+class _Silent:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def open_bar(progress: Optional[ProgressFactory], description: str, total_bytes: int):
+    """A progress bar from ``progress``, or one that does nothing."""
+    return _Silent() if progress is None else progress(description, total_bytes)
+
+
+def nbytes_of(shape, dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def tracked(shape, dtype: torch.dtype, produce: Callable[[], torch.Tensor], bar) -> TensorSource:
+    """A :class:`TensorSource` that advances ``bar`` by its size once produced."""
+    shape = tuple(int(s) for s in shape)
+
+    def make() -> torch.Tensor:
+        tensor = produce()
+        if tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        bar.update(nbytes_of(shape, dtype))
+        return tensor
+
+    return TensorSource(shape, dtype, make)
+
+
+def write_safetensors_file(path, tensors: Mapping[str, object],
+                           metadata: Optional[Mapping[str, str]] = None) -> int:
+    """Write a safetensors file atomically (temporary name, fsync, rename), one tensor at a time.
+
+    For files outside a hybrid checkpoint (Hugging Face weights, ``to-fp32``),
+    which carry no recorded checksum, so none is computed. Returns the bytes written.
+    """
+    path = Path(path)
+    temp = temp_name_for(path)
+    try:
+        with open(temp, "wb") as f:
+            nbytes = write_safetensors(f, tensors, metadata)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return nbytes
+
+
+def writer_order(tensors: Mapping[str, TensorSource]) -> list:
+    """The order in which :func:`hybrid.checkpoint.write_safetensors` produces tensors: larger
+    element sizes first, then by name (see its module)."""
+    return sorted(tensors, key=lambda n: (-torch.empty((), dtype=tensors[n].dtype).element_size(), n))
+
+
+@contextlib.contextmanager
+def read_ahead(tensors: Mapping[str, TensorSource]) -> Iterator[Dict[str, TensorSource]]:
+    """The same sources, each produced one step ahead on one worker thread.
+
+    When tensor ``i`` is asked for, tensor ``i + 1`` (in :func:`writer_order`)
+    starts; at most one extra tensor is held. Every ``produce`` runs on the
+    worker, so the underlying reader is never used by two threads at once. A
+    writer asking in another order still gets every tensor, just without the
+    overlap.
+    """
+    order = writer_order(tensors)
+    position = {name: i for i, name in enumerate(order)}
+    pending: Dict[str, concurrent.futures.Future] = {}
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-ahead")
+
+    def wrap(name: str) -> TensorSource:
+        def produce() -> torch.Tensor:
+            future = pending.pop(name, None) or pool.submit(tensors[name].produce)
+            nxt = position[name] + 1
+            if nxt < len(order) and order[nxt] not in pending:
+                pending[order[nxt]] = pool.submit(tensors[order[nxt]].produce)
+            return future.result()
+        return TensorSource(tensors[name].shape, tensors[name].dtype, produce)
+
+    try:
+        yield {name: wrap(name) for name in tensors}
+    finally:
+        for future in pending.values():
+            future.cancel()
+        pool.shutdown(wait=True)

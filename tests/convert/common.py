@@ -1,0 +1,100 @@
+"""Shared builders for the conversion tests: tiny GPT configs, engines, checkpoints written by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+import hybrid
+from hybrid import param_meta
+from hybrid.checkpoint import CheckpointWriter, Layout
+from hybrid.convert.hf import gpt_param_layout
+from hybrid.tensor_parallel.gather import full_state
+from hybrid.topology import Topology
+from model_zoo import GPTConfig, GPTModel
+
+VOCAB, HIDDEN, LAYERS, HEADS, SEQ = 300, 64, 2, 4, 16
+
+GPT2_CFG = GPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS, seq_length=SEQ)
+LLAMA_CFG = GPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS, ffn_hidden_size=96,
+                      seq_length=SEQ, position="rope", rope_theta=500.0, norm="rmsnorm", norm_eps=1e-6, mlp="swiglu",
+                      bias=False, tie_embeddings=False)
+
+
+def randomized_state(cfg: GPTConfig, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """Full fp32 tensors of a GPTModel(cfg) whose norms and biases are random too.
+
+    Fresh norms are ones and biases zeros: random ones make a misplaced or
+    mis-transposed tensor change the logits.
+    """
+    model = GPTModel(cfg, Topology.local(), seed=seed)
+    state = full_state(model, Topology.local())
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, t in state.items():
+        if "norm" in name or name.endswith(".bias"):
+            base = 1.0 if "norm" in name and name.endswith("weight") else 0.0
+            state[name] = base + 0.1 * torch.randn(t.shape, generator=g)
+    return state
+
+
+def model_from_state(cfg: GPTConfig, state: Dict[str, torch.Tensor]) -> GPTModel:
+    """A TP=1 GPTModel holding ``state`` (full tensors), in eval mode."""
+    model = GPTModel(cfg, Topology.local(), seed=0).eval()
+    params = dict(model.named_parameters())
+    assert set(params) == set(state), set(params) ^ set(state)
+    with torch.no_grad():
+        for name, full in state.items():
+            params[name].copy_(param_meta.shard(full.float(), param_meta.get_tp_meta(params[name]), 1, 0))
+    return model
+
+
+def write_weights_checkpoint(save_dir, cfg: GPTConfig, state: Dict[str, torch.Tensor], tp: int, *,
+                             dtype: torch.dtype = torch.float32, tokenizer: Optional[str] = None,
+                             iteration: int = 5) -> Path:
+    """A weights-only hybrid checkpoint of ``state`` at TP size ``tp`` (what an inference save holds)."""
+    layout = gpt_param_layout(cfg)
+    precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    writer = CheckpointWriter(save_dir, iteration, Layout(tp=tp, dp=1, zero_stage=0, precision=precision))
+    writer.prepare()
+    records, index = [], []
+    for rank in range(tp):
+        pieces = {name: param_meta.shard(state[name].to(dtype), meta, tp, rank) for name, (_, meta) in layout.items()}
+        records.append(writer.write_model_shard(pieces, rank))
+        if rank == 0:
+            index = [{"name": n, "shape": list(p.shape), "dtype": str(dtype).replace("torch.", ""),
+                      "tp_meta": layout[n][1].to_json()} for n, p in pieces.items()]
+    client = {"args": {"tokenizer_model": tokenizer}} if tokenizer else {}
+    writer.commit(records, model_config=cfg.to_dict(), param_index=index, trainer_state={"client": client})
+    return writer.iter_dir
+
+
+def make_engine(cfg: GPTConfig, *, precision: str = "fp32", stage: int = 1, seed: int = 1, lr: float = 1e-3):
+    """A one-process engine (TP=1, DP=1) over a fresh GPTModel(cfg)."""
+    topo = Topology.local()
+    model = GPTModel(cfg, topo, seed=seed)
+    return hybrid.initialize(model, {"precision": precision, "zero": {"stage": stage},
+                                     "optimizer": {"type": "adamw", "lr": lr, "weight_decay": 0.1},
+                                     "clip_grad": 1.0, "micro_batch_size": 2, "global_batch_size": 2,
+                                     "steps_per_print": 0}, topology=topo)
+
+
+def train(engine, steps: int, seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    vocab = engine.module.config.vocab_size
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (2, engine.module.config.seq_length + 1), generator=g)
+        loss = engine(ids[:, :-1], labels=ids[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def optimizer_tensors(engine) -> Dict[str, torch.Tensor]:
+    """Every tensor of the engine's optimizer state, keyed ``group/key``."""
+    sd = engine.optimizer.state_dict()
+    return {f"{i}/{k}": v.clone() for i, g in enumerate(sd["groups"]) for k, v in g.items()
+            if isinstance(v, torch.Tensor)}

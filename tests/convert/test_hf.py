@@ -1,0 +1,195 @@
+"""Hugging Face oracle: exported checkpoints load in ``transformers`` with the same logits; imports match too.
+
+Models are built from configs with random weights (no download). Hybrid's
+own logits come from a TP=1 GPTModel holding the same full tensors; TP=2
+checkpoints are merged by the converter, whose TP layout arithmetic is what
+is under test.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hybrid.convert.consolidate import CheckpointSource, ConversionError
+from hybrid.checkpoint import CheckpointReader
+from hybrid.convert.hf import export_to_hf, import_from_hf
+from tests.convert.common import GPT2_CFG, LLAMA_CFG, SEQ, VOCAB, model_from_state, randomized_state, \
+    write_weights_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-5
+
+
+def _hf_model(kind: str, tie: bool = None):
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                      eos_token_id=0, tie_word_embeddings=True if tie is None else tie)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ,
+                                       rope_theta=500.0, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0,
+                                       tie_word_embeddings=False if tie is None else tie)
+        model = transformers.LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # fresh norms are ones and biases zeros: make a misplaced one visible
+        for name, p in model.named_parameters():
+            if "ln" in name or "norm" in name or name.endswith(".bias"):
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def _tokens():
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _hybrid_logits(cfg, state):
+    model = model_from_state(cfg, state)
+    with torch.no_grad():
+        return model.gather_logits(model(_tokens()))
+
+
+def _checkpoint_state(path):
+    with CheckpointSource(CheckpointReader(path)) as src:
+        return {name: src.read(name) for name in src.tensors}
+
+
+def _hf_tensors(directory):
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return load_file(os.path.join(directory, "model.safetensors"))
+    out = {}
+    for f in sorted(set(json.load(open(index))["weight_map"].values())):
+        out.update(load_file(os.path.join(directory, f)))
+    return out
+
+
+@pytest.mark.parametrize("kind,tp", [("gpt2", 1), ("gpt2", 2), ("llama", 2)])
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, kind, tp):
+    cfg = GPT2_CFG if kind == "gpt2" else LLAMA_CFG
+    state = randomized_state(cfg, seed=4)
+    tokenizer = tmp_path / "spm.model"
+    tokenizer.write_bytes(b"not really a sentencepiece model, only copied")
+    write_weights_checkpoint(tmp_path / "ck", cfg, state, tp, tokenizer=str(tokenizer))
+    # A small shard limit exercises the sharded layout and its index.
+    res = export_to_hf(tmp_path / "ck", tmp_path / "hf", max_shard_bytes=200_000)
+    cls = transformers.GPT2LMHeadModel if kind == "gpt2" else transformers.LlamaForCausalLM
+    assert res.architecture == cls.__name__ and len(res.files) > 1
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in _hf_tensors(tmp_path / "hf").values())
+    assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == tokenizer.read_bytes()
+    hf = cls.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        ref = hf(input_ids=_tokens()).logits
+    assert ref.shape == (2, SEQ, VOCAB)
+    assert _rel(_hybrid_logits(cfg, state), ref) < TOL
+
+
+@pytest.mark.parametrize("kind,tp,fmt", [("gpt2", 1, "safetensors"), ("gpt2", 2, "bin"), ("llama", 1, "bin"),
+                                         ("llama", 2, "safetensors")])
+def test_import_gives_the_transformers_logits(tmp_path, kind, tp, fmt):
+    hf = _hf_model(kind)
+    hf.save_pretrained(tmp_path / "hf")
+    if fmt == "bin":  # the older pickle-based format, read back with weights_only
+        os.remove(tmp_path / "hf" / "model.safetensors")
+        torch.save(hf.state_dict(), tmp_path / "hf" / "pytorch_model.bin")
+    out = import_from_hf(tmp_path / "hf", tmp_path / "ck", tp=tp)
+    reader = CheckpointReader(tmp_path / "ck")
+    assert reader.path == out and reader.layout.tp == tp and not reader.has_optimizer_state
+    cfg = LLAMA_CFG if kind == "llama" else GPT2_CFG
+    from model_zoo import GPTConfig
+
+    imported = GPTConfig.from_dict(reader.model_config)
+    assert (imported.position, imported.norm, imported.mlp, imported.bias) == \
+        (cfg.position, cfg.norm, cfg.mlp, cfg.bias)
+    with torch.no_grad():
+        ref = hf(input_ids=_tokens()).logits
+    assert _rel(_hybrid_logits(imported, _checkpoint_state(out)), ref) < TOL
+
+
+@pytest.mark.parametrize("kind,tie", [("gpt2", True), ("gpt2", False), ("llama", False), ("llama", True)])
+def test_hf_to_hybrid_to_hf_is_bit_identical(tmp_path, kind, tie):
+    hf = _hf_model(kind, tie)
+    hf.save_pretrained(tmp_path / "hf")
+    import_from_hf(tmp_path / "hf", tmp_path / "ck", tp=2)
+    export_to_hf(tmp_path / "ck", tmp_path / "back")
+    a, b = _hf_tensors(tmp_path / "hf"), _hf_tensors(tmp_path / "back")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    back = type(hf).from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        assert torch.equal(hf(input_ids=_tokens()).logits, back(input_ids=_tokens()).logits)
+
+
+def test_bf16_export_and_import_keep_the_dtype(tmp_path):
+    state = {k: v.to(torch.bfloat16) for k, v in randomized_state(LLAMA_CFG, seed=2).items()}
+    write_weights_checkpoint(tmp_path / "ck", LLAMA_CFG, state, 2, dtype=torch.bfloat16)
+    export_to_hf(tmp_path / "ck", tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    tensors = _hf_tensors(tmp_path / "hf")
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    import_from_hf(tmp_path / "hf", tmp_path / "ck2", tp=1)
+    assert CheckpointReader(tmp_path / "ck2").layout.precision == "bf16"
+    again = _checkpoint_state(tmp_path / "ck2")
+    assert all(torch.equal(again[k], state[k]) for k in state)
+    export_to_hf(tmp_path / "ck", tmp_path / "hf32", dtype="fp32")
+    assert torch.equal(_hf_tensors(tmp_path / "hf32")["model.norm.weight"], state["final_norm.weight"].float())
+
+
+# ---- errors ----------------------------------------------------------------------------------------
+def test_unknown_architecture_is_named(tmp_path):
+    _hf_model("gpt2").save_pretrained(tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["BertForMaskedLM"], "bert"
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConversionError, match="unknown architecture \\['BertForMaskedLM'\\] in .*config.json.*"
+                                              "GPT2LMHeadModel.*LlamaForCausalLM"):
+        import_from_hf(tmp_path / "hf", tmp_path / "ck")
+
+
+def test_import_refuses_what_hybrid_cannot_reproduce(tmp_path):
+    hf = _hf_model("llama")
+    hf.save_pretrained(tmp_path / "hf")
+    cfg_path = tmp_path / "hf" / "config.json"
+    good = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps(dict(good, num_key_value_heads=2)))
+    with pytest.raises(ConversionError, match="num_key_value_heads=2 is not supported.*grouped-query"):
+        import_from_hf(tmp_path / "hf", tmp_path / "ck")
+    cfg_path.write_text(json.dumps(dict(good, intermediate_size=128)))  # the config no longer fits the tensors
+    with pytest.raises(ConversionError, match=r"gate_proj.weight has shape \[96, 64\], but config.json implies "
+                                              r"\[128, 64\]"):
+        import_from_hf(tmp_path / "hf", tmp_path / "ck")
+    cfg_path.write_text(json.dumps(dict(good, num_hidden_layers=3)))
+    with pytest.raises(ConversionError, match="lacks .* tensor.*model.layers.2"):
+        import_from_hf(tmp_path / "hf", tmp_path / "ck")
+    cfg_path.write_text(json.dumps(good))
+    with pytest.raises(ConversionError, match="cannot be split over --tp 3"):
+        import_from_hf(tmp_path / "hf", tmp_path / "ck", tp=3)
+    os.remove(tmp_path / "hf" / "model.safetensors")
+    with pytest.raises(ConversionError, match="holds no weights: expected model.safetensors"):
+        import_from_hf(tmp_path / "hf", tmp_path / "ck")
+
+
+def test_export_refuses_a_model_of_no_known_family(tmp_path):
+    cfg = GPT2_CFG.replace(position="rope")  # GPT-2 in every respect but its positions
+    write_weights_checkpoint(tmp_path / "ck", cfg, randomized_state(cfg), 1)
+    with pytest.raises(ConversionError, match="not GPT2LMHeadModel: position='rope'.*not LlamaForCausalLM"):
+        export_to_hf(tmp_path / "ck", tmp_path / "hf")
+
+
+def test_a_vanished_tokenizer_is_reported_not_fatal(tmp_path):
+    state = randomized_state(GPT2_CFG)
+    write_weights_checkpoint(tmp_path / "ck", GPT2_CFG, state, 1, tokenizer=str(tmp_path / "gone.model"))
+    res = export_to_hf(tmp_path / "ck", tmp_path / "hf")
+    assert res.tokenizer is None and "gone.model" in res.note and "no longer exists" in res.note
+    assert not (tmp_path / "hf" / "tokenizer.model").exists()

@@ -1,0 +1,126 @@
+#!/usr/bin/env python
+"""Convert hybrid checkpoints: to another layout, to one fp32 file, to and from Hugging Face.
+
+    python tools/convert_checkpoint.py reshard --load ckpt --save ckpt_tp4 --target-tp 4 [--target-dp 2]
+    python tools/convert_checkpoint.py to-fp32 --load ckpt/iter_0001000 --output model_fp32.safetensors
+    python tools/convert_checkpoint.py to-hf   --load ckpt --output hf_model [--dtype bf16]
+    python tools/convert_checkpoint.py from-hf --input hf_model --save ckpt_hf --tp 2
+
+``--load`` takes a save directory (its ``latest``) or one ``DIR/iter_N``.
+Every subcommand streams one tensor at a time, shows a tqdm progress bar
+(``--no-progress`` hides it), needs no process group, and exits with status 1
+and a one-line error for bad input (a missing or corrupted shard, a model the
+target cannot hold, an unknown architecture). ``--load`` with a different
+layout also works directly in the trainer; ``reshard`` is for when the loading
+job should not pay for it. See docs/convert.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):
+    _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if _REPO not in sys.path:
+        sys.path.insert(0, _REPO)
+
+from hybrid.checkpoint import CheckpointError  # noqa: E402
+
+
+def _size(text: str) -> int:
+    """'5GB', '500MB', '10KB' (powers of 1000, like save_pretrained) or a byte count."""
+    units = {"TB": 10 ** 12, "GB": 10 ** 9, "MB": 10 ** 6, "KB": 10 ** 3, "B": 1}
+    t = text.strip().upper()
+    for unit, factor in units.items():
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * factor)
+    return int(t)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("reshard", help="rewrite a checkpoint in another TP / DP / ZeRO-stage layout")
+    r.add_argument("--load", required=True, help="save directory or DIR/iter_N")
+    r.add_argument("--save", required=True, help="new save directory")
+    r.add_argument("--target-tp", type=int, required=True, help="tensor-parallel size of the loading job")
+    r.add_argument("--target-dp", type=int, help="data-parallel size (default: the saved one)")
+    r.add_argument("--target-zero-stage", type=int, choices=(0, 1, 2), help="ZeRO stage (default: the saved one)")
+    r.add_argument("--zero-bucket-size", type=int,
+                   help="the loading job's --zero-bucket-size (default: the saved run's)")
+
+    f = sub.add_parser("to-fp32", help="one consolidated fp32 safetensors file of the full model")
+    f.add_argument("--load", required=True, help="save directory or DIR/iter_N")
+    f.add_argument("--output", required=True, help="FILE.safetensors")
+
+    h = sub.add_parser("to-hf", help="a Hugging Face transformers directory (GPT2LMHeadModel / LlamaForCausalLM)")
+    h.add_argument("--load", required=True, help="save directory or DIR/iter_N")
+    h.add_argument("--output", required=True, help="directory to write config.json and model*.safetensors into")
+    h.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="tensor dtype (default: the run's precision)")
+    h.add_argument("--max-shard-size", type=_size, default="5GB", help="split model.safetensors past this (5GB)")
+
+    i = sub.add_parser("from-hf", help="import a Hugging Face GPT-2 or Llama directory (for --load --finetune)")
+    i.add_argument("--input", required=True, help="directory with config.json and safetensors or pytorch_model.bin")
+    i.add_argument("--save", required=True, help="save directory for the hybrid checkpoint")
+    i.add_argument("--tp", type=int, default=1, help="tensor-parallel size to shard for (default 1)")
+    i.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="dtype (default: the HF weights' dtype)")
+
+    for s in (r, f, h, i):
+        s.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return lambda desc, total: tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                                    dynamic_ncols=True)
+
+
+def run(args) -> str:
+    progress = _progress(not args.no_progress)
+    if args.command == "reshard":
+        from hybrid.convert.reshard import reshard_checkpoint
+
+        out = reshard_checkpoint(args.load, args.save, target_tp=args.target_tp, target_dp=args.target_dp,
+                                 target_zero_stage=args.target_zero_stage, bucket_size=args.zero_bucket_size,
+                                 progress=progress)
+        return f"wrote {out}"
+    if args.command == "to-fp32":
+        from hybrid.convert.fp32 import export_fp32
+
+        return f"wrote {export_fp32(args.load, args.output, progress=progress)}"
+    if args.command == "to-hf":
+        from hybrid.convert.hf import export_to_hf
+
+        res = export_to_hf(args.load, args.output, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
+                           progress=progress)
+        lines = [f"wrote {res.architecture} to {res.directory} ({len(res.files)} weight file(s))"]
+        if res.tokenizer:
+            lines.append(f"copied the SentencePiece tokenizer to {res.tokenizer}")
+        if res.note:
+            lines.append(f"note: {res.note}")
+        return "\n".join(lines)
+    from hybrid.convert.hf import import_from_hf
+
+    out = import_from_hf(args.input, args.save, tp=args.tp, dtype=args.dtype, progress=progress)
+    return f"wrote {out}; train from it with --load {args.save} --finetune"
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        print(run(args))
+    except (CheckpointError, ValueError, OSError) as e:
+        print(f"convert_checkpoint {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
