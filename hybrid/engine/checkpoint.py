@@ -47,8 +47,10 @@ def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples:
     optimizer_state = engine.optimizer.state_dict()
     param_index = optimizer_state.pop("param_index")
     tracker = getattr(engine.module, "rng_tracker", None)
+    # Keys as "stream/device" strings: checkpoint files hold only weights_only-safe types.
     rank_state = {"rng": capture_rng_state(),
-                  "tp_rng": tracker.get_states() if tracker is not None else None}
+                  "tp_rng": ({f"{stream}/{dev}": t for (stream, dev), t in tracker.get_states().items()}
+                             if tracker is not None else None)}
     trainer_state = {"engine": {"global_step": engine.global_step, "micro_steps": engine.micro_steps,
                                 "lr_schedule": engine.lr_schedule.state_dict()},
                      "client": dict(client_state or {})}
@@ -86,18 +88,21 @@ def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True,
             sd["param_index"] = reader.param_index
             engine.optimizer.load_state_dict(sd)
         else:
-            engine.optimizer.reload_from_model()
+            from hybrid.engine.reshard import refresh_master_from_model
+
+            refresh_master_from_model(engine.optimizer)
     if load_optimizer and saved == current:
         rank_state = reader.load_rank_state(topo.tp_rank, topo.dp_rank, topo.pp_rank)
         restore_rng_state(rank_state["rng"])
         tracker = getattr(engine.module, "rng_tracker", None)
         if tracker is not None and rank_state.get("tp_rng") is not None:
-            tracker.set_states(rank_state["tp_rng"])
+            tracker.set_states({tuple(k.split("/", 1)): t for k, t in rank_state["tp_rng"].items()})
     state = reader.trainer_state
     if load_optimizer:
         eng = state["engine"]
         engine.global_step = int(eng["global_step"])
-        engine.micro_steps = int(eng["micro_steps"])
+        # Counted in this layout's accumulation steps: a checkpoint is always taken at a boundary.
+        engine.micro_steps = engine.global_step * engine.batch.gradient_accumulation_steps
         try:
             engine.lr_schedule.load_state_dict(eng["lr_schedule"], strict=not keep_configured_schedule)
         except ValueError as e:

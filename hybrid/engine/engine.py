@@ -32,10 +32,6 @@ from hybrid.engine.step_logger import StepLogger
 from hybrid.topology import Topology
 from hybrid.zero import ZeroOptimizer
 
-CHECKPOINT_ISSUE = ("checkpoints (save_checkpoint/load_checkpoint) are not implemented yet: they come with the "
-                    "pretraining-driver and checkpoint issue (#5)")
-
-
 class Engine:
     """Drives one model replica's shard; build it with :func:`initialize`.
 
@@ -189,11 +185,27 @@ class Engine:
         """Bytes each collective moved in the last global batch."""
         return self.optimizer.comm_report()
 
-    def save_checkpoint(self, directory) -> None:
-        raise NotImplementedError(CHECKPOINT_ISSUE)
+    def save_checkpoint(self, directory, iteration: Optional[int] = None, *, consumed_samples: int = 0,
+                        client_state: Optional[dict] = None, keep_last: Optional[int] = None):
+        """Save the complete training state to ``directory/iter_{iteration:07d}`` (default: ``global_step``).
 
-    def load_checkpoint(self, directory) -> None:
-        raise NotImplementedError(CHECKPOINT_ISSUE)
+        Collective: every rank calls it. See :mod:`hybrid.engine.checkpoint`.
+        """
+        from hybrid.engine.checkpoint import save_engine
+
+        step = self.global_step if iteration is None else iteration
+        return save_engine(self, directory, step, consumed_samples=consumed_samples, client_state=client_state,
+                           keep_last=keep_last)
+
+    def load_checkpoint(self, directory, *, load_optimizer: bool = True) -> dict:
+        """Load a checkpoint saved in any layout (TP, DP, ZeRO stage, precision) into this engine.
+
+        ``directory`` is a save directory (its ``latest``) or one ``iter_N`` directory.
+        Returns ``iteration``, ``consumed_samples``, ``client_state`` and ``path``.
+        """
+        from hybrid.engine.checkpoint import load_engine
+
+        return load_engine(self, directory, load_optimizer=load_optimizer)
 
     def close(self) -> None:
         """Flush and close the TensorBoard writer, if any."""

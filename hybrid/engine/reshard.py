@@ -86,7 +86,6 @@ def load_resharded(engine: "Engine", reader: CheckpointReader, *, load_optimizer
             refresh_master_from_model(opt)
     if load_optimizer:
         _restore_rng(engine, reader)
-        _rebase_micro_steps(engine, reader)
 
 
 def refresh_master_from_model(opt: "ZeroOptimizer") -> None:
@@ -188,16 +187,6 @@ def _partition_state(opt: "ZeroOptimizer", src: CheckpointSource, topo, keys: Li
 
 
 # ---- counters and random state ---------------------------------------------------------------------------
-def _rebase_micro_steps(engine: "Engine", reader: CheckpointReader) -> None:
-    # Micro-steps count micro-batches of the saving layout; its accumulation steps per global batch may
-    # differ. Checkpoints are taken at global-batch boundaries, so the count follows from global_step.
-    # load_engine restores the engine counters from reader.trainer_state after this call.
-    eng = reader.trainer_state.get("engine")
-    if isinstance(eng, dict) and "global_step" in eng:
-        eng["micro_steps"] = int(eng["global_step"]) * engine.batch.gradient_accumulation_steps
-        engine.micro_steps = eng["micro_steps"]
-
-
 def _restore_rng(engine: "Engine", reader: CheckpointReader) -> None:
     if not reader.has_rank_state:
         return

@@ -53,6 +53,8 @@ class TrainingArguments:
     vocab_size: Optional[int] = _arg(None, "vocabulary size (default: the tokenizer's)")
     position_embedding_type: Optional[str] = _arg(None, "learned or rope", choices=("learned", "rope"))
     normalization: Optional[str] = _arg(None, "layernorm or rmsnorm", choices=("layernorm", "rmsnorm"))
+    norm_epsilon: Optional[float] = _arg(None, "epsilon of LayerNorm/RMSNorm")
+    rotary_base: Optional[float] = _arg(None, "base (theta) of rotary position embeddings")
     swiglu: bool = _arg(False, "SwiGLU MLP instead of GELU")
     disable_bias_linear: bool = _arg(False, "no biases in linear layers")
     untie_embeddings_and_output_weights: bool = _arg(False, "separate output layer weights")
@@ -333,7 +335,8 @@ def model_config(args: TrainingArguments, vocab_size: int):
                       ("seq_length", "seq_length"), ("max_position_embeddings", "max_position_embeddings"),
                       ("position_embedding_type", "position"), ("normalization", "norm"),
                       ("hidden_dropout", "hidden_dropout"), ("attention_dropout", "attention_dropout"),
-                      ("init_method_std", "init_std")):
+                      ("init_method_std", "init_std"), ("norm_epsilon", "norm_eps"),
+                      ("rotary_base", "rope_theta")):
         if getattr(args, flag) is not None:
             changes[key] = getattr(args, flag)
     if args.swiglu:

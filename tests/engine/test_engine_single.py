@@ -230,10 +230,6 @@ def test_usage_errors():
     engine.backward(engine(x).sum())
     with pytest.raises(RuntimeError, match=r"called twice without engine\.step\(\)"):
         engine.backward(engine(x).sum())
-    with pytest.raises(NotImplementedError, match=r"checkpoint issue \(#5\)"):
-        engine.save_checkpoint("somewhere")
-    with pytest.raises(NotImplementedError, match=r"checkpoint issue \(#5\)"):
-        engine.load_checkpoint("somewhere")
 
 
 @pytest.mark.parametrize("prepare,config,kwargs,error,match", [
