@@ -189,5 +189,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(f"hybrid-train: error: {e}") from None
     trainer = Trainer(args)
     trainer.train()
+    # No rank may tear down its connections while a peer still talks to it.
+    trainer.topology.comm.barrier()
     destroy_distributed()
     return 0
