@@ -1,0 +1,428 @@
+"""The largest GPT each data-parallel trainer fits in this machine's memory (world 4, gloo), and the planner's bet.
+
+For every contender -- torch DDP, hybrid ZeRO stages 0/1/2/3, stage 3 with
+CPU offload, torch FSDP2 (and DeepSpeed ZeRO-3 when importable) -- the search
+looks for the largest hidden size (in steps of ``--step``; ``--layers``
+layers, sequence ``--seq``, micro batch 1, fp32 AdamW) at which 4 gloo ranks
+train 3 steps while the resident memory summed over the ranks stays under
+``--budget``. Each attempt starts 4 fresh rank processes (gloo on loopback);
+a monitor samples their RSS every 50 ms and kills them the moment the sum
+crosses the budget (the kernel's OOM killer counts as a failure too). glibc's
+adaptive mmap threshold is fixed (``MALLOC_MMAP_THRESHOLD_``) so that freed
+tensors return to the system and RSS follows the live bytes.
+
+The search starts at the planner's prediction and walks up or down from it
+one step, then in doubling strides, then bisects between the largest fit and
+the smallest failure: two attempts when the prediction is right. The planner's
+prediction for a contender is the largest hidden size whose predicted peak
+tensor bytes per rank (``hybrid.plan.estimate_memory`` with the CPU kernel
+profile), plus the measured resident size of an idle rank, times 4 fits the
+budget. torch's trainers are predicted with the hybrid stage holding the same
+state (DDP as stage 0 plus DDP's separate gradient buckets, FSDP2 as stage 3):
+the planner models hybrid, so those two rows are rough.
+Stages 0-2 build the model whole before flattening it, which the prediction
+adds as a construction peak (two copies of the fp32 weights); stage 3 and
+FSDP2 build on ``meta`` and materialise only each rank's shard.
+
+Reproduce (from the repository root)::
+
+    python benchmarks/max_model_size.py                      # all contenders, 20 GiB budget, ~20 minutes
+    python benchmarks/max_model_size.py --only "zero-3" --budget 6GiB --max-attempts 3   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Dict, Optional
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+WORLD = 4
+VOCAB = 1024
+# A fixed mmap threshold turns off glibc's adaptive one, so freed tensors go back to the system and
+# resident memory follows live tensor bytes (the same setting for every contender).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Contender:
+    name: str
+    kind: str  # hybrid | ddp | fsdp2 | deepspeed
+    stage: int = 0
+    offload: str = "none"
+
+
+CONTENDERS = [
+    Contender("torch DDP", "ddp"),
+    Contender("hybrid zero-0", "hybrid", 0),
+    Contender("hybrid zero-1", "hybrid", 1),
+    Contender("hybrid zero-2", "hybrid", 2),
+    Contender("hybrid zero-3", "hybrid", 3),
+    Contender("hybrid zero-3 + offload", "hybrid", 3, "cpu"),
+    Contender("torch FSDP2", "fsdp2"),
+    Contender("DeepSpeed ZeRO-3", "deepspeed", 3),
+]
+
+
+def gpt_config(hidden: int, args):
+    from model_zoo import GPTConfig
+
+    return GPTConfig(vocab_size=VOCAB, hidden_size=hidden, num_layers=args.layers, num_heads=hidden // 64,
+                     seq_length=args.seq, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def n_params(hidden: int, args) -> int:
+    from model_zoo import count_parameters
+
+    return count_parameters(gpt_config(hidden, args))
+
+
+# ---- availability ------------------------------------------------------------------------------------
+def unavailable(c: Contender) -> Optional[str]:
+    """Why a contender cannot run here, or None."""
+    if c.kind == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not installed"
+    if c.kind == "hybrid":
+        from hybrid.config.schema import ZERO_STAGES, ZeroConfig
+
+        if c.stage not in ZERO_STAGES:
+            return f"hybrid has no ZeRO stage {c.stage} yet"
+        if c.offload != "none" and "offload_optimizer" not in {f.name for f in dataclasses.fields(ZeroConfig)}:
+            return "hybrid has no zero.offload_optimizer yet"
+    return None
+
+
+# ---- one attempt, inside each rank -------------------------------------------------------------------
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def _build(c: Contender, hidden: int, args):
+    """The training step of contender ``c`` on this rank, as a function of (x, y)."""
+    import torch
+
+    from hybrid import Topology
+    from model_zoo import GPTModel
+
+    cfg = gpt_config(hidden, args)
+    if c.kind == "hybrid" and c.stage == 3 and importlib.util.find_spec("hybrid.zero.sharded_init"):
+        from hybrid.zero.sharded_init import zero3_from_meta
+
+        # Sharded deferred init: built on meta, each rank materialises only its own partition.
+        model = GPTModel(cfg, Topology(tp=1), device="meta")
+        model.check_inputs = False
+        opt = zero3_from_meta(model, model.topology, model.seed, lr=1e-4, bucket_size=args.bucket,
+                              offload_optimizer=c.offload)
+
+        def step(x, y):
+            opt.backward(model(x, y))
+            opt.step()
+            opt.zero_grad()
+        return step
+    if c.kind == "hybrid":
+        import hybrid
+
+        topo = Topology(tp=1)
+        model = GPTModel(cfg, topo)
+        model.check_inputs = False
+        zero = {"stage": c.stage, "bucket_size": args.bucket}
+        if c.offload != "none":
+            zero["offload_optimizer"] = c.offload
+        engine = hybrid.initialize(model, {"zero": zero, "optimizer": {"type": "adamw", "lr": 1e-4},
+                                           "micro_batch_size": 1, "steps_per_print": 0}, topology=topo)
+
+        def step(x, y):
+            engine.backward(engine(x, y))
+            engine.step()
+        return step
+    if c.kind == "deepspeed":
+        import deepspeed
+
+        model = GPTModel(cfg, Topology.local())
+        model.check_inputs = False
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": args.bucket}, "steps_per_print": 10**9})
+
+        def step(x, y):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+        return step
+    if c.kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = GPTModel(cfg, Topology.local())  # TP size 1: plain layers, no collectives inside
+        model.check_inputs = False
+        model = DDP(model, bucket_cap_mb=args.bucket * 4 / 2**20)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    else:  # FSDP2: built on meta and materialised shard by shard, as FSDP2 is meant to be used
+        from torch.distributed.fsdp import fully_shard
+
+        model = GPTModel(cfg, Topology.local(), device="meta")
+        model.check_inputs = False
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.02)  # values do not matter here, only the bytes
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+    def step(x, y):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def rank_main(spec: str) -> None:
+    """Entry point of one rank of one attempt (RANK etc. in the environment): train, print one JSON line."""
+    import torch
+
+    import hybrid
+    from hybrid.distributed import destroy_distributed
+
+    d = json.loads(spec)
+    c, hidden, args = Contender(**d["contender"]), d["hidden"], argparse.Namespace(**d["args"])
+    torch.set_num_threads(1)  # 4 ranks share the cores
+    hybrid.init_distributed(timeout_s=args.attempt_timeout, backend="gloo")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM restarts from the current RSS
+    base_kib = _status_kib("VmRSS")
+    torch.manual_seed(0)
+    step = _build(c, hidden, args)
+    g = torch.Generator().manual_seed(int(os.environ["RANK"]))
+    t0 = time.time()
+    for _ in range(args.steps):
+        x = torch.randint(0, VOCAB, (1, args.seq), generator=g)
+        step(x, x)
+    print("RESULT " + json.dumps({"base_mib": base_kib / 1024, "peak_mib": _status_kib("VmHWM") / 1024,
+                                  "train_s": time.time() - t0}), flush=True)
+    destroy_distributed()
+
+
+# ---- the parent: run attempts under the memory monitor ---------------------------------------------
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rss(procs) -> int:
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except Exception:  # noqa: BLE001 - a rank that just exited
+            pass
+    return total
+
+
+def run_attempt(c: Contender, hidden: int, args) -> Dict:
+    """``{"ok": bool, "why": str, "peak_sum": bytes, "seconds": float}`` for one hidden size.
+
+    An attempt that fails for another reason than memory (a rendezvous port
+    taken in the meantime, say) is run once more.
+    """
+    result = _run_attempt_once(c, hidden, args)
+    if result["why"].startswith("failed"):
+        result = _run_attempt_once(c, hidden, args)
+    return result
+
+
+def _run_attempt_once(c: Contender, hidden: int, args) -> Dict:
+    import psutil
+
+    spec = json.dumps({"contender": dataclasses.asdict(c), "hidden": hidden, "args": vars(args)})
+    port = _free_port()
+    t0 = time.time()
+    procs = []
+    for rank in range(WORLD):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **MALLOC_ENV)
+        if c.kind == "deepspeed":
+            env["DS_ACCELERATOR"] = "cpu"
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", spec], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
+    watched = [psutil.Process(p.pid) for p in procs]
+    peak, why = 0, ""
+    while any(p.poll() is None for p in procs):
+        rss = _rss(watched)
+        peak = max(peak, rss)
+        if rss > args.budget:
+            why = f"over budget ({rss / 2**30:.1f} GiB)"
+        elif time.time() - t0 > args.attempt_timeout:
+            why = "timed out"
+        elif any(p.returncode not in (None, 0) for p in procs):
+            why = "a rank died"
+        if why:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, 9)
+            break
+        time.sleep(0.05)
+    outputs = [p.communicate() for p in procs]
+    seconds = time.time() - t0
+    results = [json.loads(line[len("RESULT "):]) for out, _ in outputs for line in out.splitlines()
+               if line.startswith("RESULT ")]
+    if why or len(results) != WORLD:
+        if not why or why == "a rank died":
+            dead = [(p.returncode, err) for p, (_, err) in zip(procs, outputs) if p.returncode not in (0, -9)]
+            if dead:
+                tail = (dead[0][1].strip().splitlines() or ["no output"])[-1]
+                why = f"failed (exit {dead[0][0]}): {tail[:100]}"
+            else:
+                why = "killed by the system (out of memory)"
+        return {"ok": False, "why": why, "peak_sum": peak, "seconds": seconds}
+    return {"ok": True, "why": "", "peak_sum": peak, "seconds": seconds,
+            "hwm_sum": sum(r["peak_mib"] for r in results) * 2**20,
+            "base_mib": max(r["base_mib"] for r in results), "train_s": max(r["train_s"] for r in results)}
+
+
+# ---- the planner's prediction ----------------------------------------------------------------------
+def predicted_rank_bytes(c: Contender, hidden: int, args) -> int:
+    """Predicted peak bytes of one rank: the planner's training peak, or the construction peak if larger."""
+    from hybrid.plan import CPU, Layout, TrainingSetup, estimate_memory, shard_shapes
+
+    cfg = gpt_config(hidden, args)
+    stage = {"ddp": 0, "fsdp2": 3, "deepspeed": 3}.get(c.kind, c.stage)
+    est = estimate_memory(cfg, Layout(tp=1, dp=WORLD, stage=stage, offload=c.offload, micro_batch=1),
+                          TrainingSetup(precision="fp32", bucket_size=args.bucket, weight_decay=False, profile=CPU))
+    weights = 4 * sum(s.numel for s in shard_shapes(cfg, 1))
+    peak = est.resident_peak + est.host
+    if c.kind == "ddp":
+        peak += weights  # DDP's gradient buckets are a second copy of the gradients
+    if c.kind == "hybrid" and c.stage < 3:
+        peak = max(peak, 2 * weights)  # the model is built whole, then copied into the flat buffer
+    if c.kind == "hybrid" and c.stage == 3 and not importlib.util.find_spec("hybrid.zero.sharded_init"):
+        peak = max(peak, weights + est.persistent)  # without sharded init every rank builds the whole model
+    return peak
+
+
+def predicted_hidden(c: Contender, args, base_bytes: float) -> int:
+    best = args.step
+    for hidden in range(args.step, 64 * args.step + 1, args.step):
+        if WORLD * (base_bytes + predicted_rank_bytes(c, hidden, args)) > args.budget:
+            break
+        best = hidden
+    return best
+
+
+# ---- the search ------------------------------------------------------------------------------------------
+def search(c: Contender, args, base_bytes: float, log) -> Dict:
+    guess = predicted_hidden(c, args, base_bytes)
+    fit, fail, tried = None, None, {}
+
+    def probe(h: int) -> bool:
+        r = run_attempt(c, h, args)
+        tried[h] = r
+        log(f"  {c.name:26s} hidden {h:5d} ({n_params(h, args) / 1e6:7.1f}M params): "
+            f"{'fits' if r['ok'] else r['why']:32s} peak RSS sum {r['peak_sum'] / 2**30:5.2f} GiB, {r['seconds']:5.1f}s")
+        return r["ok"]
+
+    h, step, stride = guess, args.step, args.step
+    while len(tried) < args.max_attempts and h not in tried and h >= step:
+        if probe(h):
+            fit = h if fit is None else max(fit, h)
+        else:
+            fail = h if fail is None else min(fail, h)
+        if fit is not None and fail is not None:
+            if fail - fit <= step:
+                break
+            h = (fit + fail) // 2 // step * step
+        elif fail is None:  # still fitting: walk up, faster each time
+            h, stride = fit + stride, 2 * stride
+        else:  # still failing: walk down
+            h, stride = fail - stride, 2 * stride
+    exact = fit is not None and fail is not None and fail - fit <= args.step
+    return {"hidden": fit, "exact": exact, "predicted": guess, "fail": fail, "attempts": tried}
+
+
+def print_table(rows: Dict[str, Dict], args) -> None:
+    ddp = rows.get("torch DDP", {})
+    ddp_params = n_params(ddp["hidden"], args) if ddp.get("hidden") else None
+    head = (f"{'contender':26s} {'max hidden':>10s} {'params':>10s} {'vs DDP':>7s} {'planner hidden':>14s} "
+            f"{'planner params':>14s} {'peak RSS sum':>12s}")
+    print(head)
+    print("-" * len(head))
+    for c in CONTENDERS:
+        r = rows.get(c.name)
+        if r is None:
+            continue
+        if "unavailable" in r:
+            print(f"{c.name:26s} {'not available: ' + r['unavailable']}")
+            continue
+        h = r["hidden"]
+        params = n_params(h, args) if h else 0
+        bound = "" if r["exact"] else (">=" if h else "<")
+        ratio = f"{params / ddp_params:.2f}x" if ddp_params and h else ""
+        peak = r["attempts"][h]["peak_sum"] / 2**30 if h else 0
+        print(f"{c.name:26s} {bound + str(h or args.step):>10s} {params / 1e6:9.1f}M {ratio:>7s} "
+              f"{r['predicted']:14d} {n_params(r['predicted'], args) / 1e6:13.1f}M {peak:9.2f} GiB")
+    print(f"\nbudget {args.budget / 2**30:.1f} GiB of RSS summed over {WORLD} gloo ranks; GPT with {args.layers} layers, "
+          f"vocab {VOCAB}, seq {args.seq}, micro batch 1, fp32 AdamW, {args.steps} steps; hidden in steps of "
+          f"{args.step}. '>=': the largest size tried fit (search capped); 'vs DDP' = parameters over DDP's.")
+
+
+def main(argv=None) -> None:
+    from hybrid.plan import parse_size
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rank", help=argparse.SUPPRESS)
+    ap.add_argument("--budget", default="20GiB", help="RSS summed over the ranks that an attempt may use")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=32,
+                    help="sequence length: compute grows with it, memory hardly (32 keeps the largest "
+                         "attempts near a minute on 2 cores)")
+    ap.add_argument("--step", type=int, default=128, help="hidden size granularity (a multiple of 64)")
+    ap.add_argument("--steps", type=int, default=3, help="training steps an attempt must complete")
+    ap.add_argument("--bucket", type=int, default=25_000_000, help="gradient bucket, elements")
+    ap.add_argument("--max-attempts", type=int, default=4, help="attempts per contender")
+    ap.add_argument("--attempt-timeout", type=float, default=400.0, help="seconds before an attempt is abandoned")
+    ap.add_argument("--only", default="", help="comma-separated substrings of contender names")
+    args = ap.parse_args(argv)
+    if args.rank:
+        rank_main(args.rank)
+        return
+    if args.step % 64:
+        ap.error("--step must be a multiple of 64 (the head dimension)")
+    args.budget = parse_size(args.budget, "--budget")
+    chosen = [c for c in CONTENDERS if not args.only or any(s.strip() in c.name for s in args.only.split(","))]
+    t0 = time.time()
+    log = lambda s: print(f"[{time.time() - t0:6.0f}s] {s}", flush=True)  # noqa: E731
+    calib = run_attempt(Contender("calibration", "hybrid", 0), args.step, args)
+    if not calib["ok"]:
+        raise SystemExit(f"the calibration run (hybrid zero-0, hidden {args.step}) failed: {calib['why']}")
+    base = calib["base_mib"] * 2**20
+    log(f"an idle rank holds {calib['base_mib']:.0f} MiB resident (torch, gloo); the planner adds that per rank")
+    rows: Dict[str, Dict] = {}
+    for c in chosen:
+        why = unavailable(c)
+        if why:
+            rows[c.name] = {"unavailable": why}
+            log(f"{c.name}: not available ({why})")
+            continue
+        rows[c.name] = search(c, args, base, log)
+    print()
+    print_table(rows, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""The memory planner: predict what each layout holds per device before launching it.
+
+``python -m hybrid.plan --model turing-nlg-17b --gpus 256 --gpus-per-node 16 --gpu-memory 32GiB
+--seq-length 1024 --global-batch-size 512`` prints every valid layout (TP, DP, ZeRO stage, offload,
+recomputation, micro batch) with its per-GPU memory by component, whether it fits, the bytes each
+collective moves and a predicted step time, ranked. ``docs/planner.md`` states the formulas;
+``tests/plan`` checks them against the bytes real runs hold.
+
+Modules: :mod:`~hybrid.plan.model_memory` (weights, gradients, optimizer state, laid out like the
+ZeRO flat buffers), :mod:`~hybrid.plan.activations` (what autograd saves), :mod:`~hybrid.plan.estimate`
+(the peak), :mod:`~hybrid.plan.comm_volume`, :mod:`~hybrid.plan.timing`, :mod:`~hybrid.plan.cluster`,
+:mod:`~hybrid.plan.layouts`, :mod:`~hybrid.plan.report`, and :mod:`~hybrid.plan.measure` (the
+instruments the tests use).
+"""
+
+from hybrid.plan.activations import CPU, CUDA, ActivationBytes, DeviceProfile, activation_bytes
+from hybrid.plan.cluster import Cluster, ClusterError, parse_size
+from hybrid.plan.comm_volume import step_volume
+from hybrid.plan.estimate import Layout, MemoryEstimate, TrainingSetup, estimate_memory
+from hybrid.plan.layouts import Choices, Evaluation, LayoutError, evaluate, plan
+from hybrid.plan.model_memory import flat_layout, shard_shapes, state_bytes
+
+__all__ = ["ActivationBytes", "CPU", "CUDA", "Choices", "Cluster", "ClusterError", "Evaluation", "DeviceProfile",
+           "Layout", "LayoutError", "MemoryEstimate", "TrainingSetup", "activation_bytes", "estimate_memory",
+           "evaluate", "flat_layout", "parse_size", "plan", "shard_shapes", "state_bytes", "step_volume"]

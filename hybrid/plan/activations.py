@@ -1,0 +1,225 @@
+"""Activation memory of the model_zoo GPT: the bytes autograd keeps for backward.
+
+Every term below is a tensor that this implementation saves (measured with
+``hybrid.plan.measure.SavedActivations``; ``tests/plan`` checks the formula
+against the measurement for every switch). Symbols, per micro-batch on one
+rank: ``N = s * b`` tokens, hidden ``h``, MLP width ``f``, heads ``a``,
+head dim ``d``, TP size ``t``, ``r = 1/t`` under sequence parallelism else 1,
+``p`` bytes per activation element (the parameter dtype), ``V'`` the padded
+vocabulary per TP rank, ``m`` bytes per dropout-mask element.
+
+Per layer, no recomputation::
+
+    norm block (x2)   LayerNorm: p*N*h*r (input) + 2*q*N*r (mean, rstd) + p*N*h (the next
+                      linear's input: the norm output, or under SP the gathered [s, b, h])
+                      RMSNorm, fused: p*N*h*r + 4*N*r + p*N*h
+                      RMSNorm, reference (fp32 maths): 4*N*h*r + 4*N*r + p*N*h*r + p*N*h
+    attention         flash kernel: qkv 3pNh/t [+ rotated q, k 2pNh/t with RoPE] + out pNh/t
+                      + log-sum-exp 4*N*a/t
+                      math kernel (CPU with attention dropout; computes in fp32): fp32 copies of
+                      q, k, v 12Nh/t (with b = 1 and fp32, v stays a view of qkv: 20Nh/t),
+                      output pNh/t, and 12 * b * (a/t) * s^2 (fp32 probabilities, dropout
+                      mask, dropped probabilities)
+    MLP               GELU 2pNf/t (pre- and post-activation); SwiGLU 4pNf/t
+    hidden dropout    2 * m*N*h*r (two masks) when hidden_dropout > 0
+
+Selective recomputation keeps the attention core's inputs and output (the
+flash terms without the log-sum-exp; no s^2 terms). Full recomputation keeps
+only each layer's input, ``p*N*h*r``, and rebuilds one layer at a time in
+backward. Outside the layers: token ids (``8N``; at ``t > 1`` the local ids
+``8N`` and the out-of-shard mask ``N``), learned position ids ``8s`` or RoPE
+``cos``/``sin`` ``2*p*b*s*d``, an embedding dropout mask ``m*N*h*r``, the final
+norm block, and the loss: fp32 softmax ``4*N*V'``, local targets ``8N``,
+in-shard flags ``N``.
+
+``q`` (norm statistics) and ``m`` (dropout masks) depend on the kernels:
+:data:`CUDA` is the GPU path (fused norms with fp32 statistics, bool dropout
+masks, flash/memory-efficient attention whatever the dropout), :data:`CPU`
+the path the tests measure (statistics and masks in the activation dtype,
+and the math attention kernel when attention dropout is on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from model_zoo.config import GPTConfig
+
+RECOMPUTE = ("none", "selective", "full")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    """How the device's kernels and collectives behave, as far as memory goes.
+
+    ``dropout_mask_bytes``: bytes per mask element (None: the activation dtype).
+    ``norm_stat_bytes``: bytes per LayerNorm mean/rstd entry (None: the activation dtype).
+    ``math_attention_with_dropout``: attention dropout falls back to the math kernel.
+    ``fused_rmsnorm``: RMSNorm keeps only its input and rstd (else the fp32 reference).
+    ``gather_copies_output``: an all-gather lands in a temporary of the bucket's
+    size before it is copied into place (gloo), rather than in place (NCCL).
+    ``host_is_device``: the model lives in host memory, so optimizer offload
+    copies nothing (a CPU run).
+    ``reduce_scatter_copies_input``: an asynchronous reduce-scatter keeps a
+    private copy of its input inside the communication library until it is
+    waited on (gloo). Those bytes are not tensors: the planner reports them
+    apart, as ``MemoryEstimate.untracked``.
+    """
+
+    name: str
+    dropout_mask_bytes: Optional[int]
+    norm_stat_bytes: Optional[int]
+    math_attention_with_dropout: bool
+    fused_rmsnorm: bool
+    gather_copies_output: bool = False
+    host_is_device: bool = False
+    reduce_scatter_copies_input: bool = False
+
+
+CUDA = DeviceProfile("cuda", dropout_mask_bytes=1, norm_stat_bytes=4, math_attention_with_dropout=False,
+                     fused_rmsnorm=True)
+CPU = DeviceProfile("cpu", dropout_mask_bytes=None, norm_stat_bytes=None, math_attention_with_dropout=True,
+                    fused_rmsnorm=False, gather_copies_output=True, host_is_device=True,
+                    reduce_scatter_copies_input=True)
+PROFILES = {"cuda": CUDA, "cpu": CPU}
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationBytes:
+    """Bytes saved for backward on one rank for one micro-batch, by where they live.
+
+    ``per_layer``: one transformer layer under the chosen recomputation;
+    ``layer_full``: one layer without recomputation (what a fully recomputed
+    layer rebuilds during backward); ``embedding``, ``head`` (final norm and
+    loss); ``total`` = embedding + layers * per_layer + head.
+    ``loss_workspace``: the most the loss needs at once beyond what it saves
+    (logits plus two fp32 [N, V'] temporaries), a transient at the end of forward.
+    ``by_reference``: the part of ``embedding`` that recomputation regions keep
+    by plain reference rather than through autograd's saved tensors (the RoPE
+    tables under full recomputation): in memory all the same, but invisible to
+    ``saved_tensors_hooks``.
+    """
+
+    per_layer: int
+    layer_full: int
+    embedding: int
+    head: int
+    layers: int
+    loss_workspace: int
+    by_reference: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.layers * self.per_layer + self.head
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+    N: int  # tokens per micro-batch
+    s: int
+    b: int
+    h: int
+    f: int
+    a: int
+    d: int
+    t: int
+    r: float  # residual-stream fraction held by one TP rank
+    p: int
+    m: int  # dropout mask bytes per element
+    q: int  # LayerNorm statistic bytes
+    vocab_local: int
+
+
+def _dims(config: GPTConfig, micro_batch: int, tp: int, sequence_parallel: bool, act_bytes: int,
+          profile: DeviceProfile) -> _Dims:
+    s, b = config.seq_length, micro_batch
+    return _Dims(N=s * b, s=s, b=b, h=config.hidden_size, f=config.ffn_size, a=config.num_heads,
+                 d=config.head_dim, t=tp, r=1.0 / tp if sequence_parallel and tp > 1 else 1.0, p=act_bytes,
+                 m=profile.dropout_mask_bytes or act_bytes, q=profile.norm_stat_bytes or act_bytes,
+                 vocab_local=config.padded_vocab_size(tp) // tp)
+
+
+def _norm_block(config: GPTConfig, x: _Dims, profile: DeviceProfile) -> float:
+    """A norm plus the input the following (column-parallel) linear keeps."""
+    n_h, linear_input = x.N * x.h, x.p * x.N * x.h
+    if config.norm == "layernorm":
+        return x.p * n_h * x.r + 2 * x.q * x.N * x.r + linear_input
+    if profile.fused_rmsnorm:
+        return x.p * n_h * x.r + 4 * x.N * x.r + linear_input
+    return 4 * n_h * x.r + 4 * x.N * x.r + x.p * n_h * x.r + linear_input
+
+
+def _attention(config: GPTConfig, x: _Dims, recompute: str, training: bool, profile: DeviceProfile) -> float:
+    n_h_t = x.N * x.h / x.t
+    rope = config.position == "rope"
+    core_io = x.p * n_h_t * (4 + (2 if rope else 0))  # qkv storage [+ rotated q, k] + output
+    if recompute == "selective":
+        return core_io
+    math = profile.math_attention_with_dropout and training and config.attention_dropout > 0
+    if math:
+        scores = x.b * (x.a / x.t) * x.s * x.s
+        v_storage = 3 if x.p == 4 and x.b == 1 else 1  # a view of qkv needs no fp32 copy
+        return 4 * n_h_t * (2 + v_storage) + x.p * n_h_t + 12 * scores
+    return core_io + 4 * x.N * x.a / x.t
+
+
+def _mlp(config: GPTConfig, x: _Dims) -> float:
+    return (4 if config.mlp == "swiglu" else 2) * x.p * x.N * x.f / x.t
+
+
+def _hidden_dropout(config: GPTConfig, x: _Dims, training: bool) -> float:
+    return x.m * x.N * x.h * x.r if training and config.hidden_dropout > 0 else 0.0
+
+
+def layer_bytes(config: GPTConfig, x: _Dims, recompute: str, training: bool, profile: DeviceProfile) -> float:
+    """Bytes one transformer layer saves for backward."""
+    if recompute == "full":
+        return x.p * x.N * x.h * x.r
+    return (2 * _norm_block(config, x, profile) + _attention(config, x, recompute, training, profile)
+            + _mlp(config, x) + 2 * _hidden_dropout(config, x, training))
+
+
+def _embedding(config: GPTConfig, x: _Dims, training: bool) -> float:
+    ids = 8 * x.N if x.t == 1 else 9 * x.N  # ids; at t > 1 the local ids and the out-of-shard mask
+    if config.position == "learned":
+        positions = 8 * x.s
+    else:
+        positions = 2 * x.p * x.b * x.s * x.d  # RoPE cos and sin, shared by every layer
+    return ids + positions + _hidden_dropout(config, x, training)
+
+
+def _head(config: GPTConfig, x: _Dims, profile: DeviceProfile) -> float:
+    loss = 4 * x.N * x.vocab_local + 8 * x.N + x.N  # fp32 softmax, local targets, in-shard flags
+    return _norm_block(config, x, profile) + loss
+
+
+def activation_bytes(config: GPTConfig, micro_batch: int, *, tp: int = 1, sequence_parallel: Optional[bool] = None,
+                     recompute: Optional[str] = None, precision: str = "bf16", training: bool = True,
+                     profile: DeviceProfile = CUDA) -> ActivationBytes:
+    """Activation bytes of one micro-batch of ``micro_batch`` sequences of ``config.seq_length`` on one TP rank.
+
+    ``sequence_parallel`` and ``recompute`` default to the config's own;
+    ``precision`` is the dtype activations (and parameters) run in.
+    """
+    if precision not in DTYPE_BYTES:
+        raise ValueError(f"precision must be one of {', '.join(DTYPE_BYTES)}, got {precision!r}")
+    recompute = config.recompute if recompute is None else recompute
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+    if not isinstance(micro_batch, int) or micro_batch < 1:
+        raise ValueError(f"micro batch size must be a positive integer, got {micro_batch!r}")
+    sp = config.sequence_parallel if sequence_parallel is None else sequence_parallel
+    config.validate(tp)
+    x = _dims(config, micro_batch, tp, sp, DTYPE_BYTES[precision], profile)
+    logits = x.p * x.N * x.vocab_local
+    rope_tables = 2 * x.p * x.b * x.s * x.d if config.position == "rope" else 0
+    return ActivationBytes(
+        per_layer=int(layer_bytes(config, x, recompute, training, profile)),
+        layer_full=int(layer_bytes(config, x, "none", training, profile)),
+        embedding=int(_embedding(config, x, training)),
+        head=int(_head(config, x, profile)),
+        layers=config.num_layers,
+        loss_workspace=int(logits + 8 * x.N * x.vocab_local),
+        by_reference=rope_tables if recompute == "full" else 0)

@@ -1,0 +1,147 @@
+"""Command line of the planner: ``python -m hybrid.plan --model NAME | --config FILE ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from hybrid.plan.activations import PROFILES
+from hybrid.plan.cluster import Cluster, ClusterError, parse_size
+from hybrid.plan.estimate import DEFAULT_FRAGMENTATION, TrainingSetup
+from hybrid.plan.layouts import OFFLOADS, RECOMPUTES, STAGES, Choices, LayoutError, plan
+from hybrid.plan.report import LEGEND, format_table, summary, to_json
+from model_zoo.config import GPTConfig
+from model_zoo.flops import count_parameters
+from model_zoo.presets import get_preset, list_presets
+
+EXAMPLE = ("python -m hybrid.plan --model turing-nlg-17b --gpus 256 --gpus-per-node 16 --gpu-memory 32GiB "
+           "--seq-length 1024 --global-batch-size 512")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m hybrid.plan", description=(
+        "Predict per-GPU memory, communication and step time of every parallel layout of a model, and rank "
+        f"them. Example: {EXAMPLE}"), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    model = ap.add_argument_group("model")
+    src = model.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help=f"a model_zoo preset: {', '.join(list_presets())}")
+    src.add_argument("--config", help="a GPTConfig as a YAML or JSON file (keys of model_zoo.GPTConfig)")
+    model.add_argument("--seq-length", type=int, help="training sequence length (default: the model's)")
+    model.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
+    model.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    model.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
+    model.add_argument("--no-weight-decay", action="store_true",
+                       help="weight decay 0 (one flat group instead of two)")
+    model.add_argument("--bucket-size", type=int, default=25_000_000, help="ZeRO bucket size, elements")
+    model.add_argument("--stage3-live-parameters", type=int, default=1_000_000_000,
+                       help="ZeRO-3: most parameter elements gathered at once (zero.max_live_parameters)")
+    model.add_argument("--stage3-prefetch", type=int, default=50_000_000,
+                       help="ZeRO-3: elements gathered ahead of use (zero.prefetch_bucket_size)")
+    model.add_argument("--stage3-persistence-threshold", type=int, default=100_000,
+                       help="ZeRO-3: parameters this small stay whole on every rank (zero.persistence_threshold)")
+    cl = ap.add_argument_group("cluster")
+    cl.add_argument("--gpus", type=int, required=True)
+    cl.add_argument("--gpus-per-node", type=int, required=True)
+    cl.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 32GiB or 80GB")
+    cl.add_argument("--cpu-memory", help="host memory per node, e.g. 1.5TiB (checked for offload layouts)")
+    cl.add_argument("--reserved-memory", default="1GiB", help="per GPU, unusable by training (context, NCCL)")
+    tm = ap.add_argument_group("step-time assumptions")
+    tm.add_argument("--peak-tflops", type=float, default=125.0, help="peak dense TFLOP/s per GPU")
+    tm.add_argument("--mfu", type=float, default=0.35, help="fraction of peak the model's matmuls reach")
+    tm.add_argument("--intra-node-bandwidth", type=float, default=150.0, help="GB/s per GPU inside a node")
+    tm.add_argument("--inter-node-bandwidth", type=float, default=6.25, help="GB/s per GPU between nodes")
+    tm.add_argument("--pcie-bandwidth", type=float, default=12.0, help="GB/s per GPU to host memory")
+    tm.add_argument("--cpu-adam-rate", type=float, default=1e9, help="CPU Adam parameters/s per node")
+    tm.add_argument("--fragmentation", type=float, default=DEFAULT_FRAGMENTATION,
+                    help="allowance as a fraction of the transient (activation and workspace) bytes")
+    tm.add_argument("--device", choices=sorted(PROFILES), default="cuda",
+                    help="whose kernels and collectives to count: cuda (GPUs, NCCL) or cpu (the path the tests measure)")
+    ly = ap.add_argument_group("layouts to consider (default: all valid ones)")
+    ly.add_argument("--tp", type=int, nargs="+", help="tensor-parallel sizes")
+    ly.add_argument("--zero-stage", type=int, nargs="+", choices=STAGES, default=list(STAGES))
+    ly.add_argument("--offload", nargs="+", choices=OFFLOADS, default=list(OFFLOADS))
+    ly.add_argument("--recompute", nargs="+", choices=RECOMPUTES, default=list(RECOMPUTES))
+    ly.add_argument("--micro-batch", type=int, nargs="+", help="micro batch sizes")
+    ly.add_argument("--max-micro-batch", type=int, default=16)
+    ly.add_argument("--sequence-parallel", action="store_true", help="use sequence parallelism when tp > 1")
+    out = ap.add_argument_group("output")
+    out.add_argument("--top", type=int, default=15, help="rows of the table")
+    out.add_argument("--json", action="store_true", help="print every layout as JSON instead of the table")
+    return ap
+
+
+def load_model_config(args: argparse.Namespace) -> GPTConfig:
+    """The preset or the config file, with ``--seq-length`` applied."""
+    if args.model:
+        config = get_preset(args.model)
+    else:
+        config = _read_config_file(args.config)
+    if args.seq_length is not None:
+        changes = {"seq_length": args.seq_length}
+        if config.position == "learned" and config.num_positions < args.seq_length:
+            changes["max_position_embeddings"] = args.seq_length
+        config = config.replace(**changes)
+    return config.validate(1)
+
+
+def _read_config_file(path: str) -> GPTConfig:
+    from hybrid.config.errors import ConfigError
+    from hybrid.config.load import read_config_file
+
+    try:
+        data = read_config_file(path)
+    except ConfigError as e:
+        raise SystemExit(f"--config: {e}")
+    if not isinstance(data, dict):
+        raise SystemExit(f"--config {path}: expected a mapping of GPTConfig keys, got {type(data).__name__}")
+    try:
+        return GPTConfig.from_dict(data)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"--config {path}: {e}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_model_config(args)
+        cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+                          gpu_memory=parse_size(args.gpu_memory, "--gpu-memory"),
+                          cpu_memory=parse_size(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None,
+                          reserved_memory=parse_size(args.reserved_memory, "--reserved-memory"),
+                          peak_tflops=args.peak_tflops, mfu=args.mfu, intra_node_gbps=args.intra_node_bandwidth,
+                          inter_node_gbps=args.inter_node_bandwidth, pcie_gbps=args.pcie_bandwidth,
+                          cpu_adam_rate=args.cpu_adam_rate)
+        if not 0 <= args.fragmentation < 1:
+            raise ClusterError(f"--fragmentation must be in [0, 1), got {args.fragmentation}")
+        setup = TrainingSetup(precision=args.precision, optimizer=args.optimizer,
+                              weight_decay=not args.no_weight_decay, bucket_size=args.bucket_size,
+                              stage3_live_parameters=args.stage3_live_parameters,
+                              stage3_prefetch=args.stage3_prefetch,
+                              stage3_persistence_threshold=args.stage3_persistence_threshold,
+                              fragmentation=args.fragmentation,
+                              profile=PROFILES[args.device])
+        choices = Choices(tp=args.tp, stages=args.zero_stage, offloads=args.offload, recomputes=args.recompute,
+                          micro_batches=args.micro_batch, max_micro_batch=args.max_micro_batch,
+                          sequence_parallel=args.sequence_parallel)
+        evaluations = plan(config, cluster, args.global_batch_size, setup, choices)
+    except (ClusterError, LayoutError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(to_json(evaluations))
+        return 0
+    name = args.model or args.config
+    print(f"model {name}: {count_parameters(config) / 1e9:.2f}B parameters, h={config.hidden_size}, "
+          f"L={config.num_layers}, heads={config.num_heads}, seq {config.seq_length}, "
+          f"global batch {args.global_batch_size}, {args.precision}, {args.optimizer}")
+    print(f"cluster: {cluster.describe()}")
+    print(f"assumptions: {cluster.assumptions()}; fragmentation allowance {args.fragmentation:g} of transients; "
+          f"{args.device} device profile")
+    print()
+    print(format_table(evaluations, args.top))
+    print()
+    print(summary(evaluations))
+    print()
+    print(LEGEND)
+    return 0

@@ -1,0 +1,117 @@
+"""The machine a plan is made for, and the assumptions of the step-time model.
+
+Everything here comes from command-line flags (see ``python -m hybrid.plan
+--help``); the defaults describe a DGX-2-like node of 16 × V100 32 GB, the
+hardware of the Turing-NLG 17B run:
+
+* ``peak_tflops`` 125 (V100 fp16 tensor cores) at ``mfu`` 0.35 of it;
+* ``intra_node_gbps`` 150 GB/s per GPU (NVLink/NVSwitch), used by TP and by
+  DP groups that stay inside a node;
+* ``inter_node_gbps`` 6.25 GB/s per GPU (8 × 100 Gb/s InfiniBand shared by 16
+  GPUs), used by DP groups that span nodes;
+* ``pcie_gbps`` 12 GB/s per GPU host link (offload traffic);
+* ``cpu_adam_rate`` 1e9 parameters per second per node for the CPU Adam step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class ClusterError(ValueError):
+    """A cluster flag that cannot describe a machine."""
+
+
+def parse_size(text: str, flag: str = "size") -> int:
+    """``"32GiB"``, ``"32 GB"``, ``"512MiB"`` or a plain byte count -> bytes.
+
+    GB/MB are powers of ten and GiB/MiB powers of two, as usual; a GPU sold as
+    "32 GB" has 32 GiB of memory, so write ``32GiB`` for it.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ClusterError(f"{flag}: cannot read {text!r} as a memory size; write a number with an optional "
+                           f"unit such as 32GiB, 80GB or 512MiB")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise ClusterError(f"{flag}: memory size must be positive, got {text!r}")
+    return int(value)
+
+
+def format_bytes(n: float) -> str:
+    """Bytes as GiB with two decimals (MiB below 1 GiB)."""
+    if abs(n) >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """``gpus`` devices, ``gpus_per_node`` to a node, ``gpu_memory`` bytes each, and the speed assumptions.
+
+    ``cpu_memory``: host memory per node in bytes (None: not checked).
+    ``reserved_memory``: bytes per device that training cannot use (CUDA
+    context, communication library buffers).
+    """
+
+    gpus: int
+    gpus_per_node: int
+    gpu_memory: int
+    cpu_memory: Optional[int] = None
+    reserved_memory: int = 2**30
+    peak_tflops: float = 125.0
+    mfu: float = 0.35
+    intra_node_gbps: float = 150.0
+    inter_node_gbps: float = 6.25
+    pcie_gbps: float = 12.0
+    cpu_adam_rate: float = 1e9
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "gpus_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ClusterError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node != 0:
+            raise ClusterError(f"--gpus {self.gpus} is not a whole number of nodes of --gpus-per-node "
+                               f"{self.gpus_per_node}; use a multiple of {self.gpus_per_node}")
+        if self.gpu_memory <= self.reserved_memory:
+            raise ClusterError(f"--gpu-memory ({format_bytes(self.gpu_memory)}) must exceed --reserved-memory "
+                               f"({format_bytes(self.reserved_memory)})")
+        for name in ("peak_tflops", "intra_node_gbps", "inter_node_gbps", "pcie_gbps", "cpu_adam_rate"):
+            if not getattr(self, name) > 0:
+                raise ClusterError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)!r}")
+        if not 0 < self.mfu <= 1:
+            raise ClusterError(f"--mfu must be in (0, 1], got {self.mfu!r}")
+
+    @property
+    def node_size(self) -> int:
+        """GPUs that share a node's fast links (all of them when the cluster is smaller than a node)."""
+        return min(self.gpus, self.gpus_per_node)
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.gpus // self.gpus_per_node)
+
+    @property
+    def usable_memory(self) -> int:
+        return self.gpu_memory - self.reserved_memory
+
+    def dp_bandwidth(self, tp: int, dp: int) -> float:
+        """Bytes/s per GPU of a DP group: NVLink when the whole replica grid fits in a node."""
+        gbps = self.intra_node_gbps if tp * dp <= self.node_size else self.inter_node_gbps
+        return gbps * 1e9
+
+    def describe(self) -> str:
+        host = f", {format_bytes(self.cpu_memory)} host memory per node" if self.cpu_memory else ""
+        return (f"{self.gpus} GPUs ({self.nodes} node(s) of {self.node_size}), "
+                f"{format_bytes(self.gpu_memory)} each ({format_bytes(self.reserved_memory)} reserved){host}")
+
+    def assumptions(self) -> str:
+        return (f"compute {self.peak_tflops:g} TFLOP/s peak at MFU {self.mfu:g}; TP and intra-node DP "
+                f"{self.intra_node_gbps:g} GB/s, inter-node DP {self.inter_node_gbps:g} GB/s per GPU; host link "
+                f"{self.pcie_gbps:g} GB/s; CPU Adam {self.cpu_adam_rate:.3g} parameters/s per node")

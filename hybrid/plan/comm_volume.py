@@ -1,0 +1,157 @@
+"""Bytes each collective moves in one training step, in the format of ``comm_report()``.
+
+Keys are ``"op/axis"``; each entry has ``calls``, ``payload_bytes`` (the full
+buffer of each call: the input of a reduce-scatter, the output of an
+all-gather, the tensor of an all-reduce) and ``wire_bytes`` (what one rank
+sends under a ring: ``2(n-1)/n`` of the payload for an all-reduce,
+``(n-1)/n`` for reduce-scatter and all-gather). With ``G`` the padded flat
+elements of one TP shard (``Ψ/t``), ``p`` bytes per element and ``k``
+micro-batches per step:
+
+==========  ===============================================  ====================
+stage       data-parallel collectives per step               payload (elements)
+==========  ===============================================  ====================
+0           all-reduce of every bucket, last micro-batch     G
+1           reduce-scatter (last micro-batch) + all-gather   G + G
+2           reduce-scatter every micro-batch + all-gather    kG + G
+3           all-gather of every unit for forward and again   3kG
+            for backward, reduce-scatter of gradients,
+            every micro-batch
+==========  ===============================================  ====================
+
+so stages 0-2 put ``2Ψ(n-1)/n`` elements on the wire per rank (``k = 1``) and
+stage 3 ``3Ψ(n-1)/n``: 1.5 times as much. Tensor parallelism adds, per layer
+and micro-batch, four collectives of the ``[s, b, h]`` activation (``N*h*p``
+bytes): without sequence parallelism the all-reduces after the row-parallel
+projections (forward) and of the column-parallel inputs' gradients
+(backward); with it, an all-gather before each column-parallel and a
+reduce-scatter after each row-parallel projection, and their adjoints in
+backward. Full recomputation replays the forward ones up to the last tensor
+backward needs (one all-reduce, or two all-gathers and a reduce-scatter, per
+layer); under ZeRO stage 3 it replays whole layers (two all-reduces, or two
+all-gathers and two reduce-scatters). The embedding, the
+head and the loss add a few more (see :func:`tp_volume`).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from typing import Union
+
+from hybrid.plan.activations import DTYPE_BYTES
+from hybrid.plan.model_memory import FlatLayout, Stage3Layout
+from model_zoo.config import GPTConfig
+
+Report = Dict[str, Dict[str, float]]
+
+
+def _ring(op: str, n: int) -> float:
+    if n == 1:
+        return 0.0
+    return (2.0 if op == "all_reduce" else 1.0) * (n - 1) / n
+
+
+def _add(report: Report, op: str, axis: str, n: int, payload: int, calls: int = 1) -> None:
+    if n == 1 or calls == 0:
+        return
+    entry = report.setdefault(f"{op}/{axis}", {"calls": 0, "payload_bytes": 0, "wire_bytes": 0.0})
+    entry["calls"] += calls
+    entry["payload_bytes"] += payload * calls
+    entry["wire_bytes"] += payload * calls * _ring(op, n)
+
+
+def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches: int = 1,
+              report: Optional[Report] = None, tied_head: bool = True) -> Report:
+    """Data-parallel collectives of one step over ``layout.dp`` ranks (one call per bucket or unit).
+
+    Stage 3 takes a :class:`Stage3Layout`: every unit is gathered for forward
+    and again for backward (a tied head's unit once more in forward, where it
+    is used outside its module), every unit's gradient is reduce-scattered,
+    and the persistent pool is re-gathered after the update. Stage 3 also
+    checks the gather order with a 16-byte all-reduce per request, left out here.
+    """
+    report = {} if report is None else report
+    n, k = layout.dp, micro_batches
+    if stage == 3:
+        if not isinstance(layout, Stage3Layout):
+            raise ValueError("stage 3 communicates per unit: pass stage3_layout(...), not a flat layout")
+        p = layout.element_bytes
+        for size in layout.units:
+            _add(report, "all_gather", "dp", n, size * p, calls=2 * k)
+        if tied_head and layout.head_unit:
+            _add(report, "all_gather", "dp", n, layout.head_unit * p, calls=k)
+        if layout.persistent:
+            _add(report, "all_gather", "dp", n, layout.persistent * p)
+        _add(report, "reduce_scatter", "dp", n, (sum(layout.units) + layout.persistent) * p, calls=k)
+        return report
+    for _, sizes in layout.groups:
+        for size in sizes:
+            bucket = size * layout.element_bytes
+            if stage == 0:
+                _add(report, "all_reduce", "dp", n, bucket)
+            elif stage in (1, 2):
+                _add(report, "reduce_scatter", "dp", n, bucket, calls=k if stage == 2 else 1)
+                _add(report, "all_gather", "dp", n, bucket)
+            else:
+                raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    return report
+
+
+def tp_volume(config: GPTConfig, micro_batch: int, tp: int, *, sequence_parallel: bool, recompute: str,
+              precision: str, micro_batches: int = 1, report: Optional[Report] = None,
+              whole_replay: bool = False) -> Report:
+    """Tensor-parallel collectives of one step (``micro_batches`` micro-batches) over ``tp`` ranks.
+
+    ``whole_replay``: full recomputation replays each layer's whole forward
+    (ZeRO stage 3 turns the early stop off so that every module's forward
+    hooks run) rather than stopping at the last tensor backward needs.
+    """
+    report = {} if report is None else report
+    if tp == 1:
+        return report
+    p = DTYPE_BYTES[precision]
+    n_tok = config.seq_length * micro_batch
+    act = n_tok * config.hidden_size * p  # one [s, b, h] activation
+    L, k = config.num_layers, micro_batches
+    # Full recomputation replays a layer's forward only up to the last tensor backward needs, so the
+    # collective after the MLP's row-parallel projection is not repeated (unless the replay is whole).
+    replay = L if recompute == "full" else 0
+    replay_last = replay if whole_replay else 0
+    if sequence_parallel:
+        # Column-parallel inputs: all-gather forward, reduce-scatter backward; row-parallel outputs the reverse.
+        _add(report, "all_gather", "tp", tp, act, calls=k * (2 * L + 1 + 2 * replay + 2 * L + 1))
+        _add(report, "reduce_scatter", "tp", tp, act, calls=k * (2 * L + 1 + replay + replay_last + 2 * L + 1))
+        # Replicated parameters used on sequence shards: each one's gradient is summed over TP.
+        norm_params = 2 if config.norm == "layernorm" and config.bias else 1
+        h_bytes = config.hidden_size * p
+        _add(report, "all_reduce", "tp", tp, h_bytes, calls=k * (2 * L + 1) * norm_params)
+        if config.bias:
+            _add(report, "all_reduce", "tp", tp, h_bytes, calls=k * 2 * L)  # row-parallel biases
+        if config.position == "learned":
+            _add(report, "all_reduce", "tp", tp, config.num_positions * h_bytes, calls=k)
+    else:
+        # Forward: the embedding, and after each row-parallel projection; backward: the inputs of each
+        # column-parallel projection and of the head.
+        _add(report, "all_reduce", "tp", tp, act, calls=k * (1 + 2 * L + replay + replay_last + 2 * L + 1))
+    # The loss: the row maximum, then the sums (sum of exponentials and the target logit).
+    _add(report, "all_reduce", "tp", tp, 4 * n_tok, calls=k)
+    _add(report, "all_reduce", "tp", tp, 2 * 4 * n_tok, calls=k)
+    return report
+
+
+def step_volume(config: GPTConfig, layout: Union[FlatLayout, Stage3Layout], *, stage: int, tp: int,
+                micro_batch: int, micro_batches: int, sequence_parallel: bool, recompute: str,
+                precision: str) -> Report:
+    """Every collective of one step: data-parallel, tensor-parallel and the gradient-norm all-reduce."""
+    report: Report = {}
+    dp_volume(layout, stage, micro_batches, report, tied_head=config.tie_embeddings)
+    tp_volume(config, micro_batch, tp, sequence_parallel=sequence_parallel, recompute=recompute,
+              precision=precision, micro_batches=micro_batches, report=report, whole_replay=stage == 3)
+    _add(report, "all_reduce", "world", tp * layout.dp, 8)  # the float64 squared gradient norm
+    return report
+
+
+def axis_wire_bytes(report: Report, axis: str) -> float:
+    """Wire bytes one rank sends over ``axis`` (summed over collectives)."""
+    return sum(v["wire_bytes"] for k, v in report.items() if k.endswith("/" + axis))

@@ -1,0 +1,236 @@
+"""Per-device memory of one layout: the components, the peak, and the fragmentation allowance.
+
+The peak is the most that is live at once in one training step. Model state
+(:mod:`hybrid.plan.model_memory`) is live throughout; on top of it the step
+passes three high points, and the peak is the largest:
+
+* **end of forward** (the loss): every activation of the micro-batch is saved
+  (:mod:`hybrid.plan.activations`), and the loss computes on the logits
+  ``p*N*V'`` with two fp32 ``[N, V']`` temporaries;
+* **backward**: the saved activations minus what has been consumed, plus
+  gradients in flight. At its start the loss gradient (``4*N*V'`` fp32 plus
+  its cast) sits beside everything saved; then the head's matmuls (logits
+  gradient, ``V'*h`` weight gradient); then the last layer's largest weight
+  gradient and input gradient, beside a tied head's gradient that waits for
+  the embedding's. With full recomputation one layer's activations are
+  rebuilt (``layer_full``) while the others' inputs wait;
+* **optimizer step**: activations are gone; what remains is the step's
+  workspace (fp32 copies of low-precision gradients when the optimizer cannot
+  read them directly) and, on gloo, the temporary an all-gather lands in.
+
+Communication buffers: stage 2's gradient staging buckets are part of the
+state. Under stage 3 gathered units come on top of the peaks: at the loss, the
+head's unit (the tied embedding is used outside its module) and one unit
+prefetched behind it; in backward, the head's unit and every unit prefetched
+ahead (at most ``stage3_prefetch`` elements, ``stage3_live_parameters`` in
+all), plus gradient staging of a bucket and a unit.
+
+The fragmentation allowance is ``fragmentation`` (default 10%) of the
+transient part (activations, workspaces, gathered units), which a caching
+allocator cannot always pack; the persistent state is allocated once, in
+large blocks, and gets none. The measured peak on the CPU (live tensor bytes)
+is compared with the peak *without* the allowance.
+
+On gloo an asynchronous reduce-scatter also keeps a private copy of its input
+until it is waited on; those bytes are not tensors, so they are kept apart as
+``untracked`` (what the end of backward adds to the tensor peak: stage 1 has
+every bucket in flight, stage 2 up to its staging pool plus one, stage 3 all
+units). NCCL reduces in place, so the CUDA profile has none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hybrid.plan.activations import CUDA, DTYPE_BYTES, ActivationBytes, DeviceProfile, activation_bytes
+from hybrid.plan.model_memory import (StateBytes, flat_layout, shard_shapes, stage3_layout, stage3_state_bytes,
+                                      state_bytes)
+from hybrid.zero.buckets import STAGING_BUFFERS_BEFORE_WAIT
+from model_zoo.config import GPTConfig
+
+DEFAULT_FRAGMENTATION = 0.10
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to run the model: parallel sizes, ZeRO stage, offload, recomputation and micro batch."""
+
+    tp: int
+    dp: int
+    stage: int
+    offload: str = "none"
+    recompute: str = "none"
+    micro_batch: int = 1
+    sequence_parallel: bool = False
+
+    def describe(self) -> str:
+        sp = "+sp" if self.sequence_parallel else ""
+        return (f"tp={self.tp}{sp} dp={self.dp} zero={self.stage} offload={self.offload} "
+                f"recompute={self.recompute} micro={self.micro_batch}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSetup:
+    """What the layout does not decide: the precision, optimizer and ZeRO knobs (config keys in comments)."""
+
+    precision: str = "bf16"  # precision
+    optimizer: str = "adamw"  # optimizer.type
+    weight_decay: bool = True  # optimizer.weight_decay > 0: 1-D parameters get a group of their own
+    momentum: bool = False  # SGD only
+    compiled_adam: bool = True  # hybrid's compiled Adam reads bf16/fp16 gradients without an fp32 copy
+    bucket_size: int = 25_000_000  # zero.bucket_size
+    stage3_persistence_threshold: int = 100_000  # zero.persistence_threshold
+    stage3_live_parameters: int = 1_000_000_000  # zero.max_live_parameters
+    stage3_prefetch: int = 50_000_000  # zero.prefetch_bucket_size
+    fragmentation: float = DEFAULT_FRAGMENTATION
+    profile: DeviceProfile = CUDA
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted bytes on one device (and its share of host memory) for one layout."""
+
+    layout: Layout
+    state: StateBytes
+    activations: ActivationBytes
+    gather_buffers: int  # transient communication buffers at the peak (stage 3 units and buckets, gloo temporaries)
+    forward_peak: int
+    backward_peak: int
+    step_peak: int
+    fragmentation: int
+    untracked: int = 0  # bytes the communication library holds outside tensors, beyond the tensor peak
+
+    @property
+    def weights(self) -> int:
+        return self.state.weights
+
+    @property
+    def grads(self) -> int:
+        return self.state.grads
+
+    @property
+    def optimizer(self) -> int:
+        """fp32 master plus optimizer state on the device."""
+        return self.state.master + self.state.optimizer_states
+
+    @property
+    def comm_buffers(self) -> int:
+        """Stage-2 staging buckets, plus at the peak stage-3 units and buckets and the library's own copies."""
+        return self.state.grad_buckets + self.gather_buffers + self.untracked
+
+    @property
+    def persistent(self) -> int:
+        """Bytes held between steps."""
+        return self.state.device_total
+
+    @property
+    def peak(self) -> int:
+        """Most bytes live at once, without the fragmentation allowance."""
+        return max(self.forward_peak, self.backward_peak, self.step_peak)
+
+    @property
+    def resident_peak(self) -> int:
+        """The peak including the communication library's private buffers (what a process's RSS shows)."""
+        return self.peak + self.untracked
+
+    @property
+    def total(self) -> int:
+        """The resident peak plus the fragmentation allowance: what must fit in device memory."""
+        return self.resident_peak + self.fragmentation
+
+    @property
+    def host(self) -> int:
+        return self.state.host_total
+
+    @property
+    def transient(self) -> int:
+        """What the peak adds to the persistent state besides communication buffers: activations, workspaces."""
+        return self.peak - self.persistent - self.gather_buffers
+
+
+def largest_layer_weight(config: GPTConfig) -> int:
+    """Elements of the largest weight matrix of one layer at TP=1."""
+    h, f = config.hidden_size, config.ffn_size
+    return max(3 * h * h, (2 if config.mlp == "swiglu" else 1) * f * h)
+
+
+def _model_state(config: GPTConfig, layout: Layout, setup: TrainingSetup):
+    """``(state, stage-3 bytes gathered at the forward peak, at the start of backward, gradient staging at its
+    end, all-gather temporary, reduce-scatter payload in flight at the end of backward)``."""
+    p = DTYPE_BYTES[setup.precision]
+    host_is_device = setup.profile.host_is_device
+    if layout.stage == 3:
+        units = stage3_layout(config, layout.tp, layout.dp, setup.precision, setup.stage3_persistence_threshold,
+                              setup.weight_decay)
+        state = stage3_state_bytes(units, offload=layout.offload, optimizer=setup.optimizer,
+                                   momentum=setup.momentum, compiled_adam=setup.compiled_adam,
+                                   host_is_device=host_is_device)
+        head = units.head_unit
+        ahead = min(setup.stage3_prefetch, sum(units.units))
+        # Forward, at the loss: the head's unit, plus what was prefetched behind the last module.
+        forward = p * (head + min(ahead, units.largest_unit))
+        # Backward starts with the head's unit and everything prefetched ahead of the layers, within the live
+        # limit. It ends with every gradient bucket still in flight (input and output kept until the step
+        # waits on them), plus the last bucket being assembled from its units' staging buffers.
+        backward = p * min(setup.stage3_live_parameters, sum(units.units), head + ahead)
+        reduced = sum(units.units) + units.persistent
+        in_flight = reduced + reduced // layout.dp
+        staging = p * (in_flight + min(setup.bucket_size + units.largest_unit, reduced))
+        return state, forward, backward, staging, 0, p * reduced
+    flat = flat_layout(shard_shapes(config, layout.tp), layout.dp, setup.precision, setup.bucket_size,
+                       setup.weight_decay)
+    state = state_bytes(flat, layout.stage, precision=setup.precision, offload=layout.offload,
+                        optimizer=setup.optimizer, momentum=setup.momentum, compiled_adam=setup.compiled_adam,
+                        host_is_device=host_is_device)
+    gather_temp = 0
+    if setup.profile.gather_copies_output and layout.stage in (1, 2):
+        gather_temp = flat.largest_segment * flat.element_bytes  # gloo lands each all-gather in a temporary
+    # Reduce-scatters in flight at the end of backward: stage 1 launches every bucket and waits in the step;
+    # stage 2 waits whenever it needs a staging buffer beyond its pool.
+    in_flight = {1: flat.numel, 2: min(STAGING_BUFFERS_BEFORE_WAIT + 1, flat.segments) * flat.largest_segment}
+    return state, 0, 0, 0, gather_temp, flat.element_bytes * in_flight.get(layout.stage, 0)
+
+
+def estimate_memory(config: GPTConfig, layout: Layout, setup: TrainingSetup = TrainingSetup()) -> MemoryEstimate:
+    """Predict the memory of one device for ``config`` trained with ``layout``."""
+    state, gathered, gathered_backward, staging3, gather_temp, in_flight = _model_state(config, layout, setup)
+    act = activation_bytes(config, layout.micro_batch, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
+                           recompute=layout.recompute, precision=setup.precision, profile=setup.profile)
+    p = DTYPE_BYTES[setup.precision]
+    base = state.device_total
+    n = config.seq_length * layout.micro_batch
+    h, t = config.hidden_size, layout.tp
+    v_local = config.padded_vocab_size(t) // t
+    logits, fp32_nv, loss_saved = p * n * v_local, 4 * n * v_local, 4 * n * v_local + 9 * n
+    before_loss = act.total - loss_saved
+    # End of forward: the loss shifts the logits and exponentiates them in fp32.
+    forward = base + gathered + before_loss + logits + 2 * fp32_nv
+    # Start of backward: the fp32 loss gradient (and its cast) beside everything saved.
+    cast = logits if p != 4 else 0
+    head_grad = p * v_local * h
+    backward = max(base + act.total + fp32_nv + cast,
+                   # the head's matmuls: the logits gradient, the weight gradient and the hidden gradient
+                   base + before_loss + logits + head_grad + p * n * h)
+    # The last layer's backward: its largest weight gradient and input gradient in flight, the residual
+    # gradient, a recomputed layer's activations, and a tied head's gradient waiting for the embedding's.
+    tied = head_grad if config.tie_embeddings else 0
+    rebuilt = act.layer_full if layout.recompute == "full" else 0
+    weight_grad = p * max(largest_layer_weight(config) // t, 1)
+    final_norm = act.head - loss_saved
+    backward = max(backward, base + before_loss - final_norm + rebuilt + tied + weight_grad
+                   + p * n * config.ffn_size // t + p * n * h) + gathered_backward
+    backward_comm = gathered_backward
+    if staging3 and base + staging3 + act.embedding > backward:
+        # The end of a stage-3 backward: activations gone, every gradient bucket in flight.
+        backward, backward_comm = base + staging3 + act.embedding, staging3
+    step = base + state.step_workspace + gather_temp
+    # Stage-3 buffers (gathered units, in-flight gradient buckets) at whichever moment is the peak.
+    peak_comm = max((forward, gathered), (backward, backward_comm), (step, gather_temp))[1]
+    transient = max(forward, backward, step) - base
+    untracked = 0
+    if setup.profile.reduce_scatter_copies_input and in_flight:
+        # The library's private copies of the in-flight reduce-scatters, at the end of backward.
+        end = base + staging3 + act.embedding + in_flight
+        untracked = max(0, end - max(forward, backward, step))
+    return MemoryEstimate(layout, state, act, peak_comm, forward, backward, step,
+                          int(setup.fragmentation * transient), untracked)

@@ -1,0 +1,153 @@
+"""Enumerate the layouts of a model on a cluster, predict each, and rank them.
+
+A layout is valid when:
+
+* ``tp`` divides the GPUs of one node (TP traffic stays on the node's fast
+  links), the attention heads and the MLP width (``GPTConfig.validate``);
+* ``dp = gpus / tp`` is whole and divides the global batch;
+* the micro batch divides ``global_batch / dp`` (the rest is gradient
+  accumulation);
+* offload is used with ZeRO stages 1-3 only.
+
+Every layout is evaluated (memory, communication, step time) and the list is
+ranked: layouts that fit first, then by predicted step time, then by
+predicted memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Iterable, List, Optional, Sequence
+
+from hybrid.plan.cluster import Cluster
+from hybrid.plan.comm_volume import Report, step_volume
+from hybrid.plan.estimate import Layout, MemoryEstimate, TrainingSetup, estimate_memory
+from hybrid.plan.model_memory import flat_layout, shard_shapes, stage3_layout
+from hybrid.plan.timing import StepTime, step_time
+from model_zoo.config import GPTConfig
+
+STAGES = (0, 1, 2, 3)
+OFFLOADS = ("none", "cpu")
+RECOMPUTES = ("none", "selective", "full")
+
+
+class LayoutError(ValueError):
+    """No layout can be formed from the given model, cluster and batch."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Choices:
+    """Restrictions on the enumeration (None: try every valid value)."""
+
+    tp: Optional[Sequence[int]] = None
+    stages: Sequence[int] = STAGES
+    offloads: Sequence[str] = OFFLOADS
+    recomputes: Sequence[str] = RECOMPUTES
+    micro_batches: Optional[Sequence[int]] = None
+    max_micro_batch: int = 16
+    sequence_parallel: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """One layout with its predicted memory, communication and step time."""
+
+    layout: Layout
+    memory: MemoryEstimate
+    comm: Report
+    time: StepTime
+    fits: bool
+    host_fits: bool
+    accumulation: int
+
+    @property
+    def dp_wire_bytes(self) -> float:
+        return sum(v["wire_bytes"] for k, v in self.comm.items() if k.endswith("/dp"))
+
+    @property
+    def tp_wire_bytes(self) -> float:
+        return sum(v["wire_bytes"] for k, v in self.comm.items() if k.endswith("/tp"))
+
+
+def tensor_parallel_sizes(config: GPTConfig, cluster: Cluster) -> List[int]:
+    """TP sizes that divide a node, the GPU count, the heads and the MLP width."""
+    sizes = []
+    for tp in range(1, cluster.node_size + 1):
+        if cluster.node_size % tp or cluster.gpus % tp:
+            continue
+        try:
+            config.validate(tp)
+        except ValueError:
+            continue
+        sizes.append(tp)
+    return sizes
+
+
+def _divisors(n: int, cap: int) -> List[int]:
+    return [d for d in range(1, min(n, cap) + 1) if n % d == 0]
+
+
+def enumerate_layouts(config: GPTConfig, cluster: Cluster, global_batch: int,
+                      choices: Choices = Choices()) -> List[Layout]:
+    """Every valid layout (see the module docstring) within ``choices``."""
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise LayoutError(f"--global-batch-size must be a positive integer, got {global_batch!r}")
+    valid_tp = tensor_parallel_sizes(config, cluster)
+    tps = [t for t in (choices.tp or valid_tp) if t in valid_tp]
+    if not tps:
+        raise LayoutError(f"no tensor-parallel size in {list(choices.tp or [])} is valid: TP must divide the "
+                          f"{cluster.node_size} GPUs of a node, num_heads={config.num_heads} and the MLP width "
+                          f"{config.ffn_size}; valid sizes here are {valid_tp}")
+    layouts = []
+    for tp in tps:
+        dp = cluster.gpus // tp
+        if global_batch % dp:
+            continue
+        per_rank = global_batch // dp
+        micros = [m for m in (choices.micro_batches or _divisors(per_rank, choices.max_micro_batch))
+                  if per_rank % m == 0]
+        sp = choices.sequence_parallel and tp > 1
+        for stage, offload, recompute, micro in itertools.product(choices.stages, choices.offloads,
+                                                                  choices.recomputes, micros):
+            if offload != "none" and stage == 0:
+                continue
+            layouts.append(Layout(tp=tp, dp=dp, stage=stage, offload=offload, recompute=recompute,
+                                  micro_batch=micro, sequence_parallel=sp))
+    if not layouts:
+        raise LayoutError(f"no layout divides --global-batch-size {global_batch}: it must be a multiple of the "
+                          f"data-parallel size gpus/tp for some tp in {tps} (and of the --micro-batch given)")
+    return layouts
+
+
+def evaluate(config: GPTConfig, layout: Layout, cluster: Cluster, setup: TrainingSetup,
+             global_batch: int) -> Evaluation:
+    """Predict memory, communication and step time of one layout."""
+    memory = estimate_memory(config, layout, setup)
+    if layout.stage == 3:
+        flat = stage3_layout(config, layout.tp, layout.dp, setup.precision, setup.stage3_persistence_threshold,
+                             setup.weight_decay)
+    else:
+        flat = flat_layout(shard_shapes(config, layout.tp), layout.dp, setup.precision, setup.bucket_size,
+                           setup.weight_decay)
+    accumulation = global_batch // (layout.dp * layout.micro_batch)
+    comm = step_volume(config, flat, stage=layout.stage, tp=layout.tp, micro_batch=layout.micro_batch,
+                       micro_batches=accumulation, sequence_parallel=layout.sequence_parallel,
+                       recompute=layout.recompute, precision=setup.precision)
+    time = step_time(config, cluster, tp=layout.tp, dp=layout.dp, stage=layout.stage, offload=layout.offload,
+                     recompute=layout.recompute, global_batch=global_batch, partition_numel=flat.partition_numel,
+                     precision=setup.precision, comm=comm)
+    host_fits = cluster.cpu_memory is None or memory.host * cluster.node_size <= cluster.cpu_memory
+    return Evaluation(layout, memory, comm, time, memory.total <= cluster.usable_memory, host_fits, accumulation)
+
+
+def rank(evaluations: Iterable[Evaluation]) -> List[Evaluation]:
+    """Fitting layouts first (device and host), then fastest, then smallest."""
+    return sorted(evaluations, key=lambda e: (not (e.fits and e.host_fits), e.time.total, e.memory.total))
+
+
+def plan(config: GPTConfig, cluster: Cluster, global_batch: int, setup: TrainingSetup = TrainingSetup(),
+         choices: Choices = Choices()) -> List[Evaluation]:
+    """Every valid layout of ``config`` on ``cluster``, evaluated and ranked."""
+    return rank(evaluate(config, layout, cluster, setup, global_batch)
+                for layout in enumerate_layouts(config, cluster, global_batch, choices))

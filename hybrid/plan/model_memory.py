@@ -1,0 +1,300 @@
+"""Bytes of model state per rank: weights, gradients, master weights and optimizer state.
+
+The prediction lays the parameters out exactly as :mod:`hybrid.zero.flat_buffer`
+does -- it calls the same pure function, :func:`hybrid.zero.flat_buffer.plan_segments`,
+with the same alignment (:func:`~hybrid.zero.flat_buffer.align_elements`) -- so
+padding is predicted, not approximated.
+
+With ``G`` the padded elements of the flat groups of one TP rank's shard
+(``G ≈ Ψ/t``), ``N_d`` DP ranks, ``p`` bytes per parameter element, fp32
+master weights and Adam (two fp32 moments)::
+
+    stage   weights     gradients          master (p < 4)   Adam m + v
+    0       p*G         p*G                4*G              8*G
+    1       p*G         p*G                4*G/N_d          8*G/N_d
+    2       p*G         p*G/N_d + staging  4*G/N_d          8*G/N_d
+    3       p*(P + S)   p*P                4*P              8*P
+
+With fp32 parameters the master *is* the weights (0 extra bytes). Stage 2
+gradient staging holds up to ``STAGING_BUFFERS_BEFORE_WAIT`` buckets of the
+largest segment. Stage 3 (:func:`stage3_layout`) gathers one *unit* per
+module that owns parameters; ``P`` is this rank's chunk of every unit
+(``≈ G/N_d``) and ``S`` the pool of small parameters (at most
+``persistence_threshold`` elements each) that every rank keeps whole. The
+units gathered during the step are counted by :mod:`hybrid.plan.estimate`.
+Offload moves the master and the moments to host memory, with host twins of
+the low-precision gradient and weight partitions (``2*p*G/N_d``); the stage-3
+gradient partition itself lives there. On a CPU-only run (the model already in
+host memory) offload copies nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from hybrid import param_meta
+from hybrid.zero.buckets import STAGING_BUFFERS_BEFORE_WAIT
+from hybrid.zero.flat_buffer import align_elements, plan_segments
+from model_zoo.config import GPTConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+STAGES = (0, 1, 2, 3)
+OFFLOAD = ("none", "cpu")
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}  # fp32 state tensors per master element (sgd: momentum)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamShape:
+    """One parameter of one TP rank's shard, in registration order."""
+
+    name: str
+    shape: Tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@functools.lru_cache(maxsize=32)
+def _full_model_params(config_json: str) -> Tuple[Tuple[str, Tuple[int, ...], param_meta.TPMeta], ...]:
+    """``(name, TP=1 shape, TP metadata)`` of every parameter of the model, built on ``meta``."""
+    from hybrid.topology import Topology
+    from model_zoo.gpt import GPTModel
+
+    config = GPTConfig.from_dict(json.loads(config_json))
+    model = GPTModel(config, Topology.local(), device="meta")
+    return tuple((name, tuple(p.shape), param_meta.get_tp_meta(p)) for name, p in model.named_parameters())
+
+
+def shard_shapes(config: GPTConfig, tp: int) -> List[ParamShape]:
+    """The parameters one TP rank holds (every TP rank holds the same shapes), tied ones once.
+
+    Derived from the real model's registration order and TP metadata at TP=1,
+    resized the way :func:`hybrid.param_meta.shard` cuts them.
+    """
+    config.validate(tp)
+    out = []
+    for name, shape, meta in _full_model_params(json.dumps(config.to_dict(), sort_keys=True)):
+        local = list(shape)
+        if meta.partitioned:
+            full = meta.logical_size if meta.logical_size is not None else shape[meta.dim]
+            local[meta.dim] = param_meta.padded_size(full, meta, tp) // tp
+        out.append(ParamShape(name, tuple(local)))
+    return out
+
+
+def no_decay_1d(p: ParamShape) -> bool:
+    """The engine's default rule: parameters with at most one dimension get no weight decay."""
+    return len(p.shape) <= 1
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatLayout:
+    """The flat groups of one rank's shard as the ZeRO optimizer builds them.
+
+    ``groups``: per group ``(padded numel, [segment sizes])``; the partition
+    of one DP rank is ``numel / N_d`` elements.
+    """
+
+    groups: Tuple[Tuple[int, Tuple[int, ...]], ...]
+    element_bytes: int
+    dp: int
+    unpadded: int  # trainable elements without padding
+
+    @property
+    def numel(self) -> int:
+        return sum(n for n, _ in self.groups)
+
+    @property
+    def partition_numel(self) -> int:
+        return sum(n // self.dp for n, _ in self.groups)
+
+    @property
+    def largest_segment(self) -> int:
+        return max(max(sizes) for _, sizes in self.groups)
+
+    @property
+    def segments(self) -> int:
+        return sum(len(sizes) for _, sizes in self.groups)
+
+
+def flat_layout(params: Sequence[ParamShape], dp: int, precision: str, bucket_size: int,
+                weight_decay: bool = True) -> FlatLayout:
+    """Lay ``params`` out in flat groups the way :func:`hybrid.zero.flat_buffer.build_flat_groups` does.
+
+    Groups are ``(dtype, decay)`` classes in order of first appearance; one
+    dtype here (the whole model runs in ``precision``). ``weight_decay``: the
+    optimizer has a non-zero weight decay, so 1-D parameters form a group of
+    their own.
+    """
+    dtype = DTYPES[precision]
+    classes: Dict[bool, List[int]] = {}
+    for p in params:
+        decay = weight_decay and not no_decay_1d(p)
+        classes.setdefault(decay, []).append(p.numel)
+    groups = []
+    for numels in classes.values():  # dicts keep insertion order: first appearance
+        segments = plan_segments(numels, dp, bucket_size, align_elements(dtype))
+        groups.append((sum(s.size for s in segments), tuple(s.size for s in segments)))
+    return FlatLayout(tuple(groups), torch.empty((), dtype=dtype).element_size(), dp,
+                      sum(p.numel for p in params))
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage3Layout:
+    """The ZeRO-3 units of one rank's shard, as :func:`hybrid.zero.stage3_layout.build_units` cuts them.
+
+    ``units``: padded elements of each gathered unit (one per module that owns
+    parameters), in module order; ``persistent``: padded elements of the pool
+    of small parameters every rank keeps whole; ``partition_numel``: this
+    rank's chunk of all of them.
+    """
+
+    units: Tuple[int, ...]
+    persistent: int
+    partition_numel: int
+    element_bytes: int
+    dp: int
+    head_unit: int  # the unit of the output projection's weight (the word embeddings when tied)
+
+    @property
+    def largest_unit(self) -> int:
+        return max(self.units, default=0)
+
+
+@functools.lru_cache(maxsize=64)
+def _stage3_units(config_json: str, tp: int, dp: int, precision: str, persistence_threshold: int,
+                  weight_decay: bool) -> Tuple[Tuple[int, ...], int, int, int]:
+    from hybrid.topology import Topology
+    from hybrid.zero.stage3_layout import build_units
+    from model_zoo.gpt import GPTModel
+
+    config = GPTConfig.from_dict(json.loads(config_json))
+    local = {s.name: s.shape for s in shard_shapes(config, tp)}
+    model = GPTModel(config, Topology.local(), device="meta")
+    for name, p in model.named_parameters():  # this TP rank's shapes, on meta
+        p.data = torch.empty(local[name], dtype=DTYPES[precision], device="meta")
+    units, _ = build_units(model, dp, persistence_threshold, weight_decay, lambda name, p: p.ndim <= 1)
+    head = id(model.head_weight())
+    head_unit = sum(u.numel for u in units if not u.persistent and any(id(q) == head for q in u.params))
+    return (tuple(u.numel for u in units if not u.persistent), sum(u.numel for u in units if u.persistent),
+            sum(u.chunk_numel for u in units), head_unit)
+
+
+def stage3_layout(config: GPTConfig, tp: int, dp: int, precision: str, persistence_threshold: int = 100_000,
+                  weight_decay: bool = True) -> Stage3Layout:
+    """The stage-3 units of ``config`` at TP ``tp`` over ``dp`` ranks (the optimizer's own function, on meta)."""
+    config.validate(tp)
+    units, persistent, partition, head = _stage3_units(json.dumps(config.to_dict(), sort_keys=True), tp, dp,
+                                                       precision, persistence_threshold, weight_decay)
+    return Stage3Layout(units, persistent, partition, torch.empty((), dtype=DTYPES[precision]).element_size(), dp,
+                        head)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    """Model-state bytes of one rank. ``device`` fields live on the accelerator, ``host`` on the CPU.
+
+    ``step_workspace``: the transient of the optimizer step (fp32 copies of
+    low-precision gradients for the largest group), on whichever side steps.
+    """
+
+    weights: int
+    grads: int
+    grad_buckets: int
+    master: int
+    optimizer_states: int
+    step_workspace: int
+    host_master: int = 0
+    host_optimizer_states: int = 0
+    host_grads: int = 0
+
+    @property
+    def device_total(self) -> int:
+        return self.weights + self.grads + self.grad_buckets + self.master + self.optimizer_states
+
+    @property
+    def host_total(self) -> int:
+        return self.host_master + self.host_optimizer_states + self.host_grads
+
+
+def _check(stage: int, offload: str, optimizer: str) -> None:
+    if stage not in STAGES:
+        raise ValueError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
+    if offload not in OFFLOAD:
+        raise ValueError(f"offload must be one of {', '.join(OFFLOAD)}, got {offload!r}")
+    if offload != "none" and stage == 0:
+        raise ValueError("CPU offload needs ZeRO stage 1, 2 or 3 (zero.offload_optimizer needs a partitioned "
+                         "optimizer state)")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
+
+
+def _optimizer_bytes(part: int, pb: int, offload: str, optimizer: str, momentum: bool, compiled_adam: bool,
+                     host_is_device: bool, largest_group_part: int) -> Tuple[int, int, int]:
+    """``(master, optimizer states, step workspace)`` bytes for a partition of ``part`` elements."""
+    n_states = OPTIMIZER_STATES[optimizer] if optimizer != "sgd" else (1 if momentum else 0)
+    # The master is the weights themselves when they are fp32 and live where the optimizer steps.
+    aliased = pb == 4 and (offload == "none" or host_is_device)
+    master = 0 if aliased else 4 * part
+    reads_lowp = compiled_adam and optimizer != "sgd"
+    workspace = 4 * largest_group_part if pb != 4 and not reads_lowp else 0
+    return master, 4 * part * n_states, workspace
+
+
+def state_bytes(layout: FlatLayout, stage: int, *, precision: str, offload: str = "none",
+                optimizer: str = "adamw", momentum: bool = False, compiled_adam: bool = True,
+                host_is_device: bool = False) -> StateBytes:
+    """Per-rank bytes of weights, gradients, master and optimizer state for stages 0-2 over ``layout.dp`` ranks.
+
+    ``compiled_adam``: the step runs hybrid's compiled Adam, which reads
+    low-precision gradients directly; otherwise they are first cast to fp32
+    (``step_workspace``). ``host_is_device``: the model itself lives in host
+    memory (a CPU run), where offload copies nothing. Stage 3 is
+    :func:`stage3_state_bytes`.
+    """
+    _check(stage, offload, optimizer)
+    if stage == 3:
+        raise ValueError("stage 3 lays parameters out in units: use stage3_state_bytes(stage3_layout(...))")
+    pb = layout.element_bytes
+    parts = 1 if stage == 0 else layout.dp
+    full, part = layout.numel, layout.numel // parts
+    weights = pb * full
+    grads = pb * (full if stage < 2 else part)
+    staging = 0
+    if stage == 2:
+        staging = pb * layout.largest_segment * min(STAGING_BUFFERS_BEFORE_WAIT, layout.segments)
+    largest_group_part = max(n // parts for n, _ in layout.groups)
+    master, states, workspace = _optimizer_bytes(part, pb, offload, optimizer, momentum, compiled_adam,
+                                                 host_is_device, largest_group_part)
+    if offload == "none" or host_is_device:
+        return StateBytes(weights, grads, staging, master, states, workspace)
+    # Host twins of the reduced gradient chunks and of the low-precision weight chunks the CPU step writes.
+    return StateBytes(weights, grads, staging, 0, 0, 0, host_master=master, host_optimizer_states=states,
+                      host_grads=2 * pb * part)
+
+
+def stage3_state_bytes(layout: Stage3Layout, *, offload: str = "none", optimizer: str = "adamw",
+                       momentum: bool = False, compiled_adam: bool = True, host_is_device: bool = False) -> StateBytes:
+    """Per-rank bytes held between steps under ZeRO stage 3 (gathered units come and go during the step).
+
+    The parameters are this rank's partition plus the whole persistent pool;
+    the gradient partition has the parameters' dtype and sits in host memory
+    when the optimizer is offloaded, next to a host copy of the low-precision
+    partition that the CPU step writes.
+    """
+    _check(3, offload, optimizer)
+    pb, part = layout.element_bytes, layout.partition_numel
+    weights = pb * (part + layout.persistent)
+    master, states, workspace = _optimizer_bytes(part, pb, offload, optimizer, momentum, compiled_adam,
+                                                 host_is_device, part)
+    if offload == "none" or host_is_device:
+        return StateBytes(weights, pb * part, 0, master, states, workspace)
+    return StateBytes(weights, 0, 0, 0, 0, 0, host_master=master, host_optimizer_states=states,
+                      host_grads=2 * pb * part)

@@ -1,0 +1,80 @@
+"""The planner's table: one row per layout, memory by component, fit, communication and step time."""
+
+from __future__ import annotations
+
+import json
+from typing import List, Sequence
+
+from hybrid.plan.layouts import Evaluation
+
+GIB = 2**30
+
+COLUMNS = [
+    # (header, width, cell)
+    ("#", 3, lambda i, e: f"{i}"),
+    ("tp", 4, lambda i, e: f"{e.layout.tp}{'s' if e.layout.sequence_parallel else ''}"),
+    ("dp", 4, lambda i, e: f"{e.layout.dp}"),
+    ("zero", 4, lambda i, e: f"{e.layout.stage}"),
+    ("offload", 7, lambda i, e: e.layout.offload),
+    ("recompute", 9, lambda i, e: e.layout.recompute),
+    ("mb", 3, lambda i, e: f"{e.layout.micro_batch}"),
+    ("gas", 4, lambda i, e: f"{e.accumulation}"),
+    ("weights", 7, lambda i, e: f"{e.memory.weights / GIB:.2f}"),
+    ("grads", 6, lambda i, e: f"{e.memory.grads / GIB:.2f}"),
+    ("optim", 6, lambda i, e: f"{e.memory.optimizer / GIB:.2f}"),
+    ("activ", 6, lambda i, e: f"{e.memory.transient / GIB:.2f}"),
+    ("comm", 5, lambda i, e: f"{e.memory.comm_buffers / GIB:.2f}"),
+    ("frag", 5, lambda i, e: f"{e.memory.fragmentation / GIB:.2f}"),
+    ("total", 6, lambda i, e: f"{e.memory.total / GIB:.2f}"),
+    ("fits", 4, lambda i, e: ("yes" if e.fits else "no") + ("" if e.host_fits else "*")),
+    ("host", 6, lambda i, e: f"{e.memory.host / GIB:.1f}"),
+    ("DP GB", 6, lambda i, e: f"{e.dp_wire_bytes / 1e9:.1f}"),
+    ("TP GB", 6, lambda i, e: f"{e.tp_wire_bytes / 1e9:.1f}"),
+    ("step s", 7, lambda i, e: f"{e.time.total:.2f}"),
+]
+
+LEGEND = """\
+Memory columns are GiB per GPU and add up to total: weights, grads, optim = fp32 master + optimizer state
+on the GPU, activ = activations and workspaces at the peak, comm = gradient buckets (stage 2) and, at the
+peak, stage-3 gathered units or in-flight gradient buckets, frag = fragmentation allowance (10% of the
+transient part), total = what must fit. host = GiB of host memory per GPU (offload).
+DP/TP GB = wire bytes each GPU sends per step. 'tps' = tensor parallel with sequence parallelism;
+mb = micro batch, gas = accumulation steps. A '*' after fits: the node's host memory is too small."""
+
+
+def format_table(evaluations: Sequence[Evaluation], top: int) -> str:
+    head = " ".join(f"{h:>{w}s}" for h, w, _ in COLUMNS)
+    lines = [head, "-" * len(head)]
+    for i, e in enumerate(evaluations[:top], 1):
+        lines.append(" ".join(f"{cell(i, e):>{w}s}" for _, w, cell in COLUMNS))
+    return "\n".join(lines)
+
+
+def summary(evaluations: Sequence[Evaluation]) -> str:
+    fitting = [e for e in evaluations if e.fits and e.host_fits]
+    if not fitting:
+        smallest = min(evaluations, key=lambda e: e.memory.total)
+        return (f"none of {len(evaluations)} layouts fits; the smallest needs "
+                f"{smallest.memory.total / GIB:.2f} GiB per GPU ({smallest.layout.describe()})")
+    best = fitting[0]
+    return (f"{len(fitting)} of {len(evaluations)} layouts fit; best: {best.layout.describe()}, "
+            f"{best.memory.total / GIB:.2f} GiB per GPU, {best.time.total:.2f} s per step")
+
+
+def to_json(evaluations: Sequence[Evaluation]) -> str:
+    rows: List[dict] = []
+    for e in evaluations:
+        m = e.memory
+        rows.append({"tp": e.layout.tp, "dp": e.layout.dp, "zero_stage": e.layout.stage,
+                     "offload": e.layout.offload, "recompute": e.layout.recompute,
+                     "micro_batch": e.layout.micro_batch, "gradient_accumulation_steps": e.accumulation,
+                     "sequence_parallel": e.layout.sequence_parallel,
+                     "bytes": {"weights": m.weights, "grads": m.grads, "master": m.state.master,
+                               "optimizer_states": m.state.optimizer_states,
+                               "activations_per_micro_batch": m.activations.total, "transient": m.transient,
+                               "comm_buffers": m.comm_buffers, "fragmentation": m.fragmentation,
+                               "peak": m.peak, "total": m.total, "host": m.host},
+                     "fits": e.fits and e.host_fits, "comm": e.comm,
+                     "step_time_s": {"total": e.time.total, "compute": e.time.compute, "tp": e.time.tp,
+                                     "dp_exposed": e.time.dp_exposed, "offload": e.time.offload}})
+    return json.dumps(rows, indent=1)

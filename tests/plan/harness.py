@@ -1,0 +1,112 @@
+"""Run small real configurations on gloo ranks and report what each rank really held.
+
+:func:`measure_configs` runs inside every rank of a ``run_distributed`` world
+(all ranks take the same configs in the same order). For each config it
+builds the model_zoo GPT and wraps it with ``hybrid.initialize``, trains one
+warm-up step (so lazily allocated buffers exist), then one measured step:
+
+* ``state``: live tensor bytes at the start of the step minus those alive
+  before any model was built -- every byte this configuration holds between
+  steps, found through the garbage collector (our own accounting);
+* ``report``: ``engine.memory_report()``;
+* ``saved``: bytes autograd saved during the forward pass (parameters excluded);
+* ``peak``: the most live tensor bytes during the step (forward, backward and
+  the optimizer step), minus the same baseline;
+* ``comm``: ``comm_report()`` of the measured step.
+
+The parent compares these with the planner (``hybrid.plan``).
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Dict, List
+
+import torch
+
+
+
+def gpt_config(spec: Dict):
+    from model_zoo import GPTConfig
+
+    return GPTConfig(vocab_size=spec.get("vocab", 1000), hidden_size=spec.get("hidden", 128),
+                     num_layers=spec.get("layers", 2), num_heads=spec.get("heads", 4),
+                     seq_length=spec.get("seq", 64), hidden_dropout=0.0, attention_dropout=0.0,
+                     sequence_parallel=spec.get("sp", False), recompute=spec.get("recompute", "none"),
+                     position=spec.get("position", "learned"), norm=spec.get("norm", "layernorm"),
+                     mlp=spec.get("mlp", "gelu"), bias=spec.get("bias", True),
+                     tie_embeddings=spec.get("tie", True))
+
+
+def engine_config(spec: Dict) -> Dict:
+    """The ``hybrid.initialize`` config of one spec (stage 3 and offload only when asked for)."""
+    zero = {"stage": spec["stage"], "bucket_size": spec.get("bucket", 10**8)}
+    if spec.get("offload", "none") != "none":
+        zero["offload_optimizer"] = spec["offload"]
+    if spec["stage"] == 3:
+        zero["persistence_threshold"] = spec.get("persist", 100_000)
+        zero["prefetch_bucket_size"] = spec.get("prefetch", 50_000_000)
+    return {"precision": spec["precision"], "zero": zero, "optimizer": {"type": "adamw", "lr": 1e-3,
+                                                                         "weight_decay": 0.1},
+            "micro_batch_size": spec["micro"], "gradient_accumulation_steps": spec.get("gas", 1),
+            "recompute": spec.get("recompute", "none"), "steps_per_print": 0}
+
+
+def _measure_one(spec: Dict, baseline: int) -> Dict:
+    import hybrid
+    from hybrid import Topology
+    from hybrid.plan.measure import LiveTensorTracker, SavedActivations, storage_keys
+    from model_zoo import GPTModel
+
+    topo = Topology(tp=spec["tp"])
+    cfg = gpt_config(spec)
+    gas = spec.get("gas", 1)
+    model = GPTModel(cfg, topo)
+    model.check_inputs = False
+    engine = hybrid.initialize(model, engine_config(spec), topology=topo)
+    gen = torch.Generator().manual_seed(100 + topo.dp_rank)
+    batches = [torch.randint(0, cfg.vocab_size, (spec["micro"], cfg.seq_length), generator=gen)
+               for _ in range(gas)]
+
+    def train_step(tracker=None, saved=None) -> List[int]:
+        peaks = []
+        for i, x in enumerate(batches):
+            if saved is not None and i == 0:
+                with saved:
+                    loss = engine(x, x)
+            else:
+                loss = engine(x, x)
+            if tracker is not None:
+                peaks.append(tracker.peak_bytes)
+                tracker.reset_peak()
+            engine.backward(loss)
+            del loss
+            engine.step()
+            if tracker is not None:
+                peaks.append(tracker.peak_bytes)
+                tracker.reset_peak()
+        return peaks
+
+    train_step()
+    saved = SavedActivations(storage_keys(model.parameters()))
+    with LiveTensorTracker() as tracker:
+        state = tracker.start_bytes - baseline
+        peaks = [p - baseline for p in train_step(tracker, saved)]
+    opt = engine.optimizer
+    out = {"state": state, "report": engine.memory_report(), "saved": saved.bytes,
+           "forward_peak": peaks[0], "backward_peak": max(peaks[1:]), "peak": max(peaks), "comm": engine.comm_report(),
+           "compiled_adam": bool(getattr(opt.inner, "compiled", False)), "tp_rank": topo.tp_rank,
+           "dp_rank": topo.dp_rank, "dp": topo.dp_size}
+    opt.remove_hooks()  # the hooks would otherwise keep the flat buffers alive past this config
+    engine.close()
+    del model, engine, opt, batches
+    gc.collect()
+    return out
+
+
+def measure_configs(specs: List[Dict]) -> List[Dict]:
+    from hybrid.plan.measure import live_tensor_bytes
+
+    torch.manual_seed(0)
+    baseline = live_tensor_bytes()  # what the process holds before any model (each config frees its own)
+    return [_measure_one(spec, baseline) for spec in specs]

@@ -1,0 +1,56 @@
+"""Communication volume formulas (the exact per-collective match with comm_report() is in test_truth.py)."""
+
+from __future__ import annotations
+
+from hybrid.plan.comm_volume import axis_wire_bytes, dp_volume, tp_volume
+from hybrid.plan.model_memory import flat_layout, shard_shapes, stage3_layout
+from model_zoo import get_preset
+
+
+def _layout(dp=8, bucket=5_000_000):
+    return flat_layout(shard_shapes(get_preset("gpt2-small"), 1), dp, "bf16", bucket)
+
+
+def test_stages_1_and_2_move_what_stage_0_moves_and_stage_3_half_again():
+    layout = _layout()
+    wire = {k: axis_wire_bytes(dp_volume(layout, k), "dp") for k in range(3)}
+    assert wire[1] == wire[0] == wire[2]
+    psi_bytes = 2 * layout.numel
+    assert wire[0] == 2 * psi_bytes * (layout.dp - 1) / layout.dp  # ring all-reduce of 2Ψ bytes
+    # Stage 3: gather forward, gather backward, reduce-scatter: 1.5x, within unit padding (untied head).
+    llama = get_preset("llama-tiny")
+    flat = flat_layout(shard_shapes(llama, 1), 8, "bf16", 5_000_000)
+    units = stage3_layout(llama, 1, 8, "bf16", persistence_threshold=1000)
+    ratio = axis_wire_bytes(dp_volume(units, 3, tied_head=False), "dp") / axis_wire_bytes(dp_volume(flat, 0), "dp")
+    assert abs(ratio - 1.5) < 0.01
+    # A tied head is gathered once more in forward, where the LM head uses the embedding outside its module.
+    gpt = get_preset("gpt2-small")
+    units = stage3_layout(gpt, 1, 8, "bf16")
+    extra = axis_wire_bytes(dp_volume(units, 3, tied_head=True), "dp") - \
+        axis_wire_bytes(dp_volume(units, 3, tied_head=False), "dp")
+    assert extra == 2 * units.head_unit * 7 / 8
+
+
+def test_one_collective_per_bucket_and_per_micro_batch_in_stage_2():
+    layout = _layout()
+    s1, s2 = dp_volume(layout, 1, micro_batches=4), dp_volume(layout, 2, micro_batches=4)
+    assert s1["reduce_scatter/dp"]["calls"] == layout.segments  # accumulation boundary only
+    assert s2["reduce_scatter/dp"]["calls"] == 4 * layout.segments
+    assert s2["all_gather/dp"]["calls"] == layout.segments
+
+
+def test_tensor_parallel_collectives_per_layer():
+    config = get_preset("gpt2-small")
+    n_h_bytes = 2 * config.seq_length * 4 * config.hidden_size  # micro batch 4, bf16
+    plain = tp_volume(config, 4, 2, sequence_parallel=False, recompute="none", precision="bf16")
+    big = plain["all_reduce/tp"]
+    # Four [s, b, h] all-reduces per layer, the embedding's and the head input's gradient, and the loss's two.
+    assert big["calls"] == 4 * config.num_layers + 2 + 2
+    assert big["payload_bytes"] == (4 * config.num_layers + 2) * n_h_bytes + 3 * 4 * 4 * config.seq_length
+    full = tp_volume(config, 4, 2, sequence_parallel=False, recompute="full", precision="bf16")
+    assert full["all_reduce/tp"]["calls"] == big["calls"] + config.num_layers
+    sp = tp_volume(config, 4, 2, sequence_parallel=True, recompute="none", precision="bf16")
+    # Under SP the same activations move as all-gathers and reduce-scatters: the same ring bytes.
+    moved = sp["all_gather/tp"]["wire_bytes"] + sp["reduce_scatter/tp"]["wire_bytes"]
+    assert moved == (4 * config.num_layers + 2) * n_h_bytes  # 2(n-1)/n = 1 at tp=2
+    assert tp_volume(config, 4, 1, sequence_parallel=False, recompute="none", precision="bf16") == {}

@@ -1,0 +1,103 @@
+"""Cluster flags, layout enumeration and ranking, and the command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hybrid.plan.cli import main
+from hybrid.plan.cluster import Cluster, ClusterError, parse_size
+from hybrid.plan.estimate import TrainingSetup
+from hybrid.plan.layouts import Choices, LayoutError, enumerate_layouts, plan
+from model_zoo import get_preset
+
+TNLG = ["--model", "turing-nlg-17b", "--gpus", "256", "--gpus-per-node", "16", "--gpu-memory", "32GiB",
+        "--seq-length", "1024", "--global-batch-size", "512"]
+
+
+def test_sizes_read_both_unit_systems():
+    assert parse_size("32GiB") == 32 * 2**30
+    assert parse_size("80 GB") == 80 * 10**9
+    assert parse_size("1.5TiB") == int(1.5 * 2**40)
+    assert parse_size("4096") == 4096
+    with pytest.raises(ClusterError, match="--gpu-memory.*32GiB"):
+        parse_size("32 gigs", "--gpu-memory")
+
+
+def test_cluster_flags_are_checked():
+    with pytest.raises(ClusterError, match="--gpus-per-node 16"):
+        Cluster(gpus=24, gpus_per_node=16, gpu_memory=32 * 2**30)
+    with pytest.raises(ClusterError, match="--mfu"):
+        Cluster(gpus=16, gpus_per_node=16, gpu_memory=32 * 2**30, mfu=1.5)
+    assert Cluster(gpus=4, gpus_per_node=16, gpu_memory=2**34).node_size == 4
+
+
+def test_enumeration_rules():
+    config = get_preset("turing-nlg-17b")  # 28 heads
+    cluster = Cluster(gpus=256, gpus_per_node=16, gpu_memory=32 * 2**30)
+    layouts = enumerate_layouts(config, cluster, 512)
+    assert {lay.tp for lay in layouts} == {1, 2, 4}  # divide 16 and 28
+    assert all(lay.tp * lay.dp == 256 for lay in layouts)
+    assert all((512 // lay.dp) % lay.micro_batch == 0 for lay in layouts)
+    assert not [lay for lay in layouts if lay.offload == "cpu" and lay.stage == 0]
+    assert {lay.recompute for lay in layouts} == {"none", "selective", "full"}
+    assert {lay.stage for lay in layouts} == {0, 1, 2, 3}
+    with pytest.raises(LayoutError, match="valid sizes here are"):
+        enumerate_layouts(config, cluster, 512, Choices(tp=[3]))
+    with pytest.raises(LayoutError, match="global-batch-size 100"):
+        enumerate_layouts(config, cluster, 100)
+
+
+def test_ranking_puts_fitting_then_faster_layouts_first():
+    config = get_preset("gpt2-xl")
+    cluster = Cluster(gpus=16, gpus_per_node=8, gpu_memory=16 * 2**30)
+    ranked = plan(config, cluster, 64, TrainingSetup())
+    fits = [e.fits and e.host_fits for e in ranked]
+    assert fits[0] and not fits[-1]
+    assert fits == sorted(fits, reverse=True)
+    fitting = [e for e in ranked if e.fits]
+    assert [e.time.total for e in fitting] == sorted(e.time.total for e in fitting)
+    assert all(e.memory.total <= cluster.usable_memory for e in fitting)
+    # Stage 0 keeps 16 bytes per parameter (1.56B x 16 > 16 GiB): it never fits without TP.
+    assert not [e for e in fitting if e.layout.stage == 0 and e.layout.tp == 1]
+
+
+def test_turing_nlg_table_on_256_v100s(capsys):
+    assert main(TNLG + ["--top", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "17.18B parameters" in out and "256 GPUs (16 node(s) of 16)" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:2].strip().isdigit() and "yes" in line]
+    assert len(rows) == 5
+    assert "layouts fit; best:" in out
+
+
+def test_json_output_and_config_file(tmp_path, capsys):
+    path = tmp_path / "model.yaml"
+    path.write_text("vocab_size: 32000\nhidden_size: 1024\nnum_layers: 8\nnum_heads: 16\nseq_length: 512\n")
+    assert main(["--config", str(path), "--gpus", "8", "--gpus-per-node", "8", "--gpu-memory", "24GiB",
+                 "--global-batch-size", "64", "--zero-stage", "2", "--recompute", "full", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows and all(r["zero_stage"] == 2 and r["recompute"] == "full" for r in rows)
+    assert rows[0]["fits"] and rows[0]["bytes"]["total"] <= 23 * 2**30
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"hidden_size": 64, "num_layer": 2}))
+    with pytest.raises(SystemExit, match="num_layer"):
+        main(["--config", str(bad), "--gpus", "8", "--gpus-per-node", "8", "--gpu-memory", "24GiB",
+              "--global-batch-size", "64"])
+
+
+def test_bad_flags_exit_with_a_message(capsys):
+    assert main(TNLG[:-2] + ["--global-batch-size", "512", "--gpu-memory", "32 gigs"]) == 2
+    assert "--gpu-memory" in capsys.readouterr().err
+    assert main(TNLG + ["--tp", "3"]) == 2
+    assert "tensor-parallel" in capsys.readouterr().err
+
+
+def test_module_entry_point_runs():
+    out = subprocess.run([sys.executable, "-m", "hybrid.plan", *TNLG, "--top", "3"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "layouts fit" in out.stdout

@@ -1,0 +1,89 @@
+"""Model-state bytes: the planner's layout is the ZeRO optimizer's layout, and the ZeRO formulas follow."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid import Topology
+from hybrid.plan.model_memory import flat_layout, shard_shapes, stage3_layout, stage3_state_bytes, state_bytes
+from hybrid.zero.flat_buffer import build_flat_groups
+from model_zoo import GPTModel, count_parameters, get_preset
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_shard_shapes_are_the_models_parameters(preset):
+    config = get_preset(preset)
+    model = GPTModel(config, Topology.local(), device="meta")
+    assert [(s.name, s.shape) for s in shard_shapes(config, 1)] == \
+        [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+
+
+def test_tp_shards_add_up_to_the_model():
+    config = get_preset("gpt2-medium")
+    full = {s.name: s.numel for s in shard_shapes(config, 1)}
+    for tp in (2, 4, 8):
+        local = {s.name: s.numel for s in shard_shapes(config, tp)}
+        assert local["layers.0.attention.qkv_proj.weight"] * tp == full["layers.0.attention.qkv_proj.weight"]
+        assert local["layers.0.input_norm.weight"] == full["layers.0.input_norm.weight"]  # replicated
+        vocab_rows = config.padded_vocab_size(tp) // tp
+        assert local["embedding.word_embeddings.weight"] == vocab_rows * config.hidden_size
+    padding = (config.padded_vocab_size(1) - config.vocab_size) * config.hidden_size
+    assert sum(full.values()) == count_parameters(config) + padding
+
+
+@pytest.mark.parametrize("bucket", [10**8, 30_000, 7_777])
+@pytest.mark.parametrize("dp", [1, 4, 6])
+@pytest.mark.parametrize("decay", [True, False])
+def test_flat_layout_equals_the_optimizers_flat_groups(bucket, dp, decay):
+    config = get_preset("tiny", num_layers=2)
+    model = GPTModel(config, Topology.local()).to(torch.bfloat16)
+    groups = build_flat_groups(model, parts=dp, pad_parts=dp, bucket_numel=bucket, use_weight_decay=decay,
+                               no_weight_decay=lambda name, p: p.ndim < 2)
+    layout = flat_layout(shard_shapes(config, 1), dp, "bf16", bucket, weight_decay=decay)
+    assert layout.groups == tuple((g.numel, tuple(s.size for s in g.segments)) for g in groups)
+
+
+def test_zero_formulas_per_stage():
+    """16Ψ per replica in mixed precision with Adam; stage k partitions one more piece over N_d."""
+    config = get_preset("gpt2-medium")
+    dp = 8
+    layout = flat_layout(shard_shapes(config, 1), dp, "bf16", 25_000_000)
+    g = layout.numel
+    s0, s1, s2 = (state_bytes(layout, k, precision="bf16") for k in range(3))
+    assert (s0.weights, s0.grads, s0.master, s0.optimizer_states) == (2 * g, 2 * g, 4 * g, 8 * g)
+    assert (s1.weights, s1.grads, s1.master + s1.optimizer_states) == (2 * g, 2 * g, 12 * g // dp)
+    assert (s2.grads, s2.master + s2.optimizer_states) == (2 * g // dp, 12 * g // dp)
+    units = stage3_layout(config, 1, dp, "bf16")
+    s3 = stage3_state_bytes(units)
+    part = units.partition_numel
+    assert abs(part * dp - layout.unpadded) < (len(units.units) + 1) * dp * 64  # Ψ/N_d within unit padding
+    # 16Ψ/N_d, plus the small parameters every rank keeps whole (2 bytes each).
+    assert s3.weights + s3.grads + s3.master + s3.optimizer_states == 16 * part + 2 * units.persistent
+    assert units.persistent < 0.01 * layout.unpadded
+    assert s2.grad_buckets == 2 * 2 * layout.largest_segment  # two staging buckets of the largest segment
+    # The padding the layout adds is less than one aligned unit per segment.
+    assert 0 <= g - layout.unpadded < layout.segments * dp * 64
+
+
+def test_fp32_master_is_the_weights_and_offload_moves_state_to_the_host():
+    layout = flat_layout(shard_shapes(get_preset("tiny"), 1), 4, "fp32", 10**8)
+    part = layout.partition_numel
+    on_device = state_bytes(layout, 1, precision="fp32")
+    assert on_device.master == 0 and on_device.optimizer_states == 8 * part
+    layout = flat_layout(shard_shapes(get_preset("tiny"), 1), 4, "bf16", 10**8)
+    offloaded = state_bytes(layout, 2, precision="bf16", offload="cpu")
+    assert offloaded.master == offloaded.optimizer_states == 0 and offloaded.grads == 2 * part
+    assert (offloaded.host_master, offloaded.host_optimizer_states) == (4 * part, 8 * part)
+    assert offloaded.host_grads == 2 * 2 * part  # host twins of the gradient and weight chunks
+    # On a CPU-only run the host *is* the device: offload changes nothing.
+    assert state_bytes(layout, 2, precision="bf16", offload="cpu", host_is_device=True) == \
+        state_bytes(layout, 2, precision="bf16")
+
+
+def test_bad_combinations_are_refused_with_the_key():
+    layout = flat_layout(shard_shapes(get_preset("tiny"), 1), 4, "bf16", 10**8)
+    with pytest.raises(ValueError, match="offload"):
+        state_bytes(layout, 0, precision="bf16", offload="cpu")
+    with pytest.raises(ValueError, match="stage"):
+        state_bytes(layout, 4, precision="bf16")

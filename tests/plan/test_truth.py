@@ -1,0 +1,151 @@
+"""The planner tells the truth: its predictions against the bytes real gloo runs hold (world 4).
+
+Small GPTs run on 4 CPU ranks (one spawn for all configs, see ``harness.py``)
+across ZeRO stages 0-2, TP 1/2, sequence parallelism, recomputation none /
+selective / full, fp32 and bf16, GPT-2 and Llama shapes. For every rank:
+
+* each component of ``memory_report()`` (weights, gradients, staging buckets,
+  master, optimizer state) is within 5% of the prediction, and so is the
+  rank's own tensor accounting of everything it holds between steps;
+* the bytes autograd saved in forward are within 5% of the activation formula;
+* the peak of live tensor bytes during a step is within 15% of the predicted peak;
+* ``comm_report()`` has exactly the predicted collectives, calls and payload bytes.
+
+Stage 3 and CPU offload are checked the same way once the engine accepts
+``zero.stage: 3`` / ``zero.offload_optimizer: cpu``; until then that test is
+skipped and says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List
+
+import pytest
+
+from hybrid.plan import CPU, Layout, TrainingSetup, estimate_memory, flat_layout, shard_shapes, step_volume
+from hybrid.plan.model_memory import stage3_layout
+from tests.multiproc import run_distributed
+from tests.plan.harness import gpt_config, measure_configs
+
+WORLD = 4
+LLAMA = dict(position="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie=False)
+
+SPECS: List[Dict] = [
+    dict(stage=0, tp=1, recompute="none", precision="bf16", micro=2),
+    dict(stage=1, tp=1, recompute="full", precision="fp32", micro=2),
+    dict(stage=2, tp=1, recompute="selective", precision="bf16", micro=2, bucket=20_000),
+    dict(stage=0, tp=2, recompute="full", precision="fp32", micro=2),
+    dict(stage=1, tp=2, sp=True, recompute="none", precision="bf16", micro=2),
+    dict(stage=2, tp=2, recompute="none", precision="bf16", micro=1, gas=2, bucket=30_000),
+    dict(stage=2, tp=2, sp=True, recompute="full", precision="fp32", micro=1, **LLAMA),
+    dict(stage=1, tp=1, recompute="none", precision="bf16", micro=2, **LLAMA),
+]
+
+COMPONENTS = (("params", "weights"), ("grads", "grads"), ("grad_buckets", "grad_buckets"), ("master", "master"),
+              ("optimizer_states", "optimizer_states"))
+
+
+def _close(measured: float, predicted: float, tol: float) -> bool:
+    if predicted == 0:
+        return measured == 0
+    return abs(measured - predicted) <= tol * predicted
+
+
+def _predict(spec: Dict, compiled_adam: bool):
+    cfg = gpt_config(spec)
+    layout = Layout(tp=spec["tp"], dp=WORLD // spec["tp"], stage=spec["stage"], offload=spec.get("offload", "none"),
+                    recompute=spec["recompute"], micro_batch=spec["micro"], sequence_parallel=spec.get("sp", False))
+    setup = TrainingSetup(precision=spec["precision"], bucket_size=spec.get("bucket", 10**8),
+                          compiled_adam=compiled_adam, stage3_persistence_threshold=spec.get("persist", 100_000),
+                          stage3_prefetch=spec.get("prefetch", 50_000_000), profile=CPU)
+    memory = estimate_memory(cfg, layout, setup)
+    if layout.stage == 3:
+        flat = stage3_layout(cfg, layout.tp, layout.dp, setup.precision, setup.stage3_persistence_threshold)
+    else:
+        flat = flat_layout(shard_shapes(cfg, layout.tp), layout.dp, setup.precision, setup.bucket_size)
+    comm = step_volume(cfg, flat, stage=layout.stage, tp=layout.tp, micro_batch=layout.micro_batch,
+                       micro_batches=spec.get("gas", 1), sequence_parallel=layout.sequence_parallel,
+                       recompute=layout.recompute, precision=setup.precision)
+    return memory, comm
+
+
+def _check(specs: List[Dict], results: List[List[Dict]]) -> List[str]:
+    """Every disagreement between prediction and measurement, as readable lines."""
+    problems = []
+    for i, spec in enumerate(specs):
+        for rank_results in results:
+            r = rank_results[i]
+            where = f"config {spec} rank tp{r['tp_rank']}/dp{r['dp_rank']}"
+            memory, comm = _predict(spec, r["compiled_adam"])
+            state = dataclasses.asdict(memory.state)
+            for reported, predicted in COMPONENTS:
+                got, want = r["report"].get(reported, 0), state[predicted]
+                if not _close(got, want, 0.05):
+                    problems.append(f"{where}: memory_report {reported} = {got}, predicted {want}")
+            if not _close(r["state"], memory.persistent, 0.05):
+                problems.append(f"{where}: tensors held between steps {r['state']}, predicted {memory.persistent}")
+            act = memory.activations.total - memory.activations.by_reference
+            # Stage 3 installs its own saved-tensor hooks inside forward, which hide the saved tensors from ours.
+            if spec["stage"] != 3 and not _close(r["saved"], act, 0.05):
+                problems.append(f"{where}: saved activations {r['saved']}, predicted {act}")
+            if not _close(r["peak"], memory.peak, 0.15):
+                problems.append(f"{where}: peak {r['peak']}, predicted {memory.peak} (forward "
+                                f"{r['forward_peak']}/{memory.forward_peak}, backward+step {r['backward_peak']}/"
+                                f"{max(memory.backward_peak, memory.step_peak)})")
+            problems += _check_comm(where, spec["stage"], r["comm"], comm)
+    return problems
+
+
+def _check_comm(where: str, stage: int, real: Dict, predicted: Dict) -> List[str]:
+    """Stages 0-2: exactly the predicted collectives. Stage 3: data-parallel payload within 5% (which
+    units a backward re-gathers depends on which ops saved a weight); its order-check all-reduces are ignored."""
+    if stage == 3:
+        real = {k: v for k, v in real.items() if k != "all_reduce/dp"}
+    if set(real) != set(predicted):
+        return [f"{where}: collectives {sorted(real)}, predicted {sorted(predicted)}"]
+    out = []
+    for key in real:
+        got, want = real[key], predicted[key]
+        if stage == 3 and key.endswith("/dp"):
+            ok = _close(got["payload_bytes"], want["payload_bytes"], 0.05)
+        else:
+            ok = got["calls"] == want["calls"] and got["payload_bytes"] == want["payload_bytes"]
+        if not ok:
+            out.append(f"{where}: {key} {got['calls']} calls / {got['payload_bytes']} bytes, "
+                       f"predicted {want['calls']} / {want['payload_bytes']}")
+    return out
+
+
+def test_predictions_match_real_runs_stages_0_to_2():
+    results = run_distributed(measure_configs, WORLD, SPECS, timeout=300)
+    problems = _check(SPECS, results)
+    assert not problems, "the planner disagrees with the real runs:\n" + "\n".join(problems)
+
+
+def _missing_zero3_features() -> str:
+    from hybrid.config.schema import ZERO_STAGES, ZeroConfig
+
+    missing = []
+    if 3 not in ZERO_STAGES:
+        missing.append("zero.stage: 3")
+    if "offload_optimizer" not in {f.name for f in dataclasses.fields(ZeroConfig)}:
+        missing.append("zero.offload_optimizer")
+    return ", ".join(missing)
+
+
+STAGE3_SPECS: List[Dict] = [
+    dict(stage=3, tp=1, recompute="none", precision="bf16", micro=2, bucket=20_000, persist=2_000),
+    dict(stage=3, tp=2, recompute="full", precision="fp32", micro=2, persist=2_000, prefetch=0),
+    dict(stage=3, tp=1, offload="cpu", recompute="selective", precision="bf16", micro=2, persist=2_000),
+    dict(stage=2, tp=2, offload="cpu", recompute="none", precision="bf16", micro=2),
+]
+
+
+@pytest.mark.skipif(bool(_missing_zero3_features()),
+                    reason=f"the engine does not accept {_missing_zero3_features()} yet (ZeRO-3 / offload land "
+                           f"with issue 8's other half); the planner's stage-3 and offload rows are untested until then")
+def test_predictions_match_real_runs_stage_3_and_offload():
+    results = run_distributed(measure_configs, WORLD, STAGE3_SPECS, timeout=300)
+    problems = _check(STAGE3_SPECS, results)
+    assert not problems, "the planner disagrees with the real runs:\n" + "\n".join(problems)
