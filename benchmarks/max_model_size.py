@@ -14,19 +14,21 @@ tensors return to the system and RSS follows the live bytes.
 The search starts at the planner's prediction and walks up or down from it
 one step, then in doubling strides, then bisects between the largest fit and
 the smallest failure: two attempts when the prediction is right. The planner's
-prediction for a contender is the largest hidden size whose predicted peak
-tensor bytes per rank (``hybrid.plan.estimate_memory`` with the CPU kernel
-profile), plus the measured resident size of an idle rank, times 4 fits the
-budget. torch's trainers are predicted with the hybrid stage holding the same
-state (DDP as stage 0 plus DDP's separate gradient buckets, FSDP2 as stage 3):
-the planner models hybrid, so those two rows are rough.
-Stages 0-2 build the model whole before flattening it, which the prediction
-adds as a construction peak (two copies of the fp32 weights); stage 3 and
-FSDP2 build on ``meta`` and materialise only each rank's shard.
+prediction for a contender is the largest hidden size whose predicted resident
+peak per rank (``hybrid.plan.estimate_memory`` with the CPU device profile:
+tensors plus gloo's private copies, and host memory for offload), plus the
+measured resident size of an idle rank, times 4 fits the budget. torch's
+trainers are predicted with the hybrid stage holding the same state (DDP as
+stage 0 plus DDP's separate gradient buckets, FSDP2 and DeepSpeed as stage 3):
+the planner models hybrid, so those rows are rough. Stages 0-2 build the model
+whole before flattening it, which the prediction adds as a construction peak
+(two copies of the fp32 weights); stage 3 and FSDP2 build on ``meta`` and
+materialise only each rank's shard.
 
 Reproduce (from the repository root)::
 
-    python benchmarks/max_model_size.py                      # all contenders, 20 GiB budget, ~20 minutes
+    python benchmarks/max_model_size.py                      # all contenders, 20 GiB budget, ~25 minutes
+    python benchmarks/max_model_size.py --budget 16GiB --max-attempts 4   # the run in docs/planner.md
     python benchmarks/max_model_size.py --only "zero-3" --budget 6GiB --max-attempts 3   # a quick look
 """
 
@@ -334,7 +336,8 @@ def search(c: Contender, args, base_bytes: float, log) -> Dict:
         r = run_attempt(c, h, args)
         tried[h] = r
         log(f"  {c.name:26s} hidden {h:5d} ({n_params(h, args) / 1e6:7.1f}M params): "
-            f"{'fits' if r['ok'] else r['why']:32s} peak RSS sum {r['peak_sum'] / 2**30:5.2f} GiB, {r['seconds']:5.1f}s")
+            f"{'fits' if r['ok'] else r['why']:32s} peak RSS sum {r['peak_sum'] / 2**30:5.2f} GiB, "
+            f"{r['seconds']:5.1f}s")
         return r["ok"]
 
     h, step, stride = guess, args.step, args.step
@@ -376,7 +379,8 @@ def print_table(rows: Dict[str, Dict], args) -> None:
         peak = r["attempts"][h]["peak_sum"] / 2**30 if h else 0
         print(f"{c.name:26s} {bound + str(h or args.step):>10s} {params / 1e6:9.1f}M {ratio:>7s} "
               f"{r['predicted']:14d} {n_params(r['predicted'], args) / 1e6:13.1f}M {peak:9.2f} GiB")
-    print(f"\nbudget {args.budget / 2**30:.1f} GiB of RSS summed over {WORLD} gloo ranks; GPT with {args.layers} layers, "
+    print(f"\nbudget {args.budget / 2**30:.1f} GiB of RSS summed over {WORLD} gloo ranks; GPT with {args.layers} "
+          f"layers, "
           f"vocab {VOCAB}, seq {args.seq}, micro batch 1, fp32 AdamW, {args.steps} steps; hidden in steps of "
           f"{args.step}. '>=': the largest size tried fit (search capped); 'vs DDP' = parameters over DDP's.")
 

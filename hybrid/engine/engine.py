@@ -208,8 +208,13 @@ class Engine:
         return load_engine(self, directory, load_optimizer=load_optimizer)
 
     def close(self) -> None:
-        """Flush and close the TensorBoard writer, if any."""
+        """Flush and close the TensorBoard writer and detach the optimizer's gradient hooks.
+
+        The hooks hold the optimizer's buffers alive through a reference cycle, so an engine that is
+        dropped without ``close()`` keeps its memory until the cycle collector runs.
+        """
         self._logger.close()
+        self.optimizer.remove_hooks()
 
     def __repr__(self) -> str:
         return (f"Engine({type(self.module).__name__}, zero stage {self.config.zero.stage}, "

@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--fragmentation", type=float, default=DEFAULT_FRAGMENTATION,
                     help="allowance as a fraction of the transient (activation and workspace) bytes")
     tm.add_argument("--device", choices=sorted(PROFILES), default="cuda",
-                    help="whose kernels and collectives to count: cuda (GPUs, NCCL) or cpu (the path the tests measure)")
+                    help="whose kernels and collectives to count: cuda (GPUs, NCCL) or cpu (what the tests "
+                         "measure)")
     ly = ap.add_argument_group("layouts to consider (default: all valid ones)")
     ly.add_argument("--tp", type=int, nargs="+", help="tensor-parallel sizes")
     ly.add_argument("--zero-stage", type=int, nargs="+", choices=STAGES, default=list(STAGES))

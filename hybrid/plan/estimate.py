@@ -34,8 +34,9 @@ is compared with the peak *without* the allowance.
 On gloo an asynchronous reduce-scatter also keeps a private copy of its input
 until it is waited on; those bytes are not tensors, so they are kept apart as
 ``untracked`` (what the end of backward adds to the tensor peak: stage 1 has
-every bucket in flight, stage 2 up to its staging pool plus one, stage 3 all
-units). NCCL reduces in place, so the CUDA profile has none.
+every bucket in flight, stage 2 the last ones it launched -- up to its staging
+pool plus one, the first buckets of the buffer --, stage 3 all units). NCCL
+reduces in place, so the CUDA profile has none.
 """
 
 from __future__ import annotations
@@ -186,8 +187,10 @@ def _model_state(config: GPTConfig, layout: Layout, setup: TrainingSetup):
     if setup.profile.gather_copies_output and layout.stage in (1, 2):
         gather_temp = flat.largest_segment * flat.element_bytes  # gloo lands each all-gather in a temporary
     # Reduce-scatters in flight at the end of backward: stage 1 launches every bucket and waits in the step;
-    # stage 2 waits whenever it needs a staging buffer beyond its pool.
-    in_flight = {1: flat.numel, 2: min(STAGING_BUFFERS_BEFORE_WAIT + 1, flat.segments) * flat.largest_segment}
+    # stage 2 waits whenever it needs a staging buffer beyond its pool, so the last buckets launched -- the
+    # first ones in the buffer, as backward runs the model in reverse -- are the ones still in flight.
+    first_segments = flat.groups[0][1][:STAGING_BUFFERS_BEFORE_WAIT + 1]
+    in_flight = {1: flat.numel, 2: sum(first_segments)}
     return state, 0, 0, 0, gather_temp, flat.element_bytes * in_flight.get(layout.stage, 0)
 
 

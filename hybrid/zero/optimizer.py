@@ -183,13 +183,8 @@ class ZeroOptimizer:
         self.reducer.end_backward()
         self._micro += 1
 
-    def step(self, lr: Optional[float] = None) -> bool:
-        """Apply the update of one global batch; returns False when it was skipped.
-
-        A step is skipped when any gradient element anywhere in the world is
-        inf or NaN (fp16 overflow, or a diverging bf16/fp32 run); the loss
-        scaler then lowers the scale. ``lr`` sets the learning rate from now on.
-        """
+    def _begin_step(self, lr: Optional[float]) -> None:
+        """Check the accumulation count, set the learning rate and wait for the gradient reductions."""
         gas = self.gradient_accumulation_steps
         if self._micro != gas:
             raise RuntimeError(f"step() after {self._micro} backward() calls, but gradient_accumulation_steps="
@@ -199,6 +194,15 @@ class ZeroOptimizer:
                 raise ValueError(f"learning rate must be >= 0, got {lr}")
             self.inner.lr = float(lr)
         self.reducer.wait()
+
+    def step(self, lr: Optional[float] = None) -> bool:
+        """Apply the update of one global batch; returns False when it was skipped.
+
+        A step is skipped when any gradient element anywhere in the world is
+        inf or NaN (fp16 overflow, or a diverging bf16/fp32 run); the loss
+        scaler then lowers the scale. ``lr`` sets the learning rate from now on.
+        """
+        self._begin_step(lr)
         denominator = self.loss_scale * self.topology.dp_size
         sq = self.grad_norm.global_sq()
         overflow = not math.isfinite(sq)

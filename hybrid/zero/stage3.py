@@ -211,15 +211,7 @@ class Stage3Optimizer(ZeroOptimizer):
         self._micro += 1
 
     def step(self, lr: Optional[float] = None) -> bool:
-        gas = self.gradient_accumulation_steps
-        if self._micro != gas:
-            raise RuntimeError(f"step() after {self._micro} backward() calls, but gradient_accumulation_steps="
-                               f"{gas}; call backward() once per micro-batch and step() every {gas}")
-        if lr is not None:
-            if lr < 0:
-                raise ValueError(f"learning rate must be >= 0, got {lr}")
-            self.inner.lr = float(lr)
-        self.reducer.wait()
+        self._begin_step(lr)
         denominator = self.loss_scale * self.topology.dp_size
         sq = self._global_sq()
         overflow = not math.isfinite(sq)

@@ -143,8 +143,9 @@ STAGE3_SPECS: List[Dict] = [
 
 
 @pytest.mark.skipif(bool(_missing_zero3_features()),
-                    reason=f"the engine does not accept {_missing_zero3_features()} yet (ZeRO-3 / offload land "
-                           f"with issue 8's other half); the planner's stage-3 and offload rows are untested until then")
+                    reason=f"the engine does not accept {_missing_zero3_features()} yet (ZeRO-3 and offload "
+                           f"land with issue 8's other half); the planner's stage-3 and offload rows are "
+                           f"untested until then")
 def test_predictions_match_real_runs_stage_3_and_offload():
     results = run_distributed(measure_configs, WORLD, STAGE3_SPECS, timeout=300)
     problems = _check(STAGE3_SPECS, results)
