@@ -204,7 +204,7 @@ class ZeroOptimizer:
         """
         self._begin_step(lr)
         denominator = self.loss_scale * self.topology.dp_size
-        sq = self.grad_norm.global_sq()
+        sq = self._global_sq()
         overflow = not math.isfinite(sq)
         self._last_grad_norm = math.sqrt(sq) / denominator if not overflow else sq
         if self.loss_scaler is not None:
@@ -214,19 +214,26 @@ class ZeroOptimizer:
         if overflow:
             self.skipped_steps += 1
         else:
-            factor = clip_factor(self._last_grad_norm, self.clip_grad) / denominator
-            if self._offload:
-                for off in self._offload:
-                    off.grads_to_host()
-                self.inner.step([off.grads for off in self._offload], factor)
-                for off in self._offload:
-                    off.params_to_device()
-            else:
-                self.inner.step(self._grad_chunks, factor)
-            self._publish_params()
+            self._apply_update(clip_factor(self._last_grad_norm, self.clip_grad) / denominator)
         self._last_comm = self.comm.report()
         self.comm.reset_stats()
         return not overflow
+
+    def _global_sq(self) -> float:
+        """Squared L2 norm of the (scaled, DP-summed) gradient over the whole world."""
+        return self.grad_norm.global_sq()
+
+    def _apply_update(self, factor: float) -> None:
+        """The inner optimizer step with gradients multiplied by ``factor``, then the new weights published."""
+        if self._offload:
+            for off in self._offload:
+                off.grads_to_host()
+            self.inner.step([off.grads for off in self._offload], factor)
+            for off in self._offload:
+                off.params_to_device()
+        else:
+            self.inner.step(self._grad_chunks, factor)
+        self._publish_params()
 
     def _publish_params(self, write: bool = False) -> None:
         """Make every rank's model hold the updated weights.

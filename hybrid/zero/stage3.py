@@ -24,7 +24,6 @@ from typing import Dict, Iterator, List, Optional
 import torch
 
 from hybrid.zero.flat_buffer import ZeroConfigError
-from hybrid.zero.grad_norm import clip_factor
 from hybrid.zero.offload import HostCopy, host_device
 from hybrid.zero.optimizer import ZeroOptimizer, _check_args
 from hybrid.zero.order_check import OrderCheck
@@ -210,28 +209,12 @@ class Stage3Optimizer(ZeroOptimizer):
             self.gatherer.end_phase()
         self._micro += 1
 
-    def step(self, lr: Optional[float] = None) -> bool:
-        self._begin_step(lr)
-        denominator = self.loss_scale * self.topology.dp_size
-        sq = self._global_sq()
-        overflow = not math.isfinite(sq)
-        self._last_grad_norm = math.sqrt(sq) / denominator if not overflow else sq
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(overflow)
-        self.global_steps += 1
-        self._micro = 0
-        if overflow:
-            self.skipped_steps += 1
-        else:
-            factor = clip_factor(self._last_grad_norm, self.clip_grad) / denominator
-            self.gatherer.reset()
-            self.inner.step(self._group_grads, factor)
-            if self.lowp is not None:
-                self.lowp.to_device()
-            self.gatherer.refresh_persistent()
-        self._last_comm = self.comm.report()
-        self.comm.reset_stats()
-        return not overflow
+    def _apply_update(self, factor: float) -> None:
+        self.gatherer.reset()
+        self.inner.step(self._group_grads, factor)
+        if self.lowp is not None:
+            self.lowp.to_device()
+        self.gatherer.refresh_persistent()
 
     def _global_sq(self) -> float:
         if self._norm_views:
