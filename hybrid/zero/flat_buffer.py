@@ -217,13 +217,19 @@ class FlatGroup:
 
 def collect_trainable(model: torch.nn.Module) -> Tuple[List[Tuple[str, torch.nn.Parameter]],
                                                        List[torch.nn.Parameter]]:
-    """Trainable parameters in registration order (tied ones once), and the frozen ones."""
+    """Trainable parameters in registration order (tied ones once), and the frozen ones.
+
+    Raises :class:`ZeroConfigError` when nothing is trainable.
+    """
     trainable, frozen = [], []
     for name, p in model.named_parameters():  # removes duplicates: a tied weight keeps its first name
         if p.requires_grad:
             trainable.append((name, p))
         else:
             frozen.append(p)
+    if not trainable:
+        raise ZeroConfigError("the model has no trainable parameters (all have requires_grad=False); "
+                              "there is nothing for the optimizer to update")
     return trainable, frozen
 
 
@@ -236,9 +242,6 @@ def build_flat_groups(model: torch.nn.Module, parts: int, pad_parts: int, bucket
     part) lays out and communicates exactly the same bytes as stages 1-2.
     """
     trainable, _ = collect_trainable(model)
-    if not trainable:
-        raise ZeroConfigError("the model has no trainable parameters (all have requires_grad=False); "
-                              "there is nothing for the optimizer to update")
     devices = {p.device for _, p in trainable}
     if len(devices) > 1:
         raise ZeroConfigError(f"trainable parameters are spread over devices {sorted(map(str, devices))}; "

@@ -108,9 +108,6 @@ def build_units(model: nn.Module, dp: int, persistence_threshold: int, use_weigh
     ``partition_offset`` is filled in.
     """
     trainable, frozen = collect_trainable(model)
-    if not trainable:
-        raise ZeroConfigError("the model has no trainable parameters (all have requires_grad=False); "
-                              "there is nothing for the optimizer to update")
     dtypes = {p.dtype for _, p in trainable}
     if len(dtypes) > 1:
         raise ZeroConfigError(f"ZeRO stage 3 needs every trainable parameter in one dtype, got "
