@@ -35,7 +35,8 @@ On gloo an asynchronous reduce-scatter also keeps a private copy of its input
 until it is waited on; those bytes are not tensors, so they are kept apart as
 ``untracked`` (what the end of backward adds to the tensor peak: stage 1 has
 every bucket in flight, stage 2 the last ones it launched -- up to its staging
-pool plus one, the first buckets of the buffer --, stage 3 all units). NCCL
+pool plus one, the first buckets of the buffer --, stage 3 its last
+``MAX_INFLIGHT_BUCKETS`` buckets). NCCL
 reduces in place, so the CUDA profile has none.
 """
 
@@ -47,6 +48,7 @@ from hybrid.plan.activations import CUDA, DTYPE_BYTES, ActivationBytes, DevicePr
 from hybrid.plan.model_memory import (StateBytes, flat_layout, shard_shapes, stage3_layout, stage3_state_bytes,
                                       state_bytes)
 from hybrid.zero.buckets import STAGING_BUFFERS_BEFORE_WAIT
+from hybrid.zero.stage3_grads import MAX_INFLIGHT_BUCKETS
 from model_zoo.config import GPTConfig
 
 DEFAULT_FRAGMENTATION = 0.10
@@ -171,13 +173,14 @@ def _model_state(config: GPTConfig, layout: Layout, setup: TrainingSetup):
         # Forward, at the loss: the head's unit, plus what was prefetched behind the last module.
         forward = p * (head + min(ahead, units.largest_unit))
         # Backward starts with the head's unit and everything prefetched ahead of the layers, within the live
-        # limit. It ends with every gradient bucket still in flight (input and output kept until the step
-        # waits on them), plus the last bucket being assembled from its units' staging buffers.
+        # limit. It ends with the last buckets launched still in flight (input and output kept until they are
+        # waited on), plus the last bucket being assembled from its units' staging buffers.
         backward = p * min(setup.stage3_live_parameters, sum(units.units), head + ahead)
         reduced = sum(units.units) + units.persistent
-        in_flight = reduced + reduced // layout.dp
-        staging = p * (in_flight + min(setup.bucket_size + units.largest_unit, reduced))
-        return state, forward, backward, staging, 0, p * reduced
+        bucket = min(setup.bucket_size + units.largest_unit, reduced)
+        on_wire = min(reduced, MAX_INFLIGHT_BUCKETS * bucket)
+        staging = p * (on_wire + on_wire // layout.dp + bucket)
+        return state, forward, backward, staging, 0, p * on_wire
     flat = flat_layout(shard_shapes(config, layout.tp), layout.dp, setup.precision, setup.bucket_size,
                        setup.weight_decay)
     state = state_bytes(flat, layout.stage, precision=setup.precision, offload=layout.offload,

@@ -13,6 +13,10 @@ A unit's staging buffer is already in reduce-scatter order (chunk ``k`` is
 DP rank ``k``'s); a bucket of several units interleaves them rank by rank:
 ``[u0.chunk0 u1.chunk0 .. | u0.chunk1 u1.chunk1 .. | ..]``.
 
+At most ``MAX_INFLIGHT_BUCKETS`` buckets are on the wire at once: launching
+another lands the oldest first, so the gradient held beyond the partition is
+bounded by a few buckets, not the model.
+
 Units are launched in the order they became ready, which is the backward's
 order; :class:`~hybrid.zero.order_check.OrderCheck` verifies it is the same on
 every DP rank. Units that got no gradient in this backward (unused), or only
@@ -32,6 +36,9 @@ import torch
 from hybrid.comm import Communicator, Handle
 from hybrid.zero.order_check import OrderCheck
 from hybrid.zero.stage3_layout import Unit
+
+# Buckets on the wire at once: one reducing while the next fills overlaps communication with backward.
+MAX_INFLIGHT_BUCKETS = 2
 
 
 class Stage3GradReducer:
@@ -65,7 +72,8 @@ class Stage3GradReducer:
         self._fresh = [True] * len(units)
         self._inflight: Deque[Tuple[Handle, Callable[[], None]]] = collections.deque()
         self._hooks = []
-        self.staging_peak_bytes = 0
+        self._wire_bytes = 0  # inputs and outputs of the buckets in flight
+        self.transient_peak_bytes = 0  # most gradient bytes held beyond the partition (staging + in flight)
         self._active = False
 
     def attach_hooks(self) -> None:
@@ -90,9 +98,12 @@ class Stage3GradReducer:
         if buf is None:
             # zeros: padding and unused parameters contribute nothing to the sum
             buf = self._staging[i] = torch.zeros(self.units[i].numel, dtype=self.dtype, device=self.device)
-            held = sum(b.numel() for b in self._staging.values()) * buf.element_size()
-            self.staging_peak_bytes = max(self.staging_peak_bytes, held)
+            self._note_peak()
         return buf
+
+    def _note_peak(self, extra: int = 0) -> None:
+        held = sum(b.numel() * b.element_size() for b in self._staging.values()) + self._wire_bytes + extra
+        self.transient_peak_bytes = max(self.transient_peak_bytes, held)
 
     def _before_accumulate(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         self._shape_for_grad(param)
@@ -148,9 +159,17 @@ class Stage3GradReducer:
             dp = self.units[0].dp
             flat = torch.cat([s.view(dp, -1) for s in staged], dim=1).view(-1)
         out = torch.empty(flat.numel() // self.units[0].dp, dtype=self.dtype, device=self.device)
+        # the bucket's staging buffers are still referenced here, beside their concatenation
+        self._note_peak(sum(t.numel() for t in staged) * flat.element_size() if len(bucket) > 1 else 0)
+        self._wire_bytes += (flat.numel() + out.numel()) * flat.element_size()
+        self._note_peak()
         handle = self.comm.reduce_scatter_tensor(out, flat, "dp", async_op=True)
         # keep the input alive until the collective is done
         self._inflight.append((handle, functools.partial(self._land, bucket, out, flat)))
+        # Land older buckets now: each in-flight bucket pins its whole input, so waiting only in step()
+        # would hold an unpartitioned copy of the model's gradient at the end of backward.
+        while len(self._inflight) > MAX_INFLIGHT_BUCKETS:
+            self._wait_oldest()
 
     def _land(self, bucket: List[int], out: torch.Tensor, flat: torch.Tensor) -> None:
         o = 0
@@ -164,13 +183,16 @@ class Stage3GradReducer:
             else:
                 target.add_(out[o: o + c].to(target.device))
             o += c
-        del flat
+        self._wire_bytes -= (flat.numel() + out.numel()) * flat.element_size()
+
+    def _wait_oldest(self) -> None:
+        handle, finish = self._inflight.popleft()
+        handle.wait()
+        finish()
 
     def wait(self) -> None:
         while self._inflight:
-            handle, finish = self._inflight.popleft()
-            handle.wait()
-            finish()
+            self._wait_oldest()
         if self.grads.device != self.device and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 

@@ -14,20 +14,24 @@ from tests.zero.common import TiedMLP, dp_mean, max_rel_diff, no_decay, rel_diff
 from tests.zero.test_gpt_parity import BUCKET, LR, MICRO_PER_TP, STEPS, WD, _reference, gpt_config
 
 WORLD = 4
+DEEP_BUCKET = 4_000  # many buckets per backward in the 8-layer run
 LIVE = 40_000  # elements gathered at once: a few modules of the 64-wide GPT (its largest holds 32768)
 
 
-def _gpt_run(topo, stage, *, dtype=torch.float32, steps=STEPS, offload="none", threshold=100, live=LIVE, tie=True):
+def _gpt_run(topo, stage, *, dtype=torch.float32, steps=STEPS, offload="none", threshold=100, live=LIVE, tie=True,
+             bucket=BUCKET, layers=None):
     from hybrid.tensor_parallel.gather import full_state
     from hybrid.zero import ZeroOptimizer
     from model_zoo import GPTModel
 
     cfg = gpt_config().replace(tie_embeddings=tie)
+    if layers is not None:
+        cfg = cfg.replace(num_layers=layers)
     model = GPTModel(cfg, topo, dtype=dtype)
     extra = dict(persistence_threshold=threshold, max_live_parameters=live, prefetch_numel=20_000) \
         if stage == 3 else {}
     opt = ZeroOptimizer(model, topo, stage=stage, lr=LR, weight_decay=WD, no_weight_decay=lambda n, p: p.ndim < 2,
-                        bucket_size=BUCKET, offload_optimizer=offload, **extra)
+                        bucket_size=bucket, offload_optimizer=offload, **extra)
     out = train_zero(model, opt, topo, steps, micro=MICRO_PER_TP * topo.tp_size, gas=1, vocab=cfg.vocab_size,
                      seq=cfg.seq_length)
     gathered = opt.gathered_parameters() if stage == 3 else _nullcontext()
@@ -40,6 +44,7 @@ def _gpt_run(topo, stage, *, dtype=torch.float32, steps=STEPS, offload="none", t
         res["units"] = [(u.module_name, u.numel, u.persistent) for u in opt.units]
         res["partition"] = opt.partition.numel()
         res["prefetch"] = (opt.gatherer.prefetch_issued, opt.gatherer.prefetch_hits)
+        res["grad_transient"] = opt.reducer.transient_peak_bytes
     opt.remove_hooks()
     return res
 
@@ -116,6 +121,7 @@ def _suite():
             res["comm0"] = _gpt_run(topo, 0, steps=2, tie=False)
             res["comm3"] = _gpt_run(topo, 3, steps=2, threshold=0, tie=False)
             res["bf16"] = _gpt_run(topo, 3, dtype=torch.bfloat16, steps=2, threshold=0)
+            res["deep"] = _gpt_run(topo, 3, steps=1, bucket=DEEP_BUCKET, layers=8)
     return res
 
 
@@ -153,6 +159,21 @@ def test_gathered_parameters_stay_within_the_live_limit(results, tp):
         assert r[("fp32", tp)]["memory"]["gathered"] == 0  # everything released between steps
         issued, hits = r[("fp32", tp)]["prefetch"]
         assert hits > 0 and issued >= hits  # the recorded order let later steps gather ahead
+
+
+def test_gradients_beyond_the_partition_stay_within_a_few_buckets(results):
+    # Buckets are landed as later ones launch, so the unpartitioned gradient a rank holds at any moment is a
+    # few buckets (each at most BUCKET plus one unit), never the whole model's.
+    from hybrid.zero.stage3_grads import MAX_INFLIGHT_BUCKETS
+
+    for r in results:
+        res = r["deep"]
+        units = [n for _, n, p in res["units"] if not p]
+        bucket_bytes = 4 * (DEEP_BUCKET + max(units))
+        model_bytes = 4 * sum(n for _, n, _ in res["units"])
+        peak = res["grad_transient"]
+        assert 0 < peak <= (MAX_INFLIGHT_BUCKETS + 2) * bucket_bytes, (peak, bucket_bytes)
+        assert peak < 0.4 * model_bytes, (peak, model_bytes)
 
 
 def test_bf16_state_is_16_psi_over_nd(results):
