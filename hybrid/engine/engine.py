@@ -207,6 +207,13 @@ class Engine:
 
         return load_engine(self, directory, load_optimizer=load_optimizer)
 
+    def gathered_parameters(self):
+        """Context manager: every parameter of ``module`` whole inside the block (ZeRO-3 gathers them over
+        ``dp``; a no-op for stages 0-2). For reading or exporting weights; writes inside it are lost."""
+        if self.optimizer.stage == 3:
+            return self.optimizer.gathered_parameters()
+        return contextlib.nullcontext()
+
     def close(self) -> None:
         """Flush and close the TensorBoard writer and detach the optimizer's gradient hooks.
 

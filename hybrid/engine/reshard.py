@@ -15,6 +15,13 @@ the engine's. Every rank then, one parameter at a time:
 3. hands that partition to ``ZeroOptimizer.load_state_dict``, which writes
    the masters into the parameters and all-gathers them over ``"dp"``.
 
+Under ZeRO-3 the trainable parameters have no whole tensors to copy into:
+step 1 writes this rank's slice of each weight into its partition
+(``Stage3Optimizer.write_parameter``) and step 2 fills the stage-3 partition
+through the same parameter index (one flat group whose segments are the
+units). A stage-3 checkpoint is read like any other, so any layout loads
+from it and into it.
+
 Counters, the loss scaler and (in ``load_engine``) the LR schedule carry
 over unchanged. A bf16/fp16 run's checkpoint loaded into an fp32 run
 continues from the fp32 master weights, not from their rounded copies.
@@ -29,7 +36,7 @@ from the seed). Only a same-layout resume is bit-exact.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 
@@ -56,15 +63,16 @@ def load_resharded(engine: "Engine", reader: CheckpointReader, *, load_optimizer
     naming both values when the checkpoint holds a different model.
     """
     topo = engine.topology
-    if engine.optimizer.stage == 3:
-        raise ConversionError("loading a checkpoint into a ZeRO stage 3 engine is not supported yet (stage 3 has no "
-                              "optimizer state_dict); load it at stage 0, 1 or 2")
     if topo.pp_size != 1:
         raise ConversionError(f"loading into a pipeline-parallel job (pp={topo.pp_size}) from another layout "
                               f"is not supported; load with the layout {reader.layout} that saved it")
+    opt = engine.optimizer
     entries = dict(engine.module.state_dict(keep_vars=True))
     metas = {name: get_tp_meta(t) for name, t in entries.items()}
-    opt = engine.optimizer
+    # ZeRO-3 trainable parameters: written into this rank's partition, not into the (empty) module tensors
+    owners = {name: opt.parameter_name(t) for name, t in entries.items()} if opt.stage == 3 else {}
+    shapes = {name: opt.parameter_shape(owners[name]) if owners.get(name) else tuple(t.shape)
+              for name, t in entries.items()}
     # Entries the parameter index does not describe (frozen parameters, buffers) split like the current ones.
     with CheckpointSource(reader, meta_fallback=lambda name: metas.get(name, REPLICATED)) as src:
         _check_names(src, entries, reader, getattr(engine.module, "config", None))
@@ -76,9 +84,15 @@ def load_resharded(engine: "Engine", reader: CheckpointReader, *, load_optimizer
         with torch.no_grad():
             for name, tensor in entries.items():
                 target = Target(metas[name], topo.tp_size, topo.tp_rank)
-                _check_shape(name, src, tensor, target, engine, reader)
-                if name not in from_optimizer:  # the others arrive with the master weights below
-                    tensor.copy_(src.read(name, WEIGHT, target=target))
+                _check_shape(name, src, shapes[name], target, engine, reader)
+                owner = owners.get(name)
+                if name in from_optimizer or (owner is not None and owner != name):
+                    continue  # arrives with the master weights below, or under the tied parameter's first name
+                value = src.read(name, WEIGHT, target=target)
+                if owner is not None:
+                    opt.write_parameter(name, value)
+                else:
+                    tensor.copy_(value)
         if masters:
             keys = src.state_keys() if load_optimizer else [MASTER]
             opt.load_state_dict(_partition_state(opt, src, topo, keys, restore_counters=load_optimizer))
@@ -90,6 +104,9 @@ def load_resharded(engine: "Engine", reader: CheckpointReader, *, load_optimizer
 
 def refresh_master_from_model(opt: "ZeroOptimizer") -> None:
     """Copy the current parameters into this rank's master partition (after a weights-only load)."""
+    if opt.stage == 3:
+        opt.weights_loaded()
+        return
     with torch.no_grad():
         for part in opt.partitions:
             if not part.aliased:
@@ -113,10 +130,10 @@ def _check_names(src: CheckpointSource, entries: Dict[str, torch.Tensor], reader
                           + _config_hint(reader.model_config, model_config))
 
 
-def _check_shape(name: str, src: CheckpointSource, tensor: torch.Tensor, target: Target, engine: "Engine",
+def _check_shape(name: str, src: CheckpointSource, shape: Tuple[int, ...], target: Target, engine: "Engine",
                  reader: CheckpointReader) -> None:
     saved = src.tensors[name]
-    current_full = tuple(full_shape(tensor.shape, target.meta, target.tp))
+    current_full = tuple(full_shape(shape, target.meta, target.tp))
     if saved.full_shape != current_full:
         raise ConversionError(f"{name}: the checkpoint {reader.path} holds full shape {list(saved.full_shape)}, "
                               f"the current model {list(current_full)}"
@@ -125,8 +142,8 @@ def _check_shape(name: str, src: CheckpointSource, tensor: torch.Tensor, target:
         expected = saved.target_shape(target)
     except ValueError as e:
         raise ConversionError(f"{name}: cannot split the checkpoint's tensor for tp={target.tp}: {e}") from None
-    if expected != tuple(tensor.shape):
-        raise ConversionError(f"{name}: its TP piece at tp={target.tp} has shape {list(tensor.shape)} in the "
+    if expected != tuple(shape):
+        raise ConversionError(f"{name}: its TP piece at tp={target.tp} has shape {list(shape)} in the "
                               f"current model but {list(expected)} from the checkpoint's metadata {saved.meta}; the "
                               f"vocabulary padding (vocab_pad_multiple) or TP metadata differ")
 
@@ -157,11 +174,14 @@ def _partition_state(opt: "ZeroOptimizer", src: CheckpointSource, topo, keys: Li
         raise ConversionError(f"{src.reader.path} has no optimizer state {absent} (saved by optimizer "
                               f"{header.get('optimizer', {}).get('type')!r}); this run uses "
                               f"{opt.inner.kind!r}: set the same optimizer, or load weights only (--finetune)")
+    records: Dict[int, list] = {}
+    for rec in opt.param_index:
+        records.setdefault(rec.group, []).append(rec)
     groups = []
-    for group, tmpl in zip(opt.groups, template["groups"]):
-        flats = {k: (torch.zeros(group.partition_numel, dtype=tmpl[MASTER].dtype) if k in keys
-                     else tmpl[k].clone()) for k in wanted}
-        for rec in group.records:
+    for g, tmpl in enumerate(template["groups"]):
+        numel, dtype = tmpl[MASTER].numel(), tmpl[MASTER].dtype
+        flats = {k: (torch.zeros(numel, dtype=dtype) if k in keys else tmpl[k].clone()) for k in wanted}
+        for rec in records.get(g, []):
             mine = [p for p in rec.parts if p.part == opt.part]
             if not mine:
                 continue

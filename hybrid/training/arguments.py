@@ -281,9 +281,6 @@ def validate(args: TrainingArguments, world_size: int) -> None:
         raise ArgumentError("the vocabulary size is unknown: give --tokenizer-model, --vocab-size or --model")
     if args.offload_optimizer == "cpu" and args.zero_stage == 0:
         raise ArgumentError("--offload-optimizer cpu needs --zero-stage 1, 2 or 3")
-    if args.zero_stage == 3 and (args.save is not None or args.load is not None):
-        raise ArgumentError("checkpoints of ZeRO stage 3 runs are not supported yet; use --zero-stage 1 or 2 "
-                            "with --save/--load")
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save DIR")
     if args.keep_last is not None and args.save is None:

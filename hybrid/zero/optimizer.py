@@ -325,21 +325,39 @@ class ZeroOptimizer:
                            "partition_numel": g.partition_numel,
                            "segments": [[s.start, s.size, s.used] for s in g.segments],
                            "master": part.master_flat(), **state})
+        return self._state_header(groups)
+
+    def _state_header(self, groups: List[dict]) -> dict:
+        """The layout, hyperparameters and counters around ``groups`` (the flat partitions)."""
         return {"format": STATE_FORMAT, "stage": self.stage, "partition_count": self.partition_count,
                 "part": self.part, "dp_size": self.topology.dp_size, "dp_rank": self.topology.dp_rank,
                 "tp_size": self.topology.tp_size, "tp_rank": self.topology.tp_rank,
-                "optimizer": {"type": inner["kind"], "lr": inner["lr"], "betas": list(self.inner.betas),
+                "optimizer": {"type": self.inner.kind, "lr": self.inner.lr, "betas": list(self.inner.betas),
                               "eps": self.inner.eps, "weight_decay": self.inner.weight_decay,
                               "momentum": self.inner.momentum},
-                "step": inner["step"], "global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
+                "step": self.inner.step_count, "global_steps": self.global_steps,
+                "skipped_steps": self.skipped_steps,
                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
                 "groups": groups, "param_index": [r.to_json() for r in self.param_index]}
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore a state written by :meth:`state_dict` under the same layout, then refresh the model."""
-        if sd.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a ZeRO optimizer state (format {sd.get('format')!r}, expected {STATE_FORMAT!r})")
-        if (sd["partition_count"], sd["part"]) != (self.partition_count, self.part):
+        self._check_state(sd)
+        inner = {"kind": sd["optimizer"]["type"], "step": sd["step"], "lr": sd["optimizer"]["lr"],
+                 "groups": [{k: v for k, v in g.items() if k in self.inner.state_names} for g in sd["groups"]]}
+        self.inner.load_state_dict(inner)
+        for part, g in zip(self.partitions, sd["groups"]):
+            part.load_master(g["master"])
+        self._load_counters(sd)
+        self._publish_params(write=True)
+
+    def _check_state(self, sd: dict) -> None:
+        """Refuse a state of another format, partition or parameter index, naming what differs."""
+        if not isinstance(sd, dict) or sd.get("format") != STATE_FORMAT:
+            found = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
+            raise ValueError(f"not a ZeRO optimizer state (format {found!r}, expected {STATE_FORMAT!r})")
+        if (sd["partition_count"], sd["part"]) != (self.partition_count, self.part) or \
+                (sd["stage"] == 3) != (self.stage == 3):
             raise ValueError(f"state was saved as part {sd['part']} of {sd['partition_count']} (stage {sd['stage']}, "
                              f"dp={sd['dp_size']}) but this rank is part {self.part} of {self.partition_count} "
                              f"(stage {self.stage}, dp={self.topology.dp_size}); reshard the checkpoint first")
@@ -352,16 +370,12 @@ class ZeroOptimizer:
                                  f"at offset {b['offset']} of group {b['group']}; the model or bucket_size differ")
         if len(sd["param_index"]) != len(mine):
             raise ValueError(f"checkpoint indexes {len(sd['param_index'])} parameters, this model has {len(mine)}")
-        inner = {"kind": sd["optimizer"]["type"], "step": sd["step"], "lr": sd["optimizer"]["lr"],
-                 "groups": [{k: v for k, v in g.items() if k in self.inner.state_names} for g in sd["groups"]]}
-        self.inner.load_state_dict(inner)
-        for part, g in zip(self.partitions, sd["groups"]):
-            part.load_master(g["master"])
+
+    def _load_counters(self, sd: dict) -> None:
         self.global_steps = int(sd["global_steps"])
         self.skipped_steps = int(sd["skipped_steps"])
         if self.loss_scaler is not None and sd["loss_scaler"] is not None:
             self.loss_scaler.load_state_dict(sd["loss_scaler"])
-        self._publish_params(write=True)
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks from the model's parameters."""

@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from hybrid.zero.flat_buffer import ZeroConfigError
+from hybrid.zero.flat_buffer import ZeroConfigError, dtype_name
 from hybrid.zero.offload import HostCopy, host_device
 from hybrid.zero.optimizer import ZeroOptimizer, _check_args
 from hybrid.zero.order_check import OrderCheck
 from hybrid.zero.param_gather import ParamGatherer
 from hybrid.zero.stage3_grads import Stage3GradReducer
-from hybrid.zero.stage3_layout import Unit, build_units, partition_numel
+from hybrid.zero.stage3_layout import Unit, build_units, param_index, partition_numel
 
 DEFAULT_PERSISTENCE_THRESHOLD = 100_000
 DEFAULT_MAX_LIVE = 1_000_000_000
@@ -118,6 +118,9 @@ class Stage3Optimizer(ZeroOptimizer):
         self.order = OrderCheck(self.comm, enabled=verify_order)
         self.gatherer = ParamGatherer(self.units, chunks, self.comm, self.order, max_live_parameters, prefetch_numel)
         self._hooks = self._register_module_hooks()
+        self._record_of = {rec.name: (u.index, r) for u in self.units for r, rec in enumerate(u.records)}
+        self._name_of_param = {id(p): rec.name for u in self.units for rec, p in zip(u.records, u.params)}
+        self.param_index = param_index(self.units, dp)
 
         host = host_device(offload_optimizer, device)
         self.reducer = Stage3GradReducer(self.units, self.comm, self.order, self.part, bucket_size, self.dtype, device,
@@ -160,10 +163,12 @@ class Stage3Optimizer(ZeroOptimizer):
         self.lowp = None if self.aliased else HostCopy(self.partition, master_device)
         grads = self.reducer.grads
         self._group_grads = []
+        self._group_runs = []  # per inner group: its (start, end) runs of the partition, and whether it decays
         for decay in (True, False):
             sel = [(a, b) for a, b, d in runs if d == decay]
             if not sel:
                 continue
+            self._group_runs.append((sel, decay))
             self.inner.add_group([self.master[a:b] for a, b in sel], decay=decay,
                                  lowp=None if self.lowp is None else [self.lowp.host[a:b] for a, b in sel],
                                  state_device=master_device)
@@ -288,12 +293,135 @@ class Stage3Optimizer(ZeroOptimizer):
     def num_parameters(self) -> int:
         return sum(r.numel for u in self.units for r in u.records)
 
+    # ---- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        raise NotImplementedError("ZeRO stage 3 optimizer state_dict is not implemented yet (checkpointing of "
-                                  "stage-3 partitions); use stage 2 where checkpoints are needed")
+        """This rank's partition of the master weights and optimizer state, counters, and the parameter index.
+
+        One flat group (index 0) in the partition layout of
+        :mod:`hybrid.zero.stage3_layout`: ``master`` ([partition_numel] fp32,
+        the live tensor) and each optimizer moment of the same shape (copies:
+        the optimizer keeps decayed and undecayed elements apart). Every
+        ``param_index`` entry has the ``parts`` of stages 1-2, so the
+        checkpoint tools read and reshard it like any other. Collective-free.
+        """
+        moments = {name: torch.empty_like(self.master) for name in self.inner.state_names}
+        for (runs, _), group in zip(self._group_runs, self.inner.groups):
+            for name, flat in moments.items():
+                for (a, b), view in zip(runs, group.views[name]):
+                    flat[a:b].copy_(view)
+        group = {"dtype": dtype_name(self.dtype), "numel": sum(u.numel for u in self.units),
+                 "partition_numel": self.partition.numel(),
+                 "units": [[u.module_name, u.numel, u.used, u.decay_end] for u in self.units],
+                 "master": self.master, **moments}
+        return self._state_header([group])
 
     def load_state_dict(self, sd: dict) -> None:
-        raise NotImplementedError("ZeRO stage 3 optimizer load_state_dict is not implemented yet")
+        """Restore a state written by :meth:`state_dict` under the same layout (collective over ``dp``)."""
+        self._check_state(sd)
+        saved = sd["groups"][0]
+        if saved["master"].numel() != self.master.numel():
+            raise ValueError(f"the saved partition holds {saved['master'].numel()} elements, this rank's "
+                             f"{self.master.numel()}; the model, persistence_threshold or DP size differ")
+        groups = []
+        for runs, _ in self._group_runs:
+            groups.append({name: torch.cat([saved[name][a:b] for a, b in runs]) for name in self.inner.state_names
+                           if name in saved})
+        self.inner.load_state_dict({"kind": sd["optimizer"]["type"], "step": sd["step"],
+                                    "lr": sd["optimizer"]["lr"], "groups": groups})
+        with torch.no_grad():
+            self.master.copy_(saved["master"])
+        self._load_counters(sd)
+        self.weights_loaded(from_master=True)
+
+    # ---- whole weights in and out (checkpoints) ---------------------------------------------------------
+    def parameter_name(self, tensor: torch.Tensor) -> Optional[str]:
+        """The name a trainable parameter is recorded under (its first name when tied); None for other tensors."""
+        return self._name_of_param.get(id(tensor))
+
+    def parameter_shape(self, name: str) -> Tuple[int, ...]:
+        """The whole (TP-local) shape of trainable parameter ``name``; its ``.data`` is empty between uses."""
+        i, r = self._record_of[name]
+        return self.units[i].records[r].shape
+
+    def write_parameter(self, name: str, value: torch.Tensor) -> None:
+        """Set trainable parameter ``name`` (its whole TP-local tensor) in this rank's partition.
+
+        Call :meth:`weights_loaded` after the last one. Collective-free.
+        """
+        if name not in self._record_of:
+            raise KeyError(f"{name!r} is not a trainable parameter of this ZeRO-3 model")
+        i, r = self._record_of[name]
+        u = self.units[i]
+        rec = u.records[r]
+        if tuple(value.shape) != rec.shape:
+            raise ValueError(f"{name}: got shape {list(value.shape)}, the parameter has {list(rec.shape)}")
+        flat = value.reshape(-1)
+        with torch.no_grad():
+            for k, start, end, at in u.pieces(self.part):
+                if k == r:
+                    dst = u.partition_offset + at
+                    self.partition[dst: dst + end - start].copy_(flat[start:end])
+
+    def weights_loaded(self, from_master: bool = False) -> None:
+        """Make masters and parameters agree after a load, and re-gather the persistent units (collective over ``dp``).
+
+        ``from_master``: the masters were loaded (the weights are their
+        rounded copies); otherwise the parameters were, and the masters
+        follow them.
+        """
+        self.gatherer.reset()
+        with torch.no_grad():
+            if not self.aliased:
+                if from_master:
+                    self.partition.copy_(self.master)
+                else:
+                    self.master.copy_(self.partition)
+        self.gatherer.refresh_persistent()
+
+    def load_model_state(self, state: Dict[str, torch.Tensor]) -> None:
+        """Load a whole-tensor ``model.state_dict()`` (this TP rank's shard) into the partitions and the model.
+
+        Trainable parameters go to this rank's partition; buffers and frozen
+        parameters into the module. Keys must match exactly. Collective over ``dp``.
+        """
+        own = dict(self.model.state_dict(keep_vars=True))
+        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise KeyError(f"model state does not match the model: missing {missing[:5]}, unexpected "
+                           f"{unexpected[:5]}")
+        rest = {}
+        for key, tensor in own.items():
+            name = self._name_of_param.get(id(tensor))
+            if name is None:
+                rest[key] = state[key]
+            elif key == name:
+                self.write_parameter(name, state[key])
+        self.model.load_state_dict(rest, strict=False)
+        self.weights_loaded()
+
+    def model_state_for_save(self, dst_dp_rank: int = 0) -> Optional[Dict[str, torch.Tensor]]:
+        """``model.state_dict()`` with whole tensors, as CPU copies on DP rank ``dst_dp_rank``; None elsewhere.
+
+        Units are gathered one at a time over ``dp`` (every DP rank must
+        call this); the destination keeps a host copy of this TP rank's
+        model shard, so its host memory must hold the shard once.
+        """
+        keep = self.part == dst_dp_rank
+        whole: Dict[int, torch.Tensor] = {}
+        g = self.gatherer
+        g.reset()
+        for u in self.units:
+            if not u.persistent:
+                g.ensure(u.index)
+            if keep:
+                for p in u.params:
+                    whole[id(p)] = p.detach().to("cpu", copy=True)
+            if not u.persistent:
+                g.release(u.index)
+        if not keep:
+            return None
+        return {key: whole[id(t)] if id(t) in whole else t.detach().to("cpu", copy=True)
+                for key, t in self.model.state_dict(keep_vars=True).items()}
 
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from hybrid.param_meta import TPMeta, get_tp_meta
-from hybrid.zero.flat_buffer import ZeroConfigError, align_elements, collect_trainable
+from hybrid.zero.flat_buffer import (ParamRecord, Segment, ZeroConfigError, align_elements, collect_trainable,
+                                     param_parts)
 
 NoDecayFn = Callable[[str, torch.nn.Parameter], bool]
 PERSISTENT_UNIT_NAME = "<persistent>"
@@ -165,3 +166,24 @@ def module_units(model: nn.Module, units: List[Unit]) -> Dict[str, int]:
 
 def partition_numel(units: List[Unit]) -> int:
     return sum(u.chunk_numel for u in units)
+
+
+def param_index(units: List[Unit], dp: int) -> List[ParamRecord]:
+    """The parameter index of a ZeRO-3 partition, in the form stages 1-2 record theirs.
+
+    The units laid end to end are one flat group (index 0) whose segments are
+    the units: a parameter's ``offset`` counts from the start of the first
+    unit, and its ``parts`` say where each DP rank's partition holds it, so
+    checkpoint tools read a stage-3 partition like any other.
+    """
+    records = []
+    start = 0
+    for u in units:
+        segment = Segment(start=start, size=u.numel, used=u.used, records=())
+        for rec, p in zip(u.records, u.params):
+            records.append(ParamRecord(name=rec.name, shape=rec.shape, dtype=p.dtype, group=0, segment=u.index,
+                                       offset=start + rec.offset, numel=rec.numel, position=rec.position,
+                                       weight_decay=rec.weight_decay, tp_meta=rec.tp_meta,
+                                       parts=param_parts(start + rec.offset, rec.numel, segment, dp)))
+        start += u.numel
+    return sorted(records, key=lambda r: r.position)

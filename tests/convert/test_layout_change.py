@@ -63,7 +63,8 @@ def _gathered(trainer):
     """Full weights as numpy arrays on rank 0 (None elsewhere). Collective over "tp"."""
     from hybrid.tensor_parallel.gather import full_state
 
-    state = full_state(trainer.model, trainer.topology)
+    with trainer.engine.gathered_parameters():  # whole weights under ZeRO-3
+        state = full_state(trainer.model, trainer.topology)
     return {n: t.float().numpy() for n, t in state.items()} if trainer.topology.rank == 0 else None
 
 

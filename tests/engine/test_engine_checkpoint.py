@@ -1,5 +1,6 @@
 """engine.save_checkpoint / engine.load_checkpoint on a plain nn.Module: resuming is exact."""
 
+import pytest
 import torch
 
 import hybrid
@@ -11,8 +12,9 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
 
 
-def _engine():
-    config = {"zero": {"stage": 1}, "optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.1},
+def _engine(stage=1):
+    zero = {"stage": stage, "persistence_threshold": 16} if stage == 3 else {"stage": stage}
+    config = {"zero": zero, "optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.1},
               "scheduler": {"type": "cosine", "warmup_iters": 1, "decay_iters": 8, "min_lr": 1e-3},
               "micro_batch_size": 4, "gradient_accumulation_steps": 2, "clip_grad": 1.0}
     return hybrid.initialize(_model(), config, topology=Topology.local())
@@ -30,15 +32,26 @@ def _train(engine, steps, seed):
     return losses
 
 
-def test_save_then_load_continues_exactly(tmp_path):
-    straight = _engine()
+@pytest.mark.parametrize("stage", [1, 3])
+def test_save_then_load_continues_exactly(tmp_path, stage):
+    straight = _engine(stage)
     _train(straight, 3, seed=1)
     straight.save_checkpoint(tmp_path)
+    with straight.gathered_parameters():
+        at_save = [p.detach().clone() for p in straight.module.parameters()]
     after = _train(straight, 3, seed=2)
 
-    resumed = _engine()
+    resumed = _engine(stage)
     info = resumed.load_checkpoint(tmp_path)
     assert info["iteration"] == 3 and resumed.global_step == 3
     assert _train(resumed, 3, seed=2) == after
-    for a, b in zip(straight.module.parameters(), resumed.module.parameters()):
-        assert torch.equal(a, b)
+    with straight.gathered_parameters(), resumed.gathered_parameters():
+        for a, b in zip(straight.module.parameters(), resumed.module.parameters()):
+            assert torch.equal(a, b)
+
+    weights_only = _engine(stage)
+    weights_only.load_checkpoint(tmp_path, load_optimizer=False)
+    assert weights_only.global_step == 0
+    with weights_only.gathered_parameters():
+        for a, b in zip(weights_only.module.parameters(), at_save):
+            assert torch.equal(a, b)
