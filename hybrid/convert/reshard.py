@@ -147,8 +147,12 @@ def _check_target(target: TargetLayout, reader: CheckpointReader, save: Path) ->
     for name, value in (("--target-tp", target.tp), ("--target-dp", target.dp), ("bucket size", target.bucket_size)):
         if not isinstance(value, int) or value < 1:
             raise ConversionError(f"{name} must be an integer >= 1, got {value!r}")
+    if target.zero_stage == 3:
+        raise ConversionError("--target-zero-stage 3: a stage-3 partition follows the model's modules, which an "
+                              "offline tool does not have; load the checkpoint as it is into the --zero-stage 3 "
+                              "run (it reshards on load), or reshard to stage 0-2 here")
     if target.zero_stage not in (0, 1, 2):
-        raise ConversionError(f"--target-zero-stage must be 0, 1 or 2, got {target.zero_stage!r}")
+        raise ConversionError(f"--target-zero-stage must be 0, 1, 2 (or 3 on load), got {target.zero_stage!r}")
     cfg = reader.model_config or {}
     for key in ("num_heads", "ffn_hidden_size"):
         value = cfg.get(key)

@@ -199,6 +199,8 @@ def test_reshard_refuses_bad_targets(saved, tmp_path):
         reshard_checkpoint(root / "orig", tmp_path / "a", target_tp=3)
     with pytest.raises(ConversionError, match="own directory"):
         reshard_checkpoint(root / "orig", root / "orig", target_tp=2)
+    with pytest.raises(ConversionError, match="--target-zero-stage 3: .* reshards on load"):
+        reshard_checkpoint(root / "orig", tmp_path / "b", target_tp=1, target_zero_stage=3)
 
 
 def test_tiny_map_budget_reads_the_same_tensors(saved, tmp_path):

@@ -12,8 +12,9 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
 
 
-def _engine(stage=1):
+def _engine(stage=1, offload="none"):
     zero = {"stage": stage, "persistence_threshold": 16} if stage == 3 else {"stage": stage}
+    zero["offload_optimizer"] = offload
     config = {"zero": zero, "optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.1},
               "scheduler": {"type": "cosine", "warmup_iters": 1, "decay_iters": 8, "min_lr": 1e-3},
               "micro_batch_size": 4, "gradient_accumulation_steps": 2, "clip_grad": 1.0}
@@ -32,16 +33,16 @@ def _train(engine, steps, seed):
     return losses
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_save_then_load_continues_exactly(tmp_path, stage):
-    straight = _engine(stage)
+@pytest.mark.parametrize("stage,offload", [(1, "none"), (3, "none"), (3, "cpu")])
+def test_save_then_load_continues_exactly(tmp_path, stage, offload):
+    straight = _engine(stage, offload)
     _train(straight, 3, seed=1)
     straight.save_checkpoint(tmp_path)
     with straight.gathered_parameters():
         at_save = [p.detach().clone() for p in straight.module.parameters()]
     after = _train(straight, 3, seed=2)
 
-    resumed = _engine(stage)
+    resumed = _engine(stage, offload)
     info = resumed.load_checkpoint(tmp_path)
     assert info["iteration"] == 3 and resumed.global_step == 3
     assert _train(resumed, 3, seed=2) == after
@@ -49,7 +50,7 @@ def test_save_then_load_continues_exactly(tmp_path, stage):
         for a, b in zip(straight.module.parameters(), resumed.module.parameters()):
             assert torch.equal(a, b)
 
-    weights_only = _engine(stage)
+    weights_only = _engine(stage, offload)
     weights_only.load_checkpoint(tmp_path, load_optimizer=False)
     assert weights_only.global_step == 0
     with weights_only.gathered_parameters():

@@ -11,9 +11,9 @@ selective / full, fp32 and bf16, GPT-2 and Llama shapes. For every rank:
 * the peak of live tensor bytes during a step is within 15% of the predicted peak;
 * ``comm_report()`` has exactly the predicted collectives, calls and payload bytes.
 
-Stage 3 and CPU offload are checked the same way once the engine accepts
-``zero.stage: 3`` / ``zero.offload_optimizer: cpu``; until then that test is
-skipped and says why.
+Stage 3 and CPU offload are checked the same way by a second spawn (stage 3
+payloads within 5%: which units a backward gathers again depends on which ops
+saved a weight).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List
 
-import pytest
 
 from hybrid.plan import CPU, Layout, TrainingSetup, estimate_memory, flat_layout, shard_shapes, step_volume
 from hybrid.plan.model_memory import stage3_layout
@@ -123,17 +122,6 @@ def test_predictions_match_real_runs_stages_0_to_2():
     assert not problems, "the planner disagrees with the real runs:\n" + "\n".join(problems)
 
 
-def _missing_zero3_features() -> str:
-    from hybrid.config.schema import ZERO_STAGES, ZeroConfig
-
-    missing = []
-    if 3 not in ZERO_STAGES:
-        missing.append("zero.stage: 3")
-    if "offload_optimizer" not in {f.name for f in dataclasses.fields(ZeroConfig)}:
-        missing.append("zero.offload_optimizer")
-    return ", ".join(missing)
-
-
 STAGE3_SPECS: List[Dict] = [
     dict(stage=3, tp=1, recompute="none", precision="bf16", micro=2, bucket=20_000, persist=2_000),
     dict(stage=3, tp=2, recompute="full", precision="fp32", micro=2, persist=2_000, prefetch=0),
@@ -142,10 +130,6 @@ STAGE3_SPECS: List[Dict] = [
 ]
 
 
-@pytest.mark.skipif(bool(_missing_zero3_features()),
-                    reason=f"the engine does not accept {_missing_zero3_features()} yet (ZeRO-3 and offload "
-                           f"land with issue 8's other half); the planner's stage-3 and offload rows are "
-                           f"untested until then")
 def test_predictions_match_real_runs_stage_3_and_offload():
     results = run_distributed(measure_configs, WORLD, STAGE3_SPECS, timeout=300)
     problems = _check(STAGE3_SPECS, results)
