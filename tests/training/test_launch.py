@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from hybrid.checkpoint import CheckpointReader
 from tests.multiproc import free_port
 
