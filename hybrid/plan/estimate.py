@@ -21,9 +21,10 @@ passes three high points, and the peak is the largest:
 Communication buffers: stage 2's gradient staging buckets are part of the
 state. Under stage 3 gathered units come on top of the peaks: at the loss, the
 head's unit (the tied embedding is used outside its module) and one unit
-prefetched behind it; in backward, the head's unit and every unit prefetched
-ahead (at most ``stage3_prefetch`` elements, ``stage3_live_parameters`` in
-all), plus gradient staging of a bucket and a unit.
+prefetched behind it; in backward, a unit with the ones prefetched behind it
+(at most ``stage3_prefetch`` elements, ``stage3_live_parameters`` in all),
+plus the gradient flow :func:`stage3_gradient_flow` replays: staging, autograd's
+gradient of the unit and the buckets on the wire.
 
 The fragmentation allowance is ``fragmentation`` (default 10%) of the
 transient part (activations, workspaces, gathered units), which a caching
@@ -33,11 +34,11 @@ is compared with the peak *without* the allowance.
 
 On gloo an asynchronous reduce-scatter also keeps a private copy of its input
 until it is waited on; those bytes are not tensors, so they are kept apart as
-``untracked`` (what the end of backward adds to the tensor peak: stage 1 has
-every bucket in flight, stage 2 the last ones it launched -- up to its staging
-pool plus one, the first buckets of the buffer --, stage 3 its last
-``MAX_INFLIGHT_BUCKETS`` buckets). NCCL
-reduces in place, so the CUDA profile has none.
+``untracked`` (what they add to the tensor peak: at the end of backward stage 1
+has every bucket in flight, stage 2 the last ones it launched -- up to its
+staging pool plus one, the first buckets of the buffer --; stage 3 at most
+``MAX_INFLIGHT_BUCKETS`` buckets at any moment). NCCL reduces in place, so the
+CUDA profile has none.
 """
 
 from __future__ import annotations
@@ -151,6 +152,76 @@ class MemoryEstimate:
         return self.peak - self.persistent - self.gather_buffers
 
 
+@dataclasses.dataclass(frozen=True)
+class GradientFlow:
+    """ZeRO-3 bytes beyond the partition during backward: gathered units, gradient staging, autograd's gradient and
+    buckets on the wire, at the worst moment and at the final flush, each with the reduce-scatter inputs then in
+    flight (the copies gloo keeps)."""
+
+    worst: int
+    worst_on_wire: int
+    final: int
+    final_on_wire: int
+
+    def scaled(self, element_bytes: int) -> "GradientFlow":
+        return GradientFlow(*(element_bytes * v for v in dataclasses.astuple(self)))
+
+
+def _prefetched(order, k: int, prefetch: int) -> int:
+    """Elements gathered ahead of unit ``k``: the next units while they fit the prefetch budget."""
+    ahead = 0
+    for n in order[k + 1:]:
+        if ahead + n > prefetch:
+            break
+        ahead += n
+    return ahead
+
+
+def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, prefetch: int, live: int,
+                         max_inflight: int = MAX_INFLIGHT_BUCKETS) -> GradientFlow:
+    """Replay a ZeRO-3 backward over unit sizes (elements; ``order``: gathered units in backward order).
+
+    While a unit's gradient is staged (:class:`hybrid.zero.stage3_grads.Stage3GradReducer`) a rank holds
+    the unit gathered with the next ones prefetched (:class:`hybrid.zero.param_gather.ParamGatherer`), the
+    open bucket's staging buffers, the unit's staging buffer and autograd's gradient, and the buckets on the
+    wire (input and reduced output each). Launching a bucket of several units concatenates them first. The
+    persistent pool is reduced last, at the end of backward.
+    """
+    flights, open_units = [], []
+    worst, worst_wire = 0, 0
+
+    def note(held: int) -> None:
+        nonlocal worst, worst_wire
+        if held > worst:
+            worst, worst_wire = held, sum(flights)
+
+    def wire() -> int:
+        return sum(flights) + sum(flights) // dp
+
+    def launch() -> int:
+        new = sum(open_units)
+        held = wire() + new + new // dp + (new if len(open_units) > 1 else 0)
+        note(held)
+        flights.append(new)
+        open_units.clear()
+        del flights[:-max_inflight]
+        return held
+
+    for k, x in enumerate(order):
+        gathered = min(live, x + _prefetched(order, k, prefetch))
+        note(gathered + sum(open_units) + 2 * x + wire())
+        open_units.append(x)
+        if sum(open_units) >= bucket_size:
+            launch()
+    if persistent:
+        open_units.append(persistent)
+    final, final_wire = 0, 0
+    if open_units:
+        final_wire = sum(flights) + sum(open_units)
+        final = launch()
+    return GradientFlow(worst, worst_wire, final, final_wire)
+
+
 def largest_layer_weight(config: GPTConfig) -> int:
     """Elements of the largest weight matrix of one layer at TP=1."""
     h, f = config.hidden_size, config.ffn_size
@@ -158,8 +229,9 @@ def largest_layer_weight(config: GPTConfig) -> int:
 
 
 def _model_state(config: GPTConfig, layout: Layout, setup: TrainingSetup):
-    """``(state, stage-3 bytes gathered at the forward peak, at the start of backward, gradient staging at its
-    end, all-gather temporary, reduce-scatter payload in flight at the end of backward)``."""
+    """``(state, stage-3 bytes gathered at the forward peak, gathered during backward, the stage-3 gradient flow
+    (:class:`GradientFlow`, bytes; None below stage 3), all-gather temporary, stages 1-2 reduce-scatter payload in
+    flight at the end of backward)``."""
     p = DTYPE_BYTES[setup.precision]
     host_is_device = setup.profile.host_is_device
     if layout.stage == 3:
@@ -173,14 +245,12 @@ def _model_state(config: GPTConfig, layout: Layout, setup: TrainingSetup):
         # Forward, at the loss: the head's unit, plus what was prefetched behind the last module.
         forward = p * (head + min(ahead, units.largest_unit))
         # Backward starts with the head's unit and everything prefetched ahead of the layers, within the live
-        # limit. It ends with the last buckets launched still in flight (input and output kept until they are
-        # waited on), plus the last bucket being assembled from its units' staging buffers.
-        backward = p * min(setup.stage3_live_parameters, sum(units.units), head + ahead)
-        reduced = sum(units.units) + units.persistent
-        bucket = min(setup.bucket_size + units.largest_unit, reduced)
-        on_wire = min(reduced, MAX_INFLIGHT_BUCKETS * bucket)
-        staging = p * (on_wire + on_wire // layout.dp + bucket)
-        return state, forward, backward, staging, 0, p * on_wire
+        # limit; later each unit is gathered again with the next ones prefetched behind it.
+        live = setup.stage3_live_parameters
+        backward = p * min(live, sum(units.units), max(head, units.largest_unit) + ahead)
+        flow = stage3_gradient_flow(units.backward_order(config.tie_embeddings), units.persistent,
+                                    setup.bucket_size, layout.dp, setup.stage3_prefetch, live)
+        return state, forward, backward, flow.scaled(p), 0, 0
     flat = flat_layout(shard_shapes(config, layout.tp), layout.dp, setup.precision, setup.bucket_size,
                        setup.weight_decay)
     state = state_bytes(flat, layout.stage, precision=setup.precision, offload=layout.offload,
@@ -194,7 +264,7 @@ def _model_state(config: GPTConfig, layout: Layout, setup: TrainingSetup):
     # first ones in the buffer, as backward runs the model in reverse -- are the ones still in flight.
     first_segments = flat.groups[0][1][:STAGING_BUFFERS_BEFORE_WAIT + 1]
     in_flight = {1: flat.numel, 2: sum(first_segments)}
-    return state, 0, 0, 0, gather_temp, flat.element_bytes * in_flight.get(layout.stage, 0)
+    return state, 0, 0, None, gather_temp, flat.element_bytes * in_flight.get(layout.stage, 0)
 
 
 def estimate_memory(config: GPTConfig, layout: Layout, setup: TrainingSetup = TrainingSetup()) -> MemoryEstimate:
@@ -226,17 +296,27 @@ def estimate_memory(config: GPTConfig, layout: Layout, setup: TrainingSetup = Tr
     backward = max(backward, base + before_loss - final_norm + rebuilt + tied + weight_grad
                    + p * n * config.ffn_size // t + p * n * h) + gathered_backward
     backward_comm = gathered_backward
-    if staging3 and base + staging3 + act.embedding > backward:
-        # The end of a stage-3 backward: activations gone, every gradient bucket in flight.
-        backward, backward_comm = base + staging3 + act.embedding, staging3
+    gloo_copies = setup.profile.reduce_scatter_copies_input
+    # (tensor bytes, library copies beyond them) at the moments where reduce-scatters are in flight
+    moments = [(base + act.embedding + staging3.final, staging3.final_on_wire)] if staging3 else []
+    if staging3:
+        # Mid-backward: one unit gathered with the next ones prefetched, its gradient being staged, the last
+        # buckets on the wire; the activations of the layers backward already passed are gone.
+        mid = base + act.embedding + staging3.worst
+        moments.append((mid, staging3.worst_on_wire))
+        for tensors, _ in moments:
+            if tensors > backward:
+                backward, backward_comm = tensors, tensors - base - act.embedding
+    elif in_flight:
+        moments.append((base + act.embedding, in_flight))  # stages 1-2: the end of backward
     step = base + state.step_workspace + gather_temp
     # Stage-3 buffers (gathered units, in-flight gradient buckets) at whichever moment is the peak.
     peak_comm = max((forward, gathered), (backward, backward_comm), (step, gather_temp))[1]
     transient = max(forward, backward, step) - base
     untracked = 0
-    if setup.profile.reduce_scatter_copies_input and in_flight:
-        # The library's private copies of the in-flight reduce-scatters, at the end of backward.
-        end = base + staging3 + act.embedding + in_flight
-        untracked = max(0, end - max(forward, backward, step))
+    if gloo_copies:
+        # The library's private copies of the in-flight reduce-scatters, beyond the tensor peak.
+        peak = max(forward, backward, step)
+        untracked = max([0] + [tensors + copies - peak for tensors, copies in moments])
     return MemoryEstimate(layout, state, act, peak_comm, forward, backward, step,
                           int(setup.fragmentation * transient), untracked)

@@ -162,15 +162,27 @@ class Stage3Layout:
     element_bytes: int
     dp: int
     head_unit: int  # the unit of the output projection's weight (the word embeddings when tied)
+    head_index: int = -1  # its position in ``units``
 
     @property
     def largest_unit(self) -> int:
         return max(self.units, default=0)
 
+    def backward_order(self, tied: bool) -> Tuple[int, ...]:
+        """Sizes of the gathered units in the order backward completes their gradients.
+
+        Backward runs the modules in reverse; a tied word embedding gets its
+        last contribution (the lookup at the very start of forward) last.
+        """
+        order = list(reversed(self.units))
+        if tied and 0 <= self.head_index < len(self.units):
+            order.append(order.pop(len(self.units) - 1 - self.head_index))
+        return tuple(order)
+
 
 @functools.lru_cache(maxsize=64)
 def _stage3_units(config_json: str, tp: int, dp: int, precision: str, persistence_threshold: int,
-                  weight_decay: bool) -> Tuple[Tuple[int, ...], int, int, int]:
+                  weight_decay: bool) -> Tuple[Tuple[int, ...], int, int, int, int]:
     from hybrid.topology import Topology
     from hybrid.zero.stage3_layout import build_units
     from model_zoo.gpt import GPTModel
@@ -182,19 +194,20 @@ def _stage3_units(config_json: str, tp: int, dp: int, precision: str, persistenc
         p.data = torch.empty(local[name], dtype=DTYPES[precision], device="meta")
     units, _ = build_units(model, dp, persistence_threshold, weight_decay, lambda name, p: p.ndim <= 1)
     head = id(model.head_weight())
-    head_unit = sum(u.numel for u in units if not u.persistent and any(id(q) == head for q in u.params))
-    return (tuple(u.numel for u in units if not u.persistent), sum(u.numel for u in units if u.persistent),
-            sum(u.chunk_numel for u in units), head_unit)
+    gathered = [u for u in units if not u.persistent]
+    head_index = next((k for k, u in enumerate(gathered) if any(id(q) == head for q in u.params)), -1)
+    return (tuple(u.numel for u in gathered), sum(u.numel for u in units if u.persistent),
+            sum(u.chunk_numel for u in units), gathered[head_index].numel if head_index >= 0 else 0, head_index)
 
 
 def stage3_layout(config: GPTConfig, tp: int, dp: int, precision: str, persistence_threshold: int = 100_000,
                   weight_decay: bool = True) -> Stage3Layout:
     """The stage-3 units of ``config`` at TP ``tp`` over ``dp`` ranks (the optimizer's own function, on meta)."""
     config.validate(tp)
-    units, persistent, partition, head = _stage3_units(json.dumps(config.to_dict(), sort_keys=True), tp, dp,
-                                                       precision, persistence_threshold, weight_decay)
+    units, persistent, partition, head, head_index = _stage3_units(json.dumps(config.to_dict(), sort_keys=True), tp,
+                                                                   dp, precision, persistence_threshold, weight_decay)
     return Stage3Layout(units, persistent, partition, torch.empty((), dtype=DTYPES[precision]).element_size(), dp,
-                        head)
+                        head, head_index)
 
 
 @dataclasses.dataclass(frozen=True)
