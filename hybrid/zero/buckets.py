@@ -85,6 +85,10 @@ class _ReducerBase:
         self._inflight: Deque[Tuple[Handle, Optional[Callable[[], None]]]] = collections.deque()
         self._hooks = []
         self._arrived = [bytearray(len(g.records)) for g in groups]  # gradient seen in this backward
+        # Called as (group, segment) once this rank's reduced chunk of a segment holds the step's gradient
+        # (on the last micro-step of the batch), so offload can stream it to the host during backward.
+        self.on_final: Optional[Callable[[int, int], None]] = None
+        self._final_micro = False
 
     def attach_hooks(self) -> None:
         for g in self.groups:
@@ -103,6 +107,7 @@ class _ReducerBase:
         self.queue.reset()
         self._active = True
         self._reduce_now = reduce_now
+        self._final_micro = reduce_now
         for flags in self._arrived:
             flags[:] = bytes(len(flags))
 
@@ -116,6 +121,17 @@ class _ReducerBase:
         """Block until every launched reduction has landed in the gradient store."""
         while self._inflight:
             self._wait_oldest()
+
+    def _then_final(self, g: int, s: int, finish: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:
+        """``finish``, followed on the batch's last micro-step by ``on_final(g, s)``."""
+        if self.on_final is None or not self._final_micro:
+            return finish
+
+        def done() -> None:
+            if finish is not None:
+                finish()
+            self.on_final(g, s)
+        return done
 
     def _wait_oldest(self) -> None:
         handle, finish = self._inflight.popleft()
@@ -194,7 +210,7 @@ class FullGradReducer(_ReducerBase):
             handle = self.comm.reduce_scatter_tensor(out, flat, "dp", async_op=True)
         else:
             handle = self.comm.all_reduce(flat, "dp", async_op=True)
-        self._inflight.append((handle, None))
+        self._inflight.append((handle, self._then_final(gi, s, None) if self.scatter else None))
 
     def grad_chunks(self, g: int, part: int) -> List[torch.Tensor]:
         """Per-segment views of the reduced gradient this rank steps with."""
@@ -236,6 +252,7 @@ class PartitionedGradReducer(_ReducerBase):
 
     def begin_backward(self, reduce_now: bool) -> None:
         super().begin_backward(True)  # stage 2 communicates every micro-step
+        self._final_micro = reduce_now
 
     def _acquire(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         while not self._free[dtype]:
@@ -306,7 +323,7 @@ class PartitionedGradReducer(_ReducerBase):
             scratch = flat[self.dp_rank * c: (self.dp_rank + 1) * c]
             handle = self.comm.reduce_scatter_tensor(scratch, flat, "dp", async_op=True)
             finish = functools.partial(self._add_and_release, target, scratch, buf)
-        self._inflight.append((handle, finish))
+        self._inflight.append((handle, self._then_final(gi, s, finish)))
 
     def _release(self, buf: torch.Tensor) -> None:
         self._free[buf.dtype].append(buf)

@@ -58,6 +58,9 @@ class ChunkOffload:
 
     ``grads`` and ``lowp`` are per-segment 1-D host tensors parallel to the
     device chunks; on a CPU model they are the device chunks themselves.
+    Each segment's gradient is streamed to the host as soon as its reduction
+    lands (:meth:`grad_to_host`, during backward); the step copies whatever
+    was not streamed and waits for the copies.
     """
 
     def __init__(self, device_grads: List[torch.Tensor], device_params: List[torch.Tensor], host: torch.device):
@@ -66,12 +69,25 @@ class ChunkOffload:
         self.grads = [h.host for h in self._grads]
         self.lowp = [h.host for h in self._params]
         self.same = all(h.same for h in self._grads + self._params)
+        self._streamed = set()
+        self.streamed_last_step = 0  # segments that reached the host during backward in the last step
+
+    def grad_to_host(self, segment: int) -> None:
+        """Start copying one segment's reduced gradient chunk to its host twin (it is final for this step)."""
+        h = self._grads[segment]
+        if not h.same:
+            h.host.copy_(h.device_tensor, non_blocking=True)
+            self._streamed.add(segment)
 
     def grads_to_host(self) -> None:
+        """Copy the segments not streamed yet and wait until every host twin holds the step's gradient."""
+        self.streamed_last_step = len(self._streamed)
+        streamed, self._streamed = self._streamed, set()
         if self.same:
             return
-        for h in self._grads:
-            h.host.copy_(h.device_tensor, non_blocking=True)
+        for k, h in enumerate(self._grads):
+            if k not in streamed:
+                h.host.copy_(h.device_tensor, non_blocking=True)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 

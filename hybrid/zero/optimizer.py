@@ -132,6 +132,8 @@ class ZeroOptimizer:
         # offload: host twins of the reduced gradients and rounded weights (the same tensors on a CPU model)
         self._offload = [ChunkOffload(gc, part.param_chunks, host) for gc, part in
                          zip(self._grad_chunks, self.partitions)] if host is not None else []
+        if any(not off.same for off in self._offload):
+            self.reducer.on_final = lambda g, s: self._offload[g].grad_to_host(s)
         for k, (g, part) in enumerate(zip(self.groups, self.partitions)):
             lowp = part.param_chunks if not self._offload else self._offload[k].lowp
             self.inner.add_group(part.master_chunks, decay=g.weight_decay, lowp=None if part.aliased else lowp,

@@ -19,7 +19,7 @@ LIVE = 40_000  # elements gathered at once: a few modules of the 64-wide GPT (it
 
 
 def _gpt_run(topo, stage, *, dtype=torch.float32, steps=STEPS, offload="none", threshold=100, live=LIVE, tie=True,
-             bucket=BUCKET, layers=None):
+             bucket=BUCKET, layers=None, gas=1):
     from hybrid.tensor_parallel.gather import full_state
     from hybrid.zero import ZeroOptimizer
     from model_zoo import GPTModel
@@ -31,9 +31,9 @@ def _gpt_run(topo, stage, *, dtype=torch.float32, steps=STEPS, offload="none", t
     extra = dict(persistence_threshold=threshold, max_live_parameters=live, prefetch_numel=20_000) \
         if stage == 3 else {}
     opt = ZeroOptimizer(model, topo, stage=stage, lr=LR, weight_decay=WD, no_weight_decay=lambda n, p: p.ndim < 2,
-                        bucket_size=bucket, offload_optimizer=offload, **extra)
-    out = train_zero(model, opt, topo, steps, micro=MICRO_PER_TP * topo.tp_size, gas=1, vocab=cfg.vocab_size,
-                     seq=cfg.seq_length)
+                        bucket_size=bucket, offload_optimizer=offload, gradient_accumulation_steps=gas, **extra)
+    out = train_zero(model, opt, topo, steps, micro=MICRO_PER_TP * topo.tp_size // gas, gas=gas,
+                     vocab=cfg.vocab_size, seq=cfg.seq_length)
     gathered = opt.gathered_parameters() if stage == 3 else _nullcontext()
     with gathered:
         full = {n: t.float().numpy() for n, t in full_state(model, topo).items()}
@@ -45,6 +45,8 @@ def _gpt_run(topo, stage, *, dtype=torch.float32, steps=STEPS, offload="none", t
         res["partition"] = opt.partition.numel()
         res["prefetch"] = (opt.gatherer.prefetch_issued, opt.gatherer.prefetch_hits)
         res["grad_transient"] = opt.reducer.transient_peak_bytes
+    elif offload != "none":
+        res["streamed"] = [(off.streamed_last_step, len(off.grads)) for off in opt._offload]
     opt.remove_hooks()
     return res
 
