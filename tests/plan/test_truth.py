@@ -88,6 +88,8 @@ def _check(specs: List[Dict], results: List[List[Dict]]) -> List[str]:
             # Stage 3 installs its own saved-tensor hooks inside forward, which hide the saved tensors from ours.
             if spec["stage"] != 3 and not _close(r["saved"], act, 0.05):
                 problems.append(f"{where}: saved activations {r['saved']}, predicted {act}")
+            print(f"{where}: peak measured {r['peak']} predicted {memory.peak} "
+                  f"({r['peak'] / memory.peak - 1:+.1%})")
             if not _close(r["peak"], memory.peak, 0.15):
                 problems.append(f"{where}: peak {r['peak']}, predicted {memory.peak} (forward "
                                 f"{r['forward_peak']}/{memory.forward_peak}, backward+step {r['backward_peak']}/"
