@@ -30,6 +30,7 @@ Reproduce (from the repository root)::
     python benchmarks/max_model_size.py                      # all contenders, 20 GiB budget, ~25 minutes
     python benchmarks/max_model_size.py --budget 16GiB --max-attempts 4   # the run in docs/planner.md
     python benchmarks/max_model_size.py --only "zero-3" --budget 6GiB --max-attempts 3   # a quick look
+    python benchmarks/max_model_size.py --only "zero-3" --predict 4224,4352   # the planner's figures only
 """
 
 from __future__ import annotations
@@ -318,10 +319,15 @@ def predicted_rank_bytes(c: Contender, hidden: int, args) -> int:
     return peak
 
 
+def predicted_sum(c: Contender, hidden: int, args, base_bytes: float) -> float:
+    """The planner's resident bytes summed over the ranks (what the monitor compares with the budget)."""
+    return WORLD * (base_bytes + predicted_rank_bytes(c, hidden, args))
+
+
 def predicted_hidden(c: Contender, args, base_bytes: float) -> int:
     best = args.step
     for hidden in range(args.step, 64 * args.step + 1, args.step):
-        if WORLD * (base_bytes + predicted_rank_bytes(c, hidden, args)) > args.budget:
+        if predicted_sum(c, hidden, args, base_bytes) > args.budget:
             break
         best = hidden
     return best
@@ -336,8 +342,8 @@ def search(c: Contender, args, base_bytes: float, log) -> Dict:
         r = run_attempt(c, h, args)
         tried[h] = r
         log(f"  {c.name:26s} hidden {h:5d} ({n_params(h, args) / 1e6:7.1f}M params): "
-            f"{'fits' if r['ok'] else r['why']:32s} peak RSS sum {r['peak_sum'] / 2**30:5.2f} GiB, "
-            f"{r['seconds']:5.1f}s")
+            f"{'fits' if r['ok'] else r['why']:32s} peak RSS sum {r['peak_sum'] / 2**30:5.2f} GiB "
+            f"(planner {predicted_sum(c, h, args, base_bytes) / 2**30:5.2f}), {r['seconds']:5.1f}s")
         return r["ok"]
 
     h, step, stride = guess, args.step, args.step
@@ -401,6 +407,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-attempts", type=int, default=4, help="attempts per contender")
     ap.add_argument("--attempt-timeout", type=float, default=400.0, help="seconds before an attempt is abandoned")
     ap.add_argument("--only", default="", help="comma-separated substrings of contender names")
+    ap.add_argument("--predict", default="",
+                    help="comma-separated hidden sizes: print the planner's summed RSS for each and stop (no search)")
     args = ap.parse_args(argv)
     if args.rank:
         rank_main(args.rank)
@@ -416,6 +424,12 @@ def main(argv=None) -> None:
         raise SystemExit(f"the calibration run (hybrid zero-0, hidden {args.step}) failed: {calib['why']}")
     base = calib["base_mib"] * 2**20
     log(f"an idle rank holds {calib['base_mib']:.0f} MiB resident (torch, gloo); the planner adds that per rank")
+    if args.predict:
+        for c in chosen:
+            sizes = [int(h) for h in args.predict.split(",")]
+            print(f"{c.name:26s} planner: largest hidden {predicted_hidden(c, args, base)}; summed RSS "
+                  + ", ".join(f"{h}: {predicted_sum(c, h, args, base) / 2**30:.2f} GiB" for h in sizes))
+        return
     rows: Dict[str, Dict] = {}
     for c in chosen:
         why = unavailable(c)

@@ -55,12 +55,8 @@ def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples:
     trainer_state = {"engine": {"global_step": engine.global_step, "micro_steps": engine.micro_steps,
                                 "lr_schedule": engine.lr_schedule.state_dict()},
                      "client": dict(client_state or {})}
-    if engine.optimizer.stage == 3:  # whole tensors exist only when gathered: DP rank 0 receives them
-        model_state = engine.optimizer.model_state_for_save()
-    else:
-        model_state = engine.module.state_dict()
     return save_checkpoint(save_dir, iteration, engine_layout(engine), engine.topology.coord,
-                           model_state=model_state, optimizer_state=optimizer_state,
+                           model_state=engine.optimizer.model_state_for_save(), optimizer_state=optimizer_state,
                            rank_state=rank_state, consumed_samples=consumed_samples,
                            model_config=_model_config(engine), param_index=param_index,
                            trainer_state=trainer_state, keep_last=keep_last,
@@ -87,20 +83,11 @@ def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True,
 
         load_resharded(engine, reader, load_optimizer=load_optimizer)
     else:
-        shard = reader.load_model_shard(topo.tp_rank, topo.pp_rank)
-        if engine.optimizer.stage == 3:
-            engine.optimizer.load_model_state(shard)
-        else:
-            engine.module.load_state_dict(shard, strict=True)
-        del shard
+        engine.optimizer.load_model_state(reader.load_model_shard(topo.tp_rank, topo.pp_rank))
         if load_optimizer:
             sd = reader.load_optimizer_shard(topo.tp_rank, topo.dp_rank, topo.pp_rank)
             sd["param_index"] = reader.param_index
             engine.optimizer.load_state_dict(sd)
-        elif engine.optimizer.stage != 3:  # stage 3 set its masters from the weights already
-            from hybrid.engine.reshard import refresh_master_from_model
-
-            refresh_master_from_model(engine.optimizer)
     if load_optimizer and saved == current:
         rank_state = reader.load_rank_state(topo.tp_rank, topo.dp_rank, topo.pp_rank)
         restore_rng_state(rank_state["rng"])

@@ -97,21 +97,9 @@ def load_resharded(engine: "Engine", reader: CheckpointReader, *, load_optimizer
             keys = src.state_keys() if load_optimizer else [MASTER]
             opt.load_state_dict(_partition_state(opt, src, topo, keys, restore_counters=load_optimizer))
         else:
-            refresh_master_from_model(opt)
+            opt.weights_loaded()
     if load_optimizer:
         _restore_rng(engine, reader)
-
-
-def refresh_master_from_model(opt: "ZeroOptimizer") -> None:
-    """Copy the current parameters into this rank's master partition (after a weights-only load)."""
-    if opt.stage == 3:
-        opt.weights_loaded()
-        return
-    with torch.no_grad():
-        for part in opt.partitions:
-            if not part.aliased:
-                for master, param in zip(part.master_chunks, part.param_chunks):
-                    master.copy_(param)
 
 
 # ---- checks ---------------------------------------------------------------------------------------

@@ -379,6 +379,23 @@ class ZeroOptimizer:
         if self.loss_scaler is not None and sd["loss_scaler"] is not None:
             self.loss_scaler.load_state_dict(sd["loss_scaler"])
 
+    # ---- whole weights in and out (checkpoints) -----------------------------------------------
+    def model_state_for_save(self) -> Optional[Dict[str, torch.Tensor]]:
+        """What a checkpoint's model file holds: ``model.state_dict()`` (stage 3 gathers it; see there)."""
+        return self.model.state_dict()
+
+    def load_model_state(self, state: Dict[str, torch.Tensor]) -> None:
+        """Load a ``model.state_dict()`` (this TP rank's shard, keys must match) and make the masters follow it."""
+        self.model.load_state_dict(state, strict=True)
+        self.weights_loaded()
+
+    def weights_loaded(self) -> None:
+        """Copy the current parameters into this rank's master partition (after loading weights only)."""
+        with torch.no_grad():
+            for part in self.partitions:
+                if not part.aliased:
+                    torch._foreach_copy_(part.master_chunks, part.param_chunks)
+
     def remove_hooks(self) -> None:
         """Detach the gradient hooks from the model's parameters."""
         self.reducer.remove_hooks()

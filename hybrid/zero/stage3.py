@@ -363,7 +363,7 @@ class Stage3Optimizer(ZeroOptimizer):
                     self.partition[dst: dst + end - start].copy_(flat[start:end])
 
     def weights_loaded(self, from_master: bool = False) -> None:
-        """Make masters and parameters agree after a load, and re-gather the persistent units (collective over ``dp``).
+        """Make masters and parameters agree after a load and re-gather the persistent units (collective over ``dp``).
 
         ``from_master``: the masters were loaded (the weights are their
         rounded copies); otherwise the parameters were, and the masters

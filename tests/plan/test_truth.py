@@ -78,8 +78,10 @@ def _check(specs: List[Dict], results: List[List[Dict]]) -> List[str]:
             where = f"config {spec} rank tp{r['tp_rank']}/dp{r['dp_rank']}"
             memory, comm = _predict(spec, r["compiled_adam"])
             state = dataclasses.asdict(memory.state)
+            off_by = 0  # bytes, the largest component difference
             for reported, predicted in COMPONENTS:
                 got, want = r["report"].get(reported, 0), state[predicted]
+                off_by = max(off_by, abs(got - want))
                 if not _close(got, want, 0.05):
                     problems.append(f"{where}: memory_report {reported} = {got}, predicted {want}")
             if not _close(r["state"], memory.persistent, 0.05):
@@ -88,8 +90,8 @@ def _check(specs: List[Dict], results: List[List[Dict]]) -> List[str]:
             # Stage 3 installs its own saved-tensor hooks inside forward, which hide the saved tensors from ours.
             if spec["stage"] != 3 and not _close(r["saved"], act, 0.05):
                 problems.append(f"{where}: saved activations {r['saved']}, predicted {act}")
-            print(f"{where}: peak measured {r['peak']} predicted {memory.peak} "
-                  f"({r['peak'] / memory.peak - 1:+.1%})")
+            print(f"{where}: components off by at most {off_by} bytes; peak measured {r['peak']} predicted "
+                  f"{memory.peak} ({r['peak'] / memory.peak - 1:+.1%})")
             if not _close(r["peak"], memory.peak, 0.15):
                 problems.append(f"{where}: peak {r['peak']}, predicted {memory.peak} (forward "
                                 f"{r['forward_peak']}/{memory.forward_peak}, backward+step {r['backward_peak']}/"
