@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.comm import Communicator
+from hybrid.layout import ParallelLayout
 
 AXES = ("tp", "dp", "pp", "mp", "world")
 
@@ -215,6 +216,11 @@ class Topology:
                 and dist.get_backend() == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+    def layout(self, zero_stage: int = 0, precision: str = "fp32") -> ParallelLayout:
+        """This job's :class:`~hybrid.layout.ParallelLayout` with the given ZeRO stage and precision (validated)."""
+        return ParallelLayout(tp=self.tp_size, dp=self.dp_size, pp=self.pp_size, zero_stage=zero_stage,
+                              precision=precision)
 
     def describe(self) -> str:
         return (f"world={self.world_size} tp={self.tp_size} dp={self.dp_size} "

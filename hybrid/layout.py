@@ -1,0 +1,145 @@
+"""What a parallel layout is, and what each ZeRO stage partitions: the one definition of both.
+
+Everything that reasons about stages reads :data:`STAGE_TRAITS` (the
+optimizers, configuration validation, checkpoints, resharding, the planner)
+instead of comparing stage numbers; everything that describes a run's layout
+uses :class:`ParallelLayout`, which :meth:`hybrid.topology.Topology.layout`
+builds for a live job and checkpoints store in ``metadata.json``.
+
+This module is plain data: it imports neither torch nor any other part of
+hybrid, so configuration code and offline tools can use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Dict, Optional, Tuple
+
+
+class LayoutError(ValueError):
+    """A ZeRO stage, offload choice or parallel layout that cannot be used."""
+
+
+class ZeroStage(enum.IntEnum):
+    """The ZeRO stages; each partitions one more kind of training state over the data-parallel group."""
+
+    DISABLED = 0  # plain data parallelism: every rank holds everything, gradients are all-reduced
+    OPTIMIZER_STATES = 1  # fp32 master weights and optimizer state partitioned
+    GRADIENTS = 2  # ... and the reduced gradients
+    PARAMETERS = 3  # ... and the low-precision parameters themselves
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTraits:
+    """What one stage partitions over the DP group (each True means 1/dp of it per rank)."""
+
+    optimizer_states: bool
+    gradients: bool
+    parameters: bool
+
+    @property
+    def allows_offload(self) -> bool:
+        """Offload moves the partitioned optimizer state to host memory, so there must be a partition."""
+        return self.optimizer_states
+
+
+STAGE_TRAITS: Dict[ZeroStage, StageTraits] = {
+    ZeroStage.DISABLED: StageTraits(optimizer_states=False, gradients=False, parameters=False),
+    ZeroStage.OPTIMIZER_STATES: StageTraits(optimizer_states=True, gradients=False, parameters=False),
+    ZeroStage.GRADIENTS: StageTraits(optimizer_states=True, gradients=True, parameters=False),
+    ZeroStage.PARAMETERS: StageTraits(optimizer_states=True, gradients=True, parameters=True),
+}
+
+ZERO_STAGES: Tuple[int, ...] = tuple(int(s) for s in ZeroStage)
+OFFLOAD_DEVICES: Tuple[str, ...] = ("none", "cpu")
+PRECISIONS: Tuple[str, ...] = ("fp32", "bf16", "fp16")
+
+
+def _stage_list(stages) -> str:
+    names = [str(int(s)) for s in stages]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def zero_stage(value: Any, key: str = "zero stage") -> ZeroStage:
+    """``value`` as a :class:`ZeroStage`; ``key`` names the setting in the error (a flag or config key)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value not in ZERO_STAGES:
+        raise LayoutError(f"{key} must be {_stage_list(ZeroStage)}, got {value!r}")
+    return ZeroStage(value)
+
+
+def stage_traits(stage: int) -> StageTraits:
+    return STAGE_TRAITS[zero_stage(stage)]
+
+
+def partition_count(stage: int, dp: int) -> int:
+    """How many pieces the optimizer state is cut into: ``dp`` when the stage partitions it, else 1."""
+    return dp if stage_traits(stage).optimizer_states else 1
+
+
+def offload_problem(stage: int, offload: str) -> Optional[str]:
+    """Why ``offload`` cannot be used at ``stage`` (None when it can): the offload rule, written once."""
+    if offload not in OFFLOAD_DEVICES:
+        return f"offload must be one of {', '.join(OFFLOAD_DEVICES)}, got {offload!r}"
+    if offload != "none" and not stage_traits(stage).allows_offload:
+        allowed = [s for s in ZeroStage if STAGE_TRAITS[s].allows_offload]
+        return (f"offload to {offload} needs ZeRO stage {_stage_list(allowed)}: stage {int(stage)} keeps no "
+                f"partitioned optimizer state to move")
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """How one job lays its ranks out and partitions its state.
+
+    ``tp`` x ``dp`` x ``pp`` ranks (TP innermost, see :mod:`hybrid.topology`),
+    the ZeRO stage over ``dp`` and the training precision. Validated on
+    construction; ``to_json``/``from_json`` are the form checkpoints store.
+    """
+
+    tp: int
+    dp: int
+    pp: int = 1
+    zero_stage: ZeroStage = ZeroStage.DISABLED
+    precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "dp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(f"layout {name} must be an integer >= 1, got {value!r}")
+        object.__setattr__(self, "zero_stage", zero_stage(self.zero_stage, "layout zero_stage"))
+        if self.precision not in PRECISIONS:
+            raise LayoutError(f"layout precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    @property
+    def traits(self) -> StageTraits:
+        return STAGE_TRAITS[self.zero_stage]
+
+    @property
+    def partition_count(self) -> int:
+        """Pieces of the optimizer state (one per DP rank when the stage partitions it)."""
+        return partition_count(self.zero_stage, self.dp)
+
+    def replace(self, **changes: Any) -> "ParallelLayout":
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        return f"tp={self.tp} dp={self.dp} pp={self.pp} zero={int(self.zero_stage)} {self.precision}"
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"tp": self.tp, "dp": self.dp, "pp": self.pp, "zero_stage": int(self.zero_stage),
+                "precision": self.precision}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "ParallelLayout":
+        if not isinstance(data, dict):
+            raise LayoutError(f"layout must be a JSON object, got {data!r}")
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise LayoutError(f"layout has unknown keys {sorted(unknown)}")
+        return cls(**data)
