@@ -193,14 +193,16 @@ def _state_elements(opt) -> int:
 # ---- one contender on one rank -----------------------------------------------------------------------
 def _build_hybrid(c: Contender, args):
     from hybrid import Topology
-    from hybrid.zero import ZeroOptimizer
+    from hybrid.config import OptimizerConfig, ZeroConfig
+    from hybrid.zero import build_zero_optimizer
     from model_zoo import GPTModel
 
     topo = Topology(tp=c.tp)
     model = GPTModel(gpt_config(args), topo)
     model.check_inputs = False
-    opt = ZeroOptimizer(model, topo, stage=c.stage, lr=args.lr, weight_decay=args.wd,
-                        no_weight_decay=lambda n, p: p.ndim < 2, bucket_size=args.bucket)
+    opt = build_zero_optimizer(model, topo, ZeroConfig(stage=c.stage, bucket_size=args.bucket),
+                               OptimizerConfig(lr=args.lr, weight_decay=args.wd),
+                               no_weight_decay=lambda n, p: p.ndim < 2)
 
     def step(x, y):
         loss = model(x, y)

@@ -20,17 +20,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
-from hybrid.checkpoint import (CheckpointError, CheckpointReader, Layout, capture_rng_state,
-                               restore_rng_state, save_checkpoint)
+from hybrid.checkpoint import CheckpointError, CheckpointReader, save_checkpoint
 
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.engine.engine import Engine
-
-
-def engine_layout(engine: "Engine") -> Layout:
-    topo = engine.topology
-    return Layout(tp=topo.tp_size, dp=topo.dp_size, pp=topo.pp_size, zero_stage=engine.config.zero.stage,
-                  precision=engine.config.precision)
 
 
 def _model_config(engine: "Engine") -> Optional[Dict[str, Any]]:
@@ -42,22 +35,20 @@ def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples:
                 client_state: Optional[Mapping[str, Any]] = None, keep_last: Optional[int] = None):
     """Write ``save_dir/iter_{iteration:07d}`` from every rank; returns the directory.
 
-    ``client_state`` (JSON-able) is stored in ``metadata.json`` and returned by
-    :func:`load_engine`. Collective over the whole world.
+    The engine's :meth:`~hybrid.engine.Engine.state_dict` is split over the
+    files: the model part into the model file, the optimizer part into this
+    rank's partition file (its parameter index into ``metadata.json``), the
+    random state into this rank's file, the progress counters and schedule
+    into ``metadata.json`` beside ``client_state`` (JSON-able, returned by
+    :func:`load_engine`). Collective over the whole world.
     """
-    optimizer_state = engine.optimizer.state_dict()
+    state = engine.state_dict()
+    optimizer_state = state["optimizer"]
     param_index = optimizer_state.pop("param_index")
-    tracker = getattr(engine.module, "rng_tracker", None)
-    # Keys as "stream/device" strings: checkpoint files hold only weights_only-safe types.
-    rank_state = {"rng": capture_rng_state(),
-                  "tp_rng": ({f"{stream}/{dev}": t for (stream, dev), t in tracker.get_states().items()}
-                             if tracker is not None else None)}
-    trainer_state = {"engine": {"global_step": engine.global_step, "micro_steps": engine.micro_steps,
-                                "lr_schedule": engine.lr_schedule.state_dict()},
-                     "client": dict(client_state or {})}
-    return save_checkpoint(save_dir, iteration, engine_layout(engine), engine.topology.coord,
-                           model_state=engine.optimizer.model_state_for_save(), optimizer_state=optimizer_state,
-                           rank_state=rank_state, consumed_samples=consumed_samples,
+    trainer_state = {"engine": state["progress"], "client": dict(client_state or {})}
+    return save_checkpoint(save_dir, iteration, engine.layout, engine.topology.coord,
+                           model_state=state["model"], optimizer_state=optimizer_state,
+                           rank_state=state["rng"], consumed_samples=consumed_samples,
                            model_config=_model_config(engine), param_index=param_index,
                            trainer_state=trainer_state, keep_last=keep_last,
                            all_gather_object=engine.topology.comm.all_gather_object)
@@ -74,39 +65,29 @@ def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True,
     naming what differs when the checkpoint cannot be loaded into this engine.
     """
     reader = CheckpointReader(load_dir)
-    saved, current = reader.layout, engine_layout(engine)
     _check_model_config(reader.model_config, _model_config(engine), reader.path)
     topo = engine.topology
-    if (saved.tp, saved.dp, saved.pp, saved.zero_stage, saved.precision) != \
-            (current.tp, current.dp, current.pp, current.zero_stage, current.precision):
+    if reader.layout.to_json() != engine.layout.to_json():
         from hybrid.engine.reshard import load_resharded
 
         load_resharded(engine, reader, load_optimizer=load_optimizer)
     else:
-        engine.optimizer.load_model_state(reader.load_model_shard(topo.tp_rank, topo.pp_rank))
+        state: Dict[str, Any] = {"model": reader.load_model_shard(topo.tp_rank, topo.pp_rank)}
         if load_optimizer:
-            sd = reader.load_optimizer_shard(topo.tp_rank, topo.dp_rank, topo.pp_rank)
-            sd["param_index"] = reader.param_index
-            engine.optimizer.load_state_dict(sd)
-    if load_optimizer and saved == current:
-        rank_state = reader.load_rank_state(topo.tp_rank, topo.dp_rank, topo.pp_rank)
-        restore_rng_state(rank_state["rng"])
-        tracker = getattr(engine.module, "rng_tracker", None)
-        if tracker is not None and rank_state.get("tp_rng") is not None:
-            tracker.set_states({tuple(k.split("/", 1)): t for k, t in rank_state["tp_rng"].items()})
-    state = reader.trainer_state
+            state["optimizer"] = reader.load_optimizer_shard(topo.tp_rank, topo.dp_rank, topo.pp_rank)
+            state["optimizer"]["param_index"] = reader.param_index
+            state["rng"] = reader.load_rank_state(topo.tp_rank, topo.dp_rank, topo.pp_rank)
+        engine.load_state_dict(state)
+    trainer_state = reader.trainer_state
     if load_optimizer:
-        eng = state["engine"]
-        engine.global_step = int(eng["global_step"])
-        # Counted in this layout's accumulation steps: a checkpoint is always taken at a boundary.
-        engine.micro_steps = engine.global_step * engine.batch.gradient_accumulation_steps
         try:
-            engine.lr_schedule.load_state_dict(eng["lr_schedule"], strict=not keep_configured_schedule)
+            engine.load_state_dict({"progress": trainer_state["engine"]},
+                                   strict_schedule=not keep_configured_schedule)
         except ValueError as e:
             raise CheckpointError(f"{reader.path}: {e}. The trainer's --override-opt-param-scheduler keeps the "
                                   f"new settings") from None
     return {"iteration": reader.iteration, "consumed_samples": reader.consumed_samples,
-            "client_state": state.get("client", {}), "path": str(reader.path)}
+            "client_state": trainer_state.get("client", {}), "path": str(reader.path)}
 
 
 def _check_model_config(saved: Optional[Mapping[str, Any]], current: Optional[Mapping[str, Any]], path) -> None:

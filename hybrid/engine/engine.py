@@ -18,7 +18,8 @@ non-finite gradients) and zeroes the gradients.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional
+import dataclasses
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -28,17 +29,22 @@ from hybrid.config.schema import HybridConfig
 from hybrid.engine.builders import (NoDecayFn, build_loss_scaler, build_lr_schedule, check_recompute,
                                     no_weight_decay_rule)
 from hybrid.engine.precision import prepare_precision
+from hybrid.engine.rng import RandomState
 from hybrid.engine.step_logger import StepLogger
+from hybrid.layout import ParallelLayout
 from hybrid.topology import Topology
-from hybrid.zero import ZeroOptimizer
+from hybrid.zero import build_zero_optimizer
+
 
 class Engine:
     """Drives one model replica's shard; build it with :func:`initialize`.
 
     Attributes: ``module`` (the wrapped model, in training precision),
-    ``optimizer`` (the :class:`~hybrid.zero.ZeroOptimizer`), ``lr_schedule``,
+    ``optimizer`` (the :class:`~hybrid.zero.ZeroOptimizer` of the configured
+    stage), ``lr_schedule``, ``rng`` (every random generator of this rank),
     ``config`` (the validated :class:`HybridConfig`), ``topology``, ``batch``
-    (resolved :class:`~hybrid.config.BatchSizes`).
+    (resolved :class:`~hybrid.config.BatchSizes`). Each component saves and
+    loads its own state; :meth:`state_dict` is built from theirs.
     """
 
     def __init__(self, model: torch.nn.Module, config: HybridConfig, topology: Topology, *,
@@ -61,18 +67,14 @@ class Engine:
         model.train()
         self._autocast_dtype = prepare_precision(model, config.precision, config.autocast)
         self.lr_schedule = build_lr_schedule(config)
-        opt = config.optimizer
-        zero = config.zero
-        stage3 = dict(persistence_threshold=zero.persistence_threshold, max_live_parameters=zero.max_live_parameters,
-                      prefetch_numel=zero.prefetch_bucket_size) if zero.stage == 3 else {}
-        self.optimizer = ZeroOptimizer(
-            model, topology, stage=config.zero.stage, optimizer=opt.type, lr=self.lr_schedule.lr,
-            betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay, momentum=opt.momentum,
-            no_weight_decay=no_weight_decay_rule(config, no_weight_decay), bucket_size=config.zero.bucket_size,
-            overlap_comm=config.zero.overlap_comm, master_dtype=torch.float32,
-            loss_scaler=build_loss_scaler(config), clip_grad=config.clip_grad,
-            gradient_accumulation_steps=self.batch.gradient_accumulation_steps,
-            use_fused_kernels=config.use_fused_kernels, offload_optimizer=zero.offload_optimizer, **stage3)
+        # The first step's learning rate is the schedule's, not the configured peak.
+        optimizer_config = dataclasses.replace(config.optimizer, lr=self.lr_schedule.lr)
+        self.optimizer = build_zero_optimizer(
+            model, topology, config.zero, optimizer_config,
+            no_weight_decay=no_weight_decay_rule(config, no_weight_decay), loss_scaler=build_loss_scaler(config),
+            clip_grad=config.clip_grad, gradient_accumulation_steps=self.batch.gradient_accumulation_steps,
+            use_fused_kernels=config.use_fused_kernels)
+        self.rng = RandomState(model)
         self.micro_steps = 0
         self.global_step = 0
         self.last_lr: Optional[float] = None
@@ -185,6 +187,50 @@ class Engine:
         """Bytes each collective moved in the last global batch."""
         return self.optimizer.comm_report()
 
+    @property
+    def layout(self) -> ParallelLayout:
+        """The parallel layout of this engine: the topology's sizes, the ZeRO stage and the precision."""
+        return self.topology.layout(self.config.zero.stage, self.config.precision)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's complete training state, from each component's own ``state_dict``.
+
+        ``model``: the weights a checkpoint's model file holds (whole tensors
+        of this TP shard; None on the DP ranks that do not write it under
+        ZeRO-3, which gathers them: collective over ``dp`` there);
+        ``optimizer``: the ZeRO partition, counters and loss scaler;
+        ``rng``: every generator of this rank; ``progress``: the engine's
+        step counters and the LR schedule.
+        """
+        return {"model": self.optimizer.model_state_for_save(), "optimizer": self.optimizer.state_dict(),
+                "rng": self.rng.state_dict(), "progress": self._progress_state()}
+
+    def load_state_dict(self, state: Dict[str, Any], *, strict_schedule: bool = True) -> None:
+        """Restore the parts of a :meth:`state_dict` that ``state`` holds (absent or None parts are left alone).
+
+        ``strict_schedule=False`` keeps the configured LR-schedule settings at
+        the saved position instead of refusing different ones. The model
+        loads before the optimizer, whose master weights then win.
+        """
+        if state.get("model") is not None:
+            self.optimizer.load_model_state(state["model"])
+        if state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("rng") is not None:
+            self.rng.load_state_dict(state["rng"])
+        if state.get("progress") is not None:
+            self._load_progress(state["progress"], strict_schedule)
+
+    def _progress_state(self) -> Dict[str, Any]:
+        return {"global_step": self.global_step, "micro_steps": self.micro_steps,
+                "lr_schedule": self.lr_schedule.state_dict()}
+
+    def _load_progress(self, progress: Dict[str, Any], strict_schedule: bool) -> None:
+        self.lr_schedule.load_state_dict(progress["lr_schedule"], strict=strict_schedule)
+        self.global_step = int(progress["global_step"])
+        # Counted in this layout's accumulation steps: a checkpoint is always taken at a boundary.
+        self.micro_steps = self.global_step * self.batch.gradient_accumulation_steps
+
     def save_checkpoint(self, directory, iteration: Optional[int] = None, *, consumed_samples: int = 0,
                         client_state: Optional[dict] = None, keep_last: Optional[int] = None):
         """Save the complete training state to ``directory/iter_{iteration:07d}`` (default: ``global_step``).
@@ -208,11 +254,10 @@ class Engine:
         return load_engine(self, directory, load_optimizer=load_optimizer)
 
     def gathered_parameters(self):
-        """Context manager: every parameter of ``module`` whole inside the block (ZeRO-3 gathers them over
-        ``dp``; a no-op for stages 0-2). For reading or exporting weights; writes inside it are lost."""
-        if self.optimizer.stage == 3:
-            return self.optimizer.gathered_parameters()
-        return contextlib.nullcontext()
+        """Context manager: every parameter of ``module`` whole inside the block (a stage that partitions
+        parameters gathers them over ``dp``; a no-op otherwise). For reading or exporting weights; writes
+        inside it are lost."""
+        return self.optimizer.gathered_parameters()
 
     def close(self) -> None:
         """Flush and close the TensorBoard writer and detach the optimizer's gradient hooks.
@@ -224,7 +269,7 @@ class Engine:
         self.optimizer.remove_hooks()
 
     def __repr__(self) -> str:
-        return (f"Engine({type(self.module).__name__}, zero stage {self.config.zero.stage}, "
+        return (f"Engine({type(self.module).__name__}, zero stage {int(self.config.zero.stage)}, "
                 f"{self.config.precision}, {self.topology.describe()}, global_step={self.global_step})")
 
 

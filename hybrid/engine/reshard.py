@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 
-from hybrid.checkpoint import CheckpointReader, restore_rng_state
+from hybrid.checkpoint import CheckpointReader
 from hybrid.convert.consolidate import MASTER, WEIGHT, CheckpointSource, ConversionError, Target
 from hybrid.param_meta import REPLICATED, full_shape, get_tp_meta
 
@@ -70,7 +70,7 @@ def load_resharded(engine: "Engine", reader: CheckpointReader, *, load_optimizer
     entries = dict(engine.module.state_dict(keep_vars=True))
     metas = {name: get_tp_meta(t) for name, t in entries.items()}
     # ZeRO-3 trainable parameters: written into this rank's partition, not into the (empty) module tensors
-    owners = {name: opt.parameter_name(t) for name, t in entries.items()} if opt.stage == 3 else {}
+    owners = {name: opt.parameter_name(t) for name, t in entries.items()}
     shapes = {name: opt.parameter_shape(owners[name]) if owners.get(name) else tuple(t.shape)
               for name, t in entries.items()}
     # Entries the parameter index does not describe (frozen parameters, buffers) split like the current ones.
@@ -201,15 +201,4 @@ def _restore_rng(engine: "Engine", reader: CheckpointReader) -> None:
     saved, topo = reader.layout, engine.topology
     same_tp = saved.tp == topo.tp_size
     state = reader.load_rank_state(topo.tp_rank if same_tp else 0, topo.dp_rank if topo.dp_rank < saved.dp else 0)
-    rng = dict(state["rng"])
-    if rng.get("torch_cuda") is not None and not torch.cuda.is_available():
-        rng["torch_cuda"] = None  # saved on a GPU, resumed without one: nothing to restore it into
-    restore_rng_state(rng)
-    tracker = getattr(engine.module, "rng_tracker", None)
-    streams = state.get("tp_rng")
-    if tracker is not None and streams:
-        tracker.set_states({k: v for k, v in streams.items() if same_tp or _stream_name(k) != "tp"})
-
-
-def _stream_name(key) -> str:
-    return key[0] if isinstance(key, (tuple, list)) else str(key).split("/")[0]
+    engine.rng.load_state_dict(state, same_tp_size=same_tp)

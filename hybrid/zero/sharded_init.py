@@ -15,12 +15,15 @@ equals ``GPTModel(config, Topology.local(), seed=seed)``.
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch import nn
 
+from hybrid.config.schema import OptimizerConfig, ZeroConfig
+from hybrid.layout import stage_traits
 from hybrid.tensor_parallel import init as tp_init
+from hybrid.zero.flat_buffer import ZeroConfigError
 from hybrid.zero.stage3_layout import Unit
 
 
@@ -69,18 +72,24 @@ def init_partition(units: List[Unit], partition: torch.Tensor, seed: int, tp_siz
             partition[base + chunk_offset: base + chunk_offset + (end - start)].copy_(values)
 
 
-def zero3_from_meta(model: nn.Module, topology, seed: int, *, dtype: torch.dtype = torch.float32, **kwargs):
-    """A ZeRO stage-3 optimizer for ``model`` built on ``meta``, each rank materialising only its slice.
+def zero3_from_meta(model: nn.Module, topology, seed: int, zero: ZeroConfig, optimizer: Optional[OptimizerConfig] = None,
+                    *, dtype: torch.dtype = torch.float32, **runtime):
+    """A ZeRO optimizer for ``model`` built on ``meta``, each rank materialising only its slice.
 
-    ``seed`` is the model's init seed (``GPTModel(..., seed=...)``);
-    ``kwargs`` go to :class:`~hybrid.zero.ZeroOptimizer`. No DP broadcast is
-    needed: every rank computes its own slice from ``(seed, name)``.
+    ``zero`` must ask for a stage that partitions the parameters (the whole
+    model never exists on one rank). ``seed`` is the model's init seed
+    (``GPTModel(..., seed=...)``); ``runtime`` goes to
+    :func:`~hybrid.zero.build_zero_optimizer`. No DP broadcast is needed:
+    every rank computes its own slice from ``(seed, name)``.
     """
-    from hybrid.zero.optimizer import ZeroOptimizer
+    from hybrid.zero.factory import build_zero_optimizer
 
+    if not stage_traits(zero.stage).parameters:
+        raise ZeroConfigError(f"zero.stage={zero.stage} keeps whole parameters on every rank; sharded "
+                              f"initialisation from the meta device needs a stage that partitions them")
     stub_meta_parameters(model, topology.device, dtype)
 
     def fill(units, partition, topo):
         init_partition(units, partition, seed, topo.tp_size, topo.tp_rank, topo.dp_rank)
 
-    return ZeroOptimizer(model, topology, stage=3, partition_init=fill, **kwargs)
+    return build_zero_optimizer(model, topology, zero, optimizer, partition_init=fill, **runtime)

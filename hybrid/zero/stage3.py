@@ -18,22 +18,17 @@ after the update instead).
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from hybrid.zero.base import ZeroOptimizer
 from hybrid.zero.flat_buffer import ZeroConfigError, dtype_name
 from hybrid.zero.offload import HostCopy, host_device
-from hybrid.zero.optimizer import ZeroOptimizer, _check_args
 from hybrid.zero.order_check import OrderCheck
 from hybrid.zero.param_gather import ParamGatherer
 from hybrid.zero.stage3_grads import Stage3GradReducer
 from hybrid.zero.stage3_layout import Unit, build_units, param_index, partition_numel
-
-DEFAULT_PERSISTENCE_THRESHOLD = 100_000
-DEFAULT_MAX_LIVE = 1_000_000_000
-DEFAULT_PREFETCH = 50_000_000
 
 
 def _partition_runs(units: List[Unit], dp_rank: int, tp_rank: int):
@@ -65,43 +60,30 @@ def _partition_runs(units: List[Unit], dp_rank: int, tp_rank: int):
 
 
 class Stage3Optimizer(ZeroOptimizer):
-    """:class:`ZeroOptimizer` with ``stage=3``; built by ``ZeroOptimizer(model, topology, stage=3, ...)``.
+    """ZeRO stage 3: each DP rank keeps only its partition of the parameters.
 
-    Extra arguments: ``persistence_threshold`` (parameters with at most this
-    many elements stay whole on every rank), ``max_live_parameters``
-    (elements of gathered weights allowed at once), ``prefetch_numel``
-    (elements gathered ahead), ``offload_optimizer`` (``"none"`` or
-    ``"cpu"``), ``verify_order`` (check the gather order across DP ranks).
+    Besides the common arguments (:class:`~hybrid.zero.base.ZeroOptimizer`)
+    it reads from the ``zero`` section ``persistence_threshold`` (parameters
+    with at most this many elements stay whole on every rank),
+    ``max_live_parameters`` (elements of gathered weights allowed at once) and
+    ``prefetch_bucket_size`` (elements gathered ahead). ``verify_order``
+    checks that every DP rank gathers units in the same order;
+    ``partition_init(units, partition, topology)`` fills this rank's partition
+    directly (sharded deferred initialisation of a model built on the meta
+    device) instead of copying it out of the model.
     """
 
-    def __init__(self, model: torch.nn.Module, topology, *, stage: int = 3, optimizer: str = "adamw",
-                 lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 momentum: float = 0.0, no_weight_decay=None, bucket_size: int = 25_000_000,
-                 overlap_comm: bool = True, master_dtype: torch.dtype = torch.float32, loss_scaler=None,
-                 clip_grad: float = 0.0, gradient_accumulation_steps: int = 1, use_fused_kernels: bool = True,
-                 offload_optimizer: str = "none", persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
-                 max_live_parameters: int = DEFAULT_MAX_LIVE, prefetch_numel: int = DEFAULT_PREFETCH,
-                 verify_order: bool = True, partition_init=None):
-        _check_args(stage, bucket_size, gradient_accumulation_steps, clip_grad, master_dtype, topology, loss_scaler,
-                    offload_optimizer)
-        from hybrid.zero.inner import InnerOptimizer
-
-        self.inner = InnerOptimizer(optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                    momentum=momentum, use_kernels=use_fused_kernels)
-        self.model, self.topology, self.comm = model, topology, topology.comm
-        self.stage = 3
-        self.gradient_accumulation_steps = gradient_accumulation_steps
-        self.clip_grad = float(clip_grad)
-        self.loss_scaler = loss_scaler
-        self.use_fused_kernels = use_fused_kernels
-        self.offload_optimizer = offload_optimizer
+    def __init__(self, model: torch.nn.Module, topology, zero, optimizer, *, verify_order: bool = True,
+                 partition_init=None, **runtime):
+        super().__init__(model, topology, zero, optimizer, **runtime)
         dp, self.part = topology.dp_size, topology.dp_rank
         self.partition_count = dp
 
-        self.units, self._frozen = build_units(model, dp, persistence_threshold, weight_decay > 0, no_weight_decay)
+        self.units, self._frozen = build_units(model, dp, zero.persistence_threshold, self.decays,
+                                               self.no_weight_decay)
         biggest = max((u for u in self.units if not u.persistent), key=lambda u: u.numel, default=None)
-        if biggest is not None and max_live_parameters < biggest.numel:
-            raise ZeroConfigError(f"max_live_parameters={max_live_parameters} elements cannot hold module "
+        if biggest is not None and zero.max_live_parameters < biggest.numel:
+            raise ZeroConfigError(f"max_live_parameters={zero.max_live_parameters} elements cannot hold module "
                                   f"{biggest.module_name!r} ({biggest.numel} elements when gathered); raise "
                                   f"zero.max_live_parameters (DeepSpeed: stage3_max_live_parameters) to at "
                                   f"least {biggest.numel}")
@@ -116,24 +98,20 @@ class Stage3Optimizer(ZeroOptimizer):
             self._partition_from_model()
         chunks = [self.partition[u.partition_offset: u.partition_offset + u.chunk_numel] for u in self.units]
         self.order = OrderCheck(self.comm, enabled=verify_order)
-        self.gatherer = ParamGatherer(self.units, chunks, self.comm, self.order, max_live_parameters, prefetch_numel)
+        self.gatherer = ParamGatherer(self.units, chunks, self.comm, self.order, zero.max_live_parameters,
+                                      zero.prefetch_bucket_size)
         self._hooks = self._register_module_hooks()
         self._record_of = {rec.name: (u.index, r) for u in self.units for r, rec in enumerate(u.records)}
         self._name_of_param = {id(p): rec.name for u in self.units for rec, p in zip(u.records, u.params)}
         self.param_index = param_index(self.units, dp)
 
-        host = host_device(offload_optimizer, device)
-        self.reducer = Stage3GradReducer(self.units, self.comm, self.order, self.part, bucket_size, self.dtype, device,
-                                         host if host is not None else device, self.gatherer.release,
+        host = host_device(self.offload_optimizer, device)
+        self.reducer = Stage3GradReducer(self.units, self.comm, self.order, self.part, zero.bucket_size, self.dtype,
+                                         device, host if host is not None else device, self.gatherer.release,
                                          self.gatherer.shape_for_grad, self.gatherer.unshape)
         self.reducer.attach_hooks()
-        self._setup_master(master_dtype, host)
-        self.global_steps = 0
-        self.skipped_steps = 0
-        self._micro = 0
-        self._last_grad_norm = math.nan
-        self._last_comm: Dict[str, Dict[str, float]] = {}
-        self.comm.reset_stats()
+        self._setup_master(self.master_dtype, host)
+        self._finish_setup()
 
     # ---- set-up ---------------------------------------------------------------------------------------
     def _partition_from_model(self) -> None:
@@ -194,25 +172,19 @@ class Stage3Optimizer(ZeroOptimizer):
         return hooks
 
     # ---- the training step ----------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's mean loss; every unit is reduce-scattered on every micro-step."""
-        gas = self.gradient_accumulation_steps
-        if self._micro >= gas:
-            raise RuntimeError(f"backward() was called {self._micro + 1} times since the last step(), but "
-                               f"gradient_accumulation_steps={gas}; call step() once every {gas} micro-batches")
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError("backward() expects the scalar (mean) loss of one micro-batch")
+    @contextlib.contextmanager
+    def _backward_phase(self, last_micro_step: bool) -> Iterator[None]:
+        """Every unit is re-gathered and reduce-scattered over ``dp`` on every micro-step (the partition
+        holds no whole gradient to accumulate into)."""
         self.gatherer.exit_forward()  # in case the model's forward post-hook did not run
-        factor = self.loss_scale / gas
         self.gatherer.begin_phase("backward")
         self.reducer.begin_backward()
         try:
-            (loss * factor if factor != 1.0 else loss).backward()
+            yield
         finally:
             self.reducer.end_backward()
             self.gatherer.release_all()
             self.gatherer.end_phase()
-        self._micro += 1
 
     def _apply_update(self, factor: float) -> None:
         self.gatherer.reset()
@@ -230,9 +202,6 @@ class Stage3Optimizer(ZeroOptimizer):
         local = local.to(self.reducer.grads.device)
         self.comm.all_reduce(local, "world")
         return float(local.item())
-
-    def zero_grad(self) -> None:
-        self.reducer.zero()
 
     # ---- whole parameters on demand -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -257,7 +226,8 @@ class Stage3Optimizer(ZeroOptimizer):
 
     # ---- reports ---------------------------------------------------------------------------------------
     def memory_report(self) -> Dict[str, int]:
-        """Bytes this rank holds, by kind (see :meth:`ZeroOptimizer.memory_report`), plus stage-3 extras.
+        """Bytes this rank holds, by kind (as for stages 0-2, :class:`~hybrid.zero.flat.FlatZeroOptimizer`), plus
+        stage-3 extras.
 
         ``params``: the parameter partition, whole persistent units and frozen
         parameters. ``gathered``: whole-unit buffers gathered right now (0
@@ -289,9 +259,6 @@ class Stage3Optimizer(ZeroOptimizer):
         rep["device_bytes"] = rep["total"] - host
         rep["peak_live_parameters"] = int(self.gatherer.peak_live_numel)
         return rep
-
-    def num_parameters(self) -> int:
-        return sum(r.numel for u in self.units for r in u.records)
 
     # ---- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

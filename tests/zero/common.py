@@ -121,3 +121,25 @@ def rel_diff_list(a: List[float], b: List[float]) -> float:
 def dp_mean(per_rank: List[List[float]]) -> List[float]:
     """Average per-step values over DP ranks (each rank's list is its local micro-batch means)."""
     return [float(np.mean(v)) for v in zip(*per_rank)]
+
+
+_OPTIMIZER_KEYS = {"optimizer": "type", "lr": "lr", "betas": "betas", "eps": "eps", "weight_decay": "weight_decay",
+                   "momentum": "momentum"}
+
+
+def make_zero(model: nn.Module, topology, **kwargs):
+    """``build_zero_optimizer`` with the config sections' keys and the run-time arguments given flat.
+
+    Keys of :class:`~hybrid.config.ZeroConfig` (``stage``, ``bucket_size``, ...) go to the ``zero`` section,
+    ``optimizer`` (the type), ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``momentum`` to the
+    ``optimizer`` section, everything else to the optimizer's constructor.
+    """
+    import dataclasses
+
+    from hybrid.config.schema import OptimizerConfig, ZeroConfig
+    from hybrid.zero import build_zero_optimizer
+
+    zero_keys = {f.name for f in dataclasses.fields(ZeroConfig)}
+    zero = {k: kwargs.pop(k) for k in list(kwargs) if k in zero_keys}
+    opt = {_OPTIMIZER_KEYS[k]: kwargs.pop(k) for k in list(kwargs) if k in _OPTIMIZER_KEYS}
+    return build_zero_optimizer(model, topology, ZeroConfig(**zero), OptimizerConfig(**opt), **kwargs)

@@ -20,12 +20,12 @@ BUCKET = 1000  # elements: several segments, parameters straddling chunk boundar
 
 def _build(stage, dtype=torch.float32, **kwargs):
     from hybrid import Topology
-    from hybrid.zero import ZeroOptimizer
+    from tests.zero.common import make_zero
 
     torch.manual_seed(0)
     model = TiedMLP().to(dtype)
     topo = Topology()
-    opt = ZeroOptimizer(model, topo, stage=stage, lr=LR, weight_decay=WD, no_weight_decay=no_decay,
+    opt = make_zero(model, topo, stage=stage, lr=LR, weight_decay=WD, no_weight_decay=no_decay,
                         bucket_size=kwargs.pop("bucket_size", BUCKET), **kwargs)
     return model, topo, opt
 

@@ -35,12 +35,12 @@ def gpt_config():
 
 def _train(topo, stage, dtype=torch.float32, clip=0.0, copy=False):
     from hybrid.tensor_parallel.gather import full_state
-    from hybrid.zero import ZeroOptimizer
+    from tests.zero.common import make_zero
     from model_zoo import GPTModel
 
     cfg = gpt_config()
     model = GPTModel(cfg, topo, dtype=dtype)
-    opt = ZeroOptimizer(model, topo, stage=stage, lr=LR, weight_decay=WD, clip_grad=clip,
+    opt = make_zero(model, topo, stage=stage, lr=LR, weight_decay=WD, clip_grad=clip,
                         no_weight_decay=lambda n, p: p.ndim < 2, bucket_size=BUCKET)
     out = train_zero(model, opt, topo, STEPS, micro=MICRO_PER_TP * topo.tp_size, gas=1,
                      vocab=cfg.vocab_size, seq=cfg.seq_length, copy=copy)

@@ -107,14 +107,15 @@ def test_offload_on_a_cpu_model_holds_no_second_copy(results, stage):
 
 def test_offload_state_lives_on_the_cpu_and_stage0_refuses_it():
     from hybrid import Topology
-    from hybrid.zero import ZeroConfigError, ZeroOptimizer
+    from hybrid.zero import ZeroConfigError
+    from tests.zero.common import make_zero
 
     torch.manual_seed(0)
     model = TiedMLP().to(torch.bfloat16)
-    opt = ZeroOptimizer(model, Topology.local(), stage=2, lr=1e-3, offload_optimizer="cpu")
+    opt = make_zero(model, Topology.local(), stage=2, lr=1e-3, offload_optimizer="cpu")
     assert all(p.master.device.type == "cpu" for p in opt.partitions)
     assert all(t.device.type == "cpu" for g in opt.inner.groups for t in g.state.values())
-    with pytest.raises(ZeroConfigError, match="offload_optimizer='cpu' needs ZeRO stage 1, 2 or 3"):
-        ZeroOptimizer(TiedMLP(), Topology.local(), stage=0, offload_optimizer="cpu")
-    with pytest.raises(ZeroConfigError, match="offload_optimizer must be one of none, cpu"):
-        ZeroOptimizer(TiedMLP(), Topology.local(), stage=1, offload_optimizer="nvme")
+    with pytest.raises(ZeroConfigError, match="zero.offload_optimizer: offload to cpu needs ZeRO stage 1, 2 or 3"):
+        make_zero(TiedMLP(), Topology.local(), stage=0, offload_optimizer="cpu")
+    with pytest.raises(ZeroConfigError, match="offload must be one of none, cpu"):
+        make_zero(TiedMLP(), Topology.local(), stage=1, offload_optimizer="nvme")

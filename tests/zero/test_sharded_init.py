@@ -38,13 +38,14 @@ def small_config():
 
 def test_meta_model_gathers_to_the_tp1_zero0_model_single_process():
     from hybrid import Topology
+    from hybrid.config import ZeroConfig
     from hybrid.zero.sharded_init import zero3_from_meta
     from model_zoo import GPTModel
 
     local = Topology.local()
     reference = dict(GPTModel(small_config(), local, seed=SEED).named_parameters())
     model = GPTModel(small_config(), local, device="meta", seed=SEED)
-    opt = zero3_from_meta(model, local, SEED, persistence_threshold=100, max_live_parameters=10**6)
+    opt = zero3_from_meta(model, local, SEED, ZeroConfig(stage=3, persistence_threshold=100, max_live_parameters=10**6))
     assert all(p.numel() == 0 for n, p in model.named_parameters() if p.ndim == 2)  # nothing whole between uses
     with opt.gathered_parameters():
         got = {n: p.detach().clone() for n, p in model.named_parameters()}

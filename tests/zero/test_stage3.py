@@ -21,16 +21,16 @@ LIVE = 40_000  # elements gathered at once: a few modules of the 64-wide GPT (it
 def _gpt_run(topo, stage, *, dtype=torch.float32, steps=STEPS, offload="none", threshold=100, live=LIVE, tie=True,
              bucket=BUCKET, layers=None, gas=1):
     from hybrid.tensor_parallel.gather import full_state
-    from hybrid.zero import ZeroOptimizer
+    from tests.zero.common import make_zero
     from model_zoo import GPTModel
 
     cfg = gpt_config().replace(tie_embeddings=tie)
     if layers is not None:
         cfg = cfg.replace(num_layers=layers)
     model = GPTModel(cfg, topo, dtype=dtype)
-    extra = dict(persistence_threshold=threshold, max_live_parameters=live, prefetch_numel=20_000) \
+    extra = dict(persistence_threshold=threshold, max_live_parameters=live, prefetch_bucket_size=20_000) \
         if stage == 3 else {}
-    opt = ZeroOptimizer(model, topo, stage=stage, lr=LR, weight_decay=WD, no_weight_decay=lambda n, p: p.ndim < 2,
+    opt = make_zero(model, topo, stage=stage, lr=LR, weight_decay=WD, no_weight_decay=lambda n, p: p.ndim < 2,
                         bucket_size=bucket, offload_optimizer=offload, gradient_accumulation_steps=gas, **extra)
     out = train_zero(model, opt, topo, steps, micro=MICRO_PER_TP * topo.tp_size // gas, gas=gas,
                      vocab=cfg.vocab_size, seq=cfg.seq_length)
@@ -73,11 +73,12 @@ class Branchy(nn.Module):
 
 
 def _order_mismatch(topo):
-    from hybrid.zero import GatherOrderError, ZeroOptimizer
+    from hybrid.zero import GatherOrderError
+    from tests.zero.common import make_zero
 
     torch.manual_seed(0)
     model = Branchy()
-    opt = ZeroOptimizer(model, topo, stage=3, lr=1e-3, persistence_threshold=0)
+    opt = make_zero(model, topo, stage=3, lr=1e-3, persistence_threshold=0)
     sign = 1.0 if topo.dp_rank % 2 == 0 else -1.0
     try:
         opt.backward(model(sign * torch.ones(2, 16)))
@@ -237,7 +238,7 @@ def test_stage3_with_activation_recomputation_matches_without():
     # Recomputation re-runs module forwards inside backward: units are gathered again there, and a
     # recomputation must not stop early (that would skip the post-hooks that release them).
     from hybrid import Topology
-    from hybrid.zero import ZeroOptimizer
+    from tests.zero.common import make_zero
     from model_zoo import GPTModel
 
     topo = Topology.local()
@@ -245,8 +246,8 @@ def test_stage3_with_activation_recomputation_matches_without():
     for recompute in ("none", "full"):
         cfg = gpt_config().replace(recompute=recompute)
         model = GPTModel(cfg, topo)
-        opt = ZeroOptimizer(model, topo, stage=3, lr=1e-3, persistence_threshold=100, max_live_parameters=LIVE,
-                            prefetch_numel=20_000)
+        opt = make_zero(model, topo, stage=3, lr=1e-3, persistence_threshold=100, max_live_parameters=LIVE,
+                            prefetch_bucket_size=20_000)
         out = train_zero(model, opt, topo, 3, micro=4, gas=1, vocab=cfg.vocab_size, seq=cfg.seq_length)
         runs[recompute] = (out["losses"], opt.memory_report()["peak_live_parameters"])
     assert runs["full"][0] == runs["none"][0]
@@ -255,15 +256,15 @@ def test_stage3_with_activation_recomputation_matches_without():
 
 def test_single_process_stage3_keeps_no_whole_parameters_between_steps():
     from hybrid import Topology
-    from hybrid.zero import ZeroOptimizer
+    from tests.zero.common import make_zero
 
     torch.manual_seed(0)
     model = TiedMLP()
-    opt = ZeroOptimizer(model, Topology.local(), stage=3, lr=1e-3, persistence_threshold=30,
+    opt = make_zero(model, Topology.local(), stage=3, lr=1e-3, persistence_threshold=30,
                         no_weight_decay=no_decay)
     sizes = {n: p.numel() for n, p in model.named_parameters()}
     assert sizes["embed.weight"] == 0 and sizes["fc1.weight"] == 0  # released
     assert model.head.weight is model.embed.weight and model.head.weight.numel() == 0  # tied: one unit
     assert sizes["frozen.weight"] == 24 * 24  # frozen parameters are left alone
     with pytest.raises(ValueError, match="max_live_parameters"):
-        ZeroOptimizer(TiedMLP(), Topology.local(), stage=3, max_live_parameters=100, persistence_threshold=0)
+        make_zero(TiedMLP(), Topology.local(), stage=3, max_live_parameters=100, persistence_threshold=0)

@@ -1,0 +1,316 @@
+"""The interface every ZeRO optimizer implements, and the training step they share.
+
+Two siblings implement it, built by :func:`hybrid.zero.build_zero_optimizer`
+from the stage's traits (:data:`hybrid.layout.STAGE_TRAITS`):
+
+* :class:`~hybrid.zero.flat.FlatZeroOptimizer` for stages 0-2, where every
+  rank keeps the whole low-precision model in flat buffers;
+* :class:`~hybrid.zero.stage3.Stage3Optimizer` for stage 3, where each rank
+  keeps only its partition of the parameters and gathers whole ones per module.
+
+Usage per global batch (``gradient_accumulation_steps`` micro-batches)::
+
+    for micro_batch in global_batch_slice_of_this_dp_rank:
+        opt.backward(model(micro_batch))   # loss: mean over the micro-batch
+    opt.step(lr)                           # False when skipped (non-finite grads)
+    opt.zero_grad()
+
+The update equals one process training on the whole global batch: gradients
+are summed over micro-steps (each scaled by 1/accumulation) and over ``dp``,
+then multiplied by ``1/(loss_scale * dp)`` and the clip coefficient -- one
+factor, applied inside the optimizer kernel. What differs between the siblings
+is where the state lives, how backward reduces gradients, how the global
+gradient norm is summed and how the new weights are published; the step
+itself (overflow check, loss scale, clipping, counters) is written here once.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import math
+from typing import Callable, ContextManager, Dict, List, Optional, Tuple
+
+import torch
+
+from hybrid.config.schema import OptimizerConfig, ZeroConfig
+from hybrid.layout import STAGE_TRAITS, StageTraits, ZeroStage, offload_problem, zero_stage
+from hybrid.topology import Topology
+from hybrid.zero.flat_buffer import ParamRecord, ZeroConfigError
+from hybrid.zero.grad_norm import clip_factor
+from hybrid.zero.inner import InnerOptimizer
+from hybrid.zero.loss_scaler import LossScaler
+
+STATE_FORMAT = "hybrid.zero/1"
+
+NoDecayFn = Callable[[str, torch.nn.Parameter], bool]
+
+
+def check_zero_config(zero: ZeroConfig) -> ZeroStage:
+    """The rules a ZeRO section must meet before an optimizer is built from it; returns its stage."""
+    stage = zero_stage(zero.stage, "zero.stage")
+    problem = offload_problem(stage, zero.offload_optimizer)
+    if problem is not None:
+        raise ZeroConfigError(f"zero.offload_optimizer: {problem}")
+    if not isinstance(zero.bucket_size, int) or zero.bucket_size < 1:
+        raise ZeroConfigError(f"zero.bucket_size must be a positive number of elements, got {zero.bucket_size!r}")
+    return stage
+
+
+def _check_runtime(topology, loss_scaler, clip_grad, gradient_accumulation_steps, master_dtype) -> None:
+    if not isinstance(topology, Topology):
+        raise ZeroConfigError(f"topology must be a hybrid.Topology, got {type(topology).__name__}")
+    if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
+        raise ZeroConfigError(f"loss_scaler must be a hybrid.zero.LossScaler or None, got "
+                              f"{type(loss_scaler).__name__}")
+    if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+        raise ZeroConfigError(f"gradient_accumulation_steps must be an integer >= 1, got "
+                              f"{gradient_accumulation_steps!r}")
+    if clip_grad < 0:
+        raise ZeroConfigError(f"clip_grad must be >= 0 (0 disables clipping), got {clip_grad}")
+    if not (isinstance(master_dtype, torch.dtype) and master_dtype.is_floating_point):
+        raise ZeroConfigError(f"master_dtype must be a floating-point torch.dtype, got {master_dtype!r}")
+
+
+class ZeroOptimizer(abc.ABC):
+    """The ZeRO optimizer of one model replica's shard over ``topology``'s DP group.
+
+    Build one with :func:`hybrid.zero.build_zero_optimizer`. ``zero`` and
+    ``optimizer`` are the config sections; the keyword arguments are what the
+    engine decides at run time (the loss scaler of fp16, the clip norm, the
+    accumulation count of this layout, the weight-decay exemption rule).
+    """
+
+    def __init__(self, model: torch.nn.Module, topology: Topology, zero: ZeroConfig, optimizer: OptimizerConfig,
+                 *, no_weight_decay: Optional[NoDecayFn] = None, loss_scaler: Optional[LossScaler] = None,
+                 clip_grad: float = 0.0, gradient_accumulation_steps: int = 1, use_fused_kernels: bool = True,
+                 master_dtype: torch.dtype = torch.float32):
+        self.stage: ZeroStage = check_zero_config(zero)
+        _check_runtime(topology, loss_scaler, clip_grad, gradient_accumulation_steps, master_dtype)
+        self.traits: StageTraits = STAGE_TRAITS[self.stage]
+        self.inner = InnerOptimizer(optimizer.type, lr=optimizer.lr, betas=tuple(optimizer.betas), eps=optimizer.eps,
+                                    weight_decay=optimizer.weight_decay, momentum=optimizer.momentum,
+                                    use_kernels=use_fused_kernels)
+        self.model = model
+        self.topology = topology
+        self.comm = topology.comm
+        self.offload_optimizer = zero.offload_optimizer
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.clip_grad = float(clip_grad)
+        self.loss_scaler = loss_scaler
+        self.use_fused_kernels = use_fused_kernels
+        self.master_dtype = master_dtype
+        self.no_weight_decay = no_weight_decay
+        self.decays = optimizer.weight_decay > 0
+        self.global_steps = 0  # step() calls, skipped ones included
+        self.skipped_steps = 0
+        self._micro = 0  # backward() calls since the last step()
+        self._last_grad_norm = math.nan
+        self._last_comm: Dict[str, Dict[str, float]] = {}
+        self.param_index: List[ParamRecord] = []
+        self.partition_count = 1
+        self.part = 0
+
+    def _finish_setup(self) -> None:
+        """Called by each sibling at the end of its constructor: set-up traffic is not the first step's."""
+        self.comm.reset_stats()
+
+    # ---- the training step (shared) -----------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    @property
+    def lr(self) -> float:
+        return self.inner.lr
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's mean loss, scaled by ``loss_scale / accumulation``.
+
+        Gradients are reduced over ``dp`` during backward, as the sibling's
+        reducer decides (see :meth:`_backward_phase`).
+        """
+        gas = self.gradient_accumulation_steps
+        if self._micro >= gas:
+            raise RuntimeError(f"backward() was called {self._micro + 1} times since the last step(), but "
+                               f"gradient_accumulation_steps={gas}; call step() once every {gas} micro-batches")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("backward() expects the scalar (mean) loss of one micro-batch, got "
+                             f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else list(loss.shape)}")
+        factor = self.loss_scale / gas
+        with self._backward_phase(last_micro_step=self._micro == gas - 1):
+            (loss * factor if factor != 1.0 else loss).backward()
+        self._micro += 1
+
+    def step(self, lr: Optional[float] = None) -> bool:
+        """Apply the update of one global batch; returns False when it was skipped.
+
+        A step is skipped when any gradient element anywhere in the world is
+        inf or NaN (fp16 overflow, or a diverging bf16/fp32 run); the loss
+        scaler then lowers the scale. ``lr`` sets the learning rate from now on.
+        """
+        gas = self.gradient_accumulation_steps
+        if self._micro != gas:
+            raise RuntimeError(f"step() after {self._micro} backward() calls, but gradient_accumulation_steps="
+                               f"{gas}; call backward() once per micro-batch and step() every {gas}")
+        if lr is not None:
+            if lr < 0:
+                raise ValueError(f"learning rate must be >= 0, got {lr}")
+            self.inner.lr = float(lr)
+        self._wait_for_gradients()
+        denominator = self.loss_scale * self.topology.dp_size
+        sq = self._global_sq()
+        overflow = not math.isfinite(sq)
+        self._last_grad_norm = math.sqrt(sq) / denominator if not overflow else sq
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow)
+        self.global_steps += 1
+        self._micro = 0
+        if overflow:
+            self.skipped_steps += 1
+        else:
+            self._apply_update(clip_factor(self._last_grad_norm, self.clip_grad) / denominator)
+        self._last_comm = self.comm.report()
+        self.comm.reset_stats()
+        return not overflow
+
+    def get_grad_norm(self) -> float:
+        """L2 norm of the full, unscaled, DP-averaged gradient of the last step, BEFORE clipping.
+
+        Equals the norm one process would compute on the whole global batch
+        (TP-replicated parameters count once). inf or nan when that step
+        overflowed; nan before the first step.
+        """
+        return self._last_grad_norm
+
+    def comm_report(self) -> Dict[str, Dict[str, float]]:
+        """Bytes moved by collectives during the last global batch (forward, backward and step).
+
+        Keys are ``"op/axis"`` as in :meth:`hybrid.comm.Communicator.report`.
+        """
+        return self._last_comm
+
+    # ---- what each sibling provides -------------------------------------------------------------------
+    @abc.abstractmethod
+    def _backward_phase(self, last_micro_step: bool) -> ContextManager[None]:
+        """Context around one micro-batch's ``loss.backward()``: arm and drain the gradient reducer."""
+
+    def _wait_for_gradients(self) -> None:
+        """Wait for the reductions launched during the last backward (before the norm reads them)."""
+        self.reducer.wait()
+
+    @abc.abstractmethod
+    def _global_sq(self) -> float:
+        """Squared L2 norm of the (scaled, DP-summed) gradient over the whole world (collective over ``world``)."""
+
+    @abc.abstractmethod
+    def _apply_update(self, factor: float) -> None:
+        """The inner step with gradients multiplied by ``factor``, then the new weights made visible to the model."""
+
+    def zero_grad(self) -> None:
+        """Clear the gradients of the last global batch."""
+        self.reducer.zero()
+
+    @abc.abstractmethod
+    def memory_report(self) -> Dict[str, int]:
+        """Bytes this rank holds, by kind (``params``, ``grads``, ``master``, ``optimizer_states``, ...,
+        ``total``, ``host_bytes``, ``device_bytes``)."""
+
+    def num_parameters(self) -> int:
+        """Trainable elements of this rank's model shard (no padding)."""
+        return sum(r.numel for r in self.param_index)
+
+    def gathered_parameters(self) -> ContextManager[None]:
+        """Every parameter of the model whole inside the block (reading or exporting weights).
+
+        A no-op when the model always holds whole parameters; stage 3 gathers them over ``dp``.
+        """
+        return contextlib.nullcontext()
+
+    # ---- state ----------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def state_dict(self) -> dict:
+        """This rank's partition: master weights, optimizer state, counters, loss scaler, parameter index."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore what :meth:`state_dict` wrote under the same layout, then refresh the model's weights."""
+
+    def _state_header(self, groups: List[dict]) -> dict:
+        """The layout, hyperparameters and counters around ``groups`` (the flat partitions)."""
+        return {"format": STATE_FORMAT, "stage": int(self.stage), "partition_count": self.partition_count,
+                "part": self.part, "dp_size": self.topology.dp_size, "dp_rank": self.topology.dp_rank,
+                "tp_size": self.topology.tp_size, "tp_rank": self.topology.tp_rank,
+                "optimizer": {"type": self.inner.kind, "lr": self.inner.lr, "betas": list(self.inner.betas),
+                              "eps": self.inner.eps, "weight_decay": self.inner.weight_decay,
+                              "momentum": self.inner.momentum},
+                "step": self.inner.step_count, "global_steps": self.global_steps,
+                "skipped_steps": self.skipped_steps,
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+                "groups": groups, "param_index": [r.to_json() for r in self.param_index]}
+
+    def _check_state(self, sd: dict) -> None:
+        """Refuse a state of another format, partition or parameter index, naming what differs."""
+        if not isinstance(sd, dict) or sd.get("format") != STATE_FORMAT:
+            found = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
+            raise ValueError(f"not a ZeRO optimizer state (format {found!r}, expected {STATE_FORMAT!r})")
+        saved_traits = STAGE_TRAITS[zero_stage(sd["stage"], "the saved state's stage")]
+        if (sd["partition_count"], sd["part"]) != (self.partition_count, self.part) or \
+                saved_traits.parameters != self.traits.parameters:
+            raise ValueError(f"state was saved as part {sd['part']} of {sd['partition_count']} (stage {sd['stage']}, "
+                             f"dp={sd['dp_size']}) but this rank is part {self.part} of {self.partition_count} "
+                             f"(stage {int(self.stage)}, dp={self.topology.dp_size}); reshard the checkpoint first")
+        mine = [r.to_json() for r in self.param_index]
+        keys = ("name", "shape", "dtype", "offset", "numel", "group")
+        for a, b in zip(sd["param_index"], mine):
+            if any(a[k] != b[k] for k in keys):
+                raise ValueError(f"parameter index mismatch: checkpoint has {a['name']} {a['shape']} at offset "
+                                 f"{a['offset']} of group {a['group']}, this model has {b['name']} {b['shape']} "
+                                 f"at offset {b['offset']} of group {b['group']}; the model or bucket_size differ")
+        if len(sd["param_index"]) != len(mine):
+            raise ValueError(f"checkpoint indexes {len(sd['param_index'])} parameters, this model has {len(mine)}")
+
+    def _load_counters(self, sd: dict) -> None:
+        self.global_steps = int(sd["global_steps"])
+        self.skipped_steps = int(sd["skipped_steps"])
+        if self.loss_scaler is not None and sd["loss_scaler"] is not None:
+            self.loss_scaler.load_state_dict(sd["loss_scaler"])
+
+    # ---- whole weights in and out (checkpoints, resharding) ---------------------------------------------
+    @abc.abstractmethod
+    def model_state_for_save(self) -> Optional[Dict[str, torch.Tensor]]:
+        """What a checkpoint's model file holds (this TP rank's shard, whole tensors); None on ranks that
+        do not write it."""
+
+    @abc.abstractmethod
+    def load_model_state(self, state: Dict[str, torch.Tensor]) -> None:
+        """Load a whole-tensor ``model.state_dict()`` of this TP rank's shard; the masters follow it."""
+
+    @abc.abstractmethod
+    def weights_loaded(self, from_master: bool = False) -> None:
+        """Make masters and model weights agree after a load.
+
+        ``from_master``: the masters were loaded and the weights become their
+        rounded copies; otherwise the weights were, and the masters follow.
+        """
+
+    def parameter_name(self, tensor: torch.Tensor) -> Optional[str]:
+        """The name under which this optimizer, not the module tensor, holds ``tensor``'s weights.
+
+        None when the module tensor holds them itself (every stage that does
+        not partition parameters); stage 3 answers for its trainable parameters,
+        which are then set with :meth:`write_parameter`.
+        """
+        return None
+
+    def parameter_shape(self, name: str) -> Tuple[int, ...]:
+        """The whole (TP-local) shape of a parameter named by :meth:`parameter_name`."""
+        raise KeyError(f"{name!r}: this optimizer holds no parameters outside the module")
+
+    def write_parameter(self, name: str, value: torch.Tensor) -> None:
+        """Set a parameter named by :meth:`parameter_name` (call :meth:`weights_loaded` after the last one)."""
+        raise KeyError(f"{name!r}: this optimizer holds no parameters outside the module")
+
+    @abc.abstractmethod
+    def remove_hooks(self) -> None:
+        """Detach every hook this optimizer put on the model (they keep its buffers alive)."""

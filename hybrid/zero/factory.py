@@ -1,0 +1,31 @@
+"""Build the ZeRO optimizer a configuration asks for: the one place that picks a sibling by stage."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from hybrid.config.schema import OptimizerConfig, ZeroConfig
+from hybrid.layout import STAGE_TRAITS
+from hybrid.topology import Topology
+from hybrid.zero.base import ZeroOptimizer, check_zero_config
+from hybrid.zero.flat import FlatZeroOptimizer
+from hybrid.zero.stage3 import Stage3Optimizer
+
+
+def build_zero_optimizer(model: torch.nn.Module, topology: Topology, zero: Optional[ZeroConfig] = None,
+                         optimizer: Optional[OptimizerConfig] = None, **runtime: Any) -> ZeroOptimizer:
+    """The ZeRO optimizer of ``model`` over ``topology``'s DP group, for the ``zero`` and ``optimizer`` sections.
+
+    A stage that partitions the parameters gets :class:`~hybrid.zero.stage3.Stage3Optimizer`;
+    the others :class:`~hybrid.zero.flat.FlatZeroOptimizer`. ``runtime`` holds the engine's
+    run-time choices (``loss_scaler``, ``clip_grad``, ``gradient_accumulation_steps``,
+    ``no_weight_decay``, ``use_fused_kernels``, ``master_dtype``; for stage 3 also
+    ``verify_order`` and ``partition_init``). Sections default to the config's defaults.
+    """
+    zero = zero if zero is not None else ZeroConfig()
+    optimizer = optimizer if optimizer is not None else OptimizerConfig()
+    stage = check_zero_config(zero)
+    cls = Stage3Optimizer if STAGE_TRAITS[stage].parameters else FlatZeroOptimizer
+    return cls(model, topology, zero, optimizer, **runtime)

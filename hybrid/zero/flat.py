@@ -1,0 +1,210 @@
+"""ZeRO stages 0-2: every rank keeps the whole low-precision model in flat buffers.
+
+One object owns the whole update path of a model replica (one TP shard):
+
+* the flat buffers the parameters live in (:mod:`hybrid.zero.flat_buffer`);
+* the gradient reducer that runs during backward (:mod:`hybrid.zero.buckets`):
+  an all-reduce when the stage partitions nothing, a reduce-scatter into the
+  partition otherwise -- once per global batch, or on every micro-step when
+  the stage partitions gradients too (they are not kept whole);
+* this rank's master partition (:mod:`hybrid.zero.partition`), the whole
+  buffer when the stage partitions no optimizer state;
+* the inner AdamW/Adam/SGD (:mod:`hybrid.zero.inner`) and, under offload, the
+  host twins of gradients and weights (:mod:`hybrid.zero.offload`);
+* the global gradient norm (:mod:`hybrid.zero.grad_norm`).
+
+The shared step, the loss scale and the counters are in :mod:`hybrid.zero.base`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterator, Optional
+
+import torch
+
+from hybrid.zero.base import ZeroOptimizer
+from hybrid.zero.buckets import FullGradReducer, PartitionedGradReducer
+from hybrid.zero.flat_buffer import build_flat_groups, collect_trainable, dtype_name
+from hybrid.zero.grad_norm import GradNorm
+from hybrid.zero.offload import ChunkOffload, host_device
+from hybrid.zero.partition import GroupPartition
+from hybrid.layout import partition_count
+
+
+class FlatZeroOptimizer(ZeroOptimizer):
+    """ZeRO stages 0-2 for ``model`` (already in its training dtype) over ``topology``'s DP group.
+
+    Stage 0 is plain data parallelism (bucketed all-reduce); stage 1
+    partitions master weights and optimizer state; stage 2 the reduced
+    gradients too. ``zero.offload_optimizer="cpu"`` (stages that partition
+    the optimizer state) keeps master weights and optimizer state in host
+    memory. See :class:`~hybrid.zero.base.ZeroOptimizer` for the arguments and
+    ``docs/zero.md`` for the design.
+    """
+
+    def __init__(self, model: torch.nn.Module, topology, zero, optimizer, **runtime):
+        super().__init__(model, topology, zero, optimizer, **runtime)
+        traits, dp = self.traits, topology.dp_size
+        self.partition_count = partition_count(self.stage, dp)
+        self.part = topology.dp_rank if traits.optimizer_states else 0
+
+        self.groups = build_flat_groups(model, self.partition_count, dp, zero.bucket_size, self.decays,
+                                        self.no_weight_decay)
+        self.param_index = sorted((r for g in self.groups for r in g.records), key=lambda r: r.position)
+        self._frozen = collect_trainable(model)[1]
+        self._sync_replicas()
+        host = host_device(self.offload_optimizer, self.groups[0].device)
+        self.partitions = [GroupPartition(g, self.part, self.master_dtype, master_device=host) for g in self.groups]
+        if traits.gradients:
+            self.reducer = PartitionedGradReducer(self.groups, self.comm, topology.dp_rank, zero.overlap_comm)
+        else:
+            self.reducer = FullGradReducer(self.groups, self.comm, topology.dp_rank, zero.overlap_comm,
+                                           scatter=traits.optimizer_states)
+        self.reducer.attach_hooks()
+        self._grad_chunks = [self.reducer.grad_chunks(g.index, self.part) for g in self.groups]
+        # offload: host twins of the reduced gradients and rounded weights (the same tensors on a CPU model)
+        self._offload = [ChunkOffload(gc, part.param_chunks, host) for gc, part in
+                         zip(self._grad_chunks, self.partitions)] if host is not None else []
+        if any(not off.same for off in self._offload):
+            self.reducer.on_final = lambda g, s: self._offload[g].grad_to_host(s)
+        for k, (g, part) in enumerate(zip(self.groups, self.partitions)):
+            lowp = part.param_chunks if not self._offload else self._offload[k].lowp
+            self.inner.add_group(part.master_chunks, decay=g.weight_decay, lowp=None if part.aliased else lowp,
+                                 state_device=host)
+        self.grad_norm = GradNorm(self.groups, self._grad_chunks, topology, self.part,
+                                  counts_whole_gradient=traits.optimizer_states)
+        self._finish_setup()
+
+    # ---- set-up ----------------------------------------------------------------------
+    def _sync_replicas(self) -> None:
+        """Make every DP replica start from DP rank 0's weights (one broadcast per flat group over ``dp``)."""
+        for g in self.groups:
+            self.comm.broadcast(g.buffer, "dp", src=0)
+        for p in self._frozen:
+            self.comm.broadcast(p.data, "dp", src=0)
+
+    # ---- the training step ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def _backward_phase(self, last_micro_step: bool) -> Iterator[None]:
+        """Buckets are reduced over ``dp`` as they fill: on the last micro-step of the global batch when
+        the gradients are kept whole, on every micro-step when the stage partitions them."""
+        self.reducer.begin_backward(reduce_now=last_micro_step)
+        yield
+        self.reducer.end_backward()
+
+    def _global_sq(self) -> float:
+        return self.grad_norm.global_sq()
+
+    def _apply_update(self, factor: float) -> None:
+        if self._offload:
+            for off in self._offload:
+                off.grads_to_host()
+            self.inner.step([off.grads for off in self._offload], factor)
+            for off in self._offload:
+                off.params_to_device()
+        else:
+            self.inner.step(self._grad_chunks, factor)
+        self._publish_params()
+
+    def _publish_params(self, write: bool = False) -> None:
+        """Make every rank's model hold the updated weights (all-gather of the partitions over ``dp``).
+
+        The inner step already rounded the masters into this rank's parameter
+        chunks; ``write`` does it here instead (after loading a state). Without
+        a partition every rank stepped the whole buffer and nothing moves.
+        """
+        if write:
+            for part in self.partitions:
+                part.write_params()
+        if not self.traits.optimizer_states:
+            return
+        handles = [h for part in self.partitions for h in part.gather_params(self.comm)]
+        for h in handles:
+            h.wait()
+
+    # ---- reports ---------------------------------------------------------------------
+    def memory_report(self) -> Dict[str, int]:
+        """Bytes this rank holds, by kind.
+
+        ``params``: every model parameter (flat buffers with their padding, and
+        frozen parameters). ``grads``: the gradient store (full buffers in
+        stages 0-1, this rank's partition in stage 2). ``grad_buckets``: stage 2
+        staging buckets. ``master``: master weights that are not the parameters
+        themselves (0 when the parameters are already in the master dtype).
+        ``optimizer_states``: Adam moments or SGD momentum. ``offload_staging``:
+        host twins of device gradients/weights under offload on an accelerator
+        (absent otherwise). ``total``: the sum. ``host_bytes``: the part of
+        ``total`` in host memory because of ``offload_optimizer="cpu"`` (0
+        without offload); ``device_bytes``: ``total - host_bytes``.
+        """
+        rep = {"params": sum(g.buffer.numel() * g.buffer.element_size() for g in self.groups)
+               + sum(p.numel() * p.element_size() for p in self._frozen)}
+        held = self.reducer.bytes_held()
+        rep["grads"] = held.pop("grads")
+        rep["master"] = sum(p.master_bytes() for p in self.partitions)
+        rep["optimizer_states"] = self.inner.state_bytes()
+        rep.update(held)
+        staging = sum(off.staging_bytes() for off in self._offload)
+        if staging:
+            rep["offload_staging"] = staging
+        rep["total"] = sum(rep.values())
+        # offload keeps master, optimizer state and the staging twins in host memory
+        rep["host_bytes"] = (rep["master"] + rep["optimizer_states"] + staging) if self._offload else 0
+        rep["device_bytes"] = rep["total"] - rep["host_bytes"]
+        return rep
+
+    # ---- state -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's flat partitions, counters, loss scaler and the parameter index.
+
+        Each group entry holds ``master`` (this rank's [partition_numel] fp32
+        partition), the optimizer state of the same shape (``exp_avg`` and
+        ``exp_avg_sq`` for Adam), and the layout. The index (JSON-ready) maps
+        every parameter to its flat offset and to the partition pieces, so a
+        checkpoint can be resharded to any layout. Like ``torch.optim``, the
+        tensors are the live state (no copies, except the master of fp32
+        parameters, which is assembled from the parameter buffer): save or
+        clone them before the next step.
+        """
+        inner = self.inner.state_dict()
+        groups = []
+        for g, part, state in zip(self.groups, self.partitions, inner["groups"]):
+            groups.append({"dtype": dtype_name(g.dtype), "weight_decay": g.weight_decay, "numel": g.numel,
+                           "partition_numel": g.partition_numel,
+                           "segments": [[s.start, s.size, s.used] for s in g.segments],
+                           "master": part.master_flat(), **state})
+        return self._state_header(groups)
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore a state written by :meth:`state_dict` under the same layout, then refresh the model."""
+        self._check_state(sd)
+        inner = {"kind": sd["optimizer"]["type"], "step": sd["step"], "lr": sd["optimizer"]["lr"],
+                 "groups": [{k: v for k, v in g.items() if k in self.inner.state_names} for g in sd["groups"]]}
+        self.inner.load_state_dict(inner)
+        for part, g in zip(self.partitions, sd["groups"]):
+            part.load_master(g["master"])
+        self._load_counters(sd)
+        self.weights_loaded(from_master=True)
+
+    # ---- whole weights in and out (checkpoints) -----------------------------------------------
+    def model_state_for_save(self) -> Optional[Dict[str, torch.Tensor]]:
+        """``model.state_dict()``: every rank holds the whole TP shard."""
+        return self.model.state_dict()
+
+    def load_model_state(self, state: Dict[str, torch.Tensor]) -> None:
+        """Load a ``model.state_dict()`` (this TP rank's shard, keys must match) and make the masters follow it."""
+        self.model.load_state_dict(state, strict=True)
+        self.weights_loaded()
+
+    def weights_loaded(self, from_master: bool = False) -> None:
+        if from_master:
+            self._publish_params(write=True)
+            return
+        with torch.no_grad():
+            for part in self.partitions:
+                if not part.aliased:
+                    torch._foreach_copy_(part.master_chunks, part.param_chunks)
+
+    def remove_hooks(self) -> None:
+        self.reducer.remove_hooks()
