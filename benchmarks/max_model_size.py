@@ -120,13 +120,15 @@ def _build(c: Contender, hidden: int, args):
 
     cfg = gpt_config(hidden, args)
     if c.kind == "hybrid" and c.stage == 3 and importlib.util.find_spec("hybrid.zero.sharded_init"):
+        from hybrid.config import OptimizerConfig, ZeroConfig
         from hybrid.zero.sharded_init import zero3_from_meta
 
         # Sharded deferred init: built on meta, each rank materialises only its own partition.
         model = GPTModel(cfg, Topology(tp=1), device="meta")
         model.check_inputs = False
-        opt = zero3_from_meta(model, model.topology, model.seed, lr=1e-4, bucket_size=args.bucket,
-                              offload_optimizer=c.offload)
+        opt = zero3_from_meta(model, model.topology, model.seed,
+                              ZeroConfig(stage=3, bucket_size=args.bucket, offload_optimizer=c.offload),
+                              OptimizerConfig(lr=1e-4))
 
         def step(x, y):
             opt.backward(model(x, y))
@@ -302,19 +304,22 @@ def _run_attempt_once(c: Contender, hidden: int, args) -> Dict:
 # ---- the planner's prediction ----------------------------------------------------------------------
 def predicted_rank_bytes(c: Contender, hidden: int, args) -> int:
     """Predicted peak bytes of one rank: the planner's training peak, or the construction peak if larger."""
-    from hybrid.plan import CPU, Layout, TrainingSetup, estimate_memory, shard_shapes
+    from hybrid.plan import CPU, Candidate, ParallelLayout, TrainingSetup, ZeroStage, estimate_memory, shard_shapes
 
     cfg = gpt_config(hidden, args)
-    stage = {"ddp": 0, "fsdp2": 3, "deepspeed": 3}.get(c.kind, c.stage)
-    est = estimate_memory(cfg, Layout(tp=1, dp=WORLD, stage=stage, offload=c.offload, micro_batch=1),
-                          TrainingSetup(precision="fp32", bucket_size=args.bucket, weight_decay=False, profile=CPU))
+    # torch's trainers are predicted as the hybrid stage that holds the same state.
+    same_state = {"ddp": ZeroStage.DISABLED, "fsdp2": ZeroStage.PARAMETERS, "deepspeed": ZeroStage.PARAMETERS}
+    parallel = ParallelLayout(tp=1, dp=WORLD, zero_stage=same_state.get(c.kind, c.stage), precision="fp32")
+    candidate = Candidate(parallel, offload=c.offload, micro_batch=1)
+    est = estimate_memory(cfg, candidate, TrainingSetup(bucket_size=args.bucket, weight_decay=False, profile=CPU))
     weights = 4 * sum(s.numel for s in shard_shapes(cfg, 1))
     peak = est.resident_peak + est.host
+    whole = not candidate.traits.parameters
     if c.kind == "ddp":
         peak += weights  # DDP's gradient buckets are a second copy of the gradients
-    if c.kind == "hybrid" and c.stage < 3:
+    if c.kind == "hybrid" and whole:
         peak = max(peak, 2 * weights)  # the model is built whole, then copied into the flat buffer
-    if c.kind == "hybrid" and c.stage == 3 and not importlib.util.find_spec("hybrid.zero.sharded_init"):
+    if c.kind == "hybrid" and not whole and not importlib.util.find_spec("hybrid.zero.sharded_init"):
         peak = max(peak, weights + est.persistent)  # without sharded init every rank builds the whole model
     return peak
 

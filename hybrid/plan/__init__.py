@@ -6,20 +6,28 @@ recomputation, micro batch) with its per-GPU memory by component, whether it fit
 collective moves and a predicted step time, ranked. ``docs/planner.md`` states the formulas;
 ``tests/plan`` checks them against the bytes real runs hold.
 
-Modules: :mod:`~hybrid.plan.model_memory` (weights, gradients, optimizer state, laid out like the
-ZeRO flat buffers), :mod:`~hybrid.plan.activations` (what autograd saves), :mod:`~hybrid.plan.estimate`
-(the peak), :mod:`~hybrid.plan.comm_volume`, :mod:`~hybrid.plan.timing`, :mod:`~hybrid.plan.cluster`,
-:mod:`~hybrid.plan.layouts`, :mod:`~hybrid.plan.report`, and :mod:`~hybrid.plan.measure` (the
-instruments the tests use).
+Modules: :mod:`~hybrid.plan.candidate` (what the planner varies: a :class:`hybrid.layout.ParallelLayout`
+with offload, recomputation, micro batch and sequence parallelism), :mod:`~hybrid.plan.setup` (what it
+does not: optimizer and ZeRO knobs), :mod:`~hybrid.plan.model_memory` (weights, gradients, optimizer
+state, laid out like the ZeRO flat buffers), :mod:`~hybrid.plan.activations` (what autograd saves),
+:mod:`~hybrid.plan.estimate` (the peak), :mod:`~hybrid.plan.zero_collectives` (which collectives a stage
+runs, from its traits), :mod:`~hybrid.plan.comm_volume`, :mod:`~hybrid.plan.timing`,
+:mod:`~hybrid.plan.cluster`, :mod:`~hybrid.plan.layouts`, :mod:`~hybrid.plan.report`, and
+:mod:`~hybrid.plan.measure` (the instruments the tests use). Every decision that depends on the ZeRO
+stage reads :data:`hybrid.layout.STAGE_TRAITS`.
 """
 
+from hybrid.layout import LayoutError, ParallelLayout, ZeroStage
 from hybrid.plan.activations import CPU, CUDA, ActivationBytes, DeviceProfile, activation_bytes
+from hybrid.plan.candidate import Candidate
 from hybrid.plan.cluster import Cluster, ClusterError, parse_size
 from hybrid.plan.comm_volume import step_volume
-from hybrid.plan.estimate import Layout, MemoryEstimate, TrainingSetup, estimate_memory
-from hybrid.plan.layouts import Choices, Evaluation, LayoutError, evaluate, plan
+from hybrid.plan.estimate import MemoryEstimate, estimate_memory, zero_layout
+from hybrid.plan.layouts import Choices, Evaluation, evaluate, plan
 from hybrid.plan.model_memory import flat_layout, shard_shapes, state_bytes
+from hybrid.plan.setup import TrainingSetup
 
-__all__ = ["ActivationBytes", "CPU", "CUDA", "Choices", "Cluster", "ClusterError", "Evaluation", "DeviceProfile",
-           "Layout", "LayoutError", "MemoryEstimate", "TrainingSetup", "activation_bytes", "estimate_memory",
-           "evaluate", "flat_layout", "parse_size", "plan", "shard_shapes", "state_bytes", "step_volume"]
+__all__ = ["ActivationBytes", "CPU", "CUDA", "Candidate", "Choices", "Cluster", "ClusterError", "Evaluation",
+           "DeviceProfile", "LayoutError", "MemoryEstimate", "ParallelLayout", "TrainingSetup", "ZeroStage",
+           "activation_bytes", "estimate_memory", "evaluate", "flat_layout", "parse_size", "plan", "shard_shapes",
+           "state_bytes", "step_volume", "zero_layout"]

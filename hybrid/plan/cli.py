@@ -6,17 +6,21 @@ import argparse
 import sys
 from typing import List, Optional
 
+from hybrid.layout import OFFLOAD_DEVICES, PRECISIONS, ZERO_STAGES, LayoutError
 from hybrid.plan.activations import PROFILES
+from hybrid.plan.candidate import DEFAULT_PRECISION
 from hybrid.plan.cluster import Cluster, ClusterError, parse_size
-from hybrid.plan.estimate import DEFAULT_FRAGMENTATION, TrainingSetup
-from hybrid.plan.layouts import OFFLOADS, RECOMPUTES, STAGES, Choices, LayoutError, plan
+from hybrid.plan.layouts import RECOMPUTES, Choices, plan
+from hybrid.plan.model_memory import OPTIMIZER_STATES
 from hybrid.plan.report import LEGEND, format_table, summary, to_json
+from hybrid.plan.setup import TrainingSetup
 from model_zoo.config import GPTConfig
 from model_zoo.flops import count_parameters
 from model_zoo.presets import get_preset, list_presets
 
 EXAMPLE = ("python -m hybrid.plan --model turing-nlg-17b --gpus 256 --gpus-per-node 16 --gpu-memory 32GiB "
            "--seq-length 1024 --global-batch-size 512")
+DEFAULT_SETUP = TrainingSetup()  # the defaults of the flags that set it
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,16 +33,18 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--config", help="a GPTConfig as a YAML or JSON file (keys of model_zoo.GPTConfig)")
     model.add_argument("--seq-length", type=int, help="training sequence length (default: the model's)")
     model.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
-    model.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
-    model.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
+    model.add_argument("--precision", choices=sorted(PRECISIONS), default=DEFAULT_PRECISION)
+    model.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES), default=DEFAULT_SETUP.optimizer)
     model.add_argument("--no-weight-decay", action="store_true",
                        help="weight decay 0 (one flat group instead of two)")
-    model.add_argument("--bucket-size", type=int, default=25_000_000, help="ZeRO bucket size, elements")
-    model.add_argument("--stage3-live-parameters", type=int, default=1_000_000_000,
+    model.add_argument("--bucket-size", type=int, default=DEFAULT_SETUP.bucket_size,
+                       help="ZeRO bucket size, elements")
+    model.add_argument("--stage3-live-parameters", type=int, default=DEFAULT_SETUP.stage3_live_parameters,
                        help="ZeRO-3: most parameter elements gathered at once (zero.max_live_parameters)")
-    model.add_argument("--stage3-prefetch", type=int, default=50_000_000,
+    model.add_argument("--stage3-prefetch", type=int, default=DEFAULT_SETUP.stage3_prefetch,
                        help="ZeRO-3: elements gathered ahead of use (zero.prefetch_bucket_size)")
-    model.add_argument("--stage3-persistence-threshold", type=int, default=100_000,
+    model.add_argument("--stage3-persistence-threshold", type=int,
+                       default=DEFAULT_SETUP.stage3_persistence_threshold,
                        help="ZeRO-3: parameters this small stay whole on every rank (zero.persistence_threshold)")
     cl = ap.add_argument_group("cluster")
     cl.add_argument("--gpus", type=int, required=True)
@@ -53,15 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--inter-node-bandwidth", type=float, default=6.25, help="GB/s per GPU between nodes")
     tm.add_argument("--pcie-bandwidth", type=float, default=12.0, help="GB/s per GPU to host memory")
     tm.add_argument("--cpu-adam-rate", type=float, default=1e9, help="CPU Adam parameters/s per node")
-    tm.add_argument("--fragmentation", type=float, default=DEFAULT_FRAGMENTATION,
+    tm.add_argument("--fragmentation", type=float, default=DEFAULT_SETUP.fragmentation,
                     help="allowance as a fraction of the transient (activation and workspace) bytes")
     tm.add_argument("--device", choices=sorted(PROFILES), default="cuda",
                     help="whose kernels and collectives to count: cuda (GPUs, NCCL) or cpu (what the tests "
                          "measure)")
     ly = ap.add_argument_group("layouts to consider (default: all valid ones)")
     ly.add_argument("--tp", type=int, nargs="+", help="tensor-parallel sizes")
-    ly.add_argument("--zero-stage", type=int, nargs="+", choices=STAGES, default=list(STAGES))
-    ly.add_argument("--offload", nargs="+", choices=OFFLOADS, default=list(OFFLOADS))
+    ly.add_argument("--zero-stage", type=int, nargs="+", choices=ZERO_STAGES, default=list(ZERO_STAGES))
+    ly.add_argument("--offload", nargs="+", choices=OFFLOAD_DEVICES, default=list(OFFLOAD_DEVICES))
     ly.add_argument("--recompute", nargs="+", choices=RECOMPUTES, default=list(RECOMPUTES))
     ly.add_argument("--micro-batch", type=int, nargs="+", help="micro batch sizes")
     ly.add_argument("--max-micro-batch", type=int, default=16)
@@ -115,7 +121,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                           cpu_adam_rate=args.cpu_adam_rate)
         if not 0 <= args.fragmentation < 1:
             raise ClusterError(f"--fragmentation must be in [0, 1), got {args.fragmentation}")
-        setup = TrainingSetup(precision=args.precision, optimizer=args.optimizer,
+        setup = TrainingSetup(optimizer=args.optimizer,
                               weight_decay=not args.no_weight_decay, bucket_size=args.bucket_size,
                               stage3_live_parameters=args.stage3_live_parameters,
                               stage3_prefetch=args.stage3_prefetch,
@@ -124,7 +130,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                               profile=PROFILES[args.device])
         choices = Choices(tp=args.tp, stages=args.zero_stage, offloads=args.offload, recomputes=args.recompute,
                           micro_batches=args.micro_batch, max_micro_batch=args.max_micro_batch,
-                          sequence_parallel=args.sequence_parallel)
+                          sequence_parallel=args.sequence_parallel, precision=args.precision)
         evaluations = plan(config, cluster, args.global_batch_size, setup, choices)
     except (ClusterError, LayoutError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

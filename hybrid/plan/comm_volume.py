@@ -35,12 +35,13 @@ head and the loss add a few more (see :func:`tp_volume`).
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
-from typing import Union
-
+from hybrid.layout import stage_traits
 from hybrid.plan.activations import DTYPE_BYTES
+from hybrid.plan.candidate import Candidate
 from hybrid.plan.model_memory import FlatLayout, Stage3Layout
+from hybrid.plan.zero_collectives import gathers_after_step, reduces_by_scatter, reduces_every_micro_batch
 from model_zoo.config import GPTConfig
 
 Report = Dict[str, Dict[str, float]]
@@ -65,7 +66,11 @@ def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches
               report: Optional[Report] = None, tied_head: bool = True) -> Report:
     """Data-parallel collectives of one step over ``layout.dp`` ranks (one call per bucket or unit).
 
-    Stage 3 takes a :class:`Stage3Layout`: every unit is gathered for forward
+    Whole parameters (flat buckets): each bucket's gradient is reduced, by
+    reduce-scatter or all-reduce, every micro-batch or after the last one, and
+    all-gathered after the step where the stage partitions the optimizer
+    state (:mod:`hybrid.plan.zero_collectives`). Partitioned parameters (stage
+    3) take a :class:`Stage3Layout`: every unit is gathered for forward
     and again for backward (a tied head's unit once more in forward, where it
     is used outside its module), every unit's gradient is reduce-scattered,
     and the persistent pool is re-gathered after the update. Stage 3 also
@@ -73,9 +78,12 @@ def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches
     """
     report = {} if report is None else report
     n, k = layout.dp, micro_batches
-    if stage == 3:
+    traits = stage_traits(stage)
+    reductions = k if reduces_every_micro_batch(traits) else 1
+    if traits.parameters:
         if not isinstance(layout, Stage3Layout):
-            raise ValueError("stage 3 communicates per unit: pass stage3_layout(...), not a flat layout")
+            raise ValueError(f"ZeRO stage {int(stage)} communicates per unit: pass stage3_layout(...), not a flat "
+                             f"layout")
         p = layout.element_bytes
         for size in layout.units:
             _add(report, "all_gather", "dp", n, size * p, calls=2 * k)
@@ -83,18 +91,15 @@ def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches
             _add(report, "all_gather", "dp", n, layout.head_unit * p, calls=k)
         if layout.persistent:
             _add(report, "all_gather", "dp", n, layout.persistent * p)
-        _add(report, "reduce_scatter", "dp", n, (sum(layout.units) + layout.persistent) * p, calls=k)
+        _add(report, "reduce_scatter", "dp", n, (sum(layout.units) + layout.persistent) * p, calls=reductions)
         return report
+    reduction = "reduce_scatter" if reduces_by_scatter(traits) else "all_reduce"
     for _, sizes in layout.groups:
         for size in sizes:
             bucket = size * layout.element_bytes
-            if stage == 0:
-                _add(report, "all_reduce", "dp", n, bucket)
-            elif stage in (1, 2):
-                _add(report, "reduce_scatter", "dp", n, bucket, calls=k if stage == 2 else 1)
+            _add(report, reduction, "dp", n, bucket, calls=reductions)
+            if gathers_after_step(traits):
                 _add(report, "all_gather", "dp", n, bucket)
-            else:
-                raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
     return report
 
 
@@ -140,15 +145,17 @@ def tp_volume(config: GPTConfig, micro_batch: int, tp: int, *, sequence_parallel
     return report
 
 
-def step_volume(config: GPTConfig, layout: Union[FlatLayout, Stage3Layout], *, stage: int, tp: int,
-                micro_batch: int, micro_batches: int, sequence_parallel: bool, recompute: str,
-                precision: str) -> Report:
-    """Every collective of one step: data-parallel, tensor-parallel and the gradient-norm all-reduce."""
+def step_volume(config: GPTConfig, layout: Union[FlatLayout, Stage3Layout], candidate: Candidate,
+                micro_batches: int) -> Report:
+    """Every collective of one step (``micro_batches`` micro-batches of ``candidate``): data-parallel,
+    tensor-parallel and the gradient-norm all-reduce. ``layout``: the candidate's flat or stage-3 layout."""
     report: Report = {}
-    dp_volume(layout, stage, micro_batches, report, tied_head=config.tie_embeddings)
-    tp_volume(config, micro_batch, tp, sequence_parallel=sequence_parallel, recompute=recompute,
-              precision=precision, micro_batches=micro_batches, report=report, whole_replay=stage == 3)
-    _add(report, "all_reduce", "world", tp * layout.dp, 8)  # the float64 squared gradient norm
+    dp_volume(layout, candidate.zero_stage, micro_batches, report, tied_head=config.tie_embeddings)
+    # Partitioned parameters are gathered by module hooks, which a replay must run: it replays whole layers.
+    tp_volume(config, candidate.micro_batch, candidate.tp, sequence_parallel=candidate.sequence_parallel,
+              recompute=candidate.recompute, precision=candidate.precision, micro_batches=micro_batches,
+              report=report, whole_replay=candidate.traits.parameters)
+    _add(report, "all_reduce", "world", candidate.tp * layout.dp, 8)  # the float64 squared gradient norm
     return report
 
 

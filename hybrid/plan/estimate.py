@@ -44,57 +44,24 @@ CUDA profile has none.
 from __future__ import annotations
 
 import dataclasses
+from typing import Union
 
-from hybrid.plan.activations import CUDA, DTYPE_BYTES, ActivationBytes, DeviceProfile, activation_bytes
-from hybrid.plan.model_memory import (StateBytes, flat_layout, shard_shapes, stage3_layout, stage3_state_bytes,
-                                      state_bytes)
+from hybrid.plan.activations import DTYPE_BYTES, ActivationBytes, activation_bytes
+from hybrid.plan.candidate import Candidate
+from hybrid.plan.model_memory import (FlatLayout, Stage3Layout, StateBytes, flat_layout, shard_shapes, stage3_layout,
+                                      stage3_state_bytes, state_bytes)
+from hybrid.plan.setup import TrainingSetup
+from hybrid.plan.zero_collectives import gathers_after_step, reduces_by_scatter, reduces_every_micro_batch
 from hybrid.zero.buckets import STAGING_BUFFERS_BEFORE_WAIT
 from hybrid.zero.stage3_grads import MAX_INFLIGHT_BUCKETS
 from model_zoo.config import GPTConfig
 
-DEFAULT_FRAGMENTATION = 0.10
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """One way to run the model: parallel sizes, ZeRO stage, offload, recomputation and micro batch."""
-
-    tp: int
-    dp: int
-    stage: int
-    offload: str = "none"
-    recompute: str = "none"
-    micro_batch: int = 1
-    sequence_parallel: bool = False
-
-    def describe(self) -> str:
-        sp = "+sp" if self.sequence_parallel else ""
-        return (f"tp={self.tp}{sp} dp={self.dp} zero={self.stage} offload={self.offload} "
-                f"recompute={self.recompute} micro={self.micro_batch}")
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainingSetup:
-    """What the layout does not decide: the precision, optimizer and ZeRO knobs (config keys in comments)."""
-
-    precision: str = "bf16"  # precision
-    optimizer: str = "adamw"  # optimizer.type
-    weight_decay: bool = True  # optimizer.weight_decay > 0: 1-D parameters get a group of their own
-    momentum: bool = False  # SGD only
-    compiled_adam: bool = True  # hybrid's compiled Adam reads bf16/fp16 gradients without an fp32 copy
-    bucket_size: int = 25_000_000  # zero.bucket_size
-    stage3_persistence_threshold: int = 100_000  # zero.persistence_threshold
-    stage3_live_parameters: int = 1_000_000_000  # zero.max_live_parameters
-    stage3_prefetch: int = 50_000_000  # zero.prefetch_bucket_size
-    fragmentation: float = DEFAULT_FRAGMENTATION
-    profile: DeviceProfile = CUDA
-
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Predicted bytes on one device (and its share of host memory) for one layout."""
+    """Predicted bytes on one device (and its share of host memory) for one candidate layout."""
 
-    layout: Layout
+    candidate: Candidate
     state: StateBytes
     activations: ActivationBytes
     gather_buffers: int  # transient communication buffers at the peak (stage 3 units and buckets, gloo temporaries)
@@ -228,54 +195,76 @@ def largest_layer_weight(config: GPTConfig) -> int:
     return max(3 * h * h, (2 if config.mlp == "swiglu" else 1) * f * h)
 
 
-def _model_state(config: GPTConfig, layout: Layout, setup: TrainingSetup):
-    """``(state, stage-3 bytes gathered at the forward peak, gathered during backward, the stage-3 gradient flow
-    (:class:`GradientFlow`, bytes; None below stage 3), all-gather temporary, stages 1-2 reduce-scatter payload in
-    flight at the end of backward)``."""
-    p = DTYPE_BYTES[setup.precision]
-    host_is_device = setup.profile.host_is_device
-    if layout.stage == 3:
-        units = stage3_layout(config, layout.tp, layout.dp, setup.precision, setup.stage3_persistence_threshold,
-                              setup.weight_decay)
-        state = stage3_state_bytes(units, offload=layout.offload, optimizer=setup.optimizer,
-                                   momentum=setup.momentum, compiled_adam=setup.compiled_adam,
-                                   host_is_device=host_is_device)
-        head = units.head_unit
-        ahead = min(setup.stage3_prefetch, sum(units.units))
-        # Forward, at the loss: the head's unit, plus what was prefetched behind the last module.
-        forward = p * (head + min(ahead, units.largest_unit))
-        # Backward starts with the head's unit and everything prefetched ahead of the layers, within the live
-        # limit; later each unit is gathered again with the next ones prefetched behind it.
-        live = setup.stage3_live_parameters
-        backward = p * min(live, sum(units.units), max(head, units.largest_unit) + ahead)
-        flow = stage3_gradient_flow(units.backward_order(config.tie_embeddings), units.persistent,
-                                    setup.bucket_size, layout.dp, setup.stage3_prefetch, live)
-        return state, forward, backward, flow.scaled(p), 0, 0
-    flat = flat_layout(shard_shapes(config, layout.tp), layout.dp, setup.precision, setup.bucket_size,
+def zero_layout(config: GPTConfig, candidate: Candidate,
+                setup: TrainingSetup = TrainingSetup()) -> Union[FlatLayout, Stage3Layout]:
+    """How the candidate's ZeRO optimizer lays one rank's parameters out: in units when its stage partitions
+    the parameters, else in flat buffers."""
+    if candidate.traits.parameters:
+        return stage3_layout(config, candidate.tp, candidate.dp, candidate.precision,
+                             setup.stage3_persistence_threshold, setup.weight_decay)
+    return flat_layout(shard_shapes(config, candidate.tp), candidate.dp, candidate.precision, setup.bucket_size,
                        setup.weight_decay)
-    state = state_bytes(flat, layout.stage, precision=setup.precision, offload=layout.offload,
+
+
+def _model_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup):
+    """``(state, stage-3 bytes gathered at the forward peak, gathered during backward, the stage-3 gradient flow
+    (:class:`GradientFlow`, bytes; None with whole parameters), all-gather temporary, reduce-scatter payload in
+    flight at the end of backward with whole parameters)``."""
+    layout = zero_layout(config, candidate, setup)
+    if candidate.traits.parameters:
+        return _unit_state(config, candidate, setup, layout)
+    return _flat_state(candidate, setup, layout)
+
+
+def _unit_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, units: Stage3Layout):
+    """:func:`_model_state` when the parameters are partitioned in units, gathered where they are used."""
+    p = DTYPE_BYTES[candidate.precision]
+    state = stage3_state_bytes(units, offload=candidate.offload, optimizer=setup.optimizer,
+                               momentum=setup.momentum, compiled_adam=setup.compiled_adam,
+                               host_is_device=setup.profile.host_is_device)
+    head = units.head_unit
+    ahead = min(setup.stage3_prefetch, sum(units.units))
+    # Forward, at the loss: the head's unit, plus what was prefetched behind the last module.
+    forward = p * (head + min(ahead, units.largest_unit))
+    # Backward starts with the head's unit and everything prefetched ahead of the layers, within the live
+    # limit; later each unit is gathered again with the next ones prefetched behind it.
+    live = setup.stage3_live_parameters
+    backward = p * min(live, sum(units.units), max(head, units.largest_unit) + ahead)
+    flow = stage3_gradient_flow(units.backward_order(config.tie_embeddings), units.persistent,
+                                setup.bucket_size, units.dp, setup.stage3_prefetch, live)
+    return state, forward, backward, flow.scaled(p), 0, 0
+
+
+def _flat_state(candidate: Candidate, setup: TrainingSetup, flat: FlatLayout):
+    """:func:`_model_state` when every rank holds the parameters whole, in flat buffers."""
+    traits = candidate.traits
+    state = state_bytes(flat, candidate.zero_stage, precision=candidate.precision, offload=candidate.offload,
                         optimizer=setup.optimizer, momentum=setup.momentum, compiled_adam=setup.compiled_adam,
-                        host_is_device=host_is_device)
+                        host_is_device=setup.profile.host_is_device)
     gather_temp = 0
-    if setup.profile.gather_copies_output and layout.stage in (1, 2):
+    if setup.profile.gather_copies_output and gathers_after_step(traits):
         gather_temp = flat.largest_segment * flat.element_bytes  # gloo lands each all-gather in a temporary
-    # Reduce-scatters in flight at the end of backward: stage 1 launches every bucket and waits in the step;
-    # stage 2 waits whenever it needs a staging buffer beyond its pool, so the last buckets launched -- the
+    # Reduce-scatters in flight at the end of backward (the copies counted are a reduce-scatter's, see the
+    # module docstring). Reducing once per step launches every bucket and waits in the step; reducing every
+    # micro-batch waits whenever it needs a staging buffer beyond its pool, so the last buckets launched -- the
     # first ones in the buffer, as backward runs the model in reverse -- are the ones still in flight.
-    first_segments = flat.groups[0][1][:STAGING_BUFFERS_BEFORE_WAIT + 1]
-    in_flight = {1: flat.numel, 2: sum(first_segments)}
-    return state, 0, 0, None, gather_temp, flat.element_bytes * in_flight.get(layout.stage, 0)
+    in_flight = 0
+    if reduces_by_scatter(traits):
+        first_segments = flat.groups[0][1][:STAGING_BUFFERS_BEFORE_WAIT + 1]
+        in_flight = sum(first_segments) if reduces_every_micro_batch(traits) else flat.numel
+    return state, 0, 0, None, gather_temp, flat.element_bytes * in_flight
 
 
-def estimate_memory(config: GPTConfig, layout: Layout, setup: TrainingSetup = TrainingSetup()) -> MemoryEstimate:
-    """Predict the memory of one device for ``config`` trained with ``layout``."""
-    state, gathered, gathered_backward, staging3, gather_temp, in_flight = _model_state(config, layout, setup)
-    act = activation_bytes(config, layout.micro_batch, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
-                           recompute=layout.recompute, precision=setup.precision, profile=setup.profile)
-    p = DTYPE_BYTES[setup.precision]
+def estimate_memory(config: GPTConfig, candidate: Candidate, setup: TrainingSetup = TrainingSetup()) -> MemoryEstimate:
+    """Predict the memory of one device for ``config`` trained as ``candidate``."""
+    state, gathered, gathered_backward, staging3, gather_temp, in_flight = _model_state(config, candidate, setup)
+    act = activation_bytes(config, candidate.micro_batch, tp=candidate.tp,
+                           sequence_parallel=candidate.sequence_parallel, recompute=candidate.recompute,
+                           precision=candidate.precision, profile=setup.profile)
+    p = DTYPE_BYTES[candidate.precision]
     base = state.device_total
-    n = config.seq_length * layout.micro_batch
-    h, t = config.hidden_size, layout.tp
+    n = config.seq_length * candidate.micro_batch
+    h, t = config.hidden_size, candidate.tp
     v_local = config.padded_vocab_size(t) // t
     logits, fp32_nv, loss_saved = p * n * v_local, 4 * n * v_local, 4 * n * v_local + 9 * n
     before_loss = act.total - loss_saved
@@ -290,7 +279,7 @@ def estimate_memory(config: GPTConfig, layout: Layout, setup: TrainingSetup = Tr
     # The last layer's backward: its largest weight gradient and input gradient in flight, the residual
     # gradient, a recomputed layer's activations, and a tied head's gradient waiting for the embedding's.
     tied = head_grad if config.tie_embeddings else 0
-    rebuilt = act.layer_full if layout.recompute == "full" else 0
+    rebuilt = act.layer_full if candidate.recompute == "full" else 0
     weight_grad = p * max(largest_layer_weight(config) // t, 1)
     final_norm = act.head - loss_saved
     backward = max(backward, base + before_loss - final_norm + rebuilt + tied + weight_grad
@@ -308,7 +297,7 @@ def estimate_memory(config: GPTConfig, layout: Layout, setup: TrainingSetup = Tr
             if tensors > backward:
                 backward, backward_comm = tensors, tensors - base - act.embedding
     elif in_flight:
-        moments.append((base + act.embedding, in_flight))  # stages 1-2: the end of backward
+        moments.append((base + act.embedding, in_flight))  # whole parameters: the end of backward
     step = base + state.step_workspace + gather_temp
     # Stage-3 buffers (gathered units, in-flight gradient buckets) at whichever moment is the peak.
     peak_comm = max((forward, gathered), (backward, backward_comm), (step, gather_temp))[1]
@@ -318,5 +307,5 @@ def estimate_memory(config: GPTConfig, layout: Layout, setup: TrainingSetup = Tr
         # The library's private copies of the in-flight reduce-scatters, beyond the tensor peak.
         peak = max(forward, backward, step)
         untracked = max([0] + [tensors + copies - peak for tensors, copies in moments])
-    return MemoryEstimate(layout, state, act, peak_comm, forward, backward, step,
+    return MemoryEstimate(candidate, state, act, peak_comm, forward, backward, step,
                           int(setup.fragmentation * transient), untracked)

@@ -7,7 +7,12 @@ A layout is valid when:
 * ``dp = gpus / tp`` is whole and divides the global batch;
 * the micro batch divides ``global_batch / dp`` (the rest is gradient
   accumulation);
-* offload is used with ZeRO stages 1-3 only.
+* offload is used only where the stage allows it
+  (:func:`hybrid.layout.offload_problem`).
+
+Each layout is a :class:`~hybrid.plan.candidate.Candidate`: a
+:class:`hybrid.layout.ParallelLayout` (which validates the sizes, stage and
+precision) with offload, recomputation, micro batch and sequence parallelism.
 
 Every layout is evaluated (memory, communication, step time) and the list is
 ranked: layouts that fit first, then by predicted step time, then by
@@ -20,40 +25,39 @@ import dataclasses
 import itertools
 from typing import Iterable, List, Optional, Sequence
 
+from hybrid.layout import OFFLOAD_DEVICES, ZERO_STAGES, LayoutError, ParallelLayout, offload_problem
+from hybrid.plan.candidate import DEFAULT_PRECISION, Candidate
 from hybrid.plan.cluster import Cluster
 from hybrid.plan.comm_volume import Report, step_volume
-from hybrid.plan.estimate import Layout, MemoryEstimate, TrainingSetup, estimate_memory
-from hybrid.plan.model_memory import flat_layout, shard_shapes, stage3_layout
+from hybrid.plan.estimate import MemoryEstimate, estimate_memory, zero_layout
+from hybrid.plan.setup import TrainingSetup
 from hybrid.plan.timing import StepTime, step_time
 from model_zoo.config import GPTConfig
 
-STAGES = (0, 1, 2, 3)
-OFFLOADS = ("none", "cpu")
+# The recomputation choices, cheapest first (the order layouts are enumerated in).
 RECOMPUTES = ("none", "selective", "full")
-
-
-class LayoutError(ValueError):
-    """No layout can be formed from the given model, cluster and batch."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Choices:
-    """Restrictions on the enumeration (None: try every valid value)."""
+    """Restrictions on the enumeration (None: try every valid value), and the precision every layout uses."""
 
     tp: Optional[Sequence[int]] = None
-    stages: Sequence[int] = STAGES
-    offloads: Sequence[str] = OFFLOADS
+    stages: Sequence[int] = ZERO_STAGES
+    offloads: Sequence[str] = OFFLOAD_DEVICES
     recomputes: Sequence[str] = RECOMPUTES
     micro_batches: Optional[Sequence[int]] = None
     max_micro_batch: int = 16
     sequence_parallel: bool = False
+    # One precision, not a choice: the step-time model does not price it, so it could not rank precisions.
+    precision: str = DEFAULT_PRECISION
 
 
 @dataclasses.dataclass(frozen=True)
 class Evaluation:
-    """One layout with its predicted memory, communication and step time."""
+    """One candidate layout with its predicted memory, communication and step time."""
 
-    layout: Layout
+    candidate: Candidate
     memory: MemoryEstimate
     comm: Report
     time: StepTime
@@ -89,7 +93,7 @@ def _divisors(n: int, cap: int) -> List[int]:
 
 
 def enumerate_layouts(config: GPTConfig, cluster: Cluster, global_batch: int,
-                      choices: Choices = Choices()) -> List[Layout]:
+                      choices: Choices = Choices()) -> List[Candidate]:
     """Every valid layout (see the module docstring) within ``choices``."""
     if not isinstance(global_batch, int) or global_batch < 1:
         raise LayoutError(f"--global-batch-size must be a positive integer, got {global_batch!r}")
@@ -110,35 +114,29 @@ def enumerate_layouts(config: GPTConfig, cluster: Cluster, global_batch: int,
         sp = choices.sequence_parallel and tp > 1
         for stage, offload, recompute, micro in itertools.product(choices.stages, choices.offloads,
                                                                   choices.recomputes, micros):
-            if offload != "none" and stage == 0:
-                continue
-            layouts.append(Layout(tp=tp, dp=dp, stage=stage, offload=offload, recompute=recompute,
-                                  micro_batch=micro, sequence_parallel=sp))
+            if offload in OFFLOAD_DEVICES and offload_problem(stage, offload):
+                continue  # the stage cannot offload (an unknown device is refused by Candidate below)
+            parallel = ParallelLayout(tp=tp, dp=dp, zero_stage=stage, precision=choices.precision)
+            layouts.append(Candidate(parallel, offload=offload, recompute=recompute, micro_batch=micro,
+                                     sequence_parallel=sp))
     if not layouts:
         raise LayoutError(f"no layout divides --global-batch-size {global_batch}: it must be a multiple of the "
                           f"data-parallel size gpus/tp for some tp in {tps} (and of the --micro-batch given)")
     return layouts
 
 
-def evaluate(config: GPTConfig, layout: Layout, cluster: Cluster, setup: TrainingSetup,
+def evaluate(config: GPTConfig, candidate: Candidate, cluster: Cluster, setup: TrainingSetup,
              global_batch: int) -> Evaluation:
-    """Predict memory, communication and step time of one layout."""
-    memory = estimate_memory(config, layout, setup)
-    if layout.stage == 3:
-        flat = stage3_layout(config, layout.tp, layout.dp, setup.precision, setup.stage3_persistence_threshold,
-                             setup.weight_decay)
-    else:
-        flat = flat_layout(shard_shapes(config, layout.tp), layout.dp, setup.precision, setup.bucket_size,
-                           setup.weight_decay)
-    accumulation = global_batch // (layout.dp * layout.micro_batch)
-    comm = step_volume(config, flat, stage=layout.stage, tp=layout.tp, micro_batch=layout.micro_batch,
-                       micro_batches=accumulation, sequence_parallel=layout.sequence_parallel,
-                       recompute=layout.recompute, precision=setup.precision)
-    time = step_time(config, cluster, tp=layout.tp, dp=layout.dp, stage=layout.stage, offload=layout.offload,
-                     recompute=layout.recompute, global_batch=global_batch, partition_numel=flat.partition_numel,
-                     precision=setup.precision, comm=comm)
+    """Predict memory, communication and step time of one candidate layout."""
+    memory = estimate_memory(config, candidate, setup)
+    layout = zero_layout(config, candidate, setup)
+    accumulation = global_batch // (candidate.dp * candidate.micro_batch)
+    comm = step_volume(config, layout, candidate, micro_batches=accumulation)
+    time = step_time(config, cluster, candidate, global_batch=global_batch, partition_numel=layout.partition_numel,
+                     comm=comm)
     host_fits = cluster.cpu_memory is None or memory.host * cluster.node_size <= cluster.cpu_memory
-    return Evaluation(layout, memory, comm, time, memory.total <= cluster.usable_memory, host_fits, accumulation)
+    return Evaluation(candidate, memory, comm, time, memory.total <= cluster.usable_memory, host_fits,
+                      accumulation)
 
 
 def rank(evaluations: Iterable[Evaluation]) -> List[Evaluation]:
@@ -149,5 +147,5 @@ def rank(evaluations: Iterable[Evaluation]) -> List[Evaluation]:
 def plan(config: GPTConfig, cluster: Cluster, global_batch: int, setup: TrainingSetup = TrainingSetup(),
          choices: Choices = Choices()) -> List[Evaluation]:
     """Every valid layout of ``config`` on ``cluster``, evaluated and ranked."""
-    return rank(evaluate(config, layout, cluster, setup, global_batch)
-                for layout in enumerate_layouts(config, cluster, global_batch, choices))
+    return rank(evaluate(config, candidate, cluster, setup, global_batch)
+                for candidate in enumerate_layouts(config, cluster, global_batch, choices))

@@ -39,13 +39,13 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from hybrid import param_meta
+from hybrid.layout import StageTraits, ZeroStage, offload_problem, partition_count, stage_traits
+from hybrid.plan.setup import zero_default
 from hybrid.zero.buckets import STAGING_BUFFERS_BEFORE_WAIT
 from hybrid.zero.flat_buffer import align_elements, plan_segments
 from model_zoo.config import GPTConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-STAGES = (0, 1, 2, 3)
-OFFLOAD = ("none", "cpu")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}  # fp32 state tensors per master element (sgd: momentum)
 
 
@@ -200,7 +200,8 @@ def _stage3_units(config_json: str, tp: int, dp: int, precision: str, persistenc
             sum(u.chunk_numel for u in units), gathered[head_index].numel if head_index >= 0 else 0, head_index)
 
 
-def stage3_layout(config: GPTConfig, tp: int, dp: int, precision: str, persistence_threshold: int = 100_000,
+def stage3_layout(config: GPTConfig, tp: int, dp: int, precision: str,
+                  persistence_threshold: int = zero_default("persistence_threshold"),
                   weight_decay: bool = True) -> Stage3Layout:
     """The stage-3 units of ``config`` at TP ``tp`` over ``dp`` ranks (the optimizer's own function, on meta)."""
     config.validate(tp)
@@ -237,16 +238,15 @@ class StateBytes:
         return self.host_master + self.host_optimizer_states + self.host_grads
 
 
-def _check(stage: int, offload: str, optimizer: str) -> None:
-    if stage not in STAGES:
-        raise ValueError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
-    if offload not in OFFLOAD:
-        raise ValueError(f"offload must be one of {', '.join(OFFLOAD)}, got {offload!r}")
-    if offload != "none" and stage == 0:
-        raise ValueError("CPU offload needs ZeRO stage 1, 2 or 3 (zero.offload_optimizer needs a partitioned "
-                         "optimizer state)")
+def _check(stage: int, offload: str, optimizer: str) -> StageTraits:
+    """What ``stage`` partitions; a ValueError naming the setting for a stage, offload or optimizer not modelled."""
+    traits = stage_traits(stage)  # hybrid.layout.LayoutError (a ValueError) for a stage that does not exist
+    problem = offload_problem(stage, offload)
+    if problem:
+        raise ValueError(problem)
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
+    return traits
 
 
 def _optimizer_bytes(part: int, pb: int, offload: str, optimizer: str, momentum: bool, compiled_adam: bool,
@@ -264,7 +264,8 @@ def _optimizer_bytes(part: int, pb: int, offload: str, optimizer: str, momentum:
 def state_bytes(layout: FlatLayout, stage: int, *, precision: str, offload: str = "none",
                 optimizer: str = "adamw", momentum: bool = False, compiled_adam: bool = True,
                 host_is_device: bool = False) -> StateBytes:
-    """Per-rank bytes of weights, gradients, master and optimizer state for stages 0-2 over ``layout.dp`` ranks.
+    """Per-rank bytes of weights, gradients, master and optimizer state over ``layout.dp`` ranks, for a stage that
+    keeps its parameters whole (flat buffers).
 
     ``compiled_adam``: the step runs hybrid's compiled Adam, which reads
     low-precision gradients directly; otherwise they are first cast to fp32
@@ -272,16 +273,18 @@ def state_bytes(layout: FlatLayout, stage: int, *, precision: str, offload: str 
     memory (a CPU run), where offload copies nothing. Stage 3 is
     :func:`stage3_state_bytes`.
     """
-    _check(stage, offload, optimizer)
-    if stage == 3:
-        raise ValueError("stage 3 lays parameters out in units: use stage3_state_bytes(stage3_layout(...))")
+    traits = _check(stage, offload, optimizer)
+    if traits.parameters:
+        raise ValueError(f"ZeRO stage {int(stage)} partitions the parameters in units: use "
+                         f"stage3_state_bytes(stage3_layout(...))")
     pb = layout.element_bytes
-    parts = 1 if stage == 0 else layout.dp
+    parts = partition_count(stage, layout.dp)
     full, part = layout.numel, layout.numel // parts
     weights = pb * full
-    grads = pb * (full if stage < 2 else part)
+    grads = pb * (part if traits.gradients else full)
     staging = 0
-    if stage == 2:
+    if traits.gradients:
+        # Partitioned gradients are staged bucket by bucket in a pool of buffers before each reduce-scatter.
         staging = pb * layout.largest_segment * min(STAGING_BUFFERS_BEFORE_WAIT, layout.segments)
     largest_group_part = max(n // parts for n, _ in layout.groups)
     master, states, workspace = _optimizer_bytes(part, pb, offload, optimizer, momentum, compiled_adam,
@@ -302,7 +305,7 @@ def stage3_state_bytes(layout: Stage3Layout, *, offload: str = "none", optimizer
     when the optimizer is offloaded, next to a host copy of the low-precision
     partition that the CPU step writes.
     """
-    _check(3, offload, optimizer)
+    _check(ZeroStage.PARAMETERS, offload, optimizer)
     pb, part = layout.element_bytes, layout.partition_numel
     weights = pb * (part + layout.persistent)
     master, states, workspace = _optimizer_bytes(part, pb, offload, optimizer, momentum, compiled_adam,

@@ -12,12 +12,12 @@ GIB = 2**30
 COLUMNS = [
     # (header, width, cell)
     ("#", 3, lambda i, e: f"{i}"),
-    ("tp", 4, lambda i, e: f"{e.layout.tp}{'s' if e.layout.sequence_parallel else ''}"),
-    ("dp", 4, lambda i, e: f"{e.layout.dp}"),
-    ("zero", 4, lambda i, e: f"{e.layout.stage}"),
-    ("offload", 7, lambda i, e: e.layout.offload),
-    ("recompute", 9, lambda i, e: e.layout.recompute),
-    ("mb", 3, lambda i, e: f"{e.layout.micro_batch}"),
+    ("tp", 4, lambda i, e: f"{e.candidate.tp}{'s' if e.candidate.sequence_parallel else ''}"),
+    ("dp", 4, lambda i, e: f"{e.candidate.dp}"),
+    ("zero", 4, lambda i, e: f"{int(e.candidate.zero_stage)}"),
+    ("offload", 7, lambda i, e: e.candidate.offload),
+    ("recompute", 9, lambda i, e: e.candidate.recompute),
+    ("mb", 3, lambda i, e: f"{e.candidate.micro_batch}"),
     ("gas", 4, lambda i, e: f"{e.accumulation}"),
     ("weights", 7, lambda i, e: f"{e.memory.weights / GIB:.2f}"),
     ("grads", 6, lambda i, e: f"{e.memory.grads / GIB:.2f}"),
@@ -55,9 +55,9 @@ def summary(evaluations: Sequence[Evaluation]) -> str:
     if not fitting:
         smallest = min(evaluations, key=lambda e: e.memory.total)
         return (f"none of {len(evaluations)} layouts fits; the smallest needs "
-                f"{smallest.memory.total / GIB:.2f} GiB per GPU ({smallest.layout.describe()})")
+                f"{smallest.memory.total / GIB:.2f} GiB per GPU ({smallest.candidate.describe()})")
     best = fitting[0]
-    return (f"{len(fitting)} of {len(evaluations)} layouts fit; best: {best.layout.describe()}, "
+    return (f"{len(fitting)} of {len(evaluations)} layouts fit; best: {best.candidate.describe()}, "
             f"{best.memory.total / GIB:.2f} GiB per GPU, {best.time.total:.2f} s per step")
 
 
@@ -65,10 +65,10 @@ def to_json(evaluations: Sequence[Evaluation]) -> str:
     rows: List[dict] = []
     for e in evaluations:
         m = e.memory
-        rows.append({"tp": e.layout.tp, "dp": e.layout.dp, "zero_stage": e.layout.stage,
-                     "offload": e.layout.offload, "recompute": e.layout.recompute,
-                     "micro_batch": e.layout.micro_batch, "gradient_accumulation_steps": e.accumulation,
-                     "sequence_parallel": e.layout.sequence_parallel,
+        rows.append({"tp": e.candidate.tp, "dp": e.candidate.dp, "zero_stage": int(e.candidate.zero_stage),
+                     "offload": e.candidate.offload, "recompute": e.candidate.recompute,
+                     "micro_batch": e.candidate.micro_batch, "gradient_accumulation_steps": e.accumulation,
+                     "sequence_parallel": e.candidate.sequence_parallel,
                      "bytes": {"weights": m.weights, "grads": m.grads, "master": m.state.master,
                                "optimizer_states": m.state.optimizer_states,
                                "activations_per_micro_batch": m.activations.total, "transient": m.transient,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from hybrid.plan.activations import DTYPE_BYTES
+from hybrid.plan.candidate import Candidate
 from hybrid.plan.cluster import Cluster
 from hybrid.plan.comm_volume import Report, axis_wire_bytes
 from model_zoo.config import GPTConfig
@@ -51,25 +52,32 @@ def recompute_flops_per_token(config: GPTConfig, recompute: str) -> int:
     return 0
 
 
-def step_time(config: GPTConfig, cluster: Cluster, *, tp: int, dp: int, stage: int, offload: str, recompute: str,
-              global_batch: int, partition_numel: int, precision: str, comm: Report) -> StepTime:
-    """Predicted seconds of one optimizer step (``global_batch`` sequences) on ``tp * dp`` GPUs."""
+def step_time(config: GPTConfig, cluster: Cluster, candidate: Candidate, *, global_batch: int, partition_numel: int,
+              comm: Report) -> StepTime:
+    """Predicted seconds of one optimizer step (``global_batch`` sequences) of ``candidate`` on ``tp * dp`` GPUs.
+
+    ``comm``: the step's collectives (:func:`hybrid.plan.comm_volume.step_volume`); ``partition_numel``: the
+    elements of this rank's optimizer partition (what offload moves and the CPU steps).
+    """
+    tp, dp = candidate.tp, candidate.dp
     gpus = tp * dp
     tokens = global_batch * config.seq_length
-    flops = tokens * (flops_per_token(config) + recompute_flops_per_token(config, recompute)) / gpus
+    flops = tokens * (flops_per_token(config) + recompute_flops_per_token(config, candidate.recompute)) / gpus
     compute = flops / (cluster.peak_tflops * 1e12 * cluster.mfu)
     tp_time = axis_wire_bytes(comm, "tp") / (cluster.intra_node_gbps * 1e9)
     bandwidth = cluster.dp_bandwidth(tp, dp)
     gathers = sum(v["wire_bytes"] for k, v in comm.items() if k.startswith("all_gather/dp")) / bandwidth
     reductions = axis_wire_bytes(comm, "dp") / bandwidth - gathers
     backward = compute * 2.0 / 3.0
-    if stage == 3:
+    if candidate.traits.parameters:
+        # Partitioned parameters are gathered ahead of use, behind the whole step's compute.
         dp_exposed = max(0.0, reductions + gathers - compute)
     else:
+        # Reductions hide behind backward; the all-gather of updated parameters waits for the step.
         dp_exposed = max(0.0, reductions - backward) + gathers
     offload_time = 0.0
-    if offload != "none":
-        p = DTYPE_BYTES[precision]
+    if candidate.offload != "none":
+        p = DTYPE_BYTES[candidate.precision]
         offload_time = (2 * p * partition_numel / (cluster.pcie_gbps * 1e9)
                         + partition_numel / (cluster.cpu_adam_rate / cluster.node_size))
     return StepTime(compute, tp_time, dp_exposed, offload_time)

@@ -39,13 +39,14 @@ def gpt_config(spec: Dict):
 
 
 def engine_config(spec: Dict) -> Dict:
-    """The ``hybrid.initialize`` config of one spec (stage 3 and offload only when asked for)."""
+    """The ``hybrid.initialize`` config of one spec (offload and the stage-3 knobs only when asked for)."""
     zero = {"stage": spec["stage"], "bucket_size": spec.get("bucket", 10**8)}
     if spec.get("offload", "none") != "none":
         zero["offload_optimizer"] = spec["offload"]
-    if spec["stage"] == 3:
-        zero["persistence_threshold"] = spec.get("persist", 100_000)
-        zero["prefetch_bucket_size"] = spec.get("prefetch", 50_000_000)
+    # Only what a spec sets: the rest keeps the config's defaults, which the planner reads too.
+    for key, zero_key in (("persist", "persistence_threshold"), ("prefetch", "prefetch_bucket_size")):
+        if key in spec:
+            zero[zero_key] = spec[key]
     return {"precision": spec["precision"], "zero": zero, "optimizer": {"type": "adamw", "lr": 1e-3,
                                                                          "weight_decay": 0.1},
             "micro_batch_size": spec["micro"], "gradient_accumulation_steps": spec.get("gas", 1),

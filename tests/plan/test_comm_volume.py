@@ -33,8 +33,10 @@ def test_stages_1_and_2_move_what_stage_0_moves_and_stage_3_half_again():
 
 def test_one_collective_per_bucket_and_per_micro_batch_in_stage_2():
     layout = _layout()
-    s1, s2 = dp_volume(layout, 1, micro_batches=4), dp_volume(layout, 2, micro_batches=4)
+    s0, s1, s2 = (dp_volume(layout, k, micro_batches=4) for k in range(3))
+    assert set(s0) == {"all_reduce/dp"} and s0["all_reduce/dp"]["calls"] == layout.segments  # boundary only
     assert s1["reduce_scatter/dp"]["calls"] == layout.segments  # accumulation boundary only
+    assert s1["all_gather/dp"]["calls"] == layout.segments
     assert s2["reduce_scatter/dp"]["calls"] == 4 * layout.segments
     assert s2["all_gather/dp"]["calls"] == layout.segments
 

@@ -8,10 +8,12 @@ import sys
 
 import pytest
 
+from hybrid.layout import LayoutError, ParallelLayout, ZeroStage
+from hybrid.plan.candidate import Candidate
 from hybrid.plan.cli import main
 from hybrid.plan.cluster import Cluster, ClusterError, parse_size
-from hybrid.plan.estimate import TrainingSetup
-from hybrid.plan.layouts import Choices, LayoutError, enumerate_layouts, plan
+from hybrid.plan.layouts import Choices, enumerate_layouts, plan
+from hybrid.plan.setup import TrainingSetup
 from model_zoo import get_preset
 
 TNLG = ["--model", "turing-nlg-17b", "--gpus", "256", "--gpus-per-node", "16", "--gpu-memory", "32GiB",
@@ -42,9 +44,11 @@ def test_enumeration_rules():
     assert {lay.tp for lay in layouts} == {1, 2, 4}  # divide 16 and 28
     assert all(lay.tp * lay.dp == 256 for lay in layouts)
     assert all((512 // lay.dp) % lay.micro_batch == 0 for lay in layouts)
-    assert not [lay for lay in layouts if lay.offload == "cpu" and lay.stage == 0]
+    assert not [lay for lay in layouts if lay.offload == "cpu" and not lay.traits.allows_offload]
+    assert {lay.offload for lay in layouts} == {"none", "cpu"}
     assert {lay.recompute for lay in layouts} == {"none", "selective", "full"}
-    assert {lay.stage for lay in layouts} == {0, 1, 2, 3}
+    assert {lay.zero_stage for lay in layouts} == set(ZeroStage)
+    assert {lay.precision for lay in layouts} == {"bf16"}
     with pytest.raises(LayoutError, match="valid sizes here are"):
         enumerate_layouts(config, cluster, 512, Choices(tp=[3]))
     with pytest.raises(LayoutError, match="global-batch-size 100"):
@@ -62,7 +66,34 @@ def test_ranking_puts_fitting_then_faster_layouts_first():
     assert [e.time.total for e in fitting] == sorted(e.time.total for e in fitting)
     assert all(e.memory.total <= cluster.usable_memory for e in fitting)
     # Stage 0 keeps 16 bytes per parameter (1.56B x 16 > 16 GiB): it never fits without TP.
-    assert not [e for e in fitting if e.layout.stage == 0 and e.layout.tp == 1]
+    assert not [e for e in fitting if e.candidate.zero_stage == ZeroStage.DISABLED and e.candidate.tp == 1]
+
+
+def test_a_candidate_is_a_validated_parallel_layout():
+    """Sizes, stage and precision are checked by ParallelLayout, offload by the one rule of hybrid.layout."""
+    candidate = Candidate(ParallelLayout(tp=4, dp=64, zero_stage=2, precision="bf16"), offload="cpu",
+                          recompute="full", micro_batch=2, sequence_parallel=True)
+    assert candidate.traits.gradients and not candidate.traits.parameters
+    assert candidate.describe() == "tp=4+sp dp=64 zero=2 offload=cpu recompute=full micro=2"
+    with pytest.raises(LayoutError, match="offload to cpu needs ZeRO stage"):
+        Candidate(ParallelLayout(tp=1, dp=8), offload="cpu")
+    with pytest.raises(LayoutError, match="zero_stage"):
+        Candidate(ParallelLayout(tp=1, dp=8, zero_stage=4))
+    with pytest.raises(LayoutError, match="pp=1"):
+        Candidate(ParallelLayout(tp=1, dp=8, pp=2))
+    with pytest.raises(LayoutError, match="recompute"):
+        Candidate(ParallelLayout(tp=1, dp=8), recompute="some")
+    with pytest.raises(LayoutError, match="micro_batch"):
+        Candidate(ParallelLayout(tp=1, dp=8), micro_batch=0)
+
+
+def test_zero_knob_defaults_are_the_configs():
+    from hybrid.config import ZeroConfig
+
+    setup, zero = TrainingSetup(), ZeroConfig()
+    assert (setup.bucket_size, setup.stage3_persistence_threshold, setup.stage3_live_parameters,
+            setup.stage3_prefetch) == (zero.bucket_size, zero.persistence_threshold, zero.max_live_parameters,
+                                       zero.prefetch_bucket_size)
 
 
 def test_turing_nlg_table_on_256_v100s(capsys):
