@@ -43,14 +43,15 @@ def generate(work: Path, layers: int, hidden: int, heads: int, vocab: int, tp: i
     import torch
     from safetensors.torch import load_file
 
-    from hybrid.checkpoint import CheckpointWriter, Layout, TensorSource
+    from hybrid.checkpoint import CheckpointWriter, TensorSource
     from hybrid.convert.hf import gpt_param_layout
+    from hybrid.layout import ParallelLayout
     from hybrid.convert.ranges import piece_size
     from model_zoo import GPTConfig
 
     cfg = GPTConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, seq_length=hidden)
     layout = gpt_param_layout(cfg)
-    writer = CheckpointWriter(work / "ckpt", 1000, Layout(tp=tp, dp=1, zero_stage=0, precision="fp32"))
+    writer = CheckpointWriter(work / "ckpt", 1000, ParallelLayout(tp=tp, dp=1, precision="fp32"))
     writer.prepare()
     gen = torch.Generator().manual_seed(0)
     records, index = [], []

@@ -1,17 +1,31 @@
-"""The one module that calls ``torch.distributed`` collectives.
+"""Axis-addressed communication: every collective and point-to-point transfer of the library.
 
-Every collective in hybrid goes through a :class:`Communicator` owned by the
-:class:`~hybrid.topology.Topology`. Collectives are addressed by *axis*
-(``"tp"``, ``"dp"``, ``"pp"``, ``"mp"``, ``"world"``) rather than by raw
-process group, which lets this module:
+Every collective, and the point-to-point traffic between pipeline stages, goes
+through a :class:`Communicator` owned by the :class:`~hybrid.topology.Topology`.
+Operations are addressed by *axis* (``"tp"``, ``"dp"``, ``"pp"``, ``"mp"``,
+``"world"``) and peers by their rank within the axis group, rather than by raw
+process group and global rank, which lets this module:
 
-* count the bytes each collective moved (:meth:`Communicator.report`), both
+* count the bytes each operation moved (:meth:`Communicator.report`), both
   as payload (the tensor sizes) and as wire bytes under a ring model;
 * return async handles for overlap, including for ops the backend lacks;
-* apply a timeout when waiting;
+* apply its timeout when waiting (and :class:`~hybrid.topology.Topology`
+  gives the same timeout to the process groups it creates);
 * hide gloo/NCCL differences (gloo has no ``AVG`` reduction).
 
 A group of size one never communicates and moves zero bytes.
+
+Other modules touch ``torch.distributed`` only to set the process groups up,
+never to move training data:
+
+* :mod:`hybrid.distributed` creates and destroys the default (world) group;
+* :mod:`hybrid.topology` reads the world's rank, size and backend and creates
+  the per-axis groups (``new_group`` is itself collective over the world);
+* :mod:`hybrid.data.index_cache`, when its caller passes no rank and barrier
+  (the trainer passes ``topology.rank`` and ``topology.comm.barrier``), reads
+  the world rank and issues one world barrier so that standalone users of the
+  datasets share one index cache; ``hybrid.data`` depends on no other part of
+  hybrid, so it does not build a Topology for that.
 """
 
 from __future__ import annotations
@@ -81,6 +95,11 @@ class Communicator:
         self._timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         self._stats: Dict[Tuple[str, str], OpStats] = collections.defaultdict(OpStats)
 
+    @property
+    def timeout(self) -> Optional[datetime.timedelta]:
+        """How long any operation may wait (None: the process group's own timeout)."""
+        return self._timeout
+
     # ---- accounting ------------------------------------------------------------
     def reset_stats(self) -> None:
         self._stats.clear()
@@ -93,11 +112,11 @@ class Communicator:
         rank sends under a ring algorithm: ``2(n-1)/n`` of the buffer for
         all-reduce and ``(n-1)/n`` for reduce-scatter and all-gather. Under that
         model an all-reduce costs the same as a reduce-scatter plus an all-gather.
+        A point-to-point ``send`` puts its whole tensor on the wire; the matching
+        ``recv`` counts the payload it received and no wire bytes (the sender
+        counts them), so summing wire bytes over ranks counts each byte once.
         """
         return {f"{op}/{axis}": dataclasses.asdict(s) for (op, axis), s in sorted(self._stats.items())}
-
-    def total(self, axis: str, field: str = "payload_bytes") -> float:
-        return sum(getattr(s, field) for (op, ax), s in self._stats.items() if ax == axis)
 
     def _record(self, op: str, axis: str, nbytes: int, wire_factor: float) -> None:
         s = self._stats[(op, axis)]
@@ -200,14 +219,37 @@ class Communicator:
             return
         dist.barrier(group=self._group(axis))
 
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        """Point-to-point send to global rank ``dst``."""
-        self._record("send", "world", _nbytes(tensor), 1.0)
-        dist.send(tensor, dst)
+    # ---- point to point ---------------------------------------------------------
+    def send(self, tensor: torch.Tensor, axis: str, dst: int, async_op: bool = False) -> Optional[Handle]:
+        """Send ``tensor`` to rank ``dst`` of this rank's ``axis`` group (e.g. ``pp_rank + 1``, the next stage).
 
-    def recv(self, tensor: torch.Tensor, src: int) -> None:
-        """Point-to-point receive from global rank ``src``."""
-        dist.recv(tensor, src)
+        The peer must post the matching :meth:`recv` of a tensor of the same size and dtype.
+        """
+        peer = self._peer(axis, dst, "send to")
+        self._record("send", axis, _nbytes(tensor), 1.0)
+        return self._p2p(dist.isend(tensor, dst=peer, group=self._group(axis)), async_op)
+
+    def recv(self, tensor: torch.Tensor, axis: str, src: int, async_op: bool = False) -> Optional[Handle]:
+        """Receive into ``tensor`` from rank ``src`` of this rank's ``axis`` group (e.g. ``pp_rank - 1``)."""
+        peer = self._peer(axis, src, "receive from")
+        self._record("recv", axis, _nbytes(tensor), 0.0)
+        return self._p2p(dist.irecv(tensor, src=peer, group=self._group(axis)), async_op)
+
+    def _peer(self, axis: str, rank: int, verb: str) -> int:
+        """The global rank of group rank ``rank`` of ``axis``, which must be another rank than this one."""
+        n, me = self.size(axis), self._topology.rank_in(axis)
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < n or rank == me:
+            raise ValueError(f"cannot {verb} rank {rank!r} of the {axis} group: the peer must be another rank of "
+                             f"that group, in [0, {n}) and not this rank's own {me}")
+        return self._topology.group_ranks(axis)[rank]
+
+    def _p2p(self, work, async_op: bool) -> Optional[Handle]:
+        # Always issued as isend/irecv: the blocking forms cannot take this communicator's timeout.
+        handle = Handle(work, None, self._timeout)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -138,6 +138,10 @@ class Topology:
     same order, after :func:`hybrid.init_distributed` (or with a world of one
     process, where no process group is needed). Pass it explicitly to every
     component that communicates.
+
+    ``timeout_s`` bounds every wait of the communicator and is given to every
+    process group created here; without it they keep the backend's default
+    (the world group keeps what :func:`hybrid.init_distributed` set).
     """
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: Optional[int] = None, *,
@@ -150,9 +154,9 @@ class Topology:
         self.rank = rank
         self.coord = self.grid.coord_of(rank)
         self._groups: Dict[str, object] = {}
+        self.comm = Communicator(self, timeout_s=timeout_s)
         if world_size > 1:
             self._build_groups()
-        self.comm = Communicator(self, timeout_s=timeout_s)
 
     @classmethod
     def local(cls) -> "Topology":
@@ -170,10 +174,12 @@ class Topology:
 
     def _build_groups(self) -> None:
         # new_group is collective over the whole world: every rank creates every
-        # group in the same order and keeps only the ones it belongs to.
+        # group in the same order and keeps only the ones it belongs to. Without
+        # an explicit timeout a group gets the backend's default (30 minutes for
+        # gloo), not the one the job configured: give it the communicator's.
         for axis in ("tp", "dp", "pp", "mp"):
             for ranks in self.grid.all_groups(axis):
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                group = dist.new_group(ranks, timeout=self.comm.timeout) if len(ranks) > 1 else None
                 if self.rank in ranks:
                     self._groups[axis] = group
         self._groups["world"] = dist.group.WORLD
@@ -207,13 +213,10 @@ class Topology:
     tp_rank = property(lambda self: self.coord.tp)
     dp_rank = property(lambda self: self.coord.dp)
     pp_rank = property(lambda self: self.coord.pp)
-    tp_group = property(lambda self: self.group("tp"))
-    dp_group = property(lambda self: self.group("dp"))
 
     @property
     def device(self) -> torch.device:
-        if torch.cuda.is_available() and self.world_size >= 1 and dist.is_initialized() \
-                and dist.get_backend() == "nccl":
+        if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 

@@ -110,20 +110,85 @@ def _timeout_child():
 
     import torch.distributed as dist
 
-    topo = Topology()
+    # The world group waits a minute (run_distributed's collective_timeout_s); the tp group created by the
+    # Topology must wait only its communicator's 2 s.
+    topo = Topology(tp=2, timeout_s=2.0)
     if dist.get_rank() == 1:
         time.sleep(10)
         return None
     start = time.monotonic()
     try:
-        topo.comm.all_reduce(torch.ones(1), "world")
+        topo.comm.all_reduce(torch.ones(1), "tp")
     except RuntimeError as e:
         return ("error", time.monotonic() - start, str(e)[:200])
     return ("no-error", time.monotonic() - start, "")
 
 
 def test_lost_peer_ends_in_an_error_not_a_hang():
-    results = run_distributed(_timeout_child, 2, timeout=60, collective_timeout_s=2.0)
+    """A blocking collective on a Topology's own group fails after the communicator's timeout."""
+    results = run_distributed(_timeout_child, 2, timeout=90, collective_timeout_s=60.0)
     status, waited, _ = results[0]
     assert status == "error"
     assert waited < 9.0
+
+
+def _pipeline_exchange():
+    """TP=2 x PP=2: stage 0 sends activations forward, stage 1 sends gradients back, through the communicator."""
+    import time
+
+    topo = Topology(tp=2, pp=2, timeout_s=2.0)
+    comm, stage, r = topo.comm, topo.pp_rank, topo.rank
+    out = {"pp_ranks": topo.group_ranks("pp")}
+    comm.reset_stats()
+    if stage == 0:
+        comm.send(torch.arange(6, dtype=torch.float32) + 100 * r, "pp", 1)
+        grad = torch.empty(3, dtype=torch.bfloat16)
+        comm.recv(grad, "pp", 1, async_op=True).wait()
+        out["received"] = grad.float().tolist()
+    else:
+        act = torch.empty(6, dtype=torch.float32)
+        comm.recv(act, "pp", 0)
+        out["received"] = act.tolist()
+        comm.send(torch.full((3,), float(r), dtype=torch.bfloat16), "pp", 0, async_op=True).wait()
+    out["report"] = comm.report()
+    try:
+        comm.send(torch.ones(1), "pp", stage)
+    except ValueError as e:
+        out["self_send"] = str(e)
+    # The last stage waits for a tensor that never comes: the communicator's timeout ends the wait.
+    if stage == 1:
+        start = time.monotonic()
+        try:
+            comm.recv(torch.empty(1), "pp", 0)
+            out["lost"] = ("no-error", time.monotonic() - start)
+        except RuntimeError:
+            out["lost"] = ("error", time.monotonic() - start)
+    return out
+
+
+def test_point_to_point_between_pipeline_stages():
+    results = run_distributed(_pipeline_exchange, 4, timeout=120)
+    for r, res in enumerate(results):
+        first, last = res["pp_ranks"]
+        assert r in (first, last) and last == first + 2  # TP innermost: the next stage is tp ranks away
+        rep = res["report"]
+        if r == first:
+            assert res["received"] == [float(last)] * 3
+            assert rep == {"send/pp": {"calls": 1, "payload_bytes": 24, "wire_bytes": 24.0},
+                           "recv/pp": {"calls": 1, "payload_bytes": 6, "wire_bytes": 0.0}}
+            assert "lost" not in res
+        else:
+            assert res["received"] == [100.0 * first + i for i in range(6)]
+            assert rep == {"recv/pp": {"calls": 1, "payload_bytes": 24, "wire_bytes": 0.0},
+                           "send/pp": {"calls": 1, "payload_bytes": 6, "wire_bytes": 6.0}}
+            status, waited = res["lost"]
+            assert status == "error" and waited < 9.0
+        assert "another rank of that group" in res["self_send"]
+
+
+def test_point_to_point_needs_a_peer_in_the_group():
+    comm = Topology().comm
+    with pytest.raises(ValueError, match=r"cannot send to rank 0 of the pp group: .* \[0, 1\)"):
+        comm.send(torch.ones(1), "pp", 0)
+    with pytest.raises(ValueError, match="cannot receive from rank 1 of the tp group"):
+        comm.recv(torch.ones(1), "tp", 1)

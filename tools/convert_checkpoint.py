@@ -27,6 +27,7 @@ if __package__ in (None, ""):
         sys.path.insert(0, _REPO)
 
 from hybrid.checkpoint import CheckpointError  # noqa: E402
+from hybrid.layout import PRECISIONS  # noqa: E402
 
 
 def _size(text: str) -> int:
@@ -48,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--save", required=True, help="new save directory")
     r.add_argument("--target-tp", type=int, required=True, help="tensor-parallel size of the loading job")
     r.add_argument("--target-dp", type=int, help="data-parallel size (default: the saved one)")
-    r.add_argument("--target-zero-stage", type=int, choices=(0, 1, 2), help="ZeRO stage (default: the saved one)")
+    # Which stages an offline reshard can write is hybrid.convert.reshard's rule; it explains a refusal.
+    r.add_argument("--target-zero-stage", type=int, help="ZeRO stage (default: the saved one)")
     r.add_argument("--zero-bucket-size", type=int,
                    help="the loading job's --zero-bucket-size (default: the saved run's)")
 
@@ -59,14 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     h = sub.add_parser("to-hf", help="a Hugging Face transformers directory (GPT2LMHeadModel / LlamaForCausalLM)")
     h.add_argument("--load", required=True, help="save directory or DIR/iter_N")
     h.add_argument("--output", required=True, help="directory to write config.json and model*.safetensors into")
-    h.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="tensor dtype (default: the run's precision)")
+    h.add_argument("--dtype", choices=PRECISIONS, help="tensor dtype (default: the run's precision)")
     h.add_argument("--max-shard-size", type=_size, default="5GB", help="split model.safetensors past this (5GB)")
 
     i = sub.add_parser("from-hf", help="import a Hugging Face GPT-2 or Llama directory (for --load --finetune)")
     i.add_argument("--input", required=True, help="directory with config.json and safetensors or pytorch_model.bin")
     i.add_argument("--save", required=True, help="save directory for the hybrid checkpoint")
     i.add_argument("--tp", type=int, default=1, help="tensor-parallel size to shard for (default 1)")
-    i.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="dtype (default: the HF weights' dtype)")
+    i.add_argument("--dtype", choices=PRECISIONS, help="dtype (default: the HF weights' dtype)")
 
     for s in (r, f, h, i):
         s.add_argument("--no-progress", action="store_true", help="hide the progress bar")

@@ -8,7 +8,10 @@ The trainer and engine decide *what* to save; this package decides *how*:
   checksums, loads shards (safetensors, ``weights_only`` files, JSON only);
 * :class:`CheckpointWriter` - the phases of a save, for tools that write a
   checkpoint from one process;
-* :func:`capture_rng_state` / :func:`restore_rng_state` - per-rank RNG state.
+* :func:`capture_rng_state` / :func:`restore_rng_state` - per-rank RNG state;
+* :func:`model_file`, :func:`optimizer_file`, :func:`rank_state_file` - the
+  name of each rank's file for a :class:`hybrid.layout.ParallelLayout` (the
+  layout type every checkpoint records; ``topology.layout(...)`` builds it).
 
 See ``docs/checkpoints.md`` for the on-disk format.
 """
@@ -17,7 +20,8 @@ from hybrid.checkpoint.directory import has_checkpoint, list_iterations, resolve
 from hybrid.checkpoint.errors import (CheckpointError, CheckpointFormatError, CheckpointNotFoundError,
                                       ChecksumMismatchError, IncompleteCheckpointError,
                                       MissingShardError)
-from hybrid.checkpoint.layout import LATEST_FILE, METADATA_FILE, Layout, iteration_dir_name
+from hybrid.checkpoint.layout import (LATEST_FILE, METADATA_FILE, iteration_dir_name, model_file,
+                                      model_positions, optimizer_file, rank_positions, rank_state_file)
 from hybrid.checkpoint.manifest import FORMAT_VERSION, FileRecord, Manifest
 from hybrid.checkpoint.reader import CheckpointReader
 from hybrid.checkpoint.rng import capture_rng_state, restore_rng_state
@@ -26,7 +30,8 @@ from hybrid.checkpoint.save import gather_single_process, save_checkpoint
 from hybrid.checkpoint.writer import CheckpointWriter
 
 __all__ = [
-    "save_checkpoint", "gather_single_process", "CheckpointReader", "CheckpointWriter", "Layout",
+    "save_checkpoint", "gather_single_process", "CheckpointReader", "CheckpointWriter",
+    "model_file", "optimizer_file", "rank_state_file", "model_positions", "rank_positions",
     "Manifest", "FileRecord", "FORMAT_VERSION", "TensorSource", "write_safetensors",
     "capture_rng_state", "restore_rng_state", "has_checkpoint", "list_iterations",
     "resolve_checkpoint_dir", "iteration_dir_name", "LATEST_FILE", "METADATA_FILE",

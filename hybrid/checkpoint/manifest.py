@@ -14,11 +14,13 @@ import dataclasses
 import datetime
 import json
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, Optional
 
 from hybrid.checkpoint.errors import CheckpointFormatError
-from hybrid.checkpoint.layout import Layout
+from hybrid.checkpoint.layout import (METADATA_FILE, model_file, model_positions, optimizer_file,
+                                      rank_positions, rank_state_file)
 from hybrid.checkpoint.value_checks import check_json_value
+from hybrid.layout import LayoutError, ParallelLayout
 
 FORMAT_NAME = "hybrid-checkpoint"
 FORMAT_VERSION = 1
@@ -58,7 +60,7 @@ class FileRecord:
 @dataclasses.dataclass(frozen=True)
 class Manifest:
     iteration: int
-    layout: Layout
+    layout: ParallelLayout
     files: Dict[str, FileRecord]
     consumed_samples: int = 0
     model_config: Dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -66,9 +68,6 @@ class Manifest:
     trainer_state: Dict[str, Any] = dataclasses.field(default_factory=dict)
     created_utc: str = ""
     format_version: int = FORMAT_VERSION
-
-    def files_of_kind(self, kind: str) -> List[FileRecord]:
-        return [r for r in self.files.values() if r.kind == kind]
 
     def has_kind(self, kind: str) -> bool:
         return any(r.kind == kind for r in self.files.values())
@@ -108,20 +107,20 @@ class Manifest:
             raise CheckpointFormatError(f"{source} lacks required keys {missing}")
         try:
             files = {name: FileRecord.from_json(rec) for name, rec in doc["files"].items()}
-            return cls(iteration=int(doc["iteration"]), layout=Layout.from_json(doc["layout"]),
+            return cls(iteration=int(doc["iteration"]), layout=ParallelLayout.from_json(doc["layout"]),
                        files=files, consumed_samples=int(doc.get("consumed_samples", 0)),
                        model_config=doc.get("model_config") or {},
                        param_index=doc.get("param_index"),
                        trainer_state=doc.get("trainer_state") or {},
                        created_utc=doc.get("created_utc", ""), format_version=version)
-        except CheckpointFormatError as e:
+        except (CheckpointFormatError, LayoutError) as e:
             raise CheckpointFormatError(f"{source}: {e}") from None
         except (TypeError, ValueError, AttributeError) as e:
             raise CheckpointFormatError(f"{source} is malformed: {e}") from None
 
 
 def read_manifest(iter_dir: Path) -> Manifest:
-    path = Path(iter_dir) / "metadata.json"
+    path = Path(iter_dir) / METADATA_FILE
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -133,15 +132,15 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def expected_file_names(layout: Layout, kinds: Iterable[str]) -> Dict[str, str]:
+def expected_file_names(layout: ParallelLayout, kinds: Iterable[str]) -> Dict[str, str]:
     """Every file name a complete save of ``kinds`` must contain, mapped to its kind."""
     names: Dict[str, str] = {}
     kinds = set(kinds)
     if "model" in kinds:
-        for t, p in layout.model_positions():
-            names[layout.model_file(t, p)] = "model"
-    for kind, name_of in (("optimizer", layout.optimizer_file), ("rank_state", layout.rank_state_file)):
+        for t, p in model_positions(layout):
+            names[model_file(layout, t, p)] = "model"
+    for kind, name_of in (("optimizer", optimizer_file), ("rank_state", rank_state_file)):
         if kind in kinds:
-            for t, d, p in layout.rank_positions():
-                names[name_of(t, d, p)] = kind
+            for t, d, p in rank_positions(layout):
+                names[name_of(layout, t, d, p)] = kind
     return names

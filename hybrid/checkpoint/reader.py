@@ -19,8 +19,9 @@ import torch
 from hybrid.checkpoint.atomic import sha256_of_file
 from hybrid.checkpoint.directory import resolve_checkpoint_dir
 from hybrid.checkpoint.errors import ChecksumMismatchError, CheckpointError, MissingShardError
-from hybrid.checkpoint.layout import Layout
+from hybrid.checkpoint.layout import METADATA_FILE, model_file, optimizer_file, rank_state_file
 from hybrid.checkpoint.manifest import Manifest, read_manifest
+from hybrid.layout import ParallelLayout
 
 
 class CheckpointReader:
@@ -41,7 +42,7 @@ class CheckpointReader:
         return self.manifest.iteration
 
     @property
-    def layout(self) -> Layout:
+    def layout(self) -> ParallelLayout:
         return self.manifest.layout
 
     @property
@@ -73,7 +74,7 @@ class CheckpointReader:
         """Check ``name`` against its recorded size and sha256; returns its path."""
         record = self.manifest.files.get(name)
         if record is None:
-            raise MissingShardError(f"{self.path / 'metadata.json'} lists no file {name!r}; its files "
+            raise MissingShardError(f"{self.path / METADATA_FILE} lists no file {name!r}; its files "
                                     f"are: {', '.join(sorted(self.manifest.files))}")
         path = self.path / name
         if name in self._verified:
@@ -100,7 +101,7 @@ class CheckpointReader:
 
     # ---- model weights -------------------------------------------------------------------
     def model_file(self, tp_rank: int, pp_rank: int = 0) -> str:
-        return self.layout.model_file(tp_rank, pp_rank)
+        return model_file(self.layout, tp_rank, pp_rank)
 
     def load_model_shard(self, tp_rank: int, pp_rank: int = 0,
                          device: str = "cpu") -> Dict[str, torch.Tensor]:
@@ -132,13 +133,12 @@ class CheckpointReader:
         if not self.has_optimizer_state:
             raise CheckpointError(f"{self.path} was saved without optimizer state; load it for "
                                   f"weights only (a fresh optimizer)")
-        return self._load_weights_only(self.layout.optimizer_file(tp_rank, dp_rank, pp_rank),
-                                       map_location)
+        return self._load_weights_only(optimizer_file(self.layout, tp_rank, dp_rank, pp_rank), map_location)
 
     def load_rank_state(self, tp_rank: int, dp_rank: int, pp_rank: int = 0) -> Any:
         if not self.has_rank_state:
             raise CheckpointError(f"{self.path} was saved without per-rank state (RNG)")
-        return self._load_weights_only(self.layout.rank_state_file(tp_rank, dp_rank, pp_rank), "cpu")
+        return self._load_weights_only(rank_state_file(self.layout, tp_rank, dp_rank, pp_rank), "cpu")
 
     def _load_weights_only(self, name: str, map_location: Optional[str]) -> Any:
         path = self.verify(name)

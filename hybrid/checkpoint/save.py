@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any, Callable, List, Mapping, Optional
 
 from hybrid.checkpoint.errors import CheckpointError
-from hybrid.checkpoint.layout import Layout
 from hybrid.checkpoint.manifest import FileRecord
 from hybrid.checkpoint.safetensors_stream import TensorLike
-from hybrid.checkpoint.writer import CheckpointWriter, check_keep_last
+from hybrid.checkpoint.writer import CheckpointWriter, check_keep_last, check_layout
+from hybrid.layout import ParallelLayout
 
 GatherFn = Callable[[Any], List[Any]]
 
@@ -28,7 +28,7 @@ def gather_single_process(obj: Any) -> List[Any]:
     return [obj]
 
 
-def save_checkpoint(save_dir, iteration: int, layout: Layout, coord, *,
+def save_checkpoint(save_dir, iteration: int, layout: ParallelLayout, coord, *,
                     model_state: Optional[Mapping[str, TensorLike]] = None,
                     optimizer_state: Any = None, rank_state: Any = None,
                     consumed_samples: int = 0, model_config: Optional[Mapping[str, Any]] = None,
@@ -39,7 +39,7 @@ def save_checkpoint(save_dir, iteration: int, layout: Layout, coord, *,
 
     Args:
         save_dir: the ``--save`` directory (shared by every node).
-        layout: the job's layout (:meth:`Layout.from_topology`).
+        layout: the job's layout (``topology.layout(zero_stage, precision)``).
         coord: this rank's position, anything with ``tp``, ``dp`` and ``pp``
             attributes (``topology.coord``).
         model_state: this rank's TP shard of the weights, name -> tensor (any
@@ -56,6 +56,7 @@ def save_checkpoint(save_dir, iteration: int, layout: Layout, coord, *,
 
     Returns the new iteration directory.
     """
+    check_layout(layout)
     _check_coord(layout, coord)
     check_keep_last(keep_last)
     writer = CheckpointWriter(save_dir, iteration, layout)
@@ -64,10 +65,10 @@ def save_checkpoint(save_dir, iteration: int, layout: Layout, coord, *,
 
     def gather_and_check(outcome: dict, phase: str, own_error: Optional[BaseException]) -> list:
         outcomes = all_gather_object(outcome)
-        if len(outcomes) != layout.tp * layout.dp * layout.pp:
+        if len(outcomes) != layout.world_size:
             raise CheckpointError(
                 f"all_gather_object returned {len(outcomes)} entries but the layout has "
-                f"{layout.tp * layout.dp * layout.pp} ranks; pass "
+                f"{layout.world_size} ranks; pass "
                 f"all_gather_object=topology.comm.all_gather_object (a gather over the whole world)")
         failures = [o["error"] for o in outcomes if o.get("error")]
         if failures:
@@ -112,9 +113,9 @@ def save_checkpoint(save_dir, iteration: int, layout: Layout, coord, *,
     return writer.iter_dir
 
 
-def _check_coord(layout: Layout, coord) -> None:
+def _check_coord(layout: ParallelLayout, coord) -> None:
     for axis, size in (("tp", layout.tp), ("dp", layout.dp), ("pp", layout.pp)):
         value = getattr(coord, axis, None)
         if not isinstance(value, int) or not 0 <= value < size:
             raise CheckpointError(f"coord.{axis} = {value!r} is outside [0, {size}) for layout "
-                                  f"{layout}; pass topology.coord of a topology matching the layout")
+                                  f"{layout.describe()}; pass topology.coord of a topology matching the layout")

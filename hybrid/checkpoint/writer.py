@@ -23,10 +23,12 @@ import torch
 from hybrid.checkpoint import directory
 from hybrid.checkpoint.atomic import AtomicHashedFile, FileDigest, fsync_dir, write_bytes_atomic
 from hybrid.checkpoint.errors import CheckpointError
-from hybrid.checkpoint.layout import METADATA_FILE, Layout, iteration_dir_name
+from hybrid.checkpoint.layout import (METADATA_FILE, iteration_dir_name, model_file, optimizer_file,
+                                      rank_state_file)
 from hybrid.checkpoint.manifest import FileRecord, Manifest, expected_file_names, utc_now
 from hybrid.checkpoint.safetensors_stream import TensorLike, write_safetensors
 from hybrid.checkpoint.value_checks import check_json_value, check_weights_only_value
+from hybrid.layout import ParallelLayout
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +39,18 @@ def check_keep_last(keep_last: Optional[int]) -> None:
                               f"got {keep_last!r}")
 
 
+def check_layout(layout) -> None:
+    """Refuse anything but a :class:`~hybrid.layout.ParallelLayout` (it is what metadata.json stores)."""
+    if not isinstance(layout, ParallelLayout):
+        raise CheckpointError(f"a checkpoint's layout must be a hybrid.layout.ParallelLayout (e.g. "
+                              f"topology.layout(zero_stage, precision)), got {type(layout).__name__}")
+
+
 class CheckpointWriter:
     """Writes ``save_dir/iter_{iteration:07d}`` for a checkpoint saved in ``layout``."""
 
-    def __init__(self, save_dir, iteration: int, layout: Layout):
+    def __init__(self, save_dir, iteration: int, layout: ParallelLayout):
+        check_layout(layout)
         self.save_dir = Path(save_dir)
         self.iteration = iteration
         self.layout = layout
@@ -71,7 +81,7 @@ class CheckpointWriter:
         Tensors are streamed one at a time; pass :class:`TensorSource` values to
         also produce them one at a time.
         """
-        name = self.layout.model_file(tp_rank, pp_rank)
+        name = model_file(self.layout, tp_rank, pp_rank)
         meta = {"format": "pt", "tp_rank": str(tp_rank), "tp_size": str(self.layout.tp),
                 "pp_rank": str(pp_rank), "iteration": str(self.iteration)}
         digest = self._write(name, lambda f: write_safetensors(f, tensors, meta))
@@ -80,13 +90,13 @@ class CheckpointWriter:
     def write_optimizer_shard(self, state: Any, tp_rank: int, dp_rank: int,
                               pp_rank: int = 0) -> FileRecord:
         """Write this rank's optimizer partition (tensors, numbers, strings, lists, dicts)."""
-        name = self.layout.optimizer_file(tp_rank, dp_rank, pp_rank)
+        name = optimizer_file(self.layout, tp_rank, dp_rank, pp_rank)
         return self._write_weights_only("optimizer", name, state, tp_rank, dp_rank, pp_rank)
 
     def write_rank_state(self, state: Any, tp_rank: int, dp_rank: int,
                          pp_rank: int = 0) -> FileRecord:
         """Write state that differs per rank, such as RNG states (see :mod:`hybrid.checkpoint.rng`)."""
-        name = self.layout.rank_state_file(tp_rank, dp_rank, pp_rank)
+        name = rank_state_file(self.layout, tp_rank, dp_rank, pp_rank)
         return self._write_weights_only("rank_state", name, state, tp_rank, dp_rank, pp_rank)
 
     def _write_weights_only(self, kind: str, name: str, state: Any, tp_rank: int, dp_rank: int,
@@ -154,5 +164,5 @@ class CheckpointWriter:
                 f"Every rank must write the same kinds of state ({', '.join(sorted(kinds))})")
         extra = sorted(set(files) - set(expected))
         if extra:
-            raise CheckpointError(f"unexpected files for layout {self.layout}: {', '.join(extra)}")
+            raise CheckpointError(f"unexpected files for layout {self.layout.describe()}: {', '.join(extra)}")
         return files

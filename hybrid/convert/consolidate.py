@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import safetensors
 import torch
 
-from hybrid.checkpoint import CheckpointError, CheckpointFormatError, CheckpointReader
+from hybrid.checkpoint import CheckpointError, CheckpointFormatError, CheckpointReader, model_file, optimizer_file
 from hybrid.param_meta import REPLICATED, TPMeta
 from hybrid.convert.ranges import assemble, check_same_layout, piece_size
 
@@ -125,11 +125,11 @@ class _PartitionFiles:
         key = (tp_rank, dp_rank)
         if not self._verified:  # a conversion reads (nearly) all of them: check them together
             layout = self.reader.layout
-            verify_in_parallel(self.reader, [layout.optimizer_file(t, d) for t in range(layout.tp)
+            verify_in_parallel(self.reader, [optimizer_file(layout, t, d) for t in range(layout.tp)
                                              for d in range(layout.dp)])
             self._verified = True
         if key not in self._open:
-            name = self.reader.layout.optimizer_file(tp_rank, dp_rank)
+            name = optimizer_file(self.reader.layout, tp_rank, dp_rank)
             path = self.reader.verify(name)
             sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             if not isinstance(sd, dict) or sd.get("format") != ZERO_STATE_FORMAT:
@@ -146,7 +146,7 @@ class _PartitionFiles:
             have = sorted(k for k, v in groups[group].items() if isinstance(v, torch.Tensor)) \
                 if 0 <= group < len(groups) else []
             raise ConversionError(
-                f"{self.reader.path / self.reader.layout.optimizer_file(tp_rank, dp_rank)} has no optimizer "
+                f"{self.reader.path / optimizer_file(self.reader.layout, tp_rank, dp_rank)} has no optimizer "
                 f"state {key!r} for flat group {group} (it holds {have}); the run that saved it used optimizer "
                 f"{sd.get('optimizer', {}).get('type')!r}")
         return groups[group][key]
@@ -183,7 +183,7 @@ class CheckpointSource:
         self._mapped_bytes = 0
         self._budget = map_budget_bytes
         self._partitions = _PartitionFiles(reader, map_budget_bytes)
-        verify_in_parallel(reader, [layout.model_file(t) for t in range(layout.tp)])
+        verify_in_parallel(reader, [model_file(layout, t) for t in range(layout.tp)])
         headers = [reader.model_shard_header(t) for t in range(layout.tp)]
         self.tensors: Dict[str, SavedTensor] = {}
         for name in self._ordered_names(headers[0]):
@@ -200,8 +200,8 @@ class CheckpointSource:
         for t, h in enumerate(headers[1:], start=1):
             if h.get(name, (None,))[0] != shape:
                 got = "no such tensor" if name not in h else f"shape {list(h[name][0])}"
-                raise CheckpointFormatError(f"{self.reader.path / self.layout.model_file(t)}: {name!r} has {got}, "
-                                            f"but {self.layout.model_file(0)} holds shape {list(shape)}")
+                raise CheckpointFormatError(f"{self.reader.path / model_file(self.layout, t)}: {name!r} has {got}, "
+                                            f"but {model_file(self.layout, 0)} holds shape {list(shape)}")
         record = self.index.get(name)
         if record is not None and "tp_meta" in record:
             meta = TPMeta.from_json(record["tp_meta"])
@@ -317,7 +317,7 @@ class CheckpointSource:
     def _handle(self, tp_rank: int):
         if tp_rank not in self._handles:
             self._handles[tp_rank] = safetensors.safe_open(
-                str(self.reader.verify(self.layout.model_file(tp_rank))), framework="pt")
+                str(self.reader.verify(model_file(self.layout, tp_rank))), framework="pt")
         return self._handles[tp_rank]
 
     def _weight_pieces(self, t: SavedTensor):

@@ -27,7 +27,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from hybrid import param_meta
-from hybrid.checkpoint import CheckpointReader, CheckpointWriter, Layout
+from hybrid.checkpoint import CheckpointReader, CheckpointWriter
 from hybrid.checkpoint.atomic import write_bytes_atomic
 from hybrid.convert import hf_gpt2, hf_llama
 from hybrid.convert.consolidate import WEIGHT, CheckpointSource, ConversionError
@@ -35,6 +35,7 @@ from hybrid.convert.hf_common import Link
 from hybrid.convert.hf_io import DEFAULT_MAX_SHARD_BYTES, HFDirectory, read_json, write_sharded
 from hybrid.convert.output import ProgressFactory, nbytes_of, open_bar, read_ahead, tracked
 from hybrid.convert.ranges import piece_size
+from hybrid.layout import ParallelLayout
 from hybrid.topology import Topology
 from model_zoo.config import GPTConfig
 
@@ -168,8 +169,10 @@ def _check_same_names(saved: set, expected: set, path) -> None:
 
 
 def _copy_tokenizer(reader: CheckpointReader, out: Path, result: ExportResult) -> None:
+    from hybrid.config import saved_setting  # reads the trainer's stored settings, nested or (older) flat
+
     args = (reader.trainer_state.get("client") or {}).get("args") or {}
-    tokenizer = args.get("tokenizer_model")
+    tokenizer = saved_setting(args, "data.tokenizer_model")
     if not tokenizer:
         return
     path = Path(tokenizer)
@@ -208,7 +211,8 @@ def import_from_hf(input_dir, save, *, tp: int = 1, dtype: Optional[str] = None,
     out_dtype = PRECISION_DTYPES[_check_dtype(dtype)] if dtype else hf.dtype(links[0].hf[0])
     if out_dtype not in _DTYPE_PRECISIONS:
         raise ConversionError(f"{hf.path} holds {out_dtype} weights; pass --dtype fp32, bf16 or fp16")
-    writer = CheckpointWriter(save, 0, Layout(tp=tp, dp=1, pp=1, zero_stage=0, precision=_DTYPE_PRECISIONS[out_dtype]))
+    # Weights only, as one data-parallel rank without ZeRO would hold them: any layout can load that.
+    writer = CheckpointWriter(save, 0, ParallelLayout(tp=tp, dp=1, precision=_DTYPE_PRECISIONS[out_dtype]))
     total = tp * sum(nbytes_of(layout[link.hybrid][0], out_dtype) for link in links)
     bar = open_bar(progress, f"from-hf {arch.ARCHITECTURE} to tp={tp}", total)
     index = []

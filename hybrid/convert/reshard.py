@@ -32,25 +32,18 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from hybrid.checkpoint import CheckpointReader, CheckpointWriter, Layout
+from hybrid.checkpoint import CheckpointReader, CheckpointWriter
 from hybrid.convert.consolidate import CheckpointSource, ConversionError, Target
 from hybrid.convert.output import ProgressFactory, nbytes_of, open_bar, read_ahead, tracked
+from hybrid.layout import STAGE_TRAITS, LayoutError, ParallelLayout, ZeroStage, zero_stage
 from hybrid.param_meta import TPMeta
 from hybrid.zero.flat_buffer import align_elements, dtype_name, param_parts, plan_segments
 
 DEFAULT_BUCKET_SIZE = 25_000_000  # the trainer's --zero-bucket-size default
 
-
-@dataclasses.dataclass(frozen=True)
-class TargetLayout:
-    tp: int
-    dp: int
-    zero_stage: int
-    bucket_size: int
-
-    @property
-    def partition_count(self) -> int:
-        return 1 if self.zero_stage == 0 else self.dp
+# A partition of the parameters themselves follows the model's modules, which an offline tool does not
+# have: those stages are resharded on load only.
+OFFLINE_STAGES = tuple(s for s in ZeroStage if not STAGE_TRAITS[s].parameters)
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -60,8 +53,10 @@ def _torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def plan_partitions(src: CheckpointSource, target: TargetLayout) -> Tuple[List[dict], List[dict]]:
-    """The parameter index and flat groups a ZeroOptimizer of ``target``'s layout builds for this model.
+def plan_partitions(src: CheckpointSource, target: ParallelLayout,
+                    bucket_size: int) -> Tuple[List[dict], List[dict]]:
+    """The parameter index and flat groups a ZeroOptimizer of ``target``'s layout builds for this model,
+    with flat segments of at most ``bucket_size`` elements (the optimizer's ``bucket_size``).
 
     Returns ``(param_index, groups)`` as JSON-ready dicts, the way
     ``ZeroOptimizer.state_dict()`` reports them (groups without tensors).
@@ -76,7 +71,7 @@ def plan_partitions(src: CheckpointSource, target: TargetLayout) -> Tuple[List[d
         shapes = [src.tensors[r["name"]].target_shape(Target(TPMeta.from_json(r["tp_meta"]), target.tp, 0))
                   for r in members]
         numels = [_numel(s) for s in shapes]
-        segments = plan_segments(numels, target.dp, target.bucket_size, align_elements(_torch_dtype(dtype)))
+        segments = plan_segments(numels, target.dp, bucket_size, align_elements(_torch_dtype(dtype)))
         for s_idx, seg in enumerate(segments):
             offset = seg.start
             for r in seg.records:
@@ -111,22 +106,23 @@ def reshard_checkpoint(load, save, *, target_tp: int, target_dp: Optional[int] =
     ``bucket_size`` to the saved run's ``--zero-bucket-size``. Returns the new
     iteration directory (``save`` gets a ``latest`` pointing at it).
     """
+    from hybrid.config import saved_setting  # reads the trainer's stored settings, nested or (older) flat
+
     reader = CheckpointReader(load)
     saved = reader.layout
     args = reader.trainer_state.get("client", {}).get("args", {}) or {}
-    target = TargetLayout(tp=target_tp, dp=target_dp or saved.dp,
-                          zero_stage=saved.zero_stage if target_zero_stage is None else target_zero_stage,
-                          bucket_size=bucket_size or args.get("zero_bucket_size") or DEFAULT_BUCKET_SIZE)
-    _check_target(target, reader, Path(save))
-    layout = Layout(tp=target.tp, dp=target.dp, pp=1, zero_stage=target.zero_stage, precision=saved.precision)
+    target = _target_layout(saved, target_tp, target_dp, target_zero_stage)
+    bucket_size = bucket_size or saved_setting(args, "zero.bucket_size") or DEFAULT_BUCKET_SIZE
+    _check_target(target, bucket_size, reader, Path(save))
     with CheckpointSource(reader) as src:
         with_optimizer = src.has_optimizer_state
-        index, groups = plan_partitions(src, target) if with_optimizer else (_weights_index(src, target), [])
+        index, groups = plan_partitions(src, target, bucket_size) if with_optimizer \
+            else (_weights_index(src, target), [])
         keys = src.state_keys() if with_optimizer else []
         total = sum(nbytes_of(t.full_shape, t.dtype) for t in src.tensors.values())
         total += sum(g["partition_numel"] * 4 * len(keys) * target.tp * target.dp for g in groups)
-        bar = open_bar(progress, f"reshard to tp={target.tp} dp={target.dp} stage={target.zero_stage}", total)
-        writer = CheckpointWriter(save, reader.iteration, layout)
+        bar = open_bar(progress, f"reshard to {target.describe()}", total)
+        writer = CheckpointWriter(save, reader.iteration, target)
         try:
             writer.prepare()
             records = []
@@ -143,16 +139,23 @@ def reshard_checkpoint(load, save, *, target_tp: int, target_dp: Optional[int] =
     return writer.iter_dir
 
 
-def _check_target(target: TargetLayout, reader: CheckpointReader, save: Path) -> None:
-    for name, value in (("--target-tp", target.tp), ("--target-dp", target.dp), ("bucket size", target.bucket_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ConversionError(f"{name} must be an integer >= 1, got {value!r}")
-    if target.zero_stage == 3:
-        raise ConversionError("--target-zero-stage 3: a stage-3 partition follows the model's modules, which an "
-                              "offline tool does not have; load the checkpoint as it is into the --zero-stage 3 "
-                              "run (it reshards on load), or reshard to stage 0-2 here")
-    if target.zero_stage not in (0, 1, 2):
-        raise ConversionError(f"--target-zero-stage must be 0, 1, 2 (or 3 on load), got {target.zero_stage!r}")
+def _target_layout(saved: ParallelLayout, tp: int, dp: Optional[int], stage: Optional[int]) -> ParallelLayout:
+    """The saved layout with the requested sizes and stage (the precision stays; pp is 1, as checked on read)."""
+    try:
+        stage = saved.zero_stage if stage is None else zero_stage(stage, "--target-zero-stage")
+        return saved.replace(tp=tp, dp=saved.dp if dp is None else dp, zero_stage=stage)
+    except LayoutError as e:
+        raise ConversionError(f"cannot reshard to --target-tp {tp!r} --target-dp {dp!r}: {e}") from None
+
+
+def _check_target(target: ParallelLayout, bucket_size: int, reader: CheckpointReader, save: Path) -> None:
+    if not isinstance(bucket_size, int) or bucket_size < 1:
+        raise ConversionError(f"--zero-bucket-size must be an integer >= 1, got {bucket_size!r}")
+    if target.zero_stage not in OFFLINE_STAGES:
+        raise ConversionError(
+            f"--target-zero-stage {int(target.zero_stage)}: a partition of the parameters follows the model's "
+            f"modules, which an offline tool does not have; load the checkpoint as it is into that run (it "
+            f"reshards on load), or reshard to stage {', '.join(str(int(s)) for s in OFFLINE_STAGES)} here")
     cfg = reader.model_config or {}
     for key in ("num_heads", "ffn_hidden_size"):
         value = cfg.get(key)
@@ -165,7 +168,7 @@ def _check_target(target: TargetLayout, reader: CheckpointReader, save: Path) ->
                               f"to a new directory")
 
 
-def _model_sources(src: CheckpointSource, target: TargetLayout, tp_rank: int, bar) -> dict:
+def _model_sources(src: CheckpointSource, target: ParallelLayout, tp_rank: int, bar) -> dict:
     out = {}
     for name, t in src.tensors.items():
         tgt = Target(t.meta, target.tp, tp_rank)
@@ -177,11 +180,12 @@ def _model_sources(src: CheckpointSource, target: TargetLayout, tp_rank: int, ba
     return out
 
 
-def _write_partitions(writer: CheckpointWriter, src: CheckpointSource, target: TargetLayout, tp_rank: int,
+def _write_partitions(writer: CheckpointWriter, src: CheckpointSource, target: ParallelLayout, tp_rank: int,
                       index: List[dict], groups: List[dict], keys: List[str], bar) -> list:
     header = src.optimizer_header()
     records = []
-    # Stage 0 keeps the whole state on every DP rank: build it once, write it dp times.
+    # Without partitioned optimizer state every DP rank holds all of it: build it once, write it dp times.
+    partitioned = target.traits.optimizer_states
     parts = range(target.partition_count)
     for part in parts:
         flats = [{k: torch.zeros(g["partition_numel"], dtype=torch.float32) for k in keys} for g in groups]
@@ -196,9 +200,9 @@ def _write_partitions(writer: CheckpointWriter, src: CheckpointSource, target: T
                     n = p["param_end"] - p["param_start"]
                     flats[entry["group"]][k][p["partition_offset"]: p["partition_offset"] + n] = \
                         local[p["param_start"]: p["param_end"]]
-        dp_ranks = [part] if target.zero_stage > 0 else range(target.dp)
+        dp_ranks = [part] if partitioned else range(target.dp)
         for dp_rank in dp_ranks:
-            state = {**header, "stage": target.zero_stage, "partition_count": target.partition_count,
+            state = {**header, "stage": int(target.zero_stage), "partition_count": target.partition_count,
                      "part": part, "dp_size": target.dp, "dp_rank": dp_rank, "tp_size": target.tp,
                      "tp_rank": tp_rank, "groups": [{**g, **f} for g, f in zip(groups, flats)]}
             records.append(writer.write_optimizer_shard(state, tp_rank, dp_rank))
@@ -206,7 +210,7 @@ def _write_partitions(writer: CheckpointWriter, src: CheckpointSource, target: T
     return records
 
 
-def _write_rank_states(writer: CheckpointWriter, reader: CheckpointReader, target: TargetLayout) -> list:
+def _write_rank_states(writer: CheckpointWriter, reader: CheckpointReader, target: ParallelLayout) -> list:
     if not reader.has_rank_state:
         return []
     saved = reader.layout
@@ -223,7 +227,7 @@ def _write_rank_states(writer: CheckpointWriter, reader: CheckpointReader, targe
     return records
 
 
-def _weights_index(src: CheckpointSource, target: TargetLayout) -> List[dict]:
+def _weights_index(src: CheckpointSource, target: ParallelLayout) -> List[dict]:
     out = []
     for name, t in src.tensors.items():
         shape = t.target_shape(Target(t.meta, target.tp, 0))
@@ -231,7 +235,7 @@ def _weights_index(src: CheckpointSource, target: TargetLayout) -> List[dict]:
     return out
 
 
-def _trainer_state(reader: CheckpointReader, target: TargetLayout, args: dict) -> dict:
+def _trainer_state(reader: CheckpointReader, target: ParallelLayout, args: dict) -> dict:
     state = dict(reader.trainer_state)
     eng = state.get("engine")
     micro, global_batch = args.get("micro_batch_size"), args.get("global_batch_size")

@@ -78,10 +78,6 @@ def idx_path(prefix: str | os.PathLike) -> str:
     return f"{os.fspath(prefix)}.idx"
 
 
-def dataset_exists(prefix: str | os.PathLike) -> bool:
-    return os.path.isfile(idx_path(prefix)) and os.path.isfile(bin_path(prefix))
-
-
 def encode_index_header(dtype, sequence_count: int, document_count: int) -> bytes:
     """The 34 header bytes of an ``.idx`` file (``document_count`` includes the leading 0)."""
     return (

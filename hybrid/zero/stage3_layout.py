@@ -159,11 +159,6 @@ def build_units(model: nn.Module, dp: int, persistence_threshold: int, use_weigh
     return units, frozen
 
 
-def module_units(model: nn.Module, units: List[Unit]) -> Dict[str, int]:
-    """Module name -> index of the (non-persistent) unit that module owns."""
-    return {u.module_name: u.index for u in units if not u.persistent}
-
-
 def partition_numel(units: List[Unit]) -> int:
     return sum(u.chunk_numel for u in units)
 

@@ -8,7 +8,8 @@ from typing import Any, Dict
 
 import torch
 
-from hybrid.checkpoint import Layout, save_checkpoint
+from hybrid.checkpoint import save_checkpoint
+from hybrid.layout import ParallelLayout
 
 
 def model_shard(tp_rank: int, scale: float = 1.0) -> Dict[str, torch.Tensor]:
@@ -43,7 +44,7 @@ def manifest_fields(iteration: int) -> Dict[str, Any]:
     }
 
 
-def save_rank(save_dir, iteration: int, layout: Layout, coord, *, gather=None,
+def save_rank(save_dir, iteration: int, layout: ParallelLayout, coord, *, gather=None,
               keep_last=None, scale: float = 1.0):
     kwargs = {} if gather is None else {"all_gather_object": gather}
     return save_checkpoint(save_dir, iteration, layout, coord,

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid.checkpoint import CheckpointReader, IncompleteCheckpointError, Layout
+from hybrid.checkpoint import CheckpointReader, IncompleteCheckpointError
+from hybrid.layout import ParallelLayout
 from hybrid.topology import Coord
 from tests.checkpoint.shard_fixtures import model_shard, optimizer_shard, save_rank
 
 REPO = Path(__file__).resolve().parents[2]
-LAYOUT, COORD = Layout(tp=1, dp=1), Coord(0, 0, 0)
+LAYOUT, COORD = ParallelLayout(tp=1, dp=1), Coord(0, 0, 0)
 
 _KILLERS = {
     # Half-way through the model shard (the first file written).
@@ -35,11 +36,11 @@ _KILLERS = {
 def _save_and_get_killed(save_dir: Path, killer: str) -> int:
     script = textwrap.dedent("""
         import os, signal, sys
-        from hybrid.checkpoint import Layout
+        from hybrid.layout import ParallelLayout
         from hybrid.topology import Coord
         from tests.checkpoint.shard_fixtures import kill_self_after, save_rank
         {killer}
-        save_rank(sys.argv[1], 2, Layout(tp=1, dp=1), Coord(0, 0, 0), keep_last=1)
+        save_rank(sys.argv[1], 2, ParallelLayout(tp=1, dp=1), Coord(0, 0, 0), keep_last=1)
         sys.exit("the save finished: the kill never happened")
     """).format(killer=_KILLERS[killer])
     proc = subprocess.run([sys.executable, "-c", script, str(save_dir)], cwd=REPO,

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid.checkpoint import CheckpointError, CheckpointReader, Layout, save_checkpoint
+from hybrid.checkpoint import CheckpointError, CheckpointReader, save_checkpoint
+from hybrid.layout import ParallelLayout
 from hybrid.topology import Topology
 from tests.checkpoint.shard_fixtures import (assert_state_equal, kill_self_after, model_shard,
                                              optimizer_shard, save_rank)
@@ -21,8 +22,8 @@ from tests.multiproc import ChildFailed, run_distributed
 VICTIM = 3  # tp=1, dp=1: writes an optimizer shard and a per-rank file, no model file
 
 
-def _layout(topo: Topology) -> Layout:
-    return Layout.from_topology(topo, zero_stage=1, precision="fp32")
+def _layout(topo: Topology) -> ParallelLayout:
+    return topo.layout(zero_stage=1, precision="fp32")
 
 
 def _save_load_then_die(save_dir: str, report_dir: str) -> None:

@@ -7,23 +7,24 @@ import torch
 
 from hybrid.checkpoint import (CheckpointError, CheckpointFormatError, CheckpointNotFoundError,
                                CheckpointReader, CheckpointWriter, ChecksumMismatchError,
-                               IncompleteCheckpointError, Layout, MissingShardError,
-                               capture_rng_state, has_checkpoint, restore_rng_state,
-                               save_checkpoint)
+                               IncompleteCheckpointError, MissingShardError, capture_rng_state,
+                               has_checkpoint, model_file, model_positions, optimizer_file,
+                               rank_positions, rank_state_file, restore_rng_state, save_checkpoint)
 from hybrid.checkpoint.atomic import sha256_of_file
+from hybrid.layout import ParallelLayout
 from hybrid.topology import Coord
 from tests.checkpoint.shard_fixtures import (assert_state_equal, manifest_fields, model_shard,
                                              optimizer_shard, save_rank)
 
-LAYOUT = Layout(tp=2, dp=2, zero_stage=1, precision="bf16")
+LAYOUT = ParallelLayout(tp=2, dp=2, zero_stage=1, precision="bf16")
 
 
 def _write_all_ranks(save_dir, iteration, layout=LAYOUT, keep_last=None):
     """One process writes every rank's files, as an offline conversion tool would."""
     writer = CheckpointWriter(save_dir, iteration, layout)
     writer.prepare()
-    records = [writer.write_model_shard(model_shard(t), t) for t, _ in layout.model_positions()]
-    for t, d, _ in layout.rank_positions():
+    records = [writer.write_model_shard(model_shard(t), t) for t, _ in model_positions(layout)]
+    for t, d, _ in rank_positions(layout):
         records.append(writer.write_optimizer_shard(optimizer_shard(t, d, iteration), t, d))
     writer.commit(records, keep_last=keep_last, **manifest_fields(iteration))
     return writer.iter_dir
@@ -64,7 +65,7 @@ def test_round_trip_every_shard_and_the_manifest(tmp_path):
 
 def test_single_process_save_with_rng_state_resumes_the_same_random_stream(tmp_path):
     torch.manual_seed(1), random.seed(2), np.random.seed(3)
-    save_checkpoint(tmp_path, 7, Layout(tp=1, dp=1), Coord(0, 0, 0), model_state=model_shard(0),
+    save_checkpoint(tmp_path, 7, ParallelLayout(tp=1, dp=1), Coord(0, 0, 0), model_state=model_shard(0),
                     rank_state=capture_rng_state(), **manifest_fields(7))
     expected = (torch.rand(3), random.random(), np.random.rand())
     torch.manual_seed(99), random.seed(99), np.random.seed(99)
@@ -132,10 +133,10 @@ def test_keep_last_removes_only_older_complete_checkpoints(tmp_path):
 
 def test_resaving_the_iteration_latest_points_at(tmp_path):
     _write_all_ranks(tmp_path, 10)
-    save_rank(tmp_path, 20, Layout(tp=1, dp=1), Coord(0, 0, 0), scale=1.0)
-    save_rank(tmp_path, 20, Layout(tp=1, dp=1), Coord(0, 0, 0), scale=2.0)
+    save_rank(tmp_path, 20, ParallelLayout(tp=1, dp=1), Coord(0, 0, 0), scale=1.0)
+    save_rank(tmp_path, 20, ParallelLayout(tp=1, dp=1), Coord(0, 0, 0), scale=2.0)
     reader = CheckpointReader(tmp_path)
-    assert reader.iteration == 20 and reader.layout == Layout(tp=1, dp=1)
+    assert reader.iteration == 20 and reader.layout == ParallelLayout(tp=1, dp=1)
     assert torch.equal(reader.load_model_shard(0)["final_norm.weight"], torch.full((8,), 2.0))
 
 
@@ -165,7 +166,7 @@ def test_unsupported_manifest_version(tmp_path):
 
 
 def test_values_that_would_not_load_are_refused_at_save(tmp_path):
-    layout, coord = Layout(tp=1, dp=1), Coord(0, 0, 0)
+    layout, coord = ParallelLayout(tp=1, dp=1), Coord(0, 0, 0)
     with pytest.raises(CheckpointError, match=r"optimizer state for optim_tp00_dp00\.pt\['step'\].*"
                                               r"numpy"):
         save_checkpoint(tmp_path, 1, layout, coord, model_state=model_shard(0),
@@ -189,17 +190,43 @@ def test_commit_refuses_a_missing_rank_file(tmp_path):
 
 
 def test_layout_and_coord_validation(tmp_path):
-    with pytest.raises(CheckpointFormatError, match="zero_stage"):
-        Layout(tp=1, dp=1, zero_stage=4)
-    with pytest.raises(CheckpointFormatError, match="precision"):
-        Layout(tp=1, dp=1, precision="fp8")
     with pytest.raises(CheckpointError, match=r"coord.dp = 1 is outside \[0, 1\)"):
-        save_checkpoint(tmp_path, 1, Layout(tp=2, dp=1), Coord(0, 1, 0), model_state={})
+        save_checkpoint(tmp_path, 1, ParallelLayout(tp=2, dp=1), Coord(0, 1, 0), model_state={})
     with pytest.raises(CheckpointError, match=r"keep_last \(--keep-last\) must be an integer >= 1"):
-        save_checkpoint(tmp_path, 1, Layout(tp=1, dp=1), Coord(0, 0, 0), model_state={},
+        save_checkpoint(tmp_path, 1, ParallelLayout(tp=1, dp=1), Coord(0, 0, 0), model_state={},
                         keep_last=0)
+    with pytest.raises(CheckpointError, match="must be a hybrid.layout.ParallelLayout"):
+        save_checkpoint(tmp_path, 1, {"tp": 1, "dp": 1}, Coord(0, 0, 0), model_state={})
     assert not any(tmp_path.iterdir())  # refused before touching the disk
-    assert Layout(tp=2, dp=2, pp=2).optimizer_file(1, 0, 1) == "optim_tp01_dp00_pp01.pt"
+
+
+def test_file_names_of_a_layout():
+    layout = ParallelLayout(tp=2, dp=2, pp=2, zero_stage=1)
+    assert model_file(layout, 1, 1) == "model_tp01_pp01.safetensors"
+    assert optimizer_file(layout, 1, 0, 1) == "optim_tp01_dp00_pp01.pt"
+    assert rank_state_file(layout, 0, 1, 0) == "rank_tp00_dp01_pp00.pt"
+    flat = ParallelLayout(tp=2, dp=3)  # no pipeline: names carry no pp part
+    assert model_file(flat, 1) == "model_tp01.safetensors" and optimizer_file(flat, 1, 2) == "optim_tp01_dp02.pt"
+    assert list(model_positions(layout)) == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert list(rank_positions(flat)) == [(t, d, 0) for d in range(3) for t in range(2)]  # global-rank order
+    with pytest.raises(CheckpointFormatError, match=r"dp rank 3 is outside \[0, 3\) for layout tp=2 dp=3"):
+        optimizer_file(flat, 0, 3)
+
+
+@pytest.mark.parametrize("layout,match", [
+    ({"tp": 2, "dp": 2, "pp": 1, "zero_stage": 4, "precision": "bf16"}, "zero_stage must be 0, 1, 2 or 3, got 4"),
+    ({"tp": 2, "dp": 2, "pp": 1, "zero_stage": 1, "precision": "fp8"}, "precision must be one of"),
+    ({"tp": 0, "dp": 2, "pp": 1, "zero_stage": 1, "precision": "bf16"}, "tp must be an integer >= 1"),
+    ({"tp": 2, "dp": 2, "pp": 1, "zero_stage": 1, "precision": "bf16", "ep": 2}, r"unknown keys \['ep'\]"),
+    ([2, 2], "layout must be a JSON object"),
+])
+def test_a_bad_layout_in_the_manifest_names_the_file(tmp_path, layout, match):
+    iter_dir = _write_all_ranks(tmp_path, 10)
+    doc = json.loads((iter_dir / "metadata.json").read_text())
+    doc["layout"] = layout
+    (iter_dir / "metadata.json").write_text(json.dumps(doc))
+    with pytest.raises(CheckpointFormatError, match=rf"iter_0000010/metadata\.json: .*{match}"):
+        CheckpointReader(tmp_path)
 
 
 def test_manifest_cannot_point_outside_its_directory(tmp_path):

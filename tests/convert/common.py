@@ -9,8 +9,9 @@ import torch
 
 import hybrid
 from hybrid import param_meta
-from hybrid.checkpoint import CheckpointWriter, Layout
+from hybrid.checkpoint import CheckpointWriter
 from hybrid.convert.hf import gpt_param_layout
+from hybrid.layout import ParallelLayout
 from hybrid.tensor_parallel.gather import full_state
 from hybrid.topology import Topology
 from model_zoo import GPTConfig, GPTModel
@@ -56,7 +57,7 @@ def write_weights_checkpoint(save_dir, cfg: GPTConfig, state: Dict[str, torch.Te
     """A weights-only hybrid checkpoint of ``state`` at TP size ``tp`` (what an inference save holds)."""
     layout = gpt_param_layout(cfg)
     precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    writer = CheckpointWriter(save_dir, iteration, Layout(tp=tp, dp=1, zero_stage=0, precision=precision))
+    writer = CheckpointWriter(save_dir, iteration, ParallelLayout(tp=tp, dp=1, precision=precision))
     writer.prepare()
     records, index = [], []
     for rank in range(tp):
