@@ -5,6 +5,11 @@ through the engine (forward, backward, and at the last one the optimizer
 step), the loss is averaged over DP, and the monitor reports. Checkpoints are
 saved every ``--save-interval`` iterations, on SIGTERM/SIGINT, and at
 ``--exit-interval`` / ``--exit-duration-in-mins``; ``--load`` resumes exactly.
+
+Everything is read from one :class:`~hybrid.config.HybridConfig`: the engine
+gets it whole (it ignores the trainer's sections), the trainer reads its own
+sections (``model``, ``data``, ``checkpoint``, ``run``, ``eval``, ``logging``,
+``distributed``).
 """
 
 from __future__ import annotations
@@ -18,15 +23,17 @@ import torch
 import hybrid
 from hybrid.checkpoint import has_checkpoint
 from hybrid.checkpoint.layout import parse_iteration_dir_name
+from hybrid.config import ConfigError, HybridConfig
+from hybrid.config.parse import to_dotted
 from hybrid.data import GlobalBatchSampler, iter_global_batches
 from hybrid.distributed import destroy_distributed
 from hybrid.engine.checkpoint import load_engine, save_engine
 from hybrid.monitor import IterationMetrics, TrainingMonitor, resolve_peak_flops
 from hybrid.topology import Topology
-from hybrid.training.arguments import (ArgumentError, TrainingArguments, engine_config, model_config,
-                                       parse_args, to_dict, validate)
+from hybrid.training.cli import parse_args, validate
 from hybrid.training.data import build_data
 from hybrid.training.exit import ExitConditions
+from hybrid.training.model import model_config
 
 
 def _is_iteration_dir(path: str) -> bool:
@@ -39,57 +46,77 @@ def _log(topology: Topology, message: str) -> None:
 
 
 class Trainer:
-    """Builds the topology, model, engine and data from :class:`TrainingArguments`, then trains."""
+    """Builds the topology, model, engine and data from a :class:`~hybrid.config.HybridConfig`, then trains.
 
-    def __init__(self, args: TrainingArguments):
-        self.args = args
-        hybrid.init_distributed(timeout_s=args.distributed_timeout_minutes * 60)
-        self.topology = Topology(tp=args.tensor_model_parallel_size)
+    ``config`` comes from :func:`hybrid.training.parse_args` (or is built in
+    code) and should have passed :func:`hybrid.training.validate`.
+    """
+
+    def __init__(self, config: HybridConfig):
+        self.config = config
+        timeout_s = config.distributed.timeout_minutes * 60
+        hybrid.init_distributed(timeout_s=timeout_s)
+        # Unset tensor_parallel_size means 1 when hybrid builds the topology (as hybrid.initialize does).
+        # The timeout reaches every TP/DP/PP group, not just the default one.
+        self.topology = Topology(tp=config.tensor_parallel_size or 1, timeout_s=timeout_s)
         topo = self.topology
         self.tokenizer = None
-        if args.tokenizer_model is not None:
+        if config.data.tokenizer_model is not None:
             from hybrid.data import SentencePieceTokenizer
 
-            self.tokenizer = SentencePieceTokenizer(args.tokenizer_model)
-        vocab = args.vocab_size or (self.tokenizer.vocab_size if self.tokenizer else None)
-        self.model_config = model_config(args, vocab or 0).validate(topo.tp_size)
+            self.tokenizer = SentencePieceTokenizer(config.data.tokenizer_model)
+        vocab = config.model.vocab_size or (self.tokenizer.vocab_size if self.tokenizer else None)
+        self.model_config = model_config(config, vocab or 0).validate(topo.tp_size)
         from model_zoo import GPTModel, flops_per_token
 
-        torch.manual_seed(args.seed)
-        self.model = GPTModel(self.model_config, topo, device=topo.device, seed=args.seed)
-        self.engine = hybrid.initialize(self.model, engine_config(args, topo.dp_size), topology=topo)
+        torch.manual_seed(config.seed)
+        self.model = GPTModel(self.model_config, topo, device=topo.device, seed=config.seed)
+        self.engine = hybrid.initialize(self.model, config, topology=topo)
         self.batch = self.engine.batch
         self.iteration, self.consumed_samples = 0, 0
-        if args.load is not None and (has_checkpoint(args.load) or _is_iteration_dir(args.load)):
-            self._load(args.load)
-        elif args.load is not None:
-            _log(topo, f"--load {args.load}: no checkpoint there yet, starting from scratch")
+        load = config.checkpoint.load
+        if load is not None and (has_checkpoint(load) or _is_iteration_dir(load)):
+            self._load(load)
+        elif load is not None:
+            _log(topo, f"--load {load}: no checkpoint there yet, starting from scratch")
         eod = self.tokenizer.eod_id if self.tokenizer else None
-        self.data = build_data(args, self.model_config.seq_length, self.model_config.vocab_size,
+        self.data = build_data(config, self.model_config.seq_length, self.model_config.vocab_size,
                                self.batch.global_batch_size, eod, rank=topo.rank, barrier=topo.comm.barrier)
-        peak = resolve_peak_flops(topo.device, args.precision, args.peak_tflops)
+        peak = resolve_peak_flops(topo.device, config.precision, config.logging.peak_tflops)
         self.monitor = TrainingMonitor(
-            train_iters=args.train_iters, log_interval=args.log_interval, is_logging_rank=topo.rank == 0,
-            seq_length=self.model_config.seq_length, world_size=topo.world_size,
+            train_iters=config.run.train_iters, log_interval=config.logging.log_interval,
+            is_logging_rank=topo.rank == 0, seq_length=self.model_config.seq_length, world_size=topo.world_size,
             flops_per_token=flops_per_token(self.model_config), peak=peak,
-            tensorboard_dir=args.tensorboard_dir, device=topo.device)
-        self.exit = ExitConditions(args.exit_interval, args.exit_duration_in_mins)
+            tensorboard_dir=config.logging.tensorboard_dir, device=topo.device)
+        self.exit = ExitConditions(config.run.exit_interval, config.run.exit_duration_in_mins)
         self.history = []  # (iteration, DP-averaged lm loss) of this run, for callers and tests
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def _load(self, path: str) -> None:
-        state = load_engine(self.engine, path, load_optimizer=not self.args.finetune,
-                            keep_configured_schedule=self.args.override_opt_param_scheduler)
-        if not self.args.finetune:
+        ckpt = self.config.checkpoint
+        state = load_engine(self.engine, path, load_optimizer=not ckpt.finetune,
+                            keep_configured_schedule=ckpt.override_opt_param_scheduler)
+        if not ckpt.finetune:
             self.iteration = state["iteration"]
             self.consumed_samples = state["consumed_samples"]
         _log(self.topology, f"loaded {state['path']} (iteration {state['iteration']}, "
                             f"{state['consumed_samples']} samples consumed)"
-                            + (" weights only (--finetune)" if self.args.finetune else ""))
+                            + (" weights only (--finetune)" if ckpt.finetune else ""))
+
+    def saved_settings(self) -> dict:
+        """The settings stored with each checkpoint (``client_state["args"]``): the tree, batch resolved.
+
+        The global batch is stored as run (micro x accumulation x DP when it was
+        derived): offline tools re-count micro-steps from it when they reshard.
+        """
+        settings = self.config.to_dict()
+        settings["global_batch_size"] = self.batch.global_batch_size
+        return settings
 
     def save(self) -> None:
-        path = save_engine(self.engine, self.args.save, self.iteration, consumed_samples=self.consumed_samples,
-                           client_state={"args": to_dict(self.args)}, keep_last=self.args.keep_last)
+        ckpt = self.config.checkpoint
+        path = save_engine(self.engine, ckpt.save, self.iteration, consumed_samples=self.consumed_samples,
+                           client_state={"args": self.saved_settings()}, keep_last=ckpt.keep_last)
         _log(self.topology, f"saved checkpoint {path}")
 
     # ---- one iteration ----------------------------------------------------------------------------
@@ -116,7 +143,7 @@ class Trainer:
                                      self.batch.global_batch_size, self.topology.dp_rank, self.topology.dp_size)
         losses = []
         for k, micro_batches in enumerate(iter_global_batches(self.data.valid, sampler)):
-            if k >= self.args.eval_iters:
+            if k >= self.config.eval.iters:
                 break
             for mb in micro_batches:
                 losses.append(engine(mb["tokens"].to(device), labels=mb["labels"].to(device),
@@ -130,16 +157,18 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------------------
     def train(self) -> int:
         """Train to ``--train-iters`` (or an exit condition); returns the last iteration."""
-        args, topo = self.args, self.topology
+        config, topo = self.config, self.topology
+        train_iters, eval_interval, save_dir = config.run.train_iters, config.eval.interval, config.checkpoint.save
+        save_interval = config.checkpoint.save_interval
         self.monitor.announce()
-        self.monitor.log_hparams(to_dict(args))
+        self.monitor.log_hparams(to_dotted(config))
         _log(topo, f"training {self.model_config.num_layers}-layer GPT on {topo.describe().split(' rank=')[0]}, "
-                   f"ZeRO stage {args.zero_stage}, {args.precision}, from iteration {self.iteration}")
+                   f"ZeRO stage {config.zero.stage}, {config.precision}, from iteration {self.iteration}")
         sampler = GlobalBatchSampler(len(self.data.train), self.consumed_samples, self.batch.micro_batch_size,
                                      self.batch.global_batch_size, topo.dp_rank, topo.dp_size)
         batches = iter_global_batches(self.data.train, sampler)
         try:
-            while self.iteration < args.train_iters:
+            while self.iteration < train_iters:
                 start = time.perf_counter()
                 skipped_before = self.engine.skipped_steps
                 loss = self._train_step(next(batches))
@@ -151,15 +180,15 @@ class Trainer:
                     learning_rate=self.engine.last_lr if self.engine.last_lr is not None else self.engine.lr,
                     batch_size=self.batch.global_batch_size, iteration_time_s=time.perf_counter() - start,
                     grad_norm=self.engine.get_grad_norm(),
-                    loss_scale=self.engine.loss_scale if args.fp16 else None,
+                    loss_scale=self.engine.loss_scale if config.precision == "fp16" else None,
                     skipped=self.engine.skipped_steps > skipped_before))
-                if args.eval_interval and self.iteration % args.eval_interval == 0:
+                if eval_interval and self.iteration % eval_interval == 0:
                     self._report_validation()
                 reason = self.exit.check(self.iteration, topo)
-                saving = args.save is not None and (
+                saving = save_dir is not None and (
                     reason is not None
-                    or (args.save_interval and self.iteration % args.save_interval == 0)
-                    or self.iteration == args.train_iters)
+                    or (save_interval and self.iteration % save_interval == 0)
+                    or self.iteration == train_iters)
                 if saving:
                     self.save()
                 if reason is not None:
@@ -167,7 +196,7 @@ class Trainer:
                     _log(topo, f"exiting at iteration {self.iteration}: {reason}")
                     break
             else:
-                if args.eval_interval and self.iteration % args.eval_interval != 0:
+                if eval_interval and self.iteration % eval_interval != 0:
                     self._report_validation()
         finally:
             self.exit.restore()
@@ -183,11 +212,11 @@ class Trainer:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
-        args = parse_args(argv)
-        validate(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    except ArgumentError as e:
+        config = parse_args(argv)
+        validate(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e:
         raise SystemExit(f"hybrid-train: error: {e}") from None
-    trainer = Trainer(args)
+    trainer = Trainer(config)
     trainer.train()
     # No rank may tear down its connections while a peer still talks to it.
     trainer.topology.comm.barrier()

@@ -78,7 +78,11 @@ def test_fused_norm_wrapper_dtypes_follow_the_torch_semantics():
     w32 = torch.randn(16, requires_grad=True)
     y = _FusedNorm.apply(x, w32, None, 1e-6, True, op)
     ref = rms_norm_reference(x, w32, 1e-6)
-    assert y.dtype == ref.dtype == torch.float32 and torch.allclose(y, ref, rtol=1e-6, atol=1e-6)
+    # The stand-in runs the reference's own ops in the same order (fp32 mean of squares, rsqrt,
+    # multiply, cast to bf16, fp32 weight multiply), so the wrapper must add no arithmetic: equal
+    # to the bit on any CPU. (A tolerance would have to admit a flipped last bf16 bit, 2^-8
+    # relative, and with it a missing cast before the weight multiply.)
+    assert y.dtype == ref.dtype == torch.float32 and torch.equal(y, ref)
     gx, gw = torch.autograd.grad(y.sum(), (x, w32))
     assert gx.dtype == torch.bfloat16 and gw.dtype == torch.float32
     y_ln = _FusedNorm.apply(x, w32, torch.zeros(16), 1e-5, False, op)
