@@ -25,10 +25,10 @@ ARGS = ["--model", "tiny", "--mock-data", "--micro-batch-size", "8", "--lr", "1e
 
 
 def trainer_times(iters: int) -> list:
-    from hybrid.training.arguments import parse_args, validate
-    from hybrid.training.trainer import Trainer
+    from hybrid.training import Trainer, parse_args, validate
 
-    args = parse_args(ARGS + ["--train-iters", str(iters), "--log-interval", str(iters)])
+    args = parse_args(ARGS + ["--train-iters", str(iters), "--log-interval", str(iters),
+                              "--lr-decay-style", "cosine"])
     validate(args, world_size=1)
     trainer = Trainer(args)
     # Stamp the start of every iteration: the differences cover the whole loop body

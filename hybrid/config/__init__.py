@@ -1,21 +1,33 @@
-"""Typed configuration: dataclasses, loaders (dict, JSON, YAML, DeepSpeed JSON), validation.
+"""Typed configuration: one dataclass tree for a whole run, its loaders, flags and validation.
 
     from hybrid.config import load_config
     cfg = load_config("ds_config.json")            # native or DeepSpeed style, detected
     cfg = cfg.with_overrides({"optimizer.lr": 3e-4})
     sizes = cfg.resolve_batch(dp_size=8)
 
-Every key and its default: ``docs/config.md``.
+    from hybrid.config import config_from_command_line
+    cfg = config_from_command_line(["--zero-stage", "3", "--bf16"])   # hybrid-train's flags
+
+Every key, its flag and its default: ``docs/config.md``. This package imports
+nothing of hybrid's runtime (only :mod:`hybrid.layout`), so configurations can
+be checked without torch.
 """
 
 from hybrid.config.batch import BatchSizes, resolve_batch
-from hybrid.config.deepspeed import from_deepspeed
+from hybrid.config.cli import build_parser, config_from_command_line
+from hybrid.config.deepspeed import deepspeed_settings, from_deepspeed
+from hybrid.config.derive import derive_for_training
 from hybrid.config.errors import ConfigError
 from hybrid.config.load import is_deepspeed_style, load_config, load_config_file, read_config_file
-from hybrid.config.schema import (HybridConfig, LossScalingConfig, OptimizerConfig, SchedulerConfig,
-                                  TensorBoardConfig, ZeroConfig)
-from hybrid.config.validate import validate
+from hybrid.config.saved import saved_setting, saved_tree
+from hybrid.config.schema import (CheckpointConfig, DataConfig, DistributedConfig, EvalConfig, HybridConfig,
+                                  LoggingConfig, LossScalingConfig, ModelConfig, OptimizerConfig, RunConfig,
+                                  SchedulerConfig, TensorBoardConfig, ZeroConfig)
+from hybrid.config.validate import validate, validate_for_training, validate_world
 
 __all__ = ["HybridConfig", "LossScalingConfig", "ZeroConfig", "OptimizerConfig", "SchedulerConfig",
-           "TensorBoardConfig", "ConfigError", "BatchSizes", "resolve_batch", "load_config",
-           "load_config_file", "read_config_file", "from_deepspeed", "is_deepspeed_style", "validate"]
+           "TensorBoardConfig", "ModelConfig", "DataConfig", "CheckpointConfig", "RunConfig", "EvalConfig",
+           "LoggingConfig", "DistributedConfig", "ConfigError", "BatchSizes", "resolve_batch", "load_config",
+           "load_config_file", "read_config_file", "from_deepspeed", "deepspeed_settings", "is_deepspeed_style",
+           "validate", "validate_world", "validate_for_training", "derive_for_training", "build_parser",
+           "config_from_command_line", "saved_setting", "saved_tree"]

@@ -1,4 +1,7 @@
-"""``global_batch = micro_batch x accumulation x dp``: fill in the unknown, or refuse."""
+"""``global_batch = micro_batch x accumulation x dp``: fill in the unknown, or refuse.
+
+Errors carry the keys they are about; :meth:`HybridConfig.resolve_batch` adds their flags.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ import dataclasses
 from typing import Optional
 
 from hybrid.config.errors import ConfigError
+
+_BATCH_KEYS = ("micro_batch_size", "gradient_accumulation_steps", "global_batch_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +36,7 @@ def resolve_batch(micro: Optional[int], accum: Optional[int], global_batch: Opti
     for name, value in (("micro_batch_size", micro), ("gradient_accumulation_steps", accum),
                         ("global_batch_size", global_batch)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+            raise ConfigError(f"{name} must be an integer >= 1, got {value!r}", keys=(name,))
 
     def describe() -> str:
         return (f"(micro_batch_size={micro}, gradient_accumulation_steps={accum}, "
@@ -47,18 +52,18 @@ def resolve_batch(micro: Optional[int], accum: Optional[int], global_batch: Opti
         per_step = accum * dp_size
         if global_batch % per_step != 0:
             raise ConfigError(f"global_batch_size {global_batch} is not divisible by gradient_accumulation_steps "
-                              f"x data-parallel size = {accum} x {dp_size} = {per_step} {describe()}; "
-                              f"choose a global batch that is a multiple of {per_step}")
+                            f"x data-parallel size = {accum} x {dp_size} = {per_step} {describe()}; "
+                            f"choose a global batch that is a multiple of {per_step}", keys=_BATCH_KEYS)
         return BatchSizes(global_batch // per_step, accum, global_batch, dp_size)
     if accum is None:
         per_step = micro * dp_size
         if global_batch % per_step != 0:
             raise ConfigError(f"global_batch_size {global_batch} is not divisible by micro_batch_size x "
-                              f"data-parallel size = {micro} x {dp_size} = {per_step} {describe()}; "
-                              f"choose a global batch that is a multiple of {per_step}")
+                            f"data-parallel size = {micro} x {dp_size} = {per_step} {describe()}; "
+                            f"choose a global batch that is a multiple of {per_step}", keys=_BATCH_KEYS)
         return BatchSizes(micro, global_batch // per_step, global_batch, dp_size)
     if micro * accum * dp_size != global_batch:
         raise ConfigError(f"global_batch_size {global_batch} != micro_batch_size x gradient_accumulation_steps x "
-                          f"data-parallel size = {micro} x {accum} x {dp_size} = {micro * accum * dp_size} "
-                          f"{describe()}; set two of the three and let hybrid derive the third")
+                        f"data-parallel size = {micro} x {accum} x {dp_size} = {micro * accum * dp_size} "
+                        f"{describe()}; set two of the three and let hybrid derive the third", keys=_BATCH_KEYS)
     return BatchSizes(micro, accum, global_batch, dp_size)

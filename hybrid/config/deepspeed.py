@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping
 
+from hybrid.config.deepspeed_schedules import DEEPSPEED_SCHEDULER_PARAMS, deepspeed_schedule_kwargs
 from hybrid.config.errors import ConfigError, suggestion, value_suggestion
+from hybrid.config.parse import apply_overrides
 from hybrid.config.schema import HybridConfig
-from hybrid.optim.lr_schedule import DEEPSPEED_SCHEDULER_PARAMS, deepspeed_schedule_kwargs
 
 # section -> {DeepSpeed key: hybrid dotted key}
 _MAPPED = {
@@ -109,7 +110,27 @@ def known_top_level_keys() -> set:
 
 
 def from_deepspeed(ds: Mapping[str, Any]) -> HybridConfig:
-    """Translate a DeepSpeed config dict; raises :class:`ConfigError` on anything not translatable."""
+    """Translate a DeepSpeed config dict; raises :class:`ConfigError` on anything not translatable.
+
+    A value hybrid rejects names its hybrid key and the DeepSpeed key it came from.
+    """
+    settings, origin = _translate(ds)
+    try:
+        return apply_overrides(HybridConfig(), settings)
+    except ConfigError as err:
+        source = next((origin[k.split("[")[0]] for k in err.keys if k.split("[")[0] in origin), None)
+        if source is None:
+            raise
+        raise ConfigError(f"{err.message} [from DeepSpeed key '{source}']", keys=err.keys) from None
+
+
+def deepspeed_settings(ds: Mapping[str, Any]) -> Dict[str, Any]:
+    """The hybrid settings a DeepSpeed config sets, as dotted keys (``{"zero.stage": 2, ...}``), unvalidated."""
+    return _translate(ds)[0]
+
+
+def _translate(ds: Mapping[str, Any]):
+    """(dotted hybrid key -> value, dotted hybrid key -> the DeepSpeed key it came from)."""
     if not isinstance(ds, Mapping):
         raise ConfigError(f"a DeepSpeed config must be a JSON object, got {type(ds).__name__}")
     _reject_auto(ds, "")
@@ -136,17 +157,7 @@ def from_deepspeed(ds: Mapping[str, Any]) -> HybridConfig:
         _map_optimizer(_section(ds, "optimizer"), put)
     if "scheduler" in ds:
         _map_scheduler(_section(ds, "scheduler"), native, put)
-    try:
-        from hybrid.config.parse import apply_overrides
-
-        return apply_overrides(HybridConfig(), native)
-    except ConfigError as err:
-        message = str(err)
-        for native_key, ds_key in origin.items():
-            if f"'{native_key}" in message:
-                message += f" [from DeepSpeed key '{ds_key}']"
-                break
-        raise ConfigError(message) from None
+    return native, origin
 
 
 def _section(ds: Mapping, name: str) -> Mapping:

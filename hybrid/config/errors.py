@@ -1,13 +1,23 @@
-"""The one error type of the config package, and the nearest-key suggestion."""
+"""The one error type of the config package, and the nearest-name suggestions."""
 
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from typing import Iterable, Tuple
 
 
 class ConfigError(ValueError):
-    """A configuration value or key that hybrid cannot use; the message says how to fix it."""
+    """A configuration value or key that hybrid cannot use; the message says how to fix it.
+
+    ``keys`` are the dotted config keys the error is about (empty when none
+    applies); ``message`` is the text without the ``(set by --flag)`` note
+    that :func:`hybrid.config.flags.key_error` adds to ``str(error)``.
+    """
+
+    def __init__(self, text: str, keys: Iterable[str] = (), message: str = None):
+        super().__init__(text)
+        self.keys: Tuple[str, ...] = tuple(keys)
+        self.message = text if message is None else message
 
 
 def suggestion(key: str, candidates: Iterable[str], prefix: str = "") -> str:

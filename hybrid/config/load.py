@@ -9,15 +9,17 @@ A mapping that mixes native-only and DeepSpeed-only keys is an error.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from pathlib import Path
 from typing import Any, Mapping, Union
 
 from hybrid.config.deepspeed import from_deepspeed, known_top_level_keys
-from hybrid.config.errors import ConfigError
+from hybrid.config.errors import ConfigError, suggestion
 from hybrid.config.parse import parse_native
 from hybrid.config.schema import HybridConfig
+from hybrid.config.spellings import FLAT_NAMES
 
 ConfigSource = Union[None, HybridConfig, Mapping[str, Any], str, os.PathLike]
 
@@ -33,7 +35,7 @@ def load_config(source: ConfigSource = None) -> HybridConfig:
     if source is None:
         return HybridConfig()
     if isinstance(source, HybridConfig):
-        return parse_native(source)
+        return parse_native(source, HybridConfig)
     if isinstance(source, (str, os.PathLike)):
         return load_config_file(source)
     if isinstance(source, Mapping):
@@ -76,7 +78,8 @@ def read_config_file(path: Union[str, os.PathLike]) -> Any:
 
 def is_deepspeed_style(data: Mapping[str, Any]) -> bool:
     native_top = {f for f in HybridConfig.__dataclass_fields__}
-    if any(k in known_top_level_keys() and k not in native_top for k in data):
+    if any(k in known_top_level_keys() and k not in native_top and not _is_flat_switch(k, v)
+           for k, v in data.items()):
         return True
     for section in ("optimizer", "scheduler"):
         value = data.get(section)
@@ -86,11 +89,29 @@ def is_deepspeed_style(data: Mapping[str, Any]) -> bool:
     return isinstance(scheduler, Mapping) and scheduler.get("type") in _DEEPSPEED_SCHEDULERS
 
 
+def _reject_deepspeed_near_misses(data: Mapping[str, Any]) -> None:
+    """An unknown top-level key close to a DeepSpeed key (not a native one) gets that suggestion."""
+    native = set(HybridConfig.__dataclass_fields__)
+    for key in data:
+        if isinstance(key, str) and key not in native and not difflib.get_close_matches(key, native, n=1,
+                                                                                         cutoff=0.6):
+            close = difflib.get_close_matches(key, sorted(known_top_level_keys()), n=1, cutoff=0.6)
+            if close:
+                raise ConfigError(f"unknown config key '{key}'. Did you mean the DeepSpeed key '{close[0]}'? "
+                                  f"(a config is read as DeepSpeed-style when it uses DeepSpeed's key names)")
+
+
+def _is_flat_switch(key: Any, value: Any) -> bool:
+    """``bf16: true`` is the trainer's flat ``--bf16`` switch; DeepSpeed's ``bf16`` is an object."""
+    return key in FLAT_NAMES and not isinstance(value, Mapping)
+
+
 def _from_mapping(data: Any, where: str) -> HybridConfig:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where} must be a mapping of keys to values, got {type(data).__name__}")
     if not is_deepspeed_style(data):
-        return parse_native(data)
+        _reject_deepspeed_near_misses(data)
+        return parse_native(data, HybridConfig)
     native_only = sorted(k for k in data if k in HybridConfig.__dataclass_fields__
                          and k not in known_top_level_keys())
     if native_only:

@@ -15,15 +15,17 @@ import typing
 from typing import Any, Mapping
 
 from hybrid.config.errors import ConfigError, unknown_key_error
-from hybrid.config.schema import HybridConfig
+from hybrid.config.flags import meta_error, sections
+from hybrid.config.validate import validate
+
+# The schema's methods call this module, so it takes the root class as an argument instead of importing it.
 
 
-def parse_native(data: Any) -> HybridConfig:
-    from hybrid.config.validate import validate
-
-    if isinstance(data, HybridConfig):
+def parse_native(data: Any, root):
+    """A validated ``root`` (the config class) from a native nested mapping, or a ``root`` object re-checked."""
+    if isinstance(data, root):
         data = to_plain(data)  # re-parse so that values set on the object are type-checked too
-    cfg = parse_section(HybridConfig, data, "")
+    cfg = parse_section(root, data, "")
     validate(cfg)
     return cfg
 
@@ -32,7 +34,7 @@ def parse_section(cls, data: Any, path: str):
     """Build dataclass ``cls`` from ``data`` (a mapping); ``path`` names the section in errors."""
     if not isinstance(data, Mapping):
         where = f"config section '{path}'" if path else "the config"
-        raise ConfigError(f"{where} must be a mapping of keys to values, got {type(data).__name__}")
+        raise ConfigError(f"{where} must be a mapping of keys to values, got {type(data).__name__}", keys=(path,))
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -46,21 +48,11 @@ def parse_section(cls, data: Any, path: str):
 
 
 def _unknown(path: str, key: str, fields) -> ConfigError:
-    """Unknown-key error; at the top level a near-miss of a DeepSpeed key is suggested too."""
-    import difflib
-
-    if not path and not difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6):
-        from hybrid.config.deepspeed import known_top_level_keys
-
-        close = difflib.get_close_matches(key, sorted(known_top_level_keys()), n=1, cutoff=0.6)
-        if close:
-            return ConfigError(f"unknown config key '{key}'. Did you mean the DeepSpeed key '{close[0]}'? "
-                               f"(a config is read as DeepSpeed-style when it uses DeepSpeed's key names)")
     return unknown_key_error(path, key, fields)
 
 
 def convert(value: Any, annotation, key: str, metadata: Mapping = None):
-    """Convert ``value`` to ``annotation`` or raise a ConfigError naming ``key``."""
+    """Convert ``value`` to ``annotation`` or raise a ConfigError naming ``key`` and its flags."""
     metadata = metadata or {}
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
@@ -75,27 +67,42 @@ def convert(value: Any, annotation, key: str, metadata: Mapping = None):
         return convert(value, inner, key, metadata)
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"config key '{key}' must be a list of {len(args)} numbers, got {value!r}")
-        return tuple(convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+            raise meta_error(f"config key '{key}' must be a list of {len(args)} numbers, got {value!r}", key,
+                             metadata)
+        return tuple(convert(v, a, f"{key}[{i}]", metadata) for i, (v, a) in enumerate(zip(value, args)))
+    if origin is list:
+        return _to_str_list(value, key, metadata)
     if annotation is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"config key '{key}' must be true or false, got {value!r} "
-                              f"({type(value).__name__})")
+            raise meta_error(f"config key '{key}' must be true or false, got {value!r} ({type(value).__name__})",
+                             key, metadata)
         return value
     if annotation is int:
-        return _to_int(value, key)
+        return _to_int(value, key, metadata)
     if annotation is float:
-        return _to_float(value, key)
+        return _to_float(value, key, metadata)
     if annotation is str:
         if not isinstance(value, str):
-            raise ConfigError(f"config key '{key}' must be a string, got {value!r} ({type(value).__name__})")
+            raise meta_error(f"config key '{key}' must be a string, got {value!r} ({type(value).__name__})", key,
+                             metadata)
         return value.lower() if "choices" in metadata else value
     raise TypeError(f"unsupported annotation {annotation!r} for config key '{key}'")  # a schema bug
 
 
-def _to_float(value: Any, key: str) -> float:
+def _to_str_list(value: Any, key: str, metadata: Mapping) -> list:
+    """A list of strings; a string is split on whitespace, numbers in a list (blend weights) become text."""
+    if isinstance(value, str):
+        return value.split()
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool)
+                                                for v in value):
+        return [str(v) for v in value]
+    raise meta_error(f"config key '{key}' must be a list of strings (or one whitespace-separated string), got "
+                     f"{value!r} ({type(value).__name__})", key, metadata)
+
+
+def _to_float(value: Any, key: str, metadata: Mapping) -> float:
     if isinstance(value, bool):
-        raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
+        raise meta_error(f"config key '{key}' must be a number, got {value!r}", key, metadata)
     if isinstance(value, (int, float)):
         return float(value)
     if isinstance(value, str):
@@ -103,12 +110,13 @@ def _to_float(value: Any, key: str) -> float:
             return float(value)
         except ValueError:
             pass
-    raise ConfigError(f"config key '{key}' must be a number, got {value!r} ({type(value).__name__})")
+    raise meta_error(f"config key '{key}' must be a number, got {value!r} ({type(value).__name__})", key,
+                     metadata)
 
 
-def _to_int(value: Any, key: str) -> int:
+def _to_int(value: Any, key: str, metadata: Mapping) -> int:
     if isinstance(value, bool):
-        raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
+        raise meta_error(f"config key '{key}' must be an integer, got {value!r}", key, metadata)
     if isinstance(value, int):
         return value
     number = None
@@ -122,15 +130,12 @@ def _to_int(value: Any, key: str) -> int:
     if number is not None and number == number and number not in (float("inf"), float("-inf")) \
             and number == int(number):
         return int(number)
-    raise ConfigError(f"config key '{key}' must be an integer, got {value!r} ({type(value).__name__})")
+    raise meta_error(f"config key '{key}' must be an integer, got {value!r} ({type(value).__name__})", key,
+                     metadata)
 
 
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
-
-
-_SECTION_NAMES = {name for name, hint in typing.get_type_hints(HybridConfig).items()
-                  if dataclasses.is_dataclass(hint)}
 
 
 def to_plain(cfg) -> dict:
@@ -140,24 +145,40 @@ def to_plain(cfg) -> dict:
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
             value = to_plain(value)
-        elif isinstance(value, tuple):
-            value = list(value)
+        elif isinstance(value, (tuple, list)):
+            value = list(value)  # a copy: the plain dict shares nothing with the config
         out[f.name] = value
     return out
 
 
-def flatten_overrides(overrides: Mapping[str, Any]) -> dict:
-    """Turn ``{"zero": {"stage": 2}, "optimizer.lr": 1e-4}`` into dotted paths.
+def to_dotted(cfg) -> dict:
+    """``{"zero.stage": 1, "optimizer.lr": 0.001, ...}``: every key of ``cfg`` as a dotted path."""
+    out = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                out[prefix + key] = value
+
+    walk(to_plain(cfg), "")
+    return out
+
+
+def flatten_overrides(overrides: Mapping[str, Any], root) -> dict:
+    """Turn ``{"zero": {"stage": 2}, "optimizer.lr": 1e-4}`` into dotted paths (``root``: the config class).
 
     A section name given a mapping merges into that section key by key, so
     ``zero={"stage": 2}`` keeps the section's other keys; a section dataclass
     (``zero=ZeroConfig(stage=2)``) sets every key of the section.
     """
+    names = sections(root)
     flat = {}
     for key, value in overrides.items():
-        if key in _SECTION_NAMES and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        if key in names and dataclasses.is_dataclass(value) and not isinstance(value, type):
             value = to_plain(value)
-        if key in _SECTION_NAMES and isinstance(value, Mapping):
+        if key in names and isinstance(value, Mapping):
             for sub, sub_value in value.items():
                 flat[f"{key}.{sub}"] = sub_value
         else:
@@ -165,10 +186,10 @@ def flatten_overrides(overrides: Mapping[str, Any]) -> dict:
     return flat
 
 
-def apply_overrides(cfg: HybridConfig, overrides: Mapping[str, Any]) -> HybridConfig:
+def apply_overrides(cfg, overrides: Mapping[str, Any]):
     """Return a new validated config with ``overrides`` (dotted paths or section mappings) applied."""
     data = to_plain(cfg)
-    for path, value in flatten_overrides(overrides).items():
+    for path, value in flatten_overrides(overrides, type(cfg)).items():
         parts = path.split(".")
         node, prefix = data, ""
         for part in parts[:-1]:
@@ -183,4 +204,4 @@ def apply_overrides(cfg: HybridConfig, overrides: Mapping[str, Any]) -> HybridCo
             raise ConfigError(f"config key '{path}' is a section; override its keys, e.g. "
                               f"'{path}.{next(iter(node[leaf]))}'")
         node[leaf] = value
-    return parse_native(data)
+    return parse_native(data, type(cfg))

@@ -1,61 +1,131 @@
-"""The typed configuration of a hybrid training run.
+"""The typed configuration of a hybrid training run: one tree, :class:`HybridConfig`.
 
-Every key, its type and its default live here; each field's ``metadata`` holds
-its help text and the constraints that :mod:`hybrid.config.validate` checks
-(``choices``, ``ge``/``gt``/``le``/``lt``). ``docs/config.md`` lists the same
-keys, and a test keeps the two in step.
+Every key, its type and its one default live here. Each field's ``metadata``
+holds what the rest of the package derives from it:
 
-Sections (``zero``, ``optimizer``, ...) are nested dataclasses; in a dict, JSON
-or YAML file they are nested mappings, and in overrides they are dotted paths
-(``"optimizer.lr"``). Later features add keys to their section (ZeRO-3 and
-offload go into :class:`ZeroConfig`).
+* ``help``: the text of ``docs/config.md`` and of ``hybrid-train --help``;
+* ``choices``, ``ge``/``gt``/``le``/``lt``: the per-key rules that
+  :mod:`hybrid.config.validate` checks;
+* ``flag``: the command-line flag when it is not the one derived from the key
+  (``zero.bucket_size`` -> ``--zero-bucket-size``); the Megatron-style names
+  (``--lr``, ``--tensor-model-parallel-size``) are given this way;
+* ``aliases``: further spellings of the same key (:class:`Alias`), e.g. the
+  switches ``--bf16``/``--fp16`` for ``precision``.
+
+:mod:`hybrid.config.flags` turns this into flags and flat trainer keys.
+``docs/config.md`` lists the same keys, and a test keeps the two in step.
+
+The engine (:func:`hybrid.initialize`) reads the engine keys; the trainer
+(``hybrid-train``) reads the tree as a whole, including the sections only it
+uses (``model``, ``data``, ``checkpoint``, ``run``, ``eval``, ``logging``,
+``distributed``), which the engine ignores.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+import math
+from typing import Any, Callable, List, Optional, Tuple
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+from hybrid.layout import OFFLOAD_DEVICES, PRECISIONS, ZERO_STAGES
+
+# Choice lists owned by the configuration (the ZeRO stages, offload devices and
+# precisions are hybrid.layout's). hybrid.optim.lr_schedule imports the styles.
 OPTIMIZERS = ("adamw", "adam", "sgd")
 DECAY_STYLES = ("constant", "linear", "cosine")
 WARMUP_STYLES = ("linear", "log")
 RECOMPUTE = ("none", "full", "selective")
-ZERO_STAGES = (0, 1, 2, 3)
-OFFLOAD_DEVICES = ("none", "cpu")
+
+__all__ = ["HybridConfig", "ZeroConfig", "OptimizerConfig", "SchedulerConfig", "LossScalingConfig",
+           "TensorBoardConfig", "ModelConfig", "DataConfig", "CheckpointConfig", "RunConfig", "EvalConfig",
+           "LoggingConfig", "DistributedConfig", "Alias", "OPTIMIZERS", "DECAY_STYLES", "WARMUP_STYLES",
+           "RECOMPUTE", "ZERO_STAGES", "OFFLOAD_DEVICES", "PRECISIONS"]
 
 
-def _field(default=dataclasses.MISSING, *, help: str, factory=dataclasses.MISSING, **constraints):
-    meta = {"help": help, **constraints}
+@dataclasses.dataclass(frozen=True)
+class Alias:
+    """Another command-line spelling of one key (see :mod:`hybrid.config.flags`).
+
+    Exactly one of these shapes:
+
+    * ``const``: a switch without a value that sets the key to ``const``
+      (``--bf16`` sets ``precision`` to ``bf16``). A ``weak`` switch applies only
+      when nothing else set the key (``--recompute-activations`` means
+      selective unless ``--recompute-granularity`` is given);
+    * ``index``: the flag sets one element of a tuple key (``--adam-beta2``);
+    * ``convert``: the flag takes a value in its own unit, which ``convert``
+      maps to the key's (``--initial-loss-scale 65536`` is power 16); it raises
+      ``ValueError`` for a value it cannot map.
+    """
+
+    flag: str
+    help: str
+    const: Any = None
+    weak: bool = False
+    index: Optional[int] = None
+    convert: Optional[Callable[[Any], Any]] = None
+
+    @property
+    def is_switch(self) -> bool:
+        return self.index is None and self.convert is None
+
+
+def _field(default=dataclasses.MISSING, *, help: str, factory=dataclasses.MISSING, flag: Optional[str] = None,
+           aliases: Tuple[Alias, ...] = (), **constraints):
+    meta = {"help": help, "aliases": tuple(aliases), **constraints}
+    if flag is not None:
+        meta["flag"] = flag
     if factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
 
+def _section(cls, help: str):
+    """A nested section; ``help`` titles its group in ``--help``."""
+    return dataclasses.field(default_factory=cls, metadata={"help": help, "section": True})
+
+
+def scale_to_power(value: Any) -> int:
+    """``--initial-loss-scale`` (a power of two, e.g. 65536) as ``loss_scaling.initial_scale_power`` (16)."""
+    scale = float(value)
+    if not (math.isfinite(scale) and scale >= 1 and math.log2(scale).is_integer()):
+        raise ValueError(f"must be a power of two (2**k, k >= 0), got {value!r}")
+    return int(math.log2(scale))
+
+
+# ---- engine sections ------------------------------------------------------------------------------
+
 @dataclasses.dataclass
 class LossScalingConfig:
     """fp16 loss scaling. Ignored unless ``precision`` is ``fp16`` (bf16 and fp32 never scale)."""
 
-    loss_scale: float = _field(0.0, ge=0.0, help="0 selects dynamic loss scaling; a positive value is a "
-                                                 "static scale")
-    initial_scale_power: int = _field(16, ge=0, le=64, help="dynamic scaling starts at 2**initial_scale_power")
-    loss_scale_window: int = _field(1000, ge=1, help="steps without overflow before the scale doubles")
-    hysteresis: int = _field(2, ge=1, help="overflows tolerated before the scale is halved")
-    min_loss_scale: float = _field(1.0, gt=0.0, help="the dynamic scale never drops below this")
+    loss_scale: float = _field(0.0, ge=0.0, flag="--loss-scale",
+                               help="0 selects dynamic loss scaling; a positive value is a static scale")
+    initial_scale_power: int = _field(16, ge=0, le=64, flag="--initial-scale-power",
+                                      help="dynamic scaling starts at 2**initial_scale_power",
+                                      aliases=(Alias("--initial-loss-scale", convert=scale_to_power,
+                                                     help="initial dynamic loss scale as a value (a power of "
+                                                          "two): sets loss_scaling.initial_scale_power to "
+                                                          "its log2"),))
+    loss_scale_window: int = _field(1000, ge=1, flag="--loss-scale-window",
+                                    help="steps without overflow before the scale doubles")
+    hysteresis: int = _field(2, ge=1, flag="--hysteresis", help="overflows tolerated before the scale is halved")
+    min_loss_scale: float = _field(1.0, gt=0.0, flag="--min-loss-scale",
+                                   help="the dynamic scale never drops below this")
 
 
 @dataclasses.dataclass
 class ZeroConfig:
     """The ZeRO optimizer over the data-parallel group."""
 
-    stage: int = _field(0, help="0: data parallel (all-reduce); 1: + partitioned fp32 master "
+    stage: int = _field(0, choices=ZERO_STAGES, help="0: data parallel (all-reduce); 1: + partitioned fp32 master "
                                                      "and optimizer states; 2: + partitioned gradients; 3: + "
                                                      "partitioned parameters")
     bucket_size: int = _field(25_000_000, ge=1, help="elements per gradient bucket reduced as one collective")
     overlap_comm: bool = _field(True, help="launch each bucket's reduction during backward as soon as it fills")
-    offload_optimizer: str = _field("none", choices=OFFLOAD_DEVICES, help="cpu: fp32 master weights and optimizer "
-                                                                          "state in host memory, stepped by the "
-                                                                          "CPU Adam (stages 1-3)")
+    offload_optimizer: str = _field("none", choices=OFFLOAD_DEVICES, flag="--offload-optimizer",
+                                    help="cpu: fp32 master weights and optimizer state in host memory, stepped "
+                                         "by the CPU Adam (stages 1-3)")
     persistence_threshold: int = _field(100_000, ge=0, help="stage 3: parameters with at most this many elements "
                                                             "stay whole on every rank")
     max_live_parameters: int = _field(1_000_000_000, ge=1, help="stage 3: elements of gathered parameters held "
@@ -68,13 +138,17 @@ class ZeroConfig:
 class OptimizerConfig:
     """The inner optimizer that steps the fp32 master partitions."""
 
-    type: str = _field("adamw", choices=OPTIMIZERS, help="adamw (decoupled weight decay), adam (L2 weight "
-                                                          "decay added to the gradient) or sgd")
-    lr: float = _field(1e-3, gt=0.0, help="peak learning rate (after warmup)")
-    betas: Tuple[float, float] = _field(factory=lambda: (0.9, 0.999), help="Adam (beta1, beta2), each in [0, 1)")
-    eps: float = _field(1e-8, gt=0.0, help="Adam epsilon")
-    weight_decay: float = _field(0.0, ge=0.0, help="weight decay coefficient")
-    momentum: float = _field(0.0, ge=0.0, lt=1.0, help="SGD momentum (sgd only)")
+    type: str = _field("adamw", choices=OPTIMIZERS, flag="--optimizer",
+                       help="adamw (decoupled weight decay), adam (L2 weight decay added to the gradient) or sgd")
+    lr: float = _field(1e-3, gt=0.0, flag="--lr", help="peak learning rate (after warmup)")
+    betas: Tuple[float, float] = _field(factory=lambda: (0.9, 0.999), flag="--adam-betas",
+                                        help="Adam (beta1, beta2), each in [0, 1)",
+                                        aliases=(Alias("--adam-beta1", index=0, help="Adam beta1 (optimizer.betas[0])"),
+                                                 Alias("--adam-beta2", index=1,
+                                                       help="Adam beta2 (optimizer.betas[1])")))
+    eps: float = _field(1e-8, gt=0.0, flag="--adam-eps", help="Adam epsilon")
+    weight_decay: float = _field(0.0, ge=0.0, flag="--weight-decay", help="weight decay coefficient")
+    momentum: float = _field(0.0, ge=0.0, lt=1.0, flag="--sgd-momentum", help="SGD momentum (sgd only)")
     decay_1d_params: bool = _field(False, help="false: parameters with at most one dimension (biases, norm "
                                                "weights) get no weight decay; true: every parameter decays")
 
@@ -83,53 +157,194 @@ class OptimizerConfig:
 class SchedulerConfig:
     """The learning-rate schedule: optional warmup, then constant, linear or cosine decay to ``min_lr``."""
 
-    type: str = _field("constant", choices=DECAY_STYLES, help="decay style after warmup")
-    warmup_iters: int = _field(0, ge=0, help="optimizer steps of warmup from warmup_start_lr to optimizer.lr")
-    warmup_style: str = _field("linear", choices=WARMUP_STYLES, help="linear, or log (the warmup of "
-                                                                     "DeepSpeed's default warmup_type)")
-    warmup_start_lr: float = _field(0.0, ge=0.0, help="learning rate at the first warmup step")
-    decay_iters: Optional[int] = _field(None, ge=1, help="optimizer step at which decay reaches min_lr, "
-                                                         "counted from the start (warmup included); "
-                                                         "needed by linear and cosine")
-    min_lr: float = _field(0.0, ge=0.0, help="learning rate at and after decay_iters")
+    type: str = _field("constant", choices=DECAY_STYLES, flag="--lr-decay-style", help="decay style after warmup")
+    warmup_iters: int = _field(0, ge=0, flag="--lr-warmup-iters",
+                               help="optimizer steps of warmup from warmup_start_lr to optimizer.lr")
+    warmup_style: str = _field("linear", choices=WARMUP_STYLES, flag="--lr-warmup-style",
+                               help="linear, or log (the warmup of DeepSpeed's default warmup_type)")
+    warmup_start_lr: float = _field(0.0, ge=0.0, flag="--lr-warmup-init", help="learning rate at the first warmup "
+                                                                               "step")
+    decay_iters: Optional[int] = _field(None, ge=1, flag="--lr-decay-iters",
+                                        help="optimizer step at which decay reaches min_lr, counted from the start "
+                                             "(warmup included); needed by linear and cosine (the trainer "
+                                             "derives it from run.train_iters when unset)")
+    min_lr: float = _field(0.0, ge=0.0, flag="--min-lr", help="learning rate at and after decay_iters")
+
+    @property
+    def decays(self) -> bool:
+        """Whether the rate decays after warmup (and so needs ``decay_iters``)."""
+        return self.type != "constant"
 
 
 @dataclasses.dataclass
 class TensorBoardConfig:
-    """TensorBoard event files, written by global rank 0 only."""
+    """The engine's own TensorBoard scalars per optimizer step, written by global rank 0 only.
 
-    enabled: bool = _field(False, help="write TensorBoard event files")
+    The trainer's monitor writes its richer set to ``logging.tensorboard_dir`` instead.
+    """
+
+    enabled: bool = _field(False, help="write the engine's per-step TensorBoard scalars")
     output_path: str = _field("runs", help="directory that holds the job directories")
     job_name: str = _field("hybrid", help="events go to output_path/job_name")
 
 
+# ---- trainer sections -----------------------------------------------------------------------------
+# The engine ignores these; hybrid-train reads them. Choices of model settings
+# (position embedding types, norms) are model_zoo's and checked by its GPTConfig.
+
+@dataclasses.dataclass
+class ModelConfig:
+    """The model_zoo GPT the trainer builds: a preset, and/or shape settings that override it."""
+
+    preset: Optional[str] = _field(None, flag="--model", help="a model_zoo preset (e.g. tiny, gpt2-small, "
+                                                              "turing-nlg-17b); the shape settings override it")
+    num_layers: Optional[int] = _field(None, ge=1, flag="--num-layers", help="transformer layers")
+    hidden_size: Optional[int] = _field(None, ge=1, flag="--hidden-size", help="hidden size")
+    num_attention_heads: Optional[int] = _field(None, ge=1, flag="--num-attention-heads", help="attention heads")
+    ffn_hidden_size: Optional[int] = _field(None, ge=1, flag="--ffn-hidden-size",
+                                            help="MLP hidden size (unset: 4h, or the SwiGLU rule)")
+    seq_length: Optional[int] = _field(None, ge=1, flag="--seq-length", help="training sequence length")
+    max_position_embeddings: Optional[int] = _field(None, ge=1, flag="--max-position-embeddings",
+                                                    help="learned position table size")
+    vocab_size: Optional[int] = _field(None, ge=1, flag="--vocab-size",
+                                       help="vocabulary size (unset: the tokenizer's)")
+    position_embedding_type: Optional[str] = _field(None, flag="--position-embedding-type", help="learned or rope")
+    normalization: Optional[str] = _field(None, flag="--normalization", help="layernorm or rmsnorm")
+    norm_epsilon: Optional[float] = _field(None, gt=0.0, flag="--norm-epsilon", help="epsilon of LayerNorm/RMSNorm")
+    rotary_base: Optional[float] = _field(None, gt=0.0, flag="--rotary-base",
+                                          help="base (theta) of rotary position embeddings")
+    swiglu: bool = _field(False, flag="--swiglu", help="SwiGLU MLP instead of GELU")
+    disable_bias_linear: bool = _field(False, flag="--disable-bias-linear", help="no biases in linear layers")
+    untie_embeddings_and_output_weights: bool = _field(False, flag="--untie-embeddings-and-output-weights",
+                                                       help="separate output layer weights")
+    hidden_dropout: Optional[float] = _field(None, ge=0.0, lt=1.0, flag="--hidden-dropout",
+                                             help="dropout on embeddings and residual branches")
+    attention_dropout: Optional[float] = _field(None, ge=0.0, lt=1.0, flag="--attention-dropout",
+                                                help="dropout on attention probabilities")
+    init_method_std: Optional[float] = _field(None, gt=0.0, flag="--init-method-std",
+                                              help="standard deviation of the weight initialisation")
+    sequence_parallel: bool = _field(False, flag="--sequence-parallel",
+                                     help="shard norm and dropout activations along the sequence over TP")
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """The training data."""
+
+    path: List[str] = _field(factory=list, help="data prefixes, optionally weighted: 'A' or '0.3 A 0.7 B'")
+    split: str = _field("969,30,1", flag="--split", help="train,valid,test proportions")
+    tokenizer_model: Optional[str] = _field(None, flag="--tokenizer-model",
+                                            help="SentencePiece model (for the vocabulary size and the EOD id)")
+    eod_mask_loss: bool = _field(False, flag="--eod-mask-loss",
+                                 help="do not train on predicting the token after an end-of-document")
+    mock: bool = _field(False, flag="--mock-data", help="random tokens instead of data.path (benchmarks, smoke "
+                                                        "tests)")
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """Where checkpoints go and come from."""
+
+    save: Optional[str] = _field(None, flag="--save", help="directory to save checkpoints in")
+    load: Optional[str] = _field(None, flag="--load", help="directory (its 'latest') or DIR/iter_N to resume from")
+    save_interval: Optional[int] = _field(None, ge=1, flag="--save-interval", help="save every this many steps")
+    keep_last: Optional[int] = _field(None, ge=1, flag="--keep-last", help="keep only the newest K checkpoints")
+    finetune: bool = _field(False, flag="--finetune",
+                            help="load weights only: new optimizer, schedule and data position")
+    override_opt_param_scheduler: bool = _field(False, flag="--override-opt-param-scheduler",
+                                                help="on load, keep the configured LR schedule settings (e.g. a "
+                                                     "longer run.train_iters) at the saved position")
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """How long the trainer runs, and when it stops early."""
+
+    train_iters: Optional[int] = _field(None, ge=1, flag="--train-iters",
+                                        help="optimizer steps to train for (required by the trainer)")
+    exit_interval: Optional[int] = _field(None, ge=1, flag="--exit-interval",
+                                          help="save and exit once the step count is a multiple of this")
+    exit_duration_in_mins: Optional[float] = _field(None, gt=0.0, flag="--exit-duration-in-mins",
+                                                    help="save and exit after this many minutes")
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """Validation during training."""
+
+    interval: int = _field(1000, ge=0, help="evaluate on the validation split every this many steps (0 disables)")
+    iters: int = _field(10, ge=1, help="validation batches per evaluation")
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    """The trainer's monitor: console lines and TensorBoard events."""
+
+    log_interval: int = _field(100, ge=1, flag="--log-interval", help="print and log metrics every this many steps")
+    tensorboard_dir: Optional[str] = _field(None, flag="--tensorboard-dir",
+                                            help="the trainer's monitor writes TensorBoard event files here")
+    peak_tflops: Optional[float] = _field(None, gt=0.0, flag="--peak-tflops",
+                                          help="per-device peak TFLOP/s for MFU (unset: known GPU table, or a "
+                                               "matmul probe on CPU)")
+
+
+@dataclasses.dataclass
+class DistributedConfig:
+    """The process group."""
+
+    timeout_minutes: float = _field(10.0, gt=0.0, help="a collective that waits longer than this fails")
+
+
+# ---- the root -------------------------------------------------------------------------------------
+
 @dataclasses.dataclass
 class HybridConfig:
-    """Everything :func:`hybrid.initialize` needs besides the model and the topology."""
+    """Every setting of a run: what :func:`hybrid.initialize` reads, and the trainer's own sections."""
 
-    precision: str = _field("fp32", choices=PRECISIONS, help="training precision of the model's parameters "
-                                                            "and activations; master weights are always fp32")
+    precision: str = _field("fp32", choices=PRECISIONS,
+                            help="training precision of the model's parameters and activations; master weights "
+                                 "are always fp32",
+                            aliases=(Alias("--bf16", const="bf16", help="precision bf16: bf16 parameters and "
+                                                                        "activations, fp32 master weights"),
+                                     Alias("--fp16", const="fp16", help="precision fp16: fp16 parameters and "
+                                                                        "activations with loss scaling, fp32 "
+                                                                        "master weights")))
     autocast: bool = _field(False, help="false: the engine casts an fp32 model to the low precision (the ZeRO "
                                         "mixed-precision path); true: parameters stay fp32 and forward runs "
                                         "under torch.autocast")
-    loss_scaling: LossScalingConfig = _field(factory=LossScalingConfig, help="fp16 loss scaling")
-    zero: ZeroConfig = _field(factory=ZeroConfig, help="ZeRO optimizer")
-    optimizer: OptimizerConfig = _field(factory=OptimizerConfig, help="inner optimizer")
-    scheduler: SchedulerConfig = _field(factory=SchedulerConfig, help="learning-rate schedule")
+    loss_scaling: LossScalingConfig = _section(LossScalingConfig, "fp16 loss scaling")
+    zero: ZeroConfig = _section(ZeroConfig, "ZeRO optimizer")
+    optimizer: OptimizerConfig = _section(OptimizerConfig, "inner optimizer")
+    scheduler: SchedulerConfig = _section(SchedulerConfig, "learning-rate schedule")
     clip_grad: float = _field(0.0, ge=0.0, help="clip the global gradient L2 norm to this value; 0 disables")
     micro_batch_size: Optional[int] = _field(None, ge=1, help="samples per data-parallel rank per micro-step")
     gradient_accumulation_steps: Optional[int] = _field(None, ge=1, help="micro-steps per optimizer step")
     global_batch_size: Optional[int] = _field(None, ge=1, help="samples per optimizer step over all "
                                                               "data-parallel ranks")
-    tensor_parallel_size: Optional[int] = _field(None, ge=1, help="TP ranks per model replica; unset: take "
-                                                                 "the topology's (1 without one)")
-    recompute: str = _field("none", choices=RECOMPUTE, help="activation recomputation of the model "
-                                                            "(model_zoo models)")
-    tensorboard: TensorBoardConfig = _field(factory=TensorBoardConfig, help="TensorBoard logging")
-    seed: int = _field(1234, ge=0, help="random seed; the trainer seeds with it before building the model")
-    steps_per_print: int = _field(10, ge=0, help="log a progress line every this many optimizer steps "
-                                                "(rank 0); 0 disables")
-    use_fused_kernels: bool = _field(True, help="use hybrid's fused optimizer kernels when they are built")
+    tensor_parallel_size: Optional[int] = _field(None, ge=1, flag="--tensor-model-parallel-size",
+                                                 help="TP ranks per model replica (adjacent ranks); unset: the "
+                                                      "topology's, 1 when hybrid builds it")
+    recompute: str = _field("none", choices=RECOMPUTE, flag="--recompute-granularity",
+                            help="activation recomputation of the model (model_zoo models): none, full (every "
+                                 "layer) or selective (attention core)",
+                            aliases=(Alias("--recompute-activations", const="selective", weak=True,
+                                           help="recompute activations: selective unless --recompute-granularity "
+                                                "is given"),))
+    tensorboard: TensorBoardConfig = _section(TensorBoardConfig, "the engine's TensorBoard scalars")
+    seed: int = _field(1234, ge=0, help="random seed (model init, data order, dropout); the trainer seeds with it "
+                                        "before building the model")
+    steps_per_print: int = _field(10, ge=0, help="the engine logs a progress line (logger 'hybrid.engine', rank 0) "
+                                                "every this many optimizer steps; 0 disables")
+    use_fused_kernels: bool = _field(True, flag="--fused-kernels",
+                                     help="use hybrid's fused optimizer kernels when they are built")
+    # trainer sections
+    model: ModelConfig = _section(ModelConfig, "model (trainer)")
+    data: DataConfig = _section(DataConfig, "data (trainer)")
+    checkpoint: CheckpointConfig = _section(CheckpointConfig, "checkpoints (trainer)")
+    run: RunConfig = _section(RunConfig, "run length and early exit (trainer)")
+    eval: EvalConfig = _section(EvalConfig, "evaluation (trainer)")
+    logging: LoggingConfig = _section(LoggingConfig, "logging (trainer)")
+    distributed: DistributedConfig = _section(DistributedConfig, "process group (trainer)")
 
     # ---- conveniences (defined in sibling modules; bound here so users need one import) ----
     @classmethod
@@ -137,7 +352,7 @@ class HybridConfig:
         """Build and validate from a native (non-DeepSpeed) nested mapping."""
         from hybrid.config.parse import parse_native
 
-        return parse_native(data)
+        return parse_native(data, cls)
 
     def to_dict(self) -> dict:
         """Plain nested dict (JSON/YAML-serialisable) that :meth:`from_dict` reads back."""
@@ -157,6 +372,11 @@ class HybridConfig:
         See :func:`hybrid.config.batch.resolve_batch`.
         """
         from hybrid.config.batch import resolve_batch
+        from hybrid.config.errors import ConfigError
+        from hybrid.config.flags import key_error
 
-        return resolve_batch(self.micro_batch_size, self.gradient_accumulation_steps,
-                             self.global_batch_size, dp_size)
+        try:
+            return resolve_batch(self.micro_batch_size, self.gradient_accumulation_steps,
+                                 self.global_batch_size, dp_size)
+        except ConfigError as err:
+            raise key_error(type(self), err.message, *err.keys) from None

@@ -1,25 +1,67 @@
 """Every rule a :class:`~hybrid.config.schema.HybridConfig` must satisfy, in one place.
 
-Per-key rules (``choices``, bounds) come from the schema's field metadata;
-rules that tie keys together are listed in :func:`_cross_key_rules`. Rules that
-need the world (the batch sizes against the data-parallel size, the tensor
-parallel size against the topology) are checked when the world is known, in
-:func:`hybrid.config.batch.resolve_batch` and by the engine.
+Three kinds, three functions:
+
+* :func:`validate`: the per-key rules, read from the schema's field metadata
+  (``choices``, bounds), and the rules that tie keys together
+  (:func:`_cross_key_rules`). Every load, override and command line runs it.
+* :func:`validate_world`: the rules that need the world size (the world
+  divides by the tensor-parallel size; the batch sizes fit the data-parallel
+  size, through :func:`hybrid.config.batch.resolve_batch`).
+* :func:`validate_for_training`: what the trainer needs besides (a run length,
+  a model, data, a batch size), then :func:`validate_world`.
+
+Errors name the key and end with the flags that set it (``(set by --zero-stage)``).
+What only the filesystem or model_zoo can answer (do the data files exist, is
+the model shape valid at this TP size) is checked by
+:func:`hybrid.training.validate`, by asking them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import TYPE_CHECKING
 
-from hybrid.config.errors import ConfigError, value_suggestion
-from hybrid.config.schema import ZERO_STAGES, HybridConfig
+from hybrid.config.batch import BatchSizes
+from hybrid.config.errors import value_suggestion
+from hybrid.config.flags import key_error, meta_error
+from hybrid.layout import offload_problem
+
+if TYPE_CHECKING:  # the schema's methods call this module through parse: no runtime import back
+    from hybrid.config.schema import HybridConfig
 
 
-def validate(cfg: HybridConfig) -> None:
-    """Raise :class:`ConfigError` naming the first key that breaks a rule."""
+def validate(cfg: "HybridConfig") -> None:
+    """Raise :class:`~hybrid.config.ConfigError` naming the first key that breaks a rule."""
     _check_fields(cfg, "")
     _cross_key_rules(cfg)
+
+
+def validate_world(cfg: "HybridConfig", world_size: int) -> BatchSizes:
+    """The world-dependent rules for ``world_size`` processes; returns the resolved batch sizes."""
+    error = _errors(cfg)
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise error(f"the world size must be an integer >= 1, got {world_size!r}")
+    tp = cfg.tensor_parallel_size or 1
+    if world_size % tp != 0:
+        raise error(f"world size {world_size} is not divisible by the tensor-parallel size {tp} "
+                    f"('tensor_parallel_size'); start a multiple of {tp} processes or change the TP size",
+                    "tensor_parallel_size")
+    return cfg.resolve_batch(world_size // tp)
+
+
+def validate_for_training(cfg: "HybridConfig", world_size: int) -> BatchSizes:
+    """Every config rule for a trainer run on ``world_size`` processes; returns the resolved batch sizes."""
+    validate(cfg)
+    _training_requirements(cfg)
+    return validate_world(cfg, world_size)
+
+
+def _errors(cfg):
+    """``key_error`` for the tree of ``cfg``: errors name the keys and end with their flags."""
+    return functools.partial(key_error, type(cfg))
 
 
 def _check_fields(section, path: str) -> None:
@@ -29,71 +71,105 @@ def _check_fields(section, path: str) -> None:
         if dataclasses.is_dataclass(value):
             _check_fields(value, key)
             continue
-        if value is None:
+        if value is None or isinstance(value, list):
             continue
         meta = f.metadata
         if "choices" in meta and value not in meta["choices"]:
             choices = [str(c) for c in meta["choices"]]
-            raise ConfigError(f"config key '{key}' must be one of {', '.join(choices)}; got {value!r}."
-                              f"{value_suggestion(str(value), choices)}")
+            hint = value_suggestion(str(value), choices)
+            raise meta_error(f"config key '{key}' must be one of {', '.join(choices)}, got {value!r}"
+                             f"{'.' + hint if hint else ''}", key, meta)
         for number in (value if isinstance(value, tuple) else (value,)):
             _check_bounds(key, number, meta)
 
 
 def _check_bounds(key: str, value, meta) -> None:
     if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
-    if "ge" in meta and not value >= meta["ge"]:
-        raise ConfigError(f"config key '{key}' must be >= {meta['ge']}, got {value!r}")
-    if "gt" in meta and not value > meta["gt"]:
-        raise ConfigError(f"config key '{key}' must be > {meta['gt']}, got {value!r}")
-    if "le" in meta and not value <= meta["le"]:
-        raise ConfigError(f"config key '{key}' must be <= {meta['le']}, got {value!r}")
-    if "lt" in meta and not value < meta["lt"]:
-        raise ConfigError(f"config key '{key}' must be < {meta['lt']}, got {value!r}")
+        raise meta_error(f"config key '{key}' must be a finite number, got {value!r}", key, meta)
+    for bound, holds, word in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
+                               ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")):
+        if bound in meta and not holds(value, meta[bound]):
+            raise meta_error(f"config key '{key}' must be {word} {meta[bound]}, got {value!r}", key, meta)
 
 
-def _cross_key_rules(cfg: HybridConfig) -> None:
-    if cfg.zero.stage not in ZERO_STAGES:
-        raise ConfigError(f"config key 'zero.stage' must be one of 0, 1, 2, 3, got {cfg.zero.stage}")
-    if cfg.zero.offload_optimizer != "none" and cfg.zero.stage == 0:
-        raise ConfigError("config key 'zero.offload_optimizer' is 'cpu' but 'zero.stage' is 0; offload moves the "
-                          "partitioned optimizer state, so set zero.stage to 1, 2 or 3, or offload_optimizer to none")
+def _cross_key_rules(cfg: "HybridConfig") -> None:
+    error = _errors(cfg)
+    problem = offload_problem(cfg.zero.stage, cfg.zero.offload_optimizer)
+    if problem:
+        raise error(f"config key 'zero.offload_optimizer' is {cfg.zero.offload_optimizer!r} but 'zero.stage' "
+                    f"is {cfg.zero.stage}: {problem}", "zero.offload_optimizer", "zero.stage")
     if cfg.autocast and cfg.precision == "fp32":
-        raise ConfigError("config key 'autocast' is true but 'precision' is fp32; autocast runs the forward "
-                          "in bf16 or fp16: set precision to bf16 or fp16, or autocast to false")
+        raise error("config key 'autocast' is true but 'precision' is fp32; autocast runs the forward in bf16 "
+                    "or fp16: set precision to bf16 or fp16, or autocast to false", "autocast", "precision")
 
     opt = cfg.optimizer
     for i, beta in enumerate(opt.betas):
         if not 0.0 <= beta < 1.0:
-            raise ConfigError(f"config key 'optimizer.betas[{i}]' must be in [0, 1), got {beta!r}")
+            raise error(f"config key 'optimizer.betas[{i}]' must be in [0, 1), got {beta!r}",
+                        f"optimizer.betas[{i}]")
     if opt.momentum != 0.0 and opt.type != "sgd":
-        raise ConfigError(f"config key 'optimizer.momentum' applies to sgd only, but optimizer.type is "
-                          f"{opt.type!r}; remove it or set optimizer.type to sgd")
+        raise error(f"config key 'optimizer.momentum' applies to sgd only, but optimizer.type is "
+                    f"{opt.type!r}; remove it or set optimizer.type to sgd", "optimizer.momentum", "optimizer.type")
 
     sched = cfg.scheduler
-    if sched.type in ("linear", "cosine"):
+    if sched.decays:
         if sched.decay_iters is None:
-            raise ConfigError(f"scheduler.type {sched.type!r} needs 'scheduler.decay_iters' (the step at which "
-                              f"the learning rate reaches scheduler.min_lr, warmup included)")
+            raise error(f"scheduler.type {sched.type!r} needs 'scheduler.decay_iters' (the step at which the "
+                        f"learning rate reaches scheduler.min_lr, warmup included)", "scheduler.decay_iters")
         if sched.decay_iters <= sched.warmup_iters:
-            raise ConfigError(f"config key 'scheduler.decay_iters' ({sched.decay_iters}) must be greater than "
-                              f"'scheduler.warmup_iters' ({sched.warmup_iters}): decay starts after warmup")
+            raise error(f"config key 'scheduler.decay_iters' ({sched.decay_iters}) must be greater than "
+                        f"'scheduler.warmup_iters' ({sched.warmup_iters}): decay starts after warmup",
+                        "scheduler.decay_iters", "scheduler.warmup_iters")
     if sched.warmup_style == "log" and 0 < sched.warmup_iters < 2:
-        raise ConfigError(f"scheduler.warmup_style 'log' needs scheduler.warmup_iters >= 2, got "
-                          f"{sched.warmup_iters} (log(1) = 0 leaves nothing to warm up over)")
+        raise error(f"scheduler.warmup_style 'log' needs scheduler.warmup_iters >= 2, got {sched.warmup_iters} "
+                    f"(log(1) = 0 leaves nothing to warm up over)", "scheduler.warmup_iters")
     if sched.min_lr > opt.lr:
-        raise ConfigError(f"config key 'scheduler.min_lr' ({sched.min_lr}) exceeds the peak "
-                          f"'optimizer.lr' ({opt.lr})")
+        raise error(f"config key 'scheduler.min_lr' ({sched.min_lr}) exceeds the peak 'optimizer.lr' "
+                    f"({opt.lr})", "scheduler.min_lr", "optimizer.lr")
     if sched.warmup_start_lr > opt.lr:
-        raise ConfigError(f"config key 'scheduler.warmup_start_lr' ({sched.warmup_start_lr}) exceeds the "
-                          f"peak 'optimizer.lr' ({opt.lr})")
+        raise error(f"config key 'scheduler.warmup_start_lr' ({sched.warmup_start_lr}) exceeds the peak "
+                    f"'optimizer.lr' ({opt.lr})", "scheduler.warmup_start_lr", "optimizer.lr")
 
     if cfg.tensorboard.enabled and not cfg.tensorboard.output_path:
-        raise ConfigError("tensorboard.enabled is true but 'tensorboard.output_path' is empty; give a directory")
+        raise error("tensorboard.enabled is true but 'tensorboard.output_path' is empty; give a directory",
+                    "tensorboard.output_path")
 
     micro, accum, glob = cfg.micro_batch_size, cfg.gradient_accumulation_steps, cfg.global_batch_size
     if micro is not None and accum is not None and glob is not None and glob % (micro * accum) != 0:
-        raise ConfigError(f"global_batch_size {glob} is not divisible by micro_batch_size {micro} x "
-                          f"gradient_accumulation_steps {accum} = {micro * accum}; global batch = micro "
-                          f"batch x accumulation x data-parallel size")
+        raise error(f"global_batch_size {glob} is not divisible by micro_batch_size {micro} x "
+                    f"gradient_accumulation_steps {accum} = {micro * accum}; global batch = micro batch x "
+                    f"accumulation x data-parallel size", "global_batch_size", "micro_batch_size",
+                    "gradient_accumulation_steps")
+
+    ckpt = cfg.checkpoint
+    for key, value in (("save_interval", ckpt.save_interval), ("keep_last", ckpt.keep_last)):
+        if value is not None and ckpt.save is None:
+            raise error(f"config key 'checkpoint.{key}' needs 'checkpoint.save' (a directory to save in)",
+                        f"checkpoint.{key}", "checkpoint.save")
+
+
+def _training_requirements(cfg: "HybridConfig") -> None:
+    """Settings the trainer cannot run without (the engine alone needs none of them)."""
+    error = _errors(cfg)
+    if cfg.run.train_iters is None:
+        raise error("config key 'run.train_iters' is required: the number of optimizer steps to train for",
+                    "run.train_iters")
+    model = cfg.model
+    shape = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    if model.preset is None and any(getattr(model, k) is None for k in shape):
+        keys = [f"model.{k}" for k in ("preset",) + shape]
+        raise error("give a model: 'model.preset', or all of 'model.num_layers', 'model.hidden_size', "
+                    "'model.num_attention_heads' and 'model.seq_length'", *keys)
+    if model.vocab_size is None and cfg.data.tokenizer_model is None and model.preset is None:
+        raise error("the vocabulary size is unknown: give 'data.tokenizer_model', 'model.vocab_size' or "
+                    "'model.preset'", "data.tokenizer_model", "model.vocab_size", "model.preset")
+    if not cfg.data.mock and not cfg.data.path:
+        raise error("config key 'data.path' is required (a preprocessed prefix from tools/preprocess_data.py), "
+                    "or set 'data.mock' for random tokens", "data.path", "data.mock")
+    if cfg.micro_batch_size is None and cfg.global_batch_size is None:
+        raise error("give a batch size: 'micro_batch_size' (the global batch is then micro batch x "
+                    "accumulation x data-parallel size) and/or 'global_batch_size'",
+                    "micro_batch_size", "global_batch_size")
+    if model.sequence_parallel and (cfg.tensor_parallel_size or 1) == 1:
+        raise error("config key 'model.sequence_parallel' needs 'tensor_parallel_size' > 1",
+                    "model.sequence_parallel", "tensor_parallel_size")

@@ -13,7 +13,8 @@ decay ending at step ``D``, peak ``max_lr`` and floor ``min_lr``::
     i >= D            min_lr (constant keeps max_lr)
 
 DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR are special cases;
-:func:`deepspeed_schedule_kwargs` maps their parameters onto this one class.
+:func:`deepspeed_schedule_kwargs` (defined with the DeepSpeed config
+translation, re-exported here) maps their parameters onto this one class.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from __future__ import annotations
 import math
 from typing import Mapping, Optional
 
-DECAY_STYLES = ("constant", "linear", "cosine")
-WARMUP_STYLES = ("linear", "log")
+# The style names belong to the configuration; the DeepSpeed mapping to its translator.
+from hybrid.config.deepspeed_schedules import DEEPSPEED_SCHEDULER_PARAMS, deepspeed_schedule_kwargs
+from hybrid.config.schema import DECAY_STYLES, WARMUP_STYLES
+
+__all__ = ["LRSchedule", "DECAY_STYLES", "WARMUP_STYLES", "DEEPSPEED_SCHEDULER_PARAMS", "deepspeed_schedule_kwargs"]
 
 
 class LRSchedule:
@@ -114,37 +118,3 @@ class LRSchedule:
 
     def __repr__(self) -> str:
         return f"LRSchedule(iteration={self.iteration}, lr={self.lr:.6g}, {self.settings()})"
-
-
-# DeepSpeed scheduler parameters and their defaults (None: required, or taken from the optimizer).
-DEEPSPEED_SCHEDULER_PARAMS = {
-    "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000, "warmup_type": "log"},
-    "WarmupDecayLR": {"total_num_steps": None, "warmup_min_lr": 0.0, "warmup_max_lr": 0.001,
-                      "warmup_num_steps": 1000, "warmup_type": "log"},
-    "WarmupCosineLR": {"total_num_steps": None, "warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
-                       "cos_min_ratio": 0.0001, "warmup_type": "log"},
-}
-
-
-def deepspeed_schedule_kwargs(type_name: str, params: Mapping, optimizer_lr: float) -> dict:
-    """:class:`LRSchedule` keyword arguments (including ``max_lr``) for a DeepSpeed scheduler.
-
-    ``params`` must hold only keys of ``DEEPSPEED_SCHEDULER_PARAMS[type_name]``
-    (the config translator checks that). DeepSpeed raises warmup steps below 2
-    to 2; that is kept. Differences in the step at which a value is applied are
-    described in docs/config.md.
-    """
-    defaults = DEEPSPEED_SCHEDULER_PARAMS[type_name]
-    p = {**defaults, **params}
-    warmup = max(2, int(p["warmup_num_steps"]))
-    common = {"warmup_iters": warmup, "warmup_style": p["warmup_type"]}
-    if type_name == "WarmupCosineLR":
-        return {"max_lr": optimizer_lr, "decay_style": "cosine", "decay_iters": int(p["total_num_steps"]),
-                "warmup_start_lr": optimizer_lr * float(p["warmup_min_ratio"]),
-                "min_lr": optimizer_lr * float(p["cos_min_ratio"]), **common}
-    max_lr = optimizer_lr if p["warmup_max_lr"] is None else float(p["warmup_max_lr"])
-    kwargs = {"max_lr": max_lr, "warmup_start_lr": float(p["warmup_min_lr"]), **common}
-    if type_name == "WarmupLR":
-        return {**kwargs, "decay_style": "constant", "decay_iters": None, "min_lr": 0.0}
-    return {**kwargs, "decay_style": "linear", "decay_iters": int(p["total_num_steps"]),
-            "min_lr": float(p["warmup_min_lr"])}

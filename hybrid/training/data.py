@@ -13,8 +13,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from hybrid.config import HybridConfig
 from hybrid.data import build_train_valid_test_datasets
-from hybrid.training.arguments import TrainingArguments
 
 
 class MockDataset(torch.utils.data.Dataset):
@@ -40,16 +40,17 @@ class TrainData:
     valid: Optional[torch.utils.data.Dataset]
 
 
-def build_data(args: TrainingArguments, seq_length: int, vocab_size: int, global_batch: int,
+def build_data(config: HybridConfig, seq_length: int, vocab_size: int, global_batch: int,
                eod_id: Optional[int], rank: int, barrier) -> TrainData:
-    """Datasets sized for the whole run: ``train_iters`` global batches of training samples, and
+    """Datasets sized for the whole run: ``run.train_iters`` global batches of training samples, and
     enough validation samples for every evaluation (each evaluation reads the same ones)."""
-    train_samples = args.train_iters * global_batch
-    valid_samples = args.eval_iters * global_batch if args.eval_interval > 0 and args.eval_iters > 0 else 0
-    if args.mock_data:
-        valid = MockDataset(valid_samples, seq_length, vocab_size, args.seed + 1) if valid_samples else None
-        return TrainData(MockDataset(train_samples, seq_length, vocab_size, args.seed), valid)
+    evaluation, data, seed = config.eval, config.data, config.seed
+    train_samples = config.run.train_iters * global_batch
+    valid_samples = evaluation.iters * global_batch if evaluation.interval > 0 else 0
+    if data.mock:
+        valid = MockDataset(valid_samples, seq_length, vocab_size, seed + 1) if valid_samples else None
+        return TrainData(MockDataset(train_samples, seq_length, vocab_size, seed), valid)
     train, valid, _ = build_train_valid_test_datasets(
-        args.data_path, args.split, seq_length, (train_samples, valid_samples, 0), seed=args.seed,
-        eod_id=eod_id, eod_mask_loss=args.eod_mask_loss, rank=rank, barrier=barrier)
+        data.path, data.split, seq_length, (train_samples, valid_samples, 0), seed=seed,
+        eod_id=eod_id, eod_mask_loss=data.eod_mask_loss, rank=rank, barrier=barrier)
     return TrainData(train, valid)

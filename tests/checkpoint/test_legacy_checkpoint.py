@@ -28,10 +28,9 @@ TOL = 1e-5
 
 
 def _trainer(argv):
-    from hybrid.training.arguments import parse_args, validate
-    from hybrid.training.trainer import Trainer
+    from hybrid.training import Trainer, parse_args, validate
 
-    args = parse_args(argv)
+    args = parse_args(argv + ["--lr-decay-style", "cosine"])  # the 5-step cosine decay the comment in _argv means
     validate(args, world_size=int(os.environ["WORLD_SIZE"]))
     return Trainer(args)
 

@@ -1,6 +1,5 @@
 """Native config: defaults, loaders, type conversion, overrides and every error case."""
 
-import dataclasses
 import json
 import re
 from pathlib import Path
@@ -26,6 +25,20 @@ FULL = {
     "tensor_parallel_size": 2, "recompute": "selective",
     "tensorboard": {"enabled": True, "output_path": "tb", "job_name": "run1"},
     "seed": 7, "steps_per_print": 5, "use_fused_kernels": False,
+    # the trainer's sections
+    "model": {"preset": None, "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128,
+              "seq_length": 32, "max_position_embeddings": 64, "vocab_size": 512, "position_embedding_type": "rope",
+              "normalization": "rmsnorm", "norm_epsilon": 1e-6, "rotary_base": 500000.0, "swiglu": True,
+              "disable_bias_linear": True, "untie_embeddings_and_output_weights": True, "hidden_dropout": 0.1,
+              "attention_dropout": 0.0, "init_method_std": 0.02, "sequence_parallel": True},
+    "data": {"path": ["0.3", "a", "0.7", "b"], "split": "98,2,0", "tokenizer_model": "tok.model",
+             "eod_mask_loss": True, "mock": False},
+    "checkpoint": {"save": "ckpt", "load": "ckpt", "save_interval": 50, "keep_last": 2, "finetune": False,
+                   "override_opt_param_scheduler": True},
+    "run": {"train_iters": 100, "exit_interval": 60, "exit_duration_in_mins": 30.0},
+    "eval": {"interval": 25, "iters": 4},
+    "logging": {"log_interval": 5, "tensorboard_dir": "tb", "peak_tflops": 312.0},
+    "distributed": {"timeout_minutes": 5.0},
 }
 
 
@@ -110,15 +123,18 @@ def test_config_object_is_copied_and_revalidated():
     ({"zero": {"stag": 1}}, r"unknown config key 'zero\.stag'\. Did you mean 'zero\.stage'\?"),
     ({"schedular": {}}, r"Did you mean 'scheduler'\?"),
     ({"zero_optimisation": {}}, r"Did you mean the DeepSpeed key 'zero_optimization'\?"),
-    ({"precision": "bf61"}, r"'precision' must be one of fp32, bf16, fp16; got 'bf61'\. Did you mean 'bf16'\?"),
-    ({"optimizer": {"type": "lamb"}}, r"'optimizer\.type' must be one of adamw, adam, sgd; got 'lamb'"),
+    ({"precision": "bf61"}, r"'precision' must be one of fp32, bf16, fp16, got 'bf61'\. Did you mean 'bf16'\? "
+                            r"\(set by --precision, --bf16, --fp16\)"),
+    ({"optimizer": {"type": "lamb"}}, r"'optimizer\.type' must be one of adamw, adam, sgd, got 'lamb'"),
     ({"recompute": "partial"}, r"'recompute' must be one of none, full, selective"),
     ({"scheduler": {"type": "cosin", "decay_iters": 10}}, r"Did you mean 'cosine'\?"),
     ({"scheduler": {"warmup_style": "exp"}}, r"'scheduler\.warmup_style' must be one of linear, log"),
-    ({"zero": {"stage": 4}}, r"'zero\.stage' must be one of 0, 1, 2, 3, got 4"),
+    ({"zero": {"stage": 4}}, r"'zero\.stage' must be one of 0, 1, 2, 3, got 4 \(set by --zero-stage\)"),
     ({"zero": {"stage": -1}}, r"'zero\.stage' must be one of 0, 1, 2, 3, got -1"),
-    ({"zero": {"offload_optimizer": "nvme"}}, r"'zero\.offload_optimizer' must be one of none, cpu; got 'nvme'"),
-    ({"zero": {"stage": 0, "offload_optimizer": "cpu"}}, r"'zero\.offload_optimizer' is 'cpu' but 'zero\.stage' is 0"),
+    ({"zero": {"offload_optimizer": "nvme"}}, r"'zero\.offload_optimizer' must be one of none, cpu, got 'nvme'"),
+    ({"zero": {"stage": 0, "offload_optimizer": "cpu"}}, r"'zero\.offload_optimizer' is 'cpu' but 'zero\.stage' is 0: "
+                                                        r"offload to cpu needs ZeRO stage 1, 2 or 3.*"
+                                                        r"\(set by --offload-optimizer, --zero-stage\)"),
     ({"zero": {"max_live_parameters": 0}}, r"'zero\.max_live_parameters' must be >= 1, got 0"),
     ({"zero": {"persistence_threshold": -1}}, r"'zero\.persistence_threshold' must be >= 0, got -1"),
     ({"zero": {"overlap_comm": "yes"}}, r"'zero\.overlap_comm' must be true or false, got 'yes'"),
@@ -157,6 +173,16 @@ def test_config_object_is_copied_and_revalidated():
     ({"micro_batch_size": 3, "gradient_accumulation_steps": 2, "global_batch_size": 20},
      r"global_batch_size 20 is not divisible by micro_batch_size 3 x gradient_accumulation_steps 2 = 6"),
     ({1: 2}, r"config keys must be strings"),
+    # the trainer's sections follow the same rules
+    ({"data": {"path": 5}}, r"'data\.path' must be a list of strings .*got 5 \(int\) \(set by --data-path\)"),
+    ({"run": {"train_iters": 0}}, r"'run\.train_iters' must be >= 1, got 0 \(set by --train-iters\)"),
+    ({"model": {"hidden_dropout": 1.0}}, r"'model\.hidden_dropout' must be < 1\.0"),
+    ({"checkpoint": {"save_interval": 5}}, r"'checkpoint\.save_interval' needs 'checkpoint\.save'"),
+    ({"checkpoint": {"keep_last": 2}}, r"'checkpoint\.keep_last' needs 'checkpoint\.save'"),
+    ({"eval": {"iters": 0}}, r"'eval\.iters' must be >= 1"),
+    ({"logging": {"log_interval": 0}}, r"'logging\.log_interval' must be >= 1, got 0 \(set by --log-interval\)"),
+    ({"distributed": {"timeout_minutes": 0}}, r"'distributed\.timeout_minutes' must be > 0\.0"),
+    ({"modle": {}}, r"unknown config key 'modle'\. Did you mean 'model'\?"),
 ])
 def test_bad_native_config_names_the_key(data, match):
     with pytest.raises(ConfigError, match=match):
@@ -196,17 +222,41 @@ def test_bad_sources(tmp_path):
         load_config(42)
 
 
-def _leaf_keys(cls, prefix=""):
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
-            yield from _leaf_keys(f.default_factory, f"{prefix}{f.name}.")
-        else:
-            yield prefix + f.name
+def _describe(value):
+    """A default as docs/config.md writes it."""
+    if value is None or value == []:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    return str(value)
 
 
-def test_every_key_is_documented_in_docs_config_md():
+def test_every_key_is_documented_in_docs_config_md_with_its_flags_and_default():
+    """Each key has a row ``| `key` | `--flag`... | `default` | meaning |`` in docs/config.md."""
+    from hybrid.config.flags import flags_of
+    from hybrid.config.spellings import LEAVES
+
+    text = DOCS.read_text().split("## DeepSpeed-style JSON")[0]  # the key tables come before DeepSpeed's
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([a-z0-9_.]+)` \|.*$", text, re.M)}
+    assert len(LEAVES) > 70
+    missing = [k for k in LEAVES if k not in rows]
+    assert not missing, f"docs/config.md lacks rows for {missing}"
+    for key, leaf in LEAVES.items():
+        cells = [c.strip() for c in rows[key].split("|")[1:-1]]
+        assert len(cells) == 4, rows[key]
+        for flag in flags_of(HybridConfig, key):
+            assert f"`{flag}`" in cells[1], f"docs/config.md row of {key} lacks flag {flag}: {rows[key]}"
+        assert cells[2] == f"`{_describe(leaf.default)}`" or (cells[2] == "unset" and leaf.default in (None, [])), \
+            f"docs/config.md gives {key} the default {cells[2]}, the schema {_describe(leaf.default)}"
+    stale = [k for k in rows if k not in LEAVES]
+    assert not stale, f"docs/config.md documents keys the schema does not have: {stale}"
+
+
+def test_the_yaml_example_in_docs_config_md_loads(tmp_path):
     text = DOCS.read_text()
-    keys = list(_leaf_keys(HybridConfig))
-    assert len(keys) > 25
-    missing = [k for k in keys if not re.search(rf"`{re.escape(k)}`", text)]
-    assert not missing, f"docs/config.md lacks {missing}"
+    example = text.split("A YAML example with every section:")[1].split("```yaml\n")[1].split("```")[0]
+    (tmp_path / "example.yaml").write_text(example)
+    cfg = load_config(tmp_path / "example.yaml")
+    assert cfg.zero.stage == 2 and cfg.model.preset == "gpt2-small" and cfg.run.train_iters == 300000

@@ -118,7 +118,7 @@ def test_detection():
      r"unknown DeepSpeed key 'zero_optimization\.reduce_bucket_sise'\. Did you mean "
      r"'zero_optimization\.reduce_bucket_size'\?"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
-     r"'zero\.offload_optimizer' must be one of none, cpu; got 'nvme'.*\[from DeepSpeed key "
+     r"'zero\.offload_optimizer' must be one of none, cpu, got 'nvme'.*\[from DeepSpeed key "
      r"'zero_optimization\.offload_optimizer\.device'\]"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}}},
      r"'zero_optimization\.offload_optimizer\.pin_memory' = False is not supported"),

@@ -51,10 +51,9 @@ def _layout(tp, stage):
 
 
 def _trainer(argv):
-    from hybrid.training.arguments import parse_args, validate
-    from hybrid.training.trainer import Trainer
+    from hybrid.training import Trainer, parse_args, validate
 
-    args = parse_args(argv)
+    args = parse_args(argv + ["--lr-decay-style", "cosine"])  # loads rely on decay_iters derived from train_iters
     validate(args, world_size=int(os.environ["WORLD_SIZE"]))
     return Trainer(args)
 

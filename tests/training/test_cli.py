@@ -1,4 +1,4 @@
-"""The trainer's command line: bad settings fail before any training, with errors that name the flag."""
+"""The trainer's command line: bad settings fail before any training, with errors that name the key and the flag."""
 
 import os
 import subprocess
@@ -6,70 +6,127 @@ import sys
 
 import pytest
 
-from hybrid.training.arguments import ArgumentError, parse_args, validate
+from hybrid.config import ConfigError
+from hybrid.training import parse_args, validate
 from hybrid.training.trainer import main
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--vocab-size", "512"]
+         "--vocab-size", "512", "--micro-batch-size", "1"]
 
 
-def _fails(argv, world, match, monkeypatch, capsys=None):
+def _fails(argv, world, match, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code != 0
-    assert match in str(info.value.code), info.value.code
+    text = str(info.value.code)
+    assert text.startswith("hybrid-train: error: "), text
+    for part in match if isinstance(match, tuple) else (match,):
+        assert part in text, text
 
 
 @pytest.mark.parametrize("argv,world,match", [
     (MODEL + ["--mock-data", "--train-iters", "2", "--tensor-model-parallel-size", "3"], 4,
-     "world size 4 is not divisible by --tensor-model-parallel-size 3"),
+     ("world size 4 is not divisible by the tensor-parallel size 3", "(set by --tensor-model-parallel-size)")),
     (MODEL + ["--mock-data", "--train-iters", "2", "--micro-batch-size", "2", "--global-batch-size", "6"], 2,
-     "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2 = 4"),
-    (MODEL + ["--train-iters", "2"], 1, "--data-path is required"),
+     ("global_batch_size 6 is not divisible by micro_batch_size x data-parallel size = 2 x 2 = 4",
+      "--micro-batch-size", "--global-batch-size")),
+    (MODEL + ["--train-iters", "2"], 1, ("'data.path' is required", "(set by --data-path, --mock-data)")),
     (MODEL + ["--train-iters", "2", "--data-path", "/nonexistent/corpus_text_document"], 1,
-     "/nonexistent/corpus_text_document.bin does not exist"),
-    (MODEL + ["--mock-data"], 1, "--train-iters is required"),
-    (MODEL + ["--mock-data", "--train-iters", "2", "--bf16", "--fp16"], 1, "mutually exclusive"),
+     ("/nonexistent/corpus_text_document.bin does not exist", "--data-path")),
+    (MODEL + ["--mock-data"], 1, ("'run.train_iters' is required", "(set by --train-iters)")),
+    (MODEL[:-2] + ["--mock-data", "--train-iters", "2"], 1,
+     ("give a batch size", "--micro-batch-size", "--global-batch-size")),
+    (MODEL + ["--mock-data", "--train-iters", "2", "--bf16", "--fp16"], 1,
+     ("--bf16 and --fp16 are mutually exclusive", "'precision'")),
     (MODEL + ["--mock-data", "--train-iters", "2", "--num-attention-heads", "8", "--tensor-model-parallel-size",
               "3"], 3, "num_heads=8 must be divisible by the tensor-parallel size tp=3"),
-    (["--model", "gpt2-smal", "--mock-data", "--train-iters", "2"], 1, "did you mean 'gpt2-small'"),
-    (MODEL + ["--mock-data", "--train-iters", "2", "--save-interval", "5"], 1, "--save-interval needs --save"),
+    (["--model", "gpt2-smal", "--mock-data", "--train-iters", "2", "--micro-batch-size", "1"], 1,
+     ("did you mean 'gpt2-small'", "(set by --model)")),
+    (MODEL + ["--mock-data", "--train-iters", "2", "--save-interval", "5"], 1,
+     ("'checkpoint.save_interval' needs 'checkpoint.save'", "(set by --save-interval, --save)")),
     (MODEL + ["--mock-data", "--train-iters", "2", "--sequence-parallel"], 1,
-     "--sequence-parallel needs --tensor-model-parallel-size > 1"),
-    (MODEL + ["--mock-data", "--train-iters", "2", "--initial-loss-scale", "1000"], 1, "power of two"),
+     ("'model.sequence_parallel' needs 'tensor_parallel_size' > 1", "--sequence-parallel",
+      "--tensor-model-parallel-size")),
+    (MODEL + ["--mock-data", "--train-iters", "2", "--initial-loss-scale", "1000"], 1,
+     ("--initial-loss-scale '1000': must be a power of two", "(set by --initial-scale-power, --initial-loss-scale)")),
     (MODEL + ["--mock-data", "--train-iters", "2", "--zero-stage", "0", "--offload-optimizer", "cpu"], 1,
-     "--offload-optimizer cpu needs --zero-stage 1, 2 or 3"),
+     ("offload to cpu needs ZeRO stage 1, 2 or 3", "(set by --offload-optimizer, --zero-stage)")),
+    (MODEL + ["--mock-data", "--train-iters", "2", "--zero-stage", "4"], 1,
+     ("'zero.stage' must be one of 0, 1, 2, 3, got 4", "(set by --zero-stage)")),
+    (MODEL + ["--mock-data", "--train-iters", "2", "--zero-bucket-size", "lots"], 1,
+     ("'zero.bucket_size' must be an integer, got 'lots'", "(set by --zero-bucket-size)")),
+    (MODEL + ["--mock-data", "--train-iters", "2", "--sgd-momentum", "0.9"], 1,
+     ("'optimizer.momentum' applies to sgd only", "--sgd-momentum", "--optimizer")),
+    (MODEL + ["--mock-data", "--train-iters", "2", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2"], 1,
+     ("'scheduler.decay_iters' (2) must be greater than 'scheduler.warmup_iters' (2)", "--lr-decay-iters")),
 ])
 def test_bad_settings_exit_before_training(argv, world, match, monkeypatch):
     _fails(argv, world, match, monkeypatch)
 
 
-def test_config_file_with_flag_override(tmp_path):
+def test_config_file_with_flat_keys_and_flag_override(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("num-layers: 3\nhidden_size: 64\nnum_attention_heads: 4\nseq_length: 32\nlr: 0.5\n"
-                   "data_path: [0.3, a, 0.7, b]\n")
-    args = parse_args(["--config", str(cfg), "--lr", "0.25"])
-    assert (args.num_layers, args.hidden_size, args.lr) == (3, 64, 0.25)
-    assert args.data_path == ["0.3", "a", "0.7", "b"]
+                   "data_path: [0.3, a, 0.7, b]\nbf16: true\nzero_stage: 2\nno_fused_kernels: true\n"
+                   "lr_decay_iters: null\n")
+    config = parse_args(["--config", str(cfg), "--lr", "0.25"])
+    assert (config.model.num_layers, config.model.hidden_size, config.optimizer.lr) == (3, 64, 0.25)
+    assert config.data.path == ["0.3", "a", "0.7", "b"]
+    assert config.precision == "bf16" and config.zero.stage == 2 and config.use_fused_kernels is False
 
 
-def test_config_file_unknown_key_suggests(tmp_path):
+def test_config_file_with_the_nested_tree(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("zero: {stage: 3, persistence_threshold: 1000, overlap_comm: false}\n"
+                   "model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, seq_length: 32, vocab_size: 512}\n"
+                   "data: {mock: true}\nrun: {train_iters: 7}\nscheduler: {type: cosine}\nmicro_batch_size: 2\n")
+    config = parse_args(["--config", str(cfg), "--zero-max-live-parameters", "123", "--zero-overlap-comm"])
+    z = config.zero
+    assert (z.stage, z.persistence_threshold, z.max_live_parameters, z.overlap_comm) == (3, 1000, 123, True)
+    # the trainer derives the decay length from the run length
+    assert config.scheduler.decay_iters == 7 and config.run.train_iters == 7
+    validate(config, world_size=2)
+
+
+@pytest.mark.parametrize("text,match", [
+    ('{"hiden_size": 64}', r"unknown config key 'hiden_size'\. Did you mean 'hidden_size'\?"),
+    ('{"data_path": 5}', r"'data\.path' must be a list of strings .*got 5 \(int\) \(set by --data-path\)"),
+    ('{"data": {"path": 5}}', r"'data\.path' must be a list of strings .*got 5 \(int\)"),
+    ('{"zero": {"stgae": 1}}', r"unknown config key 'zero\.stgae'\. Did you mean 'zero\.stage'\?"),
+    ('{"bf16": "yes"}', r"'bf16' is a switch \(--bf16\): give true or false, got 'yes'"),
+    ('{"lr": "fast"}', r"'optimizer\.lr' must be a number, got 'fast' .*\(set by --lr\)"),
+    ('[1, 2]', r"expected a mapping of settings at the top level"),
+])
+def test_config_file_errors_name_the_key(tmp_path, text, match):
     cfg = tmp_path / "run.json"
-    cfg.write_text('{"hiden_size": 64}')
-    with pytest.raises(ArgumentError, match="unknown setting 'hiden_size'; did you mean 'hidden_size'"):
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=match) as info:
         parse_args(["--config", str(cfg)])
+    assert str(info.value).startswith(f"--config {cfg}: ")
 
 
-def test_unknown_flag_is_rejected():
+def test_unknown_flag_is_rejected_with_the_nearest_flag():
     proc = subprocess.run([sys.executable, "-m", "hybrid.train", "--hiden-size", "64"], capture_output=True,
                           text=True, env={**os.environ, "WORLD_SIZE": "1"})
     assert proc.returncode != 0
-    assert "unrecognized arguments: --hiden-size" in proc.stderr
+    assert "unrecognized arguments: --hiden-size 64 (did you mean --hidden-size?)" in proc.stderr
+
+
+def test_help_lists_every_engine_setting():
+    proc = subprocess.run([sys.executable, "-m", "hybrid.train", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--zero-stage", "--zero-overlap-comm", "--no-zero-overlap-comm", "--zero-persistence-threshold",
+                 "--zero-max-live-parameters", "--zero-prefetch-bucket-size", "--offload-optimizer", "--autocast",
+                 "--zero-bucket-size", "--gradient-accumulation-steps", "--steps-per-print", "--lr-warmup-style"):
+        assert flag in proc.stdout, flag
+    # each flag's help names its key and default
+    assert "[zero.persistence_threshold; default: 100000]" in " ".join(proc.stdout.split())
 
 
 def test_valid_settings_pass():
-    args = parse_args(MODEL + ["--mock-data", "--train-iters", "4", "--tensor-model-parallel-size", "2",
-                               "--global-batch-size", "8", "--micro-batch-size", "2"])
-    validate(args, world_size=4)
-    assert args.precision == "fp32" and args.recompute == "none"
+    config = parse_args(MODEL + ["--mock-data", "--train-iters", "4", "--tensor-model-parallel-size", "2",
+                                 "--global-batch-size", "8", "--micro-batch-size", "2"])
+    validate(config, world_size=4)
+    assert config.precision == "fp32" and config.recompute == "none"
+    assert config.tensor_parallel_size == 2 and config.resolve_batch(2).gradient_accumulation_steps == 2

@@ -13,8 +13,7 @@ SMALL_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-head
 
 
 def _train(argv):
-    from hybrid.training.arguments import parse_args, validate
-    from hybrid.training.trainer import Trainer
+    from hybrid.training import Trainer, parse_args, validate
 
     args = parse_args(argv)
     validate(args, world_size=int(os.environ["WORLD_SIZE"]))

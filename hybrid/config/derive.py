@@ -1,0 +1,29 @@
+"""Values the trainer derives from other keys when they are left unset, each rule written once.
+
+These are derivations, not second defaults: a key keeps its one default in
+:mod:`hybrid.config.schema`, and only an unset key is filled in here.
+
+* ``scheduler.decay_iters``: a decaying schedule (linear, cosine) decays over
+  the whole run, ``run.train_iters``.
+
+The batch sizes are derived where the data-parallel size is known, by
+:func:`hybrid.config.batch.resolve_batch` (global batch = micro batch x
+accumulation x DP, accumulation 1 when unset).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybrid.config.schema import HybridConfig
+
+
+def derive_for_training(cfg: "HybridConfig") -> "HybridConfig":
+    """``cfg`` with the trainer's derived values filled in (a new object; ``cfg`` is unchanged)."""
+    out = copy.deepcopy(cfg)
+    sched = out.scheduler
+    if sched.decays and sched.decay_iters is None and out.run.train_iters is not None:
+        sched.decay_iters = out.run.train_iters
+    return out

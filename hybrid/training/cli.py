@@ -1,0 +1,85 @@
+"""The trainer's entry points for settings: :func:`parse_args` and :func:`validate`.
+
+    config = parse_args(["--model", "tiny", "--zero-stage", "1", ...])   # a HybridConfig
+    validate(config, world_size=4)                                      # before any process group
+    Trainer(config).train()
+
+The flags are derived from :class:`~hybrid.config.HybridConfig` (see
+:mod:`hybrid.config.cli`); ``python -m hybrid.train --help`` lists them all.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+from typing import Optional, Sequence
+
+from hybrid.config import ConfigError, HybridConfig, config_from_command_line, validate_for_training
+from hybrid.config.flags import key_error
+
+# Errors about keys of the tree name their flags too.
+_error = functools.partial(key_error, HybridConfig)
+
+DESCRIPTION = "Pretrain a GPT with TP x DP x ZeRO. Every flag sets one key of the config tree (shown in brackets)."
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> HybridConfig:
+    """Flags over ``--config FILE`` over defaults, typed and validated (rules that need the world: :func:`validate`).
+
+    Raises :class:`~hybrid.config.ConfigError`; an unknown flag exits as argparse does.
+    """
+    return config_from_command_line(argv, prog="hybrid-train", description=DESCRIPTION)
+
+
+def validate(config: HybridConfig, world_size: int) -> None:
+    """Everything a trainer run needs, checked before any process group work.
+
+    The config's own rules for this world (:func:`hybrid.config.validate_for_training`),
+    then what only model_zoo and the filesystem can answer: the preset exists,
+    the model shape works at this TP size, the data, tokenizer and load paths exist.
+    """
+    validate_for_training(config, world_size)
+    _check_preset(config)
+    _check_paths(config)
+    _check_model(config)
+
+
+def _check_preset(config: HybridConfig) -> None:
+    from model_zoo.presets import list_presets
+
+    preset = config.model.preset
+    if preset is not None and preset not in list_presets():
+        close = difflib.get_close_matches(preset, list_presets(), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise _error(f"'model.preset' {preset!r} is not a model_zoo preset{hint}; choose one of "
+                     f"{', '.join(list_presets())}", "model.preset")
+
+
+def _check_paths(config: HybridConfig) -> None:
+    data = config.data
+    if not data.mock:
+        from hybrid.data import parse_data_path
+
+        try:
+            pairs = parse_data_path(data.path)
+        except ValueError as e:
+            raise _error(f"'data.path': {e}", "data.path") from None
+        for _, prefix in pairs:
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(prefix + ext):
+                    raise _error(f"'data.path': {prefix + ext} does not exist; run tools/preprocess_data.py to "
+                                 f"create it", "data.path")
+    if data.tokenizer_model is not None and not os.path.isfile(data.tokenizer_model):
+        raise _error(f"'data.tokenizer_model' {data.tokenizer_model}: no such file", "data.tokenizer_model")
+    if config.checkpoint.load is not None and not os.path.exists(config.checkpoint.load):
+        raise _error(f"'checkpoint.load' {config.checkpoint.load}: no such directory", "checkpoint.load")
+
+
+def _check_model(config: HybridConfig) -> None:
+    from hybrid.training.model import model_config
+
+    try:
+        model_config(config, vocab_size=config.model.vocab_size or 1).validate(config.tensor_parallel_size or 1)
+    except ValueError as e:
+        raise ConfigError(f"model settings: {e}") from None

@@ -1,0 +1,43 @@
+"""The model_zoo GPT that a config's ``model`` section describes."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from hybrid.config import HybridConfig
+
+# model section key -> GPTConfig field, for the shape settings that override a preset when given.
+_SHAPE_KEYS = (("num_layers", "num_layers"), ("hidden_size", "hidden_size"), ("num_attention_heads", "num_heads"),
+               ("ffn_hidden_size", "ffn_hidden_size"), ("seq_length", "seq_length"),
+               ("max_position_embeddings", "max_position_embeddings"), ("position_embedding_type", "position"),
+               ("normalization", "norm"), ("hidden_dropout", "hidden_dropout"),
+               ("attention_dropout", "attention_dropout"), ("init_method_std", "init_std"),
+               ("norm_epsilon", "norm_eps"), ("rotary_base", "rope_theta"))
+
+
+def model_config(config: HybridConfig, vocab_size: int):
+    """The :class:`model_zoo.GPTConfig` of ``config`` for a tokenizer of ``vocab_size`` (not yet validated)."""
+    from model_zoo.config import GPTConfig
+    from model_zoo.presets import get_preset
+
+    m = config.model
+    if m.preset is not None:
+        cfg = get_preset(m.preset)
+    else:
+        cfg = GPTConfig(vocab_size=vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
+                        num_heads=m.num_attention_heads, seq_length=m.seq_length)
+    changes: Dict[str, Any] = {}
+    if m.vocab_size is not None or config.data.tokenizer_model is not None or m.preset is None:
+        changes["vocab_size"] = vocab_size
+    for key, gpt_key in _SHAPE_KEYS:
+        if getattr(m, key) is not None:
+            changes[gpt_key] = getattr(m, key)
+    if m.swiglu:
+        changes["mlp"] = "swiglu"
+    if m.disable_bias_linear:
+        changes["bias"] = False
+    if m.untie_embeddings_and_output_weights:
+        changes["tie_embeddings"] = False
+    changes["sequence_parallel"] = m.sequence_parallel
+    changes["recompute"] = config.recompute
+    return cfg.replace(**changes)
