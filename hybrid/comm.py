@@ -31,9 +31,10 @@ never to move training data:
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -53,27 +54,63 @@ _REDUCE_OPS = {
 }
 
 
+class CollectiveError(RuntimeError):
+    """A collective or transfer that failed or timed out, named by operation, axis and group ranks."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OpName:
+    """What a failed operation was, for its error: ``all_reduce over 'dp' (global ranks [0, 2])``."""
+
+    op: str
+    axis: str
+    ranks: Tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"{self.op} over '{self.axis}' (global ranks {list(self.ranks)})"
+
+
+@contextlib.contextmanager
+def _named(name: OpName, timeout: Optional[datetime.timedelta]) -> Iterator[None]:
+    """Re-raise a backend error (a timeout, a peer that closed its connection) naming the operation."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:  # torch.distributed's errors (DistBackendError, gloo's timeouts) are RuntimeErrors
+        cause = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        waited = f"within the timeout of {timeout.total_seconds():g} s" if timeout else "within the group's timeout"
+        raise CollectiveError(f"{name.describe()} did not complete {waited}: a peer has stopped, died or is "
+                              f"unreachable (backend: {cause})") from e
+
+
 class Handle:
-    """Result of an async collective. :meth:`wait` blocks until it is done."""
+    """Result of an async collective. :meth:`wait` blocks until it is done (at most the communicator's timeout)."""
 
     def __init__(self, work=None, finish: Optional[Callable[[], None]] = None,
-                 timeout: Optional[datetime.timedelta] = None):
+                 timeout: Optional[datetime.timedelta] = None, name: Optional[OpName] = None,
+                 on_done: Optional[Callable[["Handle"], None]] = None):
         self._work = work
         self._finish = finish
         self._timeout = timeout
+        self._name = name
+        self._on_done = on_done
         self._done = work is None and finish is None
 
     def wait(self) -> None:
         if self._done:
             return
         if self._work is not None:
-            if self._timeout is not None:
-                self._work.wait(self._timeout)
-            else:
-                self._work.wait()
+            with _named(self._name or OpName("collective", "?", ()), self._timeout):
+                if self._timeout is not None:
+                    self._work.wait(self._timeout)
+                else:
+                    self._work.wait()
         if self._finish is not None:
             self._finish()
         self._done = True
+        if self._on_done is not None:
+            self._on_done(self)
 
     @property
     def done(self) -> bool:
@@ -94,6 +131,8 @@ class Communicator:
         self._topology = topology
         self._timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         self._stats: Dict[Tuple[str, str], OpStats] = collections.defaultdict(OpStats)
+        # Async operations launched and not yet waited for, so that teardown can wait for them first.
+        self._in_flight: Dict[int, Handle] = {}
 
     @property
     def timeout(self) -> Optional[datetime.timedelta]:
@@ -131,13 +170,40 @@ class Communicator:
     def _group(self, axis: str):
         return self._topology.group(axis)
 
-    def _launch(self, fn, async_op: bool, finish: Optional[Callable[[], None]] = None):
-        work = fn(async_op)
-        handle = Handle(work if async_op else None, finish, self._timeout)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
+    def _name(self, op: str, axis: str) -> OpName:
+        return OpName(op, axis, tuple(self._topology.group_ranks(axis)))
+
+    def _launch(self, op: str, axis: str, fn, async_op: bool, finish: Optional[Callable[[], None]] = None):
+        name = self._name(op, axis)
+        with _named(name, self._timeout):
+            work = fn(async_op)
+        if not async_op:
+            if finish is not None:
+                finish()
+            return None
+        return self._track(Handle(work, finish, self._timeout, name, self._untrack))
+
+    def _track(self, handle: Handle) -> Handle:
+        self._in_flight[id(handle)] = handle
+        return handle
+
+    def _untrack(self, handle: Handle) -> None:
+        self._in_flight.pop(id(handle), None)
+
+    def drain(self) -> None:
+        """Wait for every async operation launched and not yet waited for (teardown calls this first).
+
+        Each wait is bounded by the timeout; the first failure is raised after the rest were waited for.
+        """
+        first: Optional[BaseException] = None
+        for handle in list(self._in_flight.values()):
+            try:
+                handle.wait()
+            except CollectiveError as e:
+                first = first or e
+                self._untrack(handle)
+        if first is not None:
+            raise first
 
     # ---- collectives ------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, axis: str, op: str = "sum",
@@ -148,8 +214,8 @@ class Communicator:
             return Handle() if async_op else None
         self._record("all_reduce", axis, _nbytes(tensor), 2.0 * (n - 1) / n)
         finish = (lambda: tensor.div_(n)) if op == "avg" else None
-        return self._launch(lambda a: dist.all_reduce(tensor, op=_REDUCE_OPS[op],
-                                                      group=self._group(axis), async_op=a),
+        return self._launch("all_reduce", axis, lambda a: dist.all_reduce(tensor, op=_REDUCE_OPS[op],
+                                                                          group=self._group(axis), async_op=a),
                             async_op, finish)
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, axis: str,
@@ -167,7 +233,7 @@ class Communicator:
                 output.copy_(input.view_as(output))
             return Handle() if async_op else None
         self._record("all_gather", axis, _nbytes(output), (n - 1) / n)
-        return self._launch(lambda a: _all_gather_flat(
+        return self._launch("all_gather", axis, lambda a: _all_gather_flat(
             output, input, group=self._group(axis), async_op=a), async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, axis: str,
@@ -183,7 +249,7 @@ class Communicator:
             return Handle() if async_op else None
         self._record("reduce_scatter", axis, _nbytes(input), (n - 1) / n)
         finish = (lambda: output.div_(n)) if op == "avg" else None
-        return self._launch(lambda a: _reduce_scatter_flat(
+        return self._launch("reduce_scatter", axis, lambda a: _reduce_scatter_flat(
             output, input, op=_REDUCE_OPS[op], group=self._group(axis), async_op=a),
             async_op, finish)
 
@@ -194,7 +260,8 @@ class Communicator:
             tensors[0].copy_(input)
             return
         self._record("all_gather", axis, _nbytes(input) * n, (n - 1) / n)
-        dist.all_gather(tensors, input, group=self._group(axis))
+        with _named(self._name("all_gather", axis), self._timeout):
+            dist.all_gather(tensors, input, group=self._group(axis))
 
     def broadcast(self, tensor: torch.Tensor, axis: str, src: int = 0) -> None:
         """Broadcast ``tensor`` from group rank ``src`` of ``axis`` to the rest of the group."""
@@ -203,7 +270,8 @@ class Communicator:
             return
         self._record("broadcast", axis, _nbytes(tensor), 1.0)
         src_global = self._topology.group_ranks(axis)[src]
-        dist.broadcast(tensor, src=src_global, group=self._group(axis))
+        with _named(self._name("broadcast", axis), self._timeout):
+            dist.broadcast(tensor, src=src_global, group=self._group(axis))
 
     def all_gather_object(self, obj, axis: str = "world") -> list:
         """Gather a picklable Python object from every rank of ``axis`` (small metadata only)."""
@@ -211,13 +279,15 @@ class Communicator:
         if n == 1:
             return [obj]
         out: list = [None] * n
-        dist.all_gather_object(out, obj, group=self._group(axis))
+        with _named(self._name("all_gather_object", axis), self._timeout):
+            dist.all_gather_object(out, obj, group=self._group(axis))
         return out
 
     def barrier(self, axis: str = "world") -> None:
         if self.size(axis) == 1:
             return
-        dist.barrier(group=self._group(axis))
+        with _named(self._name("barrier", axis), self._timeout):
+            dist.barrier(group=self._group(axis))
 
     # ---- point to point ---------------------------------------------------------
     def send(self, tensor: torch.Tensor, axis: str, dst: int, async_op: bool = False) -> Optional[Handle]:
@@ -227,13 +297,19 @@ class Communicator:
         """
         peer = self._peer(axis, dst, "send to")
         self._record("send", axis, _nbytes(tensor), 1.0)
-        return self._p2p(dist.isend(tensor, dst=peer, group=self._group(axis)), async_op)
+        name = OpName(f"send to rank {dst}", axis, tuple(self._topology.group_ranks(axis)))
+        with _named(name, self._timeout):
+            work = dist.isend(tensor, dst=peer, group=self._group(axis))
+        return self._p2p(work, name, async_op)
 
     def recv(self, tensor: torch.Tensor, axis: str, src: int, async_op: bool = False) -> Optional[Handle]:
         """Receive into ``tensor`` from rank ``src`` of this rank's ``axis`` group (e.g. ``pp_rank - 1``)."""
         peer = self._peer(axis, src, "receive from")
         self._record("recv", axis, _nbytes(tensor), 0.0)
-        return self._p2p(dist.irecv(tensor, src=peer, group=self._group(axis)), async_op)
+        name = OpName(f"recv from rank {src}", axis, tuple(self._topology.group_ranks(axis)))
+        with _named(name, self._timeout):
+            work = dist.irecv(tensor, src=peer, group=self._group(axis))
+        return self._p2p(work, name, async_op)
 
     def _peer(self, axis: str, rank: int, verb: str) -> int:
         """The global rank of group rank ``rank`` of ``axis``, which must be another rank than this one."""
@@ -243,11 +319,11 @@ class Communicator:
                              f"that group, in [0, {n}) and not this rank's own {me}")
         return self._topology.group_ranks(axis)[rank]
 
-    def _p2p(self, work, async_op: bool) -> Optional[Handle]:
+    def _p2p(self, work, name: OpName, async_op: bool) -> Optional[Handle]:
         # Always issued as isend/irecv: the blocking forms cannot take this communicator's timeout.
-        handle = Handle(work, None, self._timeout)
+        handle = Handle(work, None, self._timeout, name, self._untrack)
         if async_op:
-            return handle
+            return self._track(handle)
         handle.wait()
         return None
 

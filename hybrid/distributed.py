@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import os
@@ -90,6 +91,10 @@ def init_distributed(timeout_s: float = 600.0, backend: Optional[str] = None,
         torch.cuda.set_device(parsed["local_rank"])
     dist.init_process_group(backend=backend, rank=parsed["rank"], world_size=parsed["world_size"],
                             timeout=datetime.timedelta(seconds=timeout_s))
+    # Scripts that never call destroy_distributed() still destroy the default group before the
+    # interpreter's own teardown (unregister first: registering twice would run it twice).
+    atexit.unregister(destroy_distributed)
+    atexit.register(destroy_distributed)
     return _current_info(env)
 
 
@@ -102,5 +107,10 @@ def _current_info(env: Mapping[str, str]) -> DistInfo:
 
 
 def destroy_distributed() -> None:
+    """Destroy the default process group (and any group still alive); a no-op when there is none.
+
+    Close each :class:`~hybrid.topology.Topology` first (:meth:`~hybrid.topology.Topology.close`) so its
+    in-flight work is waited for; at interpreter exit both happen in that order by themselves.
+    """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

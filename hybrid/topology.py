@@ -19,6 +19,7 @@ Axes:
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 from typing import Dict, List, Optional
 
@@ -157,6 +158,9 @@ class Topology:
         self.comm = Communicator(self, timeout_s=timeout_s)
         if world_size > 1:
             self._build_groups()
+            # A script that never calls close() (the few-lines engine path) still tears down in order:
+            # atexit runs this before hybrid.distributed's hook that destroys the default group.
+            atexit.register(self.close)
 
     @classmethod
     def local(cls) -> "Topology":
@@ -183,6 +187,25 @@ class Topology:
                 if self.rank in ranks:
                     self._groups[axis] = group
         self._groups["world"] = dist.group.WORLD
+
+    def close(self) -> None:
+        """Wait for this rank's in-flight operations, then destroy its per-axis process groups.
+
+        Teardown order matters: a process that exits with collective work in
+        flight, or with process groups still alive, can abort in the backend's
+        destructors ("terminate called without an active exception") after its
+        results were written. The default (world) group is destroyed afterwards
+        by :func:`hybrid.distributed.destroy_distributed`. Calling it again does nothing.
+        """
+        try:
+            self.comm.drain()
+        finally:
+            own = {id(g): g for axis, g in self._groups.items() if axis != "world" and g is not None}
+            self._groups = {}
+            if dist.is_available() and dist.is_initialized():
+                for group in own.values():
+                    dist.destroy_process_group(group)
+            atexit.unregister(self.close)
 
     # ---- queries -----------------------------------------------------------------
     def group(self, axis: str):

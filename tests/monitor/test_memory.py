@@ -1,3 +1,5 @@
+import mmap
+
 import torch
 
 from hybrid.monitor.memory import MemoryStats, process_rss, read_memory_stats
@@ -7,10 +9,11 @@ def test_cpu_stats_track_a_large_allocation():
     before = read_memory_stats(torch.device("cpu"))
     assert before.kind == "rss" and before.reserved_bytes is None
     assert 0 < before.allocated_bytes <= before.peak_bytes
-    block = torch.empty(64 * 2**20 // 4)  # 64 MiB
-    # Touch the pages from this thread: torch's fill may run on its worker threads, whose page-fault counts
-    # reach the process RSS counter only later, so the read below could miss them.
-    block.numpy().fill(1.0)
+    # A fresh anonymous mapping, touched page by page from this thread: a malloc'd block could reuse pages
+    # that earlier tests in this process freed but the allocator kept resident, and move RSS by nothing.
+    block = mmap.mmap(-1, 64 * 2**20)
+    for offset in range(0, len(block), mmap.PAGESIZE):
+        block[offset] = 1
     after = read_memory_stats()
     assert after.allocated_bytes >= before.allocated_bytes + 48 * 2**20
     assert after.peak_bytes >= after.allocated_bytes

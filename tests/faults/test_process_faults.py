@@ -1,0 +1,142 @@
+"""Process-level faults under torchrun: finished runs exit 0 every time, a stopped rank ends the job.
+
+* Finished runs must exit 0: a rank that aborts in teardown ("terminate called
+  without an active exception") after writing its results makes torchrun
+  report a failed job, so a scheduler retries or alerts on a run that
+  succeeded. The trainer and a few-lines engine script run 20 times in all.
+* A stopped rank (SIGSTOP, as a hung host or a debugger would leave it) must
+  end the job with an error naming the collective and the axis, within twice
+  the configured timeout: ``--distributed-timeout-minutes`` reaches every
+  TP/DP group, not only the default one.
+"""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--vocab-size", "128", "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-3",
+        "--eval-interval", "0", "--log-interval", "1"]
+RUNS = 20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(args: List[str], nproc: int = 2) -> List[str]:
+    # A single-node job rendezvous on the loopback address only.
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *args]
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _trainer_run(stage: int) -> List[str]:
+    return _torchrun(["-m", "hybrid.train", *TINY, "--tensor-model-parallel-size", "1", "--zero-stage", str(stage),
+                      "--train-iters", "2"])
+
+
+def _engine_run(stage: int) -> List[str]:
+    return _torchrun([str(ROOT / "tests" / "faults" / "engine_script.py"), str(stage), "2"])
+
+
+def test_finished_runs_exit_zero_every_time():
+    failures = []
+    for k in range(RUNS):
+        stage = k % 4
+        cmd = _trainer_run(stage) if k % 2 == 0 else _engine_run(stage)
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+        if proc.returncode != 0 or "terminate called" in proc.stderr:
+            errors = [l for l in (proc.stdout + proc.stderr).splitlines()
+                      if "Error" in l or "error" in l or "terminate" in l]
+            failures.append(f"run {k} ({'trainer' if k % 2 == 0 else 'engine'}, stage {stage}): exit "
+                            f"{proc.returncode}\n" + "\n".join(errors[:20]))
+    assert not failures, "\n\n".join(failures)
+
+
+def _children(pid: int) -> List[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _rank_of(pid: int) -> Optional[int]:
+    try:
+        env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith(b"RANK="):
+            return int(item[5:])
+    return None
+
+
+def test_stopped_rank_ends_the_job_with_the_collective_named():
+    timeout_s = 6.0
+    cmd = _torchrun(["-m", "hybrid.train", *TINY, "--tensor-model-parallel-size", "2", "--train-iters", "100000",
+                     "--distributed-timeout-minutes", str(timeout_s / 60)])
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stopped = None
+    try:
+        lines = []
+        for line in proc.stdout:  # wait until training runs
+            lines.append(line)
+            if re.search(r"iteration\s+3/", line):
+                break
+        else:
+            pytest.fail("the run ended before training started:\n" + "".join(lines[-30:]))
+        ranks = {_rank_of(c): c for c in _children(proc.pid)}
+        stopped = ranks[1]
+        os.kill(stopped, signal.SIGSTOP)
+        start = time.monotonic()
+        error_at = None
+        for line in proc.stdout:
+            lines.append(line)
+            if error_at is None and "did not complete" in line:
+                error_at = time.monotonic() - start
+        proc.wait(timeout=120)
+        ended_at = time.monotonic() - start
+    finally:
+        if stopped is not None:
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                try:
+                    os.kill(stopped, sig)
+                except ProcessLookupError:
+                    pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = "".join(lines)
+    assert proc.returncode != 0
+    assert error_at is not None, text[-3000:]
+    named = [l for l in lines if "did not complete" in l]
+    assert any("over 'tp'" in l or "over 'dp'" in l or "over 'world'" in l for l in named), named
+    print(f"\nstopped rank: error after {error_at:.1f} s, job ended after {ended_at:.1f} s (timeout {timeout_s} s): "
+          f"{named[0].strip()[:300]}")
+    # The surviving rank reports within twice the timeout; torchrun then gives the stopped process (which
+    # cannot act on SIGTERM while stopped) its fixed 30 s grace before SIGKILL.
+    assert error_at <= 2 * timeout_s, (error_at, named)
+    assert ended_at <= 2 * timeout_s + 35, ended_at
