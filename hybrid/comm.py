@@ -295,21 +295,28 @@ class Communicator:
 
         The peer must post the matching :meth:`recv` of a tensor of the same size and dtype.
         """
-        peer = self._peer(axis, dst, "send to")
-        self._record("send", axis, _nbytes(tensor), 1.0)
-        name = OpName(f"send to rank {dst}", axis, tuple(self._topology.group_ranks(axis)))
-        with _named(name, self._timeout):
-            work = dist.isend(tensor, dst=peer, group=self._group(axis))
-        return self._p2p(work, name, async_op)
+        return self._point_to_point("send", dist.isend, tensor, axis, dst, async_op)
 
     def recv(self, tensor: torch.Tensor, axis: str, src: int, async_op: bool = False) -> Optional[Handle]:
         """Receive into ``tensor`` from rank ``src`` of this rank's ``axis`` group (e.g. ``pp_rank - 1``)."""
-        peer = self._peer(axis, src, "receive from")
-        self._record("recv", axis, _nbytes(tensor), 0.0)
-        name = OpName(f"recv from rank {src}", axis, tuple(self._topology.group_ranks(axis)))
+        return self._point_to_point("recv", dist.irecv, tensor, axis, src, async_op)
+
+    def _point_to_point(self, op: str, issue, tensor: torch.Tensor, axis: str, rank: int,
+                        async_op: bool) -> Optional[Handle]:
+        # Always issued as isend/irecv: the blocking forms cannot take this communicator's timeout.
+        verb = "send to" if op == "send" else "receive from"
+        peer = self._peer(axis, rank, verb)
+        # The sender counts the wire bytes, so summing over ranks counts each byte once.
+        self._record(op, axis, _nbytes(tensor), 1.0 if op == "send" else 0.0)
+        name = OpName(f"{op} {'to' if op == 'send' else 'from'} rank {rank}", axis,
+                      tuple(self._topology.group_ranks(axis)))
         with _named(name, self._timeout):
-            work = dist.irecv(tensor, src=peer, group=self._group(axis))
-        return self._p2p(work, name, async_op)
+            work = issue(tensor, peer, group=self._group(axis))
+        handle = Handle(work, None, self._timeout, name, self._untrack)
+        if async_op:
+            return self._track(handle)
+        handle.wait()
+        return None
 
     def _peer(self, axis: str, rank: int, verb: str) -> int:
         """The global rank of group rank ``rank`` of ``axis``, which must be another rank than this one."""
@@ -318,14 +325,6 @@ class Communicator:
             raise ValueError(f"cannot {verb} rank {rank!r} of the {axis} group: the peer must be another rank of "
                              f"that group, in [0, {n}) and not this rank's own {me}")
         return self._topology.group_ranks(axis)[rank]
-
-    def _p2p(self, work, name: OpName, async_op: bool) -> Optional[Handle]:
-        # Always issued as isend/irecv: the blocking forms cannot take this communicator's timeout.
-        handle = Handle(work, None, self._timeout, name, self._untrack)
-        if async_op:
-            return self._track(handle)
-        handle.wait()
-        return None
 
 
 def _nbytes(t: torch.Tensor) -> int:
