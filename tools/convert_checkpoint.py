@@ -3,7 +3,7 @@
 
     python tools/convert_checkpoint.py reshard --load ckpt --save ckpt_tp4 --target-tp 4 [--target-dp 2]
     python tools/convert_checkpoint.py to-fp32 --load ckpt/iter_0001000 --output model_fp32.safetensors
-    python tools/convert_checkpoint.py to-hf   --load ckpt --output hf_model [--dtype bf16]
+    python tools/convert_checkpoint.py to-hf   --load ckpt --output hf_model [--tokenizer-model spm.model]
     python tools/convert_checkpoint.py from-hf --input hf_model --save ckpt_hf --tp 2
 
 ``--load`` takes a save directory (its ``latest``) or one ``DIR/iter_N``.
@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--output", required=True, help="directory to write config.json and model*.safetensors into")
     h.add_argument("--dtype", choices=PRECISIONS, help="tensor dtype (default: the run's precision)")
     h.add_argument("--max-shard-size", type=_size, default="5GB", help="split model.safetensors past this (5GB)")
+    h.add_argument("--tokenizer-model", metavar="PATH",
+                   help="the run's SentencePiece .model file, checked and exported as tokenizer.model "
+                        "(default: no tokenizer; the path recorded in the checkpoint is never used)")
 
     i = sub.add_parser("from-hf", help="import a Hugging Face GPT-2 or Llama directory (for --load --finetune)")
     i.add_argument("--input", required=True, help="directory with config.json and safetensors or pytorch_model.bin")
@@ -101,7 +104,7 @@ def run(args) -> str:
         from hybrid.convert.hf import export_to_hf
 
         res = export_to_hf(args.load, args.output, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
-                           progress=progress)
+                           tokenizer_model=args.tokenizer_model, progress=progress)
         lines = [f"wrote {res.architecture} to {res.directory} ({len(res.files)} weight file(s))"]
         if res.tokenizer:
             lines.append(f"copied the SentencePiece tokenizer to {res.tokenizer}")

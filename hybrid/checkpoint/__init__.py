@@ -9,6 +9,9 @@ The trainer and engine decide *what* to save; this package decides *how*:
 * :class:`CheckpointWriter` - the phases of a save, for tools that write a
   checkpoint from one process;
 * :func:`capture_rng_state` / :func:`restore_rng_state` - per-rank RNG state;
+* :func:`find_resume_point` - where ``--load DIR`` resumes (None: nothing to
+  resume; an unclear ``latest`` is an error, never a silent fresh start);
+* :class:`SaveDirLock` / :func:`lock_save_dir` - one job per save directory;
 * :func:`model_file`, :func:`optimizer_file`, :func:`rank_state_file` - the
   name of each rank's file for a :class:`hybrid.layout.ParallelLayout` (the
   layout type every checkpoint records; ``topology.layout(...)`` builds it).
@@ -16,12 +19,14 @@ The trainer and engine decide *what* to save; this package decides *how*:
 See ``docs/checkpoints.md`` for the on-disk format.
 """
 
-from hybrid.checkpoint.directory import has_checkpoint, list_iterations, resolve_checkpoint_dir
-from hybrid.checkpoint.errors import (CheckpointError, CheckpointFormatError, CheckpointNotFoundError,
-                                      ChecksumMismatchError, IncompleteCheckpointError,
-                                      MissingShardError)
+from hybrid.checkpoint.directory import (find_resume_point, has_checkpoint, list_iterations,
+                                         resolve_checkpoint_dir)
+from hybrid.checkpoint.errors import (CheckpointError, CheckpointFormatError, CheckpointLockedError,
+                                      CheckpointNotFoundError, ChecksumMismatchError,
+                                      IncompleteCheckpointError, MissingShardError)
 from hybrid.checkpoint.layout import (LATEST_FILE, METADATA_FILE, iteration_dir_name, model_file,
                                       model_positions, optimizer_file, rank_positions, rank_state_file)
+from hybrid.checkpoint.lock import SaveDirLock, lock_save_dir
 from hybrid.checkpoint.manifest import FORMAT_VERSION, FileRecord, Manifest
 from hybrid.checkpoint.reader import CheckpointReader
 from hybrid.checkpoint.rng import capture_rng_state, restore_rng_state
@@ -34,7 +39,8 @@ __all__ = [
     "model_file", "optimizer_file", "rank_state_file", "model_positions", "rank_positions",
     "Manifest", "FileRecord", "FORMAT_VERSION", "TensorSource", "write_safetensors",
     "capture_rng_state", "restore_rng_state", "has_checkpoint", "list_iterations",
-    "resolve_checkpoint_dir", "iteration_dir_name", "LATEST_FILE", "METADATA_FILE",
-    "CheckpointError", "CheckpointFormatError", "CheckpointNotFoundError", "ChecksumMismatchError",
-    "IncompleteCheckpointError", "MissingShardError",
+    "resolve_checkpoint_dir", "find_resume_point", "iteration_dir_name", "LATEST_FILE", "METADATA_FILE",
+    "SaveDirLock", "lock_save_dir",
+    "CheckpointError", "CheckpointFormatError", "CheckpointLockedError", "CheckpointNotFoundError",
+    "ChecksumMismatchError", "IncompleteCheckpointError", "MissingShardError",
 ]

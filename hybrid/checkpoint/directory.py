@@ -16,8 +16,11 @@ from pathlib import Path
 from typing import List, Optional
 
 from hybrid.checkpoint.atomic import fsync_dir, is_temp_name, write_bytes_atomic
-from hybrid.checkpoint.errors import CheckpointNotFoundError, IncompleteCheckpointError
+from hybrid.checkpoint.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 from hybrid.checkpoint.layout import LATEST_FILE, METADATA_FILE, parse_iteration_dir_name
+from hybrid.checkpoint.manifest import read_manifest
+
+_LISTED = 8  # complete checkpoints named in an error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +46,20 @@ def list_iterations(save_dir: Path) -> List[IterationDir]:
     return sorted(found, key=lambda d: d.iteration)
 
 
+def _latest_text(save_dir: Path) -> Optional[str]:
+    """What ``save_dir/latest`` holds, stripped (undecodable bytes replaced), or None if absent."""
+    try:
+        data = (Path(save_dir) / LATEST_FILE).read_bytes()
+    except FileNotFoundError:
+        return None
+    return data.decode("utf-8", errors="replace").strip()
+
+
 def read_latest(save_dir: Path) -> Optional[str]:
     """The iteration directory name recorded in ``save_dir/latest``, or None if absent."""
     path = Path(save_dir) / LATEST_FILE
-    try:
-        name = path.read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
+    name = _latest_text(save_dir)
+    if name is None:
         return None
     if parse_iteration_dir_name(name) is None:
         raise CheckpointNotFoundError(
@@ -110,6 +121,63 @@ def _require_complete(iter_dir: Path) -> None:
             f"directory {parent} to resume from the newest complete checkpoint{hint}")
 
 
+def find_resume_point(path) -> Optional[Path]:
+    """Where a run started with ``--load path`` resumes: a complete iteration directory, or None.
+
+    None (start from scratch) only when nothing could be lost by doing so:
+    ``path`` does not exist, or it holds neither ``latest`` nor a complete
+    ``iter_*`` directory (an empty folder, or the leftovers of a first save
+    that never finished). An iteration directory must be complete. A save
+    directory whose ``latest`` is missing, empty, garbled, or names a missing
+    or incomplete directory while checkpoints are there raises
+    :class:`CheckpointNotFoundError` listing the complete ones and how to pick
+    one: starting over would save new checkpoints next to them and prune them.
+    """
+    path = Path(path)
+    if parse_iteration_dir_name(path.name) is not None or (path / METADATA_FILE).exists():
+        if not path.exists():
+            raise CheckpointNotFoundError(f"checkpoint path {path} does not exist; "
+                                          f"{_choices(path.parent)}")
+        return resolve_checkpoint_dir(path)
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"checkpoint path {path} is not a directory")
+    complete = [d for d in list_iterations(path) if d.complete]
+    name = _latest_text(path)
+    if name is None and not complete:
+        return None
+    if name is None:
+        problem = "is missing"
+    elif not name:
+        problem = "is empty"
+    elif parse_iteration_dir_name(name) is None:
+        problem = f"holds {name[:80]!r}, not an iteration directory name like 'iter_0000200'"
+    elif not (path / name).is_dir():
+        problem = f"names {name}, which does not exist"
+    elif not (path / name / METADATA_FILE).is_file():
+        problem = f"names {name}, whose save did not finish (it has no {METADATA_FILE})"
+    else:
+        return path / name
+    raise CheckpointNotFoundError(
+        f"{path / LATEST_FILE} {problem}, so which checkpoint to resume is unclear; not starting from "
+        f"scratch, which would save and prune next to the checkpoints there. {_choices(path)}")
+
+
+def _choices(save_dir: Path) -> str:
+    """How to go on from ``save_dir``: the complete checkpoints and how to pick one, or how to start over."""
+    if not save_dir.is_dir():
+        return f"{save_dir} is not a directory either: check the path"
+    complete = [d.path.name for d in list_iterations(save_dir) if d.complete]
+    if not complete:
+        return (f"{save_dir} holds no complete checkpoint; to start from scratch, remove {save_dir / LATEST_FILE} "
+                f"or pass a new --load/--save folder")
+    shown = ", ".join(complete[-_LISTED:])
+    listing = f"{shown} (newest {_LISTED} of {len(complete)})" if len(complete) > _LISTED else shown
+    return (f"Complete checkpoints: {listing}; resume one with --load {save_dir / complete[-1]} "
+            f"(or write its name into {save_dir / LATEST_FILE})")
+
+
 def has_checkpoint(save_dir) -> bool:
     """True when ``save_dir`` has a ``latest`` file, i.e. a resumable checkpoint."""
     try:
@@ -144,9 +212,20 @@ def remove_incomplete(save_dir: Path) -> List[Path]:
     return removed
 
 
+def is_healthy(iter_dir: Path) -> bool:
+    """Whether a complete checkpoint was saved from a healthy state (one whose manifest cannot be read is not)."""
+    try:
+        return read_manifest(iter_dir).healthy
+    except (CheckpointError, OSError):
+        return False
+
+
 def prune_old(save_dir: Path, keep_last: int, newest_iteration: int) -> List[Path]:
     """Keep the ``keep_last`` newest complete checkpoints up to ``newest_iteration``.
 
+    Also kept, whatever ``keep_last`` says: the one ``latest`` names, and the
+    newest checkpoint saved from a healthy state, so that a run which went on
+    saving while it diverged still has a state worth resuming from.
     Checkpoints with a higher iteration than ``newest_iteration`` (left by a
     run that was rolled back to an earlier checkpoint) are never removed here:
     which timeline the user wants to keep is theirs to decide.
@@ -156,8 +235,17 @@ def prune_old(save_dir: Path, keep_last: int, newest_iteration: int) -> List[Pat
     latest = read_latest(save_dir)
     candidates = [d for d in list_iterations(save_dir)
                   if d.complete and d.iteration <= newest_iteration]
-    doomed = [d for d in candidates[:-keep_last] if d.path.name != latest] if \
-        len(candidates) > keep_last else []
+    older = candidates[:-keep_last] if len(candidates) > keep_last else []
+    kept = candidates[len(older):]
+    healthy_kept = any(is_healthy(d.path) for d in reversed(kept))  # usually the new one: one read
+    doomed = []
+    for d in reversed(older):  # newest first, to find the newest healthy one
+        keep = d.path.name == latest
+        if not healthy_kept and is_healthy(d.path):
+            healthy_kept = keep = True
+        if not keep:
+            doomed.append(d)
+    doomed.reverse()
     for d in doomed:
         remove_iteration_dir(d.path)
     if doomed:

@@ -28,3 +28,7 @@ class ChecksumMismatchError(CheckpointError):
 
 class CheckpointFormatError(CheckpointError):
     """``metadata.json`` or a value handed to the writer does not follow the format."""
+
+
+class CheckpointLockedError(CheckpointError):
+    """The save directory is in use by another job (its ``save.lock`` names a live holder)."""

@@ -4,6 +4,7 @@
 
     DIR/
       latest                      text: the name of the newest complete iteration dir
+      save.lock                   JSON: host and pid of the job saving here (while it runs)
       iter_0000200/
         model_tp00.safetensors    model weights of TP rank 0 (written by DP rank 0)
         model_tp01.safetensors
@@ -31,6 +32,7 @@ from hybrid.layout import ParallelLayout
 
 LATEST_FILE = "latest"
 METADATA_FILE = "metadata.json"
+SAVE_LOCK_FILE = "save.lock"
 
 _ITER_DIR_RE = re.compile(r"^iter_(\d{7,})$")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, List, Mapping, Optional
 
 from hybrid.checkpoint.errors import CheckpointError
+from hybrid.checkpoint.lock import SaveDirLock
 from hybrid.checkpoint.manifest import FileRecord
 from hybrid.checkpoint.safetensors_stream import TensorLike
 from hybrid.checkpoint.writer import CheckpointWriter, check_keep_last, check_layout
@@ -33,7 +34,7 @@ def save_checkpoint(save_dir, iteration: int, layout: ParallelLayout, coord, *,
                     optimizer_state: Any = None, rank_state: Any = None,
                     consumed_samples: int = 0, model_config: Optional[Mapping[str, Any]] = None,
                     param_index: Any = None, trainer_state: Optional[Mapping[str, Any]] = None,
-                    keep_last: Optional[int] = None,
+                    keep_last: Optional[int] = None, healthy: bool = True,
                     all_gather_object: GatherFn = gather_single_process) -> Path:
     """Save one iteration; call on every rank with that rank's state.
 
@@ -50,9 +51,16 @@ def save_checkpoint(save_dir, iteration: int, layout: ParallelLayout, coord, *,
         consumed_samples, model_config, param_index, trainer_state: recorded in
             ``metadata.json`` from the coordinator's (TP 0, DP 0, PP 0) values.
         keep_last: keep only this many newest checkpoints (after the new one is
-            complete and ``latest`` points at it).
+            complete and ``latest`` points at it), and always the newest healthy one.
+        healthy: whether the state comes from a healthy run (finite, not
+            diverging); recorded in ``metadata.json`` for pruning.
         all_gather_object: gathers one picklable object from every rank of the
             world, in rank order (``topology.comm.all_gather_object``).
+
+    The coordinator holds the save directory's lock (:mod:`hybrid.checkpoint.lock`)
+    during the save, unless this process already holds it for the whole run
+    (the trainer does): a save directory in use by another job is refused on
+    every rank before anything in it is touched.
 
     Returns the new iteration directory.
     """
@@ -76,40 +84,46 @@ def save_checkpoint(save_dir, iteration: int, layout: ParallelLayout, coord, *,
                                   + "; ".join(failures)) from own_error
         return outcomes
 
-    # Phase 1: the coordinator clears leftovers and creates the directory.
-    outcome, error = {}, None
-    if coordinator:
-        try:
-            writer.prepare()
-        except Exception as e:  # noqa: BLE001 - reported to every rank below
-            outcome, error = {"error": f"{me}: {type(e).__name__}: {e}"}, e
-    gather_and_check(outcome, "preparing the directory", error)
-
-    # Phase 2: every rank writes its own files and reports their digests.
-    outcome, error = {}, None
+    lock = SaveDirLock(save_dir)  # taken by the coordinator in phase 1
     try:
-        records: List[FileRecord] = []
-        if coord.dp == 0 and model_state is not None:
-            records.append(writer.write_model_shard(model_state, coord.tp, coord.pp))
-        if optimizer_state is not None:
-            records.append(writer.write_optimizer_shard(optimizer_state, coord.tp, coord.dp, coord.pp))
-        if rank_state is not None:
-            records.append(writer.write_rank_state(rank_state, coord.tp, coord.dp, coord.pp))
-        outcome = {"records": [r.to_json() for r in records]}
-    except Exception as e:  # noqa: BLE001
-        outcome, error = {"error": f"{me}: {type(e).__name__}: {e}"}, e
-    outcomes = gather_and_check(outcome, "writing shards", error)
+        # Phase 1: the coordinator takes the lock, clears leftovers and creates the directory.
+        outcome, error = {}, None
+        if coordinator:
+            try:
+                lock.acquire()
+                writer.prepare()
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                outcome, error = {"error": f"{me}: {type(e).__name__}: {e}"}, e
+        gather_and_check(outcome, "preparing the directory", error)
 
-    # Phase 3: the coordinator seals the checkpoint; everyone learns the result.
-    outcome, error = {}, None
-    if coordinator:
+        # Phase 2: every rank writes its own files and reports their digests.
+        outcome, error = {}, None
         try:
-            all_records = [FileRecord.from_json(r) for o in outcomes for r in o["records"]]
-            writer.commit(all_records, consumed_samples=consumed_samples, model_config=model_config,
-                          param_index=param_index, trainer_state=trainer_state, keep_last=keep_last)
+            records: List[FileRecord] = []
+            if coord.dp == 0 and model_state is not None:
+                records.append(writer.write_model_shard(model_state, coord.tp, coord.pp))
+            if optimizer_state is not None:
+                records.append(writer.write_optimizer_shard(optimizer_state, coord.tp, coord.dp, coord.pp))
+            if rank_state is not None:
+                records.append(writer.write_rank_state(rank_state, coord.tp, coord.dp, coord.pp))
+            outcome = {"records": [r.to_json() for r in records]}
         except Exception as e:  # noqa: BLE001
             outcome, error = {"error": f"{me}: {type(e).__name__}: {e}"}, e
-    gather_and_check(outcome, "writing metadata.json and latest", error)
+        outcomes = gather_and_check(outcome, "writing shards", error)
+
+        # Phase 3: the coordinator seals the checkpoint; everyone learns the result.
+        outcome, error = {}, None
+        if coordinator:
+            try:
+                all_records = [FileRecord.from_json(r) for o in outcomes for r in o["records"]]
+                writer.commit(all_records, consumed_samples=consumed_samples, model_config=model_config,
+                              param_index=param_index, trainer_state=trainer_state, keep_last=keep_last,
+                              healthy=healthy)
+            except Exception as e:  # noqa: BLE001
+                outcome, error = {"error": f"{me}: {type(e).__name__}: {e}"}, e
+        gather_and_check(outcome, "writing metadata.json and latest", error)
+    finally:
+        lock.release()  # a no-op where not taken; a count down when the run holds the lock
     return writer.iter_dir
 
 

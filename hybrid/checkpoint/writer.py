@@ -118,14 +118,17 @@ class CheckpointWriter:
     def commit(self, records: Iterable[FileRecord], *, consumed_samples: int = 0,
                model_config: Optional[Mapping[str, Any]] = None, param_index: Any = None,
                trainer_state: Optional[Mapping[str, Any]] = None,
-               keep_last: Optional[int] = None) -> Manifest:
+               keep_last: Optional[int] = None, healthy: bool = True) -> Manifest:
         """Seal the iteration: write ``metadata.json``, then ``latest``, then prune.
 
         ``records`` are the :class:`FileRecord` of every file every rank wrote.
         ``model_config``, ``param_index`` and ``trainer_state`` are stored as
-        given and must be plain JSON.
+        given and must be plain JSON. ``healthy`` records whether the state
+        came from a healthy run; pruning always keeps the newest healthy one.
         """
         check_keep_last(keep_last)
+        if not isinstance(healthy, bool):
+            raise CheckpointError(f"healthy must be True or False, got {healthy!r}")
         files = self._check_records(records)
         for label, value in (("model_config", model_config), ("param_index", param_index),
                              ("trainer_state", trainer_state)):
@@ -135,7 +138,8 @@ class CheckpointWriter:
         manifest = Manifest(iteration=self.iteration, layout=self.layout, files=files,
                             consumed_samples=consumed_samples,
                             model_config=dict(model_config or {}), param_index=param_index,
-                            trainer_state=dict(trainer_state or {}), created_utc=utc_now())
+                            trainer_state=dict(trainer_state or {}), created_utc=utc_now(),
+                            healthy=healthy)
         write_bytes_atomic(self.iter_dir / METADATA_FILE, manifest.dumps())
         fsync_dir(self.iter_dir)
         directory.write_latest(self.save_dir, self.iter_dir.name)

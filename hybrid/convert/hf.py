@@ -5,8 +5,12 @@ switches (GPT-2 switches -> ``GPT2LMHeadModel``, Llama switches ->
 ``LlamaForCausalLM``), streams every HF tensor out of the checkpoint (fused
 ``[q; k; v]`` and ``[gate; up]`` are read chunk by chunk, straight from the
 TP pieces), writes ``model.safetensors`` (sharded with the standard index
-past ``max_shard_bytes``) and ``config.json``, and copies the run's
-SentencePiece model to ``tokenizer.model`` when it had one.
+past ``max_shard_bytes``) and ``config.json``, and copies the SentencePiece
+model named by ``tokenizer_model`` (``--tokenizer-model``) to
+``tokenizer.model`` once it has loaded as one. The tokenizer path the run
+recorded in ``metadata.json`` is never opened: it is an unverified string in
+a file anyone may edit, and copying whatever it names would export any local
+file.
 
 Import (:func:`import_from_hf`) reads ``config.json`` and the weights
 (safetensors or ``pytorch_model.bin`` via ``weights_only``), checks every
@@ -20,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -99,12 +102,14 @@ def _hf_shape(link: Link, index: int, full_shape: Tuple[int, ...]) -> Tuple[int,
 
 # ---- export ---------------------------------------------------------------------------------------------
 def export_to_hf(load, output, *, dtype: Optional[str] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                 progress: Optional[ProgressFactory] = None) -> ExportResult:
+                 tokenizer_model=None, progress: Optional[ProgressFactory] = None) -> ExportResult:
     """Write the checkpoint at ``load`` as a Hugging Face directory ``output``.
 
     ``dtype`` (``fp32``/``bf16``/``fp16``) defaults to the run's precision.
     For a bf16/fp16 run exported in fp32, the values are the fp32 master
-    weights when the checkpoint holds them.
+    weights when the checkpoint holds them. ``tokenizer_model`` is a
+    SentencePiece ``.model`` file to export as ``tokenizer.model``; without
+    it no tokenizer is exported and ``note`` says so.
     """
     reader = CheckpointReader(load)
     if not reader.model_config:
@@ -117,6 +122,8 @@ def export_to_hf(load, output, *, dtype: Optional[str] = None, max_shard_bytes: 
             from None
     arch = map_for_config(cfg)
     out_dtype = PRECISION_DTYPES[_check_dtype(dtype or reader.layout.precision)]
+    # Checked before any weight is written: a wrong file fails in a second, not after the export.
+    tokenizer = _read_tokenizer(tokenizer_model, cfg.vocab_size) if tokenizer_model is not None else None
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     with CheckpointSource(reader) as src:
@@ -140,7 +147,11 @@ def export_to_hf(load, output, *, dtype: Optional[str] = None, max_shard_bytes: 
     config = arch.hf_config(cfg, _HF_DTYPE_NAMES[out_dtype])
     write_bytes_atomic(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
     result = ExportResult(out, arch.ARCHITECTURE, files)
-    _copy_tokenizer(reader, out, result)
+    if tokenizer is not None:
+        write_bytes_atomic(out / TOKENIZER_FILE, tokenizer)  # the very bytes that were checked
+        result.tokenizer = out / TOKENIZER_FILE
+    else:
+        result.note = _no_tokenizer_note(reader, out)
     return result
 
 
@@ -168,20 +179,39 @@ def _check_same_names(saved: set, expected: set, path) -> None:
                               f"{missing[:5]}, unexpected {extra[:5]}")
 
 
-def _copy_tokenizer(reader: CheckpointReader, out: Path, result: ExportResult) -> None:
+def _read_tokenizer(path, vocab_size: int) -> bytes:
+    """The bytes of ``path`` once they have loaded as a SentencePiece model that fits the vocabulary."""
+    import sentencepiece
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ConversionError(f"--tokenizer-model {path}: {e.strerror or e}") from None
+    try:
+        # An empty file "loads" as a model of no pieces, hence the check for pieces as well.
+        pieces = sentencepiece.SentencePieceProcessor(model_proto=data).get_piece_size() if data else 0
+    except (RuntimeError, TypeError, ValueError):
+        pieces = 0
+    if pieces == 0:
+        raise ConversionError(f"--tokenizer-model {path} is not a SentencePiece model (it does not load as one); "
+                              f"pass the .model file the run was trained with")
+    if pieces > vocab_size:
+        raise ConversionError(f"--tokenizer-model {path} has {pieces} pieces but the model's vocabulary holds "
+                              f"{vocab_size}; pass the .model file the run was trained with")
+    return data
+
+
+def _no_tokenizer_note(reader: CheckpointReader, out: Path) -> str:
     from hybrid.config import saved_setting  # reads the trainer's stored settings, nested or (older) flat
 
     args = (reader.trainer_state.get("client") or {}).get("args") or {}
-    tokenizer = saved_setting(args, "data.tokenizer_model")
-    if not tokenizer:
-        return
-    path = Path(tokenizer)
-    if not path.is_file():
-        result.note = (f"the run's tokenizer {tokenizer} (--tokenizer-model) no longer exists; copy it to "
-                       f"{out / TOKENIZER_FILE} yourself")
-        return
-    shutil.copyfile(path, out / TOKENIZER_FILE)
-    result.tokenizer = out / TOKENIZER_FILE
+    recorded = saved_setting(args, "data.tokenizer_model")
+    # The recorded path is named as a hint only; it is never opened.
+    hint = f" (the run recorded {str(recorded)[:200]!r})" if isinstance(recorded, str) and recorded else ""
+    left = f"; the {TOKENIZER_FILE} already there is from before and was left as it is" \
+        if (out / TOKENIZER_FILE).exists() else ""
+    return (f"no tokenizer exported: pass --tokenizer-model PATH to add the run's SentencePiece model as "
+            f"{out / TOKENIZER_FILE}{hint}{left}")
 
 
 # ---- import ---------------------------------------------------------------------------------------------

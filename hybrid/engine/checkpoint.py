@@ -32,7 +32,8 @@ def _model_config(engine: "Engine") -> Optional[Dict[str, Any]]:
 
 
 def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples: int = 0,
-                client_state: Optional[Mapping[str, Any]] = None, keep_last: Optional[int] = None):
+                client_state: Optional[Mapping[str, Any]] = None, keep_last: Optional[int] = None,
+                healthy: bool = True):
     """Write ``save_dir/iter_{iteration:07d}`` from every rank; returns the directory.
 
     The engine's :meth:`~hybrid.engine.Engine.state_dict` is split over the
@@ -40,7 +41,9 @@ def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples:
     rank's partition file (its parameter index into ``metadata.json``), the
     random state into this rank's file, the progress counters and schedule
     into ``metadata.json`` beside ``client_state`` (JSON-able, returned by
-    :func:`load_engine`). Collective over the whole world.
+    :func:`load_engine`). Collective over the whole world. ``healthy=False``
+    marks a state saved while the run was not healthy (diverging): pruning by
+    ``keep_last`` always keeps the newest healthy checkpoint besides.
     """
     state = engine.state_dict()
     optimizer_state = state["optimizer"]
@@ -50,7 +53,7 @@ def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples:
                            model_state=state["model"], optimizer_state=optimizer_state,
                            rank_state=state["rng"], consumed_samples=consumed_samples,
                            model_config=_model_config(engine), param_index=param_index,
-                           trainer_state=trainer_state, keep_last=keep_last,
+                           trainer_state=trainer_state, keep_last=keep_last, healthy=healthy,
                            all_gather_object=engine.topology.comm.all_gather_object)
 
 

@@ -1,76 +1,26 @@
 """A build lock that a crashed or killed build cannot leave behind.
 
-The lock is a small JSON file next to the build directory that records who holds it
-(host, PID, the PID's start time, and when it was taken). A waiting process breaks the
-lock when the holder is provably gone (same host, PID dead or reused) or when the lock
-is older than ``stale_after_s``. Taking and breaking happen under ``flock`` on a sidecar
-guard file, which the kernel releases when its holder dies, so two waiters can never both
-break the same lock and then both build.
+The lock is a small JSON file next to the build directory that records who holds it;
+:mod:`hybrid.lockfile` holds the rules shared with the save-folder lock (the file's
+contents, exclusive creation, when a holder is provably gone, the ``flock`` guard that
+keeps two waiters from both breaking the same lock and then both building). On top of
+them a build lock is also broken when it is older than ``stale_after_s`` (a build never
+takes that long) or unreadable, and a waiter polls until the lock is free.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
 import os
-import socket
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from hybrid import lockfile
+from hybrid.lockfile import LockOwner
+
+__all__ = ["BuildLock", "BuildLockTimeout", "LockOwner", "DEFAULT_STALE_AFTER_S"]
+
 DEFAULT_STALE_AFTER_S = 20 * 60.0
-
-
-def _process_start_ticks(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (Linux), to detect PID reuse."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces; fields after it are space separated.
-    fields = stat.rsplit(")", 1)[-1].split()
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-@dataclass(frozen=True)
-class LockOwner:
-    host: str
-    pid: int
-    pid_start: int | None
-    created: float
-
-    @classmethod
-    def me(cls) -> "LockOwner":
-        pid = os.getpid()
-        return cls(socket.gethostname(), pid, _process_start_ticks(pid), time.time())
-
-    def to_json(self) -> str:
-        return json.dumps(self.__dict__)
-
-    @classmethod
-    def parse(cls, text: str) -> "LockOwner | None":
-        try:
-            raw = json.loads(text)
-            return cls(str(raw["host"]), int(raw["pid"]), raw.get("pid_start"), float(raw["created"]))
-        except (ValueError, KeyError, TypeError):
-            return None
 
 
 class BuildLockTimeout(TimeoutError):
@@ -92,7 +42,7 @@ class BuildLock:
         if stale_after_s <= 0:
             raise ValueError(f"stale_after_s must be > 0, got {stale_after_s}")
         self.path = Path(path)
-        self.guard_path = self.path.with_name(self.path.name + ".guard")
+        self.guard_path = lockfile.guard_path(self.path)
         self.stale_after_s = stale_after_s
         self.timeout_s = timeout_s
         self.poll_s = poll_s
@@ -106,44 +56,20 @@ class BuildLock:
             return "unreadable lock file"
         if now - owner.created > self.stale_after_s:
             return f"older than {self.stale_after_s:.0f} s"
-        if owner.host == socket.gethostname():
-            if not _pid_alive(owner.pid):
-                return f"holder pid {owner.pid} is no longer running"
-            start = _process_start_ticks(owner.pid)
-            if owner.pid_start is not None and start is not None and start != owner.pid_start:
-                return f"pid {owner.pid} now belongs to another process"
-        return None
-
-    @contextlib.contextmanager
-    def _guard(self):
-        fd = os.open(self.guard_path, os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+        return lockfile.holder_gone(owner)
 
     def _try_take(self) -> LockOwner | None:
         """One attempt; returns the current holder when the lock is held by someone live."""
-        with self._guard():
-            if self.path.exists():
-                try:
-                    owner = LockOwner.parse(self.path.read_text())
-                except OSError:
-                    owner = None
-                reason = self.stale_reason(owner)
-                if reason is None:
-                    return owner
-                print(f"[hybrid.kernels] removing stale build lock {self.path} ({reason})", file=sys.stderr)
-                self.broken_owners.append(owner)
-                self.path.unlink(missing_ok=True)
-            me = LockOwner.me()
-            tmp = self.path.with_name(f"{self.path.name}.{me.pid}.tmp")
-            tmp.write_text(me.to_json())
-            os.replace(tmp, self.path)
-            self._owner = me
+        attempt = lockfile.try_take(self.path, self.stale_reason)
+        if attempt.broken is not None:
+            owner, reason = attempt.broken
+            print(f"[hybrid.kernels] removing stale build lock {self.path} ({reason})", file=sys.stderr)
+            self.broken_owners.append(owner)
+        if attempt.mine is not None:
+            self._owner = attempt.mine
             return None
+        # An unreadable holder is broken on the next attempt (it is stale by the rule above).
+        return attempt.holder or LockOwner("?", -1, None, time.time())
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -169,14 +95,7 @@ class BuildLock:
     def release(self) -> None:
         if self._owner is None:
             return
-        with self._guard():
-            try:
-                current = LockOwner.parse(self.path.read_text())
-            except OSError:
-                current = None
-            # Only remove our own lock: if it was broken as stale, someone else owns the file now.
-            if current is not None and current.pid == self._owner.pid and current.created == self._owner.created:
-                self.path.unlink(missing_ok=True)
+        lockfile.release(self.path, self._owner)
         self._owner = None
 
     def __enter__(self) -> "BuildLock":

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from hybrid.checkpoint import CheckpointReader
 from hybrid.engine.checkpoint import save_engine
 from tests.convert.common import GPT2_CFG, make_engine, randomized_state, train, write_weights_checkpoint
+from tests.data.testkit import train_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL = REPO / "tools" / "convert_checkpoint.py"
@@ -39,14 +40,16 @@ def test_every_subcommand_round_trips(tool, tmp_path, capsys):
     assert (layout.tp, layout.dp, layout.zero_stage) == (2, 2, 2)
     assert tool.main(["to-fp32", "--load", str(tmp_path / "tp2"), "--output", str(tmp_path / "a.safetensors"),
                       "--no-progress"]) == 0
+    tokenizer = train_tokenizer(tmp_path, vocab_size=100, num_docs=100)
     assert tool.main(["to-hf", "--load", str(tmp_path / "tp2"), "--output", str(tmp_path / "hf"),
-                      "--max-shard-size", "100KB", "--no-progress"]) == 0
+                      "--max-shard-size", "100KB", "--tokenizer-model", tokenizer, "--no-progress"]) == 0
+    assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == Path(tokenizer).read_bytes()
     assert tool.main(["from-hf", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "back"), "--tp", "2",
                       "--no-progress"]) == 0
     assert tool.main(["to-fp32", "--load", str(tmp_path / "back"), "--output", str(tmp_path / "b.safetensors"),
                       "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "wrote GPT2LMHeadModel" in out and "--finetune" in out
+    assert "wrote GPT2LMHeadModel" in out and "copied the SentencePiece tokenizer to" in out and "--finetune" in out
     a, b = load_file(tmp_path / "a.safetensors"), load_file(tmp_path / "b.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

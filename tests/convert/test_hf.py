@@ -8,6 +8,7 @@ is under test.
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from hybrid.checkpoint import CheckpointReader
 from hybrid.convert.hf import export_to_hf, import_from_hf
 from tests.convert.common import GPT2_CFG, LLAMA_CFG, SEQ, VOCAB, model_from_state, randomized_state, \
     write_weights_checkpoint
+from tests.data.testkit import train_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -77,11 +79,10 @@ def _hf_tensors(directory):
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, kind, tp):
     cfg = GPT2_CFG if kind == "gpt2" else LLAMA_CFG
     state = randomized_state(cfg, seed=4)
-    tokenizer = tmp_path / "spm.model"
-    tokenizer.write_bytes(b"not really a sentencepiece model, only copied")
-    write_weights_checkpoint(tmp_path / "ck", cfg, state, tp, tokenizer=str(tokenizer))
+    tokenizer = Path(train_tokenizer(tmp_path, vocab_size=100, num_docs=100))
+    write_weights_checkpoint(tmp_path / "ck", cfg, state, tp)
     # A small shard limit exercises the sharded layout and its index.
-    res = export_to_hf(tmp_path / "ck", tmp_path / "hf", max_shard_bytes=200_000)
+    res = export_to_hf(tmp_path / "ck", tmp_path / "hf", max_shard_bytes=200_000, tokenizer_model=tokenizer)
     cls = transformers.GPT2LMHeadModel if kind == "gpt2" else transformers.LlamaForCausalLM
     assert res.architecture == cls.__name__ and len(res.files) > 1
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
@@ -187,9 +188,25 @@ def test_export_refuses_a_model_of_no_known_family(tmp_path):
         export_to_hf(tmp_path / "ck", tmp_path / "hf")
 
 
-def test_a_vanished_tokenizer_is_reported_not_fatal(tmp_path):
-    state = randomized_state(GPT2_CFG)
-    write_weights_checkpoint(tmp_path / "ck", GPT2_CFG, state, 1, tokenizer=str(tmp_path / "gone.model"))
+def test_the_tokenizer_path_recorded_in_the_checkpoint_is_never_opened(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    write_weights_checkpoint(tmp_path / "ck", GPT2_CFG, randomized_state(GPT2_CFG), 1, tokenizer=str(secret))
     res = export_to_hf(tmp_path / "ck", tmp_path / "hf")
-    assert res.tokenizer is None and "gone.model" in res.note and "no longer exists" in res.note
-    assert not (tmp_path / "hf" / "tokenizer.model").exists()
+    assert res.tokenizer is None and not (tmp_path / "hf" / "tokenizer.model").exists()
+    assert res.note.startswith("no tokenizer exported: pass --tokenizer-model PATH") and str(secret) in res.note
+
+
+def test_a_tokenizer_flag_that_is_not_a_sentencepiece_model_is_refused_before_any_weight(tmp_path):
+    write_weights_checkpoint(tmp_path / "ck", GPT2_CFG, randomized_state(GPT2_CFG), 1)
+    for bad, match in ((tmp_path / "passwd", "is not a SentencePiece model"),
+                       (tmp_path / "empty.model", "is not a SentencePiece model"),
+                       (tmp_path / "gone.model", "No such file")):
+        if bad.name != "gone.model":
+            bad.write_bytes(b"root:x:0:0:root:/root:/bin/bash\n" if bad.name == "passwd" else b"")
+        with pytest.raises(ConversionError, match=rf"--tokenizer-model {bad}.*{match}"):
+            export_to_hf(tmp_path / "ck", tmp_path / "hf", tokenizer_model=bad)
+        assert not (tmp_path / "hf").exists()
+    big = train_tokenizer(tmp_path, vocab_size=VOCAB + 20, num_docs=200)
+    with pytest.raises(ConversionError, match=rf"has {VOCAB + 20} pieces but the model's vocabulary holds {VOCAB}"):
+        export_to_hf(tmp_path / "ck", tmp_path / "hf", tokenizer_model=big)
