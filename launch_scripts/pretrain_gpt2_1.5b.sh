@@ -2,12 +2,18 @@
 # Pretrain GPT-2 XL (1.5B) on one node of 8 GPUs: ZeRO-2 over 8 data-parallel ranks, bf16.
 # GPT-2 XL has 25 attention heads, so its only tensor-parallel sizes are 1, 5 and 25: keep TP=1.
 #
+# The first launch starts from scratch and later launches resume from CHECKPOINT_DIR (--save and --load
+# name the same folder). The ranks rendezvous on 127.0.0.1 only.
+#
 # Environment (defaults in brackets):
-#   DATA_PATH         [required] preprocessed data prefix(es), with optional blend weights: "0.7 a_text_document 0.3 b_text_document"
-#   TOKENIZER_MODEL   [required] SentencePiece model used to preprocess the data
+#   DATA_PATH         [required unless MOCK_DATA=1] preprocessed data prefix(es), with optional blend weights: "0.7 a_text_document 0.3 b_text_document"
+#   TOKENIZER_MODEL   [required unless MOCK_DATA=1] SentencePiece model used to preprocess the data
+#   MOCK_DATA         [0]     1: random tokens instead of DATA_PATH (smoke tests; give --vocab-size in MODEL_ARGS)
+#   MODEL_ARGS        [--model gpt2-xl]   the model flags (a smoke test passes a tiny shape instead)
 #   CHECKPOINT_DIR    [checkpoints/gpt2-1.5b]   where checkpoints are saved and resumed from
 #   TENSORBOARD_DIR   [runs/gpt2-1.5b]          TensorBoard event files
-#   GPUS_PER_NODE     [8]
+#   GPUS_PER_NODE     [8]     processes started on this node
+#   MASTER_PORT       [a free port]   rendezvous port on 127.0.0.1
 #   TP                [1]     tensor-model-parallel size (must divide 25 heads)
 #   ZERO_STAGE        [2]
 #   MICRO_BATCH       [8]
@@ -18,10 +24,21 @@
 #   MIN_LR            [1.0e-5]
 #   WARMUP_ITERS      [2000]
 #   SAVE_INTERVAL     [1000]
+#   EVAL_INTERVAL     [1000]
+#   EVAL_ITERS        [10]
+#   LOG_INTERVAL      [10]
 #   EXTRA_ARGS        []      appended to the trainer's flags
 set -euo pipefail
-: "${DATA_PATH:?set DATA_PATH to the preprocessed data prefix (see tools/preprocess_data.py)}"
-: "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to the SentencePiece model used for preprocessing}"
+MOCK_DATA="${MOCK_DATA:-0}"
+if [ "$MOCK_DATA" = "1" ]; then
+  DATA_ARGS="--mock-data"
+else
+  : "${DATA_PATH:?set DATA_PATH to the preprocessed data prefix (see tools/preprocess_data.py), or MOCK_DATA=1}"
+  : "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to the SentencePiece model used for preprocessing}"
+  DATA_ARGS="--data-path $DATA_PATH --split 949,50,1 --tokenizer-model $TOKENIZER_MODEL"
+fi
+MODEL_ARGS="${MODEL_ARGS:---model gpt2-xl}"
+MASTER_PORT="${MASTER_PORT:-$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-checkpoints/gpt2-1.5b}"
 TENSORBOARD_DIR="${TENSORBOARD_DIR:-runs/gpt2-1.5b}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
@@ -35,18 +52,25 @@ LR="${LR:-1.5e-4}"
 MIN_LR="${MIN_LR:-1.0e-5}"
 WARMUP_ITERS="${WARMUP_ITERS:-2000}"
 SAVE_INTERVAL="${SAVE_INTERVAL:-1000}"
+EVAL_INTERVAL="${EVAL_INTERVAL:-1000}"
+EVAL_ITERS="${EVAL_ITERS:-10}"
+LOG_INTERVAL="${LOG_INTERVAL:-10}"
 EXTRA_ARGS="${EXTRA_ARGS:-}"
 
+# One node: the c10d rendezvous listens on the loopback address (torchrun --standalone would take any interface).
 # shellcheck disable=SC2086
-exec torchrun --standalone --nproc-per-node "$GPUS_PER_NODE" -m hybrid.train \
-  --model gpt2-xl \
+exec torchrun --nnodes 1 --nproc-per-node "$GPUS_PER_NODE" \
+  --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$MASTER_PORT" --rdzv-id "gpt2-1.5b-$MASTER_PORT" \
+  -m hybrid.train \
+  $MODEL_ARGS \
   --tensor-model-parallel-size "$TP" --zero-stage "$ZERO_STAGE" \
   --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH" \
   --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS" \
   --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine --lr-warmup-iters "$WARMUP_ITERS" \
   --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02 \
   --bf16 --recompute-activations --recompute-granularity selective \
-  --data-path $DATA_PATH --split 949,50,1 --tokenizer-model "$TOKENIZER_MODEL" \
+  $DATA_ARGS \
   --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL" --keep-last 3 \
-  --eval-interval 1000 --eval-iters 10 --log-interval 10 --tensorboard-dir "$TENSORBOARD_DIR" \
+  --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS" --log-interval "$LOG_INTERVAL" \
+  --tensorboard-dir "$TENSORBOARD_DIR" \
   $EXTRA_ARGS

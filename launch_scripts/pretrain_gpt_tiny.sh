@@ -10,6 +10,7 @@
 # Environment (defaults in brackets):
 #   WORK_DIR        [runs/tiny]   everything the run writes
 #   NPROC           [4]           processes (CPU ranks)
+#   MASTER_PORT     [a free port] rendezvous port on 127.0.0.1
 #   TP              [2]           tensor-model-parallel size
 #   ZERO_STAGE      [1]
 #   TRAIN_ITERS     [300]         optimizer steps (CI lowers it)
@@ -22,6 +23,7 @@
 #   LOG_INTERVAL    [10]
 #   SAVE_INTERVAL   [100]
 #   MAX_DOCUMENTS   [0]           cap on corpus documents (0: all docstrings)
+#   MAX_NEW_TOKENS  [40]          length of the sample printed at the end
 #   SETUP           [1]           0 skips the virtual-environment set-up (use the active Python)
 #   EXTRA_ARGS      []            appended to the trainer's flags
 set -euo pipefail
@@ -40,12 +42,14 @@ EVAL_INTERVAL="${EVAL_INTERVAL:-50}"
 LOG_INTERVAL="${LOG_INTERVAL:-10}"
 SAVE_INTERVAL="${SAVE_INTERVAL:-100}"
 MAX_DOCUMENTS="${MAX_DOCUMENTS:-0}"
+MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-40}"
 SETUP="${SETUP:-1}"
 EXTRA_ARGS="${EXTRA_ARGS:-}"
 
 if [ "$SETUP" = "1" ]; then
   source launch_scripts/setup_env.sh
 fi
+MASTER_PORT="${MASTER_PORT:-$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
 mkdir -p "$WORK_DIR"
 stage() { printf '\n== %s\n' "$1"; STAGE_START=$(date +%s.%N); }
 stage_done() { awk -v a="$STAGE_START" -v b="$(date +%s.%N)" 'BEGIN { printf "   (%.1f s)\n", b - a }'; }
@@ -62,9 +66,11 @@ python tools/preprocess_data.py --input "$WORK_DIR/corpus.jsonl" --tokenizer-mod
 stage_done
 
 stage "3/4 pretraining: $NPROC CPU processes, TP=$TP, ZeRO-$ZERO_STAGE, $TRAIN_ITERS iterations"
-# One intra-op thread per rank: the ranks already share the cores.
+# One intra-op thread per rank: the ranks already share the cores. The c10d rendezvous listens on the
+# loopback address only (torchrun --standalone would take any interface).
 # shellcheck disable=SC2086
-OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node "$NPROC" -m hybrid.train \
+OMP_NUM_THREADS=1 torchrun --nnodes 1 --nproc-per-node "$NPROC" \
+  --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$MASTER_PORT" --rdzv-id "tiny-$MASTER_PORT" -m hybrid.train \
   --model tiny --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH" \
   --tensor-model-parallel-size "$TP" --zero-stage "$ZERO_STAGE" \
   --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS" \
@@ -78,7 +84,7 @@ stage_done
 
 stage "4/4 a sample from the trained model"
 python -m hybrid.training.generate --load "$WORK_DIR/checkpoints" --tokenizer-model "$WORK_DIR/tokenizer.model" \
-  --prompt "Return the" --max-new-tokens 40
+  --prompt "Return the" --max-new-tokens "$MAX_NEW_TOKENS"
 stage_done
 
 cat <<MSG

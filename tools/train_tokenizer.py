@@ -66,23 +66,24 @@ def main(argv=None) -> int:
     docs = counted(texts)
     start = time.perf_counter()
     try:
-        model = train_sentencepiece(
-            docs,
-            args.output_prefix,
-            vocab_size=args.vocab_size,
-            model_type=args.model_type,
-            character_coverage=args.character_coverage,
-            byte_fallback=args.byte_fallback,
-            max_sentence_length=args.max_sentence_length,
-            input_sentence_size=args.input_sentence_size,
-            num_threads=args.num_threads,
-            verbose=args.verbose,
-        )
+        try:
+            model = train_sentencepiece(
+                docs,
+                args.output_prefix,
+                vocab_size=args.vocab_size,
+                model_type=args.model_type,
+                character_coverage=args.character_coverage,
+                byte_fallback=args.byte_fallback,
+                max_sentence_length=args.max_sentence_length,
+                input_sentence_size=args.input_sentence_size,
+                num_threads=args.num_threads,
+                verbose=args.verbose,
+            )
+        finally:
+            bar.close()  # before any message, so that the error is a line of its own
     except (BadInputError, FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    finally:
-        bar.close()
     if bad:
         print(f"skipped {len(bad)} bad line(s): " + ", ".join(f"line {b.line} ({b.reason})" for b in bad[:20]))
     print(f"wrote {model} (vocab {args.vocab_size}, {args.model_type}) in {time.perf_counter() - start:.1f} s")

@@ -239,6 +239,11 @@ class DataConfig:
                                  help="do not train on predicting the token after an end-of-document")
     mock: bool = _field(False, flag="--mock-data", help="random tokens instead of data.path (benchmarks, smoke "
                                                         "tests)")
+    cache_path: Optional[str] = _field(None, flag="--data-cache-path",
+                                       help="directory for the sample-index cache (unset: index-cache/ beside the "
+                                            "data, or, when that is not writable, hybrid/index-cache/ under the "
+                                            "user's cache directory, else the temporary directory, with a "
+                                            "notice); every rank must see the same directory")
 
 
 @dataclasses.dataclass
@@ -266,6 +271,12 @@ class RunConfig:
                                           help="save and exit once the step count is a multiple of this")
     exit_duration_in_mins: Optional[float] = _field(None, gt=0.0, flag="--exit-duration-in-mins",
                                                     help="save and exit after this many minutes")
+    max_consecutive_skipped_steps: int = _field(
+        100, ge=0, flag="--max-consecutive-skipped-steps",
+        help="stop with an error after this many consecutive iterations whose optimizer step was skipped "
+             "(non-finite gradients) or whose loss was not finite; 0 never stops. The default stays above what "
+             "dynamic fp16 loss scaling skips while its scale falls at start-up (one step per halving, plus "
+             "hysteresis - 1: at most 17 from the default 2**16, 65 from the largest, 2**64)")
 
 
 @dataclasses.dataclass
@@ -331,8 +342,9 @@ class HybridConfig:
                                            help="recompute activations: selective unless --recompute-granularity "
                                                 "is given"),))
     tensorboard: TensorBoardConfig = _section(TensorBoardConfig, "the engine's TensorBoard scalars")
-    seed: int = _field(1234, ge=0, help="random seed (model init, data order, dropout); the trainer seeds with it "
-                                        "before building the model")
+    seed: int = _field(1234, ge=0, le=2**32 - 1,
+                       help="random seed (model init, data order, dropout); the trainer seeds Python's random, NumPy's "
+                            "global generator and torch with it before building the model")
     steps_per_print: int = _field(10, ge=0, help="the engine logs a progress line (logger 'hybrid.engine', rank 0) "
                                                 "every this many optimizer steps; 0 disables")
     use_fused_kernels: bool = _field(True, flag="--fused-kernels",

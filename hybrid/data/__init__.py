@@ -14,6 +14,8 @@ _EXPORTS = {
     "IndexedDataset": "indexed",
     "IndexedDatasetWriter": "indexed",
     "IndexFormatError": "indexed",
+    "DataError": "errors",
+    "DataFileNotFoundError": "errors",
     "best_dtype": "indexed",
     "merge_datasets": "indexed",
     "write_dataset": "indexed",

@@ -21,23 +21,27 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .errors import DataError
 from .gpt_dataset import GPTDataset, default_cache_dir
-from .index_cache import load_or_build
-from .indexed import IndexedDataset
+from .index_cache import fallback_dirs, load_or_build
+from .indexed import IndexedDataset, strip_extension
 
 SPLIT_NAMES = ("train", "valid", "test")
 DEFAULT_SURPLUS = 0.005
 
 
 def parse_data_path(data_path: Sequence[str] | str) -> list[tuple[float, str]]:
-    """``["0.3", "A", "0.7", "B"]`` or ``["A"]`` -> [(weight, prefix)], weights summing to 1."""
+    """``["0.3", "A", "0.7", "B"]`` or ``["A"]`` -> [(weight, prefix)], weights summing to 1.
+
+    A prefix given with its file's extension (``A.bin``, ``A.idx``) means ``A``.
+    """
     items = data_path.split() if isinstance(data_path, str) else [str(x) for x in data_path]
     if not items:
-        raise ValueError("--data-path is empty; give a prefix, or weight/prefix pairs like '0.3 A 0.7 B'")
+        raise DataError("--data-path is empty; give a prefix, or weight/prefix pairs like '0.3 A 0.7 B'")
     if len(items) == 1:
-        return [(1.0, items[0])]
+        return [(1.0, strip_extension(items[0]))]
     if len(items) % 2:
-        raise ValueError(
+        raise DataError(
             f"--data-path {' '.join(items)!r}: with several datasets give weight/prefix pairs, "
             f"e.g. '0.3 A 0.7 B' (got {len(items)} items)"
         )
@@ -46,10 +50,10 @@ def parse_data_path(data_path: Sequence[str] | str) -> list[tuple[float, str]]:
         try:
             w = float(weight)
         except ValueError:
-            raise ValueError(f"--data-path: {weight!r} should be the weight before prefix {prefix!r}") from None
+            raise DataError(f"--data-path: {weight!r} should be the weight before prefix {prefix!r}") from None
         if not (w > 0 and math.isfinite(w)):
-            raise ValueError(f"--data-path: weight {weight} of {prefix!r} must be a positive number")
-        pairs.append((w, prefix))
+            raise DataError(f"--data-path: weight {weight} of {prefix!r} must be a positive number")
+        pairs.append((w, strip_extension(prefix)))
     total = sum(w for w, _ in pairs)
     return [(w / total, p) for w, p in pairs]
 
@@ -58,13 +62,13 @@ def parse_split(split: str) -> tuple[float, float, float]:
     """``"949,50,1"`` (or ``"98/2/0"``) -> normalized (train, valid, test) fractions."""
     parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
     if not 1 <= len(parts) <= 3:
-        raise ValueError(f"--split {split!r}: expected up to three weights such as '949,50,1'")
+        raise DataError(f"--split {split!r}: expected up to three weights such as '949,50,1'")
     try:
         values = [float(p) for p in parts]
     except ValueError:
-        raise ValueError(f"--split {split!r}: weights must be numbers, e.g. '949,50,1'") from None
+        raise DataError(f"--split {split!r}: weights must be numbers, e.g. '949,50,1'") from None
     if any(v < 0 or not math.isfinite(v) for v in values) or sum(values) <= 0:
-        raise ValueError(f"--split {split!r}: weights must be non-negative with a positive sum")
+        raise DataError(f"--split {split!r}: weights must be non-negative with a positive sum")
     values += [0.0] * (3 - len(values))
     total = sum(values)
     return tuple(v / total for v in values)
@@ -102,7 +106,7 @@ class BlendedDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, datasets, weights, num_samples: int, cache_dir=None, description=None, rank=None,
-                 barrier=None):
+                 barrier=None, cache_fallbacks=()):
         if len(datasets) != len(weights) or not datasets:
             raise ValueError("BlendedDataset needs one weight per dataset")
         self.datasets, self.weights, self.num_samples = list(datasets), list(weights), num_samples
@@ -115,6 +119,7 @@ class BlendedDataset(torch.utils.data.Dataset):
                              build_blending_indices(weights, num_samples))),
             rank=rank,
             barrier=barrier,
+            fallbacks=cache_fallbacks,
         )
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
@@ -168,7 +173,8 @@ def build_train_valid_test_datasets(
             out.append(None)
             continue
         if fractions[s] == 0:
-            raise ValueError(f"{wanted} {name} samples requested but --split {split!r} gives {name} no data")
+            raise DataError(f"{wanted} {name} samples requested but --split {split!r} gives {name} no data; "
+                            f"give {name} a share in --split")
 
         def component(ds: IndexedDataset, n: int) -> GPTDataset:
             lo, hi = split_ranges(ds.num_documents, fractions)[s]
@@ -185,6 +191,8 @@ def build_train_valid_test_datasets(
         sizes = [int(math.ceil(w * wanted * (1 + surplus))) + blend_slack(len(weights)) for w in weights]
         parts = [component(ds, n) for ds, n in zip(indexed, sizes)]
         blend_dir = cache_dir if cache_dir is not None else default_cache_dir(pairs[0][1])
+        fallbacks = fallback_dirs(blend_dir) if cache_dir is None else ()
         description = [[os.path.abspath(p), w, len(c), name] for (w, p), c in zip(pairs, parts)]
-        out.append(BlendedDataset(parts, weights, wanted, blend_dir, description, rank=rank, barrier=barrier))
+        out.append(BlendedDataset(parts, weights, wanted, blend_dir, description, rank=rank, barrier=barrier,
+                                  cache_fallbacks=fallbacks))
     return out

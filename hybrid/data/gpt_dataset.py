@@ -31,7 +31,8 @@ import os
 import numpy as np
 import torch
 
-from .index_cache import load_or_build
+from .errors import DataError
+from .index_cache import fallback_dirs, load_or_build
 from .indexed import IndexedDataset
 
 INDEX_FORMAT_VERSION = 1
@@ -135,7 +136,8 @@ class GPTDataset(torch.utils.data.Dataset):
 
     Each sequence of the ``.idx`` counts as one document. ``num_samples=None``
     means one epoch. Index arrays are cached under ``cache_dir`` (default:
-    ``index-cache/`` beside the data; ``use_cache=False`` builds in memory):
+    ``index-cache/`` beside the data, or a fallback under the user's cache
+    directory when that is not writable; ``use_cache=False`` builds in memory):
     rank 0 builds, all ranks pass ``barrier`` (default: a world barrier when
     ``torch.distributed`` is initialized) and memory-map the files.
 
@@ -175,10 +177,11 @@ class GPTDataset(torch.utils.data.Dataset):
         self.tokens_per_epoch = int(lengths.sum(dtype=np.int64))
         self.samples_per_epoch = samples_per_epoch(self.tokens_per_epoch, seq_length)
         if self.samples_per_epoch == 0:
-            raise ValueError(
-                f"{split_name} split of {self.indexed.prefix} (sequences {start}..{end}) has "
-                f"{self.tokens_per_epoch} tokens, fewer than seq_length + 1 = {seq_length + 1}; "
-                f"use more data, a larger split fraction, or a shorter --seq-length"
+            raise DataError(
+                f"the {split_name} split of {self.indexed.prefix} (sequences {start}..{end}) has "
+                f"{self.tokens_per_epoch} tokens, fewer than seq_length + 1 = {seq_length + 1}: the dataset is "
+                f"too small; use more data (--data-path), a larger {split_name} share of --split, or a shorter "
+                f"--seq-length"
             )
         self.num_samples = self.samples_per_epoch if num_samples is None else int(num_samples)
         if self.num_samples < 0:
@@ -199,8 +202,10 @@ class GPTDataset(torch.utils.data.Dataset):
             "num_samples": self.num_samples,
             "seed": seed,
         }
+        fallbacks = ()
         if use_cache and cache_dir is None:
             cache_dir = default_cache_dir(self.indexed.prefix)
+            fallbacks = fallback_dirs(cache_dir)
         arrays = load_or_build(
             cache_dir if use_cache else None,
             description,
@@ -208,6 +213,7 @@ class GPTDataset(torch.utils.data.Dataset):
             lambda: build_gpt_indices(lengths, seq_length, self.num_samples, seed),
             rank=rank,
             barrier=barrier,
+            fallbacks=fallbacks,
         )
         # np.asarray keeps cached arrays memory-mapped but drops the np.memmap subclass,
         # whose slicing costs more per call.

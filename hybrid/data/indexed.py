@@ -30,6 +30,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from .errors import DataError, DataFileNotFoundError
+
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 HEADER_SIZE = len(INDEX_MAGIC) + 8 + 1 + 8 + 8  # 34 bytes
@@ -50,7 +52,7 @@ _CODE_OF_DTYPE = {dtype: code for code, dtype in DTYPE_CODES.items()}
 UINT16_VOCAB_LIMIT = 65500
 
 
-class IndexFormatError(ValueError):
+class IndexFormatError(DataError):
     """A ``.bin``/``.idx`` pair is malformed; the message names the file and the problem."""
 
 
@@ -89,6 +91,15 @@ def encode_index_header(dtype, sequence_count: int, document_count: int) -> byte
     )
 
 
+def strip_extension(prefix: str) -> str:
+    """A dataset prefix without a trailing ``.bin``/``.idx``: ``--data-path corpus.bin`` means ``corpus``.
+
+    The files of a prefix are always ``{prefix}.bin`` and ``{prefix}.idx``, so a
+    path that ends in either extension names one of them, not a prefix.
+    """
+    return prefix[:-4] if prefix.endswith((".bin", ".idx")) else prefix
+
+
 def _check_prefix_spelling(prefix: str) -> str:
     if prefix.endswith((".bin", ".idx")):
         return f" (pass the prefix without the extension, e.g. {prefix[:-4]!r})"
@@ -120,7 +131,7 @@ class IndexedDataset:
         hint = _check_prefix_spelling(self.prefix)
         for path, what in ((self.idx_file, "index"), (self.bin_file, "data")):
             if not os.path.isfile(path):
-                raise FileNotFoundError(
+                raise DataFileNotFoundError(
                     f"{what} file {path} not found: an indexed dataset is the pair "
                     f"{self.prefix}.bin/.idx written by tools/preprocess_data.py{hint}"
                 )

@@ -30,6 +30,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from .errors import DataError
 from .indexed import IndexedDatasetWriter, best_dtype
 from .tokenizer import SentencePieceTokenizer
 
@@ -38,7 +39,7 @@ BAD_LINE_POLICIES = ("abort", "skip")
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
 
-class BadInputError(ValueError):
+class BadInputError(DataError):
     """A bad input line under ``on_bad_line="abort"``."""
 
 
@@ -327,6 +328,7 @@ def preprocess(
                     rate = result.documents / max(time.perf_counter() - start, 1e-9)
                     bar.set_postfix_str(f"{result.documents} docs, {rate:.0f} docs/s", refresh=False)
                     next_log = result.documents + log_interval
+        _check_not_empty(input_path, result)
     except BaseException:
         for writer in writers:
             writer.abort()
@@ -341,6 +343,17 @@ def preprocess(
         writer.finalize()
     result.elapsed_s = time.perf_counter() - start
     return result
+
+
+def _check_not_empty(input_path: str, result: PreprocessResult) -> None:
+    """A dataset without a token trains nothing: refuse it rather than write it and exit 0."""
+    skipped = f" ({len(result.bad_lines)} bad line(s) skipped)" if result.bad_lines else ""
+    if result.documents == 0:
+        raise DataError(f"the corpus {input_path} is empty: it holds no documents{skipped}; nothing was "
+                        f"written. Check --input (and --json-keys)")
+    if sum(result.tokens.values()) == 0:
+        raise DataError(f"the corpus {input_path} is empty: its {result.documents} document(s) tokenize to no "
+                        f"tokens; nothing was written. Check --input and --json-keys (or pass --append-eod)")
 
 
 def _progress_bar(total_bytes: int, enabled: bool):

@@ -6,10 +6,13 @@ trained by :func:`train_sentencepiece` use ids unk=0, bos=1, eos=2, no pad.
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
+
+from .errors import DataError
 
 MODEL_TYPES = ("bpe", "unigram")
 
@@ -38,7 +41,7 @@ class SentencePieceTokenizer:
     def eod_id(self) -> int:
         eos = self._sp.eos_id()
         if eos < 0:
-            raise ValueError(
+            raise DataError(
                 f"tokenizer {self.model_path} has no eos piece to use as end-of-document; "
                 f"retrain it with an eos id (tools/train_tokenizer.py keeps eos_id=2)"
             )
@@ -104,11 +107,17 @@ def train_sentencepiece(
         raise ValueError(f"vocab_size must be at least 8, got {vocab_size}")
     if not 0.0 < character_coverage <= 1.0:
         raise ValueError(f"character_coverage must be in (0, 1], got {character_coverage}")
+    lines = _lines_of(documents)
+    first = next(lines, None)
+    if first is None:
+        # SentencePiece would fail with an internal message about its input; say what is wrong instead.
+        raise DataError("the corpus is empty: the input holds no line of text to train a tokenizer on; "
+                        "check --input (and --json-keys for jsonl)")
     model_prefix = os.fspath(model_prefix)
     parent = os.path.dirname(os.path.abspath(model_prefix))
     os.makedirs(parent, exist_ok=True)
     options = dict(
-        sentence_iterator=_lines_of(documents),
+        sentence_iterator=itertools.chain([first], lines),
         model_prefix=model_prefix,
         vocab_size=vocab_size,
         model_type=model_type,

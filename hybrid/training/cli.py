@@ -72,8 +72,14 @@ def _check_paths(config: HybridConfig) -> None:
                                  f"create it", "data.path")
     if data.tokenizer_model is not None and not os.path.isfile(data.tokenizer_model):
         raise _error(f"'data.tokenizer_model' {data.tokenizer_model}: no such file", "data.tokenizer_model")
-    if config.checkpoint.load is not None and not os.path.exists(config.checkpoint.load):
-        raise _error(f"'checkpoint.load' {config.checkpoint.load}: no such directory", "checkpoint.load")
+    # A --load folder that does not exist yet is the first launch of a job that saves and resumes in one
+    # place (--save DIR --load DIR); anywhere else it is a typo, refused rather than silently starting over.
+    load, save = config.checkpoint.load, config.checkpoint.save
+    if load is not None and not os.path.exists(load) and \
+            (save is None or os.path.abspath(load) != os.path.abspath(save)):
+        raise _error(f"'checkpoint.load' {load}: no such directory (a folder that does not exist yet is only "
+                     f"accepted when --save names the same folder, to start a run that will resume there)",
+                     "checkpoint.load")
 
 
 def _check_model(config: HybridConfig) -> None:

@@ -52,5 +52,5 @@ def build_data(config: HybridConfig, seq_length: int, vocab_size: int, global_ba
         return TrainData(MockDataset(train_samples, seq_length, vocab_size, seed), valid)
     train, valid, _ = build_train_valid_test_datasets(
         data.path, data.split, seq_length, (train_samples, valid_samples, 0), seed=seed,
-        eod_id=eod_id, eod_mask_loss=data.eod_mask_loss, rank=rank, barrier=barrier)
+        cache_dir=data.cache_path, eod_id=eod_id, eod_mask_loss=data.eod_mask_loss, rank=rank, barrier=barrier)
     return TrainData(train, valid)

@@ -14,6 +14,7 @@ sections (``model``, ``data``, ``checkpoint``, ``run``, ``eval``, ``logging``,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Optional, Sequence
@@ -21,23 +22,23 @@ from typing import Optional, Sequence
 import torch
 
 import hybrid
-from hybrid.checkpoint import has_checkpoint
-from hybrid.checkpoint.layout import parse_iteration_dir_name
-from hybrid.config import ConfigError, HybridConfig
+from hybrid.checkpoint import CheckpointError, find_resume_point, lock_save_dir
+from hybrid.config import HybridConfig
 from hybrid.config.parse import to_dotted
 from hybrid.data import GlobalBatchSampler, iter_global_batches
 from hybrid.distributed import destroy_distributed
+from hybrid.engine.builders import no_weight_decay_rule
 from hybrid.engine.checkpoint import load_engine, save_engine
 from hybrid.monitor import IterationMetrics, TrainingMonitor, resolve_peak_flops
 from hybrid.topology import Topology
 from hybrid.training.cli import parse_args, validate
 from hybrid.training.data import build_data
 from hybrid.training.exit import ExitConditions
+from hybrid.training.failure import flag_context, quiet_unless, run_main
+from hybrid.training.health import DivergenceGuard, TrainingDiverged, non_finite_weights_message
 from hybrid.training.model import model_config
-
-
-def _is_iteration_dir(path: str) -> bool:
-    return parse_iteration_dir_name(os.path.basename(os.path.normpath(path))) is not None
+from hybrid.training.seeding import seed_everything
+from hybrid.training.summary import count_exempt, optimizer_line
 
 
 def _log(topology: Topology, message: str) -> None:
@@ -54,12 +55,46 @@ class Trainer:
 
     def __init__(self, config: HybridConfig):
         self.config = config
+        self.save_lock = None
+        # Signals are only noted from the very start: a SIGTERM while building or loading (torchrun stopping
+        # the job because a peer failed) must not end this rank before it has said why the job failed.
+        self.exit = ExitConditions(config.run.exit_interval, config.run.exit_duration_in_mins)
+        try:
+            self._build(config)
+        except BaseException:
+            self.exit.restore()
+            if self.save_lock is not None:
+                self.save_lock.release()
+            self._abandon_collectives()
+            raise
+
+    def _abandon_collectives(self) -> None:
+        """After a failure: close the topology now, ignoring its in-flight collectives' errors.
+
+        They failed because this rank or a peer did; left to the exit hook they
+        would print a second, misleading traceback after the real error.
+        """
+        topology = getattr(self, "topology", None)
+        if topology is not None:
+            with contextlib.suppress(Exception):
+                topology.close()
+
+    def _build(self, config: HybridConfig) -> None:
         timeout_s = config.distributed.timeout_minutes * 60
         hybrid.init_distributed(timeout_s=timeout_s)
         # Unset tensor_parallel_size means 1 when hybrid builds the topology (as hybrid.initialize does).
         # The timeout reaches every TP/DP/PP group, not just the default one.
         self.topology = Topology(tp=config.tensor_parallel_size or 1, timeout_s=timeout_s)
         topo = self.topology
+        # Before the model is built, so that a refused start costs seconds: where --load resumes (an
+        # unclear one is an error, never a silent fresh start), and the --save folder becomes this run's
+        # until train() ends (a second job saving there is refused).
+        with flag_context(f"--load {config.checkpoint.load}"):
+            resume = find_resume_point(config.checkpoint.load) if config.checkpoint.load is not None else None
+        self.save_lock = None
+        if config.checkpoint.save is not None:
+            self.save_lock = lock_save_dir(config.checkpoint.save, holder=topo.rank == 0,
+                                           all_gather_object=topo.comm.all_gather_object)
         self.tokenizer = None
         if config.data.tokenizer_model is not None:
             from hybrid.data import SentencePieceTokenizer
@@ -69,16 +104,18 @@ class Trainer:
         self.model_config = model_config(config, vocab or 0).validate(topo.tp_size)
         from model_zoo import GPTModel, flops_per_token
 
-        torch.manual_seed(config.seed)
+        seed_everything(config.seed)
         self.model = GPTModel(self.model_config, topo, device=topo.device, seed=config.seed)
+        # Counted on the whole parameters, before an optimizer may partition them.
+        self._decay_exempt = count_exempt(self.model.named_parameters(), no_weight_decay_rule(config, None))
         self.engine = hybrid.initialize(self.model, config, topology=topo)
+        self.guard = DivergenceGuard(config.run.max_consecutive_skipped_steps, self.engine.optimizer.loss_scaler)
         self.batch = self.engine.batch
         self.iteration, self.consumed_samples = 0, 0
-        load = config.checkpoint.load
-        if load is not None and (has_checkpoint(load) or _is_iteration_dir(load)):
-            self._load(load)
-        elif load is not None:
-            _log(topo, f"--load {load}: no checkpoint there yet, starting from scratch")
+        if resume is not None:
+            self._load(str(resume))
+        elif config.checkpoint.load is not None:
+            _log(topo, f"--load {config.checkpoint.load}: no checkpoint there yet, starting from scratch")
         eod = self.tokenizer.eod_id if self.tokenizer else None
         self.data = build_data(config, self.model_config.seq_length, self.model_config.vocab_size,
                                self.batch.global_batch_size, eod, rank=topo.rank, barrier=topo.comm.barrier)
@@ -88,14 +125,19 @@ class Trainer:
             is_logging_rank=topo.rank == 0, seq_length=self.model_config.seq_length, world_size=topo.world_size,
             flops_per_token=flops_per_token(self.model_config), peak=peak,
             tensorboard_dir=config.logging.tensorboard_dir, device=topo.device)
-        self.exit = ExitConditions(config.run.exit_interval, config.run.exit_duration_in_mins)
         self.history = []  # (iteration, DP-averaged lm loss) of this run, for callers and tests
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def _load(self, path: str) -> None:
         ckpt = self.config.checkpoint
-        state = load_engine(self.engine, path, load_optimizer=not ckpt.finetune,
-                            keep_configured_schedule=ckpt.override_opt_param_scheduler)
+        with flag_context(f"--load {path}"):
+            try:
+                state = load_engine(self.engine, path, load_optimizer=not ckpt.finetune,
+                                    keep_configured_schedule=ckpt.override_opt_param_scheduler)
+            except ValueError as e:
+                # The components refuse a state that does not fit this run (another optimizer, parameter
+                # grouping, loss scaler) with a ValueError naming what differs: the checkpoint's problem.
+                raise CheckpointError(str(e)) from e
         if not ckpt.finetune:
             self.iteration = state["iteration"]
             self.consumed_samples = state["consumed_samples"]
@@ -114,10 +156,22 @@ class Trainer:
         return settings
 
     def save(self) -> None:
+        """Save a checkpoint of this iteration (collective); refused when the weights are not finite.
+
+        A save during a run of skipped steps is marked unhealthy, so that
+        ``--keep-last`` keeps the newest healthy checkpoint to resume from.
+        """
         ckpt = self.config.checkpoint
-        path = save_engine(self.engine, ckpt.save, self.iteration, consumed_samples=self.consumed_samples,
-                           client_state={"args": self.saved_settings()}, keep_last=ckpt.keep_last)
-        _log(self.topology, f"saved checkpoint {path}")
+        if not self.engine.optimizer.weights_finite():
+            self.monitor.flush_interval()
+            raise TrainingDiverged(non_finite_weights_message(self.iteration, ckpt.save))
+        with flag_context(f"--save {ckpt.save}"):
+            path = save_engine(self.engine, ckpt.save, self.iteration, consumed_samples=self.consumed_samples,
+                               client_state={"args": self.saved_settings()}, keep_last=ckpt.keep_last,
+                               healthy=self.guard.healthy)
+        note = "" if self.guard.healthy else (f" (marked unhealthy: {self.guard.consecutive} consecutive skipped "
+                                              f"step(s) before it)")
+        _log(self.topology, f"saved checkpoint {path}{note}")
 
     # ---- one iteration ----------------------------------------------------------------------------
     def _train_step(self, micro_batches) -> float:
@@ -162,6 +216,7 @@ class Trainer:
         save_interval = config.checkpoint.save_interval
         self.monitor.announce()
         self.monitor.log_hparams(to_dotted(config))
+        _log(topo, optimizer_line(config, *self._decay_exempt))
         _log(topo, f"training {self.model_config.num_layers}-layer GPT on {topo.describe().split(' rank=')[0]}, "
                    f"ZeRO stage {config.zero.stage}, {config.precision}, from iteration {self.iteration}")
         sampler = GlobalBatchSampler(len(self.data.train), self.consumed_samples, self.batch.micro_batch_size,
@@ -171,6 +226,7 @@ class Trainer:
             while self.iteration < train_iters:
                 start = time.perf_counter()
                 skipped_before = self.engine.skipped_steps
+                self.guard.before_step()
                 loss = self._train_step(next(batches))
                 self.iteration += 1
                 self.consumed_samples += self.batch.global_batch_size
@@ -182,6 +238,10 @@ class Trainer:
                     grad_norm=self.engine.get_grad_norm(),
                     loss_scale=self.engine.loss_scale if config.precision == "fp16" else None,
                     skipped=self.engine.skipped_steps > skipped_before))
+                diverged = self.guard.check(self.iteration, self.engine.skipped_steps > skipped_before, loss, topo)
+                if diverged is not None:
+                    self.monitor.flush_interval()
+                    raise TrainingDiverged(diverged)
                 if eval_interval and self.iteration % eval_interval == 0:
                     self._report_validation()
                 reason = self.exit.check(self.iteration, topo)
@@ -198,10 +258,15 @@ class Trainer:
             else:
                 if eval_interval and self.iteration % eval_interval != 0:
                     self._report_validation()
+        except BaseException:
+            self._abandon_collectives()
+            raise
         finally:
             self.exit.restore()
             self.monitor.close()
             self.engine.close()
+            if self.save_lock is not None:
+                self.save_lock.release()
         return self.iteration
 
     def _report_validation(self) -> None:
@@ -211,14 +276,24 @@ class Trainer:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    try:
+    """``hybrid-train``: 0 when training finished; a user error exits non-zero with one line from rank 0.
+
+    Settings, checkpoint and data errors exit 1, a diverged run 3 (see
+    :mod:`hybrid.training.failure`); a bug keeps its traceback.
+    """
+    return run_main(lambda: _train(argv))
+
+
+def _train(argv: Optional[Sequence[str]]) -> int:
+    # Every rank parses the same flags; argparse's usage errors are printed by rank 0 alone.
+    with quiet_unless(os.environ.get("RANK", "0") == "0"):
         config = parse_args(argv)
-        validate(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    except ConfigError as e:
-        raise SystemExit(f"hybrid-train: error: {e}") from None
+    validate(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     trainer = Trainer(config)
     trainer.train()
-    # No rank may tear down its connections while a peer still talks to it.
+    # No rank may tear down its connections while a peer still talks to it; then in-flight work and
+    # the per-axis groups go before the default group.
     trainer.topology.comm.barrier()
+    trainer.topology.close()
     destroy_distributed()
     return 0

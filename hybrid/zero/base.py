@@ -183,6 +183,23 @@ class ZeroOptimizer(abc.ABC):
         """
         return self._last_grad_norm
 
+    def weights_finite(self) -> bool:
+        """Whether every weight a checkpoint would hold is finite, on every rank (collective over ``world``).
+
+        Reads what each rank steps: its fp32 master partition and, where the
+        model's low-precision weights are separate tensors, this rank's rounded
+        copy of them (a finite fp32 value can still overflow fp16). Between
+        them the partitions of all ranks cover the whole model. One pass over
+        this rank's partition and one tiny all-reduce: cheap next to a save.
+        """
+        with torch.no_grad():
+            local = all(bool(torch.isfinite(t).all())
+                        for group in self.inner.groups
+                        for t in list(group.masters) + list(group.lowp or ()))
+        flag = torch.tensor([0.0 if local else 1.0], device=self.topology.device)
+        self.comm.all_reduce(flag, "world", op="max")
+        return flag.item() == 0.0
+
     def comm_report(self) -> Dict[str, Dict[str, float]]:
         """Bytes moved by collectives during the last global batch (forward, backward and step).
 

@@ -14,12 +14,12 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--vocab-size", "512", "--micro-batch-size", "1"]
 
 
-def _fails(argv, world, match, monkeypatch):
+def _fails(argv, world, match, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(SystemExit) as info:
         main(argv)
-    assert info.value.code != 0
-    text = str(info.value.code)
+    assert info.value.code == 1
+    (text,) = capsys.readouterr().err.splitlines()
     assert text.startswith("hybrid-train: error: "), text
     for part in match if isinstance(match, tuple) else (match,):
         assert part in text, text
@@ -61,8 +61,8 @@ def _fails(argv, world, match, monkeypatch):
     (MODEL + ["--mock-data", "--train-iters", "2", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2"], 1,
      ("'scheduler.decay_iters' (2) must be greater than 'scheduler.warmup_iters' (2)", "--lr-decay-iters")),
 ])
-def test_bad_settings_exit_before_training(argv, world, match, monkeypatch):
-    _fails(argv, world, match, monkeypatch)
+def test_bad_settings_exit_before_training(argv, world, match, monkeypatch, capsys):
+    _fails(argv, world, match, monkeypatch, capsys)
 
 
 def test_config_file_with_flat_keys_and_flag_override(tmp_path):
