@@ -140,3 +140,35 @@ def test_stopped_rank_ends_the_job_with_the_collective_named():
     # cannot act on SIGTERM while stopped) its fixed 30 s grace before SIGKILL.
     assert error_at <= 2 * timeout_s, (error_at, named)
     assert ended_at <= 2 * timeout_s + 35, ended_at
+
+
+def test_killed_rank_ends_the_job_and_the_last_checkpoint_resumes(tmp_path):
+    save = tmp_path / "ckpt"
+    args = [*TINY, "--tensor-model-parallel-size", "1", "--save", str(save), "--save-interval", "2"]
+    proc = subprocess.Popen(_torchrun(["-m", "hybrid.train", *args, "--train-iters", "100000"]), cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # wait for the second checkpoint
+            lines.append(line)
+            if "saved checkpoint" in line and "iter_0000004" in line:
+                break
+        else:
+            pytest.fail("the run ended before its second checkpoint:\n" + "".join(lines[-30:]))
+        os.kill({_rank_of(c): c for c in _children(proc.pid)}[1], signal.SIGKILL)
+        start = time.monotonic()
+        proc.wait(timeout=120)
+        ended_at = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    latest = (save / "latest").read_text().strip()
+    assert latest >= "iter_0000004", latest
+    resumed = subprocess.run(_torchrun(["-m", "hybrid.train", *args, "--load", str(save),
+                                        "--train-iters", str(int(latest[5:]) + 1)]),
+                             cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    print(f"\nkilled rank: job ended {ended_at:.1f} s after SIGKILL; resumed from {latest}")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"loaded {save / latest}" in resumed.stdout + resumed.stderr
