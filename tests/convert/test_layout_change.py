@@ -20,9 +20,10 @@ About the attention key bias: its true gradient is exactly zero (softmax is
 invariant to adding the same number to every score of a row), so what it
 receives is rounding noise that depends on the reduction order, which Adam
 normalises into steps of up to ~lr. Across layouts those rows differ by
-~4e-7 absolute (1e-4 of the tensor's largest entry), so they are compared in
-absolute terms (<= 1e-6, a thousandth of one Adam step); every other
-parameter, the q and v biases included, is compared at 1e-5 relative.
+4e-7 to 1.4e-6 absolute depending on the CPU's kernels, so they are compared
+in absolute terms against what Adam can move them (a hundredth of K steps of
+lr, tests/numerics.py); every other parameter, the q and v biases included,
+is compared at 1e-5 relative.
 """
 
 import os
@@ -36,13 +37,15 @@ from hybrid.checkpoint import CheckpointReader
 from hybrid.convert.consolidate import WEIGHT, CheckpointSource
 from hybrid.convert.fp32 import export_fp32
 from tests.multiproc import run_distributed
+from tests.numerics import adam_trajectory_tolerance
 
 K = 3
+LR = 1e-3  # the runs' --lr
 HIDDEN = 64
 TOL = 1e-5
 SMALL_MODEL = ["--num-layers", "2", "--hidden-size", str(HIDDEN), "--num-attention-heads", "4", "--seq-length", "32",
                "--vocab-size", "512", "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "4",
-               "--lr", "1e-3", "--lr-warmup-iters", "1", "--log-interval", "100", "--eval-interval", "0",
+               "--lr", str(LR), "--lr-warmup-iters", "1", "--log-interval", "100", "--eval-interval", "0",
                "--weight-decay", "0.1", "--clip-grad", "1.0", "--peak-tflops", "1", "--train-iters", str(2 * K)]
 
 
@@ -146,8 +149,9 @@ def _assert_weights_close(got, want):
         a, b = got[name], want[name]
         if name.endswith("attention.qkv_proj.bias"):  # rows [h, 2h) are the key bias: see the module docstring
             key = slice(HIDDEN, 2 * HIDDEN)
-            # Noise-driven, so only bounded in absolute terms: well below one Adam step (lr = 1e-3).
-            assert np.abs(a[key] - b[key]).max() <= 1e-6, f"{name}: key bias moved apart"
+            # Noise-driven: bounded by what Adam can move in K steps at lr 1e-3 (tests/numerics.py).
+            bound = adam_trajectory_tolerance(K, LR)
+            assert np.abs(a[key] - b[key]).max() <= bound, f"{name}: key bias moved apart"
             a, b = np.delete(a, np.s_[key]), np.delete(b, np.s_[key])
         assert _rel(a, b) <= TOL, f"{name}: relative difference {_rel(a, b):.2e}"
 
