@@ -122,6 +122,13 @@ class OpStats:
     calls: int = 0
     payload_bytes: int = 0
     wire_bytes: float = 0.0
+    inter_node_bytes: float = 0.0
+
+
+# What the backend really puts on the wire, where it differs from the ring model of ``wire_bytes``:
+# gloo reduces the whole buffer on every rank and keeps a slice, so its reduce-scatter moves an
+# all-reduce's bytes (measured at the interface: 2.0x the buffer in total at world 2, 6.0x at world 4).
+_SENDS_LIKE_ALL_REDUCE = {("gloo", "reduce_scatter")}
 
 
 class Communicator:
@@ -133,6 +140,7 @@ class Communicator:
         self._stats: Dict[Tuple[str, str], OpStats] = collections.defaultdict(OpStats)
         # Async operations launched and not yet waited for, so that teardown can wait for them first.
         self._in_flight: Dict[int, Handle] = {}
+        self._inter_node_sent = 0.0
 
     @property
     def timeout(self) -> Optional[datetime.timedelta]:
@@ -154,14 +162,44 @@ class Communicator:
         A point-to-point ``send`` puts its whole tensor on the wire; the matching
         ``recv`` counts the payload it received and no wire bytes (the sender
         counts them), so summing wire bytes over ranks counts each byte once.
+
+        ``inter_node_bytes`` is the part of what this rank sends that leaves
+        its node (:class:`~hybrid.topology.Nodes`), as the backend moves it. The
+        model: a collective is a ring in group-rank order, each rank sending to
+        the next (the last to the first), so its bytes cross when the next rank
+        sits on another node; a broadcast's root sends the buffer to every other
+        rank; a ``send`` crosses when its peer does. gloo's reduce-scatter is
+        counted at an all-reduce's volume, which is what it moves. Summed over a node's ranks it is what the node's link carries.
         """
         return {f"{op}/{axis}": dataclasses.asdict(s) for (op, axis), s in sorted(self._stats.items())}
 
-    def _record(self, op: str, axis: str, nbytes: int, wire_factor: float) -> None:
+    def inter_node_total(self) -> float:
+        """Bytes this rank has sent off its node since the communicator was made (never reset)."""
+        return self._inter_node_sent
+
+    def _record(self, op: str, axis: str, nbytes: int, wire_factor: float, peer: Optional[int] = None,
+                fan_out: Optional[List[int]] = None) -> None:
+        """Count one operation. ``peer``: the global rank a point-to-point transfer goes to; ``fan_out``: the
+        global ranks that each receive ``nbytes`` straight from this rank (a broadcast's root)."""
         s = self._stats[(op, axis)]
         s.calls += 1
         s.payload_bytes += nbytes
         s.wire_bytes += nbytes * wire_factor
+        nodes, me = self._topology.nodes, self._topology.rank
+        if fan_out is not None:
+            crossing = nbytes * sum(nodes.node_of(r) != nodes.node_of(me) for r in fan_out)
+        else:
+            ranks = self._topology.group_ranks(axis)
+            if peer is None:
+                peer = ranks[(ranks.index(me) + 1) % len(ranks)]
+            if (self._backend(axis), op) in _SENDS_LIKE_ALL_REDUCE:
+                wire_factor = 2.0 * (len(ranks) - 1) / len(ranks)
+            crossing = nbytes * wire_factor if nodes.node_of(peer) != nodes.node_of(me) else 0.0
+        s.inter_node_bytes += crossing
+        self._inter_node_sent += crossing
+
+    def _backend(self, axis: str) -> Optional[str]:
+        return dist.get_backend(self._group(axis)) if dist.is_available() and dist.is_initialized() else None
 
     # ---- helpers ----------------------------------------------------------------
     def size(self, axis: str) -> int:
@@ -268,8 +306,11 @@ class Communicator:
         n = self.size(axis)
         if n == 1:
             return
-        self._record("broadcast", axis, _nbytes(tensor), 1.0)
-        src_global = self._topology.group_ranks(axis)[src]
+        ranks = self._topology.group_ranks(axis)
+        src_global = ranks[src]
+        # gloo's broadcast sends from the root to every other rank directly.
+        self._record("broadcast", axis, _nbytes(tensor), 1.0,
+                     fan_out=[r for r in ranks if r != src_global] if self._topology.rank == src_global else [])
         with _named(self._name("broadcast", axis), self._timeout):
             dist.broadcast(tensor, src=src_global, group=self._group(axis))
 
@@ -307,7 +348,7 @@ class Communicator:
         verb = "send to" if op == "send" else "receive from"
         peer = self._peer(axis, rank, verb)
         # The sender counts the wire bytes, so summing over ranks counts each byte once.
-        self._record(op, axis, _nbytes(tensor), 1.0 if op == "send" else 0.0)
+        self._record(op, axis, _nbytes(tensor), 1.0 if op == "send" else 0.0, peer=peer)
         name = OpName(f"{op} {'to' if op == 'send' else 'from'} rank {rank}", axis,
                       tuple(self._topology.group_ranks(axis)))
         with _named(name, self._timeout):

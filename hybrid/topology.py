@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import os
+import warnings
 from typing import Dict, List, Optional
 
 import torch
@@ -127,6 +129,51 @@ class Grid:
         return [seen[k] for k in sorted(seen)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Nodes:
+    """Which node each rank runs on: consecutive blocks of ``ranks_per_node`` ranks.
+
+    torchrun numbers ranks node by node (node k holds ranks k*R .. k*R+R-1),
+    and the grid puts TP innermost, so a TP group stays on one node exactly
+    when its size divides R.
+    """
+
+    ranks_per_node: int
+
+    @classmethod
+    def build(cls, world_size: int, ranks_per_node: Optional[int] = None) -> "Nodes":
+        """``ranks_per_node`` given, else torchrun's ``LOCAL_WORLD_SIZE``, else one node holds every rank."""
+        source = "ranks_per_node"
+        if ranks_per_node is None:
+            env = os.environ.get("LOCAL_WORLD_SIZE")
+            ranks_per_node, source = (int(env), "LOCAL_WORLD_SIZE") if env else (world_size, "")
+        if not isinstance(ranks_per_node, int) or ranks_per_node < 1 or world_size % ranks_per_node:
+            raise TopologyError(f"the world size {world_size} is not a whole number of nodes of {ranks_per_node!r} "
+                                f"ranks ({source}); start the same number of processes on every node")
+        return cls(ranks_per_node)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def spans_nodes(self, ranks: List[int]) -> bool:
+        return len({self.node_of(r) for r in ranks}) > 1
+
+    def check_tp_groups(self, grid: Grid, allowed: bool, warn: bool) -> None:
+        """Refuse TP groups that cross nodes (every layer's collectives would ride the inter-node link),
+        unless ``allowed``; then say it once (``warn``) and go on."""
+        crossing = [g for g in grid.all_groups("tp") if self.spans_nodes(g)]
+        if not crossing:
+            return
+        fits = [d for d in range(1, self.ranks_per_node + 1) if self.ranks_per_node % d == 0]
+        message = (f"tensor-parallel groups of {grid.tp} ranks span nodes of {self.ranks_per_node} ranks (e.g. "
+                   f"ranks {crossing[0]}), so every layer's collectives cross the inter-node link; use a "
+                   f"tensor-parallel size that divides the ranks per node ({', '.join(map(str, fits))})")
+        if not allowed:
+            raise TopologyError(message + ", or allow it explicitly (--allow-tp-across-nodes)")
+        if warn:
+            warnings.warn("allowed by --allow-tp-across-nodes: " + message, stacklevel=3)
+
+
 def _check_axis(axis: str) -> None:
     if axis not in AXES:
         raise TopologyError(f"unknown axis {axis!r}; expected one of {', '.join(AXES)}")
@@ -143,10 +190,17 @@ class Topology:
     ``timeout_s`` bounds every wait of the communicator and is given to every
     process group created here; without it they keep the backend's default
     (the world group keeps what :func:`hybrid.init_distributed` set).
+
+    ``ranks_per_node`` (default: torchrun's ``LOCAL_WORLD_SIZE``, else one
+    node) places ranks on nodes (:class:`Nodes`). A TP group that would span
+    nodes is refused unless ``allow_tp_across_nodes`` (a Megatron-style
+    baseline over slow links wants exactly that), and the communicator counts
+    the bytes each rank sends off its node.
     """
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: Optional[int] = None, *,
-                 timeout_s: Optional[float] = None):
+                 timeout_s: Optional[float] = None, ranks_per_node: Optional[int] = None,
+                 allow_tp_across_nodes: bool = False):
         if dist.is_available() and dist.is_initialized():
             world_size, rank = dist.get_world_size(), dist.get_rank()
         else:
@@ -154,6 +208,8 @@ class Topology:
         self.grid = Grid.build(world_size, tp=tp, pp=pp, dp=dp)
         self.rank = rank
         self.coord = self.grid.coord_of(rank)
+        self.nodes = Nodes.build(world_size, ranks_per_node)
+        self.nodes.check_tp_groups(self.grid, allow_tp_across_nodes, warn=rank == 0)
         self._groups: Dict[str, object] = {}
         self.comm = Communicator(self, timeout_s=timeout_s)
         if world_size > 1:
@@ -172,6 +228,7 @@ class Topology:
         topo.grid = Grid(tp=1, dp=1, pp=1)
         topo.rank = 0
         topo.coord = Coord(0, 0, 0)
+        topo.nodes = Nodes(ranks_per_node=1)
         topo._groups = {}
         topo.comm = Communicator(topo, timeout_s=None)
         return topo

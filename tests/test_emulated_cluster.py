@@ -73,14 +73,18 @@ def test_two_emulated_nodes_train_over_a_shaped_link(tool):
         assert node.returncode == 0, f"{node.node.netns}: {node.killed or node.returncode}\n{node.output[-3000:]}"
     assert re.search(rf"iteration\s+{STEPS}/{STEPS}", result.nodes[0].output), result.nodes[0].output[-3000:]
 
-    # The DP traffic crossed the shaped link. The comparison is on interface bytes against the
-    # model-size estimate; the communicator's report has no inter-node key yet to compare with.
+    # The DP traffic crossed the shaped link: the interface counters against the communicator's own count of
+    # the bytes each node sent off-node (the trainer's last line), within 10%, and against the model-size estimate.
     estimate = estimated_link_bytes(STEPS)
+    counted = re.search(r"inter-node traffic \(bytes sent off each node\): (.*)", result.nodes[0].output)
+    assert counted, result.nodes[0].output[-3000:]
+    by_node = {int(k): int(b) for k, b in re.findall(r"node (\d+) (\d+)", counted.group(1))}
     for k, node in enumerate(result.nodes):
         sent = result.link_bytes[node.node.netns]["tx_bytes"]
         expected = estimate[f"node{k}"]
-        print(f"{node.node.netns}: tx {sent:,} B, estimate {expected:,.0f} B "
-              f"(shard {estimate['shard']:,} elements), ratio {sent / expected:.3f}")
+        print(f"{node.node.netns}: tx {sent:,} B, communicator {by_node[k]:,} B ({by_node[k] / sent:.3f} of tx), "
+              f"estimate {expected:,.0f} B (shard {estimate['shard']:,} elements), ratio {sent / expected:.3f}")
+        assert abs(by_node[k] - sent) <= 0.10 * sent, (k, by_node[k], sent)
         assert 0.8 * expected <= sent <= 1.5 * expected, (sent, expected)
     b0, b1 = (result.link_bytes[n.netns] for n in (node0, node1))
     assert b0["tx_bytes"] == b1["rx_bytes"] and b1["tx_bytes"] == b0["rx_bytes"]  # one point-to-point link

@@ -109,3 +109,55 @@ def test_process_groups_match_the_grid():
             assert got == expected, (rank, axis)
         assert res["gathered_tp"] == [float(r) for r in res["tp_ranks"]]
         assert res["tp"][2] == rank % tp
+
+
+def test_nodes_come_from_the_argument_or_torchrun(monkeypatch):
+    from hybrid.topology import Nodes
+
+    assert Nodes.build(8, 4).node_of(5) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert Nodes.build(8).ranks_per_node == 2
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert Nodes.build(8).ranks_per_node == 8  # one node
+    with pytest.raises(TopologyError, match="not a whole number of nodes of 3"):
+        Nodes.build(8, 3)
+
+
+def test_tp_groups_that_cross_nodes_are_refused_unless_allowed():
+    from hybrid.topology import Nodes
+
+    nodes = Nodes(ranks_per_node=2)
+    nodes.check_tp_groups(Grid(tp=2, dp=2, pp=1), allowed=False, warn=True)  # TP inside each node
+    with pytest.raises(TopologyError, match=r"span nodes of 2 ranks \(e.g. ranks \[0, 1, 2, 3\]\).*divides the "
+                                            r"ranks per node \(1, 2\).*--allow-tp-across-nodes"):
+        nodes.check_tp_groups(Grid(tp=4, dp=1, pp=1), allowed=False, warn=True)
+    with pytest.warns(UserWarning, match="allowed by --allow-tp-across-nodes"):
+        nodes.check_tp_groups(Grid(tp=4, dp=1, pp=1), allowed=True, warn=True)
+
+
+def _inter_node_counts():
+    import torch.distributed as dist
+
+    topo = Topology(tp=2, ranks_per_node=2)  # nodes {0, 1} and {2, 3}; DP groups {0, 2} and {1, 3}
+    buf = torch.ones(1000)
+    counts = {}
+    for axis in ("tp", "dp", "world"):
+        topo.comm.reset_stats()
+        topo.comm.all_reduce(buf, axis)
+        topo.comm.reduce_scatter_tensor(torch.empty(1000 // topo.size(axis)), buf, axis)
+        counts[axis] = {k: v["inter_node_bytes"] for k, v in topo.comm.report().items()}
+    return dist.get_rank(), counts, topo.comm.inter_node_total()
+
+
+def test_communicator_counts_the_bytes_that_leave_the_node():
+    results = run_distributed(_inter_node_counts, 4)
+    ring4 = 4000 * 2 * 3 / 4  # a 4000-byte buffer under a ring all-reduce at world 4
+    for rank, counts, total in results:
+        assert counts["tp"] == {"all_reduce/tp": 0.0, "reduce_scatter/tp": 0.0}  # TP stays on the node
+        # DP pairs sit on different nodes: everything a rank sends crosses. gloo's reduce-scatter moves an
+        # all-reduce's bytes, 2(n-1)/n = 1.0 of the buffer at n = 2.
+        assert counts["dp"] == {"all_reduce/dp": 4000.0, "reduce_scatter/dp": 4000.0}
+        # The world ring 0 -> 1 -> 2 -> 3 -> 0 crosses at 1 -> 2 and 3 -> 0.
+        crossing = ring4 if rank in (1, 3) else 0.0
+        assert counts["world"] == {"all_reduce/world": crossing, "reduce_scatter/world": crossing}, (rank, counts)
+        assert total == 8000.0 + 2 * crossing  # never reset

@@ -304,6 +304,10 @@ class DistributedConfig:
     """The process group."""
 
     timeout_minutes: float = _field(10.0, gt=0.0, help="a collective that waits longer than this fails")
+    allow_tp_across_nodes: bool = _field(False, flag="--allow-tp-across-nodes", help="accept tensor-parallel groups that span nodes (ranks per "
+                                                     "node from torchrun's LOCAL_WORLD_SIZE); refused otherwise, "
+                                                     "since every layer's collectives would cross the "
+                                                     "inter-node link")
 
 
 # ---- the root -------------------------------------------------------------------------------------

@@ -299,7 +299,8 @@ def initialize(model: torch.nn.Module, config: ConfigSource = None, topology: Op
         from hybrid.distributed import init_distributed
 
         init_distributed()
-        topology = Topology(tp=cfg.tensor_parallel_size or 1)
+        topology = Topology(tp=cfg.tensor_parallel_size or 1,
+                            allow_tp_across_nodes=cfg.distributed.allow_tp_across_nodes)
     elif cfg.tensor_parallel_size is not None and cfg.tensor_parallel_size != topology.tp_size:
         raise ConfigError(f"config key 'tensor_parallel_size' is {cfg.tensor_parallel_size} but the topology "
                           f"has tp={topology.tp_size}; leave the key unset to use the topology's, or build the "

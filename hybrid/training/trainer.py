@@ -84,7 +84,8 @@ class Trainer:
         hybrid.init_distributed(timeout_s=timeout_s)
         # Unset tensor_parallel_size means 1 when hybrid builds the topology (as hybrid.initialize does).
         # The timeout reaches every TP/DP/PP group, not just the default one.
-        self.topology = Topology(tp=config.tensor_parallel_size or 1, timeout_s=timeout_s)
+        self.topology = Topology(tp=config.tensor_parallel_size or 1, timeout_s=timeout_s,
+                                 allow_tp_across_nodes=config.distributed.allow_tp_across_nodes)
         topo = self.topology
         # Before the model is built, so that a refused start costs seconds: where --load resumes (an
         # unclear one is an error, never a silent fresh start), and the --save folder becomes this run's
@@ -258,6 +259,7 @@ class Trainer:
             else:
                 if eval_interval and self.iteration % eval_interval != 0:
                     self._report_validation()
+            self._report_inter_node_traffic()
         except BaseException:
             self._abandon_collectives()
             raise
@@ -268,6 +270,20 @@ class Trainer:
             if self.save_lock is not None:
                 self.save_lock.release()
         return self.iteration
+
+    def _report_inter_node_traffic(self) -> None:
+        """On more than one node, one line from rank 0: the bytes each node sent to the others (the
+        communicator's count, :meth:`hybrid.comm.Communicator.report`). Collective over the world."""
+        topo = self.topology
+        nodes = topo.nodes
+        if topo.world_size <= nodes.ranks_per_node:
+            return
+        sent = topo.comm.all_gather_object(topo.comm.inter_node_total())
+        per_node = [0.0] * (topo.world_size // nodes.ranks_per_node)
+        for rank, count in enumerate(sent):
+            per_node[nodes.node_of(rank)] += count
+        _log(topo, "inter-node traffic (bytes sent off each node): "
+                   + ", ".join(f"node {k} {int(b)}" for k, b in enumerate(per_node)))
 
     def _report_validation(self) -> None:
         loss = self.evaluate()

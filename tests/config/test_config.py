@@ -39,7 +39,7 @@ FULL = {
             "max_consecutive_skipped_steps": 20},
     "eval": {"interval": 25, "iters": 4},
     "logging": {"log_interval": 5, "tensorboard_dir": "tb", "peak_tflops": 312.0},
-    "distributed": {"timeout_minutes": 5.0},
+    "distributed": {"timeout_minutes": 5.0, "allow_tp_across_nodes": True},
 }
 
 
