@@ -54,8 +54,8 @@ def test_collectives_and_byte_accounting():
         # fp32 all-reduce of 8 elements over 4 ranks: payload 32 B, ring wire 2*(3/4)*32.
         assert rep["all_reduce/world"]["payload_bytes"] == 32 + 4
         assert rep["all_reduce/world"]["wire_bytes"] == pytest.approx(1.5 * 36)
-        assert rep["reduce_scatter/dp"] == {"calls": 1, "payload_bytes": 16, "wire_bytes": 8.0}
-        assert rep["all_gather/dp"] == {"calls": 1, "payload_bytes": 16, "wire_bytes": 8.0}
+        assert rep["reduce_scatter/dp"] == {"calls": 1, "payload_bytes": 16, "wire_bytes": 8.0, "inter_node_bytes": 0.0}
+        assert rep["all_gather/dp"] == {"calls": 1, "payload_bytes": 16, "wire_bytes": 8.0, "inter_node_bytes": 0.0}
         assert rep["all_reduce/dp"]["payload_bytes"] == 16
 
 
@@ -174,13 +174,13 @@ def test_point_to_point_between_pipeline_stages():
         rep = res["report"]
         if r == first:
             assert res["received"] == [float(last)] * 3
-            assert rep == {"send/pp": {"calls": 1, "payload_bytes": 24, "wire_bytes": 24.0},
-                           "recv/pp": {"calls": 1, "payload_bytes": 6, "wire_bytes": 0.0}}
+            assert rep == {"send/pp": {"calls": 1, "payload_bytes": 24, "wire_bytes": 24.0, "inter_node_bytes": 0.0},
+                           "recv/pp": {"calls": 1, "payload_bytes": 6, "wire_bytes": 0.0, "inter_node_bytes": 0.0}}
             assert "lost" not in res
         else:
             assert res["received"] == [100.0 * first + i for i in range(6)]
-            assert rep == {"recv/pp": {"calls": 1, "payload_bytes": 24, "wire_bytes": 0.0},
-                           "send/pp": {"calls": 1, "payload_bytes": 6, "wire_bytes": 6.0}}
+            assert rep == {"recv/pp": {"calls": 1, "payload_bytes": 24, "wire_bytes": 0.0, "inter_node_bytes": 0.0},
+                           "send/pp": {"calls": 1, "payload_bytes": 6, "wire_bytes": 6.0, "inter_node_bytes": 0.0}}
             status, waited = res["lost"]
             assert status == "error" and waited < 9.0
         assert "another rank of that group" in res["self_send"]
