@@ -41,6 +41,7 @@ import time
 from typing import Any, Callable, Iterator, Optional, Tuple
 
 from hybrid.checkpoint.errors import CheckpointError
+from hybrid.comm import CollectiveError
 from hybrid.config.errors import ConfigError
 from hybrid.data.errors import DataError
 from hybrid.distributed import DistributedEnvError
@@ -50,8 +51,10 @@ from hybrid.training.health import TrainingDiverged
 from hybrid.zero.flat_buffer import ZeroConfigError
 
 # CheckpointError covers its subclasses, hybrid.convert's ConversionError among them.
+# A CollectiveError (a peer stopped, died or unreachable within the timeout) is no bug of ours either: its
+# message names the operation, the axis and the ranks, which is what the user needs.
 USER_ERRORS = (ConfigError, CheckpointError, DataError, TrainingDiverged, DistributedEnvError, LayoutError,
-               TopologyError, ZeroConfigError)
+               CollectiveError, TopologyError, ZeroConfigError)
 PREFIX = "hybrid-train: error: "
 USER_ERROR_EXIT = 1
 _KEY = "hybrid-train/failure/"

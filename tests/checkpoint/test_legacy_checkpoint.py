@@ -58,8 +58,10 @@ def _same_layout(legacy, resave_dir, stage):
     return straight, resumed
 
 
-def _other_layouts(legacy):
-    return {stage: _run(_argv(stage, 1, 5, "--load", legacy)) for stage in (2, 3)}
+def _same_and_other_layouts(legacy):
+    """The same-layout continuation (the reference) and continuations under ZeRO-2 and ZeRO-3 at TP=1 x DP=4."""
+    reference = _run(_argv(1, 2, 5, "--load", legacy))
+    return reference, {stage: _run(_argv(stage, 1, 5, "--load", legacy)) for stage in (2, 3)}
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -87,8 +89,7 @@ def test_legacy_checkpoint_resumes_and_resaves_exactly(tmp_path, stage):
 def test_legacy_zero1_checkpoint_continues_in_other_layouts(tmp_path):
     copy = str(tmp_path / "legacy")
     shutil.copytree(os.path.join(OUT, "zero1"), copy)
-    reference = run_distributed(_same_layout, 4, copy, str(tmp_path / "resaved"), 1, timeout=240)[0][0]
-    others = run_distributed(_other_layouts, 4, copy, timeout=240)[0]
+    reference, others = run_distributed(_same_and_other_layouts, 4, copy, timeout=240)[0]
     for stage, history in others.items():
         assert [it for it, _ in history] == [4, 5]
         for (_, a), (_, b) in zip(history, reference):

@@ -10,6 +10,7 @@
   TP/DP group, not only the default one.
 """
 
+import concurrent.futures
 import os
 import re
 import signal
@@ -56,17 +57,22 @@ def _engine_run(stage: int) -> List[str]:
     return _torchrun([str(ROOT / "tests" / "faults" / "engine_script.py"), str(stage), "2"])
 
 
+def _one_run(k: int) -> str:
+    """Run ``k`` (trainer on even k, engine script on odd, stages 0-3 in turn); '' when it exited cleanly."""
+    stage = k % 4
+    cmd = _trainer_run(stage) if k % 2 == 0 else _engine_run(stage)
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    if proc.returncode == 0 and "terminate called" not in proc.stderr:
+        return ""
+    errors = [l for l in (proc.stdout + proc.stderr).splitlines() if "Error" in l or "error" in l or "terminate" in l]
+    return (f"run {k} ({'trainer' if k % 2 == 0 else 'engine'}, stage {stage}): exit {proc.returncode}\n"
+            + "\n".join(errors[:20]))
+
+
 def test_finished_runs_exit_zero_every_time():
-    failures = []
-    for k in range(RUNS):
-        stage = k % 4
-        cmd = _trainer_run(stage) if k % 2 == 0 else _engine_run(stage)
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
-        if proc.returncode != 0 or "terminate called" in proc.stderr:
-            errors = [l for l in (proc.stdout + proc.stderr).splitlines()
-                      if "Error" in l or "error" in l or "terminate" in l]
-            failures.append(f"run {k} ({'trainer' if k % 2 == 0 else 'engine'}, stage {stage}): exit "
-                            f"{proc.returncode}\n" + "\n".join(errors[:20]))
+    # Two jobs at a time: the suite's time, and teardown under a busy machine, which is when it used to abort.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        failures = [f for f in pool.map(_one_run, range(RUNS)) if f]
     assert not failures, "\n\n".join(failures)
 
 
@@ -115,8 +121,11 @@ def test_stopped_rank_ends_the_job_with_the_collective_named():
         error_at = None
         for line in proc.stdout:
             lines.append(line)
-            if error_at is None and "did not complete" in line:
+            if error_at is None and line.startswith("hybrid-train: error:") and "did not complete" in line:
                 error_at = time.monotonic() - start
+                # torchrun would now give the stopped process (which cannot act on SIGTERM) a fixed 30 s
+                # grace before SIGKILL; the failure is reported, so end it here and keep the suite short.
+                os.kill(stopped, signal.SIGKILL)
         proc.wait(timeout=120)
         ended_at = time.monotonic() - start
     finally:
@@ -132,14 +141,15 @@ def test_stopped_rank_ends_the_job_with_the_collective_named():
     text = "".join(lines)
     assert proc.returncode != 0
     assert error_at is not None, text[-3000:]
-    named = [l for l in lines if "did not complete" in l]
+    named = [l for l in lines if l.startswith("hybrid-train: error:") and "did not complete" in l]
     assert any("over 'tp'" in l or "over 'dp'" in l or "over 'world'" in l for l in named), named
+    # One line, not a traceback through the library (torchrun prints a traceback of its own afterwards).
+    assert "raise CollectiveError" not in text, text[-3000:]
     print(f"\nstopped rank: error after {error_at:.1f} s, job ended after {ended_at:.1f} s (timeout {timeout_s} s): "
           f"{named[0].strip()[:300]}")
-    # The surviving rank reports within twice the timeout; torchrun then gives the stopped process (which
-    # cannot act on SIGTERM while stopped) its fixed 30 s grace before SIGKILL.
+    # The surviving rank reports within twice the timeout, and the job ends (non-zero) right after.
     assert error_at <= 2 * timeout_s, (error_at, named)
-    assert ended_at <= 2 * timeout_s + 35, ended_at
+    assert ended_at <= 2 * timeout_s + 10, ended_at
 
 
 def test_killed_rank_ends_the_job_and_the_last_checkpoint_resumes(tmp_path):
