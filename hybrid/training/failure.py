@@ -52,7 +52,7 @@ from hybrid.zero.flat_buffer import ZeroConfigError
 
 # CheckpointError covers its subclasses, hybrid.convert's ConversionError among them.
 # A CollectiveError (a peer stopped, died or unreachable within the timeout) is no bug of ours either: its
-# message names the operation, the axis and the ranks, which is what the user needs.
+# message names the operation, the axis and the ranks; run_main first looks for the peer's own reason.
 USER_ERRORS = (ConfigError, CheckpointError, DataError, TrainingDiverged, DistributedEnvError, LayoutError,
                CollectiveError, TopologyError, ZeroConfigError)
 PREFIX = "hybrid-train: error: "
@@ -236,15 +236,18 @@ def run_main(body: Callable[[], int]) -> int:
         return body()
     except Exception as exc:  # noqa: BLE001 - sorted below: user errors end quietly, the rest re-raise
         store = _store()
-        if is_user_error(exc):
+        found = None
+        if store is not None and (not is_user_error(exc) or isinstance(exc, CollectiveError)):
+            # A broken collective is usually the consequence of a peer's failure, whose record says why.
+            found = peer_failure(store, world)
+        if found is not None:
+            code, line = found
+        elif is_user_error(exc):
             code, line = exit_code(exc), error_line(exc)
             if store is not None:
                 record(store, rank, code, line)
         else:
-            found = peer_failure(store, world) if store is not None else None
-            if found is None:
-                raise
-            code, line = found
+            raise
         if store is not None:
             # torchrun sends SIGTERM to the other ranks as soon as one exits: this rank is ending anyway, and
             # must end with the recorded status (not -15), after saying why.
