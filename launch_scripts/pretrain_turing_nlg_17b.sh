@@ -39,14 +39,8 @@
 #   LOG_INTERVAL      [10]
 #   EXTRA_ARGS        []
 set -euo pipefail
-MOCK_DATA="${MOCK_DATA:-0}"
-if [ "$MOCK_DATA" = "1" ]; then
-  DATA_ARGS="--mock-data"
-else
-  : "${DATA_PATH:?set DATA_PATH to the preprocessed data prefix (see tools/preprocess_data.py), or MOCK_DATA=1}"
-  : "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to the SentencePiece model used for preprocessing}"
-  DATA_ARGS="--data-path $DATA_PATH --split 949,50,1 --tokenizer-model $TOKENIZER_MODEL"
-fi
+# shellcheck disable=SC1091
+source "$(dirname "${BASH_SOURCE[0]}")/data_args.sh"
 MODEL_ARGS="${MODEL_ARGS:---model turing-nlg-17b}"
 SEQ_LENGTH="${SEQ_LENGTH:-1024}"
 NNODES="${NNODES:-1}"
