@@ -18,6 +18,8 @@ A group of size one never communicates and moves zero bytes.
 Other modules touch ``torch.distributed`` only to set the process groups up,
 never to move training data:
 
+* :mod:`hybrid.ring` is part of this module: the ring reduce-scatter it runs
+  on gloo, as point-to-point messages;
 * :mod:`hybrid.distributed` creates and destroys the default (world) group;
 * :mod:`hybrid.topology` reads the world's rank, size and backend and creates
   the per-axis groups (``new_group`` is itself collective over the world);
@@ -34,10 +36,13 @@ import collections
 import contextlib
 import dataclasses
 import datetime
-from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Tuple
+import time
+from typing import TYPE_CHECKING, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from hybrid.ring import RingReduceScatter
 
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.topology import Topology
@@ -85,15 +90,22 @@ def _named(name: OpName, timeout: Optional[datetime.timedelta]) -> Iterator[None
 
 
 class Handle:
-    """Result of an async collective. :meth:`wait` blocks until it is done (at most the communicator's timeout)."""
+    """Result of an async collective. :meth:`wait` blocks until it is done (at most the communicator's timeout).
+
+    ``work``: the backend's work object, waited for inside ``guard()`` (which
+    names the operation in errors and counts the time blocked); ``finish``:
+    what completes the operation after that (a division, the remaining steps
+    of a ring).
+    """
 
     def __init__(self, work=None, finish: Optional[Callable[[], None]] = None,
-                 timeout: Optional[datetime.timedelta] = None, name: Optional[OpName] = None,
+                 timeout: Optional[datetime.timedelta] = None,
+                 guard: Optional[Callable[[], ContextManager[None]]] = None,
                  on_done: Optional[Callable[["Handle"], None]] = None):
         self._work = work
         self._finish = finish
         self._timeout = timeout
-        self._name = name
+        self._guard = guard or contextlib.nullcontext
         self._on_done = on_done
         self._done = work is None and finish is None
 
@@ -101,7 +113,7 @@ class Handle:
         if self._done:
             return
         if self._work is not None:
-            with _named(self._name or OpName("collective", "?", ()), self._timeout):
+            with self._guard():
                 if self._timeout is not None:
                     self._work.wait(self._timeout)
                 else:
@@ -125,10 +137,9 @@ class OpStats:
     inter_node_bytes: float = 0.0
 
 
-# What the backend really puts on the wire, where it differs from the ring model of ``wire_bytes``:
-# gloo reduces the whole buffer on every rank and keeps a slice, so its reduce-scatter moves an
-# all-reduce's bytes (measured at the interface: 2.0x the buffer in total at world 2, 6.0x at world 4).
-_SENDS_LIKE_ALL_REDUCE = {("gloo", "reduce_scatter")}
+# Backends whose own reduce-scatter sends an all-reduce's bytes (gloo: measured 2.0x the buffer in total
+# at world 2, 6.0x at world 4); the communicator runs a ring of point-to-point messages there instead.
+_RING_REDUCE_SCATTER_BACKENDS = {"gloo"}
 
 
 class Communicator:
@@ -141,6 +152,10 @@ class Communicator:
         # Async operations launched and not yet waited for, so that teardown can wait for them first.
         self._in_flight: Dict[int, Handle] = {}
         self._inter_node_sent = 0.0
+        self._blocked_s = 0.0
+        # Rings of point-to-point messages still running, advanced whenever this rank communicates.
+        self._rings: List[RingReduceScatter] = []
+        self._ring_sequence: Dict[str, int] = collections.defaultdict(int)
 
     @property
     def timeout(self) -> Optional[datetime.timedelta]:
@@ -173,6 +188,15 @@ class Communicator:
         """
         return {f"{op}/{axis}": dataclasses.asdict(s) for (op, axis), s in sorted(self._stats.items())}
 
+    def blocked_seconds(self) -> float:
+        """Seconds this rank's thread has spent waiting for communication since the communicator was made.
+
+        Blocking collectives count whole; async ones count the time spent in
+        :meth:`Handle.wait`. This is the communication that compute did not
+        hide (the "exposed" part of a step).
+        """
+        return self._blocked_s
+
     def inter_node_total(self) -> float:
         """Bytes this rank has sent off its node since the communicator was made (never reset)."""
         return self._inter_node_sent
@@ -192,8 +216,6 @@ class Communicator:
             ranks = self._topology.group_ranks(axis)
             if peer is None:
                 peer = ranks[(ranks.index(me) + 1) % len(ranks)]
-            if (self._backend(axis), op) in _SENDS_LIKE_ALL_REDUCE:
-                wire_factor = 2.0 * (len(ranks) - 1) / len(ranks)
             crossing = nbytes * wire_factor if nodes.node_of(peer) != nodes.node_of(me) else 0.0
         s.inter_node_bytes += crossing
         self._inter_node_sent += crossing
@@ -211,15 +233,31 @@ class Communicator:
     def _name(self, op: str, axis: str) -> OpName:
         return OpName(op, axis, tuple(self._topology.group_ranks(axis)))
 
+    @contextlib.contextmanager
+    def _guard(self, name: OpName) -> Iterator[None]:
+        """Around every wait: count the time blocked, and name the operation in a backend error."""
+        start = time.perf_counter()
+        try:
+            with _named(name, self._timeout):
+                yield
+        finally:
+            self._blocked_s += time.perf_counter() - start
+
     def _launch(self, op: str, axis: str, fn, async_op: bool, finish: Optional[Callable[[], None]] = None):
+        self._advance_rings()
         name = self._name(op, axis)
-        with _named(name, self._timeout):
+        with self._guard(name):
             work = fn(async_op)
-        if not async_op:
-            if finish is not None:
+            if not async_op and finish is not None:
                 finish()
+        if not async_op:
             return None
-        return self._track(Handle(work, finish, self._timeout, name, self._untrack))
+        return self._track(Handle(work, finish, self._timeout, lambda: self._guard(name), self._untrack))
+
+    def _advance_rings(self) -> None:
+        """Move every ring in flight on as far as its messages have arrived, without blocking."""
+        if self._rings:
+            self._rings = [ring for ring in self._rings if not ring.advance(block=False)]
 
     def _track(self, handle: Handle) -> Handle:
         self._in_flight[id(handle)] = handle
@@ -286,10 +324,32 @@ class Communicator:
                 output.copy_(input.view_as(output))
             return Handle() if async_op else None
         self._record("reduce_scatter", axis, _nbytes(input), (n - 1) / n)
+        if self._backend(axis) in _RING_REDUCE_SCATTER_BACKENDS:
+            return self._ring_reduce_scatter(output, input, axis, op, async_op)
         finish = (lambda: output.div_(n)) if op == "avg" else None
         return self._launch("reduce_scatter", axis, lambda a: _reduce_scatter_flat(
             output, input, op=_REDUCE_OPS[op], group=self._group(axis), async_op=a),
             async_op, finish)
+
+    def _ring_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, axis: str, op: str,
+                             async_op: bool) -> Optional[Handle]:
+        """:class:`~hybrid.ring.RingReduceScatter` over ``axis``: ``(n-1)/n`` of ``input`` sent per rank."""
+        if op not in ("sum", "avg"):
+            raise ValueError(f"reduce_scatter_tensor over {axis}: op {op!r} is not supported on this backend "
+                             f"(sum or avg)")
+        self._advance_rings()
+        name = self._name("reduce_scatter", axis)
+        sequence = self._ring_sequence[axis]
+        self._ring_sequence[axis] += 1
+        with self._guard(name):
+            ring = RingReduceScatter(output, input, self._group(axis), list(self._topology.group_ranks(axis)),
+                                     self._topology.rank_in(axis), sequence, self._timeout,
+                                     lambda: self._guard(name), divide_by=self.size(axis) if op == "avg" else None)
+        if not async_op:
+            ring.finish()
+            return None
+        self._rings.append(ring)
+        return self._track(Handle(None, ring.finish, self._timeout, None, self._untrack))
 
     def all_gather(self, tensors: List[torch.Tensor], input: torch.Tensor, axis: str) -> None:
         """Gather equally shaped ``input`` from every rank of ``axis`` into the list ``tensors``."""
@@ -298,7 +358,7 @@ class Communicator:
             tensors[0].copy_(input)
             return
         self._record("all_gather", axis, _nbytes(input) * n, (n - 1) / n)
-        with _named(self._name("all_gather", axis), self._timeout):
+        with self._guard(self._name("all_gather", axis)):
             dist.all_gather(tensors, input, group=self._group(axis))
 
     def broadcast(self, tensor: torch.Tensor, axis: str, src: int = 0) -> None:
@@ -311,7 +371,7 @@ class Communicator:
         # gloo's broadcast sends from the root to every other rank directly.
         self._record("broadcast", axis, _nbytes(tensor), 1.0,
                      fan_out=[r for r in ranks if r != src_global] if self._topology.rank == src_global else [])
-        with _named(self._name("broadcast", axis), self._timeout):
+        with self._guard(self._name("broadcast", axis)):
             dist.broadcast(tensor, src=src_global, group=self._group(axis))
 
     def all_gather_object(self, obj, axis: str = "world") -> list:
@@ -320,14 +380,14 @@ class Communicator:
         if n == 1:
             return [obj]
         out: list = [None] * n
-        with _named(self._name("all_gather_object", axis), self._timeout):
+        with self._guard(self._name("all_gather_object", axis)):
             dist.all_gather_object(out, obj, group=self._group(axis))
         return out
 
     def barrier(self, axis: str = "world") -> None:
         if self.size(axis) == 1:
             return
-        with _named(self._name("barrier", axis), self._timeout):
+        with self._guard(self._name("barrier", axis)):
             dist.barrier(group=self._group(axis))
 
     # ---- point to point ---------------------------------------------------------
@@ -351,9 +411,10 @@ class Communicator:
         self._record(op, axis, _nbytes(tensor), 1.0 if op == "send" else 0.0, peer=peer)
         name = OpName(f"{op} {'to' if op == 'send' else 'from'} rank {rank}", axis,
                       tuple(self._topology.group_ranks(axis)))
-        with _named(name, self._timeout):
+        self._advance_rings()
+        with self._guard(name):
             work = issue(tensor, peer, group=self._group(axis))
-        handle = Handle(work, None, self._timeout, name, self._untrack)
+        handle = Handle(work, None, self._timeout, lambda: self._guard(name), self._untrack)
         if async_op:
             return self._track(handle)
         handle.wait()

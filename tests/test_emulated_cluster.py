@@ -49,13 +49,12 @@ def estimated_link_bytes(steps: int) -> dict:
     """What each node's veth should send, from the model size alone (payload, no TCP/IP headers).
 
     One TP rank's shard holds S fp32 elements; the node's TP ranks are each in a DP group of two
-    that spans the link. Per step each of them sends, under gloo: the gradient reduction at
-    1.0 x 4S (gloo's reduce-scatter moves what its all-reduce moves: at world 2, the whole buffer
-    per rank) and the ZeRO-1 all-gather of the new weights at 0.5 x 4S. Once at the start, node 0
-    broadcasts the weights over DP: 4S per TP rank.
+    that spans the link. Per step each of them sends the ring reduce-scatter of the gradients,
+    0.5 x 4S at world 2, and the ZeRO-1 all-gather of the new weights, 0.5 x 4S: together one
+    all-reduce's bytes. Once at the start, node 0 broadcasts the weights over DP: 4S per TP rank.
     """
     shard = sum(p.numel for p in shard_shapes(GPTConfig(**MODEL), TP))
-    per_step = RANKS_PER_NODE * 1.5 * 4 * shard
+    per_step = RANKS_PER_NODE * 1.0 * 4 * shard
     return {"node1": steps * per_step, "node0": steps * per_step + RANKS_PER_NODE * 4 * shard, "shard": shard}
 
 

@@ -154,10 +154,10 @@ def test_communicator_counts_the_bytes_that_leave_the_node():
     ring4 = 4000 * 2 * 3 / 4  # a 4000-byte buffer under a ring all-reduce at world 4
     for rank, counts, total in results:
         assert counts["tp"] == {"all_reduce/tp": 0.0, "reduce_scatter/tp": 0.0}  # TP stays on the node
-        # DP pairs sit on different nodes: everything a rank sends crosses. gloo's reduce-scatter moves an
-        # all-reduce's bytes, 2(n-1)/n = 1.0 of the buffer at n = 2.
-        assert counts["dp"] == {"all_reduce/dp": 4000.0, "reduce_scatter/dp": 4000.0}
+        # DP pairs sit on different nodes: everything a rank sends crosses. The ring reduce-scatter sends
+        # (n-1)/n = half the buffer at n = 2, half of what the all-reduce sends.
+        assert counts["dp"] == {"all_reduce/dp": 4000.0, "reduce_scatter/dp": 2000.0}
         # The world ring 0 -> 1 -> 2 -> 3 -> 0 crosses at 1 -> 2 and 3 -> 0.
         crossing = ring4 if rank in (1, 3) else 0.0
-        assert counts["world"] == {"all_reduce/world": crossing, "reduce_scatter/world": crossing}, (rank, counts)
-        assert total == 8000.0 + 2 * crossing  # never reset
+        assert counts["world"] == {"all_reduce/world": crossing, "reduce_scatter/world": crossing / 2}, (rank, counts)
+        assert total == 6000.0 + 1.5 * crossing  # never reset

@@ -1,0 +1,83 @@
+"""The ring reduce-scatter the communicator runs on gloo (hybrid.ring), against a float64 reference.
+
+Each rank's input is made from (seed, rank) alone, so every rank can build every other rank's
+input and the exact sum. The ring adds n fp32 numbers in one fixed order per chunk; the error of
+such a sum is at most (n-1) eps * sum|x| (each addition rounds once), which is the bound used.
+"""
+
+import pytest
+import torch
+
+from hybrid.topology import Topology
+from tests.multiproc import run_distributed
+
+K = 1000  # elements per chunk
+
+
+def _input(rank: int, n: int, tag: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * tag + rank)
+    return torch.randn(n * K, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _rings(tp: int):
+    """Several reduce-scatters over 'dp', interleaved with other collectives and waited out of order."""
+    topo = Topology(tp=tp)
+    comm, n, me = topo.comm, topo.size("dp"), topo.rank_in("dp")
+    ranks = topo.group_ranks("dp")
+    out = {"n": n, "me": me, "ranks": ranks, "results": {}}
+    # 1: blocking, separate output
+    a = _input(topo.rank, n, 1)
+    part = torch.empty(K)
+    comm.reduce_scatter_tensor(part, a, "dp")
+    out["results"][1] = part
+    again = torch.empty(K)
+    comm.reduce_scatter_tensor(again, a, "dp")
+    out["deterministic"] = torch.equal(part, again)
+    # 2 and 3: async, in flight together with an all-reduce, waited in reverse order; 3 in place
+    b, c = _input(topo.rank, n, 2), _input(topo.rank, n, 3)
+    pb = torch.empty(K)
+    hb = comm.reduce_scatter_tensor(pb, b, "dp", async_op=True)
+    pc = c[me * K: (me + 1) * K]
+    hc = comm.reduce_scatter_tensor(pc, c, "dp", async_op=True)
+    x = torch.ones(7)
+    comm.all_reduce(x, "world")
+    hc.wait()
+    hb.wait()
+    out["results"][2], out["results"][3] = pb, pc.clone()
+    out["allreduce"] = x[0].item()
+    # 4: average, bf16
+    d = _input(topo.rank, n, 4, torch.bfloat16)
+    pd = torch.empty(K, dtype=torch.bfloat16)
+    comm.reduce_scatter_tensor(pd, d, "dp", op="avg")
+    out["results"][4] = pd
+    # Plain lists: tensors returned from a child process travel as shared-memory handles that die with it.
+    out["results"] = {t: v.double().tolist() for t, v in out["results"].items()}
+    out["report"] = comm.report()
+    out["blocked"] = comm.blocked_seconds()
+    return out
+
+
+@pytest.mark.parametrize("world,tp", [(3, 1), (4, 1), (4, 2)])
+def test_ring_reduce_scatter_matches_a_float64_sum(world, tp):
+    results = run_distributed(_rings, world, tp)
+    for res in results:
+        n, me, ranks = res["n"], res["me"], res["ranks"]
+        for tag in (1, 2, 3, 4):
+            dtype = torch.bfloat16 if tag == 4 else torch.float32
+            inputs = [_input(r, n, tag, dtype).double() for r in ranks]
+            exact = sum(inputs)[me * K: (me + 1) * K]
+            scale = sum(x.abs() for x in inputs)[me * K: (me + 1) * K]
+            got = torch.tensor(res["results"][tag], dtype=torch.float64)
+            if tag == 4:
+                exact, scale = exact / n, scale / n
+            eps = torch.finfo(dtype).eps
+            # n-1 roundings in the sum (one more for bf16's final division, exact for n a power of 2 but not 3)
+            bound = (n + 1) * eps * scale
+            assert torch.all((got - exact).abs() <= bound), (tag, (got - exact).abs().max())
+        assert res["allreduce"] == world
+        assert res["deterministic"]  # one fixed order of additions per chunk
+        # The ring sends (n-1)/n of the buffer per rank, the ideal volume.
+        rep = res["report"]["reduce_scatter/dp"]
+        assert rep["calls"] == 5
+        assert rep["wire_bytes"] == pytest.approx(rep["payload_bytes"] * (n - 1) / n)
+        assert res["blocked"] > 0.0
