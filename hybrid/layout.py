@@ -77,6 +77,28 @@ def partition_count(stage: int, dp: int) -> int:
     return dp if stage_traits(stage).optimizer_states else 1
 
 
+def keeps_whole_gradients(traits: StageTraits, reduce_once: bool = False) -> bool:
+    """Whether each rank accumulates the whole gradient and reduces it once per step, on the last micro-step.
+
+    Otherwise (the stages that partition gradients) a rank keeps only its
+    gradient partition, so every micro-step's gradients are reduced as
+    backward produces them. ``reduce_once`` (``zero.reduce_once``) makes a stage
+    that partitions gradients but not parameters keep them whole instead: the
+    data-parallel bytes of stage 1 for the gradient memory of stage 1.
+    """
+    return not traits.gradients or (reduce_once and not traits.parameters)
+
+
+def reduce_once_problem(stage: int, reduce_once: bool) -> Optional[str]:
+    """Why ``zero.reduce_once`` cannot be used at ``stage`` (None when it can)."""
+    traits = stage_traits(stage)
+    if reduce_once and traits.parameters:
+        allowed = [s for s in ZeroStage if not STAGE_TRAITS[s].parameters]
+        return (f"zero.reduce_once needs ZeRO stage {_stage_list(allowed)}: stage {int(stage)} partitions the "
+                f"parameters, so its gradients are produced one unit at a time and reduced as they come")
+    return None
+
+
 def offload_problem(stage: int, offload: str) -> Optional[str]:
     """Why ``offload`` cannot be used at ``stage`` (None when it can): the offload rule, written once."""
     if offload not in OFFLOAD_DEVICES:

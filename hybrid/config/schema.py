@@ -123,6 +123,10 @@ class ZeroConfig:
                                                      "partitioned parameters")
     bucket_size: int = _field(25_000_000, ge=1, help="elements per gradient bucket reduced as one collective")
     overlap_comm: bool = _field(True, help="launch each bucket's reduction during backward as soon as it fills")
+    reduce_once: bool = _field(False, help="stage 2 under gradient accumulation: keep the whole gradient and "
+                                           "reduce it once per step, as stages 0-1 do, not on every micro-step "
+                                           "(the data-parallel bytes of stage 1, for a whole gradient buffer "
+                                           "instead of a 1/dp partition)")
     offload_optimizer: str = _field("none", choices=OFFLOAD_DEVICES, flag="--offload-optimizer",
                                     help="cpu: fp32 master weights and optimizer state in host memory, stepped "
                                          "by the CPU Adam (stages 1-3)")

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from hybrid.config.batch import BatchSizes
 from hybrid.config.errors import value_suggestion
 from hybrid.config.flags import key_error, meta_error
-from hybrid.layout import offload_problem
+from hybrid.layout import offload_problem, reduce_once_problem
 
 if TYPE_CHECKING:  # the schema's methods call this module through parse: no runtime import back
     from hybrid.config.schema import HybridConfig
@@ -98,6 +98,10 @@ def _cross_key_rules(cfg: "HybridConfig") -> None:
     if problem:
         raise error(f"config key 'zero.offload_optimizer' is {cfg.zero.offload_optimizer!r} but 'zero.stage' "
                     f"is {cfg.zero.stage}: {problem}", "zero.offload_optimizer", "zero.stage")
+    problem = reduce_once_problem(cfg.zero.stage, cfg.zero.reduce_once)
+    if problem:
+        raise error(f"config key 'zero.reduce_once' is true but 'zero.stage' is {cfg.zero.stage}: {problem}",
+                    "zero.reduce_once", "zero.stage")
     if cfg.autocast and cfg.precision == "fp32":
         raise error("config key 'autocast' is true but 'precision' is fp32; autocast runs the forward in bf16 "
                     "or fp16: set precision to bf16 or fp16, or autocast to false", "autocast", "precision")

@@ -34,7 +34,7 @@ from typing import Callable, ContextManager, Dict, List, Optional, Tuple
 import torch
 
 from hybrid.config.schema import OptimizerConfig, ZeroConfig
-from hybrid.layout import STAGE_TRAITS, StageTraits, ZeroStage, offload_problem, zero_stage
+from hybrid.layout import STAGE_TRAITS, StageTraits, ZeroStage, offload_problem, reduce_once_problem, zero_stage
 from hybrid.topology import Topology
 from hybrid.zero.flat_buffer import ParamRecord, ZeroConfigError
 from hybrid.zero.grad_norm import clip_factor
@@ -52,6 +52,9 @@ def check_zero_config(zero: ZeroConfig) -> ZeroStage:
     problem = offload_problem(stage, zero.offload_optimizer)
     if problem is not None:
         raise ZeroConfigError(f"zero.offload_optimizer: {problem}")
+    problem = reduce_once_problem(stage, zero.reduce_once)
+    if problem is not None:
+        raise ZeroConfigError(problem)
     if not isinstance(zero.bucket_size, int) or zero.bucket_size < 1:
         raise ZeroConfigError(f"zero.bucket_size must be a positive number of elements, got {zero.bucket_size!r}")
     return stage

@@ -6,7 +6,8 @@ One object owns the whole update path of a model replica (one TP shard):
 * the gradient reducer that runs during backward (:mod:`hybrid.zero.buckets`):
   an all-reduce when the stage partitions nothing, a reduce-scatter into the
   partition otherwise -- once per global batch, or on every micro-step when
-  the stage partitions gradients too (they are not kept whole);
+  the stage partitions gradients too (they are not kept whole, unless
+  ``zero.reduce_once`` asks for it: :func:`hybrid.layout.keeps_whole_gradients`);
 * this rank's master partition (:mod:`hybrid.zero.partition`), the whole
   buffer when the stage partitions no optimizer state;
 * the inner AdamW/Adam/SGD (:mod:`hybrid.zero.inner`) and, under offload, the
@@ -29,7 +30,7 @@ from hybrid.zero.flat_buffer import build_flat_groups, collect_trainable, dtype_
 from hybrid.zero.grad_norm import GradNorm
 from hybrid.zero.offload import ChunkOffload, host_device
 from hybrid.zero.partition import GroupPartition
-from hybrid.layout import partition_count
+from hybrid.layout import keeps_whole_gradients, partition_count
 
 
 class FlatZeroOptimizer(ZeroOptimizer):
@@ -56,11 +57,11 @@ class FlatZeroOptimizer(ZeroOptimizer):
         self._sync_replicas()
         host = host_device(self.offload_optimizer, self.groups[0].device)
         self.partitions = [GroupPartition(g, self.part, self.master_dtype, master_device=host) for g in self.groups]
-        if traits.gradients:
-            self.reducer = PartitionedGradReducer(self.groups, self.comm, topology.dp_rank, zero.overlap_comm)
-        else:
+        if keeps_whole_gradients(traits, zero.reduce_once):
             self.reducer = FullGradReducer(self.groups, self.comm, topology.dp_rank, zero.overlap_comm,
                                            scatter=traits.optimizer_states)
+        else:
+            self.reducer = PartitionedGradReducer(self.groups, self.comm, topology.dp_rank, zero.overlap_comm)
         self.reducer.attach_hooks()
         self._grad_chunks = [self.reducer.grad_chunks(g.index, self.part) for g in self.groups]
         # offload: host twins of the reduced gradients and rounded weights (the same tensors on a CPU model)
@@ -88,7 +89,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
     @contextlib.contextmanager
     def _backward_phase(self, last_micro_step: bool) -> Iterator[None]:
         """Buckets are reduced over ``dp`` as they fill: on the last micro-step of the global batch when
-        the gradients are kept whole, on every micro-step when the stage partitions them."""
+        the gradients are kept whole, on every micro-step when only the partition is kept."""
         self.reducer.begin_backward(reduce_now=last_micro_step)
         yield
         self.reducer.end_backward()
@@ -129,8 +130,8 @@ class FlatZeroOptimizer(ZeroOptimizer):
 
         ``params``: every model parameter (flat buffers with their padding, and
         frozen parameters). ``grads``: the gradient store (full buffers in
-        stages 0-1, this rank's partition in stage 2). ``grad_buckets``: stage 2
-        staging buckets. ``master``: master weights that are not the parameters
+        stages 0-1 and under ``zero.reduce_once``, this rank's partition in
+        stage 2). ``grad_buckets``: stage 2 staging buckets. ``master``: master weights that are not the parameters
         themselves (0 when the parameters are already in the master dtype).
         ``optimizer_states``: Adam moments or SGD momentum. ``offload_staging``:
         host twins of device gradients/weights under offload on an accelerator

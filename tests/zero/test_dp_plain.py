@@ -60,10 +60,24 @@ def _suite():
         model, topo, opt = _build(stage, gradient_accumulation_steps=4)
         a = train_zero(model, opt, topo, 4, micro=2, gas=4)
         pa = numpy_params(model)
+        a_wire = _dp_wire_bytes(opt.comm_report())
         model, topo, opt = _build(stage, gradient_accumulation_steps=1)
         b = train_zero(model, opt, topo, 4, micro=8, gas=1)
         res[("accum", stage)] = {"mid_dp_wire": mid, "a": a["losses"], "b": b["losses"], "pa": pa,
-                                 "pb": numpy_params(model)}
+                                 "pb": numpy_params(model), "dp_wire": a_wire}
+    # stage 2 with zero.reduce_once: the whole gradient accumulates locally and is reduced once per step
+    model, topo, opt = _build(2, gradient_accumulation_steps=4, reduce_once=True)
+    x, y = token_batch(99, 2)
+    opt.backward(model(x, y))
+    mid = _dp_wire_bytes(topo.comm.report())
+    for _ in range(3):
+        opt.backward(model(x, y))
+    opt.step()
+    model, topo, opt = _build(2, gradient_accumulation_steps=4, reduce_once=True)
+    a = train_zero(model, opt, topo, 4, micro=2, gas=4)
+    res["reduce_once"] = {"mid_dp_wire": mid, "a": a["losses"], "pa": numpy_params(model),
+                          "dp_wire": _dp_wire_bytes(opt.comm_report()), "memory": opt.memory_report(),
+                          "numel": sum(g.numel for g in opt.groups)}
     # without overlap (reductions issued after backward), with accumulation: the same result
     for stage in (0, 1, 2):
         model, topo, opt = _build(stage, overlap_comm=False, gradient_accumulation_steps=2)
@@ -156,6 +170,18 @@ def test_accumulation_equals_a_bigger_micro_batch(results, stage):
         assert max_rel_diff(acc["pa"], acc["pb"]) < 1e-5
         # stages 0-1 communicate only at the boundary; stage 2 reduce-scatters every micro-step
         assert (acc["mid_dp_wire"] == 0) == (stage != 2)
+
+
+def test_stage_2_reduce_once_is_stage_1_gradient_handling(results):
+    """zero.reduce_once: no traffic before the boundary, stage 1's bytes and trajectory (the same kernels in
+    the same order, so bit for bit), and a whole gradient buffer held."""
+    for r in results:
+        once, s1, s2 = r["reduce_once"], r[("accum", 1)], r[("accum", 2)]
+        assert once["mid_dp_wire"] == 0
+        assert once["dp_wire"] == s1["dp_wire"] and s2["dp_wire"] > 1.5 * s1["dp_wire"]
+        assert once["a"] == s1["a"]
+        assert all(np.array_equal(once["pa"][k], s1["pa"][k]) for k in s1["pa"])
+        assert once["memory"]["grads"] == once["numel"] * 4 and "grad_buckets" not in once["memory"]
 
 
 def test_bf16_tracks_fp32(results):
