@@ -37,6 +37,7 @@ from hybrid.training.exit import ExitConditions
 from hybrid.training.failure import flag_context, quiet_unless, run_main
 from hybrid.training.health import DivergenceGuard, TrainingDiverged, non_finite_weights_message
 from hybrid.training.model import model_config
+from hybrid.training.profile import StepProfile, profile_line
 from hybrid.training.seeding import seed_everything
 from hybrid.training.summary import count_exempt, optimizer_line
 
@@ -127,6 +128,8 @@ class Trainer:
             flops_per_token=flops_per_token(self.model_config), peak=peak,
             tensorboard_dir=config.logging.tensorboard_dir, device=topo.device)
         self.history = []  # (iteration, DP-averaged lm loss) of this run, for callers and tests
+        self.profile = StepProfile(self.topology.comm)
+        self.run_profile: Optional[dict] = None  # the closing "run profile" figures, once train() has finished
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def _load(self, path: str) -> None:
@@ -228,7 +231,9 @@ class Trainer:
                 start = time.perf_counter()
                 skipped_before = self.engine.skipped_steps
                 self.guard.before_step()
+                self.profile.begin()
                 loss = self._train_step(next(batches))
+                self.profile.end()
                 self.iteration += 1
                 self.consumed_samples += self.batch.global_batch_size
                 self.history.append((self.iteration, loss))
@@ -260,6 +265,7 @@ class Trainer:
                 if eval_interval and self.iteration % eval_interval != 0:
                     self._report_validation()
             self._report_inter_node_traffic()
+            self._report_profile()
         except BaseException:
             self._abandon_collectives()
             raise
@@ -284,6 +290,13 @@ class Trainer:
             per_node[nodes.node_of(rank)] += count
         _log(topo, "inter-node traffic (bytes sent off each node): "
                    + ", ".join(f"node {k} {int(b)}" for k, b in enumerate(per_node)))
+
+    def _report_profile(self) -> None:
+        """One line from rank 0: iteration time, exposed communication and peak RSS per rank
+        (:mod:`hybrid.training.profile`). Collective over the world."""
+        summary = self.run_profile = self.profile.summary()
+        if summary is not None:
+            _log(self.topology, profile_line(summary))
 
     def _report_validation(self) -> None:
         loss = self.evaluate()

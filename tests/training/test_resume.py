@@ -19,7 +19,7 @@ def _train(argv):
     validate(args, world_size=int(os.environ["WORLD_SIZE"]))
     trainer = Trainer(args)
     trainer.train()
-    return trainer.history
+    return trainer.history, trainer.run_profile
 
 
 def _straight_then_resumed(save_dir, zero_stage, k):
@@ -35,10 +35,16 @@ def _straight_then_resumed(save_dir, zero_stage, k):
 def test_resume_is_bit_identical(tmp_path, zero_stage):
     k = 3
     results = run_distributed(_straight_then_resumed, 4, str(tmp_path / "ckpt"), zero_stage, k, timeout=240)
-    straight, resumed = results[0]
+    (straight, profile), (resumed, _) = results[0]
     assert [it for it, _ in straight] == list(range(1, 2 * k + 1))
     assert [it for it, _ in resumed] == list(range(k + 1, 2 * k + 1))
     # Bit-identical, not approximately equal.
     assert [loss for _, loss in resumed] == [loss for _, loss in straight[k:]]
     # Every rank saw the same DP-averaged losses.
-    assert all(r == results[0] for r in results)
+    assert all([h for h, _ in r] == [h for h, _ in results[0]] for r in results)
+    # The closing profile: iterations after the first, exposed communication within the iteration, every rank's RSS.
+    assert profile["iterations_measured"] == 2 * k - 1
+    assert 0 < profile["exposed_comm_ms_median"] < profile["iteration_ms_median"]
+    assert profile["compute_ms_median"] == pytest.approx(
+        profile["iteration_ms_median"] - profile["exposed_comm_ms_median"], abs=0.01)
+    assert len(profile["peak_rss_mib"]) == 4 and all(m > 50 for m in profile["peak_rss_mib"])
