@@ -15,6 +15,7 @@ megatron-tp4            4      1    0     TP group spans both nodes (``--allow-t
 megatron-tp2-dp2        2      2    0     TP inside a node, DP all-reduce across the link
 hybrid-tp2-z1           2      2    1     reduce-scatter + all-gather across the link
 hybrid-tp2-z2           2      2    2     ``--zero-reduce-once``: one reduction per step
+hybrid-tp2-z2-micro     2      2    2     stage 2's default: a reduce-scatter every micro-step
 dp4-z2                  1      4    2
 dp4-z3                  1      4    3
 ====================  =====  ====  =====  ====================================================
@@ -142,6 +143,8 @@ CONTENDERS = [
     Contender("megatron-tp2-dp2", 2, 0, 4),
     Contender("hybrid-tp2-z1", 2, 1, 4),
     Contender("hybrid-tp2-z2", 2, 2, 4, ("--zero-reduce-once",)),
+    # stage 2 as it runs by default: a reduce-scatter on every micro-step (2 here), for 1/dp of the gradient memory
+    Contender("hybrid-tp2-z2-micro", 2, 2, 4),
     Contender("dp4-z2", 1, 2, 4),
     Contender("dp4-z3", 1, 3, 4),
 ]

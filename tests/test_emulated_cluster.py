@@ -2,17 +2,23 @@
 
 World 4 = 2 nodes x 2 ranks, TP=2 inside each node, DP=2 across the link, ZeRO-1. Checks that
 the job trains, that the data-parallel traffic crossed the shaped link in about the amount the
-model size predicts, and that nothing (namespace or process) is left behind. Skips, with the
-reason, where namespaces cannot be made (not root, no iproute2).
+model size predicts, and that nothing (namespace or process) is left behind; and that a
+checkpoint moves between the 2-node cluster and one node of 4 ranks, both ways, resuming bit for
+bit. Skips, with the reason, where namespaces cannot be made (not root, no iproute2).
 """
 
 import importlib.util
+import os
 import re
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from hybrid.checkpoint import CheckpointReader
 from hybrid.plan.model_memory import shard_shapes
 from model_zoo.config import GPTConfig
 
@@ -91,3 +97,62 @@ def test_two_emulated_nodes_train_over_a_shaped_link(tool):
     # Nothing left behind: no namespace of ours, no process the run started.
     assert tool.own_namespaces(PREFIX) == []
     assert tool.marked_processes(marker) == []
+
+
+def _one_node(argv, timeout_s: float = 180.0) -> subprocess.CompletedProcess:
+    """``argv`` (after ``python``) as a 4-rank torchrun job on this machine's loopback, outside any namespace."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(NODES * RANKS_PER_NODE),
+           "--master-addr", "127.0.0.1", "--master-port", str(port), *argv]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def _assert_same_state(a: Path, b: Path) -> None:
+    """Two checkpoints of the same layout hold bit-identical weights and optimizer partitions."""
+    ra, rb = CheckpointReader(a), CheckpointReader(b)
+    assert ra.layout == rb.layout and ra.iteration == rb.iteration
+    for tp in range(ra.layout.tp):
+        wa, wb = ra.load_model_shard(tp), rb.load_model_shard(tp)
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), (a, b, tp)
+        for dp in range(ra.layout.dp):
+            oa, ob = ra.load_optimizer_shard(tp, dp), rb.load_optimizer_shard(tp, dp)
+            ta, tb = list(_tensors(oa)), list(_tensors(ob))
+            assert len(ta) == len(tb) > 0 and all(torch.equal(x, y) for x, y in zip(ta, tb)), (a, b, tp, dp)
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for k in sorted(obj, key=str):
+            yield from _tensors(obj[k])
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+@pytest.mark.slow  # four jobs, about a minute: `pytest tests/test_emulated_cluster.py -m slow`
+def test_checkpoints_move_between_two_nodes_and_one_both_ways(tool, tmp_path):
+    """2 nodes -> 1 node and 1 node -> 2 nodes, in the same layout (TP=2 x DP=2): the resumed run ends on the
+    same bits as the uninterrupted one."""
+    train = list(TRAIN)
+    train[train.index("--train-iters") + 1] = "4"
+    two, one_resumed, one, two_resumed = (tmp_path / n for n in ("two", "one_resumed", "one", "two_resumed"))
+    save = ["--save-interval", "2", "--save"]
+    with tool.EmulatedCluster(nodes=NODES, ranks_per_node=RANKS_PER_NODE, rate="200mbit", prefix=PREFIX,
+                              lock_timeout_s=60) as cluster:
+        straight = cluster.run(train + save + [str(two)], timeout_s=120, cwd=str(REPO))
+        assert straight.ok, straight.describe() + straight.nodes[0].output[-3000:]
+        proc = _one_node(train + ["--train-iters", "2"] + save + [str(one)])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        resumed = cluster.run(train + save + [str(two_resumed), "--load", str(one / "iter_0000002")],
+                              timeout_s=120, cwd=str(REPO))
+        assert resumed.ok, resumed.describe() + resumed.nodes[0].output[-3000:]
+    proc = _one_node(train + save + [str(one_resumed), "--load", str(two / "iter_0000002")])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _assert_same_state(two / "iter_0000002", one / "iter_0000002")  # the same first half on either cluster
+    _assert_same_state(two / "iter_0000004", one_resumed / "iter_0000004")  # 2 nodes -> 1 node
+    _assert_same_state(two / "iter_0000004", two_resumed / "iter_0000004")  # 1 node -> 2 nodes

@@ -57,7 +57,7 @@ def _rings(tp: int):
     return out
 
 
-@pytest.mark.parametrize("world,tp", [(3, 1), (4, 1), (4, 2)])
+@pytest.mark.parametrize("world,tp", [(3, 1), (4, 1)])  # rings of 3 and 4; dp=2 runs in every ZeRO test
 def test_ring_reduce_scatter_matches_a_float64_sum(world, tp):
     results = run_distributed(_rings, world, tp)
     for res in results:
