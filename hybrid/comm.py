@@ -212,11 +212,10 @@ class Communicator:
         nodes, me = self._topology.nodes, self._topology.rank
         if fan_out is not None:
             crossing = nbytes * sum(nodes.node_of(r) != nodes.node_of(me) for r in fan_out)
-        else:
-            ranks = self._topology.group_ranks(axis)
-            if peer is None:
-                peer = ranks[(ranks.index(me) + 1) % len(ranks)]
+        elif peer is not None:
             crossing = nbytes * wire_factor if nodes.node_of(peer) != nodes.node_of(me) else 0.0
+        else:
+            crossing = nbytes * wire_factor if nodes.ring_hop_crosses(self._topology.group_ranks(axis), me) else 0.0
         s.inter_node_bytes += crossing
         self._inter_node_sent += crossing
 

@@ -23,7 +23,7 @@ import atexit
 import dataclasses
 import os
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -157,6 +157,16 @@ class Nodes:
 
     def spans_nodes(self, ranks: List[int]) -> bool:
         return len({self.node_of(r) for r in ranks}) > 1
+
+    def ring_hop_crosses(self, ranks: Sequence[int], rank: int) -> bool:
+        """Whether ``rank``'s sends leave its node in a ring collective over ``ranks``.
+
+        The ring model, written once (the communicator counts bytes with it, the
+        planner predicts with it): the ranks in group-rank order, each sending to
+        the next and the last to the first.
+        """
+        successor = ranks[(list(ranks).index(rank) + 1) % len(ranks)]
+        return self.node_of(successor) != self.node_of(rank)
 
     def check_tp_groups(self, grid: Grid, allowed: bool, warn: bool) -> None:
         """Refuse TP groups that cross nodes (every layer's collectives would ride the inter-node link),

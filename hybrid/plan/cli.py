@@ -25,8 +25,9 @@ DEFAULT_SETUP = TrainingSetup()  # the defaults of the flags that set it
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m hybrid.plan", description=(
-        "Predict per-GPU memory, communication and step time of every parallel layout of a model, and rank "
-        f"them. Example: {EXAMPLE}"), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "Predict per-GPU memory, communication (split by intra- and inter-node link) and step time of every "
+        f"parallel layout of a model, and rank the layouts that fit by predicted tokens/s. Example: {EXAMPLE}"),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     model = ap.add_argument_group("model")
     src = model.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help=f"a model_zoo preset: {', '.join(list_presets())}")
@@ -39,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="weight decay 0 (one flat group instead of two)")
     model.add_argument("--bucket-size", type=int, default=DEFAULT_SETUP.bucket_size,
                        help="ZeRO bucket size, elements")
+    model.add_argument("--zero-reduce-once", action="store_true",
+                       help="zero.reduce_once: ZeRO-2 keeps whole gradients and reduces them once per step under "
+                            "accumulation (stage 1's collectives and gradient memory); stage 3 cannot, and is "
+                            "planned without it")
     model.add_argument("--stage3-live-parameters", type=int, default=DEFAULT_SETUP.stage3_live_parameters,
                        help="ZeRO-3: most parameter elements gathered at once (zero.max_live_parameters)")
     model.add_argument("--stage3-prefetch", type=int, default=DEFAULT_SETUP.stage3_prefetch,
@@ -55,8 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
     tm = ap.add_argument_group("step-time assumptions")
     tm.add_argument("--peak-tflops", type=float, default=125.0, help="peak dense TFLOP/s per GPU")
     tm.add_argument("--mfu", type=float, default=0.35, help="fraction of peak the model's matmuls reach")
-    tm.add_argument("--intra-node-bandwidth", type=float, default=150.0, help="GB/s per GPU inside a node")
-    tm.add_argument("--inter-node-bandwidth", type=float, default=6.25, help="GB/s per GPU between nodes")
+    tm.add_argument("--achieved-tflops", type=float,
+                    help="model TFLOP/s one GPU achieves (measured or known); overrides --peak-tflops x --mfu. "
+                         "Compute = the step's model FLOPs per GPU (TP splits each matmul, DP the tokens) / this")
+    tm.add_argument("--intra-node-bandwidth", type=float, default=150.0,
+                    help="GB/s each GPU sends to the next GPU of a ring on its own node (NVLink)")
+    tm.add_argument("--inter-node-bandwidth", type=float, default=100.0,
+                    help="GB/s per NODE between nodes: all GPUs of a node share its one link, so inter-node "
+                         "time = the bytes the whole node sends off it / this (a ring's bytes cross where the "
+                         "next rank is on another node)")
+    tm.add_argument("--latency", type=float, default=0.0,
+                    help="seconds per ring step (one message hop) of every collective call, on the critical "
+                         "path: an all-reduce over n ranks takes 2(n-1) steps, a reduce-scatter or all-gather n-1")
     tm.add_argument("--pcie-bandwidth", type=float, default=12.0, help="GB/s per GPU to host memory")
     tm.add_argument("--cpu-adam-rate", type=float, default=1e9, help="CPU Adam parameters/s per node")
     tm.add_argument("--fragmentation", type=float, default=DEFAULT_SETUP.fragmentation,
@@ -118,11 +133,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                           reserved_memory=parse_size(args.reserved_memory, "--reserved-memory"),
                           peak_tflops=args.peak_tflops, mfu=args.mfu, intra_node_gbps=args.intra_node_bandwidth,
                           inter_node_gbps=args.inter_node_bandwidth, pcie_gbps=args.pcie_bandwidth,
-                          cpu_adam_rate=args.cpu_adam_rate)
+                          cpu_adam_rate=args.cpu_adam_rate, latency_s=args.latency,
+                          achieved_tflops=args.achieved_tflops)
         if not 0 <= args.fragmentation < 1:
             raise ClusterError(f"--fragmentation must be in [0, 1), got {args.fragmentation}")
         setup = TrainingSetup(optimizer=args.optimizer,
                               weight_decay=not args.no_weight_decay, bucket_size=args.bucket_size,
+                              reduce_once=args.zero_reduce_once,
                               stage3_live_parameters=args.stage3_live_parameters,
                               stage3_prefetch=args.stage3_prefetch,
                               stage3_persistence_threshold=args.stage3_persistence_threshold,

@@ -4,11 +4,18 @@ Everything here comes from command-line flags (see ``python -m hybrid.plan
 --help``); the defaults describe a DGX-2-like node of 16 × V100 32 GB, the
 hardware of the Turing-NLG 17B run:
 
-* ``peak_tflops`` 125 (V100 fp16 tensor cores) at ``mfu`` 0.35 of it;
-* ``intra_node_gbps`` 150 GB/s per GPU (NVLink/NVSwitch), used by TP and by
-  DP groups that stay inside a node;
-* ``inter_node_gbps`` 6.25 GB/s per GPU (8 × 100 Gb/s InfiniBand shared by 16
-  GPUs), used by DP groups that span nodes;
+* compute: ``peak_tflops`` 125 (V100 fp16 tensor cores) at ``mfu`` 0.35 of
+  it, or ``achieved_tflops`` per GPU when given (measured or known; it
+  overrides peak × MFU);
+* ``intra_node_gbps`` 150 GB/s per GPU (NVLink/NVSwitch): each GPU's link to
+  the others of its node, used by rings (TP, DP, world) where the next rank
+  is on the same node;
+* ``inter_node_gbps`` 100 GB/s per *node* (8 × 100 Gb/s InfiniBand): the
+  node's link to the other nodes, shared by all of its GPUs, so the time of
+  inter-node traffic is what the whole node sends off it over this bandwidth
+  (:mod:`hybrid.plan.links`);
+* ``latency_s`` 0: seconds per ring step of every collective call
+  (:class:`hybrid.plan.links.LinkSpec`);
 * ``pcie_gbps`` 12 GB/s per GPU host link (offload traffic);
 * ``cpu_adam_rate`` 1e9 parameters per second per node for the CPU Adam step.
 """
@@ -18,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import re
 from typing import Optional
+
+from hybrid.plan.links import HostLink, LinkSpec, Placement
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -67,9 +76,11 @@ class Cluster:
     peak_tflops: float = 125.0
     mfu: float = 0.35
     intra_node_gbps: float = 150.0
-    inter_node_gbps: float = 6.25
+    inter_node_gbps: float = 100.0
     pcie_gbps: float = 12.0
     cpu_adam_rate: float = 1e9
+    latency_s: float = 0.0
+    achieved_tflops: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_node"):
@@ -87,6 +98,10 @@ class Cluster:
                 raise ClusterError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)!r}")
         if not 0 < self.mfu <= 1:
             raise ClusterError(f"--mfu must be in (0, 1], got {self.mfu!r}")
+        if self.achieved_tflops is not None and not self.achieved_tflops > 0:
+            raise ClusterError(f"--achieved-tflops must be > 0, got {self.achieved_tflops!r}")
+        if not 0 <= self.latency_s < float("inf"):
+            raise ClusterError(f"--latency must be a finite number of seconds >= 0, got {self.latency_s!r}")
 
     @property
     def node_size(self) -> int:
@@ -101,10 +116,24 @@ class Cluster:
     def usable_memory(self) -> int:
         return self.gpu_memory - self.reserved_memory
 
-    def dp_bandwidth(self, tp: int, dp: int) -> float:
-        """Bytes/s per GPU of a DP group: NVLink when the whole replica grid fits in a node."""
-        gbps = self.intra_node_gbps if tp * dp <= self.node_size else self.inter_node_gbps
-        return gbps * 1e9
+    @property
+    def flops_per_s(self) -> float:
+        """FLOP/s one GPU achieves: ``achieved_tflops`` when given, else ``peak_tflops × mfu``."""
+        tflops = self.achieved_tflops if self.achieved_tflops is not None else self.peak_tflops * self.mfu
+        return tflops * 1e12
+
+    @property
+    def link(self) -> LinkSpec:
+        return LinkSpec(intra_bytes_per_s=self.intra_node_gbps * 1e9,
+                        inter_bytes_per_s_per_node=self.inter_node_gbps * 1e9, latency_s=self.latency_s)
+
+    @property
+    def host(self) -> HostLink:
+        return HostLink(bytes_per_s=self.pcie_gbps * 1e9, cpu_adam_params_per_s=self.cpu_adam_rate / self.node_size)
+
+    def placement(self, tp: int, dp: int) -> Placement:
+        """``tp × dp`` ranks (every GPU) on this cluster's nodes."""
+        return Placement(tp=tp, dp=dp, nodes=self.nodes, ranks_per_node=self.node_size)
 
     def describe(self) -> str:
         host = f", {format_bytes(self.cpu_memory)} host memory per node" if self.cpu_memory else ""
@@ -112,6 +141,11 @@ class Cluster:
                 f"{format_bytes(self.gpu_memory)} each ({format_bytes(self.reserved_memory)} reserved){host}")
 
     def assumptions(self) -> str:
-        return (f"compute {self.peak_tflops:g} TFLOP/s peak at MFU {self.mfu:g}; TP and intra-node DP "
-                f"{self.intra_node_gbps:g} GB/s, inter-node DP {self.inter_node_gbps:g} GB/s per GPU; host link "
+        if self.achieved_tflops is not None:
+            compute = f"compute {self.achieved_tflops:g} TFLOP/s achieved per GPU"
+        else:
+            compute = f"compute {self.peak_tflops:g} TFLOP/s peak at MFU {self.mfu:g}"
+        latency = f", {self.latency_s:g} s per ring step" if self.latency_s else ""
+        return (f"{compute}; links {self.intra_node_gbps:g} GB/s per GPU inside a node, "
+                f"{self.inter_node_gbps:g} GB/s per node between nodes{latency}; host link "
                 f"{self.pcie_gbps:g} GB/s; CPU Adam {self.cpu_adam_rate:.3g} parameters/s per node")

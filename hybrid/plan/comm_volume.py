@@ -47,10 +47,17 @@ from model_zoo.config import GPTConfig
 Report = Dict[str, Dict[str, float]]
 
 
-def _ring(op: str, n: int) -> float:
+def ring_steps(op: str, n: int) -> int:
+    """Steps of ``op`` as a ring over ``n`` ranks: in each step every rank sends ``1/n`` of the buffer to the
+    next rank of the ring. An all-reduce is a reduce-scatter then an all-gather, ``2(n-1)`` steps; a
+    reduce-scatter or an all-gather ``n-1``. (Wire bytes per rank are ``steps/n`` of the payload.)"""
     if n == 1:
-        return 0.0
-    return (2.0 if op == "all_reduce" else 1.0) * (n - 1) / n
+        return 0
+    return (2 if op == "all_reduce" else 1) * (n - 1)
+
+
+def _ring(op: str, n: int) -> float:
+    return ring_steps(op, n) / n
 
 
 def _add(report: Report, op: str, axis: str, n: int, payload: int, calls: int = 1) -> None:
@@ -62,8 +69,21 @@ def _add(report: Report, op: str, axis: str, n: int, payload: int, calls: int = 
     entry["wire_bytes"] += payload * calls * _ring(op, n)
 
 
+def stage3_gathers(layout: Stage3Layout, micro_batches: int, tied_head: bool = True) -> Dict[str, list]:
+    """The all-gathers of partitioned parameters in one step, by phase, as ``[(payload bytes, calls)]``:
+    ``forward`` every unit once per micro-batch (a tied head's unit once more, where the LM head uses the
+    embedding outside its module), ``backward`` every unit again, ``after_step`` the persistent pool
+    re-gathered after the update."""
+    p, k = layout.element_bytes, micro_batches
+    forward = [(size * p, k) for size in layout.units]
+    if tied_head and layout.head_unit:
+        forward.append((layout.head_unit * p, k))
+    after_step = [(layout.persistent * p, 1)] if layout.persistent else []
+    return {"forward": forward, "backward": [(size * p, k) for size in layout.units], "after_step": after_step}
+
+
 def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches: int = 1,
-              report: Optional[Report] = None, tied_head: bool = True) -> Report:
+              report: Optional[Report] = None, tied_head: bool = True, reduce_once: bool = False) -> Report:
     """Data-parallel collectives of one step over ``layout.dp`` ranks (one call per bucket or unit).
 
     Whole parameters (flat buckets): each bucket's gradient is reduced, by
@@ -75,22 +95,21 @@ def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches
     is used outside its module), every unit's gradient is reduce-scattered,
     and the persistent pool is re-gathered after the update. Stage 3 also
     checks the gather order with a 16-byte all-reduce per request, left out here.
+    ``reduce_once``: ``zero.reduce_once``
+    (:func:`hybrid.plan.zero_collectives.reduces_every_micro_batch`).
     """
     report = {} if report is None else report
     n, k = layout.dp, micro_batches
     traits = stage_traits(stage)
-    reductions = k if reduces_every_micro_batch(traits) else 1
+    reductions = k if reduces_every_micro_batch(traits, reduce_once) else 1
     if traits.parameters:
         if not isinstance(layout, Stage3Layout):
             raise ValueError(f"ZeRO stage {int(stage)} communicates per unit: pass stage3_layout(...), not a flat "
                              f"layout")
         p = layout.element_bytes
-        for size in layout.units:
-            _add(report, "all_gather", "dp", n, size * p, calls=2 * k)
-        if tied_head and layout.head_unit:
-            _add(report, "all_gather", "dp", n, layout.head_unit * p, calls=k)
-        if layout.persistent:
-            _add(report, "all_gather", "dp", n, layout.persistent * p)
+        for gathers in stage3_gathers(layout, k, tied_head).values():
+            for payload, calls in gathers:
+                _add(report, "all_gather", "dp", n, payload, calls=calls)
         _add(report, "reduce_scatter", "dp", n, (sum(layout.units) + layout.persistent) * p, calls=reductions)
         return report
     reduction = "reduce_scatter" if reduces_by_scatter(traits) else "all_reduce"
@@ -146,11 +165,13 @@ def tp_volume(config: GPTConfig, micro_batch: int, tp: int, *, sequence_parallel
 
 
 def step_volume(config: GPTConfig, layout: Union[FlatLayout, Stage3Layout], candidate: Candidate,
-                micro_batches: int) -> Report:
+                micro_batches: int, reduce_once: bool = False) -> Report:
     """Every collective of one step (``micro_batches`` micro-batches of ``candidate``): data-parallel,
-    tensor-parallel and the gradient-norm all-reduce. ``layout``: the candidate's flat or stage-3 layout."""
+    tensor-parallel and the gradient-norm all-reduce. ``layout``: the candidate's flat or stage-3 layout;
+    ``reduce_once``: ``zero.reduce_once`` (stage 2 reduces once per step)."""
     report: Report = {}
-    dp_volume(layout, candidate.zero_stage, micro_batches, report, tied_head=config.tie_embeddings)
+    dp_volume(layout, candidate.zero_stage, micro_batches, report, tied_head=config.tie_embeddings,
+              reduce_once=reduce_once)
     # Partitioned parameters are gathered by module hooks, which a replay must run: it replays whole layers.
     tp_volume(config, candidate.micro_batch, candidate.tp, sequence_parallel=candidate.sequence_parallel,
               recompute=candidate.recompute, precision=candidate.precision, micro_batches=micro_batches,

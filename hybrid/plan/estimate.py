@@ -240,7 +240,7 @@ def _flat_state(candidate: Candidate, setup: TrainingSetup, flat: FlatLayout):
     traits = candidate.traits
     state = state_bytes(flat, candidate.zero_stage, precision=candidate.precision, offload=candidate.offload,
                         optimizer=setup.optimizer, momentum=setup.momentum, compiled_adam=setup.compiled_adam,
-                        host_is_device=setup.profile.host_is_device)
+                        host_is_device=setup.profile.host_is_device, reduce_once=setup.reduce_once)
     gather_temp = 0
     if setup.profile.gather_copies_output and gathers_after_step(traits):
         gather_temp = flat.largest_segment * flat.element_bytes  # gloo lands each all-gather in a temporary
@@ -251,7 +251,7 @@ def _flat_state(candidate: Candidate, setup: TrainingSetup, flat: FlatLayout):
     in_flight = 0
     if reduces_by_scatter(traits):
         first_segments = flat.groups[0][1][:STAGING_BUFFERS_BEFORE_WAIT + 1]
-        in_flight = sum(first_segments) if reduces_every_micro_batch(traits) else flat.numel
+        in_flight = sum(first_segments) if reduces_every_micro_batch(traits, setup.reduce_once) else flat.numel
     return state, 0, 0, None, gather_temp, flat.element_bytes * in_flight
 
 

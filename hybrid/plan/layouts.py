@@ -4,6 +4,9 @@ A layout is valid when:
 
 * ``tp`` divides the GPUs of one node (TP traffic stays on the node's fast
   links), the attention heads and the MLP width (``GPTConfig.validate``);
+  a ``tp`` asked for explicitly (``Choices.tp``) may also span whole nodes
+  (a multiple of the node's GPUs: the Megatron-style baseline whose TP
+  collectives cross the inter-node link, ``--allow-tp-across-nodes`` at run time);
 * ``dp = gpus / tp`` is whole and divides the global batch;
 * the micro batch divides ``global_batch / dp`` (the rest is gradient
   accumulation);
@@ -14,9 +17,9 @@ Each layout is a :class:`~hybrid.plan.candidate.Candidate`: a
 :class:`hybrid.layout.ParallelLayout` (which validates the sizes, stage and
 precision) with offload, recomputation, micro batch and sequence parallelism.
 
-Every layout is evaluated (memory, communication, step time) and the list is
-ranked: layouts that fit first, then by predicted step time, then by
-predicted memory.
+Every layout is evaluated (memory, communication, step time:
+:func:`hybrid.plan.predict.predict`) and the list is ranked: layouts that fit
+first, then by predicted throughput (tokens/s), then by predicted memory.
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ from typing import Iterable, List, Optional, Sequence
 from hybrid.layout import OFFLOAD_DEVICES, ZERO_STAGES, LayoutError, ParallelLayout, offload_problem
 from hybrid.plan.candidate import DEFAULT_PRECISION, Candidate
 from hybrid.plan.cluster import Cluster
-from hybrid.plan.comm_volume import Report, step_volume
-from hybrid.plan.estimate import MemoryEstimate, estimate_memory, zero_layout
+from hybrid.plan.comm_volume import Report
+from hybrid.plan.estimate import MemoryEstimate, estimate_memory
+from hybrid.plan.predict import predict
 from hybrid.plan.setup import TrainingSetup
-from hybrid.plan.timing import StepTime, step_time
+from hybrid.plan.timing import StepTime
 from model_zoo.config import GPTConfig
 
 # The recomputation choices, cheapest first (the order layouts are enumerated in).
@@ -73,6 +77,11 @@ class Evaluation:
     def tp_wire_bytes(self) -> float:
         return sum(v["wire_bytes"] for k, v in self.comm.items() if k.endswith("/tp"))
 
+    @property
+    def tokens_per_s(self) -> float:
+        """Predicted training throughput of the whole job."""
+        return self.time.tokens_per_s
+
 
 def tensor_parallel_sizes(config: GPTConfig, cluster: Cluster) -> List[int]:
     """TP sizes that divide a node, the GPU count, the heads and the MLP width."""
@@ -88,6 +97,17 @@ def tensor_parallel_sizes(config: GPTConfig, cluster: Cluster) -> List[int]:
     return sizes
 
 
+def spans_whole_nodes(config: GPTConfig, cluster: Cluster, tp: int) -> bool:
+    """``tp`` fills whole nodes (more than one) and divides the GPUs, the heads and the MLP width."""
+    if tp <= cluster.node_size or tp % cluster.node_size or cluster.gpus % tp:
+        return False
+    try:
+        config.validate(tp)
+    except ValueError:
+        return False
+    return True
+
+
 def _divisors(n: int, cap: int) -> List[int]:
     return [d for d in range(1, min(n, cap) + 1) if n % d == 0]
 
@@ -98,11 +118,12 @@ def enumerate_layouts(config: GPTConfig, cluster: Cluster, global_batch: int,
     if not isinstance(global_batch, int) or global_batch < 1:
         raise LayoutError(f"--global-batch-size must be a positive integer, got {global_batch!r}")
     valid_tp = tensor_parallel_sizes(config, cluster)
-    tps = [t for t in (choices.tp or valid_tp) if t in valid_tp]
+    tps = [t for t in (choices.tp or valid_tp) if t in valid_tp or spans_whole_nodes(config, cluster, t)]
     if not tps:
         raise LayoutError(f"no tensor-parallel size in {list(choices.tp or [])} is valid: TP must divide the "
-                          f"{cluster.node_size} GPUs of a node, num_heads={config.num_heads} and the MLP width "
-                          f"{config.ffn_size}; valid sizes here are {valid_tp}")
+                          f"{cluster.node_size} GPUs of a node (or, asked for explicitly, span whole nodes), "
+                          f"num_heads={config.num_heads} and the MLP width {config.ffn_size}; valid sizes "
+                          f"here are {valid_tp}")
     layouts = []
     for tp in tps:
         dp = cluster.gpus // tp
@@ -129,19 +150,16 @@ def evaluate(config: GPTConfig, candidate: Candidate, cluster: Cluster, setup: T
              global_batch: int) -> Evaluation:
     """Predict memory, communication and step time of one candidate layout."""
     memory = estimate_memory(config, candidate, setup)
-    layout = zero_layout(config, candidate, setup)
-    accumulation = global_batch // (candidate.dp * candidate.micro_batch)
-    comm = step_volume(config, layout, candidate, micro_batches=accumulation)
-    time = step_time(config, cluster, candidate, global_batch=global_batch, partition_numel=layout.partition_numel,
-                     comm=comm)
+    step = predict(config, candidate, global_batch, setup, cluster.placement(candidate.tp, candidate.dp),
+                   cluster.link, cluster.flops_per_s, cluster.host)
     host_fits = cluster.cpu_memory is None or memory.host * cluster.node_size <= cluster.cpu_memory
-    return Evaluation(candidate, memory, comm, time, memory.total <= cluster.usable_memory, host_fits,
-                      accumulation)
+    return Evaluation(candidate, memory, step.comm, step.time, memory.total <= cluster.usable_memory, host_fits,
+                      step.accumulation)
 
 
 def rank(evaluations: Iterable[Evaluation]) -> List[Evaluation]:
-    """Fitting layouts first (device and host), then fastest, then smallest."""
-    return sorted(evaluations, key=lambda e: (not (e.fits and e.host_fits), e.time.total, e.memory.total))
+    """Fitting layouts first (device and host), then the highest predicted throughput, then smallest."""
+    return sorted(evaluations, key=lambda e: (not (e.fits and e.host_fits), -e.tokens_per_s, e.memory.total))
 
 
 def plan(config: GPTConfig, cluster: Cluster, global_batch: int, setup: TrainingSetup = TrainingSetup(),

@@ -39,7 +39,8 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from hybrid import param_meta
-from hybrid.layout import StageTraits, ZeroStage, offload_problem, partition_count, stage_traits
+from hybrid.layout import (StageTraits, ZeroStage, keeps_whole_gradients, offload_problem, partition_count,
+                           stage_traits)
 from hybrid.plan.setup import zero_default
 from hybrid.zero.buckets import STAGING_BUFFERS_BEFORE_WAIT
 from hybrid.zero.flat_buffer import align_elements, plan_segments
@@ -99,13 +100,20 @@ class FlatLayout:
     """The flat groups of one rank's shard as the ZeRO optimizer builds them.
 
     ``groups``: per group ``(padded numel, [segment sizes])``; the partition
-    of one DP rank is ``numel / N_d`` elements.
+    of one DP rank is ``numel / N_d`` elements. ``launches``: every segment
+    (bucket) as ``(ready, size)`` in the order the gradient reducer launches
+    them (:mod:`hybrid.zero.buckets`: by first-registered parameter, last
+    first), where ``ready`` is the share of the shard's parameter elements
+    whose gradients backward has produced when the segment's first parameter
+    gets its own (backward runs in reverse registration order), the moment the
+    segment can be reduced.
     """
 
     groups: Tuple[Tuple[int, Tuple[int, ...]], ...]
     element_bytes: int
     dp: int
     unpadded: int  # trainable elements without padding
+    launches: Tuple[Tuple[float, int], ...] = ()
 
     @property
     def numel(self) -> int:
@@ -135,15 +143,25 @@ def flat_layout(params: Sequence[ParamShape], dp: int, precision: str, bucket_si
     """
     dtype = DTYPES[precision]
     classes: Dict[bool, List[int]] = {}
-    for p in params:
+    positions: Dict[bool, List[int]] = {}  # each parameter's place in registration order
+    for i, p in enumerate(params):
         decay = weight_decay and not no_decay_1d(p)
         classes.setdefault(decay, []).append(p.numel)
-    groups = []
-    for numels in classes.values():  # dicts keep insertion order: first appearance
+        positions.setdefault(decay, []).append(i)
+    before = [0]
+    for p in params:
+        before.append(before[-1] + p.numel)  # elements registered before each parameter
+    total = max(1, before[-1])
+    groups, launches = [], []
+    for decay, numels in classes.items():  # dicts keep insertion order: first appearance
         segments = plan_segments(numels, dp, bucket_size, align_elements(dtype))
         groups.append((sum(s.size for s in segments), tuple(s.size for s in segments)))
+        for seg in segments:
+            first = positions[decay][seg.records[0]]
+            launches.append((first, 1.0 - before[first] / total, seg.size))
+    launches.sort(key=lambda launch: -launch[0])
     return FlatLayout(tuple(groups), torch.empty((), dtype=dtype).element_size(), dp,
-                      sum(p.numel for p in params))
+                      sum(p.numel for p in params), tuple((ready, size) for _, ready, size in launches))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,9 +281,12 @@ def _optimizer_bytes(part: int, pb: int, offload: str, optimizer: str, momentum:
 
 def state_bytes(layout: FlatLayout, stage: int, *, precision: str, offload: str = "none",
                 optimizer: str = "adamw", momentum: bool = False, compiled_adam: bool = True,
-                host_is_device: bool = False) -> StateBytes:
+                host_is_device: bool = False, reduce_once: bool = False) -> StateBytes:
     """Per-rank bytes of weights, gradients, master and optimizer state over ``layout.dp`` ranks, for a stage that
     keeps its parameters whole (flat buffers).
+
+    ``reduce_once`` (``zero.reduce_once``): stage 2 keeps the whole gradient
+    (:func:`hybrid.layout.keeps_whole_gradients`), as stage 1 does.
 
     ``compiled_adam``: the step runs hybrid's compiled Adam, which reads
     low-precision gradients directly; otherwise they are first cast to fp32
@@ -281,9 +302,10 @@ def state_bytes(layout: FlatLayout, stage: int, *, precision: str, offload: str 
     parts = partition_count(stage, layout.dp)
     full, part = layout.numel, layout.numel // parts
     weights = pb * full
-    grads = pb * (part if traits.gradients else full)
+    whole_grads = keeps_whole_gradients(traits, reduce_once)
+    grads = pb * (full if whole_grads else part)
     staging = 0
-    if traits.gradients:
+    if not whole_grads:
         # Partitioned gradients are staged bucket by bucket in a pool of buffers before each reduce-scatter.
         staging = pb * layout.largest_segment * min(STAGING_BUFFERS_BEFORE_WAIT, layout.segments)
     largest_group_part = max(n // parts for n, _ in layout.groups)

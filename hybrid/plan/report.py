@@ -30,7 +30,12 @@ COLUMNS = [
     ("host", 6, lambda i, e: f"{e.memory.host / GIB:.1f}"),
     ("DP GB", 6, lambda i, e: f"{e.dp_wire_bytes / 1e9:.1f}"),
     ("TP GB", 6, lambda i, e: f"{e.tp_wire_bytes / 1e9:.1f}"),
+    ("node GB", 7, lambda i, e: f"{e.time.inter_node_bytes_per_node / 1e9:.1f}"),
+    ("comp s", 7, lambda i, e: f"{e.time.compute:.2f}"),
+    ("intra s", 7, lambda i, e: f"{e.time.intra:.2f}"),
+    ("inter s", 7, lambda i, e: f"{e.time.inter:.2f}"),
     ("step s", 7, lambda i, e: f"{e.time.total:.2f}"),
+    ("tok/s", 8, lambda i, e: _rate(e.tokens_per_s)),
 ]
 
 LEGEND = """\
@@ -38,8 +43,16 @@ Memory columns are GiB per GPU and add up to total: weights, grads, optim = fp32
 on the GPU, activ = activations and workspaces at the peak, comm = gradient buckets (stage 2) and, at the
 peak, stage-3 gathered units or in-flight gradient buckets, frag = fragmentation allowance (10% of the
 transient part), total = what must fit. host = GiB of host memory per GPU (offload).
-DP/TP GB = wire bytes each GPU sends per step. 'tps' = tensor parallel with sequence parallelism;
-mb = micro batch, gas = accumulation steps. A '*' after fits: the node's host memory is too small."""
+DP/TP GB = wire bytes each GPU sends per step; node GB = bytes each node sends off the node per step.
+Step time (seconds) = comp (model FLOPs per GPU / achieved FLOP/s) + intra and inter (exposed time of
+the collectives whose rings stay inside nodes / cross them; a node's inter-node bytes share its one
+link) + offload; tok/s = tokens per second of the job, by which fitting layouts are ranked.
+'tps' = tensor parallel with sequence parallelism; mb = micro batch, gas = accumulation steps.
+A '*' after fits: the node's host memory is too small."""
+
+
+def _rate(tokens_per_s: float) -> str:
+    return f"{tokens_per_s / 1e3:.1f}k" if tokens_per_s >= 1e4 else f"{tokens_per_s:.0f}"
 
 
 def format_table(evaluations: Sequence[Evaluation], top: int) -> str:
@@ -58,7 +71,8 @@ def summary(evaluations: Sequence[Evaluation]) -> str:
                 f"{smallest.memory.total / GIB:.2f} GiB per GPU ({smallest.candidate.describe()})")
     best = fitting[0]
     return (f"{len(fitting)} of {len(evaluations)} layouts fit; best: {best.candidate.describe()}, "
-            f"{best.memory.total / GIB:.2f} GiB per GPU, {best.time.total:.2f} s per step")
+            f"{best.memory.total / GIB:.2f} GiB per GPU, {best.time.total:.2f} s per step, "
+            f"{best.tokens_per_s:.0f} tokens/s")
 
 
 def to_json(evaluations: Sequence[Evaluation]) -> str:
@@ -75,6 +89,12 @@ def to_json(evaluations: Sequence[Evaluation]) -> str:
                                "comm_buffers": m.comm_buffers, "fragmentation": m.fragmentation,
                                "peak": m.peak, "total": m.total, "host": m.host},
                      "fits": e.fits and e.host_fits, "comm": e.comm,
-                     "step_time_s": {"total": e.time.total, "compute": e.time.compute, "tp": e.time.tp,
-                                     "dp_exposed": e.time.dp_exposed, "offload": e.time.offload}})
+                     "step_time_s": {"total": e.time.total, "compute": e.time.compute, "intra": e.time.intra,
+                                     "inter": e.time.inter, "offload": e.time.offload},
+                     "tokens_per_s": e.tokens_per_s,
+                     "inter_node_bytes_per_node": e.time.inter_node_bytes_per_node,
+                     "inter_node_bytes_by_node": list(e.time.inter_bytes_by_node),
+                     "collectives": {c.name: {"link": c.link, "seconds": c.seconds, "exposed_s": c.exposed,
+                                              "inter_node_bytes_per_node": c.inter_node_bytes_per_node}
+                                     for c in e.time.collectives}})
     return json.dumps(rows, indent=1)

@@ -35,5 +35,6 @@ class TrainingSetup:
     stage3_persistence_threshold: int = zero_default("persistence_threshold")
     stage3_live_parameters: int = zero_default("max_live_parameters")
     stage3_prefetch: int = zero_default("prefetch_bucket_size")
+    reduce_once: bool = zero_default("reduce_once")  # zero.reduce_once: stage 2 keeps whole gradients, reduces once
     fragmentation: float = DEFAULT_FRAGMENTATION
     profile: DeviceProfile = CUDA

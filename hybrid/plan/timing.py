@@ -1,45 +1,107 @@
-"""A simple model of one optimizer step's time, used to rank layouts that fit.
+"""One optimizer step's predicted time: compute, and the communication each link leaves exposed.
 
 ::
 
-    compute   = model FLOPs of the step * recompute factor / (gpus * peak * mfu)
-    tp        = TP wire bytes / intra-node bandwidth          (on the critical path)
-    dp        = reduction wire bytes / DP bandwidth, hidden behind backward (2/3 of compute) up to
-                that time, plus the parameter all-gathers after the step (stages 1-2; stage 3
-                prefetches them behind compute instead)
+    compute   = model FLOPs of the step per rank / achieved FLOP/s per rank
+    each collective ("op/axis", all calls of the step), a ring in lockstep:
+              = max(busiest node's bytes off the node / node link bandwidth,
+                    a rank's bytes to a GPU of its own node / intra-node bandwidth)
+                + latency * ring steps
+              counted as inter-node when its ring crosses nodes, else intra-node
+    exposed   TP and world collectives: all of it (on the critical path);
+              DP reductions: what the link has left to do when the step's compute ends.
+                Each bucket is reduced once it is full (backward, the last 2/3 of a
+                micro-batch's compute, produces gradients in reverse registration order),
+                one after the other on the link, in every micro-batch when the stage
+                reduces every micro-batch, else in the last;
+              the all-gathers after the step: all of it;
+              partitioned parameters (stage 3): the forward's gathers beyond the forward
+              compute they are prefetched behind (1/3 of the compute); the backward's
+              gathers, the reduce-scatters and the post-step gathers: all of it, since
+              before each reduce-scatter (and each prefetch) the order check runs a
+              blocking 16-byte all-reduce on the same DP group
+              (:mod:`hybrid.zero.order_check`), which waits for what is queued before it
     offload   = 2 * p * G/N_d bytes over the host link (gradients down, weights up)
-                + G/N_d parameters / (CPU Adam rate / GPUs per node)
-    step      = compute + tp + exposed dp + offload
+                + G/N_d parameters / (CPU Adam rate per GPU)
+    step      = compute + exposed intra-node + exposed inter-node + offload
 
-Model FLOPs come from :func:`model_zoo.flops.flops_per_token`. Recomputation
-adds forward work that is not model FLOPs: full recomputation one more forward
+Model FLOPs come from :func:`model_zoo.flops.flops_per_token`; a rank does
+``1/(tp·dp)`` of the step's: DP ranks split the tokens, and TP ranks split
+every matmul (and the attention heads) of theirs. Recomputation adds forward
+work that is not model FLOPs: full recomputation one more forward
 (``2 N_matmul + 4 L s h`` per token), selective the attention core
-(``4 L s h`` per token). Every number here is an assumption made explicit by
-a flag; the ranking, not the absolute time, is what the planner relies on.
+(``4 L s h`` per token). Which bytes cross nodes is :mod:`hybrid.plan.links`;
+the ring model of wire bytes is :mod:`hybrid.plan.comm_volume`. Concurrent
+collectives are not charged for sharing a link (DP reductions and TP
+collectives in the same backward).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 
 from hybrid.plan.activations import DTYPE_BYTES
 from hybrid.plan.candidate import Candidate
-from hybrid.plan.cluster import Cluster
-from hybrid.plan.comm_volume import Report, axis_wire_bytes
+from hybrid.plan.comm_volume import Report, stage3_gathers
+from hybrid.plan.links import CollectiveLinks, HostLink, LinkSpec, Placement, link_seconds, split_by_link
+from hybrid.plan.model_memory import FlatLayout, Stage3Layout
+from hybrid.plan.zero_collectives import reduces_every_micro_batch
 from model_zoo.config import GPTConfig
 from model_zoo.flops import flops_per_token, matmul_parameters
+
+# The share of a step's compute that is backward (twice the forward's FLOPs).
+BACKWARD_SHARE = 2.0 / 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveTime:
+    """One ``"op/axis"`` entry of the step: its link (``"intra"`` or ``"inter"``), its seconds and the part
+    of them left exposed (not hidden behind compute), and the busiest node's bytes off the node."""
+
+    name: str
+    link: str
+    seconds: float
+    exposed: float
+    inter_node_bytes_per_node: float
 
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:
+    """Predicted seconds of one optimizer step on one rank, by what they are spent on.
+
+    ``intra``/``inter``: exposed seconds of the collectives whose rings stay
+    inside nodes / cross them. ``tokens``: tokens of the whole step (all
+    ranks). ``inter_bytes_by_node``: what each node sends off it in one step.
+    ``intra_node_bytes_per_rank``: what a rank sends to GPUs of its own node.
+    """
+
     compute: float
-    tp: float
-    dp_exposed: float
+    intra: float
+    inter: float
     offload: float
+    tokens: int
+    inter_bytes_by_node: Tuple[float, ...]
+    intra_node_bytes_per_rank: float
+    collectives: Tuple[CollectiveTime, ...] = ()
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp + self.dp_exposed + self.offload
+        return self.compute + self.intra + self.inter + self.offload
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total if self.total > 0 else float("inf")
+
+    @property
+    def inter_node_bytes_per_node(self) -> float:
+        """The busiest node's bytes off the node per step (every node's, when the layout is symmetric)."""
+        return max(self.inter_bytes_by_node, default=0.0)
+
+    @property
+    def inter_node_bytes(self) -> float:
+        """Bytes all nodes together send off their nodes per step."""
+        return sum(self.inter_bytes_by_node)
 
 
 def recompute_flops_per_token(config: GPTConfig, recompute: str) -> int:
@@ -52,32 +114,116 @@ def recompute_flops_per_token(config: GPTConfig, recompute: str) -> int:
     return 0
 
 
-def step_time(config: GPTConfig, cluster: Cluster, candidate: Candidate, *, global_batch: int, partition_numel: int,
-              comm: Report) -> StepTime:
-    """Predicted seconds of one optimizer step (``global_batch`` sequences) of ``candidate`` on ``tp * dp`` GPUs.
-
-    ``comm``: the step's collectives (:func:`hybrid.plan.comm_volume.step_volume`); ``partition_numel``: the
-    elements of this rank's optimizer partition (what offload moves and the CPU steps).
-    """
-    tp, dp = candidate.tp, candidate.dp
-    gpus = tp * dp
+def flops_per_rank(config: GPTConfig, candidate: Candidate, global_batch: int) -> float:
+    """FLOPs one rank computes in a step of ``global_batch`` sequences: model FLOPs plus recomputation,
+    split over ``tp × dp`` ranks."""
     tokens = global_batch * config.seq_length
-    flops = tokens * (flops_per_token(config) + recompute_flops_per_token(config, candidate.recompute)) / gpus
-    compute = flops / (cluster.peak_tflops * 1e12 * cluster.mfu)
-    tp_time = axis_wire_bytes(comm, "tp") / (cluster.intra_node_gbps * 1e9)
-    bandwidth = cluster.dp_bandwidth(tp, dp)
-    gathers = sum(v["wire_bytes"] for k, v in comm.items() if k.startswith("all_gather/dp")) / bandwidth
-    reductions = axis_wire_bytes(comm, "dp") / bandwidth - gathers
-    backward = compute * 2.0 / 3.0
+    per_token = flops_per_token(config) + recompute_flops_per_token(config, candidate.recompute)
+    return tokens * per_token / (candidate.tp * candidate.dp)
+
+
+def _share(times: Dict[str, float], names: Iterable[str], exposed: float) -> Dict[str, float]:
+    """``exposed`` seconds shared among the collectives ``names`` in proportion to their times."""
+    names = [n for n in names if n in times]
+    busy = sum(times[n] for n in names)
+    return {n: (times[n] * exposed / busy if busy > 0 else 0.0) for n in names}
+
+
+def reductions_left(seconds: float, launches: Sequence[Tuple[float, int]], compute: float, micro_batches: int,
+                    every_micro_batch: bool) -> float:
+    """Seconds the gradient reductions (``seconds`` in all) still run after the step's compute ends.
+
+    ``launches``: the buckets as ``(ready, size)`` in launch order
+    (:attr:`hybrid.plan.model_memory.FlatLayout.launches`); a bucket is ready ``ready`` of the way into its
+    micro-batch's backward, and takes its share (by size) of one micro-batch's reductions on the link,
+    after the buckets before it.
+    """
+    if seconds <= 0:
+        return 0.0
+    launches = tuple(launches) or ((1.0, 1),)
+    total = sum(size for _, size in launches)
+    per_micro = compute / micro_batches
+    backward = BACKWARD_SHARE * per_micro
+    rounds = range(micro_batches) if every_micro_batch else (micro_batches - 1,)
+    link_free = 0.0
+    for j in rounds:
+        backward_start = (j + 1) * per_micro - backward
+        for ready, size in launches:
+            start = max(link_free, backward_start + ready * backward)
+            link_free = start + seconds / len(rounds) * size / total
+    return max(0.0, link_free - compute)
+
+
+def exposed_seconds(times: Dict[str, float], candidate: Candidate, compute: float, micro_batches: int,
+                    launches: Sequence[Tuple[float, int]] = (), reduce_once: bool = False,
+                    forward_gather_share: float = 0.0) -> Dict[str, float]:
+    """Of each collective's ``times``, the seconds not hidden behind compute (see the module docstring).
+
+    ``launches``: the buckets of whole parameters (:func:`reductions_left`); ``forward_gather_share``: the
+    part of a stage-3 step's gathered bytes that forward gathers (:func:`forward_gather_share`).
+    """
+    exposed = dict(times)
+    gathers = [n for n in times if n.startswith("all_gather/") and n.endswith("/dp")]
+    reductions = [n for n in times if n.endswith("/dp") and n not in gathers]
     if candidate.traits.parameters:
-        # Partitioned parameters are gathered ahead of use, behind the whole step's compute.
-        dp_exposed = max(0.0, reductions + gathers - compute)
+        forward = sum(times[n] for n in gathers) * forward_gather_share
+        hidden = min(forward, (1.0 - BACKWARD_SHARE) * compute)
+        exposed.update(_share(times, gathers, sum(times[n] for n in gathers) - hidden))
     else:
-        # Reductions hide behind backward; the all-gather of updated parameters waits for the step.
-        dp_exposed = max(0.0, reductions - backward) + gathers
-    offload_time = 0.0
-    if candidate.offload != "none":
-        p = DTYPE_BYTES[candidate.precision]
-        offload_time = (2 * p * partition_numel / (cluster.pcie_gbps * 1e9)
-                        + partition_numel / (cluster.cpu_adam_rate / cluster.node_size))
-    return StepTime(compute, tp_time, dp_exposed, offload_time)
+        every = reduces_every_micro_batch(candidate.traits, reduce_once)
+        left = reductions_left(sum(times[n] for n in reductions), launches, compute, micro_batches, every)
+        exposed.update(_share(times, reductions, left))
+    return exposed
+
+
+def forward_gather_share(layout: Stage3Layout, micro_batches: int, tied_head: bool) -> float:
+    """The part of a stage-3 step's all-gathered bytes that forward gathers
+    (:func:`hybrid.plan.comm_volume.stage3_gathers`)."""
+    phases = {phase: sum(b * calls for b, calls in gathers)
+              for phase, gathers in stage3_gathers(layout, micro_batches, tied_head).items()}
+    total = sum(phases.values())
+    return phases["forward"] / total if total else 0.0
+
+
+def offload_seconds(candidate: Candidate, partition_numel: int, host: Optional[HostLink]) -> float:
+    """Host-link traffic and the CPU step of an offloaded optimizer partition of ``partition_numel`` elements."""
+    if candidate.offload == "none":
+        return 0.0
+    if host is None:
+        raise ValueError(f"{candidate.describe()} offloads its optimizer: give the host link (HostLink)")
+    p = DTYPE_BYTES[candidate.precision]
+    return 2 * p * partition_numel / host.bytes_per_s + partition_numel / host.cpu_adam_params_per_s
+
+
+def step_time(config: GPTConfig, candidate: Candidate, comm: Report, *, global_batch: int, micro_batches: int,
+              layout: Union[FlatLayout, Stage3Layout], placement: Placement, link: LinkSpec, flops_per_s: float,
+              host: Optional[HostLink] = None, reduce_once: bool = False) -> StepTime:
+    """Predicted seconds of one optimizer step (``global_batch`` sequences, ``micro_batches`` per rank) of
+    ``candidate`` placed as ``placement``.
+
+    ``comm``: the step's collectives (:func:`hybrid.plan.comm_volume.step_volume`) over ``layout`` (the
+    candidate's ZeRO layout: its buckets, and the optimizer partition offload moves and the CPU steps);
+    ``flops_per_s``: the FLOP/s one rank achieves; ``reduce_once``: ``zero.reduce_once``, as ``comm`` was
+    built with.
+    """
+    if not flops_per_s > 0:
+        raise ValueError(f"the achieved FLOP/s per rank must be > 0, got {flops_per_s!r}")
+    compute = flops_per_rank(config, candidate, global_batch) / flops_per_s
+    split: Dict[str, CollectiveLinks] = split_by_link(comm, placement)
+    times = {name: link_seconds(c, link) for name, c in split.items()}
+    if isinstance(layout, Stage3Layout):
+        launches, share = (), forward_gather_share(layout, micro_batches, config.tie_embeddings)
+    else:
+        launches, share = layout.launches, 0.0
+    exposed = exposed_seconds(times, candidate, compute, micro_batches, launches, reduce_once, share)
+    collectives = tuple(CollectiveTime(name, "inter" if c.crosses_nodes else "intra", times[name], exposed[name],
+                                       c.inter_bytes_per_node) for name, c in sorted(split.items()))
+    by_node = tuple(map(sum, zip(*(c.inter_bytes_by_node for c in split.values())))) or (0.0,) * placement.nodes
+    return StepTime(compute=compute,
+                    intra=sum(c.exposed for c in collectives if c.link == "intra"),
+                    inter=sum(c.exposed for c in collectives if c.link == "inter"),
+                    offload=offload_seconds(candidate, layout.partition_numel, host),
+                    tokens=global_batch * config.seq_length,
+                    inter_bytes_by_node=by_node,
+                    intra_node_bytes_per_rank=sum(c.intra_bytes_per_rank for c in split.values()),
+                    collectives=collectives)

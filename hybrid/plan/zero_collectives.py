@@ -8,7 +8,7 @@ unit when a module runs: that path reads ``traits.parameters`` directly.)
 
 from __future__ import annotations
 
-from hybrid.layout import StageTraits
+from hybrid.layout import StageTraits, keeps_whole_gradients
 
 
 def reduces_by_scatter(traits: StageTraits) -> bool:
@@ -20,14 +20,17 @@ def reduces_by_scatter(traits: StageTraits) -> bool:
     return traits.optimizer_states
 
 
-def reduces_every_micro_batch(traits: StageTraits) -> bool:
+def reduces_every_micro_batch(traits: StageTraits, reduce_once: bool = False) -> bool:
     """Gradients are reduced after every micro-batch's backward (else once, after the last one).
 
     A rank that keeps only its gradient partition has no full buffer to
     accumulate micro-batches in, so each backward's gradients are reduced as
-    they are produced.
+    they are produced. ``reduce_once`` (``zero.reduce_once``) makes a stage
+    that partitions gradients of whole parameters (stage 2) keep them whole
+    and reduce once, with stage 1's collectives; the rule is
+    :func:`hybrid.layout.keeps_whole_gradients`.
     """
-    return traits.gradients
+    return not keeps_whole_gradients(traits, reduce_once)
 
 
 def gathers_after_step(traits: StageTraits) -> bool:
