@@ -64,7 +64,8 @@ def _same_and_other_layouts(legacy):
     return reference, {stage: _run(_argv(stage, 1, 5, "--load", legacy)) for stage in (2, 3)}
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+# Stage 3's exact resave runs with the slow tests (pytest -m slow), for the suite's time budget.
+@pytest.mark.parametrize("stage", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_legacy_checkpoint_resumes_and_resaves_exactly(tmp_path, stage):
     legacy = os.path.join(OUT, f"zero{stage}")
     copy = str(tmp_path / "legacy")
