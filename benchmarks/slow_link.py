@@ -237,7 +237,8 @@ def train_argv(c: Contender, args, iters: int) -> List[str]:
             "--micro-batch-size", str(args.micro_batch or c.micro_batch),
             "--global-batch-size", str(args.global_batch),
             "--tensor-model-parallel-size", str(c.tp), "--zero-stage", str(c.zero_stage),
-            "--train-iters", str(iters), "--log-interval", "1", "--eval-interval", "0", *c.extra]
+            "--train-iters", str(iters), "--log-interval", "1", "--eval-interval", "0", *c.extra,
+            *(["--zero-bucket-size", str(args.bucket_size)] if args.bucket_size else [])]
 
 
 def model_flags(args) -> List[str]:
@@ -439,6 +440,9 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=None, help="override every contender's micro batch (4)")
+    ap.add_argument("--bucket-size", type=int, default=None,
+                    help="every contender's --zero-bucket-size (default: the trainer's, 25M elements: one bucket for "
+                         "this model, so no gradient reduction overlaps backward)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--iters", type=int, default=6, help="optimizer steps per run; the first is not timed")
     ap.add_argument("--rates", default="none,1gbit,200mbit,50mbit",
