@@ -92,7 +92,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -148,15 +147,6 @@ CONTENDERS = [
     Contender("dp4-z2", 1, 2, 4),
     Contender("dp4-z3", 1, 3, 4),
 ]
-
-
-def _load_tool():
-    """``tools/emulated_cluster.py`` as a module (tools are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("emulated_cluster", REPO / "tools" / "emulated_cluster.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---- rates ---------------------------------------------------------------------------------------
@@ -530,7 +520,7 @@ def run_point(tool, args, rate: Optional[str], delay: Optional[str], step_flops:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse(argv)
-    tool = _load_tool()
+    from tools import emulated_cluster as tool
     try:
         tool.check_available(args.prefix)
     except tool.ClusterUnavailable as e:

@@ -7,7 +7,6 @@ checkpoint moves between the 2-node cluster and one node of 4 ranks, both ways, 
 bit. Skips, with the reason, where namespaces cannot be made (not root, no iproute2).
 """
 
-import importlib.util
 import os
 import re
 import socket
@@ -32,18 +31,9 @@ TRAIN = ["-m", "hybrid.train", "--num-layers", "2", "--hidden-size", "64", "--nu
          "--train-iters", str(STEPS), "--tensor-model-parallel-size", str(TP), "--zero-stage", "1"]
 
 
-def _load_tool():
-    """``tools/emulated_cluster.py`` as a module (tools are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("emulated_cluster", REPO / "tools" / "emulated_cluster.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def tool():
-    module = _load_tool()
+    from tools import emulated_cluster as module
     try:
         module.check_available(PREFIX)
     except module.ClusterUnavailable as e:

@@ -298,6 +298,8 @@ def compare(data: dict, rates=CHECKED_RATES) -> List[str]:
             if point["rate"] not in rates:
                 continue
             measured = row["iteration_s_median"]
+            print(f"{point['rate']:>8} {row['name']:<20} predicted {t.total:7.3f} s  measured {measured:7.3f} s  "
+                  f"({t.total / measured - 1:+.0%})")
             if abs(t.total - measured) > TIME_TOLERANCE * measured:
                 problems.append(f"{where}: predicted {t.total:.3f} s per step (compute {t.compute:.3f}, inter-node "
                                 f"{t.inter:.3f}), measured {measured:.3f} s ({t.total / measured - 1:+.0%})")
