@@ -127,6 +127,7 @@ class Contender:
     zero_stage: int
     micro_batch: int
     extra: Tuple[str, ...] = ()
+    compressed: bool = False  # runs only with --compressed (or when named by --only)
 
     @property
     def dp(self) -> int:
@@ -146,6 +147,17 @@ CONTENDERS = [
     Contender("hybrid-tp2-z2-micro", 2, 2, 4),
     Contender("dp4-z2", 1, 2, 4),
     Contender("dp4-z3", 1, 3, 4),
+    # compressed communication (zero.quantized_gradients / zero.quantized_weights), beside hybrid-tp2-z2
+    Contender("hybrid-tp2-z2-qg8", 2, 2, 4, ("--zero-reduce-once", "--zero-quantized-gradients", "int8"), True),
+    Contender("hybrid-tp2-z2-qg4", 2, 2, 4, ("--zero-reduce-once", "--zero-quantized-gradients", "int4"), True),
+    Contender("hybrid-tp2-z2-qw8", 2, 2, 4, ("--zero-reduce-once", "--zero-quantized-weights", "int8"), True),
+    Contender("hybrid-tp2-z2-q", 2, 2, 4, ("--zero-reduce-once", "--zero-quantized-gradients", "int4",
+                                          "--zero-quantized-weights", "int8"), True),
+    Contender("dp4-z3-q", 1, 3, 4, ("--zero-quantized-gradients", "int4", "--zero-quantized-weights", "int8"), True),
+    # two ranks of each dp group per node: reduce inside the node first, then across on half the bytes
+    Contender("dp4-z2-2l", 1, 2, 4, ("--zero-two-level-reduce",), True),
+    Contender("dp4-z2-q2l", 1, 2, 4, ("--zero-two-level-reduce", "--zero-quantized-gradients", "int4",
+                                      "--zero-quantized-weights", "int8"), True),
 ]
 
 
@@ -441,6 +453,8 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                     help="one-way link delays of the latency points (need tc netem); '' for none")
     ap.add_argument("--delay-rate", default="1gbit", help="link rate of the latency points")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds over the contenders per point")
+    ap.add_argument("--compressed", action="store_true",
+                    help="also run the contenders with compressed communication (quantized gradients / weights)")
     ap.add_argument("--only", default="", help="comma-separated contender names (default: all)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run before every node is killed")
     ap.add_argument("--bytes-method", choices=("diff", "total"), default="diff",
@@ -458,7 +472,7 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     unknown = [s for s in chosen if s not in names]
     if unknown:
         ap.error(f"--only: unknown contender(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-    args.contenders = [c for c in CONTENDERS if not chosen or c.name in chosen]
+    args.contenders = [c for c in CONTENDERS if c.name in chosen or (not chosen and (args.compressed or not c.compressed))]
     for c in args.contenders:
         micro = args.micro_batch or c.micro_batch
         if args.global_batch % (micro * c.dp):

@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Dict, Iterator, List
 import torch
 import torch.distributed as dist
 
+from hybrid.compression import Quantization
+from hybrid.kernels import quantize as _quant
 from hybrid.ring import RingReduceScatter
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -121,6 +123,8 @@ class Handle:
         if self._finish is not None:
             self._finish()
         self._done = True
+        # drop the work and the closure: they hold the operation's buffers (a quantized one's packed copies)
+        self._work = self._finish = None
         if self._on_done is not None:
             self._on_done(self)
 
@@ -183,8 +187,10 @@ class Communicator:
         model: a collective is a ring in group-rank order, each rank sending to
         the next (the last to the first), so its bytes cross when the next rank
         sits on another node; a broadcast's root sends the buffer to every other
-        rank; a ``send`` crosses when its peer does. gloo's reduce-scatter is
-        counted at an all-reduce's volume, which is what it moves. Summed over a node's ranks it is what the node's link carries.
+        rank; a ``send`` crosses when its peer does. A quantized reduce-scatter
+        is an all-to-all: each peer receives its packed chunk straight from this
+        rank, so it crosses once per peer on another node (a quantized
+        all-reduce is counted as that reduce-scatter plus a ring all-gather). Summed over a node's ranks it is what the node's link carries.
         """
         return {f"{op}/{axis}": dataclasses.asdict(s) for (op, axis), s in sorted(self._stats.items())}
 
@@ -202,16 +208,18 @@ class Communicator:
         return self._inter_node_sent
 
     def _record(self, op: str, axis: str, nbytes: int, wire_factor: float, peer: Optional[int] = None,
-                fan_out: Optional[List[int]] = None) -> None:
+                fan_out: Optional[List[int]] = None, each: Optional[int] = None) -> None:
         """Count one operation. ``peer``: the global rank a point-to-point transfer goes to; ``fan_out``: the
-        global ranks that each receive ``nbytes`` straight from this rank (a broadcast's root)."""
+        global ranks that each receive ``each`` bytes (default ``nbytes``) straight from this rank (a
+        broadcast's root, every peer of an all-to-all)."""
         s = self._stats[(op, axis)]
         s.calls += 1
         s.payload_bytes += nbytes
         s.wire_bytes += nbytes * wire_factor
         nodes, me = self._topology.nodes, self._topology.rank
         if fan_out is not None:
-            crossing = nbytes * sum(nodes.node_of(r) != nodes.node_of(me) for r in fan_out)
+            crossing = (nbytes if each is None else each) * sum(nodes.node_of(r) != nodes.node_of(me)
+                                                                for r in fan_out)
         elif peer is not None:
             crossing = nbytes * wire_factor if nodes.node_of(peer) != nodes.node_of(me) else 0.0
         else:
@@ -282,11 +290,22 @@ class Communicator:
 
     # ---- collectives ------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, axis: str, op: str = "sum",
-                   async_op: bool = False) -> Optional[Handle]:
-        """In-place all-reduce of ``tensor`` (any shape) over the ``axis`` group."""
+                   async_op: bool = False, quant: Optional[Quantization] = None,
+                   two_level: bool = False) -> Optional[Handle]:
+        """In-place all-reduce of ``tensor`` (any shape) over the ``axis`` group.
+
+        With ``quant`` it is a quantized reduce-scatter of ``n`` equal chunks
+        (zero-padded) followed by a quantized all-gather of the summed chunks,
+        so every rank ends with the same dequantized sum. ``two_level``: see
+        :meth:`_two_level_all_reduce`.
+        """
         n = self.size(axis)
         if n == 1:
             return Handle() if async_op else None
+        if two_level and self._splits_over_nodes(axis):
+            return self._two_level_all_reduce(tensor, op, quant, async_op)
+        if quant is not None:
+            return self._quantized_all_reduce(tensor, axis, op, quant, async_op)
         self._record("all_reduce", axis, _nbytes(tensor), 2.0 * (n - 1) / n)
         finish = (lambda: tensor.div_(n)) if op == "avg" else None
         return self._launch("all_reduce", axis, lambda a: dist.all_reduce(tensor, op=_REDUCE_OPS[op],
@@ -294,10 +313,13 @@ class Communicator:
                             async_op, finish)
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, axis: str,
-                               async_op: bool = False) -> Optional[Handle]:
+                               async_op: bool = False, quant: Optional[Quantization] = None) -> Optional[Handle]:
         """Gather ``input`` [k, ...] from every rank of ``axis`` into ``output`` [n*k, ...], in group-rank order.
 
-        gloo needs ``output`` flat along dim 0 (not shaped [n, k, ...]).
+        gloo needs ``output`` flat along dim 0 (not shaped [n, k, ...]). With
+        ``quant``, every rank sends its chunk packed (:mod:`hybrid.kernels.quantize`)
+        and ``output`` receives every chunk dequantized, this rank's own
+        included, so all ranks hold the same values.
         """
         n = self.size(axis)
         if output.numel() != n * input.numel():
@@ -307,13 +329,25 @@ class Communicator:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input.view_as(output))
             return Handle() if async_op else None
+        if quant is not None:
+            return self._quantized_all_gather(output, input, axis, quant, async_op)
         self._record("all_gather", axis, _nbytes(output), (n - 1) / n)
         return self._launch("all_gather", axis, lambda a: _all_gather_flat(
             output, input, group=self._group(axis), async_op=a), async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, axis: str,
-                              op: str = "sum", async_op: bool = False) -> Optional[Handle]:
-        """Reduce ``input`` [n*k] over ``axis`` and keep this rank's chunk in ``output`` [k]."""
+                              op: str = "sum", async_op: bool = False,
+                              quant: Optional[Quantization] = None, two_level: bool = False) -> Optional[Handle]:
+        """Reduce ``input`` [n*k] over ``axis`` and keep this rank's chunk in ``output`` [k].
+
+        With ``quant``, chunk ``i`` of ``input`` is packed and sent to rank
+        ``i`` by one all-to-all; each rank dequantizes the ``n`` copies of its
+        chunk and adds them in fp32, in group-rank order. ``two_level`` (axis
+        ``dp`` only, after :meth:`~hybrid.topology.Topology.enable_node_axes`):
+        first inside the node, then across nodes (:meth:`_two_level_reduce_scatter`).
+        """
+        if two_level and self._splits_over_nodes(axis):
+            return self._two_level_reduce_scatter(output, input, op, quant, async_op)
         n = self.size(axis)
         if input.numel() != n * output.numel():
             raise ValueError(f"reduce_scatter_tensor over {axis}: input has {input.numel()} "
@@ -322,6 +356,8 @@ class Communicator:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input.view_as(output))
             return Handle() if async_op else None
+        if quant is not None:
+            return self._quantized_reduce_scatter(output, input, axis, op, quant, async_op)
         self._record("reduce_scatter", axis, _nbytes(input), (n - 1) / n)
         if self._backend(axis) in _RING_REDUCE_SCATTER_BACKENDS:
             return self._ring_reduce_scatter(output, input, axis, op, async_op)
@@ -349,6 +385,130 @@ class Communicator:
             return None
         self._rings.append(ring)
         return self._track(Handle(None, ring.finish, self._timeout, None, self._untrack))
+
+    def _quantized_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, axis: str, op: str,
+                                  quant: Quantization, async_op: bool) -> Optional[Handle]:
+        """All-to-all of ``input`` [n*k] packed per chunk ([n, W] bytes), then an fp32 sum at the receiver."""
+        if op not in ("sum", "avg"):
+            raise ValueError(f"reduce_scatter_tensor over {axis}: op {op!r} cannot be quantized (sum or avg)")
+        n, k = self.size(axis), output.numel()
+        wire = _quant.pack(input.reshape(n, k), quant.bits, quant.block)
+        received = torch.empty_like(wire)
+        me = self._topology.rank
+        self._record("reduce_scatter", axis, _nbytes(wire), (n - 1) / n,
+                     fan_out=[r for r in self._topology.group_ranks(axis) if r != me], each=wire[0].numel())
+
+        def finish() -> None:
+            _quant.unpack_sum(received, k, quant.bits, quant.block, out=output.view(-1))
+            if op == "avg":
+                output.div_(n)
+        return self._launch("reduce_scatter", axis, lambda a: dist.all_to_all_single(
+            received, wire, group=self._group(axis), async_op=a), async_op, finish)
+
+    # ---- two levels: inside the node, then across nodes ----------------------------------------------
+    def _splits_over_nodes(self, axis: str) -> bool:
+        """Whether a two-level collective over ``axis`` has two levels here (``dp`` with ranks on several
+        nodes and several on each node); otherwise the flat collective is the same thing."""
+        if axis != "dp":
+            raise ValueError(f"a two-level collective runs over 'dp' only, not {axis!r}")
+        return self.size("dp_node") > 1 and self.size("dp_cross") > 1
+
+    def _two_level_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str,
+                                  quant: Optional[Quantization], async_op: bool) -> Optional[Handle]:
+        """Reduce-scatter over ``dp`` as a reduce-scatter inside the node, then one across nodes.
+
+        ``dp`` rank ``i*l + j`` is rank ``j`` of node ``i`` (``l`` ranks per node,
+        ``m`` nodes; :meth:`hybrid.topology.Nodes.split`). ``input`` [m*l*c] is
+        reordered to [l, m, c] so that the ``dp_node`` reduce-scatter leaves
+        node rank ``j`` the node's sum of chunks ``i*l + j`` for every ``i``
+        ([m*c]); the ``dp_cross`` reduce-scatter over the ``m`` ranks at
+        position ``j`` then leaves each its own chunk [c]. Only that second
+        step, ``(m-1)/m`` of ``m*c`` per rank, leaves the node, and only it is
+        quantized (``quant``): the node's own link is fast, so compressing
+        there would add error and save little.
+        """
+        l, m, c = self.size("dp_node"), self.size("dp_cross"), output.numel()
+        staged = input.reshape(m, l, c).transpose(0, 1).contiguous()
+        node_sum = torch.empty(m * c, dtype=input.dtype, device=input.device)
+        first = self.reduce_scatter_tensor(node_sum, staged.view(-1), "dp_node", async_op=True)
+
+        def across() -> None:
+            first.wait()
+            self.reduce_scatter_tensor(output, node_sum, "dp_cross", quant=quant)
+            if op == "avg":
+                output.div_(l * m)
+        if not async_op:
+            across()
+            return None
+        return self._track(Handle(None, across, self._timeout, None, self._untrack))
+
+    def _two_level_all_reduce(self, tensor: torch.Tensor, op: str, quant: Optional[Quantization],
+                              async_op: bool) -> Optional[Handle]:
+        """All-reduce over ``dp`` as a reduce-scatter inside the node, an all-reduce of that [numel/l] share
+        across nodes (quantized with ``quant``), and an all-gather inside the node; ``tensor`` is zero-padded
+        to a multiple of the ``l`` ranks per node."""
+        l, numel = self.size("dp_node"), tensor.numel()
+        share = -(-numel // l)
+        flat = tensor.view(-1)
+        if share * l == numel:
+            source = flat
+        else:
+            source = torch.zeros(share * l, dtype=tensor.dtype, device=tensor.device)
+            source[:numel].copy_(flat)
+        mine = torch.empty(share, dtype=tensor.dtype, device=tensor.device)
+        first = self.reduce_scatter_tensor(mine, source, "dp_node", async_op=True)
+
+        def rest() -> None:
+            first.wait()
+            self.all_reduce(mine, "dp_cross", op="sum", quant=quant)
+            if op == "avg":
+                mine.div_(l * self.size("dp_cross"))
+            self.all_gather_into_tensor(source, mine, "dp_node")
+            if source is not flat:
+                flat.copy_(source[:numel])
+        if not async_op:
+            rest()
+            return None
+        return self._track(Handle(None, rest, self._timeout, None, self._untrack))
+
+    def _quantized_all_reduce(self, tensor: torch.Tensor, axis: str, op: str, quant: Quantization,
+                              async_op: bool) -> Optional[Handle]:
+        """:meth:`_quantized_reduce_scatter` of ``tensor`` cut into ``n`` chunks of ``k = ceil(numel / n)``
+        (the last zero-padded), then :meth:`_quantized_all_gather` of the summed chunk, launched when the
+        handle is waited for."""
+        n, numel = self.size(axis), tensor.numel()
+        k = -(-numel // n)
+        flat = tensor.view(-1)
+        if n * k == numel:
+            source = flat
+        else:
+            source = torch.zeros(n * k, dtype=tensor.dtype, device=tensor.device)
+            source[:numel].copy_(flat)
+        mine = torch.empty(k, dtype=torch.float32, device=tensor.device)
+
+        def gather() -> None:
+            gathered = torch.empty(n * k, dtype=torch.float32, device=tensor.device)
+            self._quantized_all_gather(gathered, mine, axis, quant, async_op=False)
+            flat.copy_(gathered[:numel])
+        first = self._quantized_reduce_scatter(mine, source, axis, op, quant, async_op=async_op)
+        if not async_op:
+            gather()
+            return None
+        return self._track(Handle(None, lambda: (first.wait(), gather()), self._timeout, None, self._untrack))
+
+    def _quantized_all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: str, quant: Quantization,
+                              async_op: bool) -> Optional[Handle]:
+        """All-gather of ``input`` [k] packed ([1, W] bytes per rank), dequantized into ``output`` [n*k]."""
+        n, k = self.size(axis), input.numel()
+        wire = _quant.pack(input.reshape(1, k), quant.bits, quant.block)
+        gathered = torch.empty(n, wire.shape[1], dtype=wire.dtype, device=wire.device)
+        self._record("all_gather", axis, _nbytes(gathered), (n - 1) / n)
+
+        def finish() -> None:
+            values = _quant.unpack(gathered, k, quant.bits, quant.block)
+            output.view(n, k).copy_(values)
+        return self._launch("all_gather", axis, lambda a: _all_gather_flat(
+            gathered.view(-1), wire.view(-1), group=self._group(axis), async_op=a), async_op, finish)
 
     def all_gather(self, tensors: List[torch.Tensor], input: torch.Tensor, axis: str) -> None:
         """Gather equally shaped ``input`` from every rank of ``axis`` into the list ``tensors``."""

@@ -32,6 +32,9 @@ from hybrid.comm import Communicator
 from hybrid.layout import ParallelLayout
 
 AXES = ("tp", "dp", "pp", "mp", "world")
+# The data-parallel group split by node (see Topology.enable_node_axes): the ranks of this rank's dp group on
+# its own node, and the ranks of its dp group at the same position on every node.
+NODE_AXES = ("dp_node", "dp_cross")
 
 
 class TopologyError(ValueError):
@@ -168,6 +171,22 @@ class Nodes:
         successor = ranks[(list(ranks).index(rank) + 1) % len(ranks)]
         return self.node_of(successor) != self.node_of(rank)
 
+    def split(self, ranks: Sequence[int]) -> List[List[int]]:
+        """``ranks`` (one group, in group-rank order) as one list per node, nodes in order.
+
+        Raises :class:`TopologyError` unless every node holds the same number of them, in consecutive group
+        ranks: the shape a two-level collective needs (a reduction inside each node, then across nodes).
+        """
+        per_node: Dict[int, List[int]] = {}
+        for r in ranks:
+            per_node.setdefault(self.node_of(r), []).append(r)
+        lists = [per_node[n] for n in sorted(per_node)]
+        if len({len(lst) for lst in lists}) != 1 or [r for lst in lists for r in lst] != list(ranks):
+            raise TopologyError(f"the group {list(ranks)} is not split evenly over nodes of {self.ranks_per_node} "
+                                f"ranks (per node: {lists}); a two-level reduction needs the same number of its "
+                                f"ranks on every node")
+        return lists
+
     def check_tp_groups(self, grid: Grid, allowed: bool, warn: bool) -> None:
         """Refuse TP groups that cross nodes (every layer's collectives would ride the inter-node link),
         unless ``allowed``; then say it once (``warn``) and go on."""
@@ -185,8 +204,8 @@ class Nodes:
 
 
 def _check_axis(axis: str) -> None:
-    if axis not in AXES:
-        raise TopologyError(f"unknown axis {axis!r}; expected one of {', '.join(AXES)}")
+    if axis not in AXES and axis not in NODE_AXES:
+        raise TopologyError(f"unknown axis {axis!r}; expected one of {', '.join(AXES + NODE_AXES)}")
 
 
 class Topology:
@@ -221,6 +240,7 @@ class Topology:
         self.nodes = Nodes.build(world_size, ranks_per_node)
         self.nodes.check_tp_groups(self.grid, allow_tp_across_nodes, warn=rank == 0)
         self._groups: Dict[str, object] = {}
+        self._node_axes = False  # dp_node / dp_cross groups created (enable_node_axes)
         self.comm = Communicator(self, timeout_s=timeout_s)
         if world_size > 1:
             self._build_groups()
@@ -240,6 +260,7 @@ class Topology:
         topo.coord = Coord(0, 0, 0)
         topo.nodes = Nodes(ranks_per_node=1)
         topo._groups = {}
+        topo._node_axes = False
         topo.comm = Communicator(topo, timeout_s=None)
         return topo
 
@@ -254,6 +275,38 @@ class Topology:
                 if self.rank in ranks:
                     self._groups[axis] = group
         self._groups["world"] = dist.group.WORLD
+
+    def enable_node_axes(self) -> None:
+        """Create the process groups of the ``dp_node`` and ``dp_cross`` axes (collective over the world).
+
+        ``dp_node``: this rank's dp group members on its own node; ``dp_cross``:
+        the members at this rank's position within their node, one per node, in
+        node order. Every rank must call it, in the same order relative to other
+        group creation (the ZeRO optimizer does when ``zero.two_level_reduce``
+        is set). Raises :class:`TopologyError` when a dp group is not split
+        evenly over nodes. Calling it again does nothing.
+        """
+        if self._node_axes:
+            return
+        splits = [self.nodes.split(ranks) for ranks in self.grid.all_groups("dp")]
+        if self.world_size > 1:
+            for per_node in splits:
+                for axis, groups in (("dp_node", per_node), ("dp_cross", [list(g) for g in zip(*per_node)])):
+                    for ranks in groups:
+                        group = dist.new_group(ranks, timeout=self.comm.timeout) if len(ranks) > 1 else None
+                        if self.rank in ranks:
+                            self._groups[axis] = group
+        self._node_axes = True
+
+    def _node_axis_ranks(self, axis: str, rank: int) -> List[int]:
+        if not self._node_axes:
+            raise TopologyError(f"axis {axis!r} has no process group yet: call Topology.enable_node_axes() on "
+                                f"every rank first")
+        per_node = self.nodes.split(self.grid.group_ranks("dp", rank))
+        mine = next(lst for lst in per_node if rank in lst)
+        if axis == "dp_node":
+            return mine
+        return [lst[mine.index(rank)] for lst in per_node]
 
     def close(self) -> None:
         """Wait for this rank's in-flight operations, then destroy its per-axis process groups.
@@ -281,13 +334,20 @@ class Topology:
         return self._groups.get(axis)
 
     def size(self, axis: str) -> int:
+        if axis in NODE_AXES:
+            return len(self._node_axis_ranks(axis, self.rank))
         return self.grid.size(axis)
 
     def rank_in(self, axis: str) -> int:
+        if axis in NODE_AXES:
+            return self._node_axis_ranks(axis, self.rank).index(self.rank)
         return self.grid.rank_in(axis, self.rank)
 
     def group_ranks(self, axis: str, rank: Optional[int] = None) -> List[int]:
-        return self.grid.group_ranks(axis, self.rank if rank is None else rank)
+        rank = self.rank if rank is None else rank
+        if axis in NODE_AXES:
+            return self._node_axis_ranks(axis, rank)
+        return self.grid.group_ranks(axis, rank)
 
     def coord_of(self, rank: int) -> Coord:
         return self.grid.coord_of(rank)

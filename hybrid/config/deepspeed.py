@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping
 
+from hybrid.compression import OFF, formats_for_deepspeed
 from hybrid.config.deepspeed_schedules import DEEPSPEED_SCHEDULER_PARAMS, deepspeed_schedule_kwargs
 from hybrid.config.errors import ConfigError, suggestion, value_suggestion
 from hybrid.config.parse import apply_overrides
@@ -40,7 +41,7 @@ _MAPPED = {
 }
 # Sections whose keys are handled by dedicated code below (besides those in _MAPPED).
 _HANDLED = {"": {"zero_optimization", "fp16", "bf16", "optimizer", "scheduler", "tensorboard"},
-            "zero_optimization": {"offload_optimizer"},
+            "zero_optimization": {"offload_optimizer", "zero_quantized_gradients", "zero_quantized_weights"},
             "fp16": {"enabled"}, "bf16": {"enabled"}, "optimizer": {"type", "params"},
             "scheduler": {"type", "params"}}
 
@@ -85,7 +86,6 @@ _UNSUPPORTED = {
         "stage3_gather_fp16_weights_on_model_save": _ISSUE_8, "sub_group_size": _ISSUE_8,
         "elastic_checkpoint": "remove it", "load_from_fp32_weights": "remove it",
         "round_robin_gradients": "remove it", "zero_hpz_partition_size": "remove it",
-        "zero_quantized_weights": "remove it", "zero_quantized_gradients": "remove it",
         "mics_shard_size": "remove it", "mics_hierarchical_params_gather": "remove it",
         "ignore_unused_parameters": "remove it", "legacy_stage1": "remove it",
         "memory_efficient_linear": "remove it", "use_multi_rank_bucket_allreduce": "remove it",
@@ -148,6 +148,8 @@ def _translate(ds: Mapping[str, Any]):
             sub = _section(ds, section)
             _check_keys(sub, section)
             _map_section(sub, section, put)
+            if section == "zero_optimization":
+                _map_quantization(sub, put)
             if section == "zero_optimization" and "offload_optimizer" in sub:
                 off = _section(sub, "offload_optimizer")
                 _check_keys(off, "zero_optimization.offload_optimizer")
@@ -204,6 +206,18 @@ def _map_section(section: Mapping, name: str, put) -> None:
             if key == "gradient_clipping" and value is None:
                 value = 0.0
             put(native_key, value, prefix + key)
+
+
+def _map_quantization(zero: Mapping, put) -> None:
+    """ZeRO++'s switches: true selects the formats ZeRO++ sends (:func:`hybrid.compression.formats_for_deepspeed`)."""
+    formats = dict(zip(("zero_quantized_gradients", "zero_quantized_weights"), formats_for_deepspeed()))
+    for key, fmt in formats.items():
+        if key not in zero:
+            continue
+        value = zero[key]
+        if not isinstance(value, bool):
+            raise ConfigError(f"DeepSpeed key 'zero_optimization.{key}' must be true or false, got {value!r}")
+        put("zero." + key[len("zero_"):], fmt if value else OFF, "zero_optimization." + key)
 
 
 def _enabled(ds: Mapping, name: str) -> bool:

@@ -27,6 +27,7 @@ import dataclasses
 import math
 from typing import Any, Callable, List, Optional, Tuple
 
+from hybrid.compression import DEFAULT_BLOCK, GRADIENT_FORMATS, WEIGHT_FORMATS
 from hybrid.layout import OFFLOAD_DEVICES, PRECISIONS, ZERO_STAGES
 
 # Choice lists owned by the configuration (the ZeRO stages, offload devices and
@@ -127,6 +128,19 @@ class ZeroConfig:
                                            "reduce it once per step, as stages 0-1 do, not on every micro-step "
                                            "(the data-parallel bytes of stage 1, for a whole gradient buffer "
                                            "instead of a 1/dp partition)")
+    quantized_gradients: str = _field("off", choices=tuple(GRADIENT_FORMATS),
+                                      help="send the data-parallel gradient reduction blockwise-quantized (an "
+                                           "all-to-all, summed in fp32 by the receiver); int4 is what ZeRO++ "
+                                           "sends")
+    quantized_weights: str = _field("off", choices=tuple(WEIGHT_FORMATS),
+                                    help="stages 1-3: all-gather the parameters blockwise-quantized; every rank "
+                                         "computes with the same dequantized weights, the fp32 masters stay "
+                                         "exact")
+    two_level_reduce: bool = _field(False, help="reduce gradients inside each node first, then across nodes on "
+                                                "the node's 1/l share (l: data-parallel ranks per node); only that "
+                                                "share crosses nodes, and only it is quantized")
+    quantization_block: int = _field(DEFAULT_BLOCK, ge=8, help="elements per quantization block (one fp32 scale "
+                                                               "each); a multiple of 8")
     offload_optimizer: str = _field("none", choices=OFFLOAD_DEVICES, flag="--offload-optimizer",
                                     help="cpu: fp32 master weights and optimizer state in host memory, stepped "
                                          "by the CPU Adam (stages 1-3)")

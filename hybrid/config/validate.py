@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from hybrid.config.batch import BatchSizes
 from hybrid.config.errors import value_suggestion
 from hybrid.config.flags import key_error, meta_error
+from hybrid.compression import compression_problem
 from hybrid.layout import offload_problem, reduce_once_problem
 
 if TYPE_CHECKING:  # the schema's methods call this module through parse: no runtime import back
@@ -102,6 +103,12 @@ def _cross_key_rules(cfg: "HybridConfig") -> None:
     if problem:
         raise error(f"config key 'zero.reduce_once' is true but 'zero.stage' is {cfg.zero.stage}: {problem}",
                     "zero.reduce_once", "zero.stage")
+    z = cfg.zero
+    problem = compression_problem(z.stage, z.quantized_gradients, z.quantized_weights, z.quantization_block)
+    if problem:
+        key, why = problem
+        value = getattr(z, key.split(".")[1])
+        raise error(f"config key '{key}' is {value!r} but 'zero.stage' is {z.stage}: {why}", key, "zero.stage")
     if cfg.autocast and cfg.precision == "fp32":
         raise error("config key 'autocast' is true but 'precision' is fp32; autocast runs the forward in bf16 "
                     "or fp16: set precision to bf16 or fp16, or autocast to false", "autocast", "precision")

@@ -41,7 +41,18 @@ CUDA_NORM = OpSpec(
     description="fused LayerNorm / RMSNorm forward and backward on CUDA",
 )
 
-ALL_OPS: dict[str, OpSpec] = {op.name: op for op in (CPU_ADAM, CUDA_ADAM, CUDA_NORM)}
+CUDA_QUANTIZE = OpSpec(
+    name="cuda_quantize",
+    sources=("cuda/quantize_binding.cpp", "cuda/quantize.cu", "cuda/status.cu"),
+    device="cuda",
+    extra_cflags=("-O3",),
+    # Bit-identical to the torch path: no FMA contraction, IEEE division, denormals kept
+    # (the kernels also use the __f*_rn intrinsics, so these flags are a second guard).
+    extra_cuda_cflags=_NVCC_FLAGS + ("-fmad=false", "-prec-div=true", "-ftz=false"),
+    description="blockwise int8 / int4 / 1-bit quantization for compressed communication (CUDA)",
+)
+
+ALL_OPS: dict[str, OpSpec] = {op.name: op for op in (CPU_ADAM, CUDA_ADAM, CUDA_NORM, CUDA_QUANTIZE)}
 
 
 def find_nvcc() -> str | None:

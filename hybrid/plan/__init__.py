@@ -13,7 +13,9 @@ does not: optimizer and ZeRO knobs), :mod:`~hybrid.plan.model_memory` (weights, 
 state, laid out like the ZeRO flat buffers), :mod:`~hybrid.plan.activations` (what autograd saves),
 :mod:`~hybrid.plan.estimate` (the peak), :mod:`~hybrid.plan.zero_collectives` (which collectives a stage
 runs, from its traits), :mod:`~hybrid.plan.comm_volume`, :mod:`~hybrid.plan.timing`,
-:mod:`~hybrid.plan.links` (which bytes cross between nodes), :mod:`~hybrid.plan.predict`
+:mod:`~hybrid.plan.links` (which bytes cross between nodes), :mod:`~hybrid.plan.compressed` (quantized
+ZeRO collectives: their bytes and buffers), :mod:`~hybrid.plan.two_level` (``zero.two_level_reduce``: the
+dp group's ranks per node and nodes), :mod:`~hybrid.plan.predict`
 (:func:`predict_step_time`: one layout's step without the command line), :mod:`~hybrid.plan.cluster`,
 :mod:`~hybrid.plan.layouts`, :mod:`~hybrid.plan.report`, and
 :mod:`~hybrid.plan.measure` (the instruments the tests use). Every decision that depends on the ZeRO

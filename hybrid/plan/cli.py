@@ -10,10 +10,10 @@ from hybrid.layout import OFFLOAD_DEVICES, PRECISIONS, ZERO_STAGES, LayoutError
 from hybrid.plan.activations import PROFILES
 from hybrid.plan.candidate import DEFAULT_PRECISION
 from hybrid.plan.cluster import Cluster, ClusterError, parse_size
-from hybrid.plan.layouts import RECOMPUTES, Choices, plan
+from hybrid.plan.layouts import RECOMPUTES, Choices, enumerate_layouts, plan, refused_placements, refused_stages
 from hybrid.plan.model_memory import OPTIMIZER_STATES
 from hybrid.plan.report import LEGEND, format_table, summary, to_json
-from hybrid.plan.setup import TrainingSetup
+from hybrid.plan.setup import TrainingSetup, zero_field
 from model_zoo.config import GPTConfig
 from model_zoo.flops import count_parameters
 from model_zoo.presets import get_preset, list_presets
@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="zero.reduce_once: ZeRO-2 keeps whole gradients and reduces them once per step under "
                             "accumulation (stage 1's collectives and gradient memory); stage 3 cannot, and is "
                             "planned without it")
+    for key, counted in (("quantized_gradients", "packs every stage's DP gradient reduction"),
+                         ("quantized_weights", "packs the parameter all-gathers; skips stage 0"),
+                         ("quantization_block", "a 4-byte scale per block of every packed chunk"),
+                         ("two_level_reduce", "DP gradient reductions inside each node, then across nodes on the "
+                                              "node's share; layouts whose dp groups are not split evenly over "
+                                              "the nodes are skipped")):
+        _zero_flag(model, key, counted)
     model.add_argument("--stage3-live-parameters", type=int, default=DEFAULT_SETUP.stage3_live_parameters,
                        help="ZeRO-3: most parameter elements gathered at once (zero.max_live_parameters)")
     model.add_argument("--stage3-prefetch", type=int, default=DEFAULT_SETUP.stage3_prefetch,
@@ -93,6 +100,21 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _zero_flag(group: argparse._ArgumentGroup, key: str, counted: str) -> None:
+    """``--zero-<key>`` with the choices, default and help of ``zero.<key>`` in the training configuration
+    (a boolean: ``--zero-<key>`` / ``--no-zero-<key>``, as the trainer's); ``counted``: what it changes in
+    the planner's prediction."""
+    field = zero_field(key)
+    flag, default = "--zero-" + key.replace("_", "-"), getattr(DEFAULT_SETUP, key)
+    text = f"zero.{key}: {field.metadata['help']} (planner: {counted})"
+    if isinstance(field.default, bool):
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+        return
+    choices = field.metadata.get("choices")
+    group.add_argument(flag, type=type(field.default), choices=tuple(choices) if choices else None,
+                       metavar=None if choices else "N", default=default, help=text)
+
+
 def load_model_config(args: argparse.Namespace) -> GPTConfig:
     """The preset or the config file, with ``--seq-length`` applied."""
     if args.model:
@@ -123,6 +145,14 @@ def _read_config_file(path: str) -> GPTConfig:
         raise SystemExit(f"--config {path}: {e}")
 
 
+def _compression(setup: TrainingSetup) -> str:
+    """The compression formats and the two-level reduction for the assumptions line ('' when all are off)."""
+    formats = [f"{what} {q.describe()}" for what, q in (("gradients", setup.gradient_quant),
+                                                         ("weights", setup.weight_quant)) if q is not None]
+    text = f"; ZeRO collectives quantized: {', '.join(formats)}" if formats else ""
+    return text + ("; DP gradients reduced inside each node, then across nodes" if setup.two_level_reduce else "")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -140,6 +170,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         setup = TrainingSetup(optimizer=args.optimizer,
                               weight_decay=not args.no_weight_decay, bucket_size=args.bucket_size,
                               reduce_once=args.zero_reduce_once,
+                              quantized_gradients=args.zero_quantized_gradients,
+                              quantized_weights=args.zero_quantized_weights,
+                              quantization_block=args.zero_quantization_block,
+                              two_level_reduce=args.zero_two_level_reduce,
                               stage3_live_parameters=args.stage3_live_parameters,
                               stage3_prefetch=args.stage3_prefetch,
                               stage3_persistence_threshold=args.stage3_persistence_threshold,
@@ -149,10 +183,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                           micro_batches=args.micro_batch, max_micro_batch=args.max_micro_batch,
                           sequence_parallel=args.sequence_parallel, precision=args.precision)
         evaluations = plan(config, cluster, args.global_batch_size, setup, choices)
+        placed = refused_placements(enumerate_layouts(config, cluster, args.global_batch_size, choices), cluster,
+                                    setup)
     except (ClusterError, LayoutError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    skipped = [f"skipped ZeRO stage {stage}: {why}" for stage, why in refused_stages(args.zero_stage, setup).items()]
+    skipped += [f"skipped tp={tp} x dp={dp}: {why}" for (tp, dp), why in placed.items()]
     if args.json:
+        for line in skipped:
+            print(line, file=sys.stderr)
         print(to_json(evaluations))
         return 0
     name = args.model or args.config
@@ -161,7 +201,9 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"global batch {args.global_batch_size}, {args.precision}, {args.optimizer}")
     print(f"cluster: {cluster.describe()}")
     print(f"assumptions: {cluster.assumptions()}; fragmentation allowance {args.fragmentation:g} of transients; "
-          f"{args.device} device profile")
+          f"{args.device} device profile{_compression(setup)}")
+    for line in skipped:
+        print(line)
     print()
     print(format_table(evaluations, args.top))
     print()

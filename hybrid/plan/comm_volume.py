@@ -31,15 +31,42 @@ backward needs (one all-reduce, or two all-gathers and a reduce-scatter, per
 layer); under ZeRO stage 3 it replays whole layers (two all-reduces, or two
 all-gathers and two reduce-scatters). The embedding, the
 head and the loss add a few more (see :func:`tp_volume`).
+
+Compressed ZeRO communication (:mod:`hybrid.plan.compressed`): with
+``zero.quantized_gradients`` every gradient reduction is a quantized
+reduce-scatter, an all-to-all of packed chunks (payload ``n*W``, ``W`` the
+packed bytes of one chunk; its entry also carries ``peer_bytes``, the ``W``
+a rank sends straight to each peer, summed over calls, which
+:func:`hybrid.plan.links.split_by_link` reads), and stage 0's all-reduce
+becomes that reduce-scatter plus a ring all-gather of the packed summed
+chunks (``all_gather/dp``, payload ``n*W``), as :mod:`hybrid.comm` records
+it. With ``zero.quantized_weights`` the parameter all-gathers (stages 1-2
+after the step, stage 3's) carry ``n*W`` instead of ``N*p``.
+
+Two-level reduction (``zero.two_level_reduce``; ``node_split = (l, m)``: ``l``
+dp ranks on each of ``m`` nodes, :mod:`hybrid.plan.two_level`) reduces each
+gradient bucket as :mod:`hybrid.comm` does, under the axes ``dp_node`` (``l``
+ranks, one node) and ``dp_cross`` (``m`` ranks, one per node):
+
+* reduce-scatter of ``N = n*c`` elements: ``reduce_scatter/dp_node`` of ``N*p``,
+  then ``reduce_scatter/dp_cross`` of the node's share ``m*c`` (quantized: the
+  all-to-all of ``m`` packed chunks of ``c``);
+* all-reduce of ``N`` (stage 0), ``s = ceil(N/l)``: ``reduce_scatter/dp_node`` of
+  ``l*s*p``, ``all_reduce/dp_cross`` of ``s*p`` (quantized: the quantized
+  all-reduce of ``s`` over ``m``), ``all_gather/dp_node`` of ``l*s*p``.
+
+With ``l == 1`` or ``m == 1`` it is the flat collective over ``dp``.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Tuple, Union
 
+from hybrid.compression import Quantization
 from hybrid.layout import stage_traits
 from hybrid.plan.activations import DTYPE_BYTES
 from hybrid.plan.candidate import Candidate
+from hybrid.plan.compressed import chunk, packed_bytes
 from hybrid.plan.model_memory import FlatLayout, Stage3Layout
 from hybrid.plan.zero_collectives import gathers_after_step, reduces_by_scatter, reduces_every_micro_batch
 from model_zoo.config import GPTConfig
@@ -60,30 +87,96 @@ def _ring(op: str, n: int) -> float:
     return ring_steps(op, n) / n
 
 
+def _entry(report: Report, op: str, axis: str, all_to_all: bool) -> Dict[str, float]:
+    entry = report.setdefault(f"{op}/{axis}", {"calls": 0, "payload_bytes": 0, "wire_bytes": 0.0})
+    if entry["calls"] and ("peer_bytes" in entry) != all_to_all:
+        raise ValueError(f"{op}/{axis} mixes ring and all-to-all calls: their bytes cross nodes differently")
+    return entry
+
+
 def _add(report: Report, op: str, axis: str, n: int, payload: int, calls: int = 1) -> None:
+    """``calls`` ring collectives of ``payload`` bytes each."""
     if n == 1 or calls == 0:
         return
-    entry = report.setdefault(f"{op}/{axis}", {"calls": 0, "payload_bytes": 0, "wire_bytes": 0.0})
+    entry = _entry(report, op, axis, all_to_all=False)
     entry["calls"] += calls
     entry["payload_bytes"] += payload * calls
     entry["wire_bytes"] += payload * calls * _ring(op, n)
 
 
-def stage3_gathers(layout: Stage3Layout, micro_batches: int, tied_head: bool = True) -> Dict[str, list]:
+def _add_all_to_all(report: Report, op: str, axis: str, n: int, each: int, calls: int = 1) -> None:
+    """``calls`` all-to-alls in which a rank sends ``each`` bytes straight to every one of its ``n - 1`` peers
+    (payload ``n * each``, as the communicator records a quantized reduce-scatter)."""
+    if n == 1 or calls == 0:
+        return
+    entry = _entry(report, op, axis, all_to_all=True)
+    entry["calls"] += calls
+    entry["payload_bytes"] += n * each * calls
+    entry["wire_bytes"] += (n - 1) * each * calls
+    entry["peer_bytes"] = entry.get("peer_bytes", 0) + each * calls
+
+
+def gathered_bytes(numel: int, n: int, element_bytes: int, quant: Optional[Quantization] = None) -> int:
+    """Payload of an all-gather of ``numel`` elements over ``n`` ranks: ``numel * element_bytes``, or with
+    ``quant`` the packed chunks, ``n * wire_bytes(ceil(numel / n))``."""
+    return numel * element_bytes if quant is None else packed_bytes(quant, numel, n)
+
+
+def _reduce_gradients(report: Report, scatter: bool, n: int, numel: int, element_bytes: int, calls: int,
+                      quant: Optional[Quantization], axis: str = "dp") -> None:
+    """``calls`` reductions over ``axis`` (``n`` ranks) of a ``numel``-element gradient buffer: a reduce-scatter
+    (``scatter``) or an all-reduce; quantized, the all-to-all and, for an all-reduce, the all-gather of the
+    summed chunks."""
+    if quant is None:
+        _add(report, "reduce_scatter" if scatter else "all_reduce", axis, n, numel * element_bytes, calls=calls)
+        return
+    _add_all_to_all(report, "reduce_scatter", axis, n, quant.wire_bytes(chunk(numel, n)), calls=calls)
+    if not scatter:
+        _add(report, "all_gather", axis, n, packed_bytes(quant, numel, n), calls=calls)
+
+
+def _reduce(report: Report, scatter: bool, n: int, numel: int, element_bytes: int, calls: int,
+            quant: Optional[Quantization], node_split: Optional[Tuple[int, int]]) -> None:
+    """:func:`_reduce_gradients` over ``dp``, or with ``node_split = (l, m)`` (``zero.two_level_reduce``) in
+    two levels when both are above 1 (the module docstring)."""
+    l, m = node_split or (1, n)
+    if l * m != n:
+        raise ValueError(f"node split {node_split} does not make the {n} data-parallel ranks")
+    if l == 1 or m == 1:
+        _reduce_gradients(report, scatter, n, numel, element_bytes, calls, quant)
+        return
+    p = element_bytes
+    if scatter:
+        _add(report, "reduce_scatter", "dp_node", l, numel * p, calls=calls)
+        _reduce_gradients(report, True, m, m * chunk(numel, n), p, calls, quant, axis="dp_cross")
+        return
+    share = chunk(numel, l)
+    _add(report, "reduce_scatter", "dp_node", l, l * share * p, calls=calls)
+    _reduce_gradients(report, False, m, share, p, calls, quant, axis="dp_cross")
+    _add(report, "all_gather", "dp_node", l, l * share * p, calls=calls)
+
+
+def stage3_gathers(layout: Stage3Layout, micro_batches: int, tied_head: bool = True,
+                   weights: Optional[Quantization] = None) -> Dict[str, list]:
     """The all-gathers of partitioned parameters in one step, by phase, as ``[(payload bytes, calls)]``:
     ``forward`` every unit once per micro-batch (a tied head's unit once more, where the LM head uses the
     embedding outside its module), ``backward`` every unit again, ``after_step`` the persistent pool
-    re-gathered after the update."""
-    p, k = layout.element_bytes, micro_batches
-    forward = [(size * p, k) for size in layout.units]
+    re-gathered after the update. ``weights``: ``zero.quantized_weights`` (:func:`gathered_bytes`)."""
+    k = micro_batches
+
+    def payload(numel: int) -> int:
+        return gathered_bytes(numel, layout.dp, layout.element_bytes, weights)
+    forward = [(payload(size), k) for size in layout.units]
     if tied_head and layout.head_unit:
-        forward.append((layout.head_unit * p, k))
-    after_step = [(layout.persistent * p, 1)] if layout.persistent else []
-    return {"forward": forward, "backward": [(size * p, k) for size in layout.units], "after_step": after_step}
+        forward.append((payload(layout.head_unit), k))
+    after_step = [(payload(layout.persistent), 1)] if layout.persistent else []
+    return {"forward": forward, "backward": [(payload(size), k) for size in layout.units], "after_step": after_step}
 
 
 def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches: int = 1,
-              report: Optional[Report] = None, tied_head: bool = True, reduce_once: bool = False) -> Report:
+              report: Optional[Report] = None, tied_head: bool = True, reduce_once: bool = False,
+              gradients: Optional[Quantization] = None, weights: Optional[Quantization] = None,
+              node_split: Optional[Tuple[int, int]] = None) -> Report:
     """Data-parallel collectives of one step over ``layout.dp`` ranks (one call per bucket or unit).
 
     Whole parameters (flat buckets): each bucket's gradient is reduced, by
@@ -97,6 +190,12 @@ def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches
     checks the gather order with a 16-byte all-reduce per request, left out here.
     ``reduce_once``: ``zero.reduce_once``
     (:func:`hybrid.plan.zero_collectives.reduces_every_micro_batch`).
+    ``gradients`` / ``weights``: ``zero.quantized_gradients`` /
+    ``zero.quantized_weights`` (None: off; see the module docstring). Stage
+    3's reduce-scatters are counted as one buffer of every unit per
+    reduction, so the quantized figure leaves out the block padding of each
+    bucket's chunks (under one block per bucket). ``node_split``: ``(l, m)``
+    under ``zero.two_level_reduce`` (None: off; see the module docstring).
     """
     report = {} if report is None else report
     n, k = layout.dp, micro_batches
@@ -107,18 +206,17 @@ def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches
             raise ValueError(f"ZeRO stage {int(stage)} communicates per unit: pass stage3_layout(...), not a flat "
                              f"layout")
         p = layout.element_bytes
-        for gathers in stage3_gathers(layout, k, tied_head).values():
+        for gathers in stage3_gathers(layout, k, tied_head, weights).values():
             for payload, calls in gathers:
                 _add(report, "all_gather", "dp", n, payload, calls=calls)
-        _add(report, "reduce_scatter", "dp", n, (sum(layout.units) + layout.persistent) * p, calls=reductions)
+        _reduce(report, True, n, sum(layout.units) + layout.persistent, p, reductions, gradients, node_split)
         return report
-    reduction = "reduce_scatter" if reduces_by_scatter(traits) else "all_reduce"
+    scatter = reduces_by_scatter(traits)
     for _, sizes in layout.groups:
         for size in sizes:
-            bucket = size * layout.element_bytes
-            _add(report, reduction, "dp", n, bucket, calls=reductions)
+            _reduce(report, scatter, n, size, layout.element_bytes, reductions, gradients, node_split)
             if gathers_after_step(traits):
-                _add(report, "all_gather", "dp", n, bucket)
+                _add(report, "all_gather", "dp", n, gathered_bytes(size, n, layout.element_bytes, weights))
     return report
 
 
@@ -165,13 +263,16 @@ def tp_volume(config: GPTConfig, micro_batch: int, tp: int, *, sequence_parallel
 
 
 def step_volume(config: GPTConfig, layout: Union[FlatLayout, Stage3Layout], candidate: Candidate,
-                micro_batches: int, reduce_once: bool = False) -> Report:
+                micro_batches: int, reduce_once: bool = False, gradients: Optional[Quantization] = None,
+                weights: Optional[Quantization] = None, node_split: Optional[Tuple[int, int]] = None) -> Report:
     """Every collective of one step (``micro_batches`` micro-batches of ``candidate``): data-parallel,
     tensor-parallel and the gradient-norm all-reduce. ``layout``: the candidate's flat or stage-3 layout;
-    ``reduce_once``: ``zero.reduce_once`` (stage 2 reduces once per step)."""
+    ``reduce_once``: ``zero.reduce_once`` (stage 2 reduces once per step); ``gradients`` / ``weights``: the
+    formats of ``zero.quantized_gradients`` / ``zero.quantized_weights`` (None: off); ``node_split``: ``(l, m)``
+    dp ranks per node and nodes under ``zero.two_level_reduce`` (None: off)."""
     report: Report = {}
     dp_volume(layout, candidate.zero_stage, micro_batches, report, tied_head=config.tie_embeddings,
-              reduce_once=reduce_once)
+              reduce_once=reduce_once, gradients=gradients, weights=weights, node_split=node_split)
     # Partitioned parameters are gathered by module hooks, which a replay must run: it replays whole layers.
     tp_volume(config, candidate.micro_batch, candidate.tp, sequence_parallel=candidate.sequence_parallel,
               recompute=candidate.recompute, precision=candidate.precision, micro_batches=micro_batches,

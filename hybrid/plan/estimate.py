@@ -39,6 +39,22 @@ has every bucket in flight, stage 2 the last ones it launched -- up to its
 staging pool plus one, the first buckets of the buffer --; stage 3 at most
 ``MAX_INFLIGHT_BUCKETS`` buckets at any moment). NCCL reduces in place, so the
 CUDA profile has none.
+
+Compressed communication (:mod:`hybrid.plan.compressed`) allocates real
+tensors instead, on every device. With ``zero.quantized_gradients`` each
+reduction in flight holds its packed send and receive buffers (and at stage
+0 its fp32 summed chunk) until it is waited on: at the end of backward that
+is every bucket when the stage reduces once per step (stages 0-1, stage 2
+with ``reduce_once``), the staging pool plus one otherwise; these replace
+gloo's copies of the reduce-scatter's input (the quantized path is an
+all-to-all, not the ring). Stage 0 waits on each bucket in the step by
+all-gathering its summed chunks, quantized, into an fp32 buffer. With
+``zero.quantized_weights`` the all-gathers after a stage 1-2 step hold every
+segment's packed chunk and gather, and dequantize one segment at a time
+through an fp32 ``[n, k]`` temporary. Both land in the step's gather
+temporary. Stage 3's quantized gathers and buckets are not counted: their
+packed buffers and fp32 temporaries sit beside the gathered units and the
+buckets of :func:`stage3_gradient_flow`, which replays the unquantized path.
 """
 
 from __future__ import annotations
@@ -48,6 +64,7 @@ from typing import Union
 
 from hybrid.plan.activations import DTYPE_BYTES, ActivationBytes, activation_bytes
 from hybrid.plan.candidate import Candidate
+from hybrid.plan.compressed import FP32, chunk, gather_buffers, reduction_buffers
 from hybrid.plan.model_memory import (FlatLayout, Stage3Layout, StateBytes, flat_layout, shard_shapes, stage3_layout,
                                       stage3_state_bytes, state_bytes)
 from hybrid.plan.setup import TrainingSetup
@@ -208,8 +225,9 @@ def zero_layout(config: GPTConfig, candidate: Candidate,
 
 def _model_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup):
     """``(state, stage-3 bytes gathered at the forward peak, gathered during backward, the stage-3 gradient flow
-    (:class:`GradientFlow`, bytes; None with whole parameters), all-gather temporary, reduce-scatter payload in
-    flight at the end of backward with whole parameters)``."""
+    (:class:`GradientFlow`, bytes; None with whole parameters), the step's gather temporary, reduce-scatter
+    payload in flight at the end of backward with whole parameters (gloo's copies), packed buffers of the
+    quantized reductions in flight then)``."""
     layout = zero_layout(config, candidate, setup)
     if candidate.traits.parameters:
         return _unit_state(config, candidate, setup, layout)
@@ -232,7 +250,7 @@ def _unit_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, u
     backward = p * min(live, sum(units.units), max(head, units.largest_unit) + ahead)
     flow = stage3_gradient_flow(units.backward_order(config.tie_embeddings), units.persistent,
                                 setup.bucket_size, units.dp, setup.stage3_prefetch, live)
-    return state, forward, backward, flow.scaled(p), 0, 0
+    return state, forward, backward, flow.scaled(p), 0, 0, 0
 
 
 def _flat_state(candidate: Candidate, setup: TrainingSetup, flat: FlatLayout):
@@ -248,16 +266,29 @@ def _flat_state(candidate: Candidate, setup: TrainingSetup, flat: FlatLayout):
     # module docstring). Reducing once per step launches every bucket and waits in the step; reducing every
     # micro-batch waits whenever it needs a staging buffer beyond its pool, so the last buckets launched -- the
     # first ones in the buffer, as backward runs the model in reverse -- are the ones still in flight.
-    in_flight = 0
-    if reduces_by_scatter(traits):
-        first_segments = flat.groups[0][1][:STAGING_BUFFERS_BEFORE_WAIT + 1]
-        in_flight = sum(first_segments) if reduces_every_micro_batch(traits, setup.reduce_once) else flat.numel
-    return state, 0, 0, None, gather_temp, flat.element_bytes * in_flight
+    segments = [size for _, sizes in flat.groups for size in sizes]
+    if reduces_every_micro_batch(traits, setup.reduce_once):
+        launched = list(flat.groups[0][1][:STAGING_BUFFERS_BEFORE_WAIT + 1])
+    else:
+        launched = segments
+    scatter = reduces_by_scatter(traits)
+    in_flight = sum(launched) if scatter else 0
+    packed, n, copies = 0, flat.dp, setup.profile.gather_copies_output
+    grads, weights = setup.gradient_quant, setup.weight_quant
+    if grads is not None:  # the module docstring: packed buffers instead of gloo's copies
+        in_flight, packed = 0, reduction_buffers(grads, launched, n, all_reduce=not scatter)
+        if not scatter:  # stage 0 waits on a bucket by gathering its summed chunks, the others still in flight
+            largest = flat.largest_segment
+            gather_temp = packed + FP32 * n * chunk(largest, n) + gather_buffers(grads, [largest], n, largest, copies)
+    if weights is not None and gathers_after_step(traits):
+        gather_temp = gather_buffers(weights, segments, n, flat.largest_segment, copies)
+    return state, 0, 0, None, gather_temp, flat.element_bytes * in_flight, packed
 
 
 def estimate_memory(config: GPTConfig, candidate: Candidate, setup: TrainingSetup = TrainingSetup()) -> MemoryEstimate:
     """Predict the memory of one device for ``config`` trained as ``candidate``."""
-    state, gathered, gathered_backward, staging3, gather_temp, in_flight = _model_state(config, candidate, setup)
+    state, gathered, gathered_backward, staging3, gather_temp, in_flight, packed = _model_state(config, candidate,
+                                                                                                 setup)
     act = activation_bytes(config, candidate.micro_batch, tp=candidate.tp,
                            sequence_parallel=candidate.sequence_parallel, recompute=candidate.recompute,
                            precision=candidate.precision, profile=setup.profile)
@@ -296,8 +327,12 @@ def estimate_memory(config: GPTConfig, candidate: Candidate, setup: TrainingSetu
         for tensors, _ in moments:
             if tensors > backward:
                 backward, backward_comm = tensors, tensors - base - act.embedding
-    elif in_flight:
-        moments.append((base + act.embedding, in_flight))  # whole parameters: the end of backward
+    elif in_flight or packed:
+        # Whole parameters: the end of backward, with the quantized reductions' packed buffers.
+        end = base + act.embedding + packed
+        moments.append((end, in_flight))
+        if end > backward:
+            backward, backward_comm = end, packed
     step = base + state.step_workspace + gather_temp
     # Stage-3 buffers (gathered units, in-flight gradient buckets) at whichever moment is the peak.
     peak_comm = max((forward, gathered), (backward, backward_comm), (step, gather_temp))[1]

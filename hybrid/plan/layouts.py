@@ -11,7 +11,15 @@ A layout is valid when:
 * the micro batch divides ``global_batch / dp`` (the rest is gradient
   accumulation);
 * offload is used only where the stage allows it
-  (:func:`hybrid.layout.offload_problem`).
+  (:func:`hybrid.layout.offload_problem`);
+* the ZeRO compression settings can run at the stage
+  (:meth:`hybrid.plan.setup.TrainingSetup.compression_problem`: quantized
+  weights need a stage that gathers parameters); :func:`plan` skips the
+  stages they cannot, and refuses with the rule's words when none is left;
+* with ``zero.two_level_reduce``, every dp group is split evenly over the
+  nodes (:func:`hybrid.plan.predict.placement_problem`, in the words of
+  :meth:`hybrid.topology.Nodes.split`); :func:`plan` skips the layouts that
+  are not, in the same way.
 
 Each layout is a :class:`~hybrid.plan.candidate.Candidate`: a
 :class:`hybrid.layout.ParallelLayout` (which validates the sizes, stage and
@@ -26,20 +34,22 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from hybrid.layout import OFFLOAD_DEVICES, ZERO_STAGES, LayoutError, ParallelLayout, offload_problem
 from hybrid.plan.candidate import DEFAULT_PRECISION, Candidate
 from hybrid.plan.cluster import Cluster
 from hybrid.plan.comm_volume import Report
 from hybrid.plan.estimate import MemoryEstimate, estimate_memory
-from hybrid.plan.predict import predict
+from hybrid.plan.predict import placement_problem, predict
 from hybrid.plan.setup import TrainingSetup
 from hybrid.plan.timing import StepTime
 from model_zoo.config import GPTConfig
 
 # The recomputation choices, cheapest first (the order layouts are enumerated in).
 RECOMPUTES = ("none", "selective", "full")
+# The axes of data-parallel traffic: the dp group, and the two levels of zero.two_level_reduce.
+DP_AXES = ("dp", "dp_node", "dp_cross")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +81,8 @@ class Evaluation:
 
     @property
     def dp_wire_bytes(self) -> float:
-        return sum(v["wire_bytes"] for k, v in self.comm.items() if k.endswith("/dp"))
+        """What a rank sends over its dp group, both levels of a two-level reduction included."""
+        return sum(v["wire_bytes"] for k, v in self.comm.items() if k.split("/")[1] in DP_AXES)
 
     @property
     def tp_wire_bytes(self) -> float:
@@ -162,8 +173,30 @@ def rank(evaluations: Iterable[Evaluation]) -> List[Evaluation]:
     return sorted(evaluations, key=lambda e: (not (e.fits and e.host_fits), -e.tokens_per_s, e.memory.total))
 
 
+def refused_stages(stages: Iterable[int], setup: TrainingSetup) -> Dict[int, str]:
+    """The ZeRO ``stages`` that ``setup``'s compression settings cannot run at, each with the rule's reason."""
+    refused = {int(stage): setup.compression_problem(stage) for stage in stages}
+    return {stage: why for stage, why in refused.items() if why}
+
+
+def refused_placements(candidates: Iterable[Candidate], cluster: Cluster,
+                       setup: TrainingSetup) -> Dict[Tuple[int, int], str]:
+    """The ``(tp, dp)`` of ``candidates`` that ``setup`` cannot run on ``cluster``'s nodes, each with the
+    reason (:func:`hybrid.plan.predict.placement_problem`)."""
+    sizes = sorted({(c.tp, c.dp) for c in candidates})
+    refused = {(tp, dp): placement_problem(setup, cluster.placement(tp, dp)) for tp, dp in sizes}
+    return {size: why for size, why in refused.items() if why}
+
+
 def plan(config: GPTConfig, cluster: Cluster, global_batch: int, setup: TrainingSetup = TrainingSetup(),
          choices: Choices = Choices()) -> List[Evaluation]:
-    """Every valid layout of ``config`` on ``cluster``, evaluated and ranked."""
-    return rank(evaluate(config, candidate, cluster, setup, global_batch)
-                for candidate in enumerate_layouts(config, cluster, global_batch, choices))
+    """Every valid layout of ``config`` on ``cluster``, evaluated and ranked; layouts at a stage that
+    :func:`refused_stages` names, or of a size :func:`refused_placements` names, are skipped (LayoutError
+    with the first reason when that leaves none)."""
+    candidates = enumerate_layouts(config, cluster, global_batch, choices)
+    refused = refused_stages({c.zero_stage for c in candidates}, setup)
+    placed = refused_placements(candidates, cluster, setup)
+    allowed = [c for c in candidates if int(c.zero_stage) not in refused and (c.tp, c.dp) not in placed]
+    if not allowed:
+        raise LayoutError(next(iter({**refused, **placed}.values())))
+    return rank(evaluate(config, candidate, cluster, setup, global_batch) for candidate in allowed)

@@ -14,6 +14,19 @@ sits on another node. Examples at two nodes of two ranks: DP=4 is the ring
 TP=2×DP=2 the DP rings are 0→2→0 and 1→3→1, so every rank's DP bytes cross
 (both ranks of a node send off it), and TP stays on the node.
 
+A quantized reduce-scatter (``zero.quantized_gradients``) is an all-to-all
+instead: a rank sends one packed chunk straight to every peer of its group,
+so what leaves a node is the chunk times, summed over the node's ranks, each
+rank's peers on other nodes. At DP=4 on two nodes of two every rank has two
+peers on the other node: a node sends four chunks off it per call.
+
+Two-level reduction (``zero.two_level_reduce``, :mod:`hybrid.plan.two_level`)
+reduces over the ``dp_node`` and ``dp_cross`` axes, whose groups are the dp
+group's ranks on one node and its ranks at one position on every node: the
+``dp_node`` rings never cross, and the ``dp_cross`` ring (one rank per node)
+crosses on every hop. At DP=4 on two nodes of two: ``dp_node`` 0→1→0 and
+2→3→2, ``dp_cross`` 0→2→0 and 1→3→1.
+
 Every rank of a node shares the node's one link to the others, so the time of
 inter-node traffic is what the whole *node* sends off it over that link
 (:class:`LinkSpec`); a hop inside a node uses the sending GPU's own link.
@@ -27,6 +40,7 @@ import math
 from typing import Dict, Tuple
 
 from hybrid.plan.comm_volume import Report, ring_steps
+from hybrid.plan.two_level import NODE_AXES, node_axis_groups, node_split
 from hybrid.topology import Grid, Nodes
 
 
@@ -95,28 +109,63 @@ class Placement:
         return Grid(tp=self.tp, dp=self.dp, pp=1)
 
     def group_size(self, axis: str) -> int:
+        if axis in NODE_AXES:
+            return self.node_split[NODE_AXES.index(axis)]
         return self.grid.size(axis)
+
+    @property
+    def node_split(self) -> Tuple[int, int]:
+        """``(l, m)``: each dp group's ``l`` ranks on each of its ``m`` nodes (the sizes of the ``dp_node`` and
+        ``dp_cross`` axes). :class:`hybrid.topology.TopologyError` when a dp group is not split evenly."""
+        return node_split(self.tp, self.dp, self.ranks_per_node)
 
     def crossing_senders(self, axis: str) -> Tuple[int, ...]:
         """Per node, how many of its ranks send to a ring successor on another node in a collective over
         ``axis`` (all groups of the axis run at once)."""
         return _crossing_senders(self.tp, self.dp, self.ranks_per_node, axis)
 
+    def remote_peers(self, axis: str) -> Tuple[int, ...]:
+        """Per node, summed over its ranks, the peers of each rank's ``axis`` group that sit on other nodes:
+        the chunks a node sends off it in one all-to-all over ``axis``."""
+        return _peer_counts(self.tp, self.dp, self.ranks_per_node, axis)[0]
+
+    def local_peers(self, axis: str) -> int:
+        """The most peers of one rank's ``axis`` group on the rank's own node: the chunks a rank sends over
+        its own link in one all-to-all."""
+        return _peer_counts(self.tp, self.dp, self.ranks_per_node, axis)[1]
+
+
+def _groups(tp: int, dp: int, ranks_per_node: int, axis: str):
+    """Every group of ``axis``, global ranks in group-rank order (the node axes: :mod:`hybrid.plan.two_level`)."""
+    if axis in NODE_AXES:
+        return node_axis_groups(tp, dp, ranks_per_node, axis)
+    return Grid(tp=tp, dp=dp, pp=1).all_groups(axis)
+
 
 @functools.lru_cache(maxsize=None)
 def _crossing_senders(tp: int, dp: int, ranks_per_node: int, axis: str) -> Tuple[int, ...]:
-    grid, nodes = Grid(tp=tp, dp=dp, pp=1), Nodes(ranks_per_node)
-    counts = [0] * (grid.world_size // ranks_per_node)
-    placed = set()
-    for first in range(grid.world_size):
-        if first in placed:
-            continue
-        ring = grid.group_ranks(axis, first)
-        placed.update(ring)
+    nodes = Nodes(ranks_per_node)
+    counts = [0] * (tp * dp // ranks_per_node)
+    for ring in _groups(tp, dp, ranks_per_node, axis):
         for rank in ring:
             if nodes.ring_hop_crosses(ring, rank):
                 counts[nodes.node_of(rank)] += 1
     return tuple(counts)
+
+
+@functools.lru_cache(maxsize=None)
+def _peer_counts(tp: int, dp: int, ranks_per_node: int, axis: str) -> Tuple[Tuple[int, ...], int]:
+    """(per node, its ranks' group peers on other nodes, summed; the most group peers one rank has on its node)."""
+    nodes = Nodes(ranks_per_node)
+    remote = [0] * (tp * dp // ranks_per_node)
+    local = 0
+    for group in _groups(tp, dp, ranks_per_node, axis):
+        for rank in group:
+            peers = [r for r in group if r != rank]
+            away = sum(nodes.node_of(r) != nodes.node_of(rank) for r in peers)
+            remote[nodes.node_of(rank)] += away
+            local = max(local, len(peers) - away)
+    return tuple(remote), local
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +176,10 @@ class CollectiveLinks:
     ``steps``: ring steps over all calls; ``inter_bytes_by_node``: what each
     node sends off it; ``intra_bytes_per_rank``: what a rank whose ring hop
     stays inside its node sends over its own link (0 when no hop does).
+    An all-to-all entry (one with ``peer_bytes``) counts ``n - 1`` steps per
+    call, a message to each peer, like the ring reduce-scatter it replaces;
+    its ``intra_bytes_per_rank`` is what the rank with the most peers on its
+    own node sends to them.
     """
 
     name: str
@@ -148,13 +201,21 @@ class CollectiveLinks:
 
 def split_by_link(report: Report, placement: Placement) -> Dict[str, CollectiveLinks]:
     """Each collective of ``report`` (:func:`hybrid.plan.comm_volume.step_volume`) split into the bytes
-    that stay inside nodes and those each node sends off it."""
+    that stay inside nodes and those each node sends off it: rings by their crossing hops, all-to-alls (the
+    entries with ``peer_bytes``, bytes sent to each peer) by the peers on other nodes."""
     split = {}
     for name, entry in report.items():
         op, axis = name.split("/")
         n = placement.group_size(axis)
-        senders = placement.crossing_senders(axis)
         wire = float(entry["wire_bytes"])
+        if "peer_bytes" in entry:  # an all-to-all: every peer gets its chunk straight from the rank
+            each = float(entry["peer_bytes"])
+            split[name] = CollectiveLinks(name=name, group_size=n, steps=int(entry["calls"]) * (n - 1),
+                                          wire_bytes=wire,
+                                          inter_bytes_by_node=tuple(each * c for c in placement.remote_peers(axis)),
+                                          intra_bytes_per_rank=each * placement.local_peers(axis))
+            continue
+        senders = placement.crossing_senders(axis)
         some_hop_inside = any(c < placement.ranks_per_node for c in senders)
         split[name] = CollectiveLinks(name=name, group_size=n, steps=int(entry["calls"]) * ring_steps(op, n),
                                       wire_bytes=wire, inter_bytes_by_node=tuple(wire * c for c in senders),

@@ -25,6 +25,7 @@ from hybrid.plan.links import HostLink, LinkSpec, Placement
 from hybrid.plan.model_memory import FlatLayout, Stage3Layout
 from hybrid.plan.setup import TrainingSetup
 from hybrid.plan.timing import StepTime, step_time
+from hybrid.plan.two_level import two_level_problem
 from model_zoo.config import GPTConfig
 
 
@@ -47,12 +48,28 @@ def accumulation_steps(candidate: Candidate, global_batch: int) -> int:
     return global_batch // per_step
 
 
+def placement_problem(setup: TrainingSetup, placement: Placement) -> Optional[str]:
+    """Why ``setup`` cannot run on ``placement`` (None when it can): ``zero.two_level_reduce`` needs every dp
+    group split evenly over the nodes (:func:`hybrid.plan.two_level.two_level_problem`)."""
+    if not setup.two_level_reduce:
+        return None
+    return two_level_problem(placement.tp, placement.dp, placement.ranks_per_node)
+
+
 def predict(config: GPTConfig, candidate: Candidate, global_batch: int, setup: TrainingSetup, placement: Placement,
             link: LinkSpec, flops_per_s: float, host: Optional[HostLink] = None) -> Prediction:
-    """The collectives and step time of ``candidate`` (``setup.reduce_once`` included)."""
+    """The collectives and step time of ``candidate`` (``setup.reduce_once``, the compression formats and
+    ``setup.two_level_reduce`` included). A stage the compression settings cannot run at is refused
+    (LayoutError) with the rule's words (:meth:`TrainingSetup.compression_problem`), and so is a two-level
+    reduction whose dp groups are not split evenly over the nodes (:func:`two_level_problem`)."""
+    problem = setup.compression_problem(candidate.zero_stage) or placement_problem(setup, placement)
+    if problem:
+        raise LayoutError(problem)
     layout = zero_layout(config, candidate, setup)
     accumulation = accumulation_steps(candidate, global_batch)
-    comm = step_volume(config, layout, candidate, micro_batches=accumulation, reduce_once=setup.reduce_once)
+    comm = step_volume(config, layout, candidate, micro_batches=accumulation, reduce_once=setup.reduce_once,
+                       gradients=setup.gradient_quant, weights=setup.weight_quant,
+                       node_split=placement.node_split if setup.two_level_reduce else None)
     time = step_time(config, candidate, comm, global_batch=global_batch, micro_batches=accumulation,
                      layout=layout, placement=placement, link=link, flops_per_s=flops_per_s,
                      host=host, reduce_once=setup.reduce_once)
@@ -68,8 +85,9 @@ def predict_step_time(model_config: GPTConfig, layout: ParallelLayout, micro_bat
 
     ``achieved_flops_per_s``: model FLOP/s one rank achieves (given, or measured); ``reduce_once``:
     ``zero.reduce_once`` (stage 2 keeps whole gradients and reduces once per step; refused for stage 3, as
-    the runtime refuses it), whatever ``setup`` says; ``setup``: the other ZeRO knobs (bucket size...),
-    :class:`TrainingSetup` defaults when None. No optimizer offload (it needs a host link: use :func:`predict`).
+    the runtime refuses it), whatever ``setup`` says; ``setup``: the other ZeRO knobs (bucket size, the
+    ``zero.quantized_*`` formats...), :class:`TrainingSetup` defaults when None. No optimizer offload (it
+    needs a host link: use :func:`predict`).
     """
     problem = reduce_once_problem(layout.zero_stage, reduce_once)
     if problem:

@@ -41,8 +41,9 @@ COLUMNS = [
 LEGEND = """\
 Memory columns are GiB per GPU and add up to total: weights, grads, optim = fp32 master + optimizer state
 on the GPU, activ = activations and workspaces at the peak, comm = gradient buckets (stage 2) and, at the
-peak, stage-3 gathered units or in-flight gradient buckets, frag = fragmentation allowance (10% of the
-transient part), total = what must fit. host = GiB of host memory per GPU (offload).
+peak, stage-3 gathered units, in-flight gradient buckets or the packed buffers of quantized collectives
+(stages 0-2), frag = fragmentation allowance (10% of the transient part), total = what must fit.
+host = GiB of host memory per GPU (offload).
 DP/TP GB = wire bytes each GPU sends per step; node GB = bytes each node sends off the node per step.
 Step time (seconds) = comp (model FLOPs per GPU / achieved FLOP/s) + intra and inter (exposed time of
 the collectives whose rings stay inside nodes / cross them; a node's inter-node bytes share its one

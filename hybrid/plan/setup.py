@@ -8,19 +8,27 @@ and the configuration cannot drift apart.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
+from hybrid.compression import Quantization, compression_problem, gradient_quantization, weight_quantization
 from hybrid.config import ZeroConfig
 from hybrid.plan.activations import CUDA, DeviceProfile
 
 DEFAULT_FRAGMENTATION = 0.10
 
 
-def zero_default(key: str):
-    """The default of ``zero.<key>`` in the training configuration."""
+def zero_field(key: str) -> dataclasses.Field:
+    """The field of ``zero.<key>`` in the training configuration (its default, and its ``help`` and
+    ``choices`` in ``metadata``)."""
     for field in dataclasses.fields(ZeroConfig):
         if field.name == key:
-            return field.default
+            return field
     raise KeyError(f"ZeroConfig has no field {key!r}")
+
+
+def zero_default(key: str):
+    """The default of ``zero.<key>`` in the training configuration."""
+    return zero_field(key).default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,5 +44,32 @@ class TrainingSetup:
     stage3_live_parameters: int = zero_default("max_live_parameters")
     stage3_prefetch: int = zero_default("prefetch_bucket_size")
     reduce_once: bool = zero_default("reduce_once")  # zero.reduce_once: stage 2 keeps whole gradients, reduces once
+    quantized_gradients: str = zero_default("quantized_gradients")  # zero.quantized_gradients: format name
+    quantized_weights: str = zero_default("quantized_weights")  # zero.quantized_weights: format name
+    quantization_block: int = zero_default("quantization_block")  # zero.quantization_block: elements per scale
+    two_level_reduce: bool = zero_default("two_level_reduce")  # zero.two_level_reduce: inside nodes, then across
     fragmentation: float = DEFAULT_FRAGMENTATION
     profile: DeviceProfile = CUDA
+
+    def __post_init__(self) -> None:
+        """An unknown format, or a bad block with a format on, is wrong at every stage: ValueError, in the
+        words of :mod:`hybrid.compression` (the stage rule is :meth:`compression_problem`)."""
+        gradient_quantization(self.quantized_gradients, self.quantization_block)
+        weight_quantization(self.quantized_weights, self.quantization_block)
+
+    @property
+    def gradient_quant(self) -> Optional[Quantization]:
+        """The format of the data-parallel gradient reduction (None: the gradients' own dtype)."""
+        return gradient_quantization(self.quantized_gradients, self.quantization_block)
+
+    @property
+    def weight_quant(self) -> Optional[Quantization]:
+        """The format of the parameter all-gathers (None: the parameters' own dtype)."""
+        return weight_quantization(self.quantized_weights, self.quantization_block)
+
+    def compression_problem(self, stage: int) -> Optional[str]:
+        """Why the compression settings cannot run at ZeRO ``stage`` (None when they can): the rule of
+        :func:`hybrid.compression.compression_problem`, in its own words."""
+        problem = compression_problem(stage, self.quantized_gradients, self.quantized_weights,
+                                      self.quantization_block)
+        return problem[1] if problem else None

@@ -14,7 +14,13 @@
                 micro-batch's compute, produces gradients in reverse registration order),
                 one after the other on the link, in every micro-batch when the stage
                 reduces every micro-batch, else in the last;
-              the all-gathers after the step: all of it;
+              the all-gathers after the step: all of it, and so stage 0's quantized all-reduce's
+                all-gather of the summed chunks (``zero.quantized_gradients``), which runs
+                when the step waits for the reduction;
+              two-level reductions (``zero.two_level_reduce``): the reduce-scatter inside the node
+                (``dp_node``) as the DP reductions above; the step across nodes (``dp_cross``) and
+                stage 0's all-gather inside the node: all of it, as the communicator runs them
+                (blocking) when the reduction is waited on;
               partitioned parameters (stage 3): the forward's gathers beyond the forward
               compute they are prefetched behind (1/3 of the compute); the backward's
               gathers, the reduce-scatters and the post-step gathers: all of it, since
@@ -164,7 +170,9 @@ def exposed_seconds(times: Dict[str, float], candidate: Candidate, compute: floa
     """
     exposed = dict(times)
     gathers = [n for n in times if n.startswith("all_gather/") and n.endswith("/dp")]
-    reductions = [n for n in times if n.endswith("/dp") and n not in gathers]
+    # Launched as the buckets fill: the reductions over dp, and a two-level reduction's first step inside the
+    # node; its step across nodes (dp_cross) and stage 0's all-gather inside the node run when it is waited on.
+    reductions = [n for n in times if n.split("/")[1] in ("dp", "dp_node") and not n.startswith("all_gather/")]
     if candidate.traits.parameters:
         forward = sum(times[n] for n in gathers) * forward_gather_share
         hidden = min(forward, (1.0 - BACKWARD_SHARE) * compute)

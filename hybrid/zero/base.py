@@ -34,8 +34,9 @@ from typing import Callable, ContextManager, Dict, List, Optional, Tuple
 import torch
 
 from hybrid.config.schema import OptimizerConfig, ZeroConfig
+from hybrid.compression import compression_problem, gradient_quantization, weight_quantization
 from hybrid.layout import STAGE_TRAITS, StageTraits, ZeroStage, offload_problem, reduce_once_problem, zero_stage
-from hybrid.topology import Topology
+from hybrid.topology import Topology, TopologyError
 from hybrid.zero.flat_buffer import ParamRecord, ZeroConfigError
 from hybrid.zero.grad_norm import clip_factor
 from hybrid.zero.inner import InnerOptimizer
@@ -55,6 +56,10 @@ def check_zero_config(zero: ZeroConfig) -> ZeroStage:
     problem = reduce_once_problem(stage, zero.reduce_once)
     if problem is not None:
         raise ZeroConfigError(problem)
+    problem = compression_problem(stage, zero.quantized_gradients, zero.quantized_weights, zero.quantization_block)
+    if problem is not None:
+        key, why = problem
+        raise ZeroConfigError(f"{key} = {getattr(zero, key.split('.')[1])!r} at ZeRO stage {int(stage)}: {why}")
     if not isinstance(zero.bucket_size, int) or zero.bucket_size < 1:
         raise ZeroConfigError(f"zero.bucket_size must be a positive number of elements, got {zero.bucket_size!r}")
     return stage
@@ -98,6 +103,15 @@ class ZeroOptimizer(abc.ABC):
         self.topology = topology
         self.comm = topology.comm
         self.offload_optimizer = zero.offload_optimizer
+        # None unless zero.quantized_gradients / zero.quantized_weights ask for compressed collectives
+        self.grad_quant = gradient_quantization(zero.quantized_gradients, zero.quantization_block)
+        self.weight_quant = weight_quantization(zero.quantized_weights, zero.quantization_block)
+        self.two_level = zero.two_level_reduce
+        if self.two_level:
+            try:
+                topology.enable_node_axes()  # collective: every rank builds the optimizer
+            except TopologyError as e:
+                raise ZeroConfigError(f"zero.two_level_reduce: {e}") from None
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.clip_grad = float(clip_grad)
         self.loss_scaler = loss_scaler

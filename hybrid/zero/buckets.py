@@ -36,6 +36,7 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 import torch
 
 from hybrid.comm import Communicator, Handle
+from hybrid.compression import Quantization
 from hybrid.zero.flat_buffer import FlatGroup
 
 STAGING_BUFFERS_BEFORE_WAIT = 2  # staging buckets per dtype allocated before backward waits on one
@@ -69,11 +70,14 @@ class _LaunchQueue:
 class _ReducerBase:
     """Hook plumbing shared by both reducers."""
 
-    def __init__(self, groups: List[FlatGroup], comm: Communicator, dp_rank: int, overlap: bool):
+    def __init__(self, groups: List[FlatGroup], comm: Communicator, dp_rank: int, overlap: bool,
+                 quant: Optional[Quantization] = None, two_level: bool = False):
         self.groups = groups
         self.comm = comm
         self.dp_rank = dp_rank
         self.overlap = overlap
+        # zero.quantized_gradients and zero.two_level_reduce: how every reduction travels
+        self.wire = {"quant": quant, "two_level": two_level}
         keys = [(g.index, s) for g in groups for s in range(len(g.segments))]
         keys.sort(key=lambda k: -self.groups[k[0]].segment_first_position(k[1]))
         self.order = keys
@@ -173,8 +177,8 @@ class FullGradReducer(_ReducerBase):
     """
 
     def __init__(self, groups: List[FlatGroup], comm: Communicator, dp_rank: int, overlap: bool,
-                 scatter: bool):
-        super().__init__(groups, comm, dp_rank, overlap)
+                 scatter: bool, quant: Optional[Quantization] = None, two_level: bool = False):
+        super().__init__(groups, comm, dp_rank, overlap, quant, two_level)
         self.scatter = scatter
         self.grads = [torch.zeros(g.numel, dtype=g.dtype, device=g.device) for g in groups]
         self.views = [[g.view_of(self.grads[g.index], r) for r in range(len(g.records))] for g in groups]
@@ -207,9 +211,9 @@ class FullGradReducer(_ReducerBase):
         flat = self.grads[gi][seg.start: seg.start + seg.size]
         if self.scatter:
             out = group.chunk(self.grads[gi], s, self.dp_rank)
-            handle = self.comm.reduce_scatter_tensor(out, flat, "dp", async_op=True)
+            handle = self.comm.reduce_scatter_tensor(out, flat, "dp", async_op=True, **self.wire)
         else:
-            handle = self.comm.all_reduce(flat, "dp", async_op=True)
+            handle = self.comm.all_reduce(flat, "dp", async_op=True, **self.wire)
         self._inflight.append((handle, self._then_final(gi, s, None) if self.scatter else None))
 
     def grad_chunks(self, g: int, part: int) -> List[torch.Tensor]:
@@ -229,8 +233,9 @@ class PartitionedGradReducer(_ReducerBase):
     micro-steps) reduce-scatter into the staging bucket and add.
     """
 
-    def __init__(self, groups: List[FlatGroup], comm: Communicator, dp_rank: int, overlap: bool):
-        super().__init__(groups, comm, dp_rank, overlap)
+    def __init__(self, groups: List[FlatGroup], comm: Communicator, dp_rank: int, overlap: bool,
+                 quant: Optional[Quantization] = None, two_level: bool = False):
+        super().__init__(groups, comm, dp_rank, overlap, quant, two_level)
         self.grads = [torch.zeros(g.partition_numel, dtype=g.dtype, device=g.device) for g in groups]
         self._fresh = [True] * len(self.order)  # chunk not yet written since zero()
         self._staging: Dict[int, torch.Tensor] = {}  # global segment id -> bucket being filled
@@ -315,13 +320,13 @@ class PartitionedGradReducer(_ReducerBase):
         target = group.partition_chunk(self.grads[gi], s)
         if self._fresh[sid]:
             self._fresh[sid] = False
-            handle = self.comm.reduce_scatter_tensor(target, flat, "dp", async_op=True)
+            handle = self.comm.reduce_scatter_tensor(target, flat, "dp", async_op=True, **self.wire)
             finish = functools.partial(self._release, buf)
         else:
             # Later micro-steps reduce in place into this rank's chunk of the bucket, then add.
             c = seg.chunk_numel(group.parts)
             scratch = flat[self.dp_rank * c: (self.dp_rank + 1) * c]
-            handle = self.comm.reduce_scatter_tensor(scratch, flat, "dp", async_op=True)
+            handle = self.comm.reduce_scatter_tensor(scratch, flat, "dp", async_op=True, **self.wire)
             finish = functools.partial(self._add_and_release, target, scratch, buf)
         self._inflight.append((handle, self._then_final(gi, s, finish)))
 

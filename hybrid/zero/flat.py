@@ -59,9 +59,11 @@ class FlatZeroOptimizer(ZeroOptimizer):
         self.partitions = [GroupPartition(g, self.part, self.master_dtype, master_device=host) for g in self.groups]
         if keeps_whole_gradients(traits, zero.reduce_once):
             self.reducer = FullGradReducer(self.groups, self.comm, topology.dp_rank, zero.overlap_comm,
-                                           scatter=traits.optimizer_states)
+                                           scatter=traits.optimizer_states, quant=self.grad_quant,
+                                           two_level=self.two_level)
         else:
-            self.reducer = PartitionedGradReducer(self.groups, self.comm, topology.dp_rank, zero.overlap_comm)
+            self.reducer = PartitionedGradReducer(self.groups, self.comm, topology.dp_rank, zero.overlap_comm,
+                                                  quant=self.grad_quant, two_level=self.two_level)
         self.reducer.attach_hooks()
         self._grad_chunks = [self.reducer.grad_chunks(g.index, self.part) for g in self.groups]
         # offload: host twins of the reduced gradients and rounded weights (the same tensors on a CPU model)
@@ -120,7 +122,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
                 part.write_params()
         if not self.traits.optimizer_states:
             return
-        handles = [h for part in self.partitions for h in part.gather_params(self.comm)]
+        handles = [h for part in self.partitions for h in part.gather_params(self.comm, self.weight_quant)]
         for h in handles:
             h.wait()
 

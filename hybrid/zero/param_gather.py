@@ -47,6 +47,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from hybrid.comm import Communicator, Handle
+from hybrid.compression import Quantization
 from hybrid.zero.order_check import OrderCheck
 from hybrid.zero.stage3_layout import Unit
 
@@ -90,10 +91,11 @@ class ParamGatherer:
     """
 
     def __init__(self, units: List[Unit], chunks: List[torch.Tensor], comm: Communicator, order: OrderCheck,
-                 max_live_numel: int, prefetch_numel: int):
+                 max_live_numel: int, prefetch_numel: int, quant: Optional[Quantization] = None):
         self.units = units
         self.chunks = chunks
         self.comm = comm
+        self.quant = quant  # zero.quantized_weights: gathers travel in this format
         self.order = order
         self.max_live_numel = max_live_numel
         self.prefetch_numel = prefetch_numel
@@ -164,13 +166,14 @@ class ParamGatherer:
     def _persist(self, u: Unit) -> None:
         """Persistent units stay gathered for good; their buffer is refreshed after every update."""
         buf = torch.empty(u.numel, dtype=self.chunks[u.index].dtype, device=self.chunks[u.index].device)
-        self.comm.all_gather_into_tensor(buf, self.chunks[u.index], "dp")
+        self.comm.all_gather_into_tensor(buf, self.chunks[u.index], "dp", quant=self.quant)
         self.live[u.index] = buf
         self._bind(u, buf)
 
     def refresh_persistent(self) -> None:
         """All-gather every persistent unit's updated chunk into its buffer (after an optimizer step)."""
-        handles = [self.comm.all_gather_into_tensor(self.live[u.index], self.chunks[u.index], "dp", async_op=True)
+        handles = [self.comm.all_gather_into_tensor(self.live[u.index], self.chunks[u.index], "dp", async_op=True,
+                                                 quant=self.quant)
                    for u in self.units if u.persistent]
         for h in handles:
             h.wait()
@@ -182,7 +185,7 @@ class ParamGatherer:
         for i in indices:
             u = self.units[i]
             buf = torch.empty(u.numel, dtype=self.chunks[i].dtype, device=self.chunks[i].device)
-            handle = self.comm.all_gather_into_tensor(buf, self.chunks[i], "dp", async_op=True)
+            handle = self.comm.all_gather_into_tensor(buf, self.chunks[i], "dp", async_op=True, quant=self.quant)
             self.inflight[i] = (handle, buf)
             self.live_numel += u.numel
             self.gathered_numel_total += u.numel

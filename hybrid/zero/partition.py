@@ -21,6 +21,7 @@ from typing import List, Optional
 import torch
 
 from hybrid.comm import Communicator, Handle
+from hybrid.compression import Quantization
 from hybrid.zero.flat_buffer import FlatGroup
 
 
@@ -56,12 +57,16 @@ class GroupPartition:
         if not self.aliased:
             torch._foreach_copy_(self.param_chunks, self.master_chunks)
 
-    def gather_params(self, comm: Communicator) -> List[Handle]:
-        """All-gather every segment of the parameter buffer over ``dp`` in place (async handles)."""
+    def gather_params(self, comm: Communicator, quant: Optional[Quantization] = None) -> List[Handle]:
+        """All-gather every segment of the parameter buffer over ``dp`` in place (async handles).
+
+        ``quant`` (``zero.quantized_weights``): the chunks travel quantized, and every rank's buffer, this
+        rank's own chunk included, ends with the same dequantized values.
+        """
         handles = []
         for s, seg in enumerate(self.group.segments):
             full = self.group.buffer[seg.start: seg.start + seg.size]
-            handles.append(comm.all_gather_into_tensor(full, self.param_chunks[s], "dp", async_op=True))
+            handles.append(comm.all_gather_into_tensor(full, self.param_chunks[s], "dp", async_op=True, quant=quant))
         return handles
 
     def master_flat(self) -> torch.Tensor:

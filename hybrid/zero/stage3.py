@@ -99,7 +99,7 @@ class Stage3Optimizer(ZeroOptimizer):
         chunks = [self.partition[u.partition_offset: u.partition_offset + u.chunk_numel] for u in self.units]
         self.order = OrderCheck(self.comm, enabled=verify_order)
         self.gatherer = ParamGatherer(self.units, chunks, self.comm, self.order, zero.max_live_parameters,
-                                      zero.prefetch_bucket_size)
+                                      zero.prefetch_bucket_size, quant=self.weight_quant)
         self._hooks = self._register_module_hooks()
         self._record_of = {rec.name: (u.index, r) for u in self.units for r, rec in enumerate(u.records)}
         self._name_of_param = {id(p): rec.name for u in self.units for rec, p in zip(u.records, u.params)}
@@ -108,7 +108,8 @@ class Stage3Optimizer(ZeroOptimizer):
         host = host_device(self.offload_optimizer, device)
         self.reducer = Stage3GradReducer(self.units, self.comm, self.order, self.part, zero.bucket_size, self.dtype,
                                          device, host if host is not None else device, self.gatherer.release,
-                                         self.gatherer.shape_for_grad, self.gatherer.unshape)
+                                         self.gatherer.shape_for_grad, self.gatherer.unshape, quant=self.grad_quant,
+                                         two_level=self.two_level)
         self.reducer.attach_hooks()
         self._setup_master(self.master_dtype, host)
         self._finish_setup()

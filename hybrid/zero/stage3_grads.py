@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Callable, Deque, Dict, List, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
 from hybrid.comm import Communicator, Handle
+from hybrid.compression import Quantization
 from hybrid.zero.order_check import OrderCheck
 from hybrid.zero.stage3_layout import Unit
 
@@ -47,9 +48,12 @@ class Stage3GradReducer:
     def __init__(self, units: List[Unit], comm: Communicator, order: OrderCheck, dp_rank: int, bucket_numel: int,
                  dtype: torch.dtype, device: torch.device, grad_device: torch.device,
                  on_unit_done: Callable[[int], None], shape_for_grad: Callable[[torch.nn.Parameter], None],
-                 unshape: Callable[[torch.nn.Parameter], None]):
+                 unshape: Callable[[torch.nn.Parameter], None], quant: Optional[Quantization] = None,
+                 two_level: bool = False):
         self.units = units
         self.comm = comm
+        # zero.quantized_gradients and zero.two_level_reduce: how every reduction travels
+        self.wire = {"quant": quant, "two_level": two_level}
         self.order = order
         self.dp_rank = dp_rank
         self.bucket_numel = bucket_numel
@@ -163,7 +167,7 @@ class Stage3GradReducer:
         self._note_peak(sum(t.numel() for t in staged) * flat.element_size() if len(bucket) > 1 else 0)
         self._wire_bytes += (flat.numel() + out.numel()) * flat.element_size()
         self._note_peak()
-        handle = self.comm.reduce_scatter_tensor(out, flat, "dp", async_op=True)
+        handle = self.comm.reduce_scatter_tensor(out, flat, "dp", async_op=True, **self.wire)
         # keep the input alive until the collective is done
         self._inflight.append((handle, functools.partial(self._land, bucket, out, flat)))
         # Land older buckets now: each in-flight bucket pins its whole input, so waiting only in step()

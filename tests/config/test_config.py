@@ -15,7 +15,10 @@ FULL = {
     "precision": "bf16", "autocast": False,
     "loss_scaling": {"loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 3,
                      "min_loss_scale": 0.5},
-    "zero": {"stage": 2, "bucket_size": 1000, "overlap_comm": False, "reduce_once": True, "offload_optimizer": "cpu",
+    "zero": {"stage": 2, "bucket_size": 1000, "overlap_comm": False, "reduce_once": True,
+             "quantized_gradients": "int4", "quantized_weights": "int8", "two_level_reduce": True,
+             "quantization_block": 128,
+             "offload_optimizer": "cpu",
              "persistence_threshold": 10, "max_live_parameters": 5000, "prefetch_bucket_size": 0},
     "optimizer": {"type": "adamw", "lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1,
                   "decay_1d_params": True},
@@ -139,6 +142,14 @@ def test_config_object_is_copied_and_revalidated():
     ({"zero": {"stage": 3, "reduce_once": True}}, r"'zero\.reduce_once' is true but 'zero\.stage' is 3: "
                                                  r"zero\.reduce_once needs ZeRO stage 0, 1 or 2.*"
                                                  r"\(set by --zero-reduce-once, --zero-stage\)"),
+    ({"zero": {"stage": 0, "quantized_weights": "int8"}}, r"'zero\.quantized_weights' is 'int8' but 'zero\.stage' "
+                                                         r"is 0: quantized weights need ZeRO stage 1, 2 or 3.*"
+                                                         r"\(set by --zero-quantized-weights, --zero-stage\)"),
+    ({"zero": {"quantized_gradients": "int2"}}, r"'zero\.quantized_gradients' must be one of off, int8, int4, got "
+                                                r"'int2'"),
+    ({"zero": {"quantized_gradients": "int8", "quantization_block": 12}},
+     r"'zero\.quantization_block' is 12 but 'zero\.stage' is 0: a quantization block must be a positive multiple "
+     r"of 8"),
     ({"zero": {"max_live_parameters": 0}}, r"'zero\.max_live_parameters' must be >= 1, got 0"),
     ({"zero": {"persistence_threshold": -1}}, r"'zero\.persistence_threshold' must be >= 0, got -1"),
     ({"zero": {"overlap_comm": "yes"}}, r"'zero\.overlap_comm' must be true or false, got 'yes'"),

@@ -62,6 +62,20 @@ def test_stage3_and_offload_keys():
         .zero.offload_optimizer == "none"
 
 
+def test_zero_plus_plus_quantization_keys():
+    on = from_deepspeed({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True,
+                                               "zero_quantized_weights": True}}).zero
+    assert (on.quantized_gradients, on.quantized_weights) == ("int4", "int8")
+    off = from_deepspeed({"zero_optimization": {"stage": 2, "zero_quantized_gradients": False,
+                                                "zero_quantized_weights": False}}).zero
+    assert (off.quantized_gradients, off.quantized_weights) == ("off", "off")
+    with pytest.raises(ConfigError, match=r"'zero_optimization\.zero_quantized_gradients' must be true or false"):
+        from_deepspeed({"zero_optimization": {"zero_quantized_gradients": "int4"}})
+    with pytest.raises(ConfigError, match=r"quantized weights need ZeRO stage 1, 2 or 3.*\[from DeepSpeed key "
+                                          r"'zero_optimization\.zero_quantized_weights'\]"):
+        from_deepspeed({"zero_optimization": {"stage": 0, "zero_quantized_weights": True}})
+
+
 def test_bf16_and_optimizer_kinds():
     assert load_config({"bf16": {"enabled": True}}).precision == "bf16"
     assert load_config({"bf16": {"enabled": False}}).precision == "fp32"

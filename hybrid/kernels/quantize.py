@@ -1,0 +1,404 @@
+"""Blockwise quantization for compressed communication: int8, int4 and 1-bit sign.
+
+The codec behind the quantized reduce-scatter / all-gather and the 1-bit compressed
+optimizer. ``pack`` turns a ``[rows, k]`` float tensor into ``[rows, wire_bytes]`` uint8
+(each row on its own, so row ``i`` can go to rank ``i`` in one ``all_to_all_single``);
+``unpack`` and ``unpack_sum`` turn it back into fp32. The format is in docs/compression.md.
+
+Layout of one packed row (``nb = ceil(k / block)`` blocks, the last one zero-padded)::
+
+    [ data of block 0 | data of block 1 | ... | data of block nb-1 | scale 0 | ... | scale nb-1 ]
+      block * bits / 8 bytes each                                     fp32, little endian
+
+* int8 (qmax 127): one two's-complement byte per element.
+* int4 (qmax 7): two elements per byte, element ``2i`` in the low nibble and ``2i+1`` in the
+  high nibble, each a 4-bit two's-complement ``q`` (so ``q = 0`` is a zero nibble).
+* 1-bit: element ``8i+j`` in bit ``j`` (LSB first) of byte ``i``; a set bit means ``x >= 0``.
+
+Scales and arithmetic (all fp32, in exactly this order; the CUDA kernels use the same
+correctly rounded operations, so the two paths are bit-identical):
+
+* int8 / int4: the stored scale is the block's absmax ``a``;
+  ``q = round_half_even(x / a * qmax)``, and ``x' = (q / qmax) * a``.
+* 1-bit: ``r_i = |x_i| / a`` summed by a fixed pairwise tree (the block zero-padded to a
+  power of two ``P``, then ``v[i] += v[i + h]`` for ``h = P/2, P/4, ..., 1``), the scale is
+  ``s = (sum / n) * a`` with ``n`` the block's real element count: ``mean(|x|)`` computed
+  without overflow near FLT_MAX; ``x' = +s`` for a set bit, ``-s`` otherwise.
+* A zero block stores scale 0 and decodes to exact zeros; a block holding any NaN or +-inf
+  stores a NaN scale and zero data, and decodes to all NaN (never a hidden overflow).
+
+CUDA tensors use the ``cuda_quantize`` op when the registry provides it (1-bit blocks up
+to :data:`MAX_CUDA_1BIT_BLOCK`), the torch path otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hybrid.kernels.registry import default_registry
+
+BITS = (8, 4, 1)
+DEFAULT_BLOCK = 256
+QMAX = {8: 127, 4: 7}
+# Largest power of two the 1-bit CUDA kernel's shared-memory tree holds (32 KiB of fp32).
+MAX_CUDA_1BIT_BLOCK = 8192
+OP_NAME = "cuda_quantize"
+# Elements per step of the torch path on CPU (see _chunks); 0 processes a call in one step.
+CPU_CHUNK = 1 << 20
+
+_UNIT_ROUNDOFF = 2.0 ** -24   # fp32 round-to-nearest relative error
+_HALF_DENORM = 2.0 ** -150    # absolute error of an fp32 result that underflows
+_FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
+_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+if sys.byteorder != "little":  # the wire stores the scales as raw little-endian bytes
+    raise ImportError("hybrid.kernels.quantize assumes a little-endian host")
+
+
+# ------------------------------------------------------------------ geometry --
+
+def _check_format(bits: int, block: int) -> None:
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits}")
+    if not isinstance(block, int) or block <= 0:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+    if bits == 4 and block % 2:
+        raise ValueError(f"int4 needs an even block, got {block}")
+    if bits == 1 and block % 8:
+        raise ValueError(f"1-bit needs a block that is a multiple of 8, got {block}")
+
+
+def num_blocks(numel: int, block: int) -> int:
+    return -(-numel // block)
+
+
+def block_bytes(bits: int, block: int) -> int:
+    """Data bytes of one block."""
+    _check_format(bits, block)
+    return block * bits // 8
+
+
+def data_bytes(numel: int, bits: int, block: int) -> int:
+    """Bytes before the scales in one packed row (also the offset of scale 0)."""
+    return num_blocks(numel, block) * block_bytes(bits, block)
+
+
+def wire_bytes(numel: int, bits: int, block: int) -> int:
+    """Bytes of one packed row of ``numel`` elements: ``ceil(numel/block)`` blocks of
+    ``block*bits/8`` data bytes (the last block padded to a whole block), plus one fp32
+    scale per block."""
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    return num_blocks(numel, block) * (block_bytes(bits, block) + 4)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# ------------------------------------------------------------ kernel choice --
+
+def _cuda_op(t: Tensor, bits: int, block: int, use_kernel: bool):
+    """The compiled op for this call, or None for the torch path."""
+    if not use_kernel or not t.is_cuda:
+        return None
+    if bits == 1 and _pow2_ceil(block) > MAX_CUDA_1BIT_BLOCK:
+        return None  # a documented limit, not a missing op: no warning
+    return default_registry().get(OP_NAME)
+
+
+def _launch_context(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _stream(device: torch.device) -> int:
+    return int(torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else 0
+
+
+def _scalar(value: float, like: Tensor) -> Tensor:
+    # A 0-dim tensor on the data's device: torch turns division by a Python scalar into a
+    # multiplication by its reciprocal on CUDA, which would change the bits.
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
+def _chunks(nblocks: int, rows: int, block: int, device: torch.device):
+    """Ranges of blocks the torch path handles per step. On CPU about CPU_CHUNK elements
+    (all rows together) at a time, so temporaries stay in cache and their memory is reused;
+    one step on other devices."""
+    step = nblocks if device.type != "cpu" or CPU_CHUNK <= 0 else max(1, CPU_CHUNK // max(1, rows * block))
+    for b0 in range(0, nblocks, max(1, step)):
+        yield b0, min(nblocks, b0 + step)
+
+
+# ---------------------------------------------------------------- torch: pack --
+
+def _tree_sum(v: Tensor) -> Tensor:
+    """Sum over the last dim by the fixed pairwise tree of the format (zero-padded to 2^m)."""
+    h = _pow2_ceil(v.shape[-1]) // 2
+    while h >= 1:
+        n = v.shape[-1]
+        if n > h:
+            if n == 2 * h:
+                v = v[..., :h] + v[..., h:]
+            else:  # the upper half is partly padding: v[i] + 0 == v[i] for v[i] >= +0
+                lo = v[..., :h].clone()
+                lo[..., :n - h] += v[..., h:]
+                v = lo
+        h //= 2
+    return v[..., 0]
+
+
+def _encode(xb: Tensor, bits: int, count: int, data: Tensor, scale: Tensor) -> None:
+    """Quantize full blocks ``xb`` [rows, n, block] (fp32) into ``data`` [rows, n, bytes] and
+    ``scale`` [rows, n]; ``count`` is how many leading elements of each block are real."""
+    lo, hi = torch.aminmax(xb, dim=-1)
+    absmax = torch.maximum(hi, lo.neg())  # NaN if the block holds a NaN, inf if an inf
+    bad = ~torch.isfinite(absmax)
+    safe = torch.where(absmax > 0, absmax, torch.ones((), device=xb.device))  # NaN > 0 is False
+    if bits in QMAX:
+        t = xb / safe[..., None]
+        t.mul_(QMAX[bits]).round_()
+        if bool(bad.any()):
+            t.masked_fill_(bad[..., None], 0.0)
+        scale.copy_(torch.where(bad, float("nan"), absmax))
+        if bits == 8:
+            data.view(torch.int8).copy_(t)
+        else:
+            q = t.to(torch.int8).view(torch.uint8)
+            data.copy_((q[..., 0::2] & 15) | (q[..., 1::2] << 4))
+        return
+    r = xb.abs().div_(safe[..., None])
+    total = _tree_sum(r)
+    s = total.div_(_scalar(float(count), total)).mul_(absmax)
+    scale.copy_(torch.where(bad, float("nan"), s))
+    sign = (xb >= 0) & ~bad[..., None]
+    shifts = torch.arange(8, dtype=torch.uint8, device=xb.device)
+    data.copy_((sign.view(torch.uint8).unflatten(-1, (-1, 8)) << shifts).sum(-1, dtype=torch.uint8))
+
+
+def _as_rows(x: Tensor, what: str) -> Tensor:
+    if x.dim() == 1:
+        return x.unsqueeze(0)
+    if x.dim() != 2:
+        raise ValueError(f"{what} must be [rows, k] or [k], got shape {tuple(x.shape)}")
+    return x
+
+
+def _pack_torch(x: Tensor, bits: int, block: int, wire: Tensor) -> None:
+    rows, k = x.shape
+    nb, nfull = num_blocks(k, block), k // block
+    dbytes = data_bytes(k, bits, block)
+    if rows == 0 or nb == 0:
+        return
+    data = wire[:, :dbytes].unflatten(1, (nb, block_bytes(bits, block)))
+    scale = torch.empty(rows, nb, dtype=torch.float32, device=x.device)
+    for b0, b1 in _chunks(nfull, rows, block, x.device):
+        xb = x[:, b0 * block:b1 * block].float().unflatten(1, (b1 - b0, block))
+        _encode(xb, bits, block, data[:, b0:b1], scale[:, b0:b1])
+    if nfull < nb:  # the partial last block, zero-padded
+        tail = F.pad(x[:, nfull * block:].float(), (0, nb * block - k)).unsqueeze(1)
+        _encode(tail, bits, k - nfull * block, data[:, nfull:], scale[:, nfull:])
+    wire[:, dbytes:] = scale.view(torch.uint8)
+
+
+def pack(x: Tensor, bits: int, block: int = DEFAULT_BLOCK, *, use_kernel: bool = True) -> Tensor:
+    """Quantize ``x`` [rows, k] (fp32, fp16 or bf16; a 1-D ``x`` is one row) to uint8
+    [rows, wire_bytes(k, bits, block)]: each row is its data bytes, then its fp32 scales as
+    raw little-endian bytes. Rows are independent."""
+    _check_format(bits, block)
+    x2 = _as_rows(x, "x")
+    if not x2.is_floating_point():
+        raise TypeError(f"x must be a float tensor, got {x2.dtype}")
+    rows, k = x2.shape
+    wire = torch.empty(rows, wire_bytes(k, bits, block), dtype=torch.uint8, device=x2.device)
+    op = _cuda_op(x2, bits, block, use_kernel)
+    if op is None:
+        _pack_torch(x2, bits, block, wire)
+        return wire
+    if x2.dtype not in _FLOAT_INPUTS:
+        x2 = x2.float()
+    if rows and k:
+        with _launch_context(x2.device):
+            op.pack(x2.contiguous(), wire, bits, block, _stream(x2.device))
+    return wire
+
+
+# -------------------------------------------------------------- torch: unpack --
+
+def _check_wire(wire: Tensor, k: int, bits: int, block: int) -> Tensor:
+    """``wire`` as [rows, W] after checking it holds rows packed from ``k`` elements."""
+    _check_format(bits, block)
+    if wire.dtype != torch.uint8:
+        raise TypeError(f"wire must be uint8, got {wire.dtype}")
+    wire = _as_rows(wire, "wire")
+    expected = wire_bytes(k, bits, block)
+    if wire.shape[1] != expected:
+        raise ValueError(f"wire rows have {wire.shape[1]} bytes; k={k}, bits={bits}, block={block} "
+                         f"packs to {expected}")
+    return wire
+
+
+def _split(wire: Tensor, k: int, bits: int, block: int) -> tuple[Tensor, Tensor]:
+    """(data [rows, nb, bytes], scale [rows, nb] fp32) of a checked wire."""
+    nb, dbytes = num_blocks(k, block), data_bytes(k, bits, block)
+    data = wire[:, :dbytes].unflatten(1, (nb, block_bytes(bits, block)))
+    # A copy: the scales start at any byte offset, and fp32 views need 4-byte alignment.
+    scale = wire[:, dbytes:].clone(memory_format=torch.contiguous_format).view(torch.float32)
+    return data, scale
+
+
+def _decode(data: Tensor, scale: Tensor, bits: int, out: Tensor) -> None:
+    """Dequantize ``data`` [rows, n, bytes] with ``scale`` [rows, n] into ``out`` [rows, n, block] fp32."""
+    if bits == 1:
+        shifts = torch.arange(8, dtype=torch.uint8, device=data.device)
+        sign = ((data.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2)
+        s = scale.unsqueeze(-1)
+        torch.where(sign, s, s.neg(), out=out)
+        return
+    if bits == 8:
+        out.copy_(data.view(torch.int8))
+    else:
+        pairs = out.unflatten(-1, (-1, 2))
+        pairs[..., 0].copy_((data << 4).view(torch.int8) >> 4)  # sign-extend the low nibble
+        pairs[..., 1].copy_(data.view(torch.int8) >> 4)         # arithmetic shift: the high nibble
+    out.div_(_scalar(float(QMAX[bits]), out)).mul_(scale.unsqueeze(-1))
+
+
+def _decode_range(data: Tensor, scale: Tensor, k: int, bits: int, block: int, b0: int, b1: int,
+                  out: Tensor) -> None:
+    """Dequantize blocks [b0, b1) of every row into ``out`` [rows, their elements] (fp32, any strides)."""
+    nfull = k // block
+    f1 = min(b1, nfull)
+    if f1 > b0:
+        _decode(data[:, b0:f1], scale[:, b0:f1], bits, out[:, :(f1 - b0) * block].unflatten(1, (f1 - b0, block)))
+    if b1 > nfull:  # the partial last block
+        tail = torch.empty(out.shape[0], 1, block, dtype=torch.float32, device=out.device)
+        _decode(data[:, nfull:], scale[:, nfull:], bits, tail)
+        out[:, (nfull - b0) * block:] = tail[:, 0, :k - nfull * block]
+
+
+def _unpack_torch(wire: Tensor, k: int, bits: int, block: int, out: Tensor) -> None:
+    """Dequantize every row of a checked ``wire`` into ``out`` [rows, k] fp32 (any strides)."""
+    data, scale = _split(wire, k, bits, block)
+    rows, nb = scale.shape
+    if rows == 0:
+        return
+    for b0, b1 in _chunks(nb, rows, block, out.device):
+        _decode_range(data, scale, k, bits, block, b0, b1, out[:, b0 * block:min(b1 * block, k)])
+
+
+def _unpack_sum_torch(wire: Tensor, k: int, bits: int, block: int, out: Tensor) -> None:
+    """``out`` [k] = cast(((row 0 + row 1) + ...) + row rows-1), dequantized rows added in fp32."""
+    data, scale = _split(wire, k, bits, block)
+    rows, nb = scale.shape
+    fp32_out = out.dtype == torch.float32
+    for b0, b1 in _chunks(nb, 1, block, out.device):
+        cols = slice(b0 * block, min(b1 * block, k))
+        width = cols.stop - cols.start
+        acc = out[cols] if fp32_out else torch.empty(width, dtype=torch.float32, device=out.device)
+        _decode_range(data[:1], scale[:1], k, bits, block, b0, b1, acc.unsqueeze(0))
+        if rows > 1:
+            row = torch.empty(1, width, dtype=torch.float32, device=out.device)
+            for r in range(1, rows):
+                _decode_range(data[r:r + 1], scale[r:r + 1], k, bits, block, b0, b1, row)
+                acc.add_(row[0])
+        if not fp32_out:
+            out[cols] = acc  # the one cast, round to nearest even
+
+
+def unpack(wire: Tensor, k: int, bits: int, block: int = DEFAULT_BLOCK, out: Optional[Tensor] = None, *,
+           use_kernel: bool = True) -> Tensor:
+    """Dequantize ``wire`` uint8 [rows, wire_bytes(k, bits, block)] (a 1-D wire is one row) to
+    fp32 [rows, k], written into ``out`` (fp32 [rows, k]) when given."""
+    wire = _check_wire(wire, k, bits, block)
+    rows = wire.shape[0]
+    if out is None:
+        out = torch.empty(rows, k, dtype=torch.float32, device=wire.device)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (rows, k) or out.device != wire.device:
+        raise ValueError(f"out must be float32 [{rows}, {k}] on {wire.device}, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
+    op = _cuda_op(wire, bits, block, use_kernel)
+    if op is None:
+        _unpack_torch(wire, k, bits, block, out)
+        return out
+    if rows and k:
+        target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+        with _launch_context(wire.device):
+            op.unpack(wire.contiguous(), target, k, bits, block, _stream(wire.device))
+        if target is not out:
+            out.copy_(target)
+    return out
+
+
+def unpack_sum(wire: Tensor, k: int, bits: int, block: int = DEFAULT_BLOCK, out: Optional[Tensor] = None, *,
+               use_kernel: bool = True) -> Tensor:
+    """Dequantize every row of ``wire`` and add them in fp32, in row order 0, 1, ..., rows-1,
+    into ``out`` [k] (fp32, or fp16/bf16: the fp32 sum is cast once, round to nearest even).
+    The result is bit-identical to ``sum`` of the rows of ``unpack(wire, ...)`` taken in order;
+    quantized integers are never added. ``out`` defaults to a new fp32 tensor."""
+    wire = _check_wire(wire, k, bits, block)
+    rows = wire.shape[0]
+    if out is None:
+        out = torch.empty(k, dtype=torch.float32, device=wire.device)
+    elif out.dtype not in _OUT_DTYPES or tuple(out.shape) != (k,) or out.device != wire.device:
+        raise ValueError(f"out must be fp32/fp16/bf16 [{k}] on {wire.device}, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
+    if rows == 0:
+        return out.zero_()
+    op = _cuda_op(wire, bits, block, use_kernel)
+    if op is not None:
+        if k:
+            target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+            with _launch_context(wire.device):
+                op.unpack_sum(wire.contiguous(), target, k, bits, block, _stream(wire.device))
+            if target is not out:
+                out.copy_(target)
+        return out
+    _unpack_sum_torch(wire, k, bits, block, out)
+    return out
+
+
+# ------------------------------------------------------------------- bounds --
+
+def error_bound(x: Tensor, bits: int, block: int = DEFAULT_BLOCK) -> Tensor:
+    """Per-element bound on ``|unpack(pack(x)) - x|`` (fp32, shaped like ``x``, rounded up).
+
+    With ``a`` the block's absmax (of ``x.float()``) and ``u = 2^-24``:
+
+    * int8 / int4: ``a * (1/(2*qmax) + 5u) + 2^-149`` -- half a quantization step, plus the
+      rounding of the four fp32 operations (``x/a``, ``*qmax``, ``q/qmax``, ``*a``: at most
+      ``(4u + 2u^2) * a``) and the absolute error of a result that underflows;
+    * 1-bit: ``a * (1 + (log2(P) + 4) * u) + 2^-149`` (``P`` the block rounded up to a power
+      of two): the decoded value has x's sign and magnitude ``s <= a(1 + (log2(P)+2)u)``, so the
+      error ``|s - |x||`` is at most ``max(s, |x|)``. Only error feedback makes 1-bit useful.
+
+    Blocks holding a NaN or inf have an infinite bound (they decode to NaN).
+    See docs/compression.md for the derivation.
+    """
+    _check_format(bits, block)
+    x2 = _as_rows(x, "x")
+    rows, k = x2.shape
+    nb = num_blocks(k, block)
+    xb = F.pad(x2.double(), (0, nb * block - k)).view(rows, nb, block)
+    absmax = xb.abs().amax(-1) if nb else torch.zeros(rows, 0, dtype=torch.float64, device=x.device)
+    if bits in QMAX:
+        factor = 0.5 / QMAX[bits] + 5 * _UNIT_ROUNDOFF
+    else:
+        factor = 1.0 + (math.log2(_pow2_ceil(block)) + 4) * _UNIT_ROUNDOFF
+    bound64 = absmax * factor + 2 * _HALF_DENORM
+    bound64 = torch.where(torch.isfinite(absmax), bound64, math.inf)
+    bound = bound64.float()
+    bound = torch.where(bound.double() < bound64, torch.nextafter(bound, torch.full_like(bound, math.inf)), bound)
+    per_element = bound.repeat_interleave(block, dim=1)[:, :k]
+    return per_element.reshape(x.shape)
+
+
+__all__ = ["BITS", "DEFAULT_BLOCK", "QMAX", "MAX_CUDA_1BIT_BLOCK", "wire_bytes", "data_bytes", "block_bytes",
+           "num_blocks", "pack", "unpack", "unpack_sum", "error_bound"]

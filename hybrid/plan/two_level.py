@@ -1,0 +1,53 @@
+"""Two-level gradient reduction (``zero.two_level_reduce``) in the planner: how a dp group sits on the nodes.
+
+The runtime (:meth:`hybrid.topology.Topology.enable_node_axes`) splits every dp group of ``n = l*m`` ranks
+with :meth:`hybrid.topology.Nodes.split` into ``l`` ranks on each of ``m`` nodes, and reduces over two
+axes: ``dp_node`` (the group's ``l`` ranks on one node) and ``dp_cross`` (the ``m`` ranks at the same
+position on every node, one per node). The bytes each axis carries are
+:func:`hybrid.plan.comm_volume.dp_volume`'s (``node_split``); which of them cross nodes,
+:mod:`hybrid.plan.links`, from the groups below. A dp group not split evenly over the nodes is refused, in
+the words of :meth:`Nodes.split`, as the ZeRO optimizer refuses it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import List, Optional, Tuple
+
+from hybrid.topology import NODE_AXES, Grid, Nodes, TopologyError
+
+__all__ = ["NODE_AXES", "node_axis_groups", "node_split", "two_level_problem"]
+
+
+@functools.lru_cache(maxsize=None)
+def _splits(tp: int, dp: int, ranks_per_node: int) -> Tuple[Tuple[Tuple[int, ...], ...], ...]:
+    grid, nodes = Grid(tp=tp, dp=dp, pp=1), Nodes(ranks_per_node)
+    return tuple(tuple(map(tuple, nodes.split(ranks))) for ranks in grid.all_groups("dp"))
+
+
+def node_split(tp: int, dp: int, ranks_per_node: int) -> Tuple[int, int]:
+    """``(l, m)``: the ``l`` ranks of each dp group on each of its ``m`` nodes. Raises
+    :class:`hybrid.topology.TopologyError` (:meth:`Nodes.split`'s words) when a group is not split evenly."""
+    first = _splits(tp, dp, ranks_per_node)[0]  # every dp group splits alike (a TP-fastest grid; tested)
+    return len(first[0]), len(first)
+
+
+def node_axis_groups(tp: int, dp: int, ranks_per_node: int, axis: str) -> List[List[int]]:
+    """Every group of ``axis`` (``dp_node`` or ``dp_cross``), global ranks in group-rank order, as
+    :meth:`~hybrid.topology.Topology.enable_node_axes` builds them."""
+    if axis not in NODE_AXES:
+        raise ValueError(f"not a node axis: {axis!r} (expected one of {', '.join(NODE_AXES)})")
+    groups = []
+    for per_node in _splits(tp, dp, ranks_per_node):
+        groups.extend(list(g) for g in (per_node if axis == "dp_node" else zip(*per_node)))
+    return groups
+
+
+def two_level_problem(tp: int, dp: int, ranks_per_node: int) -> Optional[str]:
+    """Why ``zero.two_level_reduce`` cannot run with this placement (None when it can): the runtime's
+    refusal, ``zero.two_level_reduce: `` and :meth:`Nodes.split`'s error."""
+    try:
+        node_split(tp, dp, ranks_per_node)
+    except TopologyError as e:
+        return f"zero.two_level_reduce: {e}"
+    return None
