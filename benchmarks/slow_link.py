@@ -442,9 +442,10 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=None, help="override every contender's micro batch (4)")
-    ap.add_argument("--bucket-size", type=int, default=None,
-                    help="every contender's --zero-bucket-size (default: the trainer's, 25M elements: one bucket for "
-                         "this model, so no gradient reduction overlaps backward)")
+    ap.add_argument("--bucket-size", type=int, default=300_000,
+                    help="every contender's --zero-bucket-size, in elements; the default cuts a TP=2 rank's 1.8M "
+                         "gradient elements into about 6 buckets, so reductions overlap backward (as a user sizes "
+                         "buckets to the model); 0 keeps the trainer's 25M, one bucket for this model")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--iters", type=int, default=6, help="optimizer steps per run; the first is not timed")
     ap.add_argument("--rates", default="none,1gbit,200mbit,50mbit",
@@ -570,6 +571,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "precision": "fp32"},
               "points": points,
               # additions beyond the planner's schema
+              "zero_bucket_size": args.bucket_size or None,  # None: the trainer's default
+              "cpu_cores": os.cpu_count(),  # shared by every rank of both emulated nodes
               "iters_per_run": args.iters, "repeat": args.repeat, "bytes_per_step_method": (
                   "diff: (B(N) - B(1)) / (N - 1)" if args.bytes_method == "diff" and args.iters > 1
                   else "total: B(N) / N, start-up traffic included"),

@@ -405,6 +405,13 @@ class Communicator:
         return self._launch("reduce_scatter", axis, lambda a: dist.all_to_all_single(
             received, wire, group=self._group(axis), async_op=a), async_op, finish)
 
+    def _then(self, rest: Callable[[], None], async_op: bool) -> Optional[Handle]:
+        """The second half of a composite operation: run now, or when the returned handle is waited for."""
+        if not async_op:
+            rest()
+            return None
+        return self._track(Handle(None, rest, self._timeout, None, self._untrack))
+
     # ---- two levels: inside the node, then across nodes ----------------------------------------------
     def _splits_over_nodes(self, axis: str) -> bool:
         """Whether a two-level collective over ``axis`` has two levels here (``dp`` with ranks on several
@@ -437,10 +444,7 @@ class Communicator:
             self.reduce_scatter_tensor(output, node_sum, "dp_cross", quant=quant)
             if op == "avg":
                 output.div_(l * m)
-        if not async_op:
-            across()
-            return None
-        return self._track(Handle(None, across, self._timeout, None, self._untrack))
+        return self._then(across, async_op)
 
     def _two_level_all_reduce(self, tensor: torch.Tensor, op: str, quant: Optional[Quantization],
                               async_op: bool) -> Optional[Handle]:
@@ -448,13 +452,8 @@ class Communicator:
         across nodes (quantized with ``quant``), and an all-gather inside the node; ``tensor`` is zero-padded
         to a multiple of the ``l`` ranks per node."""
         l, numel = self.size("dp_node"), tensor.numel()
-        share = -(-numel // l)
         flat = tensor.view(-1)
-        if share * l == numel:
-            source = flat
-        else:
-            source = torch.zeros(share * l, dtype=tensor.dtype, device=tensor.device)
-            source[:numel].copy_(flat)
+        source, share = _padded(flat, l)
         mine = torch.empty(share, dtype=tensor.dtype, device=tensor.device)
         first = self.reduce_scatter_tensor(mine, source, "dp_node", async_op=True)
 
@@ -466,10 +465,7 @@ class Communicator:
             self.all_gather_into_tensor(source, mine, "dp_node")
             if source is not flat:
                 flat.copy_(source[:numel])
-        if not async_op:
-            rest()
-            return None
-        return self._track(Handle(None, rest, self._timeout, None, self._untrack))
+        return self._then(rest, async_op)
 
     def _quantized_all_reduce(self, tensor: torch.Tensor, axis: str, op: str, quant: Quantization,
                               async_op: bool) -> Optional[Handle]:
@@ -477,24 +473,20 @@ class Communicator:
         (the last zero-padded), then :meth:`_quantized_all_gather` of the summed chunk, launched when the
         handle is waited for."""
         n, numel = self.size(axis), tensor.numel()
-        k = -(-numel // n)
         flat = tensor.view(-1)
-        if n * k == numel:
-            source = flat
-        else:
-            source = torch.zeros(n * k, dtype=tensor.dtype, device=tensor.device)
-            source[:numel].copy_(flat)
+        source, k = _padded(flat, n)
         mine = torch.empty(k, dtype=torch.float32, device=tensor.device)
 
         def gather() -> None:
             gathered = torch.empty(n * k, dtype=torch.float32, device=tensor.device)
             self._quantized_all_gather(gathered, mine, axis, quant, async_op=False)
             flat.copy_(gathered[:numel])
-        first = self._quantized_reduce_scatter(mine, source, axis, op, quant, async_op=async_op)
-        if not async_op:
+        first = self._quantized_reduce_scatter(mine, source, axis, op, quant, async_op=True)
+
+        def rest() -> None:
+            first.wait()
             gather()
-            return None
-        return self._track(Handle(None, lambda: (first.wait(), gather()), self._timeout, None, self._untrack))
+        return self._then(rest, async_op)
 
     def _quantized_all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: str, quant: Quantization,
                               async_op: bool) -> Optional[Handle]:
@@ -586,6 +578,17 @@ class Communicator:
             raise ValueError(f"cannot {verb} rank {rank!r} of the {axis} group: the peer must be another rank of "
                              f"that group, in [0, {n}) and not this rank's own {me}")
         return self._topology.group_ranks(axis)[rank]
+
+
+def _padded(flat: torch.Tensor, parts: int) -> Tuple[torch.Tensor, int]:
+    """``flat`` [numel] as ``parts`` equal chunks: itself when they divide it, else a zero-padded copy; and the
+    chunk size ``ceil(numel / parts)``."""
+    k = -(-flat.numel() // parts)
+    if k * parts == flat.numel():
+        return flat, k
+    padded = torch.zeros(k * parts, dtype=flat.dtype, device=flat.device)
+    padded[:flat.numel()].copy_(flat)
+    return padded, k
 
 
 def _nbytes(t: torch.Tensor) -> int:

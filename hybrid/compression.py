@@ -35,6 +35,12 @@ DEFAULT_BLOCK = 256
 SCALE_BYTES = 4  # one fp32 scale per block
 
 
+def packed_bytes(numel: int, bits: int, block: int) -> int:
+    """Bytes of ``numel`` values packed by :mod:`hybrid.kernels.quantize`: ``ceil(numel / block)`` whole blocks of
+    ``block * bits / 8`` data bytes (the last one zero-padded), plus one fp32 scale per block."""
+    return -(-numel // block) * (block * bits // 8 + SCALE_BYTES)
+
+
 @dataclasses.dataclass(frozen=True)
 class Quantization:
     """Blockwise symmetric quantization of a collective's payload: ``bits`` per value, ``block`` values per scale."""
@@ -50,9 +56,8 @@ class Quantization:
             raise ValueError(problem)
 
     def wire_bytes(self, numel: int) -> int:
-        """Bytes of ``numel`` values once packed: whole blocks of ``bits`` each, plus a scale per block."""
-        blocks = -(-numel // self.block)
-        return blocks * (self.block * self.bits // 8 + SCALE_BYTES)
+        """Bytes of ``numel`` values once packed (:func:`packed_bytes`)."""
+        return packed_bytes(numel, self.bits, self.block)
 
     def describe(self) -> str:
         return f"int{self.bits}/{self.block}"

@@ -3,9 +3,10 @@
 * No import cycles: the module import graph of ``hybrid/`` (built from the AST
   of every ``.py`` file) has no strongly connected component of more than one
   module and no module importing itself.
-* ``hybrid.config`` stands alone: it imports only ``hybrid.config.*`` and
-  ``hybrid.layout`` from hybrid, and never torch, so configuration files can be
-  checked without the training stack.
+* ``hybrid.config`` stands alone: it imports only ``hybrid.config.*`` and the
+  plain-data modules ``hybrid.layout`` and ``hybrid.compression`` from hybrid
+  (which import only each other), and never torch, so configuration files can
+  be checked without the training stack.
 * ZeRO stages are defined once: the tuple ``(0, 1, 2, 3)`` appears nowhere (the
   :class:`hybrid.layout.ZeroStage` enum defines it), the offload rule
   (``offload_problem``) is written once, and the packages that reason about
@@ -258,19 +259,30 @@ def test_no_import_cycles():
                        f"module both sides can import):\n{report}"
 
 
-def test_config_depends_only_on_itself_and_the_layout():
-    allowed = ("hybrid.config", "hybrid.layout")
+# Modules of plain data and rules (no torch): what configuration code may read besides itself.
+PLAIN_DATA = ("hybrid.layout", "hybrid.compression")
+
+
+def _imports_outside(prefixes, allowed):
+    """Imports of torch or hybrid, by the modules under ``prefixes``, of anything not under ``allowed``."""
     bad = []
     for module, path in source_files().items():
-        if module != "hybrid.config" and not module.startswith("hybrid.config."):
+        if not any(module == p or module.startswith(p + ".") for p in prefixes):
             continue
         for imp in imports_of(module, path):
             if imp.target.split(".")[0] not in (PACKAGE, "torch"):
                 continue
             if not any(imp.target == a or imp.target.startswith(a + ".") for a in allowed):
                 bad.append(f"{path.relative_to(ROOT)}:{imp.line} imports {imp.target}")
-    assert not bad, "hybrid.config may import only hybrid.config.* and hybrid.layout (no torch, no other " \
-                    "part of hybrid):\n  " + "\n  ".join(bad)
+    return bad
+
+
+def test_config_depends_only_on_itself_and_plain_data():
+    bad = _imports_outside(("hybrid.config",), ("hybrid.config",) + PLAIN_DATA)
+    assert not bad, f"hybrid.config may import only hybrid.config.* and {', '.join(PLAIN_DATA)} (no torch, no " \
+                    "other part of hybrid):\n  " + "\n  ".join(bad)
+    bad = _imports_outside(PLAIN_DATA, PLAIN_DATA)
+    assert not bad, "the plain-data modules may import only each other (no torch):\n  " + "\n  ".join(bad)
 
 
 def _literal_sequences(tree: ast.AST) -> Iterator[ast.expr]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import stat
 import subprocess
 import sys
@@ -111,18 +112,22 @@ def test_a_diverging_run_stops_and_its_skipped_steps_are_saved_unhealthy(tmp_pat
         assert part in line, line
     assert out.index("optimizer:") < out.index("iteration 1/")
 
-    # Resumed at a learning rate that blows the weights up: the first step lands, then every step is NaN.
+    # Resumed at a learning rate that blows the weights up: a step or two land (how many depends on the CPU's
+    # rounding), then every step is NaN.
     code, out, err = _main(MOCK + settings + ["--train-iters", "50", "--save", save, "--load", save,
                                               "--save-interval", "1", "--lr", "1e6", "--override-opt-param-scheduler",
                                               "--max-consecutive-skipped-steps", "3"], monkeypatch, capsys)
     assert code == 3, out[-2000:] + "\n".join(err)
     assert len(err) == 1, err
-    for part in ("hybrid-train: error: training diverged at iteration 6: 3 consecutive skipped steps",
-                 "last lm loss ", "--lr", "--max-consecutive-skipped-steps"):
+    stop = re.search(r"hybrid-train: error: training diverged at iteration (\d+): 3 consecutive skipped steps",
+                     err[0])
+    assert stop and 5 <= int(stop.group(1)) < 50, err[0]
+    for part in ("last lm loss ", "--lr", "--max-consecutive-skipped-steps"):
         assert part in err[0], err[0]
+    last = int(stop.group(1))  # iterations last-2 .. last were skipped; the run stopped before saving the last
     saved = sorted(p.name for p in save.glob("iter_*"))
-    assert saved == [f"iter_{i:07d}" for i in (2, 3, 4, 5)], saved  # none at the stop
-    assert [is_healthy(save / name) for name in saved] == [True, True, False, False]
+    assert saved == [f"iter_{i:07d}" for i in range(2, last)], saved
+    assert [is_healthy(save / name) for name in saved] == [i < last - 2 for i in range(2, last)]
     assert "marked unhealthy" in out
 
 

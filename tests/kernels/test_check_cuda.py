@@ -21,7 +21,7 @@ def test_check_cuda_compiles_every_source():
     code = check_cuda_sources(stream=out)
     text = out.getvalue()
     assert code == 0, text
-    for name in ("layer_norm.cu", "multi_tensor_adam.cu", "status.cu"):
+    for name in ("layer_norm.cu", "multi_tensor_adam.cu", "quantize.cu", "status.cu"):
         assert f"ok   {name}" in text
     assert "sm_80, sm_90" in text
 

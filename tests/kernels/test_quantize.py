@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import struct
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -403,22 +402,12 @@ def test_the_op_is_registered():
 CSRC = Path(__file__).resolve().parents[2] / "csrc" / "cuda"
 
 
-@pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found")
-def test_quantize_cu_compiles_with_nvcc():
-    """nvcc -c, warnings as errors, torch's half/bf16 defines (as check-cuda, which also covers
-    this file for sm_80 and sm_90); one arch here to keep the suite short."""
-    from hybrid.kernels.cuda_check import nvcc_command
-
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = nvcc_command(find_nvcc(), CSRC / "quantize.cu", Path(tmp) / "quantize.o", ("90",))
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found")
 def test_quantize_binding_links_and_imports():
-    """The binding and the launchers agree (link with --no-undefined, then import). ~2 min on 2 cores."""
+    """The binding and the launchers agree (link with --no-undefined, then import).
+
+    About 45 s on two idle cores (2 min on busy ones), mostly torch's headers."""
     from hybrid.kernels import cuda_check as cc
 
     nvcc = find_nvcc()

@@ -138,14 +138,19 @@ def test_quantization_shortens_the_step_over_a_slow_link(tp, stage):
     assert both.compute == plain.compute
 
 
-def test_the_command_line_threads_the_flags(tmp_path, capsys):
+def benchmark_cli_argv(tmp_path, tp: int) -> list:
+    """The planner's command line for the slow-link benchmark's model on 2 nodes x 2 ranks at 50 Mbit/s, ZeRO-1."""
     path = tmp_path / "model.json"
     path.write_text(json.dumps({"num_layers": 4, "hidden_size": 256, "num_heads": 8, "seq_length": 256,
                                 "vocab_size": 1024}))
-    argv = ["--config", str(path), "--gpus", "4", "--gpus-per-node", "2", "--gpu-memory", "16GiB",
-            "--global-batch-size", "16", "--precision", "fp32", "--tp", "2", "--micro-batch", "4",
+    return ["--config", str(path), "--gpus", "4", "--gpus-per-node", "2", "--gpu-memory", "16GiB",
+            "--global-batch-size", "16", "--precision", "fp32", "--tp", str(tp), "--micro-batch", "4",
             "--recompute", "none", "--offload", "none", "--zero-stage", "1", "--inter-node-bandwidth", "0.00625",
             "--achieved-tflops", "0.01", "--json"]
+
+
+def test_the_command_line_threads_the_flags(tmp_path, capsys):
+    argv = benchmark_cli_argv(tmp_path, tp=2)
     assert main(argv) == 0
     plain = json.loads(capsys.readouterr().out)[0]
     assert main(argv + ["--zero-quantized-gradients", "int8", "--zero-quantized-weights", "int8",

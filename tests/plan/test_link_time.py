@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -252,20 +253,52 @@ def _unshaped(data: dict) -> dict:
 
 
 def calibrate(data: dict) -> Dict[str, float]:
-    """Achieved FLOP/s per rank of each contender: model FLOPs per rank / its unshaped iteration time."""
+    """Achieved FLOP/s per rank of each contender: model FLOPs per rank / its unshaped compute seconds.
+
+    Those seconds are the unshaped iteration less the part of its blocked (exposed communication) time that
+    was the link's rather than the CPUs': with more ranks than cores, a rank blocked in a collective mostly
+    waits for the rank its core is serving, so only ``cores / ranks`` of that time is communication (all of
+    it with a core per rank). Files written before ``cpu_cores`` was recorded ran on 2 cores."""
     config, batch = model_config(data["model"]), data["model"]["global_batch_size"]
+    ranks = data["nodes"] * data["ranks_per_node"]
+    link_share = min(1.0, data.get("cpu_cores", 2) / ranks)
     rates = {}
     for row in _unshaped(data)["contenders"]:
         if row["ok"]:
             candidate = Candidate(_layout(data, row), micro_batch=row["micro_batch"])
-            rates[row["name"]] = flops_per_rank(config, candidate, batch) / row["iteration_s_median"]
+            exposed = row["iteration_s_median"] - (row.get("compute_s_median") or row["iteration_s_median"])
+            seconds = row["iteration_s_median"] - link_share * exposed
+            rates[row["name"]] = flops_per_rank(config, candidate, batch) / seconds
     return rates
+
+
+# trainer flags of a contender -> the TrainingSetup field they set (valued flags; --zero-reduce-once is read apart)
+_SETUP_FLAGS = {"--zero-quantized-gradients": "quantized_gradients", "--zero-quantized-weights": "quantized_weights",
+                "--zero-quantization-block": "quantization_block"}
+
+
+def contender_setup(data: dict, row: dict) -> TrainingSetup:
+    """The ZeRO settings a contender ran with: the benchmark's bucket size (every contender's) and the
+    contender's own flags."""
+    settings = {}
+    # recorded as zero_bucket_size; files written before that key existed have it only on the command line
+    bucket = data.get("zero_bucket_size") or re.search(r"--bucket-size[ =](\d+)", data.get("command", ""))
+    if bucket:
+        settings["bucket_size"] = bucket if isinstance(bucket, int) else int(bucket.group(1))
+    flags = row.get("flags", [])
+    for i, flag in enumerate(flags):
+        if flag in _SETUP_FLAGS:
+            value = flags[i + 1]
+            settings[_SETUP_FLAGS[flag]] = int(value) if value.isdigit() else value
+        elif flag == "--zero-two-level-reduce":
+            settings["two_level_reduce"] = True
+    return TrainingSetup(**settings)
 
 
 def predict_contender(data: dict, row: dict, link: LinkSpec, flops: float):
     return predict_step_time(model_config(data["model"]), _layout(data, row), row["micro_batch"],
                              data["model"]["global_batch_size"], data["nodes"], data["ranks_per_node"], link, flops,
-                             reduce_once=row.get("zero_reduce_once", False))
+                             reduce_once=row.get("zero_reduce_once", False), setup=contender_setup(data, row))
 
 
 def compare(data: dict, rates=CHECKED_RATES) -> List[str]:
@@ -305,21 +338,36 @@ def compare(data: dict, rates=CHECKED_RATES) -> List[str]:
                                 f"{t.inter:.3f}), measured {measured:.3f} s ({t.total / measured - 1:+.0%})")
             predicted[row["name"]] = t.tokens_per_s
         if point["rate"] in rates and predicted:
-            measured = {r["name"]: r["tokens_per_s"] for r in point["contenders"] if r["name"] in predicted}
-            problems += ranking_problems(point["rate"], predicted, measured)
+            rows = [r for r in point["contenders"] if r["name"] in predicted]
+            measured = {r["name"]: r["tokens_per_s"] for r in rows}
+            problems += ranking_problems(point["rate"], predicted, measured, {r["name"]: _round_seconds(r) for r in rows})
     return problems
 
 
-def ranking_problems(rate: str, predicted: Dict[str, float], measured: Dict[str, float]) -> List[str]:
+def _round_seconds(row: dict) -> List[float]:
+    """The iteration time of each timed round of a contender (its median alone when the rounds are not kept)."""
+    rounds = [run["iteration_s_median"] for run in row.get("runs", []) if run.get("purpose") == "timed" and run["ok"]]
+    return rounds or [row["iteration_s_median"]]
+
+
+def ranking_problems(rate: str, predicted: Dict[str, float], measured: Dict[str, float],
+                     rounds: Optional[Dict[str, List[float]]] = None) -> List[str]:
     """Contenders the measurement ranks one way by tokens/s and the planner the other, one line per pair.
 
-    Two contenders count as ranked only when their measured tokens/s differ by more than ``RANK_NOISE``:
-    closer ones are a tie within the spread of repeated runs."""
+    Two contenders count as ranked only when their measured tokens/s differ by more than ``RANK_NOISE`` and,
+    where ``rounds`` gives each one's iteration seconds per repeated round, every round of the faster beat
+    every round of the slower: closer ones are a tie within the spread of repeated runs."""
+    rounds = rounds or {}
+
+    def separated(faster: str, slower: str) -> bool:
+        return max(rounds.get(faster, [0.0])) < min(rounds.get(slower, [math.inf]))
+
     fast_first = sorted(measured, key=lambda n: -measured[n])
     problems = []
     for i, faster in enumerate(fast_first):
         for slower in fast_first[i + 1:]:
-            if measured[faster] > (1 + RANK_NOISE) * measured[slower] and predicted[faster] <= predicted[slower]:
+            if measured[faster] > (1 + RANK_NOISE) * measured[slower] and separated(faster, slower) \
+                    and predicted[faster] <= predicted[slower]:
                 problems.append(f"{rate}: measured {faster} ({measured[faster]:.0f} tokens/s) faster than {slower} "
                                 f"({measured[slower]:.0f}), predicted {predicted[faster]:.0f} and "
                                 f"{predicted[slower]:.0f}")
@@ -377,10 +425,16 @@ def test_the_comparison_on_a_fake_benchmark_file(tmp_path):
     data = _fake_results(unshaped, {})
     point = next(p for p in data["points"] if p["rate"] == "50mbit")
     rows = sorted(point["contenders"], key=lambda r: -r["tokens_per_s"])
-    rows[0]["tokens_per_s"], rows[-1]["tokens_per_s"] = rows[-1]["tokens_per_s"], rows[0]["tokens_per_s"]
+    for key in ("tokens_per_s", "iteration_s_median"):
+        rows[0][key], rows[-1][key] = rows[-1][key], rows[0][key]
     assert [p for p in compare(data) if p.startswith(f"50mbit: measured {rows[-1]['name']}")]
     assert ranking_problems("x", {"a": 100.0, "b": 90.0}, {"a": 100.0, "b": 105.0}) == []  # a tie
     assert ranking_problems("x", {"a": 100.0, "b": 90.0}, {"a": 100.0, "b": 120.0})
+    # 20% apart in the medians, but a round of each beat a round of the other: a tie too
+    assert ranking_problems("x", {"a": 100.0, "b": 90.0}, {"a": 100.0, "b": 120.0},
+                            {"a": [1.0, 1.1, 0.8], "b": [0.83, 0.9, 0.85]}) == []
+    assert ranking_problems("x", {"a": 100.0, "b": 90.0}, {"a": 100.0, "b": 120.0},
+                            {"a": [1.0, 1.1, 0.95], "b": [0.83, 0.9, 0.85]})
     # The bytes are checked too.
     data = _fake_results(unshaped, {})
     data["points"][1]["contenders"][0]["inter_node_bytes_per_step_comm"] *= 1.2

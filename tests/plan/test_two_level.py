@@ -34,6 +34,7 @@ from hybrid.plan.setup import zero_default, zero_field
 from hybrid.plan.two_level import node_axis_groups, node_split, two_level_problem
 from hybrid.topology import Grid, Nodes, TopologyError
 from model_zoo.config import GPTConfig
+from tests.plan.test_compression import benchmark_cli_argv
 
 P = 4  # fp32
 SLOW = LinkSpec(math.inf, 6.25e6)  # 50 Mbit/s per node, NVLink never the bottleneck
@@ -267,13 +268,7 @@ def test_the_command_line_says_why_it_skips_a_layout(monkeypatch, tmp_path, caps
 
 # ---- the flag -----------------------------------------------------------------------------------------------------
 def test_the_command_line_threads_the_flag(tmp_path, capsys):
-    path = tmp_path / "model.json"
-    path.write_text(json.dumps({"num_layers": 4, "hidden_size": 256, "num_heads": 8, "seq_length": 256,
-                                "vocab_size": 1024}))
-    argv = ["--config", str(path), "--gpus", "4", "--gpus-per-node", "2", "--gpu-memory", "16GiB",
-            "--global-batch-size", "16", "--precision", "fp32", "--tp", "1", "--micro-batch", "4",
-            "--recompute", "none", "--offload", "none", "--zero-stage", "1", "--inter-node-bandwidth", "0.00625",
-            "--achieved-tflops", "0.01", "--json"]
+    argv = benchmark_cli_argv(tmp_path, tp=1)
     assert build_parser().parse_args(argv).zero_two_level_reduce is zero_default("two_level_reduce") is False
     assert build_parser().parse_args(argv + ["--zero-two-level-reduce"]).zero_two_level_reduce is True
     assert zero_field("two_level_reduce").metadata["help"] in " ".join(build_parser().format_help().split())
