@@ -386,6 +386,34 @@ def test_step_times_and_bytes_match_the_slow_link_benchmark():
     assert not problems, "the planner disagrees with the slow-link benchmark:\n  " + "\n  ".join(problems)
 
 
+COMPRESSED = REPO / "benchmarks" / "results" / "slow_link_compressed.json"
+
+
+def test_compressed_bytes_match_the_slow_link_benchmark(capsys):
+    """Every compressed contender's inter-node bytes per step (``--compressed`` rows: quantized gradients or
+    weights, two levels) as the planner predicts them, against the communicator's count in that run (bytes
+    only: that run has no unshaped point to calibrate step times on)."""
+    if not COMPRESSED.exists():
+        pytest.skip(f"{COMPRESSED.relative_to(REPO)} is absent: run the command in docs/performance.md")
+    data = load(COMPRESSED)
+    problems, rows = [], 0
+    for point in data["points"]:
+        for row in point["contenders"]:
+            measured = row.get("inter_node_bytes_per_step_comm")
+            if not row["ok"] or measured is None:
+                problems.append(f"{point['rate']} {row['name']}: no measurement")
+                continue
+            predicted = predict_contender(data, row, LinkSpec(math.inf, point["link_bytes_per_s"]), 1e9)
+            rows += 1
+            with capsys.disabled():
+                print(f"{point['rate']:>8} {row['name']:<20} predicted {predicted.inter_node_bytes / 1e6:7.2f} MB  "
+                      f"measured {measured / 1e6:7.2f} MB  ({predicted.inter_node_bytes / measured - 1:+.1%})")
+            if abs(predicted.inter_node_bytes - measured) > BYTES_TOLERANCE * measured:
+                problems.append(f"{point['rate']} {row['name']}: predicted {predicted.inter_node_bytes:.4g} "
+                                f"inter-node bytes per step, the communicator counted {measured:.4g}")
+    assert rows and not problems, "\n  ".join(problems)
+
+
 FAKE_CONTENDERS = [("megatron-tp4", 4, 0, False), ("hybrid-tp2-z1", 2, 1, False), ("hybrid-tp2-z2", 2, 2, True),
                    ("hybrid-tp2-z2-micro", 2, 2, False), ("dp4-z3", 1, 3, False)]
 
