@@ -33,6 +33,7 @@ GRADIENT_FORMATS: Dict[str, int] = {OFF: 0, "int8": 8, "int4": 4}
 WEIGHT_FORMATS: Dict[str, int] = {OFF: 0, "int8": 8}
 DEFAULT_BLOCK = 256
 SCALE_BYTES = 4  # one fp32 scale per block
+BITS = (8, 4, 1)  # the codec's formats: int8, int4, 1-bit signs
 
 
 def packed_bytes(numel: int, bits: int, block: int) -> int:
@@ -49,8 +50,8 @@ class Quantization:
     block: int = DEFAULT_BLOCK
 
     def __post_init__(self) -> None:
-        if self.bits not in (8, 4, 1):
-            raise ValueError(f"quantization bits must be 8, 4 or 1, got {self.bits!r}")
+        if self.bits not in BITS:
+            raise ValueError(f"quantization bits must be one of {BITS}, got {self.bits!r}")
         problem = block_problem(self.block)
         if problem:
             raise ValueError(problem)

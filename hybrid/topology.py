@@ -297,6 +297,7 @@ class Topology:
                         if self.rank in ranks:
                             self._groups[axis] = group
         self._node_axes = True
+        self._own_node_axes = {axis: self._node_axis_ranks(axis, self.rank) for axis in NODE_AXES}
 
     def _node_axis_ranks(self, axis: str, rank: int) -> List[int]:
         if not self._node_axes:
@@ -335,18 +336,21 @@ class Topology:
 
     def size(self, axis: str) -> int:
         if axis in NODE_AXES:
-            return len(self._node_axis_ranks(axis, self.rank))
+            return len(self.group_ranks(axis))
         return self.grid.size(axis)
 
     def rank_in(self, axis: str) -> int:
         if axis in NODE_AXES:
-            return self._node_axis_ranks(axis, self.rank).index(self.rank)
+            return self.group_ranks(axis).index(self.rank)
         return self.grid.rank_in(axis, self.rank)
 
     def group_ranks(self, axis: str, rank: Optional[int] = None) -> List[int]:
-        rank = self.rank if rank is None else rank
         if axis in NODE_AXES:
-            return self._node_axis_ranks(axis, rank)
+            # this rank's own groups are asked for on every collective: worked out once
+            if (rank is None or rank == self.rank) and self._node_axes:
+                return self._own_node_axes[axis]
+            return self._node_axis_ranks(axis, self.rank if rank is None else rank)
+        rank = self.rank if rank is None else rank
         return self.grid.group_ranks(axis, rank)
 
     def coord_of(self, rank: int) -> Coord:

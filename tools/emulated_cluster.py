@@ -52,30 +52,23 @@ import uuid
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+if __package__ in (None, ""):  # run as a script: make the repository's `tools` package importable
+    _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if _REPO not in sys.path:
+        sys.path.insert(0, _REPO)
+
+from tools.netns import (KILL_GRACE_S, MARKER_ENV, ClusterError, ClusterUnavailable,  # noqa: E402
+                         LinkDelayUnavailable, Net, kill_netns_processes, kill_pids, marked_processes, signals_blocked, wait_gone)
+
 SUBNET = "10.77.0"  # a /24 that exists only inside this tool's namespaces
 DEFAULT_PREFIX = "hyb"
 DEFAULT_PORT = 29500
-MARKER_ENV = "HYBRID_EMULATED_CLUSTER"  # inherited by every process a run starts: finds leftovers
-IP_TIMEOUT_S = 30.0  # one ip/tc command; they return in milliseconds unless the kernel is stuck
-KILL_GRACE_S = 10.0  # SIGTERM to SIGKILL
 FAILED_NODE_GRACE_S = 30.0  # how long the other nodes may run on after one node failed
 
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")  # interface names must stay under 16 bytes
 _RATE_RE = re.compile(r"^\d+(\.\d+)?([kmgt]?bit|[kmgt]?bps)$")
 _SIZE_RE = re.compile(r"^\d+([kmg]?b|[kmg]bit|[kmg])?$")
 _TIME_RE = re.compile(r"^\d+(\.\d+)?(us|ms|s)$")
-
-
-class ClusterUnavailable(RuntimeError):
-    """This machine cannot host an emulated cluster (no root, no iproute2, no namespaces); one line why."""
-
-
-class LinkDelayUnavailable(ClusterUnavailable):
-    """A link delay was asked for and ``netem`` is not in this kernel."""
-
-
-class ClusterError(RuntimeError):
-    """An ip/tc command failed, the cluster is in use elsewhere, or a run was misconfigured."""
 
 
 # ---- names and addresses ---------------------------------------------------------------------------
@@ -118,60 +111,11 @@ def _check_shape(rate: Optional[str], burst: str, queue_latency: str, delay: Opt
             raise ClusterError(f"{name} {value!r}: give a tc time such as 50ms")
 
 
-# ---- ip and tc ---------------------------------------------------------------------------------------
-def _find_ip() -> str:
-    found = shutil.which("ip") or next((p for p in ("/usr/sbin/ip", "/sbin/ip") if os.access(p, os.X_OK)), None)
-    if found is None:
-        raise ClusterUnavailable("iproute2's `ip` is not installed: install it with `apt-get install -y iproute2`")
-    return found
-
-
-def _run_cmd(argv: Sequence[str], timeout_s: float = IP_TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess:
-    try:
-        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise ClusterError(f"`{' '.join(argv)}` did not return within {timeout_s:.0f} s") from None
-    if check and done.returncode != 0:
-        why = (done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}").splitlines()[-1]
-        raise ClusterError(f"`{' '.join(argv)}` failed: {why}")
-    return done
-
-
-class _Net:
-    """The ip/tc commands the cluster needs, each bounded by a timeout."""
-
-    def __init__(self):
-        self.ip = _find_ip()
-        tc = shutil.which("tc") or os.path.join(os.path.dirname(self.ip), "tc")
-        if not os.access(tc, os.X_OK):
-            raise ClusterUnavailable("iproute2's `tc` is not installed: install it with `apt-get install -y iproute2`")
-        self.tc = tc
-
-    def ip_cmd(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return _run_cmd([self.ip, *args], check=check)
-
-    def tc_cmd(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return _run_cmd([self.tc, *args], check=check)
-
-    def netns_list(self) -> List[str]:
-        out = self.ip_cmd("netns", "list").stdout
-        return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-    def netns_pids(self, netns: str) -> List[int]:
-        done = self.ip_cmd("netns", "pids", netns, check=False)
-        return [int(p) for p in done.stdout.split() if p.isdigit()]
-
-    def counters(self, netns: str, ifname: str) -> Dict[str, int]:
-        stats = f"/sys/class/net/{ifname}/statistics"
-        out = self.ip_cmd("netns", "exec", netns, "cat", f"{stats}/tx_bytes", f"{stats}/rx_bytes").stdout.split()
-        return {"tx_bytes": int(out[0]), "rx_bytes": int(out[1])}
-
-
 def check_available(prefix: str = DEFAULT_PREFIX) -> None:
     """Raise :class:`ClusterUnavailable` with one line if this machine cannot make namespaces."""
     if os.name != "posix" or not sys.platform.startswith("linux"):
         raise ClusterUnavailable(f"network namespaces need Linux; this is {sys.platform}")
-    net = _Net()
+    net = Net()
     if os.geteuid() != 0:
         raise ClusterUnavailable("creating network namespaces needs root (CAP_NET_ADMIN); run as root")
     probe = f"{prefix}-probe{os.getpid()}"  # named like the tool's own: a later cleanup finds it if we die here
@@ -180,49 +124,6 @@ def check_available(prefix: str = DEFAULT_PREFIX) -> None:
         why = (done.stderr.strip() or f"exit code {done.returncode}").splitlines()[-1]
         raise ClusterUnavailable(f"`ip netns add` fails here ({why}); needs root with CAP_NET_ADMIN")
     net.ip_cmd("netns", "delete", probe, check=False)
-
-
-# ---- processes ---------------------------------------------------------------------------------------
-def _kill_pids(pids: Sequence[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
-def _wait_gone(pids: Sequence[int], timeout_s: float) -> List[int]:
-    deadline = time.monotonic() + timeout_s
-    left = [p for p in pids if _alive(p)]
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
-        left = [p for p in left if _alive(p)]
-    return left
-
-
-def marked_processes(marker: str) -> List[int]:
-    """Pids of live processes whose environment carries ``MARKER_ENV=marker`` (started by one cluster)."""
-    needle = f"{MARKER_ENV}={marker}".encode() + b"\0"
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read() + b"\0"
-        except OSError:
-            continue
-        if (b"\0" + needle) in (b"\0" + environ) and _alive(int(entry)):
-            found.append(int(entry))
-    return found
 
 
 # ---- results -----------------------------------------------------------------------------------------
@@ -268,7 +169,7 @@ def own_namespaces(prefix: str = DEFAULT_PREFIX) -> List[str]:
     """The namespaces of this prefix that exist now (``<prefix>-node<K>``, ``<prefix>-br``)."""
     _check_prefix(prefix)
     own = _own_netns_re(prefix)
-    return [name for name in _Net().netns_list() if own.match(name)]
+    return [name for name in Net().netns_list() if own.match(name)]
 
 
 def is_up(prefix: str = DEFAULT_PREFIX) -> bool:
@@ -342,7 +243,7 @@ class EmulatedCluster:
         self.marker = f"{prefix}:{uuid.uuid4().hex[:12]}"
         self.keep = keep
         self._lock = _PrefixLock(prefix, lock_timeout_s)
-        self._net: Optional[_Net] = None
+        self._net: Optional[Net] = None
         self._runs = 0
         self._last_bytes: Dict[str, Dict[str, int]] = {}
         self._old_handlers: Dict[int, object] = {}
@@ -370,7 +271,7 @@ class EmulatedCluster:
     def up(self) -> None:
         """Remove a stale cluster of this prefix, then build the namespaces, links and shaping."""
         check_available(self.prefix)
-        self._net = _Net()
+        self._net = Net()
         self._lock.acquire()
         try:
             remove_stale(self.prefix, self._net)
@@ -384,16 +285,16 @@ class EmulatedCluster:
 
     def down(self) -> None:
         """Kill every process in this cluster's namespaces and delete them; safe to call twice."""
-        with _signals_blocked():
+        with signals_blocked():
             try:
-                remove_stale(self.prefix, self._net or _Net())
+                remove_stale(self.prefix, self._net or Net())
             finally:
                 self._lock.release()
 
     @classmethod
     def attach(cls, prefix: str = DEFAULT_PREFIX, lock_timeout_s: float = 120.0, **kwargs) -> "EmulatedCluster":
         """The cluster ``up`` left running (its node count read from the namespaces); exiting keeps it up."""
-        net = _Net()
+        net = Net()
         own = _own_netns_re(prefix)
         count = sum(1 for name in net.netns_list() if own.match(name) and "-node" in name)
         if not is_up(prefix) or count < 2:
@@ -520,7 +421,7 @@ class EmulatedCluster:
 
     def _run(self, argv, timeout_s, ranks, port, env, cwd, log_path: Path) -> RunResult:
         # We hold the lock, so whatever still runs in the namespaces is a killed earlier run's.
-        left = _kill_netns_processes(self._net, [n.netns for n in self.nodes])
+        left = kill_netns_processes(self._net, [n.netns for n in self.nodes])
         if left:
             print(f"emulated_cluster: killed {left} processes an earlier run left in {self.prefix}-node*",
                   file=sys.stderr, flush=True)
@@ -547,7 +448,7 @@ class EmulatedCluster:
             for log in logs:
                 log.close()
             # Every agent has exited; a rank that outlived its agent would linger in the namespace.
-            stray = _kill_netns_processes(self._net, [n.netns for n in self.nodes])
+            stray = kill_netns_processes(self._net, [n.netns for n in self.nodes])
             if stray:
                 print(f"emulated_cluster: killed {stray} processes that outlived their node's torchrun agent",
                       file=sys.stderr, flush=True)
@@ -593,41 +494,26 @@ class EmulatedCluster:
             except (ProcessLookupError, PermissionError):
                 pass
             # torchrun starts each rank in a session of its own: only the namespace finds them all.
-            _kill_pids(self._net.netns_pids(node.netns), sig)
+            kill_pids(self._net.netns_pids(node.netns), sig)
             try:
                 proc.wait(timeout=KILL_GRACE_S)
             except subprocess.TimeoutExpired:
                 continue
-            if not _wait_gone(self._net.netns_pids(node.netns), KILL_GRACE_S):
+            if not wait_gone(self._net.netns_pids(node.netns), KILL_GRACE_S):
                 return
 
 
-class _signals_blocked:
-    """Defer SIGINT/SIGTERM/SIGHUP while tearing down, so a second Ctrl-C cannot leave half a cluster."""
-
-    _SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-
-    def __enter__(self):
-        self._old = None
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.pthread_sigmask(signal.SIG_BLOCK, self._SIGNALS)
-
-    def __exit__(self, *exc):
-        if self._old is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, self._old)
-
-
-def remove_stale(prefix: str, net: Optional[_Net] = None) -> List[str]:
+def remove_stale(prefix: str, net: Optional[Net] = None) -> List[str]:
     """Kill the processes in, and delete, every namespace named like this tool's for ``prefix``.
 
     Only ``<prefix>-node<K>`` and ``<prefix>-br`` are touched; deleting a namespace deletes its veth
     ends and bridge. Returns the namespaces deleted.
     """
     _check_prefix(prefix)
-    net = net or _Net()
+    net = net or Net()
     own = _own_netns_re(prefix)
     mine = [name for name in net.netns_list() if own.match(name)]
-    _kill_netns_processes(net, mine)
+    kill_netns_processes(net, mine)
     for name in mine:
         net.ip_cmd("netns", "delete", name)
     try:
@@ -635,19 +521,6 @@ def remove_stale(prefix: str, net: Optional[_Net] = None) -> List[str]:
     except FileNotFoundError:
         pass
     return mine
-
-
-def _kill_netns_processes(net: _Net, namespaces: Sequence[str]) -> int:
-    """SIGTERM, then SIGKILL, every process in ``namespaces``; returns how many there were."""
-    first = [pid for name in namespaces for pid in net.netns_pids(name)]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = [pid for name in namespaces for pid in net.netns_pids(name)]
-        if not pids:
-            break
-        _kill_pids(pids, sig)
-        if not _wait_gone(pids, KILL_GRACE_S):
-            break
-    return len(first)
 
 
 # ---- command line ------------------------------------------------------------------------------------
@@ -726,7 +599,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             lock = _PrefixLock(args.prefix, timeout_s=120.0)
             lock.acquire()  # never pull a cluster from under a run that is using it
             try:
-                with _signals_blocked():
+                with signals_blocked():
                     gone = remove_stale(args.prefix)
             finally:
                 lock.release()

@@ -43,10 +43,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 # the wire size and the default block are the compression settings' (plain data, no torch)
-from hybrid.compression import DEFAULT_BLOCK, packed_bytes
+from hybrid.compression import BITS, DEFAULT_BLOCK, packed_bytes
 from hybrid.kernels.registry import default_registry
 
-BITS = (8, 4, 1)
 QMAX = {8: 127, 4: 7}
 # Largest power of two the 1-bit CUDA kernel's shared-memory tree holds (32 KiB of fp32).
 MAX_CUDA_1BIT_BLOCK = 8192
