@@ -187,6 +187,16 @@ class Nodes:
                                 f"ranks on every node")
         return lists
 
+    def node_axis_groups(self, grid: Grid) -> Dict[str, List[List[int]]]:
+        """Every group of the ``dp_node`` and ``dp_cross`` axes, global ranks in group-rank order: for each dp
+        group (:meth:`split`), its ranks on each node, and its ranks at each position, one per node."""
+        groups: Dict[str, List[List[int]]] = {axis: [] for axis in NODE_AXES}
+        for ranks in grid.all_groups("dp"):
+            per_node = self.split(ranks)
+            groups["dp_node"] += per_node
+            groups["dp_cross"] += [list(g) for g in zip(*per_node)]
+        return groups
+
     def check_tp_groups(self, grid: Grid, allowed: bool, warn: bool) -> None:
         """Refuse TP groups that cross nodes (every layer's collectives would ride the inter-node link),
         unless ``allowed``; then say it once (``warn``) and go on."""
@@ -288,26 +298,22 @@ class Topology:
         """
         if self._node_axes:
             return
-        splits = [self.nodes.split(ranks) for ranks in self.grid.all_groups("dp")]
-        if self.world_size > 1:
-            for per_node in splits:
-                for axis, groups in (("dp_node", per_node), ("dp_cross", [list(g) for g in zip(*per_node)])):
-                    for ranks in groups:
-                        group = dist.new_group(ranks, timeout=self.comm.timeout) if len(ranks) > 1 else None
-                        if self.rank in ranks:
-                            self._groups[axis] = group
+        groups = self.nodes.node_axis_groups(self.grid)
+        for axis in NODE_AXES:
+            for ranks in groups[axis]:
+                if self.world_size > 1:
+                    group = dist.new_group(ranks, timeout=self.comm.timeout) if len(ranks) > 1 else None
+                    if self.rank in ranks:
+                        self._groups[axis] = group
         self._node_axes = True
-        self._own_node_axes = {axis: self._node_axis_ranks(axis, self.rank) for axis in NODE_AXES}
+        # this rank's own groups are asked for on every collective: kept, not worked out each time
+        self._own_node_axes = {axis: next(g for g in groups[axis] if self.rank in g) for axis in NODE_AXES}
 
     def _node_axis_ranks(self, axis: str, rank: int) -> List[int]:
         if not self._node_axes:
             raise TopologyError(f"axis {axis!r} has no process group yet: call Topology.enable_node_axes() on "
                                 f"every rank first")
-        per_node = self.nodes.split(self.grid.group_ranks("dp", rank))
-        mine = next(lst for lst in per_node if rank in lst)
-        if axis == "dp_node":
-            return mine
-        return [lst[mine.index(rank)] for lst in per_node]
+        return next(g for g in self.nodes.node_axis_groups(self.grid)[axis] if rank in g)
 
     def close(self) -> None:
         """Wait for this rank's in-flight operations, then destroy its per-axis process groups.
@@ -346,7 +352,6 @@ class Topology:
 
     def group_ranks(self, axis: str, rank: Optional[int] = None) -> List[int]:
         if axis in NODE_AXES:
-            # this rank's own groups are asked for on every collective: worked out once
             if (rank is None or rank == self.rank) and self._node_axes:
                 return self._own_node_axes[axis]
             return self._node_axis_ranks(axis, self.rank if rank is None else rank)

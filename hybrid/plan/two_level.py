@@ -37,10 +37,7 @@ def node_axis_groups(tp: int, dp: int, ranks_per_node: int, axis: str) -> List[L
     :meth:`~hybrid.topology.Topology.enable_node_axes` builds them."""
     if axis not in NODE_AXES:
         raise ValueError(f"not a node axis: {axis!r} (expected one of {', '.join(NODE_AXES)})")
-    groups = []
-    for per_node in _splits(tp, dp, ranks_per_node):
-        groups.extend(list(g) for g in (per_node if axis == "dp_node" else zip(*per_node)))
-    return groups
+    return Nodes(ranks_per_node).node_axis_groups(Grid(tp=tp, dp=dp, pp=1))[axis]
 
 
 def two_level_problem(tp: int, dp: int, ranks_per_node: int) -> Optional[str]:
