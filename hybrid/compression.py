@@ -16,6 +16,14 @@ Two settings of the ``zero`` section choose a format:
 each). The format itself (:mod:`hybrid.kernels.quantize`) and its error bound
 are in ``docs/compression.md``.
 
+Two more settings cut the bytes that cross nodes without a new format:
+
+* ``zero.hpz_partition_size`` (stage 3): a secondary copy of the parameters
+  sharded over the ranks of one node, so backward re-gathers inside the node;
+* ``optimizer.type = onebit_adam``: after ``optimizer.freeze_step`` AdamW
+  steps the variance freezes and the momentum travels as 1-bit signs with
+  error feedback (stages 0-2), :mod:`hybrid.zero.onebit`.
+
 This module is plain data, like :mod:`hybrid.layout`: configuration
 validation and the planner read it without torch.
 """
@@ -115,6 +123,34 @@ def compression_problem(stage: int, gradients: str, weights: str, block: int) ->
     problem = quantized_weights_problem(stage, weights)
     if problem:
         return "zero.quantized_weights", problem
+    return None
+
+
+ONEBIT_ADAM = "onebit_adam"  # optimizer.type of the 1-bit compressed Adam
+ONEBIT_BITS = 1
+
+
+def hpz_problem(stage: int, size: int) -> Optional[str]:
+    """Why ``zero.hpz_partition_size`` cannot be ``size`` at ``stage`` (None when it can); 1 is off."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        return f"it must be a positive number of data-parallel ranks (1: off), got {size!r}"
+    if size > 1 and not stage_traits(stage).parameters:
+        return ("a secondary weight partition needs ZeRO stage 3: only stage 3 gathers the parameters in "
+                "backward; set zero.stage to 3 or zero.hpz_partition_size to 1")
+    return None
+
+
+def onebit_problem(stage: int, offload: str, two_level: bool) -> Optional[Tuple[str, str]]:
+    """Why ``optimizer.type = onebit_adam`` cannot run with these ``zero`` settings, as (the key at fault,
+    why); None when it can. Its compressed phase exchanges the momentum of whole flat buffers (stages 0-2)."""
+    if stage_traits(stage).parameters:
+        return "zero.stage", ("onebit_adam composes with ZeRO stages 0-2 (every rank keeps whole buffers to "
+                              "compress); use stage 2 or optimizer.type adamw")
+    if offload != "none":
+        return "zero.offload_optimizer", "onebit_adam steps on the device; set zero.offload_optimizer to none"
+    if two_level:
+        return "zero.two_level_reduce", ("onebit_adam's compressed phase sends the momentum once over dp, not "
+                                         "gradients; set zero.two_level_reduce to false")
     return None
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping
 
-from hybrid.compression import OFF, formats_for_deepspeed
+from hybrid.compression import OFF, ONEBIT_ADAM, formats_for_deepspeed
 from hybrid.config.deepspeed_schedules import DEEPSPEED_SCHEDULER_PARAMS, deepspeed_schedule_kwargs
 from hybrid.config.errors import ConfigError, suggestion, value_suggestion
 from hybrid.config.parse import apply_overrides
@@ -31,7 +31,8 @@ _MAPPED = {
                           "overlap_comm": "zero.overlap_comm",
                           "stage3_param_persistence_threshold": "zero.persistence_threshold",
                           "stage3_max_live_parameters": "zero.max_live_parameters",
-                          "stage3_prefetch_bucket_size": "zero.prefetch_bucket_size"},
+                          "stage3_prefetch_bucket_size": "zero.prefetch_bucket_size",
+                          "zero_hpz_partition_size": "zero.hpz_partition_size"},
     "zero_optimization.offload_optimizer": {"device": "zero.offload_optimizer"},
     "fp16": {"loss_scale": "loss_scaling.loss_scale", "initial_scale_power": "loss_scaling.initial_scale_power",
              "loss_scale_window": "loss_scaling.loss_scale_window", "hysteresis": "loss_scaling.hysteresis",
@@ -85,7 +86,7 @@ _UNSUPPORTED = {
         "stage3_model_persistence_threshold": _ISSUE_8, "stage3_gather_16bit_weights_on_model_save": _ISSUE_8,
         "stage3_gather_fp16_weights_on_model_save": _ISSUE_8, "sub_group_size": _ISSUE_8,
         "elastic_checkpoint": "remove it", "load_from_fp32_weights": "remove it",
-        "round_robin_gradients": "remove it", "zero_hpz_partition_size": "remove it",
+        "round_robin_gradients": "remove it",
         "mics_shard_size": "remove it", "mics_hierarchical_params_gather": "remove it",
         "ignore_unused_parameters": "remove it", "legacy_stage1": "remove it",
         "memory_efficient_linear": "remove it", "use_multi_rank_bucket_allreduce": "remove it",
@@ -99,9 +100,15 @@ _UNSUPPORTED = {
 
 _OPTIMIZER_PARAMS = {"adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode"},
                      "adamw": {"lr", "betas", "eps", "weight_decay", "adam_w_mode"},
-                     "sgd": {"lr", "momentum", "weight_decay"}}
-_SUPPORTED_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
-_UNSUPPORTED_OPTIMIZERS = ("lamb", "onebitadam", "zerooneadam", "onebitlamb", "adagrad", "lion", "muadam",
+                     "sgd": {"lr", "momentum", "weight_decay"},
+                     "onebitadam": {"lr", "betas", "eps", "weight_decay", "freeze_step", "cuda_aware",
+                                    "comm_backend_name"}}
+_SUPPORTED_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "onebitadam": "OneBitAdam"}
+# DeepSpeed names -> hybrid's optimizer.type where they differ
+_OPTIMIZER_TYPES = {"onebitadam": ONEBIT_ADAM}
+# OneBitAdam's transport switches: hybrid's communicator picks the backend of the device itself
+_TRANSPORT_PARAMS = {"cuda_aware": bool, "comm_backend_name": str}
+_UNSUPPORTED_OPTIMIZERS = ("lamb", "zerooneadam", "onebitlamb", "adagrad", "lion", "muadam",
                            "muadamw", "musgd", "muon", "adafactor")
 
 
@@ -265,8 +272,12 @@ def _map_optimizer(opt: Mapping, put) -> None:
             raise ConfigError("DeepSpeed optimizer.type 'AdamW' with optimizer.params.adam_w_mode false is "
                               "contradictory; use type 'Adam' with adam_w_mode false for L2-style Adam")
         kind = "adamw" if adam_w_mode else "adam"
-    put("optimizer.type", kind, "optimizer.type")
-    for key in ("lr", "betas", "eps", "weight_decay", "momentum"):
+    for key, kind_of in _TRANSPORT_PARAMS.items():
+        if key in params and not isinstance(params[key], kind_of):
+            raise ConfigError(f"DeepSpeed key 'optimizer.params.{key}' must be a {kind_of.__name__}, "
+                              f"got {params[key]!r}")
+    put("optimizer.type", _OPTIMIZER_TYPES.get(kind, kind), "optimizer.type")
+    for key in ("lr", "betas", "eps", "weight_decay", "momentum", "freeze_step"):
         if key in params:
             put(f"optimizer.{key}", params[key], f"optimizer.params.{key}")
 

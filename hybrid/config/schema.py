@@ -27,12 +27,12 @@ import dataclasses
 import math
 from typing import Any, Callable, List, Optional, Tuple
 
-from hybrid.compression import DEFAULT_BLOCK, GRADIENT_FORMATS, WEIGHT_FORMATS
+from hybrid.compression import DEFAULT_BLOCK, GRADIENT_FORMATS, ONEBIT_ADAM, WEIGHT_FORMATS
 from hybrid.layout import OFFLOAD_DEVICES, PRECISIONS, ZERO_STAGES
 
 # Choice lists owned by the configuration (the ZeRO stages, offload devices and
 # precisions are hybrid.layout's). hybrid.optim.lr_schedule imports the styles.
-OPTIMIZERS = ("adamw", "adam", "sgd")
+OPTIMIZERS = ("adamw", "adam", "sgd", ONEBIT_ADAM)
 DECAY_STYLES = ("constant", "linear", "cosine")
 WARMUP_STYLES = ("linear", "log")
 RECOMPUTE = ("none", "full", "selective")
@@ -141,6 +141,9 @@ class ZeroConfig:
                                                 "share crosses nodes, and only it is quantized")
     quantization_block: int = _field(DEFAULT_BLOCK, ge=8, help="elements per quantization block (one fp32 scale "
                                                                "each); a multiple of 8")
+    hpz_partition_size: int = _field(1, ge=1, help="stage 3: also keep the parameters sharded over this many "
+                                                   "data-parallel ranks of one node (its ranks per node), so "
+                                                   "backward re-gathers inside the node; 1: off")
     offload_optimizer: str = _field("none", choices=OFFLOAD_DEVICES, flag="--offload-optimizer",
                                     help="cpu: fp32 master weights and optimizer state in host memory, stepped "
                                          "by the CPU Adam (stages 1-3)")
@@ -157,7 +160,8 @@ class OptimizerConfig:
     """The inner optimizer that steps the fp32 master partitions."""
 
     type: str = _field("adamw", choices=OPTIMIZERS, flag="--optimizer",
-                       help="adamw (decoupled weight decay), adam (L2 weight decay added to the gradient) or sgd")
+                       help="adamw (decoupled weight decay), adam (L2 weight decay added to the gradient), sgd, or "
+                            "onebit_adam (AdamW, then 1-bit compressed momentum after optimizer.freeze_step)")
     lr: float = _field(1e-3, gt=0.0, flag="--lr", help="peak learning rate (after warmup)")
     betas: Tuple[float, float] = _field(factory=lambda: (0.9, 0.999), flag="--adam-betas",
                                         help="Adam (beta1, beta2), each in [0, 1)",
@@ -167,6 +171,8 @@ class OptimizerConfig:
     eps: float = _field(1e-8, gt=0.0, flag="--adam-eps", help="Adam epsilon")
     weight_decay: float = _field(0.0, ge=0.0, flag="--weight-decay", help="weight decay coefficient")
     momentum: float = _field(0.0, ge=0.0, lt=1.0, flag="--sgd-momentum", help="SGD momentum (sgd only)")
+    freeze_step: int = _field(100_000, ge=1, help="onebit_adam: uncompressed AdamW steps before the variance "
+                                                  "freezes and the momentum travels as 1-bit signs")
     decay_1d_params: bool = _field(False, help="false: parameters with at most one dimension (biases, norm "
                                                "weights) get no weight decay; true: every parameter decays")
 

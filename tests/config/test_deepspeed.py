@@ -76,6 +76,28 @@ def test_zero_plus_plus_quantization_keys():
         from_deepspeed({"zero_optimization": {"stage": 0, "zero_quantized_weights": True}})
 
 
+def test_zero_plus_plus_hpz_and_onebit_adam_keys():
+    z = from_deepspeed({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}).zero
+    assert (z.stage, z.hpz_partition_size) == (3, 2)
+    with pytest.raises(ConfigError, match=r"needs ZeRO stage 3.*\[from DeepSpeed key "
+                                          r"'zero_optimization\.zero_hpz_partition_size'\]"):
+        from_deepspeed({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}})
+    cfg = from_deepspeed({"zero_optimization": {"stage": 2},
+                          "optimizer": {"type": "OneBitAdam", "params": {
+                              "lr": 2e-4, "betas": [0.9, 0.98], "eps": 1e-7, "weight_decay": 0.01, "freeze_step": 400,
+                              "cuda_aware": False, "comm_backend_name": "nccl"}}})
+    o = cfg.optimizer
+    assert (o.type, o.lr, tuple(o.betas), o.eps, o.weight_decay, o.freeze_step) == \
+        ("onebit_adam", 2e-4, (0.9, 0.98), 1e-7, 0.01, 400)
+    with pytest.raises(ConfigError, match=r"onebit_adam composes with ZeRO stages 0-2"):
+        from_deepspeed({"zero_optimization": {"stage": 3}, "optimizer": {"type": "OneBitAdam", "params": {}}})
+    with pytest.raises(ConfigError, match=r"'optimizer\.params\.cuda_aware' must be a bool"):
+        from_deepspeed({"optimizer": {"type": "OneBitAdam", "params": {"cuda_aware": "yes"}}})
+    with pytest.raises(ConfigError, match=r"'ZeroOneAdam' is not supported \(it is a DeepSpeed optimizer hybrid "
+                                          r"does not implement\)"):
+        from_deepspeed({"optimizer": {"type": "ZeroOneAdam", "params": {}}})
+
+
 def test_bf16_and_optimizer_kinds():
     assert load_config({"bf16": {"enabled": True}}).precision == "bf16"
     assert load_config({"bf16": {"enabled": False}}).precision == "fp32"
