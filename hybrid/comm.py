@@ -394,16 +394,35 @@ class Communicator:
         n, k = self.size(axis), output.numel()
         wire = _quant.pack(input.reshape(n, k), quant.bits, quant.block)
         received = torch.empty_like(wire)
-        me = self._topology.rank
-        self._record("reduce_scatter", axis, _nbytes(wire), (n - 1) / n,
-                     fan_out=[r for r in self._topology.group_ranks(axis) if r != me], each=wire[0].numel())
 
         def finish() -> None:
             _quant.unpack_sum(received, k, quant.bits, quant.block, out=output.view(-1))
             if op == "avg":
                 output.div_(n)
-        return self._launch("reduce_scatter", axis, lambda a: dist.all_to_all_single(
-            received, wire, group=self._group(axis), async_op=a), async_op, finish)
+        return self._all_to_all("reduce_scatter", received, wire, axis, async_op, finish)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, axis: str,
+                          async_op: bool = False) -> Optional[Handle]:
+        """Row ``i`` of ``input`` [n, ...] goes to rank ``i`` of ``axis``; row ``i`` of ``output`` (same shape)
+        comes from rank ``i`` (this rank's own row is copied)."""
+        n = self.size(axis)
+        if input.shape != output.shape or input.shape[0] != n:
+            raise ValueError(f"all_to_all_single over {axis}: input {tuple(input.shape)} and output "
+                             f"{tuple(output.shape)} must both have {n} rows")
+        if n == 1:
+            output.copy_(input)
+            return Handle() if async_op else None
+        return self._all_to_all("all_to_all", output, input, axis, async_op, None)
+
+    def _all_to_all(self, op: str, output: torch.Tensor, input: torch.Tensor, axis: str, async_op: bool,
+                    finish: Optional[Callable[[], None]]) -> Optional[Handle]:
+        """One all-to-all of ``input`` [n, ...] rows, counted as ``op``: every peer receives its row straight
+        from this rank."""
+        n, me = self.size(axis), self._topology.rank
+        self._record(op, axis, _nbytes(input), (n - 1) / n,
+                     fan_out=[r for r in self._topology.group_ranks(axis) if r != me], each=_nbytes(input[0]))
+        return self._launch(op, axis, lambda a: dist.all_to_all_single(
+            output, input, group=self._group(axis), async_op=a), async_op, finish)
 
     def _then(self, rest: Callable[[], None], async_op: bool) -> Optional[Handle]:
         """The second half of a composite operation: run now, or when the returned handle is waited for."""

@@ -34,7 +34,8 @@ from typing import Callable, ContextManager, Dict, List, Optional, Tuple
 import torch
 
 from hybrid.config.schema import OptimizerConfig, ZeroConfig
-from hybrid.compression import compression_problem, gradient_quantization, weight_quantization
+from hybrid.compression import (ONEBIT_ADAM, compression_problem, gradient_quantization, hpz_problem,
+                                onebit_problem, weight_quantization)
 from hybrid.layout import STAGE_TRAITS, StageTraits, ZeroStage, offload_problem, reduce_once_problem, zero_stage
 from hybrid.topology import Topology, TopologyError
 from hybrid.zero.flat_buffer import ParamRecord, ZeroConfigError
@@ -60,6 +61,9 @@ def check_zero_config(zero: ZeroConfig) -> ZeroStage:
     if problem is not None:
         key, why = problem
         raise ZeroConfigError(f"{key} = {getattr(zero, key.split('.')[1])!r} at ZeRO stage {int(stage)}: {why}")
+    problem = hpz_problem(stage, zero.hpz_partition_size)
+    if problem is not None:
+        raise ZeroConfigError(f"zero.hpz_partition_size = {zero.hpz_partition_size!r}: {problem}")
     if not isinstance(zero.bucket_size, int) or zero.bucket_size < 1:
         raise ZeroConfigError(f"zero.bucket_size must be a positive number of elements, got {zero.bucket_size!r}")
     return stage
@@ -96,7 +100,15 @@ class ZeroOptimizer(abc.ABC):
         self.stage: ZeroStage = check_zero_config(zero)
         _check_runtime(topology, loss_scaler, clip_grad, gradient_accumulation_steps, master_dtype)
         self.traits: StageTraits = STAGE_TRAITS[self.stage]
-        self.inner = InnerOptimizer(optimizer.type, lr=optimizer.lr, betas=tuple(optimizer.betas), eps=optimizer.eps,
+        self.onebit_adam = optimizer.type == ONEBIT_ADAM
+        if self.onebit_adam:
+            problem = onebit_problem(self.stage, zero.offload_optimizer, zero.two_level_reduce)
+            if problem is not None:
+                key, why = problem
+                raise ZeroConfigError(f"optimizer.type = {ONEBIT_ADAM!r} with {key} = "
+                                      f"{getattr(zero, key.split('.')[1])!r}: {why}")
+        # 1-bit Adam's warm-up is AdamW (hybrid.zero.onebit)
+        self.inner = InnerOptimizer("adamw" if self.onebit_adam else optimizer.type, lr=optimizer.lr, betas=tuple(optimizer.betas), eps=optimizer.eps,
                                     weight_decay=optimizer.weight_decay, momentum=optimizer.momentum,
                                     use_kernels=use_fused_kernels)
         self.model = model

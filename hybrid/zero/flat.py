@@ -20,6 +20,7 @@ The shared step, the loss scale and the counters are in :mod:`hybrid.zero.base`.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Dict, Iterator, Optional
 
 import torch
@@ -29,8 +30,11 @@ from hybrid.zero.buckets import FullGradReducer, PartitionedGradReducer
 from hybrid.zero.flat_buffer import build_flat_groups, collect_trainable, dtype_name
 from hybrid.zero.grad_norm import GradNorm
 from hybrid.zero.offload import ChunkOffload, host_device
+from hybrid.zero.onebit import OneBitAdam
 from hybrid.zero.partition import GroupPartition
 from hybrid.layout import keeps_whole_gradients, partition_count
+
+logger = logging.getLogger("hybrid.zero")
 
 
 class FlatZeroOptimizer(ZeroOptimizer):
@@ -57,7 +61,8 @@ class FlatZeroOptimizer(ZeroOptimizer):
         self._sync_replicas()
         host = host_device(self.offload_optimizer, self.groups[0].device)
         self.partitions = [GroupPartition(g, self.part, self.master_dtype, master_device=host) for g in self.groups]
-        if keeps_whole_gradients(traits, zero.reduce_once):
+        # 1-bit Adam's compressed phase needs each rank's whole local gradient, as zero.reduce_once keeps it
+        if keeps_whole_gradients(traits, zero.reduce_once or self.onebit_adam):
             self.reducer = FullGradReducer(self.groups, self.comm, topology.dp_rank, zero.overlap_comm,
                                            scatter=traits.optimizer_states, quant=self.grad_quant,
                                            two_level=self.two_level)
@@ -77,7 +82,19 @@ class FlatZeroOptimizer(ZeroOptimizer):
                                  state_device=host)
         self.grad_norm = GradNorm(self.groups, self._grad_chunks, topology, self.part,
                                   counts_whole_gradient=traits.optimizer_states)
+        self.onebit: Optional[OneBitAdam] = None
+        if self.onebit_adam:
+            self.onebit = OneBitAdam(self.groups, self.inner, self.comm, topology.dp_rank, dp, self.part,
+                                     optimizer.freeze_step, zero.quantization_block)
+            # the compressed phase measures every rank's whole local gradient
+            whole = [[self.reducer.grads[g.index][seg.start: seg.start + seg.size] for seg in g.segments]
+                     for g in self.groups]
+            self._local_norm = GradNorm(self.groups, whole, topology, 0, counts_whole_gradient=True)
         self._finish_setup()
+
+    def _compressing(self) -> bool:
+        """Whether this step is in 1-bit Adam's compressed phase (local gradients, momentum exchanged)."""
+        return self.onebit is not None and self.onebit.compressing
 
     # ---- set-up ----------------------------------------------------------------------
     def _sync_replicas(self) -> None:
@@ -92,15 +109,23 @@ class FlatZeroOptimizer(ZeroOptimizer):
     def _backward_phase(self, last_micro_step: bool) -> Iterator[None]:
         """Buckets are reduced over ``dp`` as they fill: on the last micro-step of the global batch when
         the gradients are kept whole, on every micro-step when only the partition is kept."""
-        self.reducer.begin_backward(reduce_now=last_micro_step)
+        self.reducer.begin_backward(reduce_now=last_micro_step and not self._compressing())
         yield
         self.reducer.end_backward()
 
     def _global_sq(self) -> float:
+        if self._compressing():
+            # No reduced gradient exists: each rank's local gradient times dp stands for the DP sum, so the
+            # norm the step reports and clips with is the root mean square of the local norms.
+            return self._local_norm.global_sq() * self.topology.dp_size
         return self.grad_norm.global_sq()
 
     def _apply_update(self, factor: float) -> None:
-        if self._offload:
+        if self._compressing():
+            # factor carries the 1/dp of a DP sum; the exchange's own mean supplies it here
+            self.onebit.exchange(self.reducer.grads, factor * self.topology.dp_size)
+            self.onebit.update()
+        elif self._offload:
             for off in self._offload:
                 off.grads_to_host()
             self.inner.step([off.grads for off in self._offload], factor)
@@ -148,6 +173,8 @@ class FlatZeroOptimizer(ZeroOptimizer):
         rep["master"] = sum(p.master_bytes() for p in self.partitions)
         rep["optimizer_states"] = self.inner.state_bytes()
         rep.update(held)
+        if self.onebit is not None:
+            rep.update(self.onebit.bytes_held())
         staging = sum(off.staging_bytes() for off in self._offload)
         if staging:
             rep["offload_staging"] = staging
@@ -176,7 +203,8 @@ class FlatZeroOptimizer(ZeroOptimizer):
             groups.append({"dtype": dtype_name(g.dtype), "weight_decay": g.weight_decay, "numel": g.numel,
                            "partition_numel": g.partition_numel,
                            "segments": [[s.start, s.size, s.used] for s in g.segments],
-                           "master": part.master_flat(), **state})
+                           "master": part.master_flat(), **state,
+                           **(self.onebit.state(g.index) if self.onebit is not None else {})})
         return self._state_header(groups)
 
     def load_state_dict(self, sd: dict) -> None:
@@ -187,6 +215,10 @@ class FlatZeroOptimizer(ZeroOptimizer):
         self.inner.load_state_dict(inner)
         for part, g in zip(self.partitions, sd["groups"]):
             part.load_master(g["master"])
+        if self.onebit is not None:
+            why = self.onebit.load(sd["groups"])
+            if why is not None and self.topology.rank == 0:
+                logger.warning("1-bit Adam: %s", why)
         self._load_counters(sd)
         self.weights_loaded(from_master=True)
 

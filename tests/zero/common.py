@@ -124,7 +124,7 @@ def dp_mean(per_rank: List[List[float]]) -> List[float]:
 
 
 _OPTIMIZER_KEYS = {"optimizer": "type", "lr": "lr", "betas": "betas", "eps": "eps", "weight_decay": "weight_decay",
-                   "momentum": "momentum"}
+                   "momentum": "momentum", "freeze_step": "freeze_step"}
 
 
 def make_zero(model: nn.Module, topology, **kwargs):
