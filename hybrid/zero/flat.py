@@ -85,7 +85,8 @@ class FlatZeroOptimizer(ZeroOptimizer):
         self.onebit: Optional[OneBitAdam] = None
         if self.onebit_adam:
             self.onebit = OneBitAdam(self.groups, self.inner, self.comm, topology.dp_rank, dp, self.part,
-                                     optimizer.freeze_step, zero.quantization_block)
+                                     optimizer.freeze_step, zero.quantization_block,
+                                     tp=(topology.tp_size, topology.tp_rank))
             # the compressed phase measures every rank's whole local gradient
             whole = [[self.reducer.grads[g.index][seg.start: seg.start + seg.size] for seg in g.segments]
                      for g in self.groups]

@@ -53,6 +53,7 @@ from hybrid.zero.flat_buffer import FlatGroup
 from hybrid.zero.inner import InnerOptimizer
 
 ERROR_KEYS = ("onebit_worker_error", "onebit_server_error")
+LAYOUT_KEY = "onebit_layout"  # [dp size, dp rank, tp size, tp rank] of the rank that saved the errors
 
 
 def compress_with_feedback(x: torch.Tensor, error: torch.Tensor, block: int) -> torch.Tensor:
@@ -79,12 +80,13 @@ class OneBitAdam:
     """
 
     def __init__(self, groups: List[FlatGroup], inner: InnerOptimizer, comm: Communicator, dp_rank: int,
-                 dp_size: int, part: int, freeze_step: int, block: int):
+                 dp_size: int, part: int, freeze_step: int, block: int, tp: tuple = (1, 0)):
         if inner.kind != "adamw":
             raise ValueError(f"1-bit Adam runs on an AdamW inner optimizer, got {inner.kind!r}")
         self.groups, self.inner, self.comm = groups, inner, comm
         self.dp_rank, self.dp, self.part = dp_rank, dp_size, part
         self.freeze_step, self.block = freeze_step, block
+        self.layout = [dp_size, dp_rank, *tp]  # (tp size, tp rank): errors belong to one rank of one layout
         self.rows = [[-(-seg.size // dp_size) for seg in g.segments] for g in groups]  # k per segment
         # allocated when the compressed phase starts (the warm-up needs none of them)
         self.worker_error: Optional[List[List[torch.Tensor]]] = None  # [dp*k] fp32 per segment
@@ -191,7 +193,8 @@ class OneBitAdam:
         """Group ``gi``'s error-feedback buffers for a checkpoint (empty during the warm-up)."""
         if self.worker_error is None:
             return {}
-        return {ERROR_KEYS[0]: torch.cat(self.worker_error[gi]), ERROR_KEYS[1]: torch.cat(self.server_error[gi])}
+        return {ERROR_KEYS[0]: torch.cat(self.worker_error[gi]), ERROR_KEYS[1]: torch.cat(self.server_error[gi]),
+                LAYOUT_KEY: list(self.layout)}
 
     def load(self, saved_groups: List[dict]) -> Optional[str]:
         """Restore the error buffers saved under this layout; returns why they restart at zero, or None.
@@ -208,6 +211,9 @@ class OneBitAdam:
             if not all(key in saved for key in ERROR_KEYS):
                 return ("the checkpoint has no 1-bit Adam error-feedback buffers (written in the warm-up, or "
                         "resharded to another layout); they restart at zero")
+            if list(saved.get(LAYOUT_KEY, ())) != self.layout:
+                return (f"the checkpoint's 1-bit Adam error buffers belong to rank {saved.get(LAYOUT_KEY)} "
+                        f"([dp size, dp rank, tp size, tp rank]), not {self.layout}; they restart at zero")
             for key, bufs in zip(ERROR_KEYS, (self.worker_error[gi], self.server_error[gi])):
                 flat = saved[key]
                 if flat.numel() != sum(b.numel() for b in bufs):
