@@ -158,6 +158,10 @@ CONTENDERS = [
     Contender("dp4-z2-2l", 1, 2, 4, ("--zero-two-level-reduce",), True),
     Contender("dp4-z2-q2l", 1, 2, 4, ("--zero-two-level-reduce", "--zero-quantized-gradients", "int4",
                                       "--zero-quantized-weights", "int8"), True),
+    # hpZ: stage 3 keeps a secondary weight shard over the node's 2 dp ranks; backward re-gathers inside the node
+    Contender("dp4-z3-hpz", 1, 3, 4, ("--zero-hpz-partition-size", "2"), True),
+    Contender("dp4-z3-q-hpz", 1, 3, 4, ("--zero-quantized-gradients", "int4", "--zero-quantized-weights", "int8",
+                                        "--zero-hpz-partition-size", "2"), True),
 ]
 
 

@@ -49,7 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                          ("quantization_block", "a 4-byte scale per block of every packed chunk"),
                          ("two_level_reduce", "DP gradient reductions inside each node, then across nodes on the "
                                               "node's share; layouts whose dp groups are not split evenly over "
-                                              "the nodes are skipped")):
+                                              "the nodes are skipped"),
+                         ("hpz_partition_size", "stage 3's backward re-gathers over the node's dp ranks, plus "
+                                                "their secondary weight shard; skips stages 0-2 and layouts "
+                                                "whose nodes hold another number of a dp group's ranks")):
         _zero_flag(model, key, counted)
     model.add_argument("--stage3-live-parameters", type=int, default=DEFAULT_SETUP.stage3_live_parameters,
                        help="ZeRO-3: most parameter elements gathered at once (zero.max_live_parameters)")
@@ -146,11 +149,15 @@ def _read_config_file(path: str) -> GPTConfig:
 
 
 def _compression(setup: TrainingSetup) -> str:
-    """The compression formats and the two-level reduction for the assumptions line ('' when all are off)."""
+    """The compression formats, the two-level reduction and hpZ for the assumptions line ('' when all are off)."""
     formats = [f"{what} {q.describe()}" for what, q in (("gradients", setup.gradient_quant),
                                                          ("weights", setup.weight_quant)) if q is not None]
     text = f"; ZeRO collectives quantized: {', '.join(formats)}" if formats else ""
-    return text + ("; DP gradients reduced inside each node, then across nodes" if setup.two_level_reduce else "")
+    text += "; DP gradients reduced inside each node, then across nodes" if setup.two_level_reduce else ""
+    if setup.hpz_partition_size > 1:
+        text += (f"; hpZ: ZeRO-3 backward re-gathers inside each node from a secondary shard over "
+                 f"{setup.hpz_partition_size} ranks")
+    return text
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -174,6 +181,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                               quantized_weights=args.zero_quantized_weights,
                               quantization_block=args.zero_quantization_block,
                               two_level_reduce=args.zero_two_level_reduce,
+                              hpz_partition_size=args.zero_hpz_partition_size,
                               stage3_live_parameters=args.stage3_live_parameters,
                               stage3_prefetch=args.stage3_prefetch,
                               stage3_persistence_threshold=args.stage3_persistence_threshold,

@@ -56,6 +56,12 @@ ranks, one node) and ``dp_cross`` (``m`` ranks, one per node):
   all-reduce of ``s`` over ``m``), ``all_gather/dp_node`` of ``l*s*p``.
 
 With ``l == 1`` or ``m == 1`` it is the flat collective over ``dp``.
+
+hpZ (``zero.hpz_partition_size = l`` > 1, stage 3): backward re-gathers every
+unit over ``dp_node`` (``all_gather/dp_node``, the unit's ``N*p`` bytes, never
+quantized: it rebuilds the values the forward gather produced) instead of over
+``dp``; forward's gathers, the post-step gathers and the reduce-scatters are
+unchanged (:func:`stage3_gather_axis`).
 """
 
 from __future__ import annotations
@@ -156,27 +162,37 @@ def _reduce(report: Report, scatter: bool, n: int, numel: int, element_bytes: in
     _add(report, "all_gather", "dp_node", l, l * share * p, calls=calls)
 
 
+def stage3_gather_axis(phase: str, hpz: int = 1) -> str:
+    """The axis stage 3 gathers a unit over in ``phase`` (a key of :func:`stage3_gathers`): ``dp``, except
+    backward's re-gathers under hpZ (``hpz`` > 1), over ``dp_node`` from the node's secondary partition."""
+    return "dp_node" if hpz > 1 and phase == "backward" else "dp"
+
+
 def stage3_gathers(layout: Stage3Layout, micro_batches: int, tied_head: bool = True,
-                   weights: Optional[Quantization] = None) -> Dict[str, list]:
+                   weights: Optional[Quantization] = None, hpz: int = 1) -> Dict[str, list]:
     """The all-gathers of partitioned parameters in one step, by phase, as ``[(payload bytes, calls)]``:
     ``forward`` every unit once per micro-batch (a tied head's unit once more, where the LM head uses the
     embedding outside its module), ``backward`` every unit again, ``after_step`` the persistent pool
-    re-gathered after the update. ``weights``: ``zero.quantized_weights`` (:func:`gathered_bytes`)."""
+    re-gathered after the update. ``weights``: ``zero.quantized_weights`` (:func:`gathered_bytes`), which
+    hpZ's backward gathers (``hpz`` > 1, over ``dp_node``) do not use."""
     k = micro_batches
 
-    def payload(numel: int) -> int:
+    def payload(numel: int, phase: str) -> int:
+        if stage3_gather_axis(phase, hpz) != "dp":
+            return numel * layout.element_bytes
         return gathered_bytes(numel, layout.dp, layout.element_bytes, weights)
-    forward = [(payload(size), k) for size in layout.units]
+    forward = [(payload(size, "forward"), k) for size in layout.units]
     if tied_head and layout.head_unit:
-        forward.append((payload(layout.head_unit), k))
-    after_step = [(payload(layout.persistent), 1)] if layout.persistent else []
-    return {"forward": forward, "backward": [(payload(size), k) for size in layout.units], "after_step": after_step}
+        forward.append((payload(layout.head_unit, "forward"), k))
+    after_step = [(payload(layout.persistent, "after_step"), 1)] if layout.persistent else []
+    return {"forward": forward, "backward": [(payload(size, "backward"), k) for size in layout.units],
+            "after_step": after_step}
 
 
 def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches: int = 1,
               report: Optional[Report] = None, tied_head: bool = True, reduce_once: bool = False,
               gradients: Optional[Quantization] = None, weights: Optional[Quantization] = None,
-              node_split: Optional[Tuple[int, int]] = None) -> Report:
+              node_split: Optional[Tuple[int, int]] = None, hpz: int = 1) -> Report:
     """Data-parallel collectives of one step over ``layout.dp`` ranks (one call per bucket or unit).
 
     Whole parameters (flat buckets): each bucket's gradient is reduced, by
@@ -195,7 +211,8 @@ def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches
     3's reduce-scatters are counted as one buffer of every unit per
     reduction, so the quantized figure leaves out the block padding of each
     bucket's chunks (under one block per bucket). ``node_split``: ``(l, m)``
-    under ``zero.two_level_reduce`` (None: off; see the module docstring).
+    under ``zero.two_level_reduce`` (None: off; see the module docstring). ``hpz``:
+    ``zero.hpz_partition_size``, the ``dp_node`` ranks stage 3's backward re-gathers over (1: off).
     """
     report = {} if report is None else report
     n, k = layout.dp, micro_batches
@@ -206,9 +223,10 @@ def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches
             raise ValueError(f"ZeRO stage {int(stage)} communicates per unit: pass stage3_layout(...), not a flat "
                              f"layout")
         p = layout.element_bytes
-        for gathers in stage3_gathers(layout, k, tied_head, weights).values():
+        for phase, gathers in stage3_gathers(layout, k, tied_head, weights, hpz).items():
+            axis = stage3_gather_axis(phase, hpz)
             for payload, calls in gathers:
-                _add(report, "all_gather", "dp", n, payload, calls=calls)
+                _add(report, "all_gather", axis, n if axis == "dp" else hpz, payload, calls=calls)
         _reduce(report, True, n, sum(layout.units) + layout.persistent, p, reductions, gradients, node_split)
         return report
     scatter = reduces_by_scatter(traits)
@@ -264,15 +282,17 @@ def tp_volume(config: GPTConfig, micro_batch: int, tp: int, *, sequence_parallel
 
 def step_volume(config: GPTConfig, layout: Union[FlatLayout, Stage3Layout], candidate: Candidate,
                 micro_batches: int, reduce_once: bool = False, gradients: Optional[Quantization] = None,
-                weights: Optional[Quantization] = None, node_split: Optional[Tuple[int, int]] = None) -> Report:
+                weights: Optional[Quantization] = None, node_split: Optional[Tuple[int, int]] = None,
+                hpz: int = 1) -> Report:
     """Every collective of one step (``micro_batches`` micro-batches of ``candidate``): data-parallel,
     tensor-parallel and the gradient-norm all-reduce. ``layout``: the candidate's flat or stage-3 layout;
     ``reduce_once``: ``zero.reduce_once`` (stage 2 reduces once per step); ``gradients`` / ``weights``: the
     formats of ``zero.quantized_gradients`` / ``zero.quantized_weights`` (None: off); ``node_split``: ``(l, m)``
-    dp ranks per node and nodes under ``zero.two_level_reduce`` (None: off)."""
+    dp ranks per node and nodes under ``zero.two_level_reduce`` (None: off); ``hpz``: ``zero.hpz_partition_size``
+    (stage 3; 1: off)."""
     report: Report = {}
     dp_volume(layout, candidate.zero_stage, micro_batches, report, tied_head=config.tie_embeddings,
-              reduce_once=reduce_once, gradients=gradients, weights=weights, node_split=node_split)
+              reduce_once=reduce_once, gradients=gradients, weights=weights, node_split=node_split, hpz=hpz)
     # Partitioned parameters are gathered by module hooks, which a replay must run: it replays whole layers.
     tp_volume(config, candidate.micro_batch, candidate.tp, sequence_parallel=candidate.sequence_parallel,
               recompute=candidate.recompute, precision=candidate.precision, micro_batches=micro_batches,

@@ -90,7 +90,8 @@ class MemoryEstimate:
 
     @property
     def weights(self) -> int:
-        return self.state.weights
+        """The weights held between steps, stage 3's hpZ secondary copy included."""
+        return self.state.weights + self.state.secondary_weights
 
     @property
     def grads(self) -> int:
@@ -239,7 +240,7 @@ def _unit_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, u
     p = DTYPE_BYTES[candidate.precision]
     state = stage3_state_bytes(units, offload=candidate.offload, optimizer=setup.optimizer,
                                momentum=setup.momentum, compiled_adam=setup.compiled_adam,
-                               host_is_device=setup.profile.host_is_device)
+                               host_is_device=setup.profile.host_is_device, hpz=setup.hpz_partition_size)
     head = units.head_unit
     ahead = min(setup.stage3_prefetch, sum(units.units))
     # Forward, at the loss: the head's unit, plus what was prefetched behind the last module.

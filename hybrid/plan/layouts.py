@@ -19,7 +19,10 @@ A layout is valid when:
 * with ``zero.two_level_reduce``, every dp group is split evenly over the
   nodes (:func:`hybrid.plan.predict.placement_problem`, in the words of
   :meth:`hybrid.topology.Nodes.split`); :func:`plan` skips the layouts that
-  are not, in the same way.
+  are not, in the same way;
+* with ``zero.hpz_partition_size`` above 1, the stage is 3 and each node
+  holds that many ranks of every dp group (the same two functions name the
+  stages and layouts that cannot).
 
 Each layout is a :class:`~hybrid.plan.candidate.Candidate`: a
 :class:`hybrid.layout.ParallelLayout` (which validates the sizes, stage and

@@ -235,6 +235,8 @@ class StateBytes:
 
     ``step_workspace``: the transient of the optimizer step (fp32 copies of
     low-precision gradients for the largest group), on whichever side steps.
+    ``secondary_weights``: stage 3's hpZ copy of the weights (``memory_report()``'s
+    ``secondary_params``).
     """
 
     weights: int
@@ -246,10 +248,12 @@ class StateBytes:
     host_master: int = 0
     host_optimizer_states: int = 0
     host_grads: int = 0
+    secondary_weights: int = 0
 
     @property
     def device_total(self) -> int:
-        return self.weights + self.grads + self.grad_buckets + self.master + self.optimizer_states
+        return (self.weights + self.grads + self.grad_buckets + self.master + self.optimizer_states
+                + self.secondary_weights)
 
     @property
     def host_total(self) -> int:
@@ -319,20 +323,24 @@ def state_bytes(layout: FlatLayout, stage: int, *, precision: str, offload: str 
 
 
 def stage3_state_bytes(layout: Stage3Layout, *, offload: str = "none", optimizer: str = "adamw",
-                       momentum: bool = False, compiled_adam: bool = True, host_is_device: bool = False) -> StateBytes:
+                       momentum: bool = False, compiled_adam: bool = True, host_is_device: bool = False,
+                       hpz: int = 1) -> StateBytes:
     """Per-rank bytes held between steps under ZeRO stage 3 (gathered units come and go during the step).
 
     The parameters are this rank's partition plus the whole persistent pool;
     the gradient partition has the parameters' dtype and sits in host memory
     when the optimizer is offloaded, next to a host copy of the low-precision
-    partition that the CPU step writes.
+    partition that the CPU step writes. ``hpz`` (``zero.hpz_partition_size``
+    > 1) adds the secondary partition: ``1/hpz`` of every gathered unit
+    (:mod:`hybrid.zero.secondary_partition`).
     """
     _check(ZeroStage.PARAMETERS, offload, optimizer)
     pb, part = layout.element_bytes, layout.partition_numel
     weights = pb * (part + layout.persistent)
+    secondary = pb * sum(size // hpz for size in layout.units) if hpz > 1 else 0
     master, states, workspace = _optimizer_bytes(part, pb, offload, optimizer, momentum, compiled_adam,
                                                  host_is_device, part)
     if offload == "none" or host_is_device:
-        return StateBytes(weights, pb * part, 0, master, states, workspace)
+        return StateBytes(weights, pb * part, 0, master, states, workspace, secondary_weights=secondary)
     return StateBytes(weights, 0, 0, 0, 0, 0, host_master=master, host_optimizer_states=states,
-                      host_grads=2 * pb * part)
+                      host_grads=2 * pb * part, secondary_weights=secondary)

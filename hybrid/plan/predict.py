@@ -25,7 +25,7 @@ from hybrid.plan.links import HostLink, LinkSpec, Placement
 from hybrid.plan.model_memory import FlatLayout, Stage3Layout
 from hybrid.plan.setup import TrainingSetup
 from hybrid.plan.timing import StepTime, step_time
-from hybrid.plan.two_level import two_level_problem
+from hybrid.plan.two_level import hpz_placement_problem, two_level_problem
 from model_zoo.config import GPTConfig
 
 
@@ -50,18 +50,23 @@ def accumulation_steps(candidate: Candidate, global_batch: int) -> int:
 
 def placement_problem(setup: TrainingSetup, placement: Placement) -> Optional[str]:
     """Why ``setup`` cannot run on ``placement`` (None when it can): ``zero.two_level_reduce`` needs every dp
-    group split evenly over the nodes (:func:`hybrid.plan.two_level.two_level_problem`)."""
-    if not setup.two_level_reduce:
-        return None
-    return two_level_problem(placement.tp, placement.dp, placement.ranks_per_node)
+    group split evenly over the nodes (:func:`hybrid.plan.two_level.two_level_problem`), and
+    ``zero.hpz_partition_size`` must be the dp ranks each node holds
+    (:func:`hybrid.plan.two_level.hpz_placement_problem`)."""
+    if setup.two_level_reduce:
+        problem = two_level_problem(placement.tp, placement.dp, placement.ranks_per_node)
+        if problem:
+            return problem
+    return hpz_placement_problem(setup.hpz_partition_size, placement.tp, placement.dp, placement.ranks_per_node)
 
 
 def predict(config: GPTConfig, candidate: Candidate, global_batch: int, setup: TrainingSetup, placement: Placement,
             link: LinkSpec, flops_per_s: float, host: Optional[HostLink] = None) -> Prediction:
-    """The collectives and step time of ``candidate`` (``setup.reduce_once``, the compression formats and
-    ``setup.two_level_reduce`` included). A stage the compression settings cannot run at is refused
-    (LayoutError) with the rule's words (:meth:`TrainingSetup.compression_problem`), and so is a two-level
-    reduction whose dp groups are not split evenly over the nodes (:func:`two_level_problem`)."""
+    """The collectives and step time of ``candidate`` (``setup.reduce_once``, the compression formats,
+    ``setup.two_level_reduce`` and ``setup.hpz_partition_size`` included). A stage the compression settings
+    (hpZ included) cannot run at is refused (LayoutError) with the rule's words
+    (:meth:`TrainingSetup.compression_problem`), and so is a placement they cannot run on
+    (:func:`placement_problem`)."""
     problem = setup.compression_problem(candidate.zero_stage) or placement_problem(setup, placement)
     if problem:
         raise LayoutError(problem)
@@ -69,10 +74,11 @@ def predict(config: GPTConfig, candidate: Candidate, global_batch: int, setup: T
     accumulation = accumulation_steps(candidate, global_batch)
     comm = step_volume(config, layout, candidate, micro_batches=accumulation, reduce_once=setup.reduce_once,
                        gradients=setup.gradient_quant, weights=setup.weight_quant,
-                       node_split=placement.node_split if setup.two_level_reduce else None)
+                       node_split=placement.node_split if setup.two_level_reduce else None,
+                       hpz=setup.hpz_partition_size)
     time = step_time(config, candidate, comm, global_batch=global_batch, micro_batches=accumulation,
                      layout=layout, placement=placement, link=link, flops_per_s=flops_per_s,
-                     host=host, reduce_once=setup.reduce_once)
+                     host=host, reduce_once=setup.reduce_once, hpz=setup.hpz_partition_size)
     return Prediction(layout, accumulation, comm, time)
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from hybrid.compression import Quantization, compression_problem, gradient_quantization, weight_quantization
+from hybrid.compression import (Quantization, compression_problem, gradient_quantization, hpz_problem,
+                                weight_quantization)
 from hybrid.config import ZeroConfig
 from hybrid.plan.activations import CUDA, DeviceProfile
 
@@ -48,6 +49,7 @@ class TrainingSetup:
     quantized_weights: str = zero_default("quantized_weights")  # zero.quantized_weights: format name
     quantization_block: int = zero_default("quantization_block")  # zero.quantization_block: elements per scale
     two_level_reduce: bool = zero_default("two_level_reduce")  # zero.two_level_reduce: inside nodes, then across
+    hpz_partition_size: int = zero_default("hpz_partition_size")  # zero.hpz_partition_size: stage 3's hpZ (1: off)
     fragmentation: float = DEFAULT_FRAGMENTATION
     profile: DeviceProfile = CUDA
 
@@ -56,6 +58,9 @@ class TrainingSetup:
         words of :mod:`hybrid.compression` (the stage rule is :meth:`compression_problem`)."""
         gradient_quantization(self.quantized_gradients, self.quantization_block)
         weight_quantization(self.quantized_weights, self.quantization_block)
+        problem = hpz_problem(3, self.hpz_partition_size)  # at stage 3, only a size that is not one is refused
+        if problem:
+            raise ValueError(f"zero.hpz_partition_size: {problem}")
 
     @property
     def gradient_quant(self) -> Optional[Quantization]:
@@ -68,8 +73,11 @@ class TrainingSetup:
         return weight_quantization(self.quantized_weights, self.quantization_block)
 
     def compression_problem(self, stage: int) -> Optional[str]:
-        """Why the compression settings cannot run at ZeRO ``stage`` (None when they can): the rule of
-        :func:`hybrid.compression.compression_problem`, in its own words."""
+        """Why the compression settings (hpZ included) cannot run at ZeRO ``stage`` (None when they can): the rules
+        of :func:`hybrid.compression.compression_problem` and :func:`hybrid.compression.hpz_problem`, in their own
+        words."""
         problem = compression_problem(stage, self.quantized_gradients, self.quantized_weights,
                                       self.quantization_block)
-        return problem[1] if problem else None
+        if problem:
+            return problem[1]
+        return hpz_problem(stage, self.hpz_partition_size)

@@ -23,7 +23,8 @@
                 (blocking) when the reduction is waited on;
               partitioned parameters (stage 3): the forward's gathers beyond the forward
               compute they are prefetched behind (1/3 of the compute); the backward's
-              gathers, the reduce-scatters and the post-step gathers: all of it, since
+              gathers (over ``dp_node`` under hpZ, ``zero.hpz_partition_size``), the
+              reduce-scatters and the post-step gathers: all of it, since
               before each reduce-scatter (and each prefetch) the order check runs a
               blocking 16-byte all-reduce on the same DP group
               (:mod:`hybrid.zero.order_check`), which waits for what is queued before it
@@ -49,7 +50,7 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 
 from hybrid.plan.activations import DTYPE_BYTES
 from hybrid.plan.candidate import Candidate
-from hybrid.plan.comm_volume import Report, stage3_gathers
+from hybrid.plan.comm_volume import Report, stage3_gather_axis, stage3_gathers
 from hybrid.plan.links import CollectiveLinks, HostLink, LinkSpec, Placement, link_seconds, split_by_link
 from hybrid.plan.model_memory import FlatLayout, Stage3Layout
 from hybrid.plan.zero_collectives import reduces_every_micro_batch
@@ -184,11 +185,13 @@ def exposed_seconds(times: Dict[str, float], candidate: Candidate, compute: floa
     return exposed
 
 
-def forward_gather_share(layout: Stage3Layout, micro_batches: int, tied_head: bool) -> float:
-    """The part of a stage-3 step's all-gathered bytes that forward gathers
-    (:func:`hybrid.plan.comm_volume.stage3_gathers`)."""
+def forward_gather_share(layout: Stage3Layout, micro_batches: int, tied_head: bool, hpz: int = 1) -> float:
+    """The part of a stage-3 step's bytes all-gathered over ``dp`` that forward gathers
+    (:func:`hybrid.plan.comm_volume.stage3_gathers`); under hpZ (``hpz`` > 1) backward's gathers run over
+    ``dp_node`` and are not among them."""
     phases = {phase: sum(b * calls for b, calls in gathers)
-              for phase, gathers in stage3_gathers(layout, micro_batches, tied_head).items()}
+              for phase, gathers in stage3_gathers(layout, micro_batches, tied_head, hpz=hpz).items()
+              if stage3_gather_axis(phase, hpz) == "dp"}
     total = sum(phases.values())
     return phases["forward"] / total if total else 0.0
 
@@ -205,14 +208,14 @@ def offload_seconds(candidate: Candidate, partition_numel: int, host: Optional[H
 
 def step_time(config: GPTConfig, candidate: Candidate, comm: Report, *, global_batch: int, micro_batches: int,
               layout: Union[FlatLayout, Stage3Layout], placement: Placement, link: LinkSpec, flops_per_s: float,
-              host: Optional[HostLink] = None, reduce_once: bool = False) -> StepTime:
+              host: Optional[HostLink] = None, reduce_once: bool = False, hpz: int = 1) -> StepTime:
     """Predicted seconds of one optimizer step (``global_batch`` sequences, ``micro_batches`` per rank) of
     ``candidate`` placed as ``placement``.
 
     ``comm``: the step's collectives (:func:`hybrid.plan.comm_volume.step_volume`) over ``layout`` (the
     candidate's ZeRO layout: its buckets, and the optimizer partition offload moves and the CPU steps);
-    ``flops_per_s``: the FLOP/s one rank achieves; ``reduce_once``: ``zero.reduce_once``, as ``comm`` was
-    built with.
+    ``flops_per_s``: the FLOP/s one rank achieves; ``reduce_once`` / ``hpz``: ``zero.reduce_once`` /
+    ``zero.hpz_partition_size``, as ``comm`` was built with.
     """
     if not flops_per_s > 0:
         raise ValueError(f"the achieved FLOP/s per rank must be > 0, got {flops_per_s!r}")
@@ -220,7 +223,7 @@ def step_time(config: GPTConfig, candidate: Candidate, comm: Report, *, global_b
     split: Dict[str, CollectiveLinks] = split_by_link(comm, placement)
     times = {name: link_seconds(c, link) for name, c in split.items()}
     if isinstance(layout, Stage3Layout):
-        launches, share = (), forward_gather_share(layout, micro_batches, config.tie_embeddings)
+        launches, share = (), forward_gather_share(layout, micro_batches, config.tie_embeddings, hpz)
     else:
         launches, share = layout.launches, 0.0
     exposed = exposed_seconds(times, candidate, compute, micro_batches, launches, reduce_once, share)

@@ -7,6 +7,9 @@ position on every node, one per node). The bytes each axis carries are
 :func:`hybrid.plan.comm_volume.dp_volume`'s (``node_split``); which of them cross nodes,
 :mod:`hybrid.plan.links`, from the groups below. A dp group not split evenly over the nodes is refused, in
 the words of :meth:`Nodes.split`, as the ZeRO optimizer refuses it.
+
+hpZ (``zero.hpz_partition_size``) shards stage 3's secondary weights over the same ``dp_node`` groups, so its
+size must be their ``l`` (:func:`hpz_placement_problem`, the runtime's rule).
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import functools
 from typing import List, Optional, Tuple
 
 from hybrid.topology import NODE_AXES, Grid, Nodes, TopologyError
+from hybrid.zero.secondary_partition import hpz_size_problem
 
-__all__ = ["NODE_AXES", "node_axis_groups", "node_split", "two_level_problem"]
+__all__ = ["NODE_AXES", "hpz_placement_problem", "node_axis_groups", "node_split", "two_level_problem"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,3 +52,16 @@ def two_level_problem(tp: int, dp: int, ranks_per_node: int) -> Optional[str]:
     except TopologyError as e:
         return f"zero.two_level_reduce: {e}"
     return None
+
+
+def hpz_placement_problem(size: int, tp: int, dp: int, ranks_per_node: int) -> Optional[str]:
+    """Why ``zero.hpz_partition_size = size`` cannot run with this placement (None when it can, and always when
+    ``size`` is 1): the dp groups must split evenly over the nodes, and ``size`` must be the ``l`` dp ranks of
+    a group on each node (:func:`hybrid.zero.secondary_partition.hpz_size_problem`, the runtime's words)."""
+    if size == 1:
+        return None
+    try:
+        l, _ = node_split(tp, dp, ranks_per_node)
+    except TopologyError as e:
+        return f"zero.hpz_partition_size: {e}"
+    return hpz_size_problem(size, l)

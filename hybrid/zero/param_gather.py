@@ -22,6 +22,11 @@ When a unit is gathered and released:
   recorded; later, after each fetch, the next units of that sequence are
   gathered asynchronously (up to ``prefetch_numel`` elements) while the
   current module computes.
+* **hpZ** (``secondary``, :mod:`hybrid.zero.secondary_partition`): every
+  gather over ``dp`` leaves this rank's ``1/l`` slice of the unit in the
+  secondary partition; a backward gather of a unit whose slice is fresh
+  all-gathers the slices over ``dp_node`` instead (inside the node,
+  unquantized, the same values). Without it every gather is over ``dp``.
 
 Buffers are never recycled by hand: a released buffer may still be referenced
 by a view autograd holds for a moment, so reusing it would corrupt that view.
@@ -49,6 +54,7 @@ from torch.overrides import TorchFunctionMode
 from hybrid.comm import Communicator, Handle
 from hybrid.compression import Quantization
 from hybrid.zero.order_check import OrderCheck
+from hybrid.zero.secondary_partition import SecondaryPartition
 from hybrid.zero.stage3_layout import Unit
 
 
@@ -87,21 +93,24 @@ class ParamGatherer:
 
     ``chunks[u]`` is this rank's ``[unit.chunk_numel]`` slice of unit ``u`` (a
     view of the partition, updated in place by the optimizer); gathers run
-    over the ``dp`` group.
+    over the ``dp`` group, or with ``secondary`` (hpZ) backward's over
+    ``dp_node`` where the unit's secondary slice is fresh.
     """
 
     def __init__(self, units: List[Unit], chunks: List[torch.Tensor], comm: Communicator, order: OrderCheck,
-                 max_live_numel: int, prefetch_numel: int, quant: Optional[Quantization] = None):
+                 max_live_numel: int, prefetch_numel: int, quant: Optional[Quantization] = None,
+                 secondary: Optional[SecondaryPartition] = None):
         self.units = units
         self.chunks = chunks
         self.comm = comm
         self.quant = quant  # zero.quantized_weights: gathers travel in this format
+        self.secondary = secondary  # zero.hpz_partition_size > 1: backward re-gathers inside the node
         self.order = order
         self.max_live_numel = max_live_numel
         self.prefetch_numel = prefetch_numel
         self.unit_of_param: Dict[int, int] = {id(p): u.index for u in units if not u.persistent for p in u.params}
         self.live: Dict[int, torch.Tensor] = {}  # unit -> gathered buffer (persistent units included)
-        self.inflight: Dict[int, Tuple[Handle, torch.Tensor]] = {}
+        self.inflight: Dict[int, Tuple[Handle, torch.Tensor, bool]] = {}  # unit -> (handle, buffer, over dp)
         self.in_use: Dict[int, int] = {}  # unit -> frames holding it
         self._storage: Dict[int, int] = {}  # data_ptr of a live buffer -> unit
         self.live_numel = 0
@@ -185,15 +194,29 @@ class ParamGatherer:
         for i in indices:
             u = self.units[i]
             buf = torch.empty(u.numel, dtype=self.chunks[i].dtype, device=self.chunks[i].device)
-            handle = self.comm.all_gather_into_tensor(buf, self.chunks[i], "dp", async_op=True, quant=self.quant)
-            self.inflight[i] = (handle, buf)
+            if self._from_secondary(i):
+                self.inflight[i] = (self.secondary.gather(i, buf), buf, False)
+            else:
+                handle = self.comm.all_gather_into_tensor(buf, self.chunks[i], "dp", async_op=True,
+                                                          quant=self.quant)
+                self.inflight[i] = (handle, buf, True)
             self.live_numel += u.numel
             self.gathered_numel_total += u.numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
+    def _from_secondary(self, i: int) -> bool:
+        """hpZ: backward re-gathers a unit from the node's secondary slices when they hold the current weights.
+
+        Only backward: forward's gathers over ``dp`` are what refresh the slices after a step. Every dp rank
+        decides alike, since freshness follows the gathers (checked identical by the order check) and steps.
+        """
+        return self.secondary is not None and self.phase == "backward" and self.secondary.fresh(i)
+
     def _complete(self, i: int) -> None:
-        handle, buf = self.inflight.pop(i)
+        handle, buf, over_dp = self.inflight.pop(i)
         handle.wait()
+        if over_dp and self.secondary is not None:
+            self.secondary.store(i, buf)
         self.live[i] = buf
         self._storage[buf.untyped_storage().data_ptr()] = i
         self._bind(self.units[i], buf)
@@ -234,12 +257,15 @@ class ParamGatherer:
         """Forget every module frame and release every gathered unit.
 
         Called before the optimizer updates the partition: a unit still
-        gathered then would hold stale weights in the next forward.
+        gathered then would hold stale weights in the next forward (and so
+        would the secondary partition's slices, with hpZ).
         """
         self.frames.clear()
         self._orphans = []
         self.in_use.clear()
         self.release_all()
+        if self.secondary is not None:  # after release_all: landing a gather over dp stores a slice
+            self.secondary.invalidate()
 
     def release_all(self) -> None:
         for i in list(self.inflight):

@@ -12,7 +12,10 @@ host memory (``offload_optimizer="cpu"``).
 Communication per step over ``dp``: an all-gather of the weights in forward,
 another in backward and a reduce-scatter of the gradients, 1.5x the all-reduce
 of stage 0 (less for persistent units, which are all-gathered once per step
-after the update instead).
+after the update instead). With hpZ (``zero.hpz_partition_size = l`` > 1,
+:mod:`hybrid.zero.secondary_partition`) the backward gather runs over
+``dp_node`` instead, inside the node, from a secondary copy of the weights
+sharded over the node's ``l`` ranks (``1/l`` of the gathered units per rank).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from hybrid.zero.base import ZeroOptimizer
 from hybrid.zero.flat_buffer import ZeroConfigError, dtype_name
 from hybrid.zero.offload import HostCopy, host_device
 from hybrid.zero.order_check import OrderCheck
+from hybrid.topology import TopologyError
 from hybrid.zero.param_gather import ParamGatherer
+from hybrid.zero.secondary_partition import SecondaryPartition, hpz_size_problem
 from hybrid.zero.stage3_grads import Stage3GradReducer
 from hybrid.zero.stage3_layout import Unit, build_units, param_index, partition_numel
 
@@ -66,7 +71,10 @@ class Stage3Optimizer(ZeroOptimizer):
     it reads from the ``zero`` section ``persistence_threshold`` (parameters
     with at most this many elements stay whole on every rank),
     ``max_live_parameters`` (elements of gathered weights allowed at once) and
-    ``prefetch_bucket_size`` (elements gathered ahead). ``verify_order``
+    ``prefetch_bucket_size`` (elements gathered ahead) and
+    ``hpz_partition_size`` (hpZ: a secondary copy of the weights sharded over
+    the node's ``l`` dp ranks, which backward re-gathers from; it must be
+    ``l``, or 1 for off). ``verify_order``
     checks that every DP rank gathers units in the same order;
     ``partition_init(units, partition, topology)`` fills this rank's partition
     directly (sharded deferred initialisation of a model built on the meta
@@ -98,8 +106,9 @@ class Stage3Optimizer(ZeroOptimizer):
             self._partition_from_model()
         chunks = [self.partition[u.partition_offset: u.partition_offset + u.chunk_numel] for u in self.units]
         self.order = OrderCheck(self.comm, enabled=verify_order)
+        self.secondary = self._secondary_partition(zero.hpz_partition_size)
         self.gatherer = ParamGatherer(self.units, chunks, self.comm, self.order, zero.max_live_parameters,
-                                      zero.prefetch_bucket_size, quant=self.weight_quant)
+                                      zero.prefetch_bucket_size, quant=self.weight_quant, secondary=self.secondary)
         self._hooks = self._register_module_hooks()
         self._record_of = {rec.name: (u.index, r) for u in self.units for r, rec in enumerate(u.records)}
         self._name_of_param = {id(p): rec.name for u in self.units for rec, p in zip(u.records, u.params)}
@@ -126,6 +135,21 @@ class Stage3Optimizer(ZeroOptimizer):
             self.partition[u.partition_offset: u.partition_offset + u.chunk_numel].copy_(full[lo:hi])
         for p in self._frozen:
             self.comm.broadcast(p.data, "dp", src=0)
+
+    def _secondary_partition(self, size: int) -> Optional[SecondaryPartition]:
+        """hpZ's secondary partition over ``dp_node`` (None when ``size`` is 1: off). Creating the node axes is
+        collective: every rank builds the optimizer."""
+        if size == 1:
+            return None
+        try:
+            self.topology.enable_node_axes()
+        except TopologyError as e:
+            raise ZeroConfigError(f"zero.hpz_partition_size: {e}") from None
+        problem = hpz_size_problem(size, self.topology.size("dp_node"))
+        if problem:
+            raise ZeroConfigError(problem)
+        return SecondaryPartition(self.units, self.comm, self.dtype, self.device, size,
+                                  self.topology.rank_in("dp_node"))
 
     def _setup_master(self, master_dtype: torch.dtype, host: Optional[torch.device]) -> None:
         runs, norm_runs = _partition_runs(self.units, self.part, self.topology.tp_rank)
@@ -237,11 +261,14 @@ class Stage3Optimizer(ZeroOptimizer):
         offloaded. ``host_bytes``: what of ``total`` lives in host memory
         because of offload; ``device_bytes``: the rest. ``peak_live_parameters``
         (elements, not bytes, not in ``total``): the most gathered at once.
+        ``secondary_params``: hpZ's secondary partition, ``1/l`` of the
+        gathered units (0 when off).
         """
         el = self.partition.element_size()
         persistent = sum(self.gatherer.live[u.index].numel() for u in self.units if u.persistent) * el
         rep = {"params": self.partition.numel() * el + persistent
                + sum(p.numel() * p.element_size() for p in self._frozen)}
+        rep["secondary_params"] = 0 if self.secondary is None else self.secondary.nbytes()
         held = self.reducer.bytes_held()
         rep["grads"] = held.pop("grads")
         rep["master"] = 0 if self.aliased else self.master.numel() * self.master.element_size()
