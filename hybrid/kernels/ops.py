@@ -21,6 +21,17 @@ CPU_ADAM = OpSpec(
     description="SIMD Adam/AdamW on CPU (ZeRO offload, CPU training)",
 )
 
+CPU_QUANTIZE = OpSpec(
+    name="cpu_quantize",
+    sources=("cpu/quantize.cpp",),
+    device="cpu",
+    # Bit-identical to the torch path: no FMA contraction, no fast-math reciprocals or
+    # reassociation (the loops are auto-vectorised, so these flags are what keeps them exact).
+    extra_cflags=("-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math"),
+    extra_ldflags=("-fopenmp",),
+    description="blockwise int8 / int4 / 1-bit quantization for compressed communication (CPU, SIMD + OpenMP)",
+)
+
 _NVCC_FLAGS = ("-O3", "-lineinfo")
 
 CUDA_ADAM = OpSpec(
@@ -52,7 +63,7 @@ CUDA_QUANTIZE = OpSpec(
     description="blockwise int8 / int4 / 1-bit quantization for compressed communication (CUDA)",
 )
 
-ALL_OPS: dict[str, OpSpec] = {op.name: op for op in (CPU_ADAM, CUDA_ADAM, CUDA_NORM, CUDA_QUANTIZE)}
+ALL_OPS: dict[str, OpSpec] = {op.name: op for op in (CPU_ADAM, CPU_QUANTIZE, CUDA_ADAM, CUDA_NORM, CUDA_QUANTIZE)}
 
 
 def find_nvcc() -> str | None:

@@ -15,20 +15,27 @@ Layout of one packed row (``nb = ceil(k / block)`` blocks, the last one zero-pad
   high nibble, each a 4-bit two's-complement ``q`` (so ``q = 0`` is a zero nibble).
 * 1-bit: element ``8i+j`` in bit ``j`` (LSB first) of byte ``i``; a set bit means ``x >= 0``.
 
-Scales and arithmetic (all fp32, in exactly this order; the CUDA kernels use the same
-correctly rounded operations, so the two paths are bit-identical):
+Scales and arithmetic (all fp32, in exactly this order; the CUDA and the CPU kernels use
+the same correctly rounded operations, so every path is bit-identical):
 
 * int8 / int4: the stored scale is the block's absmax ``a``;
   ``q = round_half_even(x / a * qmax)``, and ``x' = (q / qmax) * a``.
 * 1-bit: ``r_i = |x_i| / a`` summed by a fixed pairwise tree (the block zero-padded to a
   power of two ``P``, then ``v[i] += v[i + h]`` for ``h = P/2, P/4, ..., 1``), the scale is
   ``s = (sum / n) * a`` with ``n`` the block's real element count: ``mean(|x|)`` computed
-  without overflow near FLT_MAX; ``x' = +s`` for a set bit, ``-s`` otherwise.
-* A zero block stores scale 0 and decodes to exact zeros; a block holding any NaN or +-inf
-  stores a NaN scale and zero data, and decodes to all NaN (never a hidden overflow).
+  without overflow near FLT_MAX; ``x' = +s`` for a set bit, ``-s`` otherwise (computed as
+  ``(+-1) * s``).
+* A zero block (``+0`` or ``-0`` values) stores scale ``+0`` and decodes to exact zeros;
+  a block holding any NaN or +-inf stores a NaN scale and zero data, and decodes to all
+  NaN (never a hidden overflow).
 
 CUDA tensors use the ``cuda_quantize`` op when the registry provides it (1-bit blocks up
-to :data:`MAX_CUDA_1BIT_BLOCK`), the torch path otherwise.
+to :data:`MAX_CUDA_1BIT_BLOCK`), the torch path otherwise. CPU tensors use the
+``cpu_quantize`` op (csrc/cpu/quantize.cpp: one fused, auto-vectorised pass per block,
+OpenMP over blocks, the same fp32 operations in the same order, so again bit-identical)
+for each operation in :data:`CPU_KERNEL_OPS`, the ones it measured faster than the torch
+path (benchmarks/quantize_cpu.py); without the op (``HYBRID_KERNELS=off``, no compiler)
+they fall back to the torch path. ``use_kernel=False`` forces the torch path on any device.
 """
 
 from __future__ import annotations
@@ -50,6 +57,14 @@ QMAX = {8: 127, 4: 7}
 # Largest power of two the 1-bit CUDA kernel's shared-memory tree holds (32 KiB of fp32).
 MAX_CUDA_1BIT_BLOCK = 8192
 OP_NAME = "cuda_quantize"
+CPU_OP_NAME = "cpu_quantize"
+# Operations CPU tensors send to the cpu_quantize op when it is built: those where it beat
+# the torch path in benchmarks/quantize_cpu.py (every bits value and size measured; see
+# benchmarks/results/quantize_cpu.json and docs/compression.md "CPU speed").
+CPU_KERNEL_OPS = frozenset({"pack", "unpack", "unpack_sum"})
+# SIMD path of the cpu_quantize op: "" picks the best this CPU runs; "scalar", "avx2" or
+# "avx512" force one (all are bit-identical; the tests compare them).
+CPU_ISA = ""
 # Elements per step of the torch path on CPU (see _chunks); 0 processes a call in one step.
 CPU_CHUNK = 1 << 19
 
@@ -115,6 +130,13 @@ def _cuda_op(t: Tensor, bits: int, block: int, use_kernel: bool):
     return default_registry().get(OP_NAME)
 
 
+def _cpu_op(t: Tensor, what: str, use_kernel: bool):
+    """The compiled CPU op for ``what`` (pack, unpack, unpack_sum) on this call, or None."""
+    if not use_kernel or t.device.type != "cpu" or what not in CPU_KERNEL_OPS:
+        return None
+    return default_registry().get(CPU_OP_NAME)
+
+
 def _launch_context(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
@@ -161,7 +183,10 @@ def _encode(xb: Tensor, bits: int, count: int, data: Tensor, scale: Tensor) -> N
     ``scale`` [rows, n]; ``count`` is how many leading elements of each block are real."""
     # max(max x, -min x) is exactly max|x| without an |x| temporary; amax/amin propagate NaN
     # (and are several times faster than aminmax over a short last dim).
-    absmax = torch.maximum(xb.amax(-1), xb.amin(-1).neg_())  # NaN if the block holds a NaN, inf if an inf
+    # NaN if the block holds a NaN, inf if an inf. "+ 0" turns the -0 that torch.maximum
+    # returns for an all-(-0) block (its first argument on a tie) into the +0 the compiled
+    # kernels store, the fabs-based absmax.
+    absmax = torch.maximum(xb.amax(-1), xb.amin(-1).neg_()).add_(0.0)
     bad = ~torch.isfinite(absmax)
     safe = torch.where(absmax > 0, absmax, torch.ones((), device=xb.device))  # NaN > 0 is False
     if bits in QMAX:
@@ -221,14 +246,18 @@ def pack(x: Tensor, bits: int, block: int = DEFAULT_BLOCK, *, use_kernel: bool =
     rows, k = x2.shape
     wire = torch.empty(rows, wire_bytes(k, bits, block), dtype=torch.uint8, device=x2.device)
     op = _cuda_op(x2, bits, block, use_kernel)
-    if op is None:
+    cpu = None if op is not None else _cpu_op(x2, "pack", use_kernel)
+    if op is None and cpu is None:
         _pack_torch(x2, bits, block, wire)
         return wire
     if x2.dtype not in _FLOAT_INPUTS:
         x2 = x2.float()
     if rows and k:
-        with _launch_context(x2.device):
-            op.pack(x2.contiguous(), wire, bits, block, _stream(x2.device))
+        if cpu is not None:
+            cpu.pack(x2.contiguous(), wire, bits, block, CPU_ISA)
+        else:
+            with _launch_context(x2.device):
+                op.pack(x2.contiguous(), wire, bits, block, _stream(x2.device))
     return wire
 
 
@@ -335,6 +364,17 @@ def _decode_on_device(launch, wire: Tensor, out: Tensor, k: int, bits: int, bloc
         out.copy_(target)
 
 
+def _decode_on_host(launch, wire: Tensor, out: Tensor, k: int, bits: int, block: int) -> None:
+    """Run the CPU op's ``launch`` (unpack or unpack_sum, which write contiguous fp32) into
+    ``out``, through a contiguous fp32 copy when it is not one (a cast to fp16/bf16 rounds
+    to nearest even, as the torch path's)."""
+    fits = out.dtype == torch.float32 and out.is_contiguous()
+    target = out if fits else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    launch(wire.contiguous(), target, k, bits, block, CPU_ISA)
+    if target is not out:
+        out.copy_(target)
+
+
 def unpack(wire: Tensor, k: int, bits: int, block: int = DEFAULT_BLOCK, out: Optional[Tensor] = None, *,
            use_kernel: bool = True) -> Tensor:
     """Dequantize ``wire`` uint8 [rows, wire_bytes(k, bits, block)] (a 1-D wire is one row) to
@@ -347,11 +387,16 @@ def unpack(wire: Tensor, k: int, bits: int, block: int = DEFAULT_BLOCK, out: Opt
         raise ValueError(f"out must be float32 [{rows}, {k}] on {wire.device}, got {out.dtype} "
                          f"{tuple(out.shape)} on {out.device}")
     op = _cuda_op(wire, bits, block, use_kernel)
-    if op is None:
-        _unpack_torch(wire, k, bits, block, out)
+    if op is not None:
+        if rows and k:
+            _decode_on_device(op.unpack, wire, out, k, bits, block)
         return out
-    if rows and k:
-        _decode_on_device(op.unpack, wire, out, k, bits, block)
+    cpu = _cpu_op(wire, "unpack", use_kernel)
+    if cpu is not None:
+        if rows and k:
+            _decode_on_host(cpu.unpack, wire, out, k, bits, block)
+        return out
+    _unpack_torch(wire, k, bits, block, out)
     return out
 
 
@@ -374,6 +419,11 @@ def unpack_sum(wire: Tensor, k: int, bits: int, block: int = DEFAULT_BLOCK, out:
     if op is not None:
         if k:
             _decode_on_device(op.unpack_sum, wire, out, k, bits, block)
+        return out
+    cpu = _cpu_op(wire, "unpack_sum", use_kernel)
+    if cpu is not None:
+        if k:
+            _decode_on_host(cpu.unpack_sum, wire, out, k, bits, block)
         return out
     _unpack_sum_torch(wire, k, bits, block, out)
     return out

@@ -1,6 +1,11 @@
 """Blockwise quantization (hybrid.kernels.quantize): format, error bound, non-finite
-semantics, ordered sums, error feedback; the CUDA kernels' compile check here, their bit
-identity with the torch path on a GPU."""
+semantics, ordered sums, error feedback; the compiled CPU op's bit identity with the torch
+path (every SIMD path it has); the CUDA kernels' compile check here, their bit identity
+with the torch path on a GPU.
+
+The format tests call the public functions with their defaults, so they run on the path a
+user gets on CPU (the cpu_quantize op when it builds); the torch path is checked against
+them bit for bit in the parity tests below, and directly where it matters (chunking)."""
 
 from __future__ import annotations
 
@@ -104,11 +109,12 @@ def test_byte_layout_int8_int4_and_1bit():
             assert torch.equal(wire[r], Q.pack(xs[r], bits, block)[0])
 
 
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["default", "torch"])
 @pytest.mark.parametrize("bits,block", FORMATS, ids=FORMAT_IDS)
-def test_matches_an_independent_numpy_implementation(bits, block):
+def test_matches_an_independent_numpy_implementation(bits, block, use_kernel):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(3, 2 * block + 5, generator=gen) * torch.logspace(-3, 3, 2 * block + 5)
-    got = roundtrip(x, bits, block)
+    got = roundtrip(x, bits, block, use_kernel=use_kernel)
     assert same_bits(got, torch.from_numpy(numpy_reference(x.numpy(), bits, block)))
 
 
@@ -284,15 +290,17 @@ def test_unpack_into_out_and_strided_out():
     assert torch.equal(Q.unpack_sum(wire[:0], 1001, 8, 256, torch.ones(1001)), torch.zeros(1001))
 
 
-def test_torch_path_is_deterministic():
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["default", "torch"])
+def test_paths_are_deterministic(use_kernel):
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(4, 10_000, generator=gen)
+    kw = dict(use_kernel=use_kernel)
     for bits in Q.BITS:
-        w1, w2 = Q.pack(x, bits, 256), Q.pack(x.clone(), bits, 256)
+        w1, w2 = Q.pack(x, bits, 256, **kw), Q.pack(x.clone(), bits, 256, **kw)
         assert torch.equal(w1, w2)
-        assert torch.equal(Q.unpack(w1, 10_000, bits, 256), Q.unpack(w2, 10_000, bits, 256))
-        s1 = Q.unpack_sum(w1, 10_000, bits, 256, torch.empty(10_000))
-        s2 = Q.unpack_sum(w2, 10_000, bits, 256, torch.empty(10_000))
+        assert torch.equal(Q.unpack(w1, 10_000, bits, 256, **kw), Q.unpack(w2, 10_000, bits, 256, **kw))
+        s1 = Q.unpack_sum(w1, 10_000, bits, 256, torch.empty(10_000), **kw)
+        s2 = Q.unpack_sum(w2, 10_000, bits, 256, torch.empty(10_000), **kw)
         assert torch.equal(s1, s2)
 
 
@@ -303,16 +311,17 @@ def test_cpu_chunking_does_not_change_the_bits(monkeypatch, bits, block):
     x = torch.randn(3, k, generator=gen) * torch.logspace(-5, 5, k)
     x[2, 4 * block + 1] = math.nan
     monkeypatch.setattr(Q, "CPU_CHUNK", 0)  # one step
-    wire = Q.pack(x, bits, block)
-    rows = Q.unpack(wire, k, bits, block)
-    total = Q.unpack_sum(wire, k, bits, block, torch.empty(k))
-    half = Q.unpack_sum(wire, k, bits, block, torch.empty(k, dtype=torch.bfloat16))
+    t = dict(use_kernel=False)  # the chunking is the torch path's
+    wire = Q.pack(x, bits, block, **t)
+    rows = Q.unpack(wire, k, bits, block, **t)
+    total = Q.unpack_sum(wire, k, bits, block, torch.empty(k), **t)
+    half = Q.unpack_sum(wire, k, bits, block, torch.empty(k, dtype=torch.bfloat16), **t)
     for chunk in (1, 3 * block, 2 * 3 * block + 1):
         monkeypatch.setattr(Q, "CPU_CHUNK", chunk)
-        assert torch.equal(Q.pack(x, bits, block), wire)
-        assert same_bits(Q.unpack(wire, k, bits, block), rows)
-        assert same_bits(Q.unpack_sum(wire, k, bits, block, torch.empty(k)), total)
-        assert same_bits(Q.unpack_sum(wire, k, bits, block, torch.empty(k, dtype=torch.bfloat16)), half)
+        assert torch.equal(Q.pack(x, bits, block, **t), wire)
+        assert same_bits(Q.unpack(wire, k, bits, block, **t), rows)
+        assert same_bits(Q.unpack_sum(wire, k, bits, block, torch.empty(k), **t), total)
+        assert same_bits(Q.unpack_sum(wire, k, bits, block, torch.empty(k, dtype=torch.bfloat16), **t), half)
 
 
 # -------------------------------------------------------- error feedback --
@@ -381,20 +390,220 @@ def test_wrappers_call_the_op_with_its_contract(monkeypatch):
     assert op.calls == ["pack", "unpack", "unpack_sum"]
 
 
-def test_cpu_tensors_never_ask_the_registry(monkeypatch):
+class RecordingRegistry:
+    def __init__(self, op=None):
+        self.asked, self.op = [], op
+
+    def get(self, name):
+        self.asked.append(name)
+        return self.op
+
+
+def test_cpu_tensors_ask_for_the_cpu_op_only_when_allowed(monkeypatch):
     import hybrid.kernels.quantize as mod
 
-    monkeypatch.setattr(mod, "default_registry", lambda: pytest.fail("registry consulted for a CPU tensor"))
-    Q.unpack_sum(Q.pack(torch.randn(2, 100), 8, 64), 100, 8, 64, torch.empty(100))
+    registry = RecordingRegistry()  # an op that is not there: the torch path, no error
+    monkeypatch.setattr(mod, "default_registry", lambda: registry)
+    x = torch.randn(2, 100)
+    wire = Q.pack(x, 8, 64)
+    Q.unpack(wire, 100, 8, 64)
+    Q.unpack_sum(wire, 100, 8, 64, torch.empty(100))
+    assert registry.asked == ["cpu_quantize"] * 3
+    registry.asked.clear()
+    Q.unpack_sum(Q.pack(x, 8, 64, use_kernel=False), 100, 8, 64, torch.empty(100), use_kernel=False)
+    Q.unpack(wire, 100, 8, 64, use_kernel=False)
+    assert registry.asked == []
+    monkeypatch.setattr(mod, "CPU_KERNEL_OPS", frozenset({"unpack_sum"}))  # per-operation choice
+    Q.pack(x, 8, 64)
+    Q.unpack_sum(wire, 100, 8, 64)
+    assert registry.asked == ["cpu_quantize"]
 
 
-def test_the_op_is_registered():
+def test_kernels_off_uses_the_torch_path_silently(kernel_env, recwarn):
+    kernel_env.setenv("HYBRID_KERNELS", "off")
+    x = torch.randn(3, 1000)
+    assert torch.equal(Q.pack(x, 4, 256), Q.pack(x, 4, 256, use_kernel=False))
+    assert not [w for w in recwarn if "cpu_quantize" in str(w.message)]
+
+
+def test_the_ops_are_registered():
     from hybrid.kernels.ops import ALL_OPS
 
     spec = ALL_OPS["cuda_quantize"]
     assert spec.device == "cuda" and "cuda/quantize.cu" in spec.sources and "-fmad=false" in spec.extra_cuda_cflags
-    for rel in spec.sources:
+    cpu = ALL_OPS["cpu_quantize"]
+    assert cpu.device == "cpu" and cpu.sources == ("cpu/quantize.cpp",)
+    # bit identity with the torch path rests on these: no FMA contraction, no fast-math
+    assert "-ffp-contract=off" in cpu.extra_cflags and "-fno-fast-math" in cpu.extra_cflags
+    assert not any("fast-math" in f and f != "-fno-fast-math" for f in cpu.extra_cflags)
+    assert not any(f.startswith("-march") or f == "-Ofast" for f in cpu.extra_cflags)
+    for rel in spec.sources + cpu.sources:
         assert (Path(__file__).resolve().parents[2] / "csrc" / rel).is_file()
+
+
+def test_zero_blocks_store_a_positive_zero_scale_on_every_path():
+    """-0.0 blocks (and mixed +-0) store +0, as fabs-based absmax (CUDA, C++) does."""
+    x = torch.zeros(3, 512)
+    x[0] = -0.0
+    x[1, ::2] = -0.0
+    x[2, 1::3] = -0.0
+    for bits in Q.BITS:
+        for use_kernel in (True, False):
+            wire = Q.pack(x, bits, 256, use_kernel=use_kernel)
+            scales = wire[:, Q.data_bytes(512, bits, 256):].clone(memory_format=torch.contiguous_format)
+            assert (scales.view(torch.int32) == 0).all(), (bits, use_kernel)
+            y = Q.unpack(wire, 512, bits, 256, use_kernel=use_kernel)
+            assert (y.view(torch.int32) == 0).all()  # +0 everywhere
+
+
+# --------------------------------------------------- compiled CPU op parity --
+
+@pytest.fixture(scope="module")
+def cpu_quantize_op():
+    """The compiled cpu_quantize module (built into the kernel cache on first use)."""
+    from hybrid.kernels import ops
+    from hybrid.kernels.builder import default_cache_root, default_csrc_dir
+    from hybrid.kernels.modes import KernelBuildError, KernelMode
+    from hybrid.kernels.registry import KernelRegistry
+
+    problem = ops.requirement_problem(ops.CPU_QUANTIZE)
+    if problem is not None:
+        pytest.skip(f"cpu_quantize cannot be built here: {problem}")
+    try:
+        return KernelRegistry(KernelMode.REQUIRE, default_cache_root(), default_csrc_dir()).load("cpu_quantize")
+    except KernelBuildError as exc:
+        pytest.skip(f"cpu_quantize failed to build: {str(exc).splitlines()[0]}")
+
+
+def exact(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bit pattern everywhere, NaN payloads and zero signs included."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    as_int = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+    return torch.equal(a.contiguous().view(as_int[a.dtype]), b.contiguous().view(as_int[b.dtype]))
+
+
+def adversarial_rows(rows: int, k: int, block: int, seed: int) -> torch.Tensor:
+    """Random rows over 40 decades with, where they fit, one block of each hard case."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen) * torch.logspace(-15, 15, rows)[:, None]
+    cases = [
+        lambda v: v.fill_(0.3),                               # all equal
+        lambda v: v.fill_(-2.5e-3),                           # all equal, negative
+        lambda v: v.__setitem__(len(v) // 2, 3e35),           # one outlier
+        lambda v: v.zero_(),                                  # zeros
+        lambda v: v.fill_(-0.0),                              # negative zeros
+        lambda v: v.mul_(1e-41),                              # denormals
+        lambda v: v.copy_(torch.randint(-3, 4, v.shape, generator=gen) * 2.0 ** -149),  # tiny denormals
+        lambda v: v.clamp_(-1, 1).mul_(3.4e38),               # near FLT_MAX (the 1-bit sum would overflow)
+        lambda v: v.__setitem__(0, math.inf),                 # +inf
+        lambda v: v.__setitem__(-1, -math.inf),               # -inf
+        lambda v: v.__setitem__(len(v) // 3, math.nan),       # NaN
+        lambda v: v.copy_(torch.arange(len(v)) % 2 - 0.5),    # +-0.5: exact ties at qmax / 2 steps
+    ]
+    flat = [(r, b) for r in range(rows) for b in range(k // block)]
+    for i, (r, b) in enumerate(flat[:len(cases)]):
+        cases[i](x[r, b * block:(b + 1) * block])
+    if k % block:  # a non-finite value in a partial last block too
+        x[-1, k - 1] = math.nan if seed % 2 else math.inf
+    return x
+
+
+PARITY_FORMATS = FORMATS + [(8, 1000), (4, 1002), (1, 1000), (1, 4096)]
+PARITY_IDS = [f"b{b}-blk{n}" for b, n in PARITY_FORMATS]
+
+
+@pytest.mark.parametrize("bits,block", PARITY_FORMATS, ids=PARITY_IDS)
+def test_cpu_op_is_bit_identical_to_the_torch_path(cpu_quantize_op, bits, block):
+    op = cpu_quantize_op
+    shapes = [(1, 1), (3, block - 1 or 1), (2, block), (4, 13 * block + 3), (1, 12 * block + block // 2 + 1)]
+    for seed, (rows, k) in enumerate(shapes):
+        x = adversarial_rows(rows, k, block, seed)
+        want = Q.pack(x, bits, block, use_kernel=False)
+        decoded = Q.unpack(want, k, bits, block, use_kernel=False)
+        sums = {dt: Q.unpack_sum(want, k, bits, block, torch.empty(k, dtype=dt), use_kernel=False)
+                for dt in (torch.float32, torch.bfloat16, torch.float16)}
+        for isa in op.supported_isas():
+            wire = torch.empty_like(want)
+            op.pack(x, wire, bits, block, isa)
+            assert torch.equal(wire, want), (isa, rows, k)
+            out = torch.full((rows, k), 123.0)
+            op.unpack(want, out, k, bits, block, isa)
+            assert exact(out, decoded), (isa, rows, k)
+            total = torch.full((k,), 123.0)
+            op.unpack_sum(want, total, k, bits, block, isa)
+            assert exact(total, sums[torch.float32]), (isa, rows, k)
+        # the public functions on CPU (the op by default) agree as well, fp16/bf16 out included
+        assert torch.equal(Q.pack(x, bits, block), want)
+        assert exact(Q.unpack(want, k, bits, block), decoded)
+        for dt, ref in sums.items():
+            assert exact(Q.unpack_sum(want, k, bits, block, torch.empty(k, dtype=dt)), ref), (dt, rows, k)
+
+
+@pytest.mark.parametrize("bits", Q.BITS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_cpu_op_packs_half_inputs_like_the_torch_path(cpu_quantize_op, bits, dtype):
+    x = adversarial_rows(3, 7 * 256 + 9, 256, seed=11).clamp(-6e4, 6e4).to(dtype)
+    want = Q.pack(x, bits, 256, use_kernel=False)
+    for isa in cpu_quantize_op.supported_isas():
+        wire = torch.empty_like(want)
+        cpu_quantize_op.pack(x, wire, bits, 256, isa)
+        assert torch.equal(wire, want), isa
+    assert torch.equal(Q.pack(x, bits, 256), want)
+    assert torch.equal(Q.pack(x.double(), bits, 256), Q.pack(x.double(), bits, 256, use_kernel=False))
+
+
+@pytest.mark.parametrize("bits", Q.BITS)
+def test_cpu_op_results_do_not_depend_on_threads_or_layout(cpu_quantize_op, bits):
+    gen = torch.Generator().manual_seed(12)
+    rows, k = 3, 200_003  # big enough to split over threads, with a partial last block
+    x = torch.randn(rows, k, generator=gen) * torch.logspace(-5, 5, k)
+    x[1, 70_000] = math.nan
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        wire1 = Q.pack(x, bits, 256)
+        rows1 = Q.unpack(wire1, k, bits, 256)
+        sum1 = Q.unpack_sum(wire1, k, bits, 256)
+        torch.set_num_threads(max(2, before))
+        wire2 = Q.pack(x, bits, 256)
+        assert torch.equal(wire1, wire2)
+        assert exact(Q.unpack(wire2, k, bits, 256), rows1)
+        assert exact(Q.unpack_sum(wire2, k, bits, 256), sum1)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(wire1, Q.pack(x, bits, 256, use_kernel=False))
+    # strided inputs and outputs go through contiguous copies with the same bits
+    xt = x.t().contiguous().t()
+    assert torch.equal(Q.pack(xt, bits, 256), wire1)
+    wide = torch.empty(k, rows).t()
+    Q.unpack(wire1, k, bits, 256, out=wide)
+    assert exact(wide.contiguous(), rows1)
+    strided = torch.empty(2 * k)[::2]
+    Q.unpack_sum(wire1, k, bits, 256, strided)
+    assert exact(strided.contiguous(), sum1)
+
+
+def test_cpu_op_rejects_what_it_cannot_take(cpu_quantize_op):
+    op = cpu_quantize_op
+    x = torch.randn(2, 64)
+    wire = torch.empty(2, Q.wire_bytes(64, 8, 32), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op.pack(torch.randn(64, 2).t(), wire, 8, 32, "")
+    with pytest.raises(RuntimeError, match="wire must be"):
+        op.pack(x, torch.empty(2, wire.shape[1] - 1, dtype=torch.uint8), 8, 32, "")
+    with pytest.raises(RuntimeError, match="bits"):
+        op.pack(x, wire, 2, 32, "")
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        op.pack(x, wire, 1, 12, "")
+    with pytest.raises(RuntimeError, match="unknown ISA"):
+        op.pack(x, wire, 8, 32, "sse9")
+    with pytest.raises(RuntimeError, match="out must be"):
+        op.unpack(wire, torch.empty(2, 64, dtype=torch.float64), 64, 8, 32, "")
+    with pytest.raises(RuntimeError, match="at least one row"):
+        op.unpack_sum(wire[:0], torch.empty(64), 64, 8, 32, "")
+    assert op.wire_bytes(1001, 4, 256) == Q.wire_bytes(1001, 4, 256)
+    assert op.default_isa() in op.supported_isas() and op.supported_isas()[0] == "scalar"
 
 
 # --------------------------------------------------------------- nvcc --
