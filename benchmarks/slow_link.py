@@ -162,6 +162,8 @@ CONTENDERS = [
     Contender("dp4-z3-hpz", 1, 3, 4, ("--zero-hpz-partition-size", "2"), True),
     Contender("dp4-z3-q-hpz", 1, 3, 4, ("--zero-quantized-gradients", "int4", "--zero-quantized-weights", "int8",
                                         "--zero-hpz-partition-size", "2"), True),
+    # 1-bit Adam after one AdamW step: the momentum crosses as signs (beside megatron-tp2-dp2, the same stage 0)
+    Contender("hybrid-tp2-z0-1bit", 2, 0, 4, ("--optimizer", "onebit_adam", "--optimizer-freeze-step", "1"), True),
 ]
 
 

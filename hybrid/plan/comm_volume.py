@@ -162,6 +162,15 @@ def _reduce(report: Report, scatter: bool, n: int, numel: int, element_bytes: in
     _add(report, "all_gather", "dp_node", l, l * share * p, calls=calls)
 
 
+def exchange_momentum(report: Report, n: int, numel: int, momentum: Quantization) -> None:
+    """1-bit Adam's compressed phase for one bucket of ``numel`` elements (:mod:`hybrid.zero.onebit`): an
+    all-to-all of the ``n`` packed rows of ``k = ceil(numel / n)`` (``all_to_all/dp``), then a ring
+    all-gather of every rank's packed row (``all_gather/dp``, payload ``n*W``)."""
+    each = momentum.wire_bytes(chunk(numel, n))
+    _add_all_to_all(report, "all_to_all", "dp", n, each)
+    _add(report, "all_gather", "dp", n, n * each)
+
+
 def stage3_gather_axis(phase: str, hpz: int = 1) -> str:
     """The axis stage 3 gathers a unit over in ``phase`` (a key of :func:`stage3_gathers`): ``dp``, except
     backward's re-gathers under hpZ (``hpz`` > 1), over ``dp_node`` from the node's secondary partition."""
@@ -192,7 +201,8 @@ def stage3_gathers(layout: Stage3Layout, micro_batches: int, tied_head: bool = T
 def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches: int = 1,
               report: Optional[Report] = None, tied_head: bool = True, reduce_once: bool = False,
               gradients: Optional[Quantization] = None, weights: Optional[Quantization] = None,
-              node_split: Optional[Tuple[int, int]] = None, hpz: int = 1) -> Report:
+              node_split: Optional[Tuple[int, int]] = None, hpz: int = 1,
+              momentum: Optional[Quantization] = None) -> Report:
     """Data-parallel collectives of one step over ``layout.dp`` ranks (one call per bucket or unit).
 
     Whole parameters (flat buckets): each bucket's gradient is reduced, by
@@ -213,6 +223,8 @@ def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches
     bucket's chunks (under one block per bucket). ``node_split``: ``(l, m)``
     under ``zero.two_level_reduce`` (None: off; see the module docstring). ``hpz``:
     ``zero.hpz_partition_size``, the ``dp_node`` ranks stage 3's backward re-gathers over (1: off).
+    ``momentum``: the 1-bit format of ``optimizer.type = onebit_adam`` after its warm-up, whose momentum
+    exchange (:func:`exchange_momentum`) replaces every gradient reduction (None: off, or the warm-up).
     """
     report = {} if report is None else report
     n, k = layout.dp, micro_batches
@@ -232,7 +244,10 @@ def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches
     scatter = reduces_by_scatter(traits)
     for _, sizes in layout.groups:
         for size in sizes:
-            _reduce(report, scatter, n, size, layout.element_bytes, reductions, gradients, node_split)
+            if momentum is not None:
+                exchange_momentum(report, n, size, momentum)
+            else:
+                _reduce(report, scatter, n, size, layout.element_bytes, reductions, gradients, node_split)
             if gathers_after_step(traits):
                 _add(report, "all_gather", "dp", n, gathered_bytes(size, n, layout.element_bytes, weights))
     return report
@@ -283,16 +298,17 @@ def tp_volume(config: GPTConfig, micro_batch: int, tp: int, *, sequence_parallel
 def step_volume(config: GPTConfig, layout: Union[FlatLayout, Stage3Layout], candidate: Candidate,
                 micro_batches: int, reduce_once: bool = False, gradients: Optional[Quantization] = None,
                 weights: Optional[Quantization] = None, node_split: Optional[Tuple[int, int]] = None,
-                hpz: int = 1) -> Report:
+                hpz: int = 1, momentum: Optional[Quantization] = None) -> Report:
     """Every collective of one step (``micro_batches`` micro-batches of ``candidate``): data-parallel,
     tensor-parallel and the gradient-norm all-reduce. ``layout``: the candidate's flat or stage-3 layout;
     ``reduce_once``: ``zero.reduce_once`` (stage 2 reduces once per step); ``gradients`` / ``weights``: the
     formats of ``zero.quantized_gradients`` / ``zero.quantized_weights`` (None: off); ``node_split``: ``(l, m)``
     dp ranks per node and nodes under ``zero.two_level_reduce`` (None: off); ``hpz``: ``zero.hpz_partition_size``
-    (stage 3; 1: off)."""
+    (stage 3; 1: off); ``momentum``: 1-bit Adam's compressed phase (:func:`dp_volume`)."""
     report: Report = {}
     dp_volume(layout, candidate.zero_stage, micro_batches, report, tied_head=config.tie_embeddings,
-              reduce_once=reduce_once, gradients=gradients, weights=weights, node_split=node_split, hpz=hpz)
+              reduce_once=reduce_once, gradients=gradients, weights=weights, node_split=node_split, hpz=hpz,
+              momentum=momentum)
     # Partitioned parameters are gathered by module hooks, which a replay must run: it replays whole layers.
     tp_volume(config, candidate.micro_batch, candidate.tp, sequence_parallel=candidate.sequence_parallel,
               recompute=candidate.recompute, precision=candidate.precision, micro_batches=micro_batches,

@@ -259,7 +259,8 @@ def _flat_state(candidate: Candidate, setup: TrainingSetup, flat: FlatLayout):
     traits = candidate.traits
     state = state_bytes(flat, candidate.zero_stage, precision=candidate.precision, offload=candidate.offload,
                         optimizer=setup.optimizer, momentum=setup.momentum, compiled_adam=setup.compiled_adam,
-                        host_is_device=setup.profile.host_is_device, reduce_once=setup.reduce_once)
+                        host_is_device=setup.profile.host_is_device, reduce_once=setup.whole_gradients,
+                        quantization_block=setup.quantization_block)
     gather_temp = 0
     if setup.profile.gather_copies_output and gathers_after_step(traits):
         gather_temp = flat.largest_segment * flat.element_bytes  # gloo lands each all-gather in a temporary
@@ -268,7 +269,7 @@ def _flat_state(candidate: Candidate, setup: TrainingSetup, flat: FlatLayout):
     # micro-batch waits whenever it needs a staging buffer beyond its pool, so the last buckets launched -- the
     # first ones in the buffer, as backward runs the model in reverse -- are the ones still in flight.
     segments = [size for _, sizes in flat.groups for size in sizes]
-    if reduces_every_micro_batch(traits, setup.reduce_once):
+    if reduces_every_micro_batch(traits, setup.whole_gradients):
         launched = list(flat.groups[0][1][:STAGING_BUFFERS_BEFORE_WAIT + 1])
     else:
         launched = segments

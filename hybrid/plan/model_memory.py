@@ -39,6 +39,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from hybrid import param_meta
+from hybrid.compression import DEFAULT_BLOCK, ONEBIT_ADAM, ONEBIT_BITS, packed_bytes
 from hybrid.layout import (StageTraits, ZeroStage, keeps_whole_gradients, offload_problem, partition_count,
                            stage_traits)
 from hybrid.plan.setup import zero_default
@@ -47,7 +48,7 @@ from hybrid.zero.flat_buffer import align_elements, plan_segments
 from model_zoo.config import GPTConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}  # fp32 state tensors per master element (sgd: momentum)
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, ONEBIT_ADAM: 2}  # fp32 state tensors per master element
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +237,9 @@ class StateBytes:
     ``step_workspace``: the transient of the optimizer step (fp32 copies of
     low-precision gradients for the largest group), on whichever side steps.
     ``secondary_weights``: stage 3's hpZ copy of the weights (``memory_report()``'s
-    ``secondary_params``).
+    ``secondary_params``). ``error_feedback``: 1-bit Adam's worker and server
+    errors and its packed momentum (``memory_report()``'s ``error_feedback`` plus
+    ``compressed_momentum``), from the first compressed step on.
     """
 
     weights: int
@@ -249,11 +252,12 @@ class StateBytes:
     host_optimizer_states: int = 0
     host_grads: int = 0
     secondary_weights: int = 0
+    error_feedback: int = 0
 
     @property
     def device_total(self) -> int:
         return (self.weights + self.grads + self.grad_buckets + self.master + self.optimizer_states
-                + self.secondary_weights)
+                + self.secondary_weights + self.error_feedback)
 
     @property
     def host_total(self) -> int:
@@ -285,12 +289,15 @@ def _optimizer_bytes(part: int, pb: int, offload: str, optimizer: str, momentum:
 
 def state_bytes(layout: FlatLayout, stage: int, *, precision: str, offload: str = "none",
                 optimizer: str = "adamw", momentum: bool = False, compiled_adam: bool = True,
-                host_is_device: bool = False, reduce_once: bool = False) -> StateBytes:
+                host_is_device: bool = False, reduce_once: bool = False,
+                quantization_block: int = DEFAULT_BLOCK) -> StateBytes:
     """Per-rank bytes of weights, gradients, master and optimizer state over ``layout.dp`` ranks, for a stage that
     keeps its parameters whole (flat buffers).
 
     ``reduce_once`` (``zero.reduce_once``): stage 2 keeps the whole gradient
-    (:func:`hybrid.layout.keeps_whole_gradients`), as stage 1 does.
+    (:func:`hybrid.layout.keeps_whole_gradients`), as stage 1 does, and so does
+    ``optimizer="onebit_adam"``, which also holds :func:`onebit_bytes`
+    (``quantization_block``: ``zero.quantization_block``, its 1-bit block).
 
     ``compiled_adam``: the step runs hybrid's compiled Adam, which reads
     low-precision gradients directly; otherwise they are first cast to fp32
@@ -306,7 +313,8 @@ def state_bytes(layout: FlatLayout, stage: int, *, precision: str, offload: str 
     parts = partition_count(stage, layout.dp)
     full, part = layout.numel, layout.numel // parts
     weights = pb * full
-    whole_grads = keeps_whole_gradients(traits, reduce_once)
+    onebit = optimizer == ONEBIT_ADAM
+    whole_grads = keeps_whole_gradients(traits, reduce_once or onebit)  # see TrainingSetup.whole_gradients
     grads = pb * (full if whole_grads else part)
     staging = 0
     if not whole_grads:
@@ -316,10 +324,23 @@ def state_bytes(layout: FlatLayout, stage: int, *, precision: str, offload: str 
     master, states, workspace = _optimizer_bytes(part, pb, offload, optimizer, momentum, compiled_adam,
                                                  host_is_device, largest_group_part)
     if offload == "none" or host_is_device:
-        return StateBytes(weights, grads, staging, master, states, workspace)
+        return StateBytes(weights, grads, staging, master, states, workspace,
+                          error_feedback=onebit_bytes(layout, quantization_block) if onebit else 0)
     # Host twins of the reduced gradient chunks and of the low-precision weight chunks the CPU step writes.
     return StateBytes(weights, grads, staging, 0, 0, 0, host_master=master, host_optimizer_states=states,
                       host_grads=2 * pb * part)
+
+
+def onebit_bytes(layout: FlatLayout, block: int) -> int:
+    """1-bit Adam's state beyond Adam's (:mod:`hybrid.zero.onebit`): per bucket of ``s`` elements cut into
+    ``dp`` rows of ``k = ceil(s / dp)``, the worker error (fp32 ``[dp*k]``), the server error (fp32 ``[k]``)
+    and the packed momentum every rank received (``dp`` packed rows)."""
+    n, total = layout.dp, 0
+    for _, sizes in layout.groups:
+        for size in sizes:
+            k = -(-size // n)
+            total += 4 * n * k + 4 * k + n * packed_bytes(k, ONEBIT_BITS, block)
+    return total
 
 
 def stage3_state_bytes(layout: Stage3Layout, *, offload: str = "none", optimizer: str = "adamw",

@@ -72,13 +72,13 @@ def predict(config: GPTConfig, candidate: Candidate, global_batch: int, setup: T
         raise LayoutError(problem)
     layout = zero_layout(config, candidate, setup)
     accumulation = accumulation_steps(candidate, global_batch)
-    comm = step_volume(config, layout, candidate, micro_batches=accumulation, reduce_once=setup.reduce_once,
+    comm = step_volume(config, layout, candidate, micro_batches=accumulation, reduce_once=setup.whole_gradients,
                        gradients=setup.gradient_quant, weights=setup.weight_quant,
                        node_split=placement.node_split if setup.two_level_reduce else None,
-                       hpz=setup.hpz_partition_size)
+                       hpz=setup.hpz_partition_size, momentum=setup.momentum_quant)
     time = step_time(config, candidate, comm, global_batch=global_batch, micro_batches=accumulation,
                      layout=layout, placement=placement, link=link, flops_per_s=flops_per_s,
-                     host=host, reduce_once=setup.reduce_once, hpz=setup.hpz_partition_size)
+                     host=host, reduce_once=setup.whole_gradients, hpz=setup.hpz_partition_size)
     return Prediction(layout, accumulation, comm, time)
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from hybrid.compression import (Quantization, compression_problem, gradient_quantization, hpz_problem,
-                                weight_quantization)
+from hybrid.compression import (ONEBIT_ADAM, ONEBIT_BITS, Quantization, compression_problem,
+                                gradient_quantization, hpz_problem, onebit_problem, weight_quantization)
 from hybrid.config import ZeroConfig
 from hybrid.plan.activations import CUDA, DeviceProfile
 
@@ -36,7 +36,7 @@ def zero_default(key: str):
 class TrainingSetup:
     """The optimizer and ZeRO knobs of a run (config keys in comments), and whose device to count."""
 
-    optimizer: str = "adamw"  # optimizer.type
+    optimizer: str = "adamw"  # optimizer.type (onebit_adam: counted in its compressed phase, after freeze_step)
     weight_decay: bool = True  # optimizer.weight_decay > 0: 1-D parameters get a group of their own
     momentum: bool = False  # SGD only
     compiled_adam: bool = True  # hybrid's compiled Adam reads bf16/fp16 gradients without an fp32 copy
@@ -72,6 +72,17 @@ class TrainingSetup:
         """The format of the parameter all-gathers (None: the parameters' own dtype)."""
         return weight_quantization(self.quantized_weights, self.quantization_block)
 
+    @property
+    def whole_gradients(self) -> bool:
+        """Whether stage 2 keeps the whole gradient and reduces it once per step: ``zero.reduce_once``, or
+        1-bit Adam, whose compressed phase needs each rank's whole local gradient."""
+        return self.reduce_once or self.optimizer == ONEBIT_ADAM
+
+    @property
+    def momentum_quant(self) -> Optional[Quantization]:
+        """1-bit Adam's momentum format (``optimizer.type = onebit_adam``; None for other optimizers)."""
+        return Quantization(ONEBIT_BITS, self.quantization_block) if self.optimizer == ONEBIT_ADAM else None
+
     def compression_problem(self, stage: int) -> Optional[str]:
         """Why the compression settings (hpZ included) cannot run at ZeRO ``stage`` (None when they can): the rules
         of :func:`hybrid.compression.compression_problem` and :func:`hybrid.compression.hpz_problem`, in their own
@@ -80,4 +91,8 @@ class TrainingSetup:
                                       self.quantization_block)
         if problem:
             return problem[1]
+        if self.optimizer == ONEBIT_ADAM:
+            problem = onebit_problem(stage, "none", self.two_level_reduce)
+            if problem:
+                return problem[1]
         return hpz_problem(stage, self.hpz_partition_size)

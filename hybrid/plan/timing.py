@@ -21,6 +21,8 @@
                 (``dp_node``) as the DP reductions above; the step across nodes (``dp_cross``) and
                 stage 0's all-gather inside the node: all of it, as the communicator runs them
                 (blocking) when the reduction is waited on;
+              1-bit Adam's momentum exchange after its warm-up (``all_to_all`` and its
+                all-gather): all of it, as it runs in the step after backward;
               partitioned parameters (stage 3): the forward's gathers beyond the forward
               compute they are prefetched behind (1/3 of the compute); the backward's
               gathers (over ``dp_node`` under hpZ, ``zero.hpz_partition_size``), the
@@ -173,7 +175,9 @@ def exposed_seconds(times: Dict[str, float], candidate: Candidate, compute: floa
     gathers = [n for n in times if n.startswith("all_gather/") and n.endswith("/dp")]
     # Launched as the buckets fill: the reductions over dp, and a two-level reduction's first step inside the
     # node; its step across nodes (dp_cross) and stage 0's all-gather inside the node run when it is waited on.
-    reductions = [n for n in times if n.split("/")[1] in ("dp", "dp_node") and not n.startswith("all_gather/")]
+    # 1-bit Adam's momentum exchange (all_to_all, and its all_gather) runs in the step, after backward: exposed.
+    reductions = [n for n in times if n.split("/")[1] in ("dp", "dp_node")
+                  and not n.startswith(("all_gather/", "all_to_all/"))]
     if candidate.traits.parameters:
         forward = sum(times[n] for n in gathers) * forward_gather_share
         hidden = min(forward, (1.0 - BACKWARD_SHARE) * compute)

@@ -47,8 +47,9 @@ def engine_config(spec: Dict) -> Dict:
     for key, zero_key in (("persist", "persistence_threshold"), ("prefetch", "prefetch_bucket_size")):
         if key in spec:
             zero[zero_key] = spec[key]
-    return {"precision": spec["precision"], "zero": zero, "optimizer": {"type": "adamw", "lr": 1e-3,
-                                                                         "weight_decay": 0.1},
+    # onebit_adam with freeze_step 1: the measured (second) step is a compressed one
+    return {"precision": spec["precision"], "zero": zero,
+            "optimizer": {"type": spec.get("optimizer", "adamw"), "lr": 1e-3, "weight_decay": 0.1, "freeze_step": 1},
             "micro_batch_size": spec["micro"], "gradient_accumulation_steps": spec.get("gas", 1),
             "recompute": spec.get("recompute", "none"), "steps_per_print": 0}
 
@@ -89,6 +90,8 @@ def _measure_one(spec: Dict, baseline: int) -> Dict:
         return peaks
 
     train_step()
+    if spec.get("optimizer") == "onebit_adam":
+        train_step()  # the first compressed step allocates the error buffers: measure the one after
     saved = SavedActivations(storage_keys(model.parameters()))
     with LiveTensorTracker() as tracker:
         state = tracker.start_bytes - baseline

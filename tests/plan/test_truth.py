@@ -39,10 +39,12 @@ SPECS: List[Dict] = [
     dict(stage=2, tp=2, recompute="none", precision="bf16", micro=1, gas=2, bucket=30_000),
     dict(stage=2, tp=2, sp=True, recompute="full", precision="fp32", micro=1, **LLAMA),
     dict(stage=1, tp=1, recompute="none", precision="bf16", micro=2, **LLAMA),
+    # 1-bit Adam's compressed phase: the momentum exchange, the error buffers, whole gradients
+    dict(stage=0, tp=2, recompute="none", precision="fp32", micro=2, optimizer="onebit_adam", bucket=30_000),
 ]
 
 COMPONENTS = (("params", "weights"), ("grads", "grads"), ("grad_buckets", "grad_buckets"), ("master", "master"),
-              ("optimizer_states", "optimizer_states"))
+              ("optimizer_states", "optimizer_states"), (("error_feedback", "compressed_momentum"), "error_feedback"))
 
 
 def _close(measured: float, predicted: float, tol: float) -> bool:
@@ -59,10 +61,11 @@ def _predict(spec: Dict, compiled_adam: bool):
                           micro_batch=spec["micro"], sequence_parallel=spec.get("sp", False))
     # The ZeRO knobs the harness set (engine_config); the others keep the config's defaults on both sides.
     knobs = {"stage3_persistence_threshold": spec.get("persist"), "stage3_prefetch": spec.get("prefetch")}
-    setup = TrainingSetup(bucket_size=spec.get("bucket", 10**8), compiled_adam=compiled_adam, profile=CPU,
-                          **{k: v for k, v in knobs.items() if v is not None})
+    setup = TrainingSetup(optimizer=spec.get("optimizer", "adamw"), bucket_size=spec.get("bucket", 10**8),
+                          compiled_adam=compiled_adam, profile=CPU, **{k: v for k, v in knobs.items() if v is not None})
     memory = estimate_memory(cfg, candidate, setup)
-    comm = step_volume(cfg, zero_layout(cfg, candidate, setup), candidate, micro_batches=spec.get("gas", 1))
+    comm = step_volume(cfg, zero_layout(cfg, candidate, setup), candidate, micro_batches=spec.get("gas", 1),
+                       reduce_once=setup.whole_gradients, momentum=setup.momentum_quant)
     return memory, comm
 
 
@@ -77,7 +80,8 @@ def _check(specs: List[Dict], results: List[List[Dict]]) -> List[str]:
             state = dataclasses.asdict(memory.state)
             off_by = 0  # bytes, the largest component difference
             for reported, predicted in COMPONENTS:
-                got, want = r["report"].get(reported, 0), state[predicted]
+                names = reported if isinstance(reported, tuple) else (reported,)
+                got, want = sum(r["report"].get(name, 0) for name in names), state[predicted]
                 off_by = max(off_by, abs(got - want))
                 if not _close(got, want, 0.05):
                     problems.append(f"{where}: memory_report {reported} = {got}, predicted {want}")
