@@ -84,6 +84,8 @@ OPTIONS: Dict[str, Tuple[str, ...]] = {
     "z3": ("--zero-stage", "3"),
     "z3-q": ("--zero-stage", "3") + _Q,
     "onebit": _Z2 + ("--optimizer", "onebit_adam", "--optimizer-freeze-step", "100"),
+    # the fastest over the slow link (benchmarks/slow_link.py's hybrid-tp2-z0-1bit)
+    "onebit-z0": ("--zero-stage", "0", "--optimizer", "onebit_adam", "--optimizer-freeze-step", "100"),
 }
 # Options that would be run at a layout with 2+ data-parallel ranks per node; at TP2 x DP2 over 2 nodes
 # each node holds one rank of every data-parallel group, so they have nothing to act on.

@@ -38,7 +38,7 @@ def test_option_is_valid_trainer_flags(name, tmp_path):
     validate_for_training(config, WORLD)  # the config's own rules at world 4
     assert config.tensor_parallel_size == conv.TP
     assert config.logging.tensorboard_dir == str(tmp_path / "tb")
-    assert config.zero.stage in (2, 3)
+    assert config.zero.stage in (0, 2, 3)
 
 
 def test_options_differ_from_the_baseline_as_named(tmp_path):
