@@ -1,5 +1,5 @@
-"""Compiled kernels with pure-torch fallbacks: CPU/CUDA Adam, CUDA LayerNorm/RMSNorm, CUDA blockwise quantization
-(:mod:`hybrid.kernels.quantize`).
+"""Compiled kernels with pure-torch fallbacks: CPU/CUDA Adam, CUDA LayerNorm/RMSNorm, CPU/CUDA blockwise
+quantization (:mod:`hybrid.kernels.quantize`).
 
 Ops build just in time (ninja, versioned cache) on first use; ``python -m hybrid.kernels
 build`` prebuilds and ``report`` shows what is available. ``HYBRID_KERNELS=auto|require|off``

@@ -388,15 +388,18 @@ def test_step_times_and_bytes_match_the_slow_link_benchmark():
 
 
 COMPRESSED = REPO / "benchmarks" / "results" / "slow_link_compressed.json"
+# hpZ and 1-bit Adam, measured beside their uncompressed stages in a run of their own
+HPZ_ONEBIT = REPO / "benchmarks" / "results" / "slow_link_hpz_onebit.json"
 
 
-def test_compressed_bytes_match_the_slow_link_benchmark(capsys):
+@pytest.mark.parametrize("path", [COMPRESSED, HPZ_ONEBIT], ids=lambda p: p.stem)
+def test_compressed_bytes_match_the_slow_link_benchmark(capsys, path):
     """Every compressed contender's inter-node bytes per step (``--compressed`` rows: quantized gradients or
-    weights, two levels) as the planner predicts them, against the communicator's count in that run (bytes
-    only: that run has no unshaped point to calibrate step times on)."""
-    if not COMPRESSED.exists():
-        pytest.skip(f"{COMPRESSED.relative_to(REPO)} is absent: run the command in docs/performance.md")
-    data = load(COMPRESSED)
+    weights, two levels, hpZ, 1-bit Adam) as the planner predicts them, against the communicator's count in that
+    run (bytes only: that run has no unshaped point to calibrate step times on)."""
+    if not path.exists():
+        pytest.skip(f"{path.relative_to(REPO)} is absent: run the command in docs/performance.md")
+    data = load(path)
     problems, rows = [], 0
     for point in data["points"]:
         for row in point["contenders"]:
