@@ -44,7 +44,10 @@ What each figure means:
   N-iteration run and ``B(1)`` those of one extra 1-iteration run per contender and point: the
   difference removes what every run sends once (rendezvous, the weight broadcast at start-up, the
   final traffic report). ``--bytes-method total`` uses ``B(N) / N`` instead (start-up included),
-  and is what ``--iters 1`` falls back to.
+  and is what ``--iters 1`` falls back to. A contender with a ``warmup`` (1-bit Adam's AdamW steps)
+  runs that many steps more in every run, baseline included, so the difference is of measured steps
+  only; its timing leaves them out too (the trainer's profile does, from ``--optimizer-freeze-step``).
+  A run that skips a step for non-finite gradients (one that diverged) counts as failed.
 * ``MB/step comm``: the same, from the communicator's own count (the trainer's last line
   ``inter-node traffic (bytes sent off each node): node 0 X, node 1 Y``, summed over the nodes).
 * ``peak RSS``: the largest peak resident set size of any rank, MiB (the ``run profile``'s
@@ -128,6 +131,9 @@ class Contender:
     micro_batch: int
     extra: Tuple[str, ...] = ()
     compressed: bool = False  # runs only with --compressed (or when named by --only)
+    # steps run before the measured ones besides the first (1-bit Adam's AdamW warm-up): every run is that much
+    # longer, its timing and the bytes baseline leave them out
+    warmup: int = 0
 
     @property
     def dp(self) -> int:
@@ -162,8 +168,10 @@ CONTENDERS = [
     Contender("dp4-z3-hpz", 1, 3, 4, ("--zero-hpz-partition-size", "2"), True),
     Contender("dp4-z3-q-hpz", 1, 3, 4, ("--zero-quantized-gradients", "int4", "--zero-quantized-weights", "int8",
                                         "--zero-hpz-partition-size", "2"), True),
-    # 1-bit Adam after one AdamW step: the momentum crosses as signs (beside megatron-tp2-dp2, the same stage 0)
-    Contender("hybrid-tp2-z0-1bit", 2, 0, 4, ("--optimizer", "onebit_adam", "--optimizer-freeze-step", "1"), True),
+    # 1-bit Adam: the momentum crosses as signs (beside megatron-tp2-dp2, the same stage 0), measured after 8
+    # AdamW steps (fewer leave a variance too noisy to freeze: with 1 the loss diverges by the 4th step)
+    Contender("hybrid-tp2-z0-1bit", 2, 0, 4, ("--optimizer", "onebit_adam", "--optimizer-freeze-step", "8"), True,
+              warmup=7),
 ]
 
 
@@ -184,6 +192,7 @@ def link_bytes_per_s(rate: Optional[str]) -> Optional[float]:
 
 # ---- one run's output ----------------------------------------------------------------------------
 _ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?iteration time: ([\d.]+) ms(?:.*?peak rss ([\d.]+) GiB)?")
+_SKIPPED_RE = re.compile(r"iteration\s+\d+/\s*\d+ \|.*?\| skipped: (\d+) \|")
 _TRAFFIC_RE = re.compile(r"inter-node traffic \(bytes sent off each node\): (.*)")
 _PROFILE_RE = re.compile(r"run profile: (\{.*\})")
 
@@ -195,6 +204,11 @@ def parse_iterations(output: str) -> List[Tuple[int, float, Optional[float]]]:
         rss = float(m.group(3)) * 1024 if m.group(3) else None
         out.append((int(m.group(1)), float(m.group(2)), rss))
     return out
+
+
+def skipped_steps(output: str) -> int:
+    """Steps the run skipped for non-finite gradients, summed over its iteration lines."""
+    return sum(int(m.group(1)) for m in _SKIPPED_RE.finditer(output))
 
 
 def parse_traffic(output: str) -> Optional[List[int]]:
@@ -264,7 +278,9 @@ def run_once(cluster, c: Contender, args, iters: int, purpose: str, round_: int,
     iterations = parse_iterations(out0)
     profile = parse_profile(out0)
     traffic = parse_traffic(out0)
-    ok = result.ok and len(iterations) >= iters and traffic is not None
+    skipped = skipped_steps(out0)
+    # a skipped step sends and computes less than a training step: such a run measures nothing
+    ok = result.ok and len(iterations) >= iters and traffic is not None and not skipped
     reason = None
     if not result.ok:
         reason = failure_reason(result)
@@ -272,8 +288,11 @@ def run_once(cluster, c: Contender, args, iters: int, purpose: str, round_: int,
         reason = f"exit 0, but {len(iterations)} of {iters} iteration lines in node 0's output"
     elif traffic is None:
         reason = "exit 0, but no 'inter-node traffic' line in node 0's output"
+    elif skipped:
+        reason = f"{skipped} step(s) skipped for non-finite gradients (the run diverged)"
     times = [ms for _, ms, _ in iterations]
-    measured = times[1:] if len(times) > 1 else times  # the first iteration carries the warm-up
+    first = 1 + c.warmup  # the first iteration carries the start-up, then the contender's own warm-up
+    measured = times[first:] if len(times) > first else times
     run = {"purpose": purpose, "round": round_, "iters": iters, "ok": ok, "reason": reason,
            "returncodes": [n.returncode for n in result.nodes], "killed": [n.killed for n in result.nodes],
            "wall_s": wall,
@@ -512,9 +531,9 @@ def run_point(tool, args, rate: Optional[str], delay: Optional[str], step_flops:
     runs: Dict[str, List[dict]] = {c.name: [] for c in args.contenders}
     with tool.EmulatedCluster(nodes=NODES, ranks_per_node=RANKS_PER_NODE, rate=rate, delay=delay, burst=args.burst,
                               queue_latency=args.queue_latency, prefix=args.prefix) as cluster:
-        plan = [(k + 1, c, "timed", args.iters) for k in range(args.repeat) for c in args.contenders]
+        plan = [(k + 1, c, "timed", args.iters + c.warmup) for k in range(args.repeat) for c in args.contenders]
         if args.bytes_method == "diff" and args.iters > 1:
-            plan += [(0, c, "bytes baseline", 1) for c in args.contenders]
+            plan += [(0, c, "bytes baseline", 1 + c.warmup) for c in args.contenders]
         for round_, c, purpose, iters in plan:
             if purpose == "bytes baseline" and not any(r["ok"] for r in runs[c.name]):
                 continue  # no timed run to subtract it from
@@ -523,7 +542,7 @@ def run_point(tool, args, rate: Optional[str], delay: Optional[str], step_flops:
                 log_dir = os.path.join(args.log_dir, label, f"{c.name}-{'r' + str(round_) if round_ else 'base'}")
             run = run_once(cluster, c, args, iters, purpose, round_, log_dir)
             runs[c.name].append(run)
-            what = f"round {round_}/{args.repeat}" if round_ else "1-iteration bytes baseline"
+            what = f"round {round_}/{args.repeat}" if round_ else f"{iters}-iteration bytes baseline"
             if not run["ok"]:
                 status = f"FAILED ({run['reason']})"
             elif purpose == "timed":

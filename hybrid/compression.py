@@ -127,6 +127,7 @@ def compression_problem(stage: int, gradients: str, weights: str, block: int) ->
 
 
 ONEBIT_ADAM = "onebit_adam"  # optimizer.type of the 1-bit compressed Adam
+ZERO_ONE_ADAM = "zero_one_adam"  # optimizer.type of 0/1 Adam (1-bit, adaptive variance freezing, local steps)
 ONEBIT_BITS = 1
 
 
@@ -140,17 +141,22 @@ def hpz_problem(stage: int, size: int) -> Optional[str]:
     return None
 
 
-def onebit_problem(stage: int, offload: str, two_level: bool) -> Optional[Tuple[str, str]]:
-    """Why ``optimizer.type = onebit_adam`` cannot run with these ``zero`` settings, as (the key at fault,
-    why); None when it can. Its compressed phase exchanges the momentum of whole flat buffers (stages 0-2)."""
+def onebit_problem(stage: int, offload: str, two_level: bool, optimizer: str = ONEBIT_ADAM) -> Optional[Tuple[str, str]]:
+    """Why a 1-bit optimizer (``optimizer.type`` onebit_adam or zero_one_adam) cannot run with these ``zero``
+    settings, as (the key at fault, why); None when it can. 1-bit Adam exchanges the momentum of whole flat
+    buffers (stages 0-2); 0/1 Adam also steps every rank on its own between exchanges, so each rank needs the
+    whole optimizer state (stage 0)."""
+    if optimizer == ZERO_ONE_ADAM and stage_traits(stage).optimizer_states:
+        return "zero.stage", ("zero_one_adam takes local steps on every rank's whole optimizer state: it runs at "
+                              "ZeRO stage 0; use stage 0 or optimizer.type onebit_adam")
     if stage_traits(stage).parameters:
-        return "zero.stage", ("onebit_adam composes with ZeRO stages 0-2 (every rank keeps whole buffers to "
+        return "zero.stage", (f"{optimizer} composes with ZeRO stages 0-2 (every rank keeps whole buffers to "
                               "compress); use stage 2 or optimizer.type adamw")
     if offload != "none":
-        return "zero.offload_optimizer", "onebit_adam steps on the device; set zero.offload_optimizer to none"
+        return "zero.offload_optimizer", f"{optimizer} steps on the device; set zero.offload_optimizer to none"
     if two_level:
-        return "zero.two_level_reduce", ("onebit_adam's compressed phase sends the momentum once over dp, not "
-                                         "gradients; set zero.two_level_reduce to false")
+        return "zero.two_level_reduce", (f"{optimizer}'s compressed exchange crosses once over dp; set "
+                                         "zero.two_level_reduce to false")
     return None
 
 

@@ -15,12 +15,13 @@
 
 #include "adam_common.h"
 #include "adam_simd.h"
+#include "isa.h"
 
 namespace hybrid {
 namespace cpu_adam {
 namespace {
 
-enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+using cpu_isa::Isa;
 
 using RangeFn = void (*)(const AdamBuffers&, const AdamConstants&, int64_t, int64_t);
 
@@ -40,37 +41,13 @@ bool isa_supported(Isa isa) {
   }
 }
 
-const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    default: return "scalar";
-  }
-}
-
-Isa best_isa() {
-  if (isa_supported(Isa::kAvx512)) return Isa::kAvx512;
-  if (isa_supported(Isa::kAvx2)) return Isa::kAvx2;
-  return Isa::kScalar;
-}
+Isa best_isa() { return cpu_isa::best_isa(isa_supported); }
 
 Isa parse_isa(const std::string& name) {
-  if (name.empty() || name == "auto") return best_isa();
-  Isa isa;
-  if (name == "scalar") {
-    isa = Isa::kScalar;
-  } else if (name == "avx2") {
-    isa = Isa::kAvx2;
-  } else if (name == "avx512") {
-    isa = Isa::kAvx512;
-  } else {
-    TORCH_CHECK(false, "cpu_adam: unknown ISA '", name,
-                "'; use one of auto, scalar, avx2, avx512 (HYBRID_CPU_ADAM_ISA)");
-  }
-  TORCH_CHECK(isa_supported(isa), "cpu_adam: ISA '", name,
-              "' is not supported by this CPU; unset HYBRID_CPU_ADAM_ISA or pick one of the "
-              "supported paths reported by `python -m hybrid.kernels report`");
-  return isa;
+  return cpu_isa::parse_isa(name, "cpu_adam",
+                            "; unset HYBRID_CPU_ADAM_ISA or pick one of the supported paths reported by "
+                            "`python -m hybrid.kernels report`",
+                            isa_supported);
 }
 
 template <GradKind G, OutKind O>
@@ -195,15 +172,9 @@ void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
   run_parallel(fn, b, c, n);
 }
 
-std::vector<std::string> supported_isas() {
-  std::vector<std::string> names;
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
-    if (isa_supported(isa)) names.emplace_back(isa_name(isa));
-  }
-  return names;
-}
+std::vector<std::string> supported_isas() { return cpu_isa::supported_names(isa_supported); }
 
-std::string default_isa() { return isa_name(best_isa()); }
+std::string default_isa() { return cpu_isa::isa_name(best_isa()); }
 
 }  // namespace
 }  // namespace cpu_adam

@@ -25,6 +25,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "isa.h"
+
 namespace hybrid {
 namespace cpu_quantize {
 
@@ -64,7 +66,7 @@ namespace scalar {
 
 namespace {
 
-enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+using cpu_isa::Isa;
 
 bool isa_supported(Isa isa) {
   switch (isa) {
@@ -83,34 +85,11 @@ bool isa_supported(Isa isa) {
   }
 }
 
-const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    default: return "scalar";
-  }
-}
-
-Isa best_isa() {
-  if (isa_supported(Isa::kAvx512)) return Isa::kAvx512;
-  if (isa_supported(Isa::kAvx2)) return Isa::kAvx2;
-  return Isa::kScalar;
-}
+Isa best_isa() { return cpu_isa::best_isa(isa_supported); }
 
 Isa parse_isa(const std::string& name) {
-  if (name.empty() || name == "auto") return best_isa();
-  Isa isa;
-  if (name == "scalar") {
-    isa = Isa::kScalar;
-  } else if (name == "avx2") {
-    isa = Isa::kAvx2;
-  } else if (name == "avx512") {
-    isa = Isa::kAvx512;
-  } else {
-    TORCH_CHECK(false, "cpu_quantize: unknown ISA '", name, "'; use one of auto, scalar, avx2, avx512");
-  }
-  TORCH_CHECK(isa_supported(isa), "cpu_quantize: ISA '", name, "' is not supported by this CPU");
-  return isa;
+  return cpu_isa::parse_isa(name, "cpu_quantize",
+                            "", isa_supported);
 }
 
 Geometry make_geometry(int64_t rows, int64_t k, int64_t bits, int64_t block) {
@@ -281,15 +260,9 @@ void unpack_sum(const at::Tensor& wire, const at::Tensor& out, int64_t k, int64_
 
 int64_t wire_bytes(int64_t k, int64_t bits, int64_t block) { return make_geometry(1, k, bits, block).row_bytes; }
 
-std::vector<std::string> supported_isas() {
-  std::vector<std::string> names;
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
-    if (isa_supported(isa)) names.emplace_back(isa_name(isa));
-  }
-  return names;
-}
+std::vector<std::string> supported_isas() { return cpu_isa::supported_names(isa_supported); }
 
-std::string default_isa() { return isa_name(best_isa()); }
+std::string default_isa() { return cpu_isa::isa_name(best_isa()); }
 
 }  // namespace
 }  // namespace cpu_quantize

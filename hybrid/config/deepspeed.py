@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping
 
-from hybrid.compression import OFF, ONEBIT_ADAM, formats_for_deepspeed
+from hybrid.compression import OFF, ONEBIT_ADAM, ZERO_ONE_ADAM, formats_for_deepspeed
 from hybrid.config.deepspeed_schedules import DEEPSPEED_SCHEDULER_PARAMS, deepspeed_schedule_kwargs
 from hybrid.config.errors import ConfigError, suggestion, value_suggestion
 from hybrid.config.parse import apply_overrides
@@ -102,13 +102,18 @@ _OPTIMIZER_PARAMS = {"adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode
                      "adamw": {"lr", "betas", "eps", "weight_decay", "adam_w_mode"},
                      "sgd": {"lr", "momentum", "weight_decay"},
                      "onebitadam": {"lr", "betas", "eps", "weight_decay", "freeze_step", "cuda_aware",
-                                    "comm_backend_name"}}
-_SUPPORTED_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "onebitadam": "OneBitAdam"}
+                                    "comm_backend_name"},
+                     "zerooneadam": {"lr", "betas", "eps", "weight_decay", "var_freeze_step", "var_update_scaler",
+                                     "local_step_scaler", "local_step_clipper", "cuda_aware", "comm_backend_name",
+                                     "bias_correction"}}
+_SUPPORTED_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "onebitadam": "OneBitAdam",
+                         "zerooneadam": "ZeroOneAdam"}
 # DeepSpeed names -> hybrid's optimizer.type where they differ
-_OPTIMIZER_TYPES = {"onebitadam": ONEBIT_ADAM}
-# OneBitAdam's transport switches: hybrid's communicator picks the backend of the device itself
-_TRANSPORT_PARAMS = {"cuda_aware": bool, "comm_backend_name": str}
-_UNSUPPORTED_OPTIMIZERS = ("lamb", "zerooneadam", "onebitlamb", "adagrad", "lion", "muadam",
+_OPTIMIZER_TYPES = {"onebitadam": ONEBIT_ADAM, "zerooneadam": ZERO_ONE_ADAM}
+# Accepted with no effect: the 1-bit optimizers' transport switches (hybrid's communicator picks the backend of the
+# device itself), and ZeroOneAdam's bias_correction (its update, like DeepSpeed's, applies none either way)
+_NO_EFFECT_PARAMS = {"cuda_aware": bool, "comm_backend_name": str, "bias_correction": bool}
+_UNSUPPORTED_OPTIMIZERS = ("lamb", "onebitlamb", "adagrad", "lion", "muadam",
                            "muadamw", "musgd", "muon", "adafactor")
 
 
@@ -272,12 +277,13 @@ def _map_optimizer(opt: Mapping, put) -> None:
             raise ConfigError("DeepSpeed optimizer.type 'AdamW' with optimizer.params.adam_w_mode false is "
                               "contradictory; use type 'Adam' with adam_w_mode false for L2-style Adam")
         kind = "adamw" if adam_w_mode else "adam"
-    for key, kind_of in _TRANSPORT_PARAMS.items():
+    for key, kind_of in _NO_EFFECT_PARAMS.items():
         if key in params and not isinstance(params[key], kind_of):
             raise ConfigError(f"DeepSpeed key 'optimizer.params.{key}' must be a {kind_of.__name__}, "
                               f"got {params[key]!r}")
     put("optimizer.type", _OPTIMIZER_TYPES.get(kind, kind), "optimizer.type")
-    for key in ("lr", "betas", "eps", "weight_decay", "momentum", "freeze_step"):
+    for key in ("lr", "betas", "eps", "weight_decay", "momentum", "freeze_step", "var_freeze_step",
+                "var_update_scaler", "local_step_scaler", "local_step_clipper"):
         if key in params:
             put(f"optimizer.{key}", params[key], f"optimizer.params.{key}")
 

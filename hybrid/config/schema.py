@@ -27,12 +27,12 @@ import dataclasses
 import math
 from typing import Any, Callable, List, Optional, Tuple
 
-from hybrid.compression import DEFAULT_BLOCK, GRADIENT_FORMATS, ONEBIT_ADAM, WEIGHT_FORMATS
+from hybrid.compression import DEFAULT_BLOCK, GRADIENT_FORMATS, ONEBIT_ADAM, WEIGHT_FORMATS, ZERO_ONE_ADAM
 from hybrid.layout import OFFLOAD_DEVICES, PRECISIONS, ZERO_STAGES
 
 # Choice lists owned by the configuration (the ZeRO stages, offload devices and
 # precisions are hybrid.layout's). hybrid.optim.lr_schedule imports the styles.
-OPTIMIZERS = ("adamw", "adam", "sgd", ONEBIT_ADAM)
+OPTIMIZERS = ("adamw", "adam", "sgd", ONEBIT_ADAM, ZERO_ONE_ADAM)
 DECAY_STYLES = ("constant", "linear", "cosine")
 WARMUP_STYLES = ("linear", "log")
 RECOMPUTE = ("none", "full", "selective")
@@ -160,8 +160,9 @@ class OptimizerConfig:
     """The inner optimizer that steps the fp32 master partitions."""
 
     type: str = _field("adamw", choices=OPTIMIZERS, flag="--optimizer",
-                       help="adamw (decoupled weight decay), adam (L2 weight decay added to the gradient), sgd, or "
-                            "onebit_adam (AdamW, then 1-bit compressed momentum after optimizer.freeze_step)")
+                       help="adamw (decoupled weight decay), adam (L2 weight decay added to the gradient), sgd, "
+                            "onebit_adam (AdamW, then 1-bit compressed momentum after optimizer.freeze_step) or "
+                            "zero_one_adam (0/1 Adam: 1-bit exchanges, adaptive variance freezing, local steps)")
     lr: float = _field(1e-3, gt=0.0, flag="--lr", help="peak learning rate (after warmup)")
     betas: Tuple[float, float] = _field(factory=lambda: (0.9, 0.999), flag="--adam-betas",
                                         help="Adam (beta1, beta2), each in [0, 1)",
@@ -173,6 +174,13 @@ class OptimizerConfig:
     momentum: float = _field(0.0, ge=0.0, lt=1.0, flag="--sgd-momentum", help="SGD momentum (sgd only)")
     freeze_step: int = _field(100_000, ge=1, help="onebit_adam: uncompressed AdamW steps before the variance "
                                                   "freezes and the momentum travels as 1-bit signs")
+    var_freeze_step: int = _field(100_000, ge=1, help="zero_one_adam: the last step that may update the variance "
+                                                      "(usually the end of the learning-rate warmup)")
+    var_update_scaler: int = _field(16, ge=1, help="zero_one_adam: variance updates between doublings of their "
+                                                   "interval")
+    local_step_scaler: int = _field(32_678, ge=1, help="zero_one_adam: steps between doublings of the interval of "
+                                                       "synchronizing local steps, after var_freeze_step")
+    local_step_clipper: int = _field(16, ge=1, help="zero_one_adam: the longest interval of local steps")
     decay_1d_params: bool = _field(False, help="false: parameters with at most one dimension (biases, norm "
                                                "weights) get no weight decay; true: every parameter decays")
 

@@ -3,7 +3,9 @@
 Every iteration is timed on every rank together with the time the rank spent
 blocked in communication (:meth:`hybrid.comm.Communicator.blocked_seconds`):
 what the backward pass did not hide. The first iteration of a run is left out
-of the medians (it builds buffers and warms caches). At the end rank 0 prints
+of the medians (it builds buffers and warms caches), and so are the AdamW
+warm-up steps of ``onebit_adam`` (:func:`steady_state_start`): the medians
+describe the steady state. At the end rank 0 prints
 
 ``run profile: {"iterations_measured": ..., "iteration_ms_median": ..., "exposed_comm_ms_median": ...,
 "compute_ms_median": ..., "peak_rss_mib": [one per global rank]}``
@@ -22,8 +24,18 @@ import sys
 import time
 from typing import List, Optional
 
+from hybrid.compression import ONEBIT_ADAM
+
 PROFILE_PREFIX = "run profile: "
 WARMUP_ITERATIONS = 1  # left out of the medians
+
+
+def steady_state_start(optimizer_type: str, freeze_step: int, first_iteration: int = 0) -> int:
+    """Iterations a run that starts after ``first_iteration`` leaves out of its profile: its first, and under
+    1-bit Adam what is left of the uncompressed warm-up (the first compressed step is ``freeze_step + 1``)."""
+    if optimizer_type != ONEBIT_ADAM:
+        return WARMUP_ITERATIONS
+    return max(WARMUP_ITERATIONS, freeze_step - first_iteration)
 
 
 def peak_rss_mib() -> float:
@@ -35,8 +47,9 @@ def peak_rss_mib() -> float:
 class StepProfile:
     """Per-iteration wall time and blocked-communication time of this rank."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, skip: int = WARMUP_ITERATIONS):
         self._comm = comm
+        self.skip = skip  # iterations left out of the medians
         self.iteration_s: List[float] = []
         self.blocked_s: List[float] = []
         self._start: Optional[float] = None
@@ -54,7 +67,7 @@ class StepProfile:
         self._start = None
 
     def _measured(self, values: List[float]) -> List[float]:
-        return values[WARMUP_ITERATIONS:] if len(values) > WARMUP_ITERATIONS else values
+        return values[self.skip:] if len(values) > self.skip else values
 
     def summary(self) -> Optional[dict]:
         """The profile over every rank (collective over the world: every rank must call it); None if no

@@ -37,7 +37,7 @@ from hybrid.training.exit import ExitConditions
 from hybrid.training.failure import flag_context, quiet_unless, run_main
 from hybrid.training.health import DivergenceGuard, TrainingDiverged, non_finite_weights_message
 from hybrid.training.model import model_config
-from hybrid.training.profile import StepProfile, profile_line
+from hybrid.training.profile import StepProfile, profile_line, steady_state_start
 from hybrid.training.seeding import seed_everything
 from hybrid.training.summary import count_exempt, optimizer_line
 
@@ -128,7 +128,8 @@ class Trainer:
             flops_per_token=flops_per_token(self.model_config), peak=peak,
             tensorboard_dir=config.logging.tensorboard_dir, device=topo.device)
         self.history = []  # (iteration, DP-averaged lm loss) of this run, for callers and tests
-        self.profile = StepProfile(self.topology.comm)
+        self.profile = StepProfile(self.topology.comm, steady_state_start(
+            config.optimizer.type, config.optimizer.freeze_step, self.iteration))
         self.run_profile: Optional[dict] = None  # the closing "run profile" figures, once train() has finished
 
     # ---- checkpoints ------------------------------------------------------------------------------

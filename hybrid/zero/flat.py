@@ -31,7 +31,9 @@ from hybrid.zero.flat_buffer import build_flat_groups, collect_trainable, dtype_
 from hybrid.zero.grad_norm import GradNorm
 from hybrid.zero.offload import ChunkOffload, host_device
 from hybrid.zero.onebit import OneBitAdam
+from hybrid.zero.zero_one_adam import ZeroOneAdam, ZeroOneSchedule
 from hybrid.zero.partition import GroupPartition
+from hybrid.compression import ONEBIT_ADAM, ZERO_ONE_ADAM
 from hybrid.layout import keeps_whole_gradients, partition_count
 
 logger = logging.getLogger("hybrid.zero")
@@ -61,8 +63,8 @@ class FlatZeroOptimizer(ZeroOptimizer):
         self._sync_replicas()
         host = host_device(self.offload_optimizer, self.groups[0].device)
         self.partitions = [GroupPartition(g, self.part, self.master_dtype, master_device=host) for g in self.groups]
-        # 1-bit Adam's compressed phase needs each rank's whole local gradient, as zero.reduce_once keeps it
-        if keeps_whole_gradients(traits, zero.reduce_once or self.onebit_adam):
+        # the 1-bit optimizers' local steps need each rank's whole local gradient, as zero.reduce_once keeps it
+        if keeps_whole_gradients(traits, zero.reduce_once or bool(self.one_bit)):
             self.reducer = FullGradReducer(self.groups, self.comm, topology.dp_rank, zero.overlap_comm,
                                            scatter=traits.optimizer_states, quant=self.grad_quant,
                                            two_level=self.two_level)
@@ -82,20 +84,32 @@ class FlatZeroOptimizer(ZeroOptimizer):
                                  state_device=host)
         self.grad_norm = GradNorm(self.groups, self._grad_chunks, topology, self.part,
                                   counts_whole_gradient=traits.optimizer_states)
+        tp = (topology.tp_size, topology.tp_rank)
         self.onebit: Optional[OneBitAdam] = None
-        if self.onebit_adam:
+        self.zero_one: Optional[ZeroOneAdam] = None
+        if self.one_bit == ONEBIT_ADAM:
             self.onebit = OneBitAdam(self.groups, self.inner, self.comm, topology.dp_rank, dp, self.part,
-                                     optimizer.freeze_step, zero.quantization_block,
-                                     tp=(topology.tp_size, topology.tp_rank))
-            # the compressed phase measures every rank's whole local gradient
+                                     optimizer.freeze_step, zero.quantization_block, tp=tp)
+        elif self.one_bit == ZERO_ONE_ADAM:
+            schedule = ZeroOneSchedule(optimizer.var_freeze_step, optimizer.var_update_scaler,
+                                       optimizer.local_step_scaler, optimizer.local_step_clipper)
+            self.zero_one = ZeroOneAdam(self.groups, self.inner, self.comm, topology.dp_rank, dp, schedule,
+                                        zero.quantization_block, tp=tp)
+        if self.one_bit:
+            # steps on local gradients measure every rank's whole local gradient
             whole = [[self.reducer.grads[g.index][seg.start: seg.start + seg.size] for seg in g.segments]
                      for g in self.groups]
             self._local_norm = GradNorm(self.groups, whole, topology, 0, counts_whole_gradient=True)
         self._finish_setup()
 
-    def _compressing(self) -> bool:
-        """Whether this step is in 1-bit Adam's compressed phase (local gradients, momentum exchanged)."""
-        return self.onebit is not None and self.onebit.compressing
+    def _local_gradients(self) -> bool:
+        """Whether this step's gradients stay on their rank: 1-bit Adam's compressed phase, and 0/1 Adam's
+        steps other than its variance steps."""
+        if self.onebit is not None:
+            return self.onebit.compressing
+        if self.zero_one is not None:
+            return not self.zero_one.reduces_gradients()
+        return False
 
     # ---- set-up ----------------------------------------------------------------------
     def _sync_replicas(self) -> None:
@@ -110,21 +124,24 @@ class FlatZeroOptimizer(ZeroOptimizer):
     def _backward_phase(self, last_micro_step: bool) -> Iterator[None]:
         """Buckets are reduced over ``dp`` as they fill: on the last micro-step of the global batch when
         the gradients are kept whole, on every micro-step when only the partition is kept."""
-        self.reducer.begin_backward(reduce_now=last_micro_step and not self._compressing())
+        self.reducer.begin_backward(reduce_now=last_micro_step and not self._local_gradients())
         yield
         self.reducer.end_backward()
 
     def _global_sq(self) -> float:
-        if self._compressing():
+        if self._local_gradients():
             # No reduced gradient exists: each rank's local gradient times dp stands for the DP sum, so the
             # norm the step reports and clips with is the root mean square of the local norms.
             return self._local_norm.global_sq() * self.topology.dp_size
         return self.grad_norm.global_sq()
 
     def _apply_update(self, factor: float) -> None:
-        if self._compressing():
-            # factor carries the 1/dp of a DP sum; the exchange's own mean supplies it here
-            self.onebit.exchange(self.reducer.grads, factor * self.topology.dp_size)
+        # factor carries the 1/dp of a DP sum; for local gradients the 1-bit exchanges' own mean supplies it
+        local = factor * self.topology.dp_size
+        if self.zero_one is not None:
+            self.zero_one.step(self.reducer.grads, local if self._local_gradients() else factor)
+        elif self._local_gradients():
+            self.onebit.exchange(self.reducer.grads, local)
             self.onebit.update()
         elif self._offload:
             for off in self._offload:
@@ -174,8 +191,9 @@ class FlatZeroOptimizer(ZeroOptimizer):
         rep["master"] = sum(p.master_bytes() for p in self.partitions)
         rep["optimizer_states"] = self.inner.state_bytes()
         rep.update(held)
-        if self.onebit is not None:
-            rep.update(self.onebit.bytes_held())
+        for one_bit in (self.onebit, self.zero_one):
+            if one_bit is not None:
+                rep.update(one_bit.bytes_held())
         staging = sum(off.staging_bytes() for off in self._offload)
         if staging:
             rep["offload_staging"] = staging
@@ -205,8 +223,12 @@ class FlatZeroOptimizer(ZeroOptimizer):
                            "partition_numel": g.partition_numel,
                            "segments": [[s.start, s.size, s.used] for s in g.segments],
                            "master": part.master_flat(), **state,
-                           **(self.onebit.state(g.index) if self.onebit is not None else {})})
-        return self._state_header(groups)
+                           **(self.onebit.state(g.index) if self.onebit is not None else {}),
+                           **(self.zero_one.state(g.index) if self.zero_one is not None else {})})
+        header = self._state_header(groups)
+        if self.zero_one is not None:
+            header["zero_one_schedule"] = self.zero_one.state_header()
+        return header
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore a state written by :meth:`state_dict` under the same layout, then refresh the model."""
@@ -216,10 +238,13 @@ class FlatZeroOptimizer(ZeroOptimizer):
         self.inner.load_state_dict(inner)
         for part, g in zip(self.partitions, sd["groups"]):
             part.load_master(g["master"])
+        why = None
         if self.onebit is not None:
             why = self.onebit.load(sd["groups"])
-            if why is not None and self.topology.rank == 0:
-                logger.warning("1-bit Adam: %s", why)
+        elif self.zero_one is not None:
+            why = self.zero_one.load(sd.get("zero_one_schedule"), sd["groups"])
+        if why is not None and self.topology.rank == 0:
+            logger.warning("%s: %s", self.one_bit, why)
         self._load_counters(sd)
         self.weights_loaded(from_master=True)
 

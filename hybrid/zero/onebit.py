@@ -42,7 +42,7 @@ skips the step on every rank.
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -71,6 +71,114 @@ def compress_with_feedback(x: torch.Tensor, error: torch.Tensor, block: int) -> 
     return wire
 
 
+class CompressedAverage:
+    """The mean over ``dp`` of one fp32 value per element of every bucket of ``groups``, sent as 1-bit signs.
+
+    Per bucket (segment) of ``size`` elements, cut into ``dp`` rows of ``k = ceil(size / dp)``: each rank
+    packs its input with its worker error (:func:`compress_with_feedback`) and sends row ``j`` to rank ``j``
+    (one all-to-all over ``dp``); rank ``j`` averages the rows it received, packs that with its server error
+    and all-gathers it, so every rank decodes the same mean. ``layout`` ([dp size, dp rank, tp size, tp
+    rank]) tags the errors a checkpoint saves: they belong to one rank of one layout.
+    """
+
+    def __init__(self, groups: List[FlatGroup], comm: Communicator, dp_size: int, block: int, layout: List[int]):
+        self.groups, self.comm, self.dp, self.block, self.layout = groups, comm, dp_size, block, list(layout)
+        self.rows = [[-(-seg.size // dp_size) for seg in g.segments] for g in groups]  # k per segment
+        # allocated on first use (a warm-up needs none of them)
+        self.worker_error: Optional[List[List[torch.Tensor]]] = None  # [dp*k] fp32 per segment
+        self.server_error: Optional[List[List[torch.Tensor]]] = None  # [k] fp32 per segment
+
+    def allocate(self) -> None:
+        if self.worker_error is not None:
+            return
+        self.worker_error = [[torch.zeros(self.dp * k, dtype=torch.float32, device=g.device) for k in ks]
+                             for g, ks in zip(self.groups, self.rows)]
+        self.server_error = [[torch.zeros(k, dtype=torch.float32, device=g.device) for k in ks]
+                             for g, ks in zip(self.groups, self.rows)]
+
+    def clear(self) -> None:
+        """Zero both errors (what they hold was lost from another quantity than the next inputs)."""
+        for bufs in (self.worker_error or [], self.server_error or []):
+            for g in bufs:
+                torch._foreach_zero_(g)
+
+    def run(self, inputs: Callable[[int, int, torch.Tensor], None],
+            outputs: Callable[[int, int, Optional[torch.Tensor], torch.Tensor], None],
+            only: Optional[int] = None) -> None:
+        """Average every bucket (of group ``only``, when given) over ``dp``.
+
+        ``inputs(g, s, u)`` writes this rank's values of segment ``s`` of group ``g`` into ``u[:size]``
+        (fp32 [dp*k], zeros beyond). ``outputs(g, s, gathered, mean)`` receives every rank's packed row
+        (uint8 [dp, W]) and their decoded mean (fp32 [dp*k]; the same on every rank). All all-to-alls are
+        launched before the first server step, then all all-gathers. With one rank nothing is compressed:
+        ``outputs`` gets ``u`` itself and ``gathered`` None.
+        """
+        keys = [(gi, s) for gi, g in enumerate(self.groups) for s in range(len(g.segments))
+                if only is None or gi == only]
+        if self.dp == 1:
+            for gi, s in keys:
+                u = torch.zeros(self.rows[gi][s], dtype=torch.float32, device=self.groups[gi].device)
+                inputs(gi, s, u)
+                outputs(gi, s, None, u)
+            return
+        self.allocate()
+        sent = {}
+        for gi, s in keys:
+            k = self.rows[gi][s]
+            u = torch.zeros(self.dp * k, dtype=torch.float32, device=self.groups[gi].device)
+            inputs(gi, s, u)
+            wire = compress_with_feedback(u.view(self.dp, k), self.worker_error[gi][s], self.block)
+            received = torch.empty_like(wire)
+            sent[(gi, s)] = (received, self.comm.all_to_all_single(received, wire, "dp", async_op=True))
+        gathers = {}
+        for gi, s in keys:
+            received, handle = sent[(gi, s)]
+            handle.wait()
+            k = self.rows[gi][s]
+            mean = codec.unpack_sum(received, k, ONEBIT_BITS, self.block).div_(self.dp)
+            mine = compress_with_feedback(mean.view(1, k), self.server_error[gi][s], self.block)
+            gathered = torch.empty(self.dp, mine.shape[1], dtype=torch.uint8, device=mine.device)
+            gathers[(gi, s)] = (gathered, self.comm.all_gather_into_tensor(gathered.view(-1), mine.view(-1), "dp",
+                                                                          async_op=True))
+        for gi, s in keys:
+            gathered, handle = gathers[(gi, s)]
+            handle.wait()
+            outputs(gi, s, gathered, codec.unpack(gathered, self.rows[gi][s], ONEBIT_BITS, self.block).view(-1))
+
+    def state(self, gi: int) -> dict:
+        """Group ``gi``'s error buffers for a checkpoint (empty before the first use)."""
+        if self.worker_error is None:
+            return {}
+        return {ERROR_KEYS[0]: torch.cat(self.worker_error[gi]), ERROR_KEYS[1]: torch.cat(self.server_error[gi]),
+                LAYOUT_KEY: list(self.layout)}
+
+    def load(self, saved_groups: List[dict]) -> Optional[str]:
+        """Restore the errors saved by this rank under this layout; returns why they restart at zero, or None."""
+        self.worker_error = self.server_error = None
+        self.allocate()
+        for gi, saved in enumerate(saved_groups):
+            if not all(key in saved for key in ERROR_KEYS):
+                return ("the checkpoint has no error-feedback buffers (written before compression started, or "
+                        "resharded to another layout); they restart at zero")
+            if list(saved.get(LAYOUT_KEY, ())) != self.layout:
+                return (f"the checkpoint's error buffers belong to rank {saved.get(LAYOUT_KEY)} ([dp size, dp "
+                        f"rank, tp size, tp rank]), not {self.layout}; they restart at zero")
+            for key, bufs in zip(ERROR_KEYS, (self.worker_error[gi], self.server_error[gi])):
+                flat = saved[key]
+                if flat.numel() != sum(b.numel() for b in bufs):
+                    self.clear()
+                    return (f"the checkpoint's {key} has {flat.numel()} elements, this layout "
+                            f"{sum(b.numel() for b in bufs)}; the error feedback restarts at zero")
+                torch._foreach_copy_(bufs, list(torch.split(flat.to(bufs[0].device), [b.numel() for b in bufs])))
+        return None
+
+    def bytes_held(self) -> int:
+        if self.worker_error is None:
+            return 0
+        return sum(t.numel() * t.element_size() for bufs in (self.worker_error, self.server_error)
+                   for g in bufs for t in g)
+
+
 class OneBitAdam:
     """The compressed phase of 1-bit Adam for ``groups`` (whole flat buffers on every rank).
 
@@ -84,13 +192,8 @@ class OneBitAdam:
         if inner.kind != "adamw":
             raise ValueError(f"1-bit Adam runs on an AdamW inner optimizer, got {inner.kind!r}")
         self.groups, self.inner, self.comm = groups, inner, comm
-        self.dp_rank, self.dp, self.part = dp_rank, dp_size, part
-        self.freeze_step, self.block = freeze_step, block
-        self.layout = [dp_size, dp_rank, *tp]  # (tp size, tp rank): errors belong to one rank of one layout
-        self.rows = [[-(-seg.size // dp_size) for seg in g.segments] for g in groups]  # k per segment
-        # allocated when the compressed phase starts (the warm-up needs none of them)
-        self.worker_error: Optional[List[List[torch.Tensor]]] = None  # [dp*k] fp32 per segment
-        self.server_error: Optional[List[List[torch.Tensor]]] = None  # [k] fp32 per segment
+        self.dp, self.part, self.freeze_step, self.block = dp_size, part, freeze_step, block
+        self.channel = CompressedAverage(groups, comm, dp_size, block, [dp_size, dp_rank, *tp])
         # the packed momentum every rank received, [dp, W] uint8 per segment; None until the first exchange
         # (and after a load): the momentum is then gathered once from the exp_avg partitions
         self.wires: List[List[Optional[torch.Tensor]]] = [[None] * len(g.segments) for g in groups]
@@ -101,17 +204,9 @@ class OneBitAdam:
         return self.inner.step_count >= self.freeze_step
 
     # ---- the exchange ----------------------------------------------------------------------------
-    def _allocate(self) -> None:
-        if self.worker_error is not None:
-            return
-        self.worker_error = [[torch.zeros(self.dp * k, dtype=torch.float32, device=g.device) for k in ks]
-                             for g, ks in zip(self.groups, self.rows)]
-        self.server_error = [[torch.zeros(k, dtype=torch.float32, device=g.device) for k in ks]
-                             for g, ks in zip(self.groups, self.rows)]
-
     def _previous_momentum(self, gi: int, s: int) -> torch.Tensor:
         """The momentum of segment ``s`` of group ``gi`` after the last update, fp32 [size], whole."""
-        group, seg, k = self.groups[gi], self.groups[gi].segments[s], self.rows[gi][s]
+        group, seg, k = self.groups[gi], self.groups[gi].segments[s], self.channel.rows[gi][s]
         wire = self.wires[gi][s]
         if wire is not None:
             return codec.unpack(wire, k, ONEBIT_BITS, self.block).view(-1)[: seg.size]
@@ -122,52 +217,26 @@ class OneBitAdam:
         self.comm.all_gather_into_tensor(whole, mine, "dp")  # once per phase start or load
         return whole
 
-    def _worker(self, gi: int, s: int, grad: torch.Tensor, factor: float) -> torch.Tensor:
-        """Fold this rank's gradient of the segment into the momentum, pack it [dp, W] and keep the error."""
-        seg, k = self.groups[gi].segments[s], self.rows[gi][s]
-        beta1 = self.inner.betas[0]
-        u = torch.zeros(self.dp * k, dtype=torch.float32, device=grad.device)
-        body = u[: seg.size]
-        body.copy_(grad[seg.start: seg.start + seg.size])
-        body.mul_((1.0 - beta1) * factor).add_(self._previous_momentum(gi, s), alpha=beta1)
-        return compress_with_feedback(u.view(self.dp, k), self.worker_error[gi][s], self.block)
-
-    def _server(self, gi: int, s: int, received: torch.Tensor) -> torch.Tensor:
-        """Average the ``dp`` packed rows of this rank's chunk, add the server error, pack it again [1, W]."""
-        k = self.rows[gi][s]
-        mean = codec.unpack_sum(received, k, ONEBIT_BITS, self.block).div_(self.dp)
-        return compress_with_feedback(mean.view(1, k), self.server_error[gi][s], self.block)
-
     def exchange(self, grads: List[torch.Tensor], factor: float) -> None:
         """Average the momentum over ``dp`` (see the module docstring) into every ``exp_avg`` partition.
 
         ``grads[g]``: group ``g``'s whole local gradient [numel] (micro-steps summed, loss-scaled);
         ``factor`` turns it into the gradient of this rank's batch share (unscale times clip).
-        All segments' all-to-alls are launched before the first server step, then all all-gathers.
         """
-        self._allocate()
-        keys = [(gi, s) for gi, g in enumerate(self.groups) for s in range(len(g.segments))]
-        sent = {}
-        for gi, s in keys:
-            wire = self._worker(gi, s, grads[gi], factor)
-            received = torch.empty_like(wire)
-            sent[(gi, s)] = (received, self.comm.all_to_all_single(received, wire, "dp", async_op=True))
-        gathers = {}
-        for gi, s in keys:
-            received, handle = sent[(gi, s)]
-            handle.wait()
-            mine = self._server(gi, s, received)
-            gathered = torch.empty(self.dp, mine.shape[1], dtype=torch.uint8, device=mine.device)
-            gathers[(gi, s)] = (gathered, self.comm.all_gather_into_tensor(gathered.view(-1), mine.view(-1), "dp",
-                                                                          async_op=True))
-        for gi, s in keys:
-            gathered, handle = gathers[(gi, s)]
-            handle.wait()
+        beta1 = self.inner.betas[0]
+
+        def inputs(gi: int, s: int, u: torch.Tensor) -> None:
+            seg = self.groups[gi].segments[s]
+            body = u[: seg.size]
+            body.copy_(grads[gi][seg.start: seg.start + seg.size])
+            body.mul_((1.0 - beta1) * factor).add_(self._previous_momentum(gi, s), alpha=beta1)
+
+        def outputs(gi: int, s: int, gathered: torch.Tensor, mean: torch.Tensor) -> None:
             self.wires[gi][s] = gathered
             group, seg = self.groups[gi], self.groups[gi].segments[s]
-            whole = codec.unpack(gathered, self.rows[gi][s], ONEBIT_BITS, self.block).view(-1)
             lo, hi = seg.chunk_range(self.part, group.parts)
-            self.inner.groups[gi].views["exp_avg"][s].copy_(whole[lo - seg.start: hi - seg.start])
+            self.inner.groups[gi].views["exp_avg"][s].copy_(mean[lo - seg.start: hi - seg.start])
+        self.channel.run(inputs, outputs)
 
     # ---- the update --------------------------------------------------------------------------------
     def update(self) -> None:
@@ -191,10 +260,7 @@ class OneBitAdam:
     # ---- state and memory --------------------------------------------------------------------------
     def state(self, gi: int) -> dict:
         """Group ``gi``'s error-feedback buffers for a checkpoint (empty during the warm-up)."""
-        if self.worker_error is None:
-            return {}
-        return {ERROR_KEYS[0]: torch.cat(self.worker_error[gi]), ERROR_KEYS[1]: torch.cat(self.server_error[gi]),
-                LAYOUT_KEY: list(self.layout)}
+        return self.channel.state(gi)
 
     def load(self, saved_groups: List[dict]) -> Optional[str]:
         """Restore the error buffers saved under this layout; returns why they restart at zero, or None.
@@ -203,30 +269,12 @@ class OneBitAdam:
         ``exp_avg`` partitions, which hold exactly its decoded values.
         """
         self.wires = [[None] * len(g.segments) for g in self.groups]
-        self.worker_error = self.server_error = None
         if not self.compressing:
+            self.channel.worker_error = self.channel.server_error = None
             return None
-        self._allocate()
-        for gi, saved in enumerate(saved_groups):
-            if not all(key in saved for key in ERROR_KEYS):
-                return ("the checkpoint has no 1-bit Adam error-feedback buffers (written in the warm-up, or "
-                        "resharded to another layout); they restart at zero")
-            if list(saved.get(LAYOUT_KEY, ())) != self.layout:
-                return (f"the checkpoint's 1-bit Adam error buffers belong to rank {saved.get(LAYOUT_KEY)} "
-                        f"([dp size, dp rank, tp size, tp rank]), not {self.layout}; they restart at zero")
-            for key, bufs in zip(ERROR_KEYS, (self.worker_error[gi], self.server_error[gi])):
-                flat = saved[key]
-                if flat.numel() != sum(b.numel() for b in bufs):
-                    self.worker_error = self.server_error = None
-                    self._allocate()
-                    return (f"the checkpoint's 1-bit Adam {key} has {flat.numel()} elements, this layout "
-                            f"{sum(b.numel() for b in bufs)}; the error feedback restarts at zero")
-                torch._foreach_copy_(bufs, list(torch.split(flat.to(bufs[0].device), [b.numel() for b in bufs])))
-        return None
+        return self.channel.load(saved_groups)
 
     def bytes_held(self) -> dict:
         """``error_feedback`` (worker and server errors) and ``compressed_momentum`` (the packed ``m``)."""
-        errors = 0 if self.worker_error is None else sum(
-            t.numel() * t.element_size() for bufs in (self.worker_error, self.server_error) for g in bufs for t in g)
         wires = sum(w.numel() for g in self.wires for w in g if w is not None)
-        return {"error_feedback": errors, "compressed_momentum": wires}
+        return {"error_feedback": self.channel.bytes_held(), "compressed_momentum": wires}

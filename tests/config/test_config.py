@@ -21,7 +21,8 @@ FULL = {
              "offload_optimizer": "cpu",
              "persistence_threshold": 10, "max_live_parameters": 5000, "prefetch_bucket_size": 0},
     "optimizer": {"type": "adamw", "lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1,
-                  "freeze_step": 50, "decay_1d_params": True},
+                  "freeze_step": 50, "var_freeze_step": 60, "var_update_scaler": 8, "local_step_scaler": 100,
+                  "local_step_clipper": 4, "decay_1d_params": True},
     "scheduler": {"type": "cosine", "warmup_iters": 10, "warmup_style": "linear", "warmup_start_lr": 1e-5,
                   "decay_iters": 100, "min_lr": 3e-5},
     "clip_grad": 1.0, "micro_batch_size": 2, "gradient_accumulation_steps": 4, "global_batch_size": 64,
@@ -123,13 +124,13 @@ def test_config_object_is_copied_and_revalidated():
 @pytest.mark.parametrize("data,match", [
     ({"precison": "bf16"}, r"unknown config key 'precison'\. Did you mean 'precision'\?"),
     ({"optimizer": {"learning_rate": 1e-3}}, r"unknown config key 'optimizer\.learning_rate'\. Valid keys here: "
-                                             r"betas, decay_1d_params, eps, freeze_step, lr"),
+                                             r"betas, decay_1d_params, eps, freeze_step, local_step_clipper"),
     ({"zero": {"stag": 1}}, r"unknown config key 'zero\.stag'\. Did you mean 'zero\.stage'\?"),
     ({"schedular": {}}, r"Did you mean 'scheduler'\?"),
     ({"zero_optimisation": {}}, r"Did you mean the DeepSpeed key 'zero_optimization'\?"),
     ({"precision": "bf61"}, r"'precision' must be one of fp32, bf16, fp16, got 'bf61'\. Did you mean 'bf16'\? "
                             r"\(set by --precision, --bf16, --fp16\)"),
-    ({"optimizer": {"type": "lamb"}}, r"'optimizer\.type' must be one of adamw, adam, sgd, onebit_adam, got 'lamb'"),
+    ({"optimizer": {"type": "lamb"}}, r"'optimizer\.type' must be one of adamw, adam, sgd, onebit_adam, zero_one_adam, got 'lamb'"),
     ({"recompute": "partial"}, r"'recompute' must be one of none, full, selective"),
     ({"scheduler": {"type": "cosin", "decay_iters": 10}}, r"Did you mean 'cosine'\?"),
     ({"scheduler": {"warmup_style": "exp"}}, r"'scheduler\.warmup_style' must be one of linear, log"),

@@ -93,9 +93,18 @@ def test_zero_plus_plus_hpz_and_onebit_adam_keys():
         from_deepspeed({"zero_optimization": {"stage": 3}, "optimizer": {"type": "OneBitAdam", "params": {}}})
     with pytest.raises(ConfigError, match=r"'optimizer\.params\.cuda_aware' must be a bool"):
         from_deepspeed({"optimizer": {"type": "OneBitAdam", "params": {"cuda_aware": "yes"}}})
-    with pytest.raises(ConfigError, match=r"'ZeroOneAdam' is not supported \(it is a DeepSpeed optimizer hybrid "
+    # the 0/1 Adam config DeepSpeed's tutorial gives, as it stands
+    zo = from_deepspeed({"zero_optimization": {"stage": 0}, "optimizer": {"type": "ZeroOneAdam", "params": {
+        "lr": 1e-3, "weight_decay": 0.01, "bias_correction": False, "var_freeze_step": 1000, "var_update_scaler": 16,
+        "local_step_scaler": 1000, "local_step_clipper": 16, "cuda_aware": False, "comm_backend_name": "nccl"}}})
+    o = zo.optimizer
+    assert (o.type, o.var_freeze_step, o.var_update_scaler, o.local_step_scaler, o.local_step_clipper) == \
+        ("zero_one_adam", 1000, 16, 1000, 16)
+    with pytest.raises(ConfigError, match=r"zero_one_adam takes local steps .* ZeRO stage 0"):
+        from_deepspeed({"zero_optimization": {"stage": 1}, "optimizer": {"type": "ZeroOneAdam", "params": {}}})
+    with pytest.raises(ConfigError, match=r"'OneBitLamb' is not supported \(it is a DeepSpeed optimizer hybrid "
                                           r"does not implement\)"):
-        from_deepspeed({"optimizer": {"type": "ZeroOneAdam", "params": {}}})
+        from_deepspeed({"optimizer": {"type": "OneBitLamb", "params": {}}})
 
 
 def test_bf16_and_optimizer_kinds():

@@ -124,7 +124,9 @@ def dp_mean(per_rank: List[List[float]]) -> List[float]:
 
 
 _OPTIMIZER_KEYS = {"optimizer": "type", "lr": "lr", "betas": "betas", "eps": "eps", "weight_decay": "weight_decay",
-                   "momentum": "momentum", "freeze_step": "freeze_step"}
+                   "momentum": "momentum", "freeze_step": "freeze_step", "var_freeze_step": "var_freeze_step",
+                   "var_update_scaler": "var_update_scaler", "local_step_scaler": "local_step_scaler",
+                   "local_step_clipper": "local_step_clipper"}
 
 
 def make_zero(model: nn.Module, topology, **kwargs):
