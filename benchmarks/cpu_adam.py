@@ -43,7 +43,7 @@ HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 BYTES_PER_ELEMENT = 28
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
@@ -158,7 +158,7 @@ def main() -> int:
 
     op = hk.default_registry().load("cpu_adam")  # build first, outside the timings
     isas = list(op.supported_isas())
-    print(f"CPU Adam benchmark: {n:,} params, {torch.get_num_threads()} threads, {_cpu_name()}, "
+    print(f"CPU Adam benchmark: {n:,} params, {torch.get_num_threads()} threads, {cpu_name()}, "
           f"paths {', '.join(isas)}, load average {os.getloadavg()[0]:.1f} at start")
 
     probes = bandwidth_probes(n)

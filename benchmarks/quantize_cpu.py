@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -29,22 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.cpu_adam import cpu_name  # noqa: E402  (the machine's CPU model, as the CPU Adam benchmark names it)
 from hybrid.kernels import quantize as Q  # noqa: E402
 from hybrid.kernels.builder import default_cache_root, default_csrc_dir  # noqa: E402
 from hybrid.kernels.modes import KernelMode  # noqa: E402
 from hybrid.kernels.registry import KernelRegistry  # noqa: E402
 
 OPS = ("pack", "unpack", "unpack_sum")
-
-
-def _cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _size(text: str) -> int:
@@ -143,7 +133,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(default_threads)
     load_after = os.getloadavg()
 
-    print(f"CPU: {_cpu_name()}, {os.cpu_count()} logical CPUs; torch {torch.__version__}; "
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} logical CPUs; torch {torch.__version__}; "
           f"cpu_quantize path {op.default_isa()}")
     print(f"rows = {args.rows}, block = {args.block}, median of {args.repeats} interleaved rounds; "
           f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
@@ -157,7 +147,7 @@ def main(argv=None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {
             "command": " ".join(["python", Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)]),
-            "cpu": _cpu_name(), "logical_cpus": os.cpu_count(), "torch": torch.__version__,
+            "cpu": cpu_name(), "logical_cpus": os.cpu_count(), "torch": torch.__version__,
             "threads": thread_counts, "isa": op.default_isa(), "repeats": args.repeats,
             "load_average_before": load_before, "load_average_after": load_after,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -145,3 +145,12 @@ def make_zero(model: nn.Module, topology, **kwargs):
     zero = {k: kwargs.pop(k) for k in list(kwargs) if k in zero_keys}
     opt = {_OPTIMIZER_KEYS[k]: kwargs.pop(k) for k in list(kwargs) if k in _OPTIMIZER_KEYS}
     return build_zero_optimizer(model, topology, ZeroConfig(**zero), OptimizerConfig(**opt), **kwargs)
+
+
+def clone_state(sd):
+    """A deep copy of an optimizer ``state_dict()`` (tensors cloned): a state to load after training on."""
+    if isinstance(sd, dict):
+        return {k: clone_state(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [clone_state(v) for v in sd]
+    return sd.clone() if isinstance(sd, torch.Tensor) else sd

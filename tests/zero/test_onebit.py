@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.multiproc import run_distributed
-from tests.zero.common import TiedMLP, no_decay, numpy_params, token_batch
+from tests.zero.common import TiedMLP, clone_state, no_decay, numpy_params, token_batch
 
 WORLD = 4
 STEPS, FREEZE, SPLIT = 20, 6, 12
@@ -55,14 +55,6 @@ def _train(model, opt, topo, first, last):
     return losses, {k: (v["wire_bytes"], v["inter_node_bytes"]) for k, v in report.items() if k in DP_OPS}
 
 
-def _clone(sd):
-    if isinstance(sd, dict):
-        return {k: _clone(v) for k, v in sd.items()}
-    if isinstance(sd, list):
-        return [_clone(v) for v in sd]
-    return sd.clone() if isinstance(sd, torch.Tensor) else sd
-
-
 def _suite():
     res = {}
     for stage in (0, 1, 2):
@@ -78,7 +70,7 @@ def _suite():
         # resume in the compressed phase: the uninterrupted run vs one rebuilt from the state at SPLIT
         model, opt, topo = _build(stage, "onebit_adam", freeze_step=FREEZE)
         _train(model, opt, topo, 0, SPLIT)
-        state = _clone(opt.state_dict())
+        state = clone_state(opt.state_dict())
         _train(model, opt, topo, SPLIT, STEPS)
         straight = numpy_params(model)
         opt.remove_hooks()

@@ -12,7 +12,7 @@ import torch
 
 from hybrid.zero.zero_one_adam import ZeroOneSchedule
 from tests.multiproc import run_distributed
-from tests.zero.common import TiedMLP, no_decay, numpy_params, token_batch
+from tests.zero.common import TiedMLP, clone_state, no_decay, numpy_params, token_batch
 
 WORLD = 4
 MICRO = 2
@@ -59,14 +59,6 @@ def _train(model, opt, topo, first, last):
     return losses, params, dp_bytes
 
 
-def _clone(sd):
-    if isinstance(sd, dict):
-        return {k: _clone(v) for k, v in sd.items()}
-    if isinstance(sd, list):
-        return [_clone(v) for v in sd]
-    return sd.clone() if isinstance(sd, torch.Tensor) else sd
-
-
 def _suite():
     res = {}
     for name in ("adamw", "zero_one_adam"):
@@ -76,7 +68,7 @@ def _suite():
         opt.remove_hooks()
     model, opt, topo = _build("zero_one_adam")
     _train(model, opt, topo, 0, SPLIT)
-    state = _clone(opt.state_dict())
+    state = clone_state(opt.state_dict())
     straight = _train(model, opt, topo, SPLIT, STEPS)[1][STEPS]
     opt.remove_hooks()
     model, opt, topo = _build("zero_one_adam")
