@@ -12,7 +12,11 @@ One object owns the whole update path of a model replica (one TP shard):
   buffer when the stage partitions no optimizer state;
 * the inner AdamW/Adam/SGD (:mod:`hybrid.zero.inner`) and, under offload, the
   host twins of gradients and weights (:mod:`hybrid.zero.offload`);
-* the global gradient norm (:mod:`hybrid.zero.grad_norm`).
+* the global gradient norm (:mod:`hybrid.zero.grad_norm`);
+* under ``optimizer.type`` ``onebit_adam`` or ``zero_one_adam``, the 1-bit
+  optimizer that replaces the reduction and the update on the steps whose
+  gradients stay on their rank (:mod:`hybrid.zero.onebit`,
+  :mod:`hybrid.zero.zero_one_adam`).
 
 The shared step, the loss scale and the counters are in :mod:`hybrid.zero.base`.
 """
