@@ -16,13 +16,16 @@ Two settings of the ``zero`` section choose a format:
 each). The format itself (:mod:`hybrid.kernels.quantize`) and its error bound
 are in ``docs/compression.md``.
 
-Two more settings cut the bytes that cross nodes without a new format:
+Three more settings cut the bytes that cross nodes:
 
 * ``zero.hpz_partition_size`` (stage 3): a secondary copy of the parameters
   sharded over the ranks of one node, so backward re-gathers inside the node;
 * ``optimizer.type = onebit_adam``: after ``optimizer.freeze_step`` AdamW
   steps the variance freezes and the momentum travels as 1-bit signs with
-  error feedback (stages 0-2), :mod:`hybrid.zero.onebit`.
+  error feedback (stages 0-2), :mod:`hybrid.zero.onebit`;
+* ``optimizer.type = zero_one_adam`` (stage 0): 0/1 Adam, exact reductions
+  only on ever rarer variance steps, 1-bit exchanges otherwise, then local
+  steps synchronized by 1-bit exchanges, :mod:`hybrid.zero.zero_one_adam`.
 
 This module is plain data, like :mod:`hybrid.layout`: configuration
 validation and the planner read it without torch.
