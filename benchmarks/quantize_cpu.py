@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.cpu_adam import cpu_name  # noqa: E402  (the machine's CPU model, as the CPU Adam benchmark names it)
+from benchmarks.cpu_adam import cpu_name, timed_rounds  # noqa: E402  (the CPU model; interleaved timing)
 from hybrid.kernels import quantize as Q  # noqa: E402
 from hybrid.kernels.builder import default_cache_root, default_csrc_dir  # noqa: E402
 from hybrid.kernels.modes import KernelMode  # noqa: E402
@@ -45,18 +45,6 @@ def _size(text: str) -> int:
 
 def _label(n: int) -> str:
     return f"{n >> 20}M" if n % (1 << 20) == 0 else str(n)
-
-
-def timed_rounds(contenders: dict, rounds: int) -> dict[str, list[float]]:
-    for fn in contenders.values():  # warm-up (and first-touch of every buffer)
-        fn()
-    times = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for name, fn in contenders.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return times
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

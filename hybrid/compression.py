@@ -131,6 +131,8 @@ def compression_problem(stage: int, gradients: str, weights: str, block: int) ->
 
 ONEBIT_ADAM = "onebit_adam"  # optimizer.type of the 1-bit compressed Adam
 ZERO_ONE_ADAM = "zero_one_adam"  # optimizer.type of 0/1 Adam (1-bit, adaptive variance freezing, local steps)
+# the 1-bit optimizers: each rank keeps its whole local gradient, and 1-bit exchanges replace reductions
+ONE_BIT_OPTIMIZERS = (ONEBIT_ADAM, ZERO_ONE_ADAM)
 ONEBIT_BITS = 1
 
 

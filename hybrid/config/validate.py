@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from hybrid.config.batch import BatchSizes
 from hybrid.config.errors import value_suggestion
 from hybrid.config.flags import key_error, meta_error
-from hybrid.compression import ONEBIT_ADAM, ZERO_ONE_ADAM, compression_problem, hpz_problem, onebit_problem
+from hybrid.compression import ONE_BIT_OPTIMIZERS, compression_problem, hpz_problem, onebit_problem
 from hybrid.layout import offload_problem, reduce_once_problem
 
 if TYPE_CHECKING:  # the schema's methods call this module through parse: no runtime import back
@@ -113,7 +113,7 @@ def _cross_key_rules(cfg: "HybridConfig") -> None:
     if problem:
         raise error(f"config key 'zero.hpz_partition_size' is {z.hpz_partition_size!r} but 'zero.stage' is "
                     f"{z.stage}: {problem}", "zero.hpz_partition_size", "zero.stage")
-    if cfg.optimizer.type in (ONEBIT_ADAM, ZERO_ONE_ADAM):
+    if cfg.optimizer.type in ONE_BIT_OPTIMIZERS:
         problem = onebit_problem(z.stage, z.offload_optimizer, z.two_level_reduce, cfg.optimizer.type)
         if problem:
             key, why = problem

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from hybrid.compression import (ONEBIT_ADAM, ONEBIT_BITS, Quantization, compression_problem,
+from hybrid.compression import (ONE_BIT_OPTIMIZERS, ONEBIT_ADAM, ONEBIT_BITS, Quantization, compression_problem,
                                 gradient_quantization, hpz_problem, onebit_problem, weight_quantization)
 from hybrid.config import ZeroConfig
 from hybrid.plan.activations import CUDA, DeviceProfile
@@ -75,8 +75,8 @@ class TrainingSetup:
     @property
     def whole_gradients(self) -> bool:
         """Whether stage 2 keeps the whole gradient and reduces it once per step: ``zero.reduce_once``, or
-        1-bit Adam, whose compressed phase needs each rank's whole local gradient."""
-        return self.reduce_once or self.optimizer == ONEBIT_ADAM
+        a 1-bit optimizer, whose local steps need each rank's whole local gradient."""
+        return self.reduce_once or self.optimizer in ONE_BIT_OPTIMIZERS
 
     @property
     def momentum_quant(self) -> Optional[Quantization]:
@@ -91,8 +91,8 @@ class TrainingSetup:
                                       self.quantization_block)
         if problem:
             return problem[1]
-        if self.optimizer == ONEBIT_ADAM:
-            problem = onebit_problem(stage, "none", self.two_level_reduce)
+        if self.optimizer in ONE_BIT_OPTIMIZERS:
+            problem = onebit_problem(stage, "none", self.two_level_reduce, self.optimizer)
             if problem:
                 return problem[1]
         return hpz_problem(stage, self.hpz_partition_size)

@@ -34,8 +34,8 @@ from typing import Callable, ContextManager, Dict, List, Optional, Tuple
 import torch
 
 from hybrid.config.schema import OptimizerConfig, ZeroConfig
-from hybrid.compression import (ONEBIT_ADAM, ZERO_ONE_ADAM, compression_problem, gradient_quantization,
-                                hpz_problem, onebit_problem, weight_quantization)
+from hybrid.compression import (ONE_BIT_OPTIMIZERS, compression_problem, gradient_quantization, hpz_problem,
+                                onebit_problem, weight_quantization)
 from hybrid.layout import STAGE_TRAITS, StageTraits, ZeroStage, offload_problem, reduce_once_problem, zero_stage
 from hybrid.topology import Topology, TopologyError
 from hybrid.zero.flat_buffer import ParamRecord, ZeroConfigError
@@ -101,7 +101,7 @@ class ZeroOptimizer(abc.ABC):
         _check_runtime(topology, loss_scaler, clip_grad, gradient_accumulation_steps, master_dtype)
         self.traits: StageTraits = STAGE_TRAITS[self.stage]
         # onebit_adam / zero_one_adam: the 1-bit optimizers (hybrid.zero.onebit, hybrid.zero.zero_one_adam)
-        self.one_bit = optimizer.type if optimizer.type in (ONEBIT_ADAM, ZERO_ONE_ADAM) else None
+        self.one_bit = optimizer.type if optimizer.type in ONE_BIT_OPTIMIZERS else None
         if self.one_bit:
             problem = onebit_problem(self.stage, zero.offload_optimizer, zero.two_level_reduce, self.one_bit)
             if problem is not None:
@@ -109,7 +109,8 @@ class ZeroOptimizer(abc.ABC):
                 raise ZeroConfigError(f"optimizer.type = {self.one_bit!r} with {key} = "
                                       f"{getattr(zero, key.split('.')[1])!r}: {why}")
         # their moments are AdamW's, and 1-bit Adam's warm-up is AdamW
-        self.inner = InnerOptimizer("adamw" if self.one_bit else optimizer.type, lr=optimizer.lr, betas=tuple(optimizer.betas), eps=optimizer.eps,
+        self.inner = InnerOptimizer("adamw" if self.one_bit else optimizer.type, lr=optimizer.lr,
+                                    betas=tuple(optimizer.betas), eps=optimizer.eps,
                                     weight_decay=optimizer.weight_decay, momentum=optimizer.momentum,
                                     use_kernels=use_fused_kernels)
         self.model = model

@@ -68,7 +68,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
         host = host_device(self.offload_optimizer, self.groups[0].device)
         self.partitions = [GroupPartition(g, self.part, self.master_dtype, master_device=host) for g in self.groups]
         # the 1-bit optimizers' local steps need each rank's whole local gradient, as zero.reduce_once keeps it
-        if keeps_whole_gradients(traits, zero.reduce_once or bool(self.one_bit)):
+        if keeps_whole_gradients(traits, zero.reduce_once or self.one_bit is not None):
             self.reducer = FullGradReducer(self.groups, self.comm, topology.dp_rank, zero.overlap_comm,
                                            scatter=traits.optimizer_states, quant=self.grad_quant,
                                            two_level=self.two_level)

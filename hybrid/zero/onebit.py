@@ -156,6 +156,18 @@ class CompressedAverage:
         """Restore the errors saved by this rank under this layout; returns why they restart at zero, or None."""
         self.worker_error = self.server_error = None
         self.allocate()
+        why = self.foreign(saved_groups)
+        if why is not None:
+            return why
+        for gi, saved in enumerate(saved_groups):
+            for key, bufs in zip(ERROR_KEYS, (self.worker_error[gi], self.server_error[gi])):
+                torch._foreach_copy_(bufs, list(torch.split(saved[key].to(bufs[0].device),
+                                                            [b.numel() for b in bufs])))
+        return None
+
+    def foreign(self, saved_groups: List[dict]) -> Optional[str]:
+        """Why the per-rank state in ``saved_groups`` is not this rank's under this layout (None when it is):
+        checked for every group before anything is restored, so nothing is restored in part."""
         for gi, saved in enumerate(saved_groups):
             if not all(key in saved for key in ERROR_KEYS):
                 return ("the checkpoint has no error-feedback buffers (written before compression started, or "
@@ -164,12 +176,9 @@ class CompressedAverage:
                 return (f"the checkpoint's error buffers belong to rank {saved.get(LAYOUT_KEY)} ([dp size, dp "
                         f"rank, tp size, tp rank]), not {self.layout}; they restart at zero")
             for key, bufs in zip(ERROR_KEYS, (self.worker_error[gi], self.server_error[gi])):
-                flat = saved[key]
-                if flat.numel() != sum(b.numel() for b in bufs):
-                    self.clear()
-                    return (f"the checkpoint's {key} has {flat.numel()} elements, this layout "
+                if saved[key].numel() != sum(b.numel() for b in bufs):
+                    return (f"the checkpoint's {key} has {saved[key].numel()} elements, this layout "
                             f"{sum(b.numel() for b in bufs)}; the error feedback restarts at zero")
-                torch._foreach_copy_(bufs, list(torch.split(flat.to(bufs[0].device), [b.numel() for b in bufs])))
         return None
 
     def bytes_held(self) -> int:

@@ -199,8 +199,10 @@ class ZeroOneAdam:
             self.channel.worker_error = self.channel.server_error = None
             return None if self.inner.step_count == 0 else self.channel.load(saved_groups)
         self._start_local_phase()  # the anchor: the loaded weights, unless the checkpoint has this rank's own
-        restored = all(ANCHOR_KEY in g and g[ANCHOR_KEY].numel() == sum(a.numel() for a in anchor)
-                       for g, anchor in zip(saved_groups, self.anchor))
+        # saved beside this rank's errors (their layout tag says whose they are)
+        restored = self.channel.foreign(saved_groups) is None and all(
+            ANCHOR_KEY in g and g[ANCHOR_KEY].numel() == sum(a.numel() for a in anchor)
+            for g, anchor in zip(saved_groups, self.anchor))
         if restored:
             for anchor, saved in zip(self.anchor, saved_groups):
                 torch._foreach_copy_(anchor, list(torch.split(saved[ANCHOR_KEY].to(anchor[0].device),
