@@ -33,7 +33,7 @@ from hybrid.zero.base import ZeroOptimizer
 from hybrid.zero.buckets import FullGradReducer, PartitionedGradReducer
 from hybrid.zero.flat_buffer import build_flat_groups, collect_trainable, dtype_name
 from hybrid.zero.grad_norm import GradNorm
-from hybrid.zero.offload import ChunkOffload, host_device
+from hybrid.zero.offload import ChunkOffload, host_device, poison_requested
 from hybrid.zero.onebit import OneBitAdam
 from hybrid.zero.zero_one_adam import ZeroOneAdam, ZeroOneSchedule
 from hybrid.zero.partition import GroupPartition
@@ -78,8 +78,9 @@ class FlatZeroOptimizer(ZeroOptimizer):
         self.reducer.attach_hooks()
         self._grad_chunks = [self.reducer.grad_chunks(g.index, self.part) for g in self.groups]
         # offload: host twins of the reduced gradients and rounded weights (the same tensors on a CPU model)
-        self._offload = [ChunkOffload(gc, part.param_chunks, host) for gc, part in
-                         zip(self._grad_chunks, self.partitions)] if host is not None else []
+        poison = poison_requested()
+        self._offload = [ChunkOffload(gc, part.param_chunks, host, poison=poison and not part.aliased)
+                         for gc, part in zip(self._grad_chunks, self.partitions)] if host is not None else []
         if any(not off.same for off in self._offload):
             self.reducer.on_final = lambda g, s: self._offload[g].grad_to_host(s)
         for k, (g, part) in enumerate(zip(self.groups, self.partitions)):
