@@ -2,19 +2,25 @@
 
     python benchmarks/gpu/check_kernels.py [--json PATH] [--skip-timing] [--dry-run-cpu]
 
-One self-contained run (about 5 minutes on one H200):
-  1. builds the ``cuda_adam`` and ``cuda_norm`` ops through hybrid.kernels (JIT, ninja);
+Part 2 of the GPU verification run (benchmarks/gpu/run_all.sh), and a command of its own.
+One self-contained run (about 5 minutes on one H200 without --budget):
+  1. builds the ``cuda_adam``, ``cuda_norm`` and ``cuda_quantize`` ops through hybrid.kernels (JIT, ninja);
   2. measures the device's copy bandwidth (device-to-device copy, bytes read + written);
   3. checks the kernels on fresh random inputs of several sizes and dtypes, with every
      output poisoned (NaN) before each run: multi-tensor Adam/AdamW against
      ``torch.optim.AdamW`` / ``Adam`` (fp32/bf16/fp16 grads, bf16/fp16 copy-out, aligned and
      misaligned tensors), LayerNorm/RMSNorm forward and backward against a float64
-     reference (error also shown for torch's own kernel in the same dtype);
+     reference (error also shown for torch's own kernel in the same dtype), and the blockwise
+     quantization kernels (int8, int4, 1-bit: pack, unpack, unpack_sum) bit for bit against the
+     torch path of hybrid.kernels.quantize on the same device (outputs poisoned with NaN first);
   4. times them against the torch natives (``aten::native_layer_norm`` and its backward,
      ``F.rms_norm``, ``torch.optim.AdamW(fused=True)``) and reports each kernel's effective
-     bandwidth as a fraction of the copy bandwidth.
+     bandwidth as a fraction of the copy bandwidth (the quantization kernels against the torch path).
 Prints a table last; exits 1 if any check failed. With $OUT set, the full results are
-also written to $OUT/check_kernels.json.
+also written to $OUT/check_kernels.json (run_all.sh names $OUT/part2_kernels.json instead).
+``--budget SECONDS``: the timing sections run only while the budget has room (the rest are recorded
+as skipped); the checks always run. In the dry run the compiled CPU ops stand in (cpu_adam for Adam,
+cpu_quantize for quantization) and a torch stand-in for the norm op.
 """
 
 from __future__ import annotations
@@ -76,7 +82,10 @@ def _setup_env() -> None:
 
 
 def bench_ms(tgt: Target, fn, warmup: int = 3, iters: int = 20) -> float:
-    """Median time of ``fn`` in milliseconds, measured with CUDA events (host clock on CPU)."""
+    """Median time of ``fn`` in milliseconds, measured with CUDA events (host clock on CPU; the dry run
+    times 1 warm-up and 3 calls: it checks the code, its figures mean nothing)."""
+    if tgt.dry_run:
+        warmup, iters = 1, 3
     for _ in range(warmup):
         fn()
     if tgt.dry_run:
@@ -134,7 +143,7 @@ def build_ops(report: Report) -> dict:
     import hybrid.kernels as hk
 
     timings = {}
-    for name in ("cuda_adam", "cuda_norm"):
+    for name in ("cuda_adam", "cuda_norm", "cuda_quantize"):
         start = time.perf_counter()
         outcome = hk.build([name])[name]
         timings[name] = time.perf_counter() - start
@@ -180,7 +189,7 @@ def _adam_tensors(tgt: Target, sizes, grad_dtype, out_dtype, misaligned: bool, g
 def check_adam(report: Report, tgt: Target) -> None:
     import hybrid.kernels as hk
 
-    sizes = [1, 7, 1023, 16384, 16385, 100_003, 1_000_003]
+    sizes = [1, 7, 1023, 16384, 16385, tgt.size(100_003, 20_003), tgt.size(1_000_003, 40_003)]
     gen = torch.Generator(device=tgt.device).manual_seed(0)
     modes = [(True, 0.01, 1.0), (False, 0.01, 1.0), (True, 0.0, 0.37)]
     for grad_dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -294,9 +303,9 @@ def check_norms(report: Report, tgt: Target) -> None:
             for w_dtype in sorted({dtype, torch.float32}, key=str):
                 for with_bias in ((True, False) if not rms else (False,)):
                     for hidden in hiddens:
-                        rows = 200 if hidden <= 1024 else 64
+                        rows = 200 if hidden <= 1024 else tgt.size(64, 8)
                         _norm_case(tgt, report, rms, dtype, w_dtype, with_bias, rows, hidden, False, gen)
-                    _norm_case(tgt, report, rms, dtype, w_dtype, with_bias, 50, 4096, True, gen)
+                    _norm_case(tgt, report, rms, dtype, w_dtype, with_bias, tgt.size(50, 8), 4096, True, gen)
     # The public autograd wrappers on a 3-D input.
     x = torch.randn(4, 33, 4096, device=tgt.device, generator=gen).bfloat16().requires_grad_()
     w = torch.randn(4096, device=tgt.device, generator=gen).bfloat16().requires_grad_()
@@ -313,10 +322,64 @@ def check_norms(report: Report, tgt: Target) -> None:
                      max(errs) < 2e-2, max(errs))
 
 
+# --------------------------------------------------------- quantize check --
+
+def check_quantize(report: Report, tgt: Target) -> None:
+    """The compiled quantization op (cuda_quantize; cpu_quantize in the dry run) bit for bit against the
+    torch path on the same device, on the tests' adversarial inputs (denormals, near FLT_MAX, NaN, inf,
+    zero blocks), every output poisoned with NaN before the call."""
+    from hybrid.kernels import quantize as Q
+    from tests.kernels.test_quantize import FORMATS, _adversarial, same_bits
+
+    nan = float("nan")
+    for bits, block in FORMATS + [(8, 4096), (1, Q.MAX_CUDA_1BIT_BLOCK)]:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            bad = []
+            sizes = [(1, 1), (3, block - 1), (4, 6 * block + 3)] + ([] if tgt.dry_run else [(2, 100_003)])
+            for rows, k in sizes:
+                x = _adversarial(rows, k, block, dtype, seed=rows + k).to(tgt.device)
+                want = Q.pack(x, bits, block, use_kernel=False)
+                wire = Q.pack(x, bits, block)
+                if not torch.equal(wire, want):
+                    bad.append(f"pack {rows}x{k}")
+                out = torch.full((rows, k), nan, device=tgt.device)
+                if not same_bits(Q.unpack(wire, k, bits, block, out=out), Q.unpack(want, k, bits, block,
+                                                                                  use_kernel=False)):
+                    bad.append(f"unpack {rows}x{k}")
+                for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+                    got = Q.unpack_sum(wire, k, bits, block, torch.full((k,), nan, device=tgt.device, dtype=out_dtype))
+                    ref = Q.unpack_sum(want, k, bits, block, torch.empty(k, device=tgt.device, dtype=out_dtype),
+                                       use_kernel=False)
+                    if not same_bits(got, ref):
+                        bad.append(f"unpack_sum->{str(out_dtype)[6:]} {rows}x{k}")
+            report.check("quantize (bit-identical)", f"int{bits} block {block} x={str(dtype)[6:]}", not bad,
+                         float(len(bad)), detail="; ".join(bad))
+
+
+def time_quantize(report: Report, copy_bw: float, tgt: Target) -> None:
+    """pack and unpack_sum of [4, n] bf16 rows: the compiled op against the torch path."""
+    from hybrid.kernels import quantize as Q
+
+    rows, n = 4, tgt.size(16 * 2**20, 2**18)
+    x = torch.randn(rows, n, device=tgt.device, dtype=torch.bfloat16)
+    for bits in (8, 1):
+        wire = Q.pack(x, bits)
+        wire_bytes = wire.numel()
+        ours = bench_ms(tgt, lambda: Q.pack(x, bits))
+        theirs = bench_ms(tgt, lambda: Q.pack(x, bits, use_kernel=False))
+        report.timings.append(_timing(f"quantize pack int{bits}", f"{rows}x{n} bf16", ours, theirs, "torch path",
+                                      x.numel() * x.element_size() + wire_bytes, copy_bw))
+        out = torch.empty(n, device=tgt.device)
+        ours = bench_ms(tgt, lambda: Q.unpack_sum(wire, n, bits, out=out))
+        theirs = bench_ms(tgt, lambda: Q.unpack_sum(wire, n, bits, out=out, use_kernel=False))
+        report.timings.append(_timing(f"quantize unpack_sum int{bits}", f"{rows}x{n} -> fp32", ours, theirs,
+                                      "torch path", wire_bytes + 4 * n, copy_bw))
+
+
 # ----------------------------------------------------------------- timing --
 
 def time_norms(report: Report, copy_bw: float, tgt: Target) -> None:
-    for rows, hidden in ((tgt.size(32768, 512), 4096), (tgt.size(16384, 256), 8192)):
+    for rows, hidden in ((tgt.size(32768, 128), 4096), (tgt.size(16384, 64), 8192)):
         _time_norm_shape(report, copy_bw, tgt, rows, hidden, torch.bfloat16)
         if not tgt.dry_run:
             torch.cuda.empty_cache()
@@ -375,7 +438,7 @@ def time_adam(report: Report, copy_bw: float, tgt: Target) -> None:
 def _time_adam_layout(report: Report, copy_bw: float, tgt: Target, layout: str, count: int) -> None:
     import hybrid.kernels as hk
 
-    total = tgt.size(50_000_000, 2_000_000)
+    total = tgt.size(50_000_000, 500_000)
     sizes = [total // count] * count
     params = [torch.randn(s, device=tgt.device) for s in sizes]
     grads32 = [torch.randn(s, device=tgt.device) for s in sizes]
@@ -457,6 +520,8 @@ def main() -> int:
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--dry-run-cpu", action="store_true",
                         help="exercise this script on CPU (small sizes, torch stand-in for the norm op)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds: run the timing sections only while this budget has room")
     args = parser.parse_args()
     tgt = Target(args.dry_run_cpu)
     if not tgt.dry_run and not torch.cuda.is_available():
@@ -464,6 +529,7 @@ def main() -> int:
         return 2
     started = time.perf_counter()
     report = Report()
+    skipped: list[str] = []
     if tgt.dry_run:
         os.environ["HYBRID_KERNELS"] = "require"
         info = dict(device="CPU (dry run)", torch=torch.__version__, cuda=torch.version.cuda, build_s={})
@@ -480,22 +546,39 @@ def main() -> int:
             print(f"copy bandwidth {info['copy_bw'] / 1e12:.2f} TB/s", flush=True)
         except Exception as exc:
             report.error("copy bandwidth", exc)
-        for section, fn in (("adam check", check_adam), ("norm check", check_norms)):
+        for section, fn in (("adam check", check_adam), ("norm check", check_norms),
+                            ("quantize check", check_quantize)):
             try:
                 fn(report, tgt)
             except Exception as exc:
                 report.error(section, exc)
+        last_s = None
         if not args.skip_timing and "copy_bw" in info:
-            for section, fn in (("norm timing", time_norms), ("adam timing", time_adam)):
+            for section, fn in (("norm timing", time_norms), ("adam timing", time_adam),
+                                ("quantize timing", time_quantize)):
+                elapsed = time.perf_counter() - started
+                # start a timing section only if one as long as the last (a tenth of the budget for the first)
+                # still fits
+                if args.budget is not None and elapsed + (last_s or 0.1 * args.budget) > args.budget:
+                    skipped.append(f"{section}: {args.budget - elapsed:.0f} s left of the {args.budget:.0f} s budget")
+                    print(f"skipped {section} (budget)", flush=True)
+                    continue
                 try:
                     fn(report, info["copy_bw"], tgt)
                 except Exception as exc:
                     report.error(section, exc)
+                last_s = time.perf_counter() - started - elapsed
     info["wall_s"] = time.perf_counter() - started
     path = args.json or (os.path.join(os.environ["OUT"], "check_kernels.json") if os.environ.get("OUT") else None)
     if path:
+        failed = sum(not c["ok"] for c in report.checks)
+        headline = (f"{len(report.checks) - failed}/{len(report.checks)} correctness cases pass; "
+                    f"{len(report.timings)} timings" + (f"; {len(report.notes)} error(s)" if report.notes else ""))
         with open(path, "w") as fh:
-            json.dump(dict(info=info, checks=report.checks, timings=report.timings, notes=report.notes), fh, indent=1)
+            json.dump(dict(part=2, name="kernels", status="ok" if report.failed == 0 else "failed", headline=headline,
+                           wall_s=info["wall_s"], budget_s=args.budget, dry_run=tgt.dry_run, skipped=skipped,
+                           info=info, checks=report.checks, timings=report.timings, notes=report.notes),
+                      fh, indent=1)
     print_summary(report, info)
     return 1 if report.failed else 0
 

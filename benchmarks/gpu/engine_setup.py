@@ -1,0 +1,123 @@
+"""Shared by parts 3-5 of the GPU verification run: the world-1 process group, the models, the engine
+configurations and the batches they train on.
+
+On a GPU the process joins a one-rank NCCL process group (``hybrid.init_distributed(backend="nccl")``),
+so the engine takes its NCCL/CUDA set-up path; ``hybrid.comm`` skips collectives on one-rank groups, so
+no NCCL collective moves data here. The dry run joins a one-rank gloo group on the CPU instead.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+# The ZeRO runs of parts 3 and 4: stages 1, 2, 3 and stage 2 with the optimizer offloaded to the CPU.
+ZERO_RUNS: Dict[str, Dict] = {
+    "zero1": dict(stage=1),
+    "zero2": dict(stage=2),
+    "zero3": dict(stage=3),
+    "zero2_offload": dict(stage=2, offload="cpu"),
+}
+# AdamW hyper-parameters of every run and of part 3's torch.optim.AdamW reference.
+LR, WEIGHT_DECAY, BETAS, EPS = 3e-4, 0.1, (0.9, 0.95), 1e-8
+
+
+def world_one(dry_run: bool):
+    """Join a one-rank process group (NCCL on a GPU, gloo in the dry run) and return its Topology."""
+    import hybrid
+    from hybrid import Topology
+
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    info = hybrid.init_distributed(timeout_s=300, backend="gloo" if dry_run else "nccl")
+    return Topology(tp=1), info
+
+
+def model_config(dry_run: bool, preset: str, **overrides):
+    """The preset on a GPU (no dropout unless ``overrides`` say so); a two-layer tiny GPT in the dry run."""
+    from model_zoo import get_preset
+
+    if dry_run:
+        tiny = dict(num_layers=2, hidden_size=64, num_heads=4, seq_length=32, vocab_size=512)
+        tiny.update(overrides)
+        return get_preset("tiny", **tiny)
+    return get_preset(preset, **{"hidden_dropout": 0.0, "attention_dropout": 0.0, **overrides})
+
+
+def engine_config(run: Dict, micro: int, fused: bool = True) -> Dict:
+    """``hybrid.initialize``'s config for one ZeRO run in bf16 (fp32 masters), world 1, no clipping."""
+    zero = {"stage": run["stage"]}
+    if run.get("offload", "none") != "none":
+        zero["offload_optimizer"] = run["offload"]
+    return {"precision": "bf16", "zero": zero, "micro_batch_size": micro, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "adamw", "lr": LR, "weight_decay": WEIGHT_DECAY, "betas": list(BETAS), "eps": EPS},
+            "steps_per_print": 0, "use_fused_kernels": fused}
+
+
+def build_model(cfg, topo, device: torch.device, seed: int = 1234):
+    """A model_zoo GPT initialised from ``seed`` (the same weights at every call), in fp32 on ``device``."""
+    from model_zoo import GPTModel
+
+    model = GPTModel(cfg, topo, device=device, seed=seed)
+    model.check_inputs = False  # one host sync per step less; the batches below are in range
+    return model
+
+
+def build_engine(cfg, topo, device: torch.device, run: Dict, micro: int, fused: bool = True):
+    import hybrid
+
+    return hybrid.initialize(build_model(cfg, topo, device), engine_config(run, micro, fused), topology=topo)
+
+
+def batch(step: int, micro: int, cfg, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Global batch ``step``: random tokens whose label is the token itself (a copy task the tied
+    embedding learns within a few steps, so the loss curve falls and a wrong update shows)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_length), generator=gen).to(device)
+    return x, x
+
+
+def close_engine(engine) -> None:
+    """Free an engine's memory before the next run builds its own."""
+    engine.close()
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device) -> Tuple[object, float]:
+    """``fn()`` and its wall time in seconds, the device's queue drained before and after."""
+    synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return out, time.perf_counter() - start
+
+
+def peak_tflops_measured(out_dir: Path) -> Optional[float]:
+    """Part 1's measured bf16 matmul TFLOP/s, if part 1 wrote it."""
+    import json
+
+    path = out_dir / "part1_env.json"
+    try:
+        return float(json.loads(path.read_text())["info"]["matmul_bf16_tflops"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

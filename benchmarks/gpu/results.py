@@ -1,0 +1,218 @@
+"""Shared by the parts of the GPU verification run (benchmarks/gpu/run_all.sh): where results go,
+each part's time budget, the JSON every part writes, and the one summary table printed last.
+
+    python benchmarks/gpu/results.py note PART NAME STATUS WALL BUDGET HEADLINE  # a step run_all.sh ran itself
+    python benchmarks/gpu/results.py missing PART NAME RC BUDGET   # a part that wrote no JSON
+    python benchmarks/gpu/results.py summary                       # the table of every part
+
+Every part writes ``<out>/partN_<name>.json``: ``{"part", "name", "status", "headline", "wall_s",
+"budget_s", "dry_run", "rows", "skipped", "notes"}``. ``status`` is ``ok`` (every check passed),
+``failed`` (a check failed), ``error`` (the part raised), or ``timeout`` / ``crashed`` (written by
+``missing`` when the part's own ``timeout`` killed it or it died without writing its JSON).
+``<out>`` is ``$OUT`` when set, else a temporary folder whose path the script prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# The dense bf16 tensor-core peak of the lent H200, from the device page of the machines this run is
+# written for (hybrid.monitor.flops' table has 989.4 for an H200 SXM: both are printed, MFU uses this one).
+SPEC_PEAK_BF16_TFLOPS = 790.0
+# The whole run, torch install included, must finish within this (the issue's limit).
+TOTAL_BUDGET_S = 480
+STATUSES = ("ok", "failed", "error", "timeout", "crashed")
+OUT_ENV = "OUT"
+FALLBACK_ENV = "HYBRID_GPU_RUN_OUT"  # run_all.sh's temporary folder when $OUT is unset
+
+
+def out_dir() -> Path:
+    """Where every part writes: $OUT, else the folder run_all.sh chose, else a new temporary folder."""
+    path = os.environ.get(OUT_ENV) or os.environ.get(FALLBACK_ENV)
+    if not path:
+        path = tempfile.mkdtemp(prefix="hybrid-gpu-run-")
+        os.environ[FALLBACK_ENV] = path
+    Path(path).mkdir(parents=True, exist_ok=True)
+    return Path(path)
+
+
+def result_path(part: int, name: str) -> Path:
+    return out_dir() / f"part{part}_{name}.json"
+
+
+class Budget:
+    """A part's time budget in seconds, counted from construction. Parts check :meth:`left` before each
+    optional size and record what they skip; the part's ``timeout`` in run_all.sh is the hard stop."""
+
+    def __init__(self, seconds: float):
+        self.seconds = float(seconds)
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return self.seconds - self.elapsed()
+
+
+class PartResult:
+    """What one part found: rows of measurements, whether every check held, what it skipped."""
+
+    def __init__(self, part: int, name: str, budget: Budget, dry_run: bool):
+        self.part, self.name, self.budget, self.dry_run = part, name, budget, dry_run
+        self.rows: List[Dict] = []
+        self.skipped: List[str] = []
+        self.notes: List[str] = []
+        self.failures: List[str] = []
+        self.info: Dict = {}
+        self.headline = ""
+        self.error: Optional[str] = None
+
+    def check(self, what: str, ok: bool, detail: str = "") -> bool:
+        """Record one pass/fail comparison; a failure is printed at once and fails the part."""
+        if not ok:
+            self.failures.append(f"{what}: {detail}" if detail else what)
+            print(f"FAIL {what} {detail}", flush=True)
+        return ok
+
+    @property
+    def status(self) -> str:
+        if self.error is not None:
+            return "error"
+        return "failed" if self.failures else "ok"
+
+    def to_dict(self) -> Dict:
+        return {"part": self.part, "name": self.name, "status": self.status, "headline": self.headline,
+                "wall_s": round(self.budget.elapsed(), 2), "budget_s": self.budget.seconds,
+                "dry_run": self.dry_run, "info": self.info, "rows": self.rows, "skipped": self.skipped,
+                "failures": self.failures, "notes": self.notes, "error": self.error}
+
+    def write(self) -> Path:
+        path = result_path(self.part, self.name)
+        path.write_text(json.dumps(self.to_dict(), indent=1, default=str))
+        return path
+
+
+def part_arguments(description: str) -> argparse.Namespace:
+    """The command line every part takes: ``--dry-run-cpu`` and ``--budget SECONDS``."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run-cpu", action="store_true",
+                        help="the same code on CPU with tiny sizes and gloo (what CI runs)")
+    parser.add_argument("--budget", type=float, required=True, help="this part's time budget in seconds")
+    return parser.parse_args()
+
+
+def run_part(part: int, name: str, body: Callable[[PartResult], None], description: str) -> int:
+    """Parse the part's arguments, run ``body``, write its JSON whatever happens; exit 0 only when ok."""
+    args = part_arguments(description)
+    result = PartResult(part, name, Budget(args.budget), args.dry_run_cpu)
+    try:
+        body(result)
+    except Exception as exc:  # noqa: BLE001 - the JSON must say what broke; the next part still runs
+        result.error = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        print(f"ERROR in part {part} ({name}):\n{result.error}", flush=True)
+    path = result.write()
+    print(f"part {part} {name}: {result.status} in {result.budget.elapsed():.1f} s -> {path}", flush=True)
+    return 0 if result.status == "ok" else 1
+
+
+def dry_run_choice(dry_run: bool, gpu, cpu):
+    """The GPU size, or the tiny one of the dry run."""
+    return cpu if dry_run else gpu
+
+
+# ---------------------------------------------------------------- run_all.sh's commands --
+
+def write_note(part: int, name: str, status: str, wall: Optional[float], budget: float, headline: str) -> None:
+    """The JSON of a step run_all.sh runs itself (the torch install), or of a part that wrote none."""
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+    result_path(part, name).write_text(json.dumps(
+        {"part": part, "name": name, "status": status, "wall_s": wall, "budget_s": budget, "headline": headline,
+         "rows": [], "skipped": [], "failures": [], "notes": [], "error": None}, indent=1))
+
+
+def write_missing(part: int, name: str, rc: int, budget: float) -> None:
+    """A part that ended without its JSON: killed by its ``timeout`` (rc 124/137) or crashed."""
+    if not result_path(part, name).exists():
+        write_note(part, name, "timeout" if rc in (124, 137) else "crashed", None, budget,
+                   f"no result: exit code {rc}")
+
+
+def load_results() -> List[Dict]:
+    out = []
+    for path in sorted(out_dir().glob("part*_*.json")):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            out.append({"part": path.stem, "name": path.stem, "status": "crashed", "headline": f"unreadable: {exc}"})
+    return sorted(out, key=lambda r: str(r.get("part")))
+
+
+def summary_table(results: List[Dict]) -> str:
+    lines = [f"{'part':<5}{'name':<14}{'status':<9}{'wall s':>8}{'budget s':>10}  headline"]
+    for r in results:
+        wall = r.get("wall_s")
+        wall_txt = f"{wall:.1f}" if isinstance(wall, (int, float)) else "-"
+        skipped = f" (skipped {len(r['skipped'])})" if r.get("skipped") else ""
+        lines.append(f"{str(r.get('part')):<5}{r.get('name', ''):<14}{r.get('status', '?'):<9}{wall_txt:>8}"
+                     f"{r.get('budget_s', 0):>10.0f}  {r.get('headline', '')}{skipped}")
+    return "\n".join(lines)
+
+
+def print_summary() -> int:
+    results = load_results()
+    table = summary_table(results)
+    (out_dir() / "summary.txt").write_text(table + "\n")
+    bad = [r for r in results if r.get("status") != "ok"]
+    print("\n" + "=" * 100)
+    print(f"hybrid GPU verification run: results in {out_dir()}")
+    print(table)
+    print(f"{len(results) - len(bad)}/{len(results)} parts ok")
+    return 1 if bad else 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    note = sub.add_parser("note")
+    note.add_argument("part", type=int)
+    note.add_argument("name")
+    note.add_argument("status", choices=STATUSES)
+    note.add_argument("wall", type=float)
+    note.add_argument("budget", type=float)
+    note.add_argument("headline")
+    miss = sub.add_parser("missing")
+    miss.add_argument("part", type=int)
+    miss.add_argument("name")
+    miss.add_argument("rc", type=int)
+    miss.add_argument("budget", type=float)
+    sub.add_parser("summary")
+    sub.add_parser("out-dir")
+    args = parser.parse_args(argv)
+    if args.command == "note":
+        write_note(args.part, args.name, args.status, args.wall, args.budget, args.headline)
+        return 0
+    if args.command == "missing":
+        write_missing(args.part, args.name, args.rc, args.budget)
+        return 0
+    if args.command == "out-dir":
+        print(out_dir())
+        return 0
+    return print_summary()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

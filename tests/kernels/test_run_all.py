@@ -1,0 +1,86 @@
+"""``bash benchmarks/gpu/run_all.sh --dry-run-cpu``: the GPU verification run's orchestration on the CPU.
+
+The same scripts, functions and JSON/table output as on a GPU, with tiny sizes and gloo, so the run
+cannot rot unseen while no GPU is lent. (This file sorts after test_quantize.py on purpose: the compiled
+CPU ops the dry run requires are then already in the session's kernel cache.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PARTS = [(0, "install"), (1, "env"), (2, "kernels"), (3, "engine"), (4, "memory"), (5, "mfu"), (6, "trainer")]
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-run")
+    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", "benchmarks/gpu/run_all.sh", "--dry-run-cpu"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    return proc, out
+
+
+def _part(out: Path, part: int, name: str) -> dict:
+    return json.loads((out / f"part{part}_{name}.json").read_text())
+
+
+def test_every_part_reports_ok_and_the_table_comes_last(dry_run):
+    proc, out = dry_run
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for part, name in PARTS:
+        data = _part(out, part, name)
+        assert data["status"] == "ok", (part, name, data.get("failures"), data.get("error"))
+        assert data["headline"]
+    lines = proc.stdout.rstrip().splitlines()
+    assert lines[-1] == f"{len(PARTS)}/{len(PARTS)} parts ok"
+    table = (out / "summary.txt").read_text().rstrip().splitlines()
+    assert lines[-1 - len(table):-1] == table  # the table, row for row, just before the closing line
+    assert [row.split()[:3] for row in table[1:]] == [[str(p), n, "ok"] for p, n in PARTS]
+    # and nothing any part printed comes after it
+    assert proc.stdout.rfind("part 6 trainer: exit 0") < proc.stdout.rfind(table[0])
+
+
+def test_parts_compare_what_they_say_they_compare(dry_run):
+    _, out = dry_run
+    kernels = _part(out, 2, "kernels")
+    groups = {c["group"] for c in kernels["checks"]}
+    assert {"multi_tensor_adam", "layer_norm", "rms_norm", "quantize (bit-identical)"} <= groups
+    assert all(c["ok"] for c in kernels["checks"])
+
+    engine = _part(out, 3, "engine")
+    runs = {r["run"]: r for r in engine["rows"]}
+    assert set(runs) == {"torch AdamW", "zero1", "zero2", "zero3", "zero2_offload"}
+    assert runs["zero2_offload"]["poisoned_host"] and not runs["zero1"]["poisoned_host"]
+    for name in ("zero1", "zero2", "zero3", "zero2_offload"):
+        assert runs[name]["updated_steps"] == engine["info"]["steps"]
+        assert runs[name]["param_rel_err"] <= engine["info"]["param_rtol"]
+
+    memory = _part(out, 4, "memory")
+    assert len(memory["rows"]) == 4 and "n/a on CPU" in memory["info"]["instrument"]
+    for row in memory["rows"]:
+        assert row["predicted_peak"] > 0 and abs(row["peak"] / row["predicted_peak"] - 1) <= 0.10
+
+    mfu = _part(out, 5, "mfu")
+    assert len(mfu["rows"]) + len(mfu["skipped"]) >= 8  # models x recompute x kernels x micro batches
+    assert all(any("flash" in k for k in r["sdpa_kernels"]) for r in mfu["rows"])
+    assert mfu["info"]["measured_peak_tflops"] == _part(out, 1, "env")["info"]["matmul_bf16_tflops"]
+
+
+def test_a_part_without_its_json_is_reported_as_such(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path))
+    script = [sys.executable, "benchmarks/gpu/results.py"]
+    subprocess.run(script + ["missing", "5", "mfu", "124", "70"], cwd=REPO, env=env, check=True)
+    subprocess.run(script + ["missing", "6", "trainer", "1", "30"], cwd=REPO, env=env, check=True)
+    proc = subprocess.run(script + ["summary"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert _part(tmp_path, 5, "mfu")["status"] == "timeout"
+    assert _part(tmp_path, 6, "trainer")["status"] == "crashed"
+    assert proc.stdout.rstrip().splitlines()[-1] == "0/2 parts ok"
