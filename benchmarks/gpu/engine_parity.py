@@ -53,14 +53,14 @@ def param_rtol(steps: int) -> float:
     return steps * BF16_EPS
 
 
-def reference_adamw(cfg, device: torch.device, micro: int, steps: int):
+def reference_adamw(factory: es.ModelFactory, micro: int, steps: int):
     """Plain single-process mixed precision: bf16 model, fp32 masters stepped by torch.optim.AdamW.
 
     Returns (losses per step, initial bf16 weights, final bf16 weights) keyed by parameter name."""
-    from hybrid import Topology
     from hybrid.engine.builders import exclude_1d_params
 
-    model = es.build_model(cfg, Topology.local(), device).to(torch.bfloat16)
+    cfg, device = factory.cfg, factory.device
+    model = factory.build().to(torch.bfloat16)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     initial = {n: p.detach().clone() for n, p in named}
     masters = {n: p.detach().float().clone() for n, p in named}
@@ -85,9 +85,10 @@ def reference_adamw(cfg, device: torch.device, micro: int, steps: int):
     return losses, initial, final
 
 
-def engine_run(cfg, topo, device: torch.device, run: Dict, micro: int, steps: int):
+def engine_run(factory: es.ModelFactory, run: Dict, micro: int, steps: int):
     """The same training through hybrid.initialize; returns (losses, steps that updated, final weights)."""
-    engine = es.build_engine(cfg, topo, device, run, micro)
+    cfg, device = factory.cfg, factory.device
+    engine = es.build_engine(factory, run, micro)
     losses, updated = [], 0
     for step in range(steps):
         x, y = es.batch(step, micro, cfg, device)
@@ -123,8 +124,9 @@ def body(res: PartResult) -> None:
     steps, micro = dry_run_choice(dry, 20, 4), dry_run_choice(dry, 2, 2)
     res.info.update(model="tiny (dry run)" if dry else "gpt2-medium", steps=steps, micro_batch=micro,
                     seq_length=cfg.seq_length, backend=info.backend, world=info.world_size,
-                    loss_rtol=f"(k+1) * 2^-8 at step k", param_rtol=param_rtol(steps))
-    (ref_losses, initial, ref_final), ref_s = es.timed(lambda: reference_adamw(cfg, device, micro, steps), device)
+                    loss_rtol="(k+1) * 2^-8 at step k", param_rtol=param_rtol(steps))
+    factory = es.ModelFactory(cfg, topo, device)
+    (ref_losses, initial, ref_final), ref_s = es.timed(lambda: reference_adamw(factory, micro, steps), device)
     print(f"reference AdamW: loss {ref_losses[0]:.4f} -> {ref_losses[-1]:.4f} in {ref_s:.1f} s", flush=True)
     res.rows.append(dict(run="torch AdamW", losses=ref_losses, seconds=ref_s))
     res.check("the reference's loss falls", ref_losses[-1] < ref_losses[0], f"{ref_losses[0]} -> {ref_losses[-1]}")
@@ -138,8 +140,7 @@ def body(res: PartResult) -> None:
         if poison:
             os.environ[POISON_ENV] = "1"
         try:
-            (losses, updated, final), last_s = es.timed(lambda: engine_run(cfg, topo, device, run, micro, steps),
-                                                        device)
+            (losses, updated, final), last_s = es.timed(lambda: engine_run(factory, run, micro, steps), device)
         finally:
             os.environ.pop(POISON_ENV, None)
         loss_errs = [abs(a - b) / abs(b) if math.isfinite(a) else math.inf for a, b in zip(losses, ref_losses)]

@@ -66,19 +66,37 @@ def engine_config(run: Dict, micro: int, fused: bool = True) -> Dict:
             "steps_per_print": 0, "use_fused_kernels": fused}
 
 
-def build_model(cfg, topo, device: torch.device, seed: int = 1234):
-    """A model_zoo GPT initialised from ``seed`` (the same weights at every call), in fp32 on ``device``."""
-    from model_zoo import GPTModel
+class ModelFactory:
+    """Fresh copies of one initial model_zoo GPT (fp32, on ``device``).
 
-    model = GPTModel(cfg, topo, device=device, seed=seed)
-    model.check_inputs = False  # one host sync per step less; the batches below are in range
-    return model
+    The constructor initialises the model from ``seed`` once (model_zoo draws every weight on the CPU,
+    about 25 s for gpt2-xl) and keeps a copy of that state on the device; :meth:`build` makes each
+    further model on the meta device and loads the copy, which takes well under a second on a GPU.
+    """
+
+    def __init__(self, cfg, topo, device: torch.device, seed: int = 1234):
+        from model_zoo import GPTModel
+
+        self.cfg, self.topo, self.device, self.seed = cfg, topo, device, seed
+        first = GPTModel(cfg, topo, device=device, seed=seed)
+        self.initial = {k: v.detach().clone() for k, v in first.state_dict().items()}
+        del first
+
+    def build(self, cfg=None):
+        """A fresh model with the initial weights; ``cfg``: another config of the same shapes (say, another
+        recomputation), default the factory's."""
+        from model_zoo import GPTModel
+
+        model = GPTModel(cfg or self.cfg, self.topo, device="meta", seed=self.seed).to_empty(device=self.device)
+        model.load_state_dict(self.initial)
+        model.check_inputs = False  # one host sync per step less; the batches below are in range
+        return model
 
 
-def build_engine(cfg, topo, device: torch.device, run: Dict, micro: int, fused: bool = True):
+def build_engine(factory: ModelFactory, run: Dict, micro: int, fused: bool = True, cfg=None):
     import hybrid
 
-    return hybrid.initialize(build_model(cfg, topo, device), engine_config(run, micro, fused), topology=topo)
+    return hybrid.initialize(factory.build(cfg), engine_config(run, micro, fused), topology=factory.topo)
 
 
 def batch(step: int, micro: int, cfg, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -38,8 +38,8 @@ class _separate_host_twins:
 
         self.original = original = offload.ChunkOffload.__init__
 
-        def separate(chunks, device_grads, device_params, host):
-            original(chunks, device_grads, device_params, host)
+        def separate(chunks, device_grads, device_params, host, **kwargs):
+            original(chunks, device_grads, device_params, host, **kwargs)
             for twin in chunks._grads:
                 twin.same, twin.host = False, torch.zeros_like(twin.device_tensor)
             chunks.grads = [twin.host for twin in chunks._grads]
