@@ -85,9 +85,16 @@ class ModelFactory:
     def build(self, cfg=None):
         """A fresh model with the initial weights; ``cfg``: another config of the same shapes (say, another
         recomputation), default the factory's."""
+        from hybrid import param_meta
         from model_zoo import GPTModel
 
-        model = GPTModel(cfg or self.cfg, self.topo, device="meta", seed=self.seed).to_empty(device=self.device)
+        model = GPTModel(cfg or self.cfg, self.topo, device="meta", seed=self.seed)
+        # to_empty makes new Parameter objects, which lose the tensor-parallel metadata: set it again
+        # (the initializer attribute only serves materialize(), which these models never need)
+        metas = {name: param_meta.get_tp_meta(p) for name, p in model.named_parameters()}
+        model.to_empty(device=self.device)
+        for name, p in model.named_parameters():
+            param_meta.set_tp_meta(p, **metas[name].to_json())
         model.load_state_dict(self.initial)
         model.check_inputs = False  # one host sync per step less; the batches below are in range
         return model

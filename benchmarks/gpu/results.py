@@ -31,8 +31,6 @@ if str(REPO) not in sys.path:
 # The dense bf16 tensor-core peak of the lent H200, from the device page of the machines this run is
 # written for (hybrid.monitor.flops' table has 989.4 for an H200 SXM: both are printed, MFU uses this one).
 SPEC_PEAK_BF16_TFLOPS = 790.0
-# The whole run, torch install included, must finish within this (the issue's limit).
-TOTAL_BUDGET_S = 480
 STATUSES = ("ok", "failed", "error", "timeout", "crashed")
 OUT_ENV = "OUT"
 FALLBACK_ENV = "HYBRID_GPU_RUN_OUT"  # run_all.sh's temporary folder when $OUT is unset

@@ -44,8 +44,9 @@
 # The torch wheel: the lent H200 machine has no network and ships a CUDA build of torch (2.11.0+cu130 when
 # last seen), which this script uses as it is (install time 0). Where no CUDA torch is importable it runs
 #   pip install torch==2.13.0 --index-url https://pypi.org/simple
-# i.e. PyPI's default index, which serves the CUDA 12.x build of torch for Linux x86_64 (its CUDA libraries
-# come as nvidia-*-cu12 wheels), and prints how long that took; torch.version.cuda is printed in part 1.
+# i.e. PyPI's default index, which serves the CUDA build of torch for Linux x86_64 (CUDA 12.x, its CUDA
+# libraries as nvidia-* wheels; not checked from here: part 1 prints torch.version.cuda), and prints how
+# long that took.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
