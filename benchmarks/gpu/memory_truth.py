@@ -119,7 +119,8 @@ def measure_run(res: PartResult, factory: es.ModelFactory, name: str, run: Dict,
     for label, got, want in (("held between steps", measured["held"], memory.persistent),
                              ("step peak", measured["peak"], memory.peak)):
         print(f"{'':<{len(name) + 2}}{label:<18}{got:>16,}{want:>16,}{_rel(got, want):>8}")
-    res.check(f"{name}: peak within {PEAK_TARGET:.0%} of the planner", _close(measured["peak"], memory.peak, PEAK_TARGET),
+    res.check(f"{name}: peak within {PEAK_TARGET:.0%} of the planner", _close(measured["peak"], memory.peak,
+                                                                              PEAK_TARGET),
               f"measured {measured['peak']}, predicted {memory.peak}")
     res.rows.append(row)
     return f"{name} peak {_rel(measured['peak'], memory.peak)}"
@@ -140,8 +141,7 @@ def body(res: PartResult) -> None:
     factory = es.ModelFactory(cfg, topo, device)  # its copy of the initial weights is part of every baseline
     heads, last_s = [], 0.0
     for name, run in es.ZERO_RUNS.items():
-        if res.budget.left() < 1.5 * last_s:
-            res.skipped.append(f"{name}: {res.budget.left():.0f} s left of the budget, the last run took {last_s:.0f} s")
+        if not res.fits(name, 1.5 * last_s):
             continue
         head, last_s = es.timed(lambda: measure_run(res, factory, name, run, micro), device)
         heads.append(head)

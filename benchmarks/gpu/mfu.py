@@ -79,11 +79,41 @@ def kernel_mode(kernels: str, dry_run: bool) -> str:
     return "auto" if dry_run else "require"
 
 
+def measure(engine, cfg, device, micro: int, warmup: int, timed_steps: int, peaks) -> Dict:
+    """Tokens/s and MFU of full training steps at one micro batch (flash attention only), and which SDPA
+    kernel ran in one more step."""
+    from model_zoo.flops import flops_per_token
+
+    def step(k: int) -> None:
+        x, y = es.batch(k, micro, cfg, device)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    with flash_only():
+        for k in range(warmup + timed_steps):
+            _, seconds = es.timed(lambda: step(k), device)
+            if k >= warmup:
+                times.append(seconds)
+        with SdpaTrace() as trace:
+            step(warmup + timed_steps)
+    step_s = statistics.median(times)
+    tokens_per_s = micro * cfg.seq_length / step_s
+    tflops = flops_per_token(cfg) * tokens_per_s / 1e12
+    return dict(micro_batch=micro, step_s=step_s, tokens_per_s=tokens_per_s, model_tflops=tflops,
+                mfu_spec=tflops / SPEC_PEAK_BF16_TFLOPS,
+                mfu_measured=None if peaks["measured"] is None else tflops / peaks["measured"],
+                sdpa_kernels=sorted(trace.kernels),
+                max_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)
+
+
 def run_setting(res: PartResult, factory: "es.ModelFactory", model: str, recompute: str, kernels: str, micros,
                 peaks) -> List[Dict]:
     """One engine per (model, recompute, kernels); micro batches in turn on the same engine."""
     from hybrid.kernels.modes import MODE_ENV
-    from model_zoo.flops import flops_per_token
 
     dry, device = res.dry_run, factory.device
     cfg = factory.cfg.replace(recompute=recompute)
@@ -92,41 +122,28 @@ def run_setting(res: PartResult, factory: "es.ModelFactory", model: str, recompu
     engine = es.build_engine(factory, MFU_RUN, micro=max(micros), fused=kernels == "fused", cfg=cfg)
     rows = []
     model = f"tiny[{model}]" if dry else model  # the dry run's tiny GPT stands in for the preset
+    last = None  # (micro batch, seconds) of the last size measured
     try:
         for micro in micros:
             label = f"{model} recompute={recompute} kernels={kernels} micro={micro}"
-            times = []
-
-            def step(k: int) -> None:
-                x, y = es.batch(k, micro, cfg, device)
-                loss = engine(x, y)
-                engine.backward(loss)
-                engine.step()
-
-            if not dry:
-                torch.cuda.reset_peak_memory_stats()
-            with flash_only():
-                for k in range(warmup + timed_steps):
-                    _, seconds = es.timed(lambda: step(k), device)
-                    if k >= warmup:
-                        times.append(seconds)
-                with SdpaTrace() as trace:
-                    step(warmup + timed_steps)
-            tokens_per_s = micro * cfg.seq_length / statistics.median(times)
-            tflops = flops_per_token(cfg) * tokens_per_s / 1e12
-            row = dict(setting=label, model=model, recompute=recompute, kernels=kernels, micro_batch=micro,
-                       step_s=statistics.median(times), tokens_per_s=tokens_per_s, model_tflops=tflops,
-                       mfu_spec=tflops / SPEC_PEAK_BF16_TFLOPS,
-                       mfu_measured=None if peaks["measured"] is None else tflops / peaks["measured"],
-                       sdpa_kernels=sorted(trace.kernels),
-                       max_memory_gib=None if dry else torch.cuda.max_memory_allocated() / 2**30)
+            # a size costs about its share of the last one's time (tokens scale the step)
+            if last is not None and not res.fits(label, 1.2 * last[1] * micro / last[0]):
+                continue
+            try:
+                row, seconds = es.timed(lambda: measure(engine, cfg, device, micro, warmup, timed_steps, peaks),
+                                        device)
+            except torch.cuda.OutOfMemoryError as exc:  # the larger sizes would not fit either
+                res.skipped.append(f"{label} and larger: out of memory ({str(exc).splitlines()[0]})")
+                break
+            last = (micro, seconds)
+            row.update(setting=label, model=model, recompute=recompute, kernels=kernels)
             rows.append(row)
-            res.check(f"{label}: flash attention ran", bool(trace.kernels) and
-                      all("flash" in k for k in trace.kernels), f"SDPA kernels {sorted(trace.kernels)}")
+            res.check(f"{label}: flash attention ran", bool(row["sdpa_kernels"]) and
+                      all("flash" in k for k in row["sdpa_kernels"]), f"SDPA kernels {row['sdpa_kernels']}")
             measured = "n/a" if row["mfu_measured"] is None else f"{100 * row['mfu_measured']:.1f}%"
-            print(f"{label}: {tokens_per_s:,.0f} tokens/s, {tflops:.1f} TFLOP/s, MFU {100 * row['mfu_spec']:.1f}% "
-                  f"of spec {SPEC_PEAK_BF16_TFLOPS:.0f}, {measured} of measured; SDPA {sorted(trace.kernels)}",
-                  flush=True)
+            print(f"{label}: {row['tokens_per_s']:,.0f} tokens/s, {row['model_tflops']:.1f} TFLOP/s, MFU "
+                  f"{100 * row['mfu_spec']:.1f}% of spec {SPEC_PEAK_BF16_TFLOPS:.0f}, {measured} of measured; "
+                  f"SDPA {row['sdpa_kernels']}", flush=True)
     finally:
         es.close_engine(engine)
         os.environ.pop(MODE_ENV, None)
@@ -153,10 +170,7 @@ def body(res: PartResult) -> None:
             for kernels in KERNELS:
                 name = f"{model} recompute={recompute} kernels={kernels} micro={'/'.join(map(str, micros))}"
                 # the next setting takes about as long as the last, plus an initialisation for a new model
-                needed = None if last_s is None else 1.2 * (last_s + (init_s if factory is None else 0.0))
-                if needed is not None and res.budget.left() < needed:
-                    res.skipped.append(f"{name}: {res.budget.left():.0f} s left of the budget, "
-                                       f"the last setting took {last_s:.0f} s")
+                if last_s is not None and not res.fits(name, 1.2 * (last_s + (init_s if factory is None else 0.0))):
                     continue
                 if factory is None:
                     factory, init_s = es.timed(lambda: es.ModelFactory(es.model_config(dry, model, **overrides),

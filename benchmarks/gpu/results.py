@@ -85,6 +85,17 @@ class PartResult:
             print(f"FAIL {what} {detail}", flush=True)
         return ok
 
+    def fits(self, what: str, needed_s: float) -> bool:
+        """Whether ``what`` (an optional size or run, expected to take ``needed_s``) fits in what is left of
+        the budget; when it does not, it is recorded as skipped."""
+        left = self.budget.left()
+        if left >= needed_s:
+            return True
+        self.skipped.append(f"{what}: {left:.0f} s left of the {self.budget.seconds:.0f} s budget, "
+                            f"about {needed_s:.0f} s needed")
+        print(f"skipped {what} (budget)", flush=True)
+        return False
+
     @property
     def status(self) -> str:
         if self.error is not None:

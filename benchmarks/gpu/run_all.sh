@@ -92,11 +92,12 @@ elapsed() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'
 # ---- part 0: torch ----------------------------------------------------------------------------------
 T0=$(date +%s.%N)
 if [ "$DRY" = 1 ]; then
-  "$PY" benchmarks/gpu/results.py note 0 install ok 0 0 \
-    "dry run: the installed torch $("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))'), nothing installed"
+  version="$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))')"
+  "$PY" benchmarks/gpu/results.py note 0 install ok 0 0 "dry run: the installed torch $version, nothing installed"
 elif "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  version="$("$PY" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')"
   "$PY" benchmarks/gpu/results.py note 0 install ok 0 "$INSTALL_LIMIT" \
-    "CUDA torch already present: $("$PY" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)'); install skipped (0 s)"
+    "CUDA torch already present: $version; install skipped (0 s)"
 else
   echo "== part 0: pip install torch==2.13.0 from https://pypi.org/simple (limit ${INSTALL_LIMIT} s)"
   timeout "$INSTALL_LIMIT" "$PY" -m pip install --quiet --index-url https://pypi.org/simple torch==2.13.0
