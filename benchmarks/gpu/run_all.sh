@@ -62,8 +62,10 @@ GRACE=10
 TOTAL_LIMIT=480
 INSTALL_LIMIT=60
 if [ "$DRY" = 1 ]; then
-  # tiny sizes on the CPU: generous limits, since CI machines are shared and slow
-  B_ENV=20; B_KERNELS=60; B_ENGINE=60; B_MEMORY=60; B_MFU=60; B_TRAINER=60; GRACE=60
+  # tiny sizes on the CPU: generous limits, since CI machines are shared and slow. Part 5 gets no budget:
+  # it measures its first size, then records every other size and setting as skipped, so CI sees the
+  # skipping work (and spends its time on the other parts).
+  B_ENV=20; B_KERNELS=60; B_ENGINE=60; B_MEMORY=60; B_MFU=0; B_TRAINER=60; GRACE=60
   DRY_FLAG="--dry-run-cpu"
   # one intra-op thread: on a shared CPU, idle OpenMP threads spinning for cores cost several times the work
   export OMP_NUM_THREADS=1

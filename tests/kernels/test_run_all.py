@@ -68,9 +68,13 @@ def test_parts_compare_what_they_say_they_compare(dry_run):
     for row in memory["rows"]:
         assert row["predicted_peak"] > 0 and abs(row["peak"] / row["predicted_peak"] - 1) <= 0.10
 
+    # The dry run gives part 5 a budget of 0 s: its first size runs (nothing is known about the cost
+    # before), then the second micro batch and the other 3 settings (one model in the dry run: 2 recompute
+    # x 2 kernels) are recorded as skipped, and the part still reports ok.
     mfu = _part(out, 5, "mfu")
-    assert len(mfu["rows"]) == 8  # the dry run's one model x 2 recompute x 2 kernels x 2 micro batches
-    assert all(any("flash" in k for k in r["sdpa_kernels"]) for r in mfu["rows"])
+    assert len(mfu["rows"]) == 1 and mfu["rows"][0]["micro_batch"] == 1
+    assert any("flash" in k for k in mfu["rows"][0]["sdpa_kernels"])
+    assert len(mfu["skipped"]) == 1 + 3 and all("left of the 0 s budget" in s for s in mfu["skipped"])
     assert mfu["info"]["measured_peak_tflops"] == _part(out, 1, "env")["info"]["matmul_bf16_tflops"]
 
 
@@ -85,17 +89,3 @@ def test_a_part_without_its_json_is_reported_as_such(tmp_path):
     assert _part(tmp_path, 6, "trainer")["status"] == "crashed"
     assert proc.stdout.rstrip().splitlines()[-1] == "0/2 parts ok"
 
-
-def test_a_part_out_of_budget_skips_the_remaining_sizes_and_says_so(tmp_path):
-    # Budget 0: the first size of the first setting always runs (nothing is known about the cost before),
-    # every later size and setting is recorded as skipped, and the part still reports ok.
-    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "benchmarks/gpu/mfu.py", "--dry-run-cpu", "--budget", "0"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    mfu = _part(tmp_path, 5, "mfu")
-    assert mfu["status"] == "ok" and len(mfu["rows"]) == 1
-    assert mfu["rows"][0]["micro_batch"] == 1 and any("flash" in k for k in mfu["rows"][0]["sdpa_kernels"])
-    # the second micro batch, then the other 3 settings (the dry run tries one model: 2 recompute x 2 kernels)
-    assert len(mfu["skipped"]) == 1 + 3
-    assert all("left of the 0 s budget" in s for s in mfu["skipped"])
