@@ -182,7 +182,7 @@ def body(res: PartResult) -> None:
     if best is not None:
         res.headline = (f"best MFU {100 * best['mfu_spec']:.1f}% of spec ({best['setting']}, "
                         f"{best['tokens_per_s']:,.0f} tokens/s); goal {100 * MFU_GOAL:.0f}%; "
-                        f"{len(res.rows)} settings run")
+                        f"{len(res.rows)} sizes measured")
     print_table(res.rows)
 
 
