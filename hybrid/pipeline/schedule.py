@@ -1,0 +1,71 @@
+"""Pipeline schedules: the ordered forward and backward work of each pipeline rank.
+
+A schedule is a pure function ``(pp_rank, pp, microbatches, chunks) -> [Action]``.
+It says only what to compute, in which order; the executor
+(:mod:`hybrid.pipeline.executor`) derives the transfers from it: a forward of
+any part but the first receives its input from the previous part, a backward
+of any part but the last receives its output's gradient from the next part.
+Sends are asynchronous, and a rank blocks only to receive, so a schedule is
+deadlock-free exactly when :func:`hybrid.pipeline.simulate.simulate` finishes
+it; the tests check every schedule that way for many sizes.
+
+Every rank runs its forwards in one shared order of (micro-batch, chunk), and
+its backwards in another: the transfers between two ranks then arrive in the
+order they are awaited, which :func:`~hybrid.pipeline.simulate.simulate` also
+checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List
+
+from hybrid.config.errors import ConfigError
+
+FORWARD = "F"
+BACKWARD = "B"
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """One unit of work on one rank: ``kind`` (``"F"`` or ``"B"``) of ``microbatch`` on the rank's ``chunk``."""
+
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+
+
+ScheduleFn = Callable[[int, int, int, int], List[Action]]
+
+
+def forward_only(pp_rank: int, pp: int, microbatches: int, chunks: int = 1) -> List[Action]:
+    """Evaluation and loss-only passes: every forward in the shared order, no backward."""
+    from hybrid.pipeline.interleaved import forward_order
+
+    return [Action(FORWARD, mb, c) for mb, c in forward_order(pp, microbatches, chunks)]
+
+
+def schedules() -> Dict[str, ScheduleFn]:
+    """The training schedules by name (``--pipeline-schedule``)."""
+    from hybrid.pipeline import gpipe, interleaved, one_f_one_b
+
+    return {"gpipe": gpipe.actions, "1f1b": one_f_one_b.actions, "interleaved": interleaved.actions}
+
+
+SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved")
+
+
+def build(name: str, pp_rank: int, pp: int, microbatches: int, chunks: int = 1) -> List[Action]:
+    """The actions of ``pp_rank`` under schedule ``name``; refuses combinations the schedule cannot run."""
+    table = schedules()
+    if name not in table:
+        raise ConfigError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+    if chunks > 1 and name != "interleaved":
+        raise ConfigError(f"{chunks} virtual stages per rank need the interleaved schedule, not {name!r}; set "
+                          f"--pipeline-schedule interleaved or drop --num-layers-per-virtual-pipeline-stage")
+    if microbatches < 1:
+        raise ConfigError(f"a pipeline step needs at least one micro-batch, got {microbatches}")
+    return table[name](pp_rank, pp, microbatches, chunks)
