@@ -82,8 +82,8 @@ def test_balanced_split_rule():
 
 def test_split_ranges_and_explicit_override():
     split = split_layers(6, 2, chunks=2)
-    assert [list(split.layers_of(r, c)) for c in range(2) for r in range(2)] == [[0], [1, 2], [3], [4, 5]]
-    assert split.layers_of_rank(0) == [0, 3]
+    assert [list(split.layers_of(r, c)) for c in range(2) for r in range(2)] == [[0], [1, 2], [3, 4], [5]]
+    assert split.layers_of_rank(0) == [0, 3, 4]
     explicit = split_layers(5, 2, layers_per_stage=[4, 1])
     assert explicit.counts() == [4, 1]
     with pytest.raises(ConfigError, match="sum to num_layers=5"):
