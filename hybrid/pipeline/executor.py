@@ -41,7 +41,13 @@ GRADIENT_TAG = 2
 
 # forward_fn(chunk, part, input, microbatch) -> output: input is None on the first part (the chunk reads
 # the micro-batch); the last part returns the micro-batch's scalar loss.
-ForwardFn = Callable[[torch.nn.Module, int, Optional[torch.Tensor], Any], torch.Tensor]
+ForwardFn = Callable[[Any, int, Optional[torch.Tensor], Any], torch.Tensor]
+# backward_fn(output, grad): grad is None for the last part's loss, else the gradient of output received.
+BackwardFn = Callable[[torch.Tensor, Optional[torch.Tensor]], None]
+
+
+def plain_backward(output: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+    torch.autograd.backward(output, grad)
 
 
 @dataclasses.dataclass
@@ -60,14 +66,15 @@ class StepStats:
 
 
 class PipelineExecutor:
-    """Runs ``schedule`` over this rank's ``chunks`` (``v`` modules, chunk ``c`` = part ``pp_rank + c * pp``).
+    """Runs ``schedule`` over this rank's ``chunks`` (``v`` of them, chunk ``c`` = part ``pp_rank + c * pp``;
+    whatever ``forward_fn`` takes: modules, or indices into one model).
 
     ``activation_shape(microbatch)`` gives the ``torch.Size`` of the tensor passed between parts for that
     micro-batch (for the GPT models ``[s, b, h]``, or ``[s/tp, b, h]`` under sequence parallelism), and
     ``activation_dtype`` its dtype; both sides of a transfer compute them the same way.
     """
 
-    def __init__(self, topology: Topology, chunks: Sequence[torch.nn.Module], schedule: str = "1f1b",
+    def __init__(self, topology: Topology, chunks: Sequence[Any], schedule: str = "1f1b",
                  *, activation_shape: Callable[[Any], torch.Size], activation_dtype: torch.dtype):
         self.topology = topology
         self.chunks = list(chunks)
@@ -84,13 +91,12 @@ class PipelineExecutor:
         return chunk * self.pp + self.pp_rank
 
     def step(self, microbatches: Sequence[Any], forward_fn: ForwardFn,
-             backward_fn: Callable[[torch.Tensor], None] = torch.Tensor.backward,
-             train: bool = True) -> StepStats:
+             backward_fn: BackwardFn = plain_backward, train: bool = True) -> StepStats:
         """Forward (and, when ``train``, backward) every micro-batch through the pipeline.
 
-        ``backward_fn(loss)`` backpropagates one micro-batch's loss on the last part (the engine scales it by the
-        loss scale and the micro-batch count there); other parts backpropagate the gradient they receive.
-        Gradients accumulate in the chunks' parameters as in plain gradient accumulation.
+        ``backward_fn(output, grad)`` backpropagates one part: the last part's loss with ``grad=None`` (the engine
+        scales it by the loss scale and the micro-batch count there), any other part's output with the gradient
+        received from the next part. Gradients accumulate in the parameters as in plain gradient accumulation.
         """
         m, v = len(microbatches), len(self.chunks)
         if train:
@@ -147,10 +153,9 @@ class PipelineExecutor:
         mb, k = action.microbatch, self.part(action.chunk)
         x, y = inputs.pop((mb, action.chunk)), outputs.pop((mb, action.chunk))
         if k == self.num_parts - 1:
-            backward_fn(y)
+            backward_fn(y, None)
         else:
-            grad = self._receive(y.shape, y.dtype, k + 1, GRADIENT_TAG, stats)
-            torch.autograd.backward(y, grad)
+            backward_fn(y, self._receive(y.shape, y.dtype, k + 1, GRADIENT_TAG, stats))
         if k > 0:
             pending.append(self._send(x.grad, k - 1, GRADIENT_TAG, stats))
 

@@ -21,6 +21,7 @@ import dataclasses
 from typing import Callable, Dict, List
 
 from hybrid.config.errors import ConfigError
+from hybrid.config.schema import PIPELINE_SCHEDULES
 
 FORWARD = "F"
 BACKWARD = "B"
@@ -49,20 +50,20 @@ def forward_only(pp_rank: int, pp: int, microbatches: int, chunks: int = 1) -> L
 
 
 def schedules() -> Dict[str, ScheduleFn]:
-    """The training schedules by name (``--pipeline-schedule``)."""
+    """The training schedules by name (``pipeline.schedule``, whose choices are ``PIPELINE_SCHEDULES``)."""
     from hybrid.pipeline import gpipe, interleaved, one_f_one_b
 
     return {"gpipe": gpipe.actions, "1f1b": one_f_one_b.actions, "interleaved": interleaved.actions}
 
 
-SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved")
+SCHEDULE_NAMES = PIPELINE_SCHEDULES
 
 
 def build(name: str, pp_rank: int, pp: int, microbatches: int, chunks: int = 1) -> List[Action]:
     """The actions of ``pp_rank`` under schedule ``name``; refuses combinations the schedule cannot run."""
     table = schedules()
     if name not in table:
-        raise ConfigError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+        raise ConfigError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(PIPELINE_SCHEDULES)}")
     if chunks > 1 and name != "interleaved":
         raise ConfigError(f"{chunks} virtual stages per rank need the interleaved schedule, not {name!r}; set "
                           f"--pipeline-schedule interleaved or drop --num-layers-per-virtual-pipeline-stage")

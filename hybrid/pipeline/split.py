@@ -104,3 +104,21 @@ def split_layers(num_layers: int, pp: int, chunks: int = 1,
         ranges.append((first, first + n))
         first += n
     return StageSplit(pp=pp, chunks=chunks, ranges=tuple(ranges))
+
+
+def split_from_config(pipeline, num_layers: int, pp: int) -> StageSplit:
+    """The split a :class:`~hybrid.config.schema.PipelineConfig` asks for, for ``num_layers`` over ``pp`` ranks.
+
+    ``layers_per_virtual_stage`` gives ``num_layers / (pp x layers_per_virtual_stage)`` chunks per rank (it must
+    divide); ``layers_per_stage`` fixes every part's count.
+    """
+    chunks = 1
+    if pipeline.layers_per_virtual_stage is not None:
+        per = pipeline.layers_per_virtual_stage
+        if num_layers % (pp * per) != 0:
+            raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per} x pipeline_model_parallel_size {pp} "
+                              f"must divide num_layers={num_layers}")
+        chunks = num_layers // (pp * per)
+        if pipeline.layers_per_stage is None:
+            return split_layers(num_layers, pp, chunks, [per] * (pp * chunks))
+    return split_layers(num_layers, pp, chunks, pipeline.layers_per_stage)

@@ -132,6 +132,12 @@ class FlatZeroOptimizer(ZeroOptimizer):
         yield
         self.reducer.end_backward()
 
+    def _sum_tied_gradients(self) -> None:
+        for g in self.groups:
+            if g.tied and self.topology.size("embed") > 1:
+                for chunk in self._grad_chunks[g.index]:
+                    self.comm.all_reduce(chunk, "embed")
+
     def _global_sq(self) -> float:
         if self._local_gradients():
             # No reduced gradient exists: each rank's local gradient times dp stands for the DP sum, so the

@@ -1,0 +1,74 @@
+"""Ranks' side of the GPT pipeline parity tests: train through ``Engine.train_batch`` in several layouts.
+
+The parent compares every layout with one process training the whole model with ``torch.optim.AdamW``
+(:func:`tests.zero.common.reference_adamw`) on the same global batches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.zero.common import token_batch
+
+STEPS = 10
+GLOBAL = 8
+# Adam's epsilon at 1e-5, not 1e-8: with 3-4 layers some attention weights get gradients near zero, and
+# Adam's g / sqrt(v) then turns rounding noise into full-size updates. One process training this model on
+# the same batches split into 8 micro-batches instead of 1 differs from itself by 2.9e-5 at eps 1e-8 and by
+# 1.2e-6 at eps 1e-5 (4 layers, 10 steps): only the latter leaves the 1e-5 bound meaning something.
+LR, WD, CLIP, EPS = 1e-3, 0.1, 2.0, 1e-5
+BUCKET = 30_000
+
+
+def gpt_config(num_layers: int, tie: bool = True, sequence_parallel: bool = False):
+    from model_zoo import get_preset
+
+    # the well-conditioned tiny GPT of tests/zero/test_gpt_parity.py (no biases, init_std 0.1)
+    return get_preset("tiny").replace(num_layers=num_layers, hidden_size=64, num_heads=4, seq_length=16,
+                                      vocab_size=500, bias=False, init_std=0.1, tie_embeddings=tie,
+                                      sequence_parallel=sequence_parallel)
+
+
+def engine_config(stage: int, micro: int, schedule: str = "1f1b", per_virtual=None) -> dict:
+    return {"optimizer": {"type": "adamw", "lr": LR, "weight_decay": WD, "eps": EPS}, "clip_grad": CLIP,
+            "zero": {"stage": stage, "bucket_size": BUCKET}, "micro_batch_size": micro,
+            "global_batch_size": GLOBAL, "steps_per_print": 0,
+            "pipeline": {"schedule": schedule, "layers_per_virtual_stage": per_virtual}}
+
+
+def train_layout(case: dict) -> dict:
+    """Train ``case`` (tp, pp, stage, micro, layers, tie, sp, schedule, per_virtual) on this rank's share."""
+    import hybrid
+    from hybrid.config.schema import HybridConfig
+    from hybrid.pipeline.split import split_from_config
+    from hybrid.tensor_parallel.gather import full_state
+    from model_zoo import GPTModel
+
+    topo = hybrid.Topology(tp=case["tp"], pp=case["pp"], timeout_s=60)
+    cfg = gpt_config(case["layers"], case.get("tie", True), case.get("sp", False))
+    config = HybridConfig.from_dict(engine_config(case["stage"], case["micro"], case.get("schedule", "1f1b"),
+                                                  case.get("per_virtual")))
+    split = split_from_config(config.pipeline, cfg.num_layers, topo.pp_size)
+    model = GPTModel(cfg, topo, split=split)
+    engine = hybrid.initialize(model, config, topology=topo)
+    dp, r, micro = topo.dp_size, topo.dp_rank, case["micro"]
+    share = GLOBAL // dp
+    losses, norms = [], []
+    for s in range(STEPS):
+        x, y = token_batch(s, GLOBAL, cfg.vocab_size, cfg.seq_length)
+        x, y = x[r * share:(r + 1) * share], y[r * share:(r + 1) * share]
+        mbs = [{"input_ids": x[i:i + micro], "labels": y[i:i + micro]} for i in range(0, share, micro)]
+        _, loss = engine.train_batch(mbs)
+        losses.append(loss)
+        norms.append(engine.get_grad_norm())
+    params = {n: t.float().numpy().copy() for n, t in full_state(model, topo).items()}
+    stats = engine.last_pipeline_stats
+    out = {"losses": losses, "norms": norms, "params": params if topo.tp_rank == 0 and topo.dp_rank == 0 else None,
+           "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank, "max_in_flight": stats.max_in_flight}
+    engine.close()
+    topo.close()
+    return out
+
+
+def run_cases(cases) -> list:
+    return [train_layout(c) for c in cases]
