@@ -31,7 +31,7 @@ from hybrid.engine.builders import (NoDecayFn, build_loss_scaler, build_lr_sched
 from hybrid.engine.precision import prepare_precision
 from hybrid.engine.rng import RandomState
 from hybrid.engine.step_logger import StepLogger
-from hybrid.layout import ParallelLayout
+from hybrid.layout import ParallelLayout, pipeline_problem
 from hybrid.topology import Topology
 from hybrid.zero import build_zero_optimizer
 
@@ -212,10 +212,9 @@ class Engine:
                                   f"model (one with a stage split and forward_part, such as model_zoo.GPTModel); "
                                   f"{type(model).__name__} is not")
             return None
-        if self.topology.pp_size > 1 and self.config.zero.stage == 3:
-            raise ConfigError("zero.stage 3 does not compose with pipeline parallelism (each stage would gather "
-                              "its parameters once per micro-batch and chunk); use zero.stage 0, 1 or 2 with "
-                              "pipeline_model_parallel_size > 1")
+        problem = pipeline_problem(self.config.zero.stage, self.topology.pp_size)
+        if problem:
+            raise ConfigError(f"zero.stage {self.config.zero.stage} with pp={self.topology.pp_size}: {problem}")
         self.optimizer.set_chunks(split.chunks)
         return PipelineExecutor(self.topology, list(range(split.chunks)), self.config.pipeline.schedule,
                                 activation_shape=lambda mb: model.activation_shape(*mb["input_ids"].shape),
@@ -379,7 +378,7 @@ def initialize(model: torch.nn.Module, config: ConfigSource = None, topology: Op
         from hybrid.distributed import init_distributed
 
         init_distributed()
-        topology = Topology(tp=cfg.tensor_parallel_size or 1,
+        topology = Topology(tp=cfg.tensor_parallel_size or 1, pp=cfg.pipeline.size or 1,
                             allow_tp_across_nodes=cfg.distributed.allow_tp_across_nodes)
     elif cfg.tensor_parallel_size is not None and cfg.tensor_parallel_size != topology.tp_size:
         raise ConfigError(f"config key 'tensor_parallel_size' is {cfg.tensor_parallel_size} but the topology "

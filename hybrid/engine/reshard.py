@@ -63,6 +63,9 @@ def load_resharded(engine: "Engine", reader: CheckpointReader, *, load_optimizer
     naming both values when the checkpoint holds a different model.
     """
     topo = engine.topology
+    if reader.layout.pp != 1:
+        raise ConversionError(f"{reader.path} was saved with pipeline parallelism (pp={reader.layout.pp}); it loads "
+                              f"only into the layout {reader.layout.describe()} that saved it, for now")
     if topo.pp_size != 1:
         raise ConversionError(f"loading into a pipeline-parallel job (pp={topo.pp_size}) from another layout "
                               f"is not supported; load with the layout {reader.layout} that saved it")

@@ -72,3 +72,48 @@ def train_layout(case: dict) -> dict:
 
 def run_cases(cases) -> list:
     return [train_layout(c) for c in cases]
+
+
+def _build(case: dict):
+    import hybrid
+    from hybrid.config.schema import HybridConfig
+    from hybrid.pipeline.split import split_from_config
+    from model_zoo import GPTModel
+
+    topo = hybrid.Topology(tp=case["tp"], pp=case["pp"], timeout_s=60)
+    cfg = gpt_config(case["layers"], case.get("tie", True), case.get("sp", False))
+    config = HybridConfig.from_dict(engine_config(case["stage"], case["micro"], case.get("schedule", "1f1b"),
+                                                  case.get("per_virtual")))
+    model = GPTModel(cfg, topo, split=split_from_config(config.pipeline, cfg.num_layers, topo.pp_size))
+    return topo, cfg, model, hybrid.initialize(model, config, topology=topo)
+
+
+def _steps(engine, topo, cfg, micro: int, steps) -> list:
+    share = GLOBAL // topo.dp_size
+    r = topo.dp_rank
+    losses = []
+    for s in steps:
+        x, y = token_batch(s, GLOBAL, cfg.vocab_size, cfg.seq_length)
+        x, y = x[r * share:(r + 1) * share], y[r * share:(r + 1) * share]
+        losses.append(engine.train_batch([{"input_ids": x[i:i + micro], "labels": y[i:i + micro]}
+                                          for i in range(0, share, micro)])[1])
+    return losses
+
+
+def save_and_resume(case: dict, directory: str) -> dict:
+    """Train 3 steps, save, train 3 more; then a fresh engine loads the checkpoint and trains the same 3."""
+    topo, cfg, model, engine = _build(case)
+    _steps(engine, topo, cfg, case["micro"], range(3))
+    engine.save_checkpoint(directory)
+    straight = _steps(engine, topo, cfg, case["micro"], range(3, 6))
+    straight_params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    engine.close()
+    topo.close()
+    topo, cfg, model, engine = _build(case)
+    engine.load_checkpoint(directory)
+    resumed = _steps(engine, topo, cfg, case["micro"], range(3, 6))
+    resumed_params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    engine.close()
+    topo.close()
+    return {"straight": straight, "resumed": resumed, "straight_params": straight_params,
+            "resumed_params": resumed_params}

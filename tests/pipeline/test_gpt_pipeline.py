@@ -73,3 +73,12 @@ def test_pipeline_layout_trains_like_one_process(results, name):
 def test_1f1b_first_stage_holds_at_most_pp_micro_batches(results):
     ranks = results["pp4-z0"]  # 4 micro-batches per step: stage s keeps at most 4 - s in flight
     assert sorted({(r["pp_rank"], r["max_in_flight"]) for r in ranks}) == [(0, 4), (1, 3), (2, 2), (3, 1)]
+
+
+def test_pipeline_checkpoint_resumes_bit_identically(tmp_path):
+    case = dict(tp=1, pp=2, stage=1, micro=1, layers=3)  # tied embeddings on both stages, ZeRO-1
+    for r in run_distributed(gp.save_and_resume, 4, case, str(tmp_path / "ckpt"), timeout=300):
+        assert r["resumed"] == r["straight"]
+        assert r["resumed_params"].keys() == r["straight_params"].keys()
+        for name, value in r["straight_params"].items():
+            np.testing.assert_array_equal(r["resumed_params"][name], value, err_msg=name)
