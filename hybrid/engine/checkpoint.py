@@ -81,7 +81,7 @@ def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True,
         state: Dict[str, Any] = {"model": reader.load_model_shard(topo.tp_rank, topo.pp_rank)}
         if load_optimizer:
             state["optimizer"] = reader.load_optimizer_shard(topo.tp_rank, topo.dp_rank, topo.pp_rank)
-            state["optimizer"]["param_index"] = stage_param_index(reader, topo.pp_rank)
+            state["optimizer"]["param_index"] = reader.stage_param_index(topo.pp_rank)
             state["rng"] = reader.load_rank_state(topo.tp_rank, topo.dp_rank, topo.pp_rank)
         engine.load_state_dict(state)
     trainer_state = reader.trainer_state
@@ -94,13 +94,6 @@ def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True,
                                   f"new settings") from None
     return {"iteration": reader.iteration, "consumed_samples": reader.consumed_samples,
             "client_state": trainer_state.get("client", {}), "path": str(reader.path)}
-
-
-def stage_param_index(reader: CheckpointReader, pp_rank: int) -> Any:
-    """The parameter index of pipeline stage ``pp_rank`` (the whole index of a checkpoint saved without pipeline
-    parallelism, which has one stage)."""
-    index = reader.param_index
-    return index[pp_rank] if reader.layout.pp > 1 else index
 
 
 def _check_model_config(saved: Optional[Mapping[str, Any]], current: Optional[Mapping[str, Any]], path) -> None:

@@ -117,3 +117,41 @@ def save_and_resume(case: dict, directory: str) -> dict:
     topo.close()
     return {"straight": straight, "resumed": resumed, "straight_params": straight_params,
             "resumed_params": resumed_params}
+
+
+def _whole_params(model, topo) -> dict:
+    """This stage's parameters, TP-merged (on TP rank 0 of DP rank 0; None elsewhere)."""
+    from hybrid.tensor_parallel.gather import full_state
+
+    params = {n: t.float().numpy().copy() for n, t in full_state(model, topo).items()}
+    return params if topo.tp_rank == 0 and topo.dp_rank == 0 else None
+
+
+def train_save_continue(case: dict, directory: str, saved_at: int, steps: int) -> dict:
+    """Train ``saved_at`` steps, save, go on to ``steps``: the uninterrupted run's final parameters."""
+    topo, cfg, model, engine = _build(case)
+    _steps(engine, topo, cfg, case["micro"], range(saved_at))
+    engine.save_checkpoint(directory)
+    _steps(engine, topo, cfg, case["micro"], range(saved_at, steps))
+    out = _whole_params(model, topo)
+    engine.close()
+    topo.close()
+    return out
+
+
+def load_and_continue(case: dict, directory: str, saved_at: int, steps: int) -> dict:
+    """Load the checkpoint of step ``saved_at`` into ``case``'s layout and train on to ``steps``."""
+    topo, cfg, model, engine = _build(case)
+    engine.load_checkpoint(directory)
+    _steps(engine, topo, cfg, case["micro"], range(saved_at, steps))
+    out = _whole_params(model, topo)
+    engine.close()
+    topo.close()
+    return out
+
+
+def merged(per_rank) -> dict:
+    out = {}
+    for params in per_rank:
+        out.update(params or {})
+    return out

@@ -82,3 +82,15 @@ def test_pipeline_checkpoint_resumes_bit_identically(tmp_path):
         assert r["resumed_params"].keys() == r["straight_params"].keys()
         for name, value in r["straight_params"].items():
             np.testing.assert_array_equal(r["resumed_params"][name], value, err_msg=name)
+
+
+def test_pipeline_checkpoint_continues_in_other_layouts(tmp_path):
+    # PP2 x TP2 ZeRO-1 saves at step 3; PP1 x DP4 and PP4 load it and train to step 6 like the run that
+    # never stopped (1e-5, the parity bound: the layouts differ in summation order only).
+    directory = str(tmp_path / "ckpt")
+    source = dict(tp=2, pp=2, stage=1, micro=2, layers=4)
+    straight = gp.merged(run_distributed(gp.train_save_continue, 4, source, directory, 3, 6, timeout=300))
+    for target in (dict(tp=1, pp=1, stage=2, micro=2, layers=4), dict(tp=1, pp=4, stage=0, micro=4, layers=4)):
+        resumed = gp.merged(run_distributed(gp.load_and_continue, 4, target, directory, 3, 6, timeout=300))
+        assert set(resumed) == set(straight)
+        assert max_rel_diff(resumed, straight) <= 1e-5, target
