@@ -335,12 +335,14 @@ class ZeroOptimizer(abc.ABC):
                              f"dp={sd['dp_size']}) but this rank is part {self.part} of {self.partition_count} "
                              f"(stage {int(self.stage)}, dp={self.topology.dp_size}); reshard the checkpoint first")
         mine = [r.to_json() for r in self.param_index]
-        keys = ("name", "shape", "dtype", "offset", "numel", "group")
+        # segment and parts too: a state written for other buckets holds other elements in each partition
+        keys = ("name", "shape", "dtype", "offset", "numel", "group", "segment", "parts")
         for a, b in zip(sd["param_index"], mine):
             if any(a[k] != b[k] for k in keys):
                 raise ValueError(f"parameter index mismatch: checkpoint has {a['name']} {a['shape']} at offset "
-                                 f"{a['offset']} of group {a['group']}, this model has {b['name']} {b['shape']} "
-                                 f"at offset {b['offset']} of group {b['group']}; the model or bucket_size differ")
+                                 f"{a['offset']} of group {a['group']} (segment {a.get('segment')}), this model has "
+                                 f"{b['name']} {b['shape']} at offset {b['offset']} of group {b['group']} (segment "
+                                 f"{b['segment']}); the model or zero.bucket_size differ")
         if len(sd["param_index"]) != len(mine):
             raise ValueError(f"checkpoint indexes {len(sd['param_index'])} parameters, this model has {len(mine)}")
 

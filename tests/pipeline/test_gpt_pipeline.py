@@ -87,10 +87,29 @@ def test_pipeline_checkpoint_resumes_bit_identically(tmp_path):
 def test_pipeline_checkpoint_continues_in_other_layouts(tmp_path):
     # PP2 x TP2 ZeRO-1 saves at step 3; PP1 x DP4 and PP4 load it and train to step 6 like the run that
     # never stopped (1e-5, the parity bound: the layouts differ in summation order only).
-    directory = str(tmp_path / "ckpt")
+    # The offline tool rewrites it for PP1 x DP4 ZeRO-1, which then loads as it is.
+    from hybrid.convert.fp32 import export_fp32
+    from hybrid.convert.reshard import reshard_checkpoint
+
+    directory, offline = str(tmp_path / "ckpt"), str(tmp_path / "offline")
     source = dict(tp=2, pp=2, stage=1, micro=2, layers=4)
     straight = gp.merged(run_distributed(gp.train_save_continue, 4, source, directory, 3, 6, timeout=300))
-    for target in (dict(tp=1, pp=1, stage=2, micro=2, layers=4), dict(tp=1, pp=4, stage=0, micro=4, layers=4)):
-        resumed = gp.merged(run_distributed(gp.load_and_continue, 4, target, directory, 3, 6, timeout=300))
+    reshard_checkpoint(directory, offline, target_tp=1, target_dp=4, bucket_size=gp.BUCKET)
+    targets = [(directory, dict(tp=1, pp=1, stage=2, micro=2, layers=4)),
+               (directory, dict(tp=1, pp=4, stage=0, micro=4, layers=4)),
+               (offline, dict(tp=1, pp=1, stage=1, micro=2, layers=4))]
+    for where, target in targets:
+        resumed = gp.merged(run_distributed(gp.load_and_continue, 4, target, where, 3, 6, timeout=300))
         assert set(resumed) == set(straight)
-        assert max_rel_diff(resumed, straight) <= 1e-5, target
+        assert max_rel_diff(resumed, straight) <= 1e-5, (where, target)
+    # to-fp32 reads the pipeline checkpoint exactly as its offline-resharded twin (to-hf: the demo's test)
+    export_fp32(directory, tmp_path / "pp.safetensors")
+    export_fp32(offline, tmp_path / "flat.safetensors")
+    assert _tensors(tmp_path / "pp.safetensors") == _tensors(tmp_path / "flat.safetensors")
+
+
+def _tensors(path):
+    from safetensors.numpy import load_file
+
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    return {k: v.tobytes() for f in files for k, v in load_file(str(f)).items()}
