@@ -133,10 +133,16 @@ class FlatZeroOptimizer(ZeroOptimizer):
         self.reducer.end_backward()
 
     def _sum_tied_gradients(self) -> None:
+        if self.topology.size("embed") == 1:
+            return
         for g in self.groups:
-            if g.tied and self.topology.size("embed") > 1:
-                for chunk in self._grad_chunks[g.index]:
-                    self.comm.all_reduce(chunk, "embed")
+            if not g.tied:
+                continue
+            if self._local_gradients():  # the 1-bit optimizers' local steps read each rank's whole gradient
+                self.comm.all_reduce(self.reducer.grads[g.index], "embed")
+                continue
+            for chunk in self._grad_chunks[g.index]:
+                self.comm.all_reduce(chunk, "embed")
 
     def _global_sq(self) -> float:
         if self._local_gradients():

@@ -29,8 +29,9 @@ def gpt_config(num_layers: int, tie: bool = True, sequence_parallel: bool = Fals
                                       sequence_parallel=sequence_parallel)
 
 
-def engine_config(stage: int, micro: int, schedule: str = "1f1b", per_virtual=None) -> dict:
-    return {"optimizer": {"type": "adamw", "lr": LR, "weight_decay": WD, "eps": EPS}, "clip_grad": CLIP,
+def engine_config(stage: int, micro: int, schedule: str = "1f1b", per_virtual=None, optimizer="adamw") -> dict:
+    extra = {"freeze_step": 3} if optimizer == "onebit_adam" else {}
+    return {"optimizer": {"type": optimizer, "lr": LR, "weight_decay": WD, "eps": EPS, **extra}, "clip_grad": CLIP,
             "zero": {"stage": stage, "bucket_size": BUCKET}, "micro_batch_size": micro,
             "global_batch_size": GLOBAL, "steps_per_print": 0,
             "pipeline": {"schedule": schedule, "layers_per_virtual_stage": per_virtual}}
@@ -44,10 +45,12 @@ def train_layout(case: dict) -> dict:
     from hybrid.tensor_parallel.gather import full_state
     from model_zoo import GPTModel
 
-    topo = hybrid.Topology(tp=case["tp"], pp=case["pp"], timeout_s=60)
+    # ranks_per_node: one pipeline stage per node (TP and DP inside it)
+    topo = hybrid.Topology(tp=case["tp"], pp=case["pp"], timeout_s=60,
+                           ranks_per_node=torch.distributed.get_world_size() // case["pp"])
     cfg = gpt_config(case["layers"], case.get("tie", True), case.get("sp", False))
     config = HybridConfig.from_dict(engine_config(case["stage"], case["micro"], case.get("schedule", "1f1b"),
-                                                  case.get("per_virtual")))
+                                                  case.get("per_virtual"), case.get("optimizer", "adamw")))
     split = split_from_config(config.pipeline, cfg.num_layers, topo.pp_size)
     model = GPTModel(cfg, topo, split=split)
     engine = hybrid.initialize(model, config, topology=topo)
@@ -64,7 +67,8 @@ def train_layout(case: dict) -> dict:
     params = {n: t.float().numpy().copy() for n, t in full_state(model, topo).items()}
     stats = engine.last_pipeline_stats
     out = {"losses": losses, "norms": norms, "params": params if topo.tp_rank == 0 and topo.dp_rank == 0 else None,
-           "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank, "max_in_flight": stats.max_in_flight}
+           "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank, "max_in_flight": stats.max_in_flight,
+           "inter_node": {op: v["inter_node_bytes"] for op, v in engine.comm_report().items()}}
     engine.close()
     topo.close()
     return out

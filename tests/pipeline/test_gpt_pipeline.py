@@ -24,12 +24,26 @@ CASES = {
     # interleaved: two chunks of one layer per rank
     "pp2-dp2-interleaved-z2": dict(tp=1, pp=2, stage=2, micro=2, layers=4, schedule="interleaved", per_virtual=1),
 }
+# 1-bit Adam compresses (no exact reference): its compressed steps must keep the tied copies equal
+ONEBIT = {"pp2-dp2-onebit-z1": dict(tp=1, pp=2, stage=1, micro=2, layers=3, optimizer="onebit_adam")}
 
 
 @pytest.fixture(scope="module")
 def results():
-    per_rank = run_distributed(gp.run_cases, 4, list(CASES.values()), timeout=420)
-    return {name: [rank[i] for rank in per_rank] for i, name in enumerate(CASES)}
+    cases = {**CASES, **ONEBIT}
+    per_rank = run_distributed(gp.run_cases, 4, list(cases.values()), timeout=420)
+    return {name: [rank[i] for rank in per_rank] for i, name in enumerate(cases)}
+
+
+def _merge(ranks) -> dict:
+    """Every stage's parameters by name; the two copies of the tied embedding must be bit for bit equal."""
+    merged = {}
+    for r in ranks:
+        for pname, value in (r["params"] or {}).items():
+            if pname in merged:
+                np.testing.assert_array_equal(merged[pname], value, err_msg=pname)
+            merged[pname] = value
+    return merged
 
 
 def _reference(case):
@@ -57,17 +71,31 @@ def test_pipeline_layout_trains_like_one_process(results, name):
         same_dp = [r for r in ranks if r["pp_rank"] == pp_rank]
         assert rel_diff_list(dp_mean([r["losses"] for r in same_dp]), ref_losses) <= 1e-6
     assert rel_diff_list(ranks[0]["norms"], ref_norms) <= 1e-5
-    merged = {}
-    for r in ranks:
-        for pname, value in (r["params"] or {}).items():
-            if pname in merged:  # the tied embedding: both copies identical
-                np.testing.assert_array_equal(merged[pname], value, err_msg=pname)
-            merged[pname] = value
+    merged = _merge(ranks)
     assert set(merged) == set(ref_params)
     assert max_rel_diff(merged, ref_params) <= 1e-5
     if case.get("tie", True):
         holders = [r for r in ranks if r["params"] and "embedding.word_embeddings.weight" in r["params"]]
         assert {r["pp_rank"] for r in holders} == {0, case["pp"] - 1}
+
+
+def test_onebit_adam_keeps_the_tied_copies_equal_through_compressed_steps(results):
+    ranks = results["pp2-dp2-onebit-z1"]  # 3 AdamW steps, then 7 compressed ones
+    merged = _merge(ranks)
+    holders = [r for r in ranks if r["params"] and "embedding.word_embeddings.weight" in r["params"]]
+    assert len(holders) == 2 and all(np.isfinite(v).all() for v in merged.values())
+    losses = [r["losses"] for r in ranks if r["pp_rank"] == 0]
+    assert np.mean([x[-1] for x in losses]) < np.mean([x[0] for x in losses])
+
+
+@pytest.mark.parametrize("name", ["pp2-dp2-z1", "pp2-tp2-sp-z2"])
+def test_only_pipeline_traffic_crosses_nodes(results, name):
+    # One stage per node: TP and DP stay inside it; activations, their gradients, the tied embedding's
+    # gradient ("embed") and the loss (a pp broadcast) cross, and the world's one scalar for the norm.
+    for r in results[name]:
+        crossing = {op for op, nbytes in r["inter_node"].items() if nbytes > 0}
+        assert crossing and {op.split("/")[1] for op in crossing} <= {"pp", "embed", "world"}, crossing
+        assert any(op.startswith("send/pp") for op in crossing)  # activations one way, gradients back
 
 
 def test_1f1b_first_stage_holds_at_most_pp_micro_batches(results):
