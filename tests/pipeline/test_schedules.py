@@ -32,6 +32,7 @@ def test_interleaving_divides_the_bubble_by_the_chunk_count():
             sim = simulate(_lists("interleaved", pp, m, v), chunks=v)
             assert max(sim.idle_fraction) == pytest.approx(bubble_fraction(pp, m, v), abs=1e-12), (pp, m, v)
             assert max(sim.idle_fraction) < bubble_fraction(pp, m)
+            assert sim.max_in_flight == [min(2 * (pp - s - 1) + (v - 1) * pp + 1, v * m) for s in range(pp)]
 
 
 def test_every_action_runs_once():
