@@ -7,7 +7,8 @@
 """
 
 from hybrid.pipeline.executor import PipelineExecutor, StepStats
-from hybrid.pipeline.schedule import SCHEDULE_NAMES, Action
+from hybrid.pipeline.actions import Action
+from hybrid.pipeline.schedule import SCHEDULE_NAMES
 from hybrid.pipeline.simulate import ScheduleError, bubble_fraction, simulate
 from hybrid.pipeline.split import StageSplit, balanced_layer_counts, split_layers
 

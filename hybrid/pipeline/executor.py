@@ -33,7 +33,7 @@ import torch
 
 from hybrid.config.errors import ConfigError
 from hybrid.pipeline import schedule as schedules
-from hybrid.pipeline.schedule import FORWARD, Action
+from hybrid.pipeline.actions import FORWARD, Action
 from hybrid.topology import Topology
 
 ACTIVATION_TAG = 1

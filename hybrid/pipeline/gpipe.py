@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import List
 
-from hybrid.pipeline.schedule import BACKWARD, FORWARD, Action
+from hybrid.pipeline.actions import BACKWARD, FORWARD, Action
 
 
 def actions(pp_rank: int, pp: int, microbatches: int, chunks: int = 1) -> List[Action]:

@@ -15,7 +15,7 @@ from typing import List, Tuple
 
 from hybrid.config.errors import ConfigError
 from hybrid.pipeline import one_f_one_b
-from hybrid.pipeline.schedule import BACKWARD, FORWARD, Action
+from hybrid.pipeline.actions import BACKWARD, FORWARD, Action
 
 
 def forward_order(pp: int, microbatches: int, chunks: int) -> List[Tuple[int, int]]:

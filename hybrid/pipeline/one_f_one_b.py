@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import List
 
-from hybrid.pipeline.schedule import BACKWARD, FORWARD, Action
+from hybrid.pipeline.actions import BACKWARD, FORWARD, Action
 
 
 def warmup_forwards(pp_rank: int, pp: int, microbatches: int) -> int:

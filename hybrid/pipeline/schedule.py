@@ -17,42 +17,25 @@ checks.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Dict, List
 
 from hybrid.config.errors import ConfigError
 from hybrid.config.schema import PIPELINE_SCHEDULES
+from hybrid.pipeline import gpipe, interleaved, one_f_one_b
+from hybrid.pipeline.actions import BACKWARD, FORWARD, Action
 
-FORWARD = "F"
-BACKWARD = "B"
-
-
-@dataclasses.dataclass(frozen=True)
-class Action:
-    """One unit of work on one rank: ``kind`` (``"F"`` or ``"B"``) of ``microbatch`` on the rank's ``chunk``."""
-
-    kind: str
-    microbatch: int
-    chunk: int = 0
-
-    def __repr__(self) -> str:
-        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
-
+__all__ = ["Action", "BACKWARD", "FORWARD", "SCHEDULE_NAMES", "build", "forward_only", "schedules"]
 
 ScheduleFn = Callable[[int, int, int, int], List[Action]]
 
 
 def forward_only(pp_rank: int, pp: int, microbatches: int, chunks: int = 1) -> List[Action]:
     """Evaluation and loss-only passes: every forward in the shared order, no backward."""
-    from hybrid.pipeline.interleaved import forward_order
-
-    return [Action(FORWARD, mb, c) for mb, c in forward_order(pp, microbatches, chunks)]
+    return [Action(FORWARD, mb, c) for mb, c in interleaved.forward_order(pp, microbatches, chunks)]
 
 
 def schedules() -> Dict[str, ScheduleFn]:
     """The training schedules by name (``pipeline.schedule``, whose choices are ``PIPELINE_SCHEDULES``)."""
-    from hybrid.pipeline import gpipe, interleaved, one_f_one_b
-
     return {"gpipe": gpipe.actions, "1f1b": one_f_one_b.actions, "interleaved": interleaved.actions}
 
 

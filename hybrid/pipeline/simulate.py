@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from hybrid.pipeline.schedule import BACKWARD, FORWARD, Action
+from hybrid.pipeline.actions import BACKWARD, FORWARD, Action
 
 
 class ScheduleError(RuntimeError):
