@@ -38,36 +38,12 @@ def engine_config(stage: int, micro: int, schedule: str = "1f1b", per_virtual=No
 
 
 def train_layout(case: dict) -> dict:
-    """Train ``case`` (tp, pp, stage, micro, layers, tie, sp, schedule, per_virtual) on this rank's share."""
-    import hybrid
-    from hybrid.config.schema import HybridConfig
-    from hybrid.pipeline.split import split_from_config
-    from hybrid.tensor_parallel.gather import full_state
-    from model_zoo import GPTModel
-
-    # ranks_per_node: one pipeline stage per node (TP and DP inside it)
-    topo = hybrid.Topology(tp=case["tp"], pp=case["pp"], timeout_s=60,
-                           ranks_per_node=torch.distributed.get_world_size() // case["pp"])
-    cfg = gpt_config(case["layers"], case.get("tie", True), case.get("sp", False))
-    config = HybridConfig.from_dict(engine_config(case["stage"], case["micro"], case.get("schedule", "1f1b"),
-                                                  case.get("per_virtual"), case.get("optimizer", "adamw")))
-    split = split_from_config(config.pipeline, cfg.num_layers, topo.pp_size)
-    model = GPTModel(cfg, topo, split=split)
-    engine = hybrid.initialize(model, config, topology=topo)
-    dp, r, micro = topo.dp_size, topo.dp_rank, case["micro"]
-    share = GLOBAL // dp
-    losses, norms = [], []
-    for s in range(STEPS):
-        x, y = token_batch(s, GLOBAL, cfg.vocab_size, cfg.seq_length)
-        x, y = x[r * share:(r + 1) * share], y[r * share:(r + 1) * share]
-        mbs = [{"input_ids": x[i:i + micro], "labels": y[i:i + micro]} for i in range(0, share, micro)]
-        _, loss = engine.train_batch(mbs)
-        losses.append(loss)
-        norms.append(engine.get_grad_norm())
-    params = {n: t.float().numpy().copy() for n, t in full_state(model, topo).items()}
+    """Train ``case`` (tp, pp, stage, micro, layers, tie, sp, schedule, per_virtual, optimizer) for STEPS."""
+    topo, cfg, model, engine = _build(case)
+    losses, norms = _steps(engine, topo, cfg, case["micro"], range(STEPS))
     stats = engine.last_pipeline_stats
-    out = {"losses": losses, "norms": norms, "params": params if topo.tp_rank == 0 and topo.dp_rank == 0 else None,
-           "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank, "max_in_flight": stats.max_in_flight,
+    out = {"losses": losses, "norms": norms, "params": _whole_params(model, topo), "pp_rank": topo.pp_rank,
+           "dp_rank": topo.dp_rank, "max_in_flight": stats.max_in_flight,
            "inter_node": {op: v["inter_node_bytes"] for op, v in engine.comm_report().items()}}
     engine.close()
     topo.close()
@@ -84,43 +60,28 @@ def _build(case: dict):
     from hybrid.pipeline.split import split_from_config
     from model_zoo import GPTModel
 
-    topo = hybrid.Topology(tp=case["tp"], pp=case["pp"], timeout_s=60)
+    # ranks_per_node: one pipeline stage per node (TP and DP inside it)
+    topo = hybrid.Topology(tp=case["tp"], pp=case["pp"], timeout_s=60,
+                           ranks_per_node=torch.distributed.get_world_size() // case["pp"])
     cfg = gpt_config(case["layers"], case.get("tie", True), case.get("sp", False))
     config = HybridConfig.from_dict(engine_config(case["stage"], case["micro"], case.get("schedule", "1f1b"),
-                                                  case.get("per_virtual")))
+                                                  case.get("per_virtual"), case.get("optimizer", "adamw")))
     model = GPTModel(cfg, topo, split=split_from_config(config.pipeline, cfg.num_layers, topo.pp_size))
     return topo, cfg, model, hybrid.initialize(model, config, topology=topo)
 
 
-def _steps(engine, topo, cfg, micro: int, steps) -> list:
+def _steps(engine, topo, cfg, micro: int, steps):
+    """Train on global batches ``steps``, this DP rank's share of each; returns the losses and gradient norms."""
     share = GLOBAL // topo.dp_size
     r = topo.dp_rank
-    losses = []
+    losses, norms = [], []
     for s in steps:
         x, y = token_batch(s, GLOBAL, cfg.vocab_size, cfg.seq_length)
         x, y = x[r * share:(r + 1) * share], y[r * share:(r + 1) * share]
         losses.append(engine.train_batch([{"input_ids": x[i:i + micro], "labels": y[i:i + micro]}
                                           for i in range(0, share, micro)])[1])
-    return losses
-
-
-def save_and_resume(case: dict, directory: str) -> dict:
-    """Train 3 steps, save, train 3 more; then a fresh engine loads the checkpoint and trains the same 3."""
-    topo, cfg, model, engine = _build(case)
-    _steps(engine, topo, cfg, case["micro"], range(3))
-    engine.save_checkpoint(directory)
-    straight = _steps(engine, topo, cfg, case["micro"], range(3, 6))
-    straight_params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-    engine.close()
-    topo.close()
-    topo, cfg, model, engine = _build(case)
-    engine.load_checkpoint(directory)
-    resumed = _steps(engine, topo, cfg, case["micro"], range(3, 6))
-    resumed_params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-    engine.close()
-    topo.close()
-    return {"straight": straight, "resumed": resumed, "straight_params": straight_params,
-            "resumed_params": resumed_params}
+        norms.append(engine.get_grad_norm())
+    return losses, norms
 
 
 def _whole_params(model, topo) -> dict:
@@ -131,27 +92,35 @@ def _whole_params(model, topo) -> dict:
     return params if topo.tp_rank == 0 and topo.dp_rank == 0 else None
 
 
-def train_save_continue(case: dict, directory: str, saved_at: int, steps: int) -> dict:
-    """Train ``saved_at`` steps, save, go on to ``steps``: the uninterrupted run's final parameters."""
-    topo, cfg, model, engine = _build(case)
-    _steps(engine, topo, cfg, case["micro"], range(saved_at))
+def checkpoint_chain(source: dict, targets: list, directory: str, offline: str, saved_at: int, steps: int) -> dict:
+    """``source`` trains ``saved_at`` steps, saves, and goes on to ``steps`` (the run that never stops); then every
+    layout of ``targets`` (``"where"``: ``"saved"`` or ``"offline"``, the checkpoint rewritten by the offline tool
+    for PP1 x DP4 ZeRO-1) loads it and trains on to ``steps``. Returns each run's final parameters (whole, on TP 0 of
+    DP 0) and weights as this rank holds them, for the bit-identical check of the same layout."""
+    from hybrid.convert.reshard import reshard_checkpoint
+
+    topo, cfg, model, engine = _build(source)
+    _steps(engine, topo, cfg, source["micro"], range(saved_at))
     engine.save_checkpoint(directory)
-    _steps(engine, topo, cfg, case["micro"], range(saved_at, steps))
-    out = _whole_params(model, topo)
+    losses, _ = _steps(engine, topo, cfg, source["micro"], range(saved_at, steps))
+    out = {"straight": {"params": _whole_params(model, topo), "losses": losses, "local": _local(model)}}
     engine.close()
     topo.close()
+    if torch.distributed.get_rank() == 0:
+        reshard_checkpoint(directory, offline, target_tp=1, target_dp=4, bucket_size=BUCKET)
+    torch.distributed.barrier()
+    for k, target in enumerate(targets):
+        topo, cfg, model, engine = _build(target)
+        engine.load_checkpoint(offline if target["where"] == "offline" else directory)
+        losses, _ = _steps(engine, topo, cfg, target["micro"], range(saved_at, steps))
+        out[k] = {"params": _whole_params(model, topo), "losses": losses, "local": _local(model)}
+        engine.close()
+        topo.close()
     return out
 
 
-def load_and_continue(case: dict, directory: str, saved_at: int, steps: int) -> dict:
-    """Load the checkpoint of step ``saved_at`` into ``case``'s layout and train on to ``steps``."""
-    topo, cfg, model, engine = _build(case)
-    engine.load_checkpoint(directory)
-    _steps(engine, topo, cfg, case["micro"], range(saved_at, steps))
-    out = _whole_params(model, topo)
-    engine.close()
-    topo.close()
-    return out
+def _local(model) -> dict:
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
 
 
 def merged(per_rank) -> dict:

@@ -47,8 +47,6 @@ def _merge(ranks) -> dict:
 
 
 def _reference(case):
-    import torch
-
     from hybrid import Topology
     from hybrid.tensor_parallel.gather import full_state
     from model_zoo import GPTModel
@@ -103,33 +101,27 @@ def test_1f1b_first_stage_holds_at_most_pp_micro_batches(results):
     assert sorted({(r["pp_rank"], r["max_in_flight"]) for r in ranks}) == [(0, 4), (1, 3), (2, 2), (3, 1)]
 
 
-def test_pipeline_checkpoint_resumes_bit_identically(tmp_path):
-    case = dict(tp=1, pp=2, stage=1, micro=1, layers=3)  # tied embeddings on both stages, ZeRO-1
-    for r in run_distributed(gp.save_and_resume, 4, case, str(tmp_path / "ckpt"), timeout=300):
-        assert r["resumed"] == r["straight"]
-        assert r["resumed_params"].keys() == r["straight_params"].keys()
-        for name, value in r["straight_params"].items():
-            np.testing.assert_array_equal(r["resumed_params"][name], value, err_msg=name)
-
-
-def test_pipeline_checkpoint_continues_in_other_layouts(tmp_path):
-    # PP2 x TP2 ZeRO-1 saves at step 3; PP1 x DP4 and PP4 load it and train to step 6 like the run that
-    # never stopped (1e-5, the parity bound: the layouts differ in summation order only).
-    # The offline tool rewrites it for PP1 x DP4 ZeRO-1, which then loads as it is.
+def test_pipeline_checkpoints_resume_exactly_and_load_into_other_layouts(tmp_path):
+    # PP2 x TP2 ZeRO-1 (tied embeddings) saves at step 3. The same layout resumes bit for bit; PP1 x DP4 ZeRO-2,
+    # PP4 and the offline tool's PP1 x DP4 rewrite continue like the run that never stopped, within 1e-5 (the
+    # parity bound: the layouts differ in summation order only).
     from hybrid.convert.fp32 import export_fp32
-    from hybrid.convert.reshard import reshard_checkpoint
 
     directory, offline = str(tmp_path / "ckpt"), str(tmp_path / "offline")
     source = dict(tp=2, pp=2, stage=1, micro=2, layers=4)
-    straight = gp.merged(run_distributed(gp.train_save_continue, 4, source, directory, 3, 6, timeout=300))
-    reshard_checkpoint(directory, offline, target_tp=1, target_dp=4, bucket_size=gp.BUCKET)
-    targets = [(directory, dict(tp=1, pp=1, stage=2, micro=2, layers=4)),
-               (directory, dict(tp=1, pp=4, stage=0, micro=4, layers=4)),
-               (offline, dict(tp=1, pp=1, stage=1, micro=2, layers=4))]
-    for where, target in targets:
-        resumed = gp.merged(run_distributed(gp.load_and_continue, 4, target, where, 3, 6, timeout=300))
+    targets = [dict(source, where="saved"), dict(tp=1, pp=1, stage=2, micro=2, layers=4, where="saved"),
+               dict(tp=1, pp=4, stage=0, micro=4, layers=4, where="saved"),
+               dict(tp=1, pp=1, stage=1, micro=2, layers=4, where="offline")]
+    per_rank = run_distributed(gp.checkpoint_chain, 4, source, targets, directory, offline, 3, 6, timeout=400)
+    straight = gp.merged(r["straight"]["params"] for r in per_rank)
+    for r in per_rank:  # the same layout: every loss and weight bit for bit
+        assert r[0]["losses"] == r["straight"]["losses"]
+        for name, value in r["straight"]["local"].items():
+            np.testing.assert_array_equal(r[0]["local"][name], value, err_msg=name)
+    for k, target in enumerate(targets[1:], start=1):
+        resumed = gp.merged(r[k]["params"] for r in per_rank)
         assert set(resumed) == set(straight)
-        assert max_rel_diff(resumed, straight) <= 1e-5, (where, target)
+        assert max_rel_diff(resumed, straight) <= 1e-5, target
     # to-fp32 reads the pipeline checkpoint exactly as its offline-resharded twin (to-hf: the demo's test)
     export_fp32(directory, tmp_path / "pp.safetensors")
     export_fp32(offline, tmp_path / "flat.safetensors")
@@ -139,5 +131,4 @@ def test_pipeline_checkpoint_continues_in_other_layouts(tmp_path):
 def _tensors(path):
     from safetensors.numpy import load_file
 
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-    return {k: v.tobytes() for f in files for k, v in load_file(str(f)).items()}
+    return {k: v.tobytes() for k, v in load_file(str(path)).items()}

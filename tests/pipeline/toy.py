@@ -69,7 +69,7 @@ def reference(num_layers: int, count: int, reverse_backward: bool = False):
 
 def run_pipeline(num_layers: int, count: int, schedule: str, chunks: int = 1, train: bool = True,
                  counts_by_rank: Optional[dict] = None, linger_s: float = 0.0,
-                 timeout_s: Optional[float] = None):
+                 timeout_s: Optional[float] = None, pp: Optional[int] = None):
     """One pipeline rank: build this rank's chunks, run one step, return (losses, grads, stats) as plain data.
 
     ``counts_by_rank`` gives some ranks another micro-batch count (a mismatched schedule); the transfer error
@@ -81,7 +81,7 @@ def run_pipeline(num_layers: int, count: int, schedule: str, chunks: int = 1, tr
     import hybrid
     from hybrid.comm import CollectiveError
 
-    topo = hybrid.Topology(pp=torch.distributed.get_world_size(), timeout_s=timeout_s)
+    topo = hybrid.Topology(pp=pp or torch.distributed.get_world_size(), timeout_s=timeout_s)
     split = split_layers(num_layers, topo.pp_size, chunks)
     parts = [split.part(topo.pp_rank, c) for c in range(chunks)]
     modules = [Part(split.layers_of(topo.pp_rank, c), first=k == 0, last=k == split.num_parts - 1)
@@ -100,6 +100,14 @@ def run_pipeline(num_layers: int, count: int, schedule: str, chunks: int = 1, tr
         for name, p in m.named_parameters():
             if p.grad is not None:
                 grads[name] = p.grad.numpy().copy()
-    return {"losses": stats.losses, "grads": grads, "max_in_flight": stats.max_in_flight,
-            "idle": stats.idle_fraction, "layers": split.layers_of_rank(topo.pp_rank)}
+    out = {"losses": stats.losses, "grads": grads, "max_in_flight": stats.max_in_flight,
+           "idle": stats.idle_fraction, "layers": split.layers_of_rank(topo.pp_rank), "pp_rank": topo.pp_rank,
+           "dp_rank": topo.dp_rank}
+    topo.close()
+    return out
+
+
+def run_cases(cases) -> list:
+    """Several ``run_pipeline`` keyword sets in one set of processes (each with its own pipeline size)."""
+    return [run_pipeline(**case) for case in cases]
 
