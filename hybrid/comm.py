@@ -273,6 +273,12 @@ class Communicator:
     def _untrack(self, handle: Handle) -> None:
         self._in_flight.pop(id(handle), None)
 
+    def abandon(self, handles: List[Handle]) -> None:
+        """Stop tracking ``handles`` without waiting: after an operation failed (a peer is gone or stuck), their
+        peers will not complete them, and :meth:`drain` would spend a whole timeout on each."""
+        for handle in handles:
+            self._untrack(handle)
+
     def drain(self) -> None:
         """Wait for every async operation launched and not yet waited for (teardown calls this first).
 
@@ -561,19 +567,23 @@ class Communicator:
             dist.barrier(group=self._group(axis))
 
     # ---- point to point ---------------------------------------------------------
-    def send(self, tensor: torch.Tensor, axis: str, dst: int, async_op: bool = False) -> Optional[Handle]:
+    def send(self, tensor: torch.Tensor, axis: str, dst: int, async_op: bool = False,
+             tag: int = 0) -> Optional[Handle]:
         """Send ``tensor`` to rank ``dst`` of this rank's ``axis`` group (e.g. ``pp_rank + 1``, the next stage).
 
-        The peer must post the matching :meth:`recv` of a tensor of the same size and dtype.
+        The peer must post the matching :meth:`recv` of a tensor of the same size and dtype. Transfers between
+        two ranks are matched in the order they are posted, separately for each ``tag`` (gloo honours tags;
+        NCCL ignores them, so there one pair of ranks carries one stream only).
         """
-        return self._point_to_point("send", dist.isend, tensor, axis, dst, async_op)
+        return self._point_to_point("send", dist.isend, tensor, axis, dst, async_op, tag)
 
-    def recv(self, tensor: torch.Tensor, axis: str, src: int, async_op: bool = False) -> Optional[Handle]:
+    def recv(self, tensor: torch.Tensor, axis: str, src: int, async_op: bool = False,
+             tag: int = 0) -> Optional[Handle]:
         """Receive into ``tensor`` from rank ``src`` of this rank's ``axis`` group (e.g. ``pp_rank - 1``)."""
-        return self._point_to_point("recv", dist.irecv, tensor, axis, src, async_op)
+        return self._point_to_point("recv", dist.irecv, tensor, axis, src, async_op, tag)
 
     def _point_to_point(self, op: str, issue, tensor: torch.Tensor, axis: str, rank: int,
-                        async_op: bool) -> Optional[Handle]:
+                        async_op: bool, tag: int) -> Optional[Handle]:
         # Always issued as isend/irecv: the blocking forms cannot take this communicator's timeout.
         verb = "send to" if op == "send" else "receive from"
         peer = self._peer(axis, rank, verb)
@@ -583,7 +593,7 @@ class Communicator:
                       tuple(self._topology.group_ranks(axis)))
         self._advance_rings()
         with self._guard(name):
-            work = issue(tensor, peer, group=self._group(axis))
+            work = issue(tensor, peer, group=self._group(axis), tag=tag)
         handle = Handle(work, None, self._timeout, lambda: self._guard(name), self._untrack)
         if async_op:
             return self._track(handle)

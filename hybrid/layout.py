@@ -110,6 +110,14 @@ def offload_problem(stage: int, offload: str) -> Optional[str]:
     return None
 
 
+def pipeline_problem(stage: int, pp: int) -> Optional[str]:
+    """Why ZeRO ``stage`` cannot run with ``pp`` pipeline stages (None when it can): the pipeline rule, once."""
+    if pp > 1 and stage_traits(stage).parameters:
+        return (f"ZeRO stage {int(stage)} partitions the parameters, which each pipeline stage would gather once "
+                f"per micro-batch and chunk; use stage 0, 1 or 2 with pipeline parallelism")
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelLayout:
     """How one job lays its ranks out and partitions its state.

@@ -103,3 +103,19 @@ def merge(pieces: Sequence[torch.Tensor], meta: TPMeta) -> torch.Tensor:
     if meta.logical_size is not None:
         full = full.narrow(dim, 0, meta.logical_size)
     return full.contiguous()
+
+
+# ---- pipeline ties --------------------------------------------------------------------------------
+_TIED_ATTR = "_hybrid_pipeline_tied"
+
+
+def set_pipeline_tied(param: torch.Tensor) -> torch.Tensor:
+    """Mark ``param`` as one of two copies of a weight tied across the first and the last pipeline stage
+    (the input and output embeddings). The ZeRO optimizer keeps it in a flat group of its own, laid out
+    identically on both stages, sums its gradient over the ``"embed"`` axis, and counts it once in the norm."""
+    setattr(param, _TIED_ATTR, True)
+    return param
+
+
+def is_pipeline_tied(param: torch.Tensor) -> bool:
+    return bool(getattr(param, _TIED_ATTR, False))

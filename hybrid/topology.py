@@ -14,6 +14,8 @@ Axes:
     ``dp``    data parallel (ZeRO partitions state across these ranks)
     ``pp``    pipeline parallel (stages)
     ``mp``    model parallel = tp × pp (all ranks that hold one model replica)
+    ``embed`` the first and the last pipeline stage at one (tp, dp) position: they hold the two copies of
+              tied input and output embeddings (a rank of a middle stage, or of a job with pp=1, is alone)
     ``world`` every rank
 """
 
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from hybrid.comm import Communicator
 from hybrid.layout import ParallelLayout
 
-AXES = ("tp", "dp", "pp", "mp", "world")
+AXES = ("tp", "dp", "pp", "mp", "embed", "world")
 # The data-parallel group split by node (see Topology.enable_node_axes): the ranks of this rank's dp group on
 # its own node, and the ranks of its dp group at the same position on every node.
 NODE_AXES = ("dp_node", "dp_cross")
@@ -86,8 +88,8 @@ class Grid:
 
     def size(self, axis: str) -> int:
         _check_axis(axis)
-        return {"tp": self.tp, "dp": self.dp, "pp": self.pp,
-                "mp": self.tp * self.pp, "world": self.world_size}[axis]
+        return {"tp": self.tp, "dp": self.dp, "pp": self.pp, "mp": self.tp * self.pp,
+                "embed": min(self.pp, 2), "world": self.world_size}[axis]
 
     def rank_of(self, coord: Coord) -> int:
         for name, value, size in (("tp", coord.tp, self.tp), ("dp", coord.dp, self.dp),
@@ -120,6 +122,10 @@ class Grid:
             return [self.rank_of(Coord(c.tp, d, c.pp)) for d in range(self.dp)]
         if axis == "pp":
             return [self.rank_of(Coord(c.tp, c.dp, p)) for p in range(self.pp)]
+        if axis == "embed":
+            if self.pp == 1 or 0 < c.pp < self.pp - 1:
+                return [rank]
+            return [self.rank_of(Coord(c.tp, c.dp, 0)), self.rank_of(Coord(c.tp, c.dp, self.pp - 1))]
         # mp: every (tp, pp) pair at this dp coordinate, tp innermost.
         return [self.rank_of(Coord(t, c.dp, p)) for p in range(self.pp) for t in range(self.tp)]
 
@@ -279,7 +285,7 @@ class Topology:
         # group in the same order and keeps only the ones it belongs to. Without
         # an explicit timeout a group gets the backend's default (30 minutes for
         # gloo), not the one the job configured: give it the communicator's.
-        for axis in ("tp", "dp", "pp", "mp"):
+        for axis in ("tp", "dp", "pp", "mp", "embed"):
             for ranks in self.grid.all_groups(axis):
                 group = dist.new_group(ranks, timeout=self.comm.timeout) if len(ranks) > 1 else None
                 if self.rank in ranks:
@@ -341,7 +347,7 @@ class Topology:
         return self._groups.get(axis)
 
     def size(self, axis: str) -> int:
-        if axis in NODE_AXES:
+        if axis in NODE_AXES or axis == "embed":  # groups whose size depends on the rank
             return len(self.group_ranks(axis))
         return self.grid.size(axis)
 

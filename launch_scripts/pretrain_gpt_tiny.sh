@@ -2,7 +2,7 @@
 # The main job: pretrain the `tiny` GPT on this machine's CPUs, end to end, with nothing downloaded.
 #   1. builds a corpus from the docstrings of the Python standard library (tools/make_stdlib_corpus.py)
 #   2. trains a SentencePiece tokenizer and preprocesses the corpus into an indexed dataset
-#   3. pretrains with TP=2 x DP=2 and ZeRO-1 on 4 CPU processes (torchrun, gloo)
+#   3. pretrains with TP=2 x DP=2 and ZeRO-1 on 4 CPU processes (torchrun, gloo); PP=2 makes it TP=2 x PP=2
 #   4. writes TensorBoard logs and checkpoints
 #   5. prints where they are and a text sample from the trained model
 # It sets up .venv on first use (launch_scripts/setup_env.sh).
@@ -12,6 +12,7 @@
 #   NPROC           [4]           processes (CPU ranks)
 #   MASTER_PORT     [a free port] rendezvous port on 127.0.0.1
 #   TP              [2]           tensor-model-parallel size
+#   PP              [1]           pipeline-parallel size (stages; DP = NPROC / (TP x PP))
 #   ZERO_STAGE      [1]
 #   TRAIN_ITERS     [300]         optimizer steps (CI lowers it)
 #   MICRO_BATCH     [4]
@@ -31,6 +32,7 @@ cd "$(dirname "$0")/.."
 WORK_DIR="${WORK_DIR:-runs/tiny}"
 NPROC="${NPROC:-4}"
 TP="${TP:-2}"
+PP="${PP:-1}"
 ZERO_STAGE="${ZERO_STAGE:-1}"
 TRAIN_ITERS="${TRAIN_ITERS:-300}"
 MICRO_BATCH="${MICRO_BATCH:-4}"
@@ -65,14 +67,14 @@ python tools/preprocess_data.py --input "$WORK_DIR/corpus.jsonl" --tokenizer-mod
   --output-prefix "$WORK_DIR/corpus" --append-eod --workers 2 --no-progress
 stage_done
 
-stage "3/4 pretraining: $NPROC CPU processes, TP=$TP, ZeRO-$ZERO_STAGE, $TRAIN_ITERS iterations"
+stage "3/4 pretraining: $NPROC CPU processes, TP=$TP, PP=$PP, ZeRO-$ZERO_STAGE, $TRAIN_ITERS iterations"
 # One intra-op thread per rank: the ranks already share the cores. The c10d rendezvous listens on the
 # loopback address only (torchrun --standalone would take any interface).
 # shellcheck disable=SC2086
 OMP_NUM_THREADS=1 torchrun --nnodes 1 --nproc-per-node "$NPROC" \
   --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$MASTER_PORT" --rdzv-id "tiny-$MASTER_PORT" -m hybrid.train \
   --model tiny --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH" \
-  --tensor-model-parallel-size "$TP" --zero-stage "$ZERO_STAGE" \
+  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --zero-stage "$ZERO_STAGE" \
   --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS" \
   --lr "$LR" --min-lr "$(python -c "print($LR / 10)")" --lr-decay-style cosine \
   --lr-warmup-iters "$((TRAIN_ITERS / 20 + 1))" --weight-decay 0.1 --clip-grad 1.0 \

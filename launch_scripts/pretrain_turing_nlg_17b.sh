@@ -24,6 +24,10 @@
 #   GPUS_PER_NODE     [16]
 #   RDZV_ID           [hybrid-tnlg]  rendezvous id shared by every node of one job
 #   TP                [4]
+#   PP                [1]        pipeline stages (outermost in the rank order: one stage spans whole nodes, so
+#                                only activations cross between them); DP = world / (TP x PP)
+#   PIPELINE_SCHEDULE [1f1b]     1f1b, gpipe, or interleaved (then set VIRTUAL_STAGE_LAYERS)
+#   VIRTUAL_STAGE_LAYERS []      interleaved: layers per model chunk (--num-layers-per-virtual-pipeline-stage)
 #   ZERO_STAGE        [1]
 #   MICRO_BATCH       [1]
 #   GLOBAL_BATCH      [512]
@@ -68,6 +72,9 @@ RDZV_ARGS=""
 [ -n "$RDZV_IS_HOST" ] && RDZV_ARGS="--rdzv-conf is_host=$RDZV_IS_HOST"
 [ -n "$LOCAL_ADDR" ] && RDZV_ARGS="$RDZV_ARGS --local-addr $LOCAL_ADDR"
 TP="${TP:-4}"
+PP="${PP:-1}"
+PIPELINE_SCHEDULE="${PIPELINE_SCHEDULE:-1f1b}"
+VIRTUAL_STAGE_LAYERS="${VIRTUAL_STAGE_LAYERS:-}"
 ZERO_STAGE="${ZERO_STAGE:-1}"
 MICRO_BATCH="${MICRO_BATCH:-1}"
 GLOBAL_BATCH="${GLOBAL_BATCH:-512}"
@@ -89,6 +96,8 @@ exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPU
   -m hybrid.train \
   $MODEL_ARGS \
   --tensor-model-parallel-size "$TP" --zero-stage "$ZERO_STAGE" \
+  --pipeline-model-parallel-size "$PP" --pipeline-schedule "$PIPELINE_SCHEDULE" \
+  ${VIRTUAL_STAGE_LAYERS:+--num-layers-per-virtual-pipeline-stage "$VIRTUAL_STAGE_LAYERS"} \
   --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH" \
   --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS" \
   --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine --lr-warmup-iters "$WARMUP_ITERS" \

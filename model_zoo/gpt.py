@@ -14,11 +14,20 @@ Parameter names (a converter maps them to other formats)::
     lm_head.weight                            [V_p/tp, h]  untied models only
 
 Biases and the LayerNorm bias exist only when ``config.bias``.
+
+Under pipeline parallelism (``topology.pp_size > 1``) each rank builds only
+its stage's share (:mod:`hybrid.pipeline.split`): the embedding on the first
+stage, its layers (named by their global index, so names match the whole
+model's), and the final norm and head on the last. With tied embeddings the
+last stage holds a copy of ``embedding.word_embeddings.weight`` under the same
+name, initialised identically; the engine sums the two copies' gradients over
+the ``"embed"`` axis, so they stay equal. :meth:`GPTModel.forward_part` runs
+one part; ``forward`` is the whole model at pp=1.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Dict, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +38,7 @@ from hybrid.tensor_parallel import init as tp_init
 from hybrid.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from hybrid.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
 from hybrid.tensor_parallel.mappings import copy_to_tp_region, gather_from_tp_region
+from hybrid.pipeline.split import StageSplit, split_layers
 from hybrid.tensor_parallel.random import RNGTracker, checkpoint
 from model_zoo.config import GPTConfig
 from model_zoo.transformer import TransformerLayer, dropout, make_norm, rope_cos_sin
@@ -47,10 +57,40 @@ class PositionTable(nn.Module):
         tp_init.set_initializer(self.weight, init)
 
 
-class GPTEmbedding(nn.Module):
-    """Token (+ learned position) embeddings: ids ``[s, b]`` -> ``[s, b, h]`` (``[s/tp, b, h]`` under SP)."""
+class LayerStack(nn.Module):
+    """Transformer layers named by their global index (``layers.{i}``), iterated in order.
 
-    def __init__(self, config: GPTConfig, topology: "Topology", device=None, dtype=None):
+    The whole model at pp=1; one pipeline stage's layers otherwise, whose names
+    are those of the same layers in the whole model. Indexing is by position.
+    """
+
+    def __init__(self, layers: Dict[int, nn.Module]):
+        super().__init__()
+        for i in sorted(layers):
+            self.add_module(str(i), layers[i])
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, position: int) -> nn.Module:
+        return list(self._modules.values())[position]
+
+    def by_index(self, index: int) -> nn.Module:
+        """The layer whose global index is ``index``."""
+        return self._modules[str(index)]
+
+
+class GPTEmbedding(nn.Module):
+    """Token (+ learned position) embeddings: ids ``[s, b]`` -> ``[s, b, h]`` (``[s/tp, b, h]`` under SP).
+
+    ``positions=False`` leaves out the position table: the last pipeline stage's copy of tied word
+    embeddings, used only as the output head.
+    """
+
+    def __init__(self, config: GPTConfig, topology: "Topology", device=None, dtype=None, positions: bool = True):
         super().__init__()
         self.topology = topology
         self.sequence_parallel = config.sequence_parallel
@@ -60,7 +100,7 @@ class GPTEmbedding(nn.Module):
                                                       sequence_parallel=config.sequence_parallel, init=init,
                                                       device=device, dtype=dtype)
         self.position_embeddings = (PositionTable(config.num_positions, config.hidden_size, init, device, dtype)
-                                    if config.position == "learned" else None)
+                                    if config.position == "learned" and positions else None)
 
     def forward(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(ids)
@@ -82,20 +122,34 @@ class GPTModel(nn.Module):
     parameter from ``(seed, name)`` (identical full model at any TP size),
     unless ``device="meta"``: then :meth:`materialize` does it later.
     ``seed`` also seeds the dropout streams (:class:`RNGTracker`).
+
+    ``split``: which layers each pipeline stage builds (default: the balanced
+    split of :func:`hybrid.pipeline.split.split_layers`, one part per stage).
     """
 
-    def __init__(self, config: GPTConfig, topology: "Topology", device=None, dtype=None, seed: int = 1234):
+    def __init__(self, config: GPTConfig, topology: "Topology", device=None, dtype=None, seed: int = 1234,
+                 split: Optional[StageSplit] = None):
         super().__init__()
         config.validate(topology.tp_size)
         self.config, self.topology, self.seed = config, topology, int(seed)
+        self.split = split if split is not None else split_layers(config.num_layers, topology.pp_size)
+        if self.split.pp != topology.pp_size or sum(self.split.counts()) != config.num_layers:
+            raise ValueError(f"the stage split {self.split.counts()} is for pp={self.split.pp}, not for this "
+                             f"topology's pp={topology.pp_size} and num_layers={config.num_layers}")
+        stage = topology.pp_rank
+        self.is_first_stage, self.is_last_stage = self.split.holds_embedding(stage), self.split.holds_head(stage)
         self.rng_tracker = RNGTracker(self.seed, topology)
         device = torch.device(device) if device is not None else topology.device
-        self.embedding = GPTEmbedding(config, topology, device, dtype)
-        self.layers = nn.ModuleList(TransformerLayer(config, topology, self.rng_tracker, device, dtype)
-                                    for _ in range(config.num_layers))
-        self.final_norm = make_norm(config, topology, device, dtype)
+        self.embedding = None
+        if self.is_first_stage or (self.is_last_stage and config.tie_embeddings):
+            self.embedding = GPTEmbedding(config, topology, device, dtype, positions=self.is_first_stage)
+            if config.tie_embeddings and topology.pp_size > 1:
+                param_meta.set_pipeline_tied(self.embedding.word_embeddings.weight)
+        self.layers = LayerStack({i: TransformerLayer(config, topology, self.rng_tracker, device, dtype)
+                                  for i in self.split.layers_of_rank(stage)})
+        self.final_norm = make_norm(config, topology, device, dtype) if self.is_last_stage else None
         self.lm_head = None
-        if not config.tie_embeddings:
+        if not config.tie_embeddings and self.is_last_stage:
             self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, topology, bias=False,
                                                 sequence_parallel=config.sequence_parallel,
                                                 pad_multiple=config.vocab_pad_multiple,
@@ -117,8 +171,19 @@ class GPTModel(nn.Module):
         return self.config.padded_vocab_size(self.topology.tp_size)
 
     def head_weight(self) -> torch.Tensor:
-        """The ``[V_p/tp, h]`` output projection (the word embeddings when tied)."""
+        """The ``[V_p/tp, h]`` output projection (the word embeddings when tied); last stage only."""
         return self.embedding.word_embeddings.weight if self.lm_head is None else self.lm_head.weight
+
+    def activation_shape(self, batch: int, seq: int) -> torch.Size:
+        """The ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism) tensor passed between pipeline parts."""
+        cfg = self.config
+        return torch.Size((seq // self.topology.tp_size if cfg.sequence_parallel else seq, batch, cfg.hidden_size))
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of the residual stream: that of the weights (autocast computes in lower precision but
+        adds into it)."""
+        return next(self.parameters()).dtype
 
     # ---- forward ----------------------------------------------------------------------------------
     def _check(self, input_ids, labels, loss_mask, position_ids) -> None:
@@ -154,23 +219,43 @@ class GPTModel(nn.Module):
         ``[r*V_p/tp, (r+1)*V_p/tp)`` of the padded vocabulary; padded columns
         are ``-inf``). :meth:`gather_logits` assembles ``[b, s, vocab_size]``.
         """
-        self._check(input_ids, labels, loss_mask, position_ids)
+        if self.split.num_parts != 1:
+            raise RuntimeError(f"this model is one stage of a {self.split.num_parts}-part pipeline: run it "
+                               f"through the pipeline executor (Engine.train_batch), which calls forward_part")
+        return self.forward_part(0, None, input_ids, labels, loss_mask, position_ids)
+
+    def forward_part(self, part: int, hidden: Optional[torch.Tensor], input_ids: torch.Tensor,
+                     labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None,
+                     position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run pipeline part ``part`` (one of this stage's, :attr:`split`) on one micro-batch.
+
+        The first part starts from ``input_ids`` ``[b, s]`` (``hidden`` is None); every other part from the
+        previous part's ``hidden`` (:meth:`activation_shape`). The last part returns what :meth:`forward`
+        returns; the others their output activation.
+        """
         cfg, topo = self.config, self.topology
+        first, end = self.split.ranges[part]
+        if part == 0:
+            self._check(input_ids, labels, loss_mask, position_ids)
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
         rope = None
-        if cfg.position == "rope":
-            rope = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, self.head_weight().dtype)
+        if cfg.position == "rope" and end > first:
+            rope = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, self.activation_dtype)
 
-        x = self.embedding(input_ids.t(), position_ids.t())  # [s(/tp), b, h]
-        x = dropout(x, cfg.hidden_dropout, self.training, self.rng_tracker,
-                    "tp" if cfg.sequence_parallel else "shared")
-        for layer in self.layers:
+        x = hidden
+        if part == 0:
+            x = self.embedding(input_ids.t(), position_ids.t())  # [s(/tp), b, h]
+            x = dropout(x, cfg.hidden_dropout, self.training, self.rng_tracker,
+                        "tp" if cfg.sequence_parallel else "shared")
+        for layer in (self.layers.by_index(i) for i in range(first, end)):
             if cfg.recompute == "full":
                 x = checkpoint(layer, x, rope, tracker=self.rng_tracker)
             else:
                 x = layer(x, rope)
+        if part != self.split.num_parts - 1:
+            return x
         x = self.final_norm(x)
         logits = column_parallel_linear(x, self.head_weight(), None, topo, cfg.sequence_parallel)  # [s, b, V_p/tp]
 

@@ -57,6 +57,12 @@ class CheckpointReader:
     def param_index(self) -> Any:
         return self.manifest.param_index
 
+    def stage_param_index(self, pp_rank: int) -> Any:
+        """The parameter index of pipeline stage ``pp_rank``: metadata.json keeps one per stage when the
+        checkpoint was saved with pipeline parallelism, and the one index otherwise."""
+        index = self.param_index
+        return index[pp_rank] if self.layout.pp > 1 and index is not None else index
+
     @property
     def trainer_state(self) -> Dict[str, Any]:
         return self.manifest.trainer_state

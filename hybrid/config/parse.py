@@ -70,6 +70,11 @@ def convert(value: Any, annotation, key: str, metadata: Mapping = None):
             raise meta_error(f"config key '{key}' must be a list of {len(args)} numbers, got {value!r}", key,
                              metadata)
         return tuple(convert(v, a, f"{key}[{i}]", metadata) for i, (v, a) in enumerate(zip(value, args)))
+    if origin is list and args == (int,):
+        items = value.split() if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise meta_error(f"config key '{key}' must be a list of integers, got {value!r}", key, metadata)
+        return [_to_int(v, f"{key}[{i}]", metadata) for i, v in enumerate(items)]
     if origin is list:
         return _to_str_list(value, key, metadata)
     if annotation is bool:

@@ -36,11 +36,12 @@ OPTIMIZERS = ("adamw", "adam", "sgd", ONEBIT_ADAM, ZERO_ONE_ADAM)
 DECAY_STYLES = ("constant", "linear", "cosine")
 WARMUP_STYLES = ("linear", "log")
 RECOMPUTE = ("none", "full", "selective")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved")  # hybrid.pipeline.schedule maps each to its module
 
 __all__ = ["HybridConfig", "ZeroConfig", "OptimizerConfig", "SchedulerConfig", "LossScalingConfig",
            "TensorBoardConfig", "ModelConfig", "DataConfig", "CheckpointConfig", "RunConfig", "EvalConfig",
            "LoggingConfig", "DistributedConfig", "Alias", "OPTIMIZERS", "DECAY_STYLES", "WARMUP_STYLES",
-           "RECOMPUTE", "ZERO_STAGES", "OFFLOAD_DEVICES", "PRECISIONS"]
+           "RECOMPUTE", "PIPELINE_SCHEDULES", "PipelineConfig", "ZERO_STAGES", "OFFLOAD_DEVICES", "PRECISIONS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +210,25 @@ class SchedulerConfig:
 
 
 @dataclasses.dataclass
+class PipelineConfig:
+    """Pipeline parallelism (``hybrid.pipeline``): stages, their layers and the schedule."""
+
+    size: Optional[int] = _field(None, ge=1, flag="--pipeline-model-parallel-size",
+                                 help="pipeline stages per model replica (outermost in the rank order, so "
+                                      "neighbouring stages sit on different nodes); unset: the topology's, 1 when "
+                                      "hybrid builds it")
+    schedule: str = _field("1f1b", choices=PIPELINE_SCHEDULES, flag="--pipeline-schedule",
+                           help="1f1b (memory-bounded), gpipe (all forwards, then all backwards) or interleaved "
+                                "(virtual stages; set layers_per_virtual_stage)")
+    layers_per_virtual_stage: Optional[int] = _field(None, ge=1, flag="--num-layers-per-virtual-pipeline-stage",
+                                                     help="interleaved schedule: layers per model chunk; each "
+                                                          "stage then holds num_layers / (size x this) chunks")
+    layers_per_stage: Optional[List[int]] = _field(None, help="explicit layers of every pipeline part (stage, or "
+                                                              "model chunk when interleaved), in order; default: "
+                                                              "the balanced split (docs/pipeline.md)")
+
+
+@dataclasses.dataclass
 class TensorBoardConfig:
     """The engine's own TensorBoard scalars per optimizer step, written by global rank 0 only.
 
@@ -371,6 +391,7 @@ class HybridConfig:
     tensor_parallel_size: Optional[int] = _field(None, ge=1, flag="--tensor-model-parallel-size",
                                                  help="TP ranks per model replica (adjacent ranks); unset: the "
                                                       "topology's, 1 when hybrid builds it")
+    pipeline: PipelineConfig = _section(PipelineConfig, "pipeline parallelism")
     recompute: str = _field("none", choices=RECOMPUTE, flag="--recompute-granularity",
                             help="activation recomputation of the model (model_zoo models): none, full (every "
                                  "layer) or selective (attention core)",

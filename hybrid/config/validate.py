@@ -28,7 +28,7 @@ from hybrid.config.batch import BatchSizes
 from hybrid.config.errors import value_suggestion
 from hybrid.config.flags import key_error, meta_error
 from hybrid.compression import ONE_BIT_OPTIMIZERS, compression_problem, hpz_problem, onebit_problem
-from hybrid.layout import offload_problem, reduce_once_problem
+from hybrid.layout import offload_problem, pipeline_problem, reduce_once_problem
 
 if TYPE_CHECKING:  # the schema's methods call this module through parse: no runtime import back
     from hybrid.config.schema import HybridConfig
@@ -45,12 +45,12 @@ def validate_world(cfg: "HybridConfig", world_size: int) -> BatchSizes:
     error = _errors(cfg)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise error(f"the world size must be an integer >= 1, got {world_size!r}")
-    tp = cfg.tensor_parallel_size or 1
-    if world_size % tp != 0:
-        raise error(f"world size {world_size} is not divisible by the tensor-parallel size {tp} "
-                    f"('tensor_parallel_size'); start a multiple of {tp} processes or change the TP size",
-                    "tensor_parallel_size")
-    return cfg.resolve_batch(world_size // tp)
+    tp, pp = cfg.tensor_parallel_size or 1, cfg.pipeline.size or 1
+    if world_size % (tp * pp) != 0:
+        raise error(f"world size {world_size} is not divisible by tensor_parallel_size x pipeline.size = {tp} x "
+                    f"{pp}; start a multiple of {tp * pp} processes or change the TP or pipeline size",
+                    "tensor_parallel_size", "pipeline.size")
+    return cfg.resolve_batch(world_size // (tp * pp))
 
 
 def validate_for_training(cfg: "HybridConfig", world_size: int) -> BatchSizes:
@@ -95,6 +95,14 @@ def _check_bounds(key: str, value, meta) -> None:
 
 def _cross_key_rules(cfg: "HybridConfig") -> None:
     error = _errors(cfg)
+    pipe = cfg.pipeline
+    if (pipe.schedule == "interleaved") != (pipe.layers_per_virtual_stage is not None):
+        raise error("the interleaved pipeline schedule and 'pipeline.layers_per_virtual_stage' go together: set "
+                    "both (virtual stages) or neither", "pipeline.schedule", "pipeline.layers_per_virtual_stage")
+    problem = pipeline_problem(cfg.zero.stage, pipe.size or 1)
+    if problem:
+        raise error(f"'zero.stage' {cfg.zero.stage} with 'pipeline.size' {pipe.size}: {problem}", "zero.stage",
+                    "pipeline.size")
     problem = offload_problem(cfg.zero.stage, cfg.zero.offload_optimizer)
     if problem:
         raise error(f"config key 'zero.offload_optimizer' is {cfg.zero.offload_optimizer!r} but 'zero.stage' "

@@ -5,7 +5,10 @@ file) and, with optimizer state, as slices of flat fp32 ZeRO partitions
 (``optim_tpNN_dpNN.pt``; a parameter may straddle partitions). The
 parameter index in ``metadata.json`` records where every piece lives: its TP
 metadata (:class:`~hybrid.param_meta.TPMeta`), its flat group and offset,
-and its ``parts`` in the DP partitions.
+and its ``parts`` in the DP partitions. A checkpoint saved with pipeline
+parallelism has files per stage (``_ppNN``) and one parameter index per
+stage; each parameter is read from the stage that holds it (a weight tied
+across the first and last stage, from the first).
 
 :class:`CheckpointSource` turns that back into tensors, one at a time:
 
@@ -73,6 +76,7 @@ class SavedTensor:
     meta: TPMeta
     full_shape: Tuple[int, ...]  # logical TP=1 shape
     record: Optional[dict]  # the parameter-index entry, or None (not an optimizer parameter)
+    stage: int = 0  # the pipeline stage whose files hold it
 
     @property
     def numel(self) -> int:
@@ -117,19 +121,19 @@ class _PartitionFiles:
     def __init__(self, reader: CheckpointReader, budget: int):
         self.reader = reader
         self.budget = budget
-        self._open: Dict[Tuple[int, int], dict] = {}
+        self._open: Dict[Tuple[int, int, int], dict] = {}
         self._touched = 0
         self._verified = False
 
-    def state(self, tp_rank: int, dp_rank: int) -> dict:
-        key = (tp_rank, dp_rank)
+    def state(self, tp_rank: int, dp_rank: int, pp_rank: int = 0) -> dict:
+        key = (tp_rank, dp_rank, pp_rank)
         if not self._verified:  # a conversion reads (nearly) all of them: check them together
             layout = self.reader.layout
-            verify_in_parallel(self.reader, [optimizer_file(layout, t, d) for t in range(layout.tp)
-                                             for d in range(layout.dp)])
+            verify_in_parallel(self.reader, [optimizer_file(layout, t, d, p) for p in range(layout.pp)
+                                             for t in range(layout.tp) for d in range(layout.dp)])
             self._verified = True
         if key not in self._open:
-            name = optimizer_file(self.reader.layout, tp_rank, dp_rank)
+            name = optimizer_file(self.reader.layout, tp_rank, dp_rank, pp_rank)
             path = self.reader.verify(name)
             sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             if not isinstance(sd, dict) or sd.get("format") != ZERO_STATE_FORMAT:
@@ -139,14 +143,14 @@ class _PartitionFiles:
             self._open[key] = sd
         return self._open[key]
 
-    def flat(self, tp_rank: int, dp_rank: int, group: int, key: str) -> torch.Tensor:
-        sd = self.state(tp_rank, dp_rank)
+    def flat(self, tp_rank: int, dp_rank: int, group: int, key: str, pp_rank: int = 0) -> torch.Tensor:
+        sd = self.state(tp_rank, dp_rank, pp_rank)
         groups = sd["groups"]
         if not 0 <= group < len(groups) or key not in groups[group]:
             have = sorted(k for k, v in groups[group].items() if isinstance(v, torch.Tensor)) \
                 if 0 <= group < len(groups) else []
             raise ConversionError(
-                f"{self.reader.path / optimizer_file(self.reader.layout, tp_rank, dp_rank)} has no optimizer "
+                f"{self.reader.path / optimizer_file(self.reader.layout, tp_rank, dp_rank, pp_rank)} has no optimizer "
                 f"state {key!r} for flat group {group} (it holds {have}); the run that saved it used optimizer "
                 f"{sd.get('optimizer', {}).get('type')!r}")
         return groups[group][key]
@@ -173,35 +177,40 @@ class CheckpointSource:
     def __init__(self, reader: CheckpointReader, *, meta_fallback: Optional[Callable[[str], TPMeta]] = None,
                  map_budget_bytes: int = 64 << 20):
         layout = reader.layout
-        if layout.pp != 1:
-            raise ConversionError(f"{reader.path} was saved with pipeline parallelism (pp={layout.pp}); "
-                                  f"converting pipeline-parallel checkpoints is not supported")
         self.reader = reader
         self.layout = layout
-        self.index = index_by_name(reader.param_index)
-        self._handles: Dict[int, Any] = {}
+        self._handles: Dict[Tuple[int, int], Any] = {}
         self._mapped_bytes = 0
         self._budget = map_budget_bytes
         self._partitions = _PartitionFiles(reader, map_budget_bytes)
-        verify_in_parallel(reader, [model_file(layout, t) for t in range(layout.tp)])
-        headers = [reader.model_shard_header(t) for t in range(layout.tp)]
+        verify_in_parallel(reader, [model_file(layout, t, p) for p in range(layout.pp) for t in range(layout.tp)])
+        self.index: Dict[str, dict] = {}  # name -> index entry, from the stage the name is read from
         self.tensors: Dict[str, SavedTensor] = {}
-        for name in self._ordered_names(headers[0]):
-            self.tensors[name] = self._describe(name, headers, meta_fallback)
+        for stage in range(layout.pp):
+            index = index_by_name(reader.stage_param_index(stage))
+            headers = [reader.model_shard_header(t, stage) for t in range(layout.tp)]
+            for name in self._ordered_names(headers[0], index):
+                if name in self.tensors:  # a tied weight's copy on the last stage: the first stage's is read
+                    continue
+                if name in index:
+                    self.index[name] = index[name]
+                self.tensors[name] = self._describe(name, headers, meta_fallback, stage)
 
     # ---- description ----------------------------------------------------------------------------
-    def _ordered_names(self, header: dict) -> List[str]:
-        indexed = sorted((n for n in header if n in self.index), key=lambda n: self.index[n].get("position", 0))
-        return indexed + sorted(n for n in header if n not in self.index)
+    @staticmethod
+    def _ordered_names(header: dict, index: Dict[str, dict]) -> List[str]:
+        indexed = sorted((n for n in header if n in index), key=lambda n: index[n].get("position", 0))
+        return indexed + sorted(n for n in header if n not in index)
 
-    def _describe(self, name: str, headers: List[dict], meta_fallback) -> SavedTensor:
+    def _describe(self, name: str, headers: List[dict], meta_fallback, stage: int) -> SavedTensor:
         tp = self.layout.tp
         shape, code = headers[0][name]
         for t, h in enumerate(headers[1:], start=1):
             if h.get(name, (None,))[0] != shape:
                 got = "no such tensor" if name not in h else f"shape {list(h[name][0])}"
-                raise CheckpointFormatError(f"{self.reader.path / model_file(self.layout, t)}: {name!r} has {got}, "
-                                            f"but {model_file(self.layout, 0)} holds shape {list(shape)}")
+                raise CheckpointFormatError(f"{self.reader.path / model_file(self.layout, t, stage)}: {name!r} "
+                                            f"has {got}, but {model_file(self.layout, 0, stage)} holds shape "
+                                            f"{list(shape)}")
         record = self.index.get(name)
         if record is not None and "tp_meta" in record:
             meta = TPMeta.from_json(record["tp_meta"])
@@ -224,7 +233,7 @@ class CheckpointSource:
                                         f"but {record['shape']} in the parameter index")
         if code not in SAFETENSORS_DTYPES:
             raise CheckpointFormatError(f"{self.reader.path}: {name!r} has unsupported dtype {code}")
-        return SavedTensor(name, tuple(shape), SAFETENSORS_DTYPES[code], meta, tuple(full), record)
+        return SavedTensor(name, tuple(shape), SAFETENSORS_DTYPES[code], meta, tuple(full), record, stage)
 
     @property
     def has_optimizer_state(self) -> bool:
@@ -314,11 +323,11 @@ class CheckpointSource:
                         t.full_shape[t.meta.dim], target.meta, target.tp, target.rank,
                         max_rows=max(1, self._budget // 4 // row_bytes), out=out)
 
-    def _handle(self, tp_rank: int):
-        if tp_rank not in self._handles:
-            self._handles[tp_rank] = safetensors.safe_open(
-                str(self.reader.verify(model_file(self.layout, tp_rank))), framework="pt")
-        return self._handles[tp_rank]
+    def _handle(self, tp_rank: int, stage: int):
+        if (tp_rank, stage) not in self._handles:
+            self._handles[(tp_rank, stage)] = safetensors.safe_open(
+                str(self.reader.verify(model_file(self.layout, tp_rank, stage))), framework="pt")
+        return self._handles[(tp_rank, stage)]
 
     def _weight_pieces(self, t: SavedTensor):
         # safe_open hands out views of its memory map, whose touched pages stay resident until the
@@ -335,9 +344,9 @@ class CheckpointSource:
                 self._mapped_bytes = 0
             self._mapped_bytes += nbytes
             if not t.meta.partitioned:
-                return self._handle(rank).get_tensor(t.name).clone()
+                return self._handle(rank, t.stage).get_tensor(t.name).clone()
             index = (slice(None),) * t.meta.dim + (slice(start, stop),)
-            return self._handle(rank).get_slice(t.name)[index]
+            return self._handle(rank, t.stage).get_slice(t.name)[index]
         return read
 
     def _state_pieces(self, t: SavedTensor, key: str):
@@ -369,7 +378,7 @@ class CheckpointSource:
             if a >= b:
                 continue
             # Stage 0 saves one whole partition per rank (part 0): DP rank 0's file holds it.
-            flat = self._partitions.flat(tp_rank, part["part"], rec["group"], key)
+            flat = self._partitions.flat(tp_rank, part["part"], rec["group"], key, t.stage)
             start = part["partition_offset"] + a - part["param_start"]
             end = part["partition_offset"] + part["param_end"] - part["param_start"]
             if end > flat.numel():

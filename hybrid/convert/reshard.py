@@ -61,8 +61,9 @@ def plan_partitions(src: CheckpointSource, target: ParallelLayout,
     Returns ``(param_index, groups)`` as JSON-ready dicts, the way
     ``ZeroOptimizer.state_dict()`` reports them (groups without tensors).
     """
-    records = sorted((t.record for t in src.tensors.values() if src.has_state(t.name)),
-                     key=lambda r: r["position"])
+    # The model's order (a pipeline checkpoint's stages one after the other): registration order at pp=1.
+    records = [dict(t.record, position=k) for k, t in
+               enumerate(t for t in src.tensors.values() if src.has_state(t.name))]
     classes: Dict[Tuple[str, bool], List[dict]] = {}
     for rec in records:  # groups appear in the order of their first parameter, like the optimizer's
         classes.setdefault((rec["dtype"], bool(rec["weight_decay"])), []).append(rec)
@@ -140,10 +141,11 @@ def reshard_checkpoint(load, save, *, target_tp: int, target_dp: Optional[int] =
 
 
 def _target_layout(saved: ParallelLayout, tp: int, dp: Optional[int], stage: Optional[int]) -> ParallelLayout:
-    """The saved layout with the requested sizes and stage (the precision stays; pp is 1, as checked on read)."""
+    """The saved layout with the requested sizes and stage (the precision stays). Always without pipeline
+    parallelism: a pipeline job loads any checkpoint and reshards it on load, which knows its stages."""
     try:
         stage = saved.zero_stage if stage is None else zero_stage(stage, "--target-zero-stage")
-        return saved.replace(tp=tp, dp=saved.dp if dp is None else dp, zero_stage=stage)
+        return saved.replace(tp=tp, dp=saved.dp if dp is None else dp, pp=1, zero_stage=stage)
     except LayoutError as e:
         raise ConversionError(f"cannot reshard to --target-tp {tp!r} --target-dp {dp!r}: {e}") from None
 

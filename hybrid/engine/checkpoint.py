@@ -48,6 +48,9 @@ def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples:
     state = engine.state_dict()
     optimizer_state = state["optimizer"]
     param_index = optimizer_state.pop("param_index")
+    if engine.topology.pp_size > 1:
+        # every stage indexes its own parameters: metadata.json keeps one index per stage, in stage order
+        param_index = engine.topology.comm.all_gather_object(param_index, "pp")
     trainer_state = {"engine": state["progress"], "client": dict(client_state or {})}
     return save_checkpoint(save_dir, iteration, engine.layout, engine.topology.coord,
                            model_state=state["model"], optimizer_state=optimizer_state,
@@ -78,7 +81,7 @@ def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True,
         state: Dict[str, Any] = {"model": reader.load_model_shard(topo.tp_rank, topo.pp_rank)}
         if load_optimizer:
             state["optimizer"] = reader.load_optimizer_shard(topo.tp_rank, topo.dp_rank, topo.pp_rank)
-            state["optimizer"]["param_index"] = reader.param_index
+            state["optimizer"]["param_index"] = reader.stage_param_index(topo.pp_rank)
             state["rng"] = reader.load_rank_state(topo.tp_rank, topo.dp_rank, topo.pp_rank)
         engine.load_state_dict(state)
     trainer_state = reader.trainer_state

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,7 +31,7 @@ from hybrid.engine.builders import (NoDecayFn, build_loss_scaler, build_lr_sched
 from hybrid.engine.precision import prepare_precision
 from hybrid.engine.rng import RandomState
 from hybrid.engine.step_logger import StepLogger
-from hybrid.layout import ParallelLayout
+from hybrid.layout import ParallelLayout, pipeline_problem
 from hybrid.topology import Topology
 from hybrid.zero import build_zero_optimizer
 
@@ -81,6 +81,8 @@ class Engine:
         self._awaiting_step = False
         self._losses = []
         self._logger = StepLogger(config, is_rank0=topology.rank == 0)
+        self.pipeline = self._build_pipeline(model)
+        self.last_pipeline_stats = None
 
     # ---- forward ----------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -142,6 +144,83 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return False
+        return self._end_global_batch()
+
+    def train_batch(self, microbatches: Sequence[Mapping[str, Any]]) -> Tuple[bool, float]:
+        """One global batch through the pipeline (:mod:`hybrid.pipeline`), then the optimizer step.
+
+        ``microbatches``: this DP rank's ``gradient_accumulation_steps`` micro-batches, each the keyword
+        arguments of the model's ``forward_part`` (``input_ids`` ``[b, s]``, ``labels``, optionally ``loss_mask``
+        and ``position_ids``), the same on every stage. The model is a pipeline-aware model such as
+        :class:`model_zoo.GPTModel`. Returns (whether the parameters were updated, the mean loss over the
+        micro-batches), the loss computed on the last stage and broadcast over ``"pp"`` so that every rank
+        reports the same value.
+        """
+        gas = self.batch.gradient_accumulation_steps
+        if len(microbatches) != gas:
+            raise ValueError(f"train_batch needs gradient_accumulation_steps={gas} micro-batches, got "
+                             f"{len(microbatches)}")
+        if self._awaiting_step or self.micro_steps % gas:
+            raise RuntimeError("train_batch was called in the middle of a global batch of backward()/step() calls")
+        model = self.module
+
+        def forward(chunk, part, hidden, mb):
+            with self._autocast():
+                return model.forward_part(part, hidden, **mb)
+
+        def backward(output, grad):
+            if grad is None:
+                self.optimizer.backward(output)
+            else:
+                self.optimizer.backward_from(output, grad)
+
+        stats = self.pipeline.step(microbatches, forward, backward)
+        self.last_pipeline_stats = stats
+        loss = self._pipeline_loss(stats.losses)
+        self.micro_steps += gas
+        self._losses.append(loss)
+        return self._end_global_batch(), float(loss)
+
+    def eval_batch(self, microbatches: Sequence[Mapping[str, Any]]) -> float:
+        """The mean loss of ``microbatches`` through the pipeline, forward only (validation)."""
+        model = self.module
+
+        def forward(chunk, part, hidden, mb):
+            with self._autocast():
+                return model.forward_part(part, hidden, **mb)
+
+        with torch.no_grad():
+            stats = self.pipeline.step(microbatches, forward, train=False)
+        return float(self._pipeline_loss(stats.losses))
+
+    def _pipeline_loss(self, losses: List[float]) -> torch.Tensor:
+        """The mean of the last stage's micro-batch losses, on every stage (broadcast over ``"pp"``)."""
+        topo = self.topology
+        value = torch.tensor([sum(losses) / len(losses) if losses else 0.0], dtype=torch.float64,
+                             device=topo.device)
+        topo.comm.broadcast(value, "pp", src=topo.pp_size - 1)
+        return value[0]
+
+    def _build_pipeline(self, model: torch.nn.Module):
+        """The executor of this rank's pipeline stage; None for a model that is not pipeline-aware at pp=1."""
+        from hybrid.pipeline import PipelineExecutor
+
+        split = getattr(model, "split", None)
+        if split is None or not hasattr(model, "forward_part"):
+            if self.topology.pp_size > 1:
+                raise ConfigError(f"pipeline_model_parallel_size={self.topology.pp_size} needs a pipeline-aware "
+                                  f"model (one with a stage split and forward_part, such as model_zoo.GPTModel); "
+                                  f"{type(model).__name__} is not")
+            return None
+        problem = pipeline_problem(self.config.zero.stage, self.topology.pp_size)
+        if problem:
+            raise ConfigError(f"zero.stage {self.config.zero.stage} with pp={self.topology.pp_size}: {problem}")
+        self.optimizer.set_chunks(split.chunks)
+        return PipelineExecutor(self.topology, list(range(split.chunks)), self.config.pipeline.schedule,
+                                activation_shape=lambda mb: model.activation_shape(*mb["input_ids"].shape),
+                                activation_dtype=model.activation_dtype)
+
+    def _end_global_batch(self) -> bool:
         lr = self.lr_schedule.lr
         updated = bool(self.optimizer.step(lr=lr))
         if updated:
@@ -299,7 +378,7 @@ def initialize(model: torch.nn.Module, config: ConfigSource = None, topology: Op
         from hybrid.distributed import init_distributed
 
         init_distributed()
-        topology = Topology(tp=cfg.tensor_parallel_size or 1,
+        topology = Topology(tp=cfg.tensor_parallel_size or 1, pp=cfg.pipeline.size or 1,
                             allow_tp_across_nodes=cfg.distributed.allow_tp_across_nodes)
     elif cfg.tensor_parallel_size is not None and cfg.tensor_parallel_size != topology.tp_size:
         raise ConfigError(f"config key 'tensor_parallel_size' is {cfg.tensor_parallel_size} but the topology "

@@ -63,9 +63,6 @@ def load_resharded(engine: "Engine", reader: CheckpointReader, *, load_optimizer
     naming both values when the checkpoint holds a different model.
     """
     topo = engine.topology
-    if topo.pp_size != 1:
-        raise ConversionError(f"loading into a pipeline-parallel job (pp={topo.pp_size}) from another layout "
-                              f"is not supported; load with the layout {reader.layout} that saved it")
     opt = engine.optimizer
     entries = dict(engine.module.state_dict(keep_vars=True))
     metas = {name: get_tp_meta(t) for name, t in entries.items()}
@@ -75,7 +72,7 @@ def load_resharded(engine: "Engine", reader: CheckpointReader, *, load_optimizer
               for name, t in entries.items()}
     # Entries the parameter index does not describe (frozen parameters, buffers) split like the current ones.
     with CheckpointSource(reader, meta_fallback=lambda name: metas.get(name, REPLICATED)) as src:
-        _check_names(src, entries, reader, getattr(engine.module, "config", None))
+        _check_names(src, entries, reader, getattr(engine.module, "config", None), whole=topo.pp_size == 1)
         if load_optimizer and not src.has_optimizer_state:
             raise ConversionError(f"{reader.path} holds no optimizer state (it was saved for inference or "
                                   f"imported); load it for its weights only (--finetune)")
@@ -104,11 +101,13 @@ def load_resharded(engine: "Engine", reader: CheckpointReader, *, load_optimizer
 
 # ---- checks ---------------------------------------------------------------------------------------
 def _check_names(src: CheckpointSource, entries: Dict[str, torch.Tensor], reader: CheckpointReader,
-                 model_config) -> None:
+                 model_config, whole: bool) -> None:
+    """The checkpoint must hold exactly the model's entries; ``whole=False`` (one pipeline stage of the
+    model): at least this stage's."""
     saved, current = set(src.tensors), set(entries)
-    if saved == current:
+    missing, extra = sorted(current - saved), sorted(saved - current) if whole else []
+    if not missing and not extra:
         return
-    missing, extra = sorted(current - saved), sorted(saved - current)
     parts = []
     if missing:
         parts.append(f"missing from the checkpoint: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
@@ -200,5 +199,6 @@ def _restore_rng(engine: "Engine", reader: CheckpointReader) -> None:
         return
     saved, topo = reader.layout, engine.topology
     same_tp = saved.tp == topo.tp_size
-    state = reader.load_rank_state(topo.tp_rank if same_tp else 0, topo.dp_rank if topo.dp_rank < saved.dp else 0)
+    state = reader.load_rank_state(topo.tp_rank if same_tp else 0, topo.dp_rank if topo.dp_rank < saved.dp else 0,
+                                   topo.pp_rank if topo.pp_rank < saved.pp else 0)
     engine.rng.load_state_dict(state, same_tp_size=same_tp)

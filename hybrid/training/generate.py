@@ -1,8 +1,9 @@
 """Sample text from a trained checkpoint: ``python -m hybrid.training.generate --load DIR --prompt "..."``.
 
-The checkpoint's TP shards are merged into one TP=1 model in this process
-(one parameter at a time, through the recorded TP layout), so generation
-needs no process group whatever layout trained the model. Decoding is greedy,
+The checkpoint's TP shards (and pipeline stages) are merged into one TP=1
+model in this process, one parameter at a time through
+:class:`~hybrid.convert.CheckpointSource`, so generation needs no process
+group whatever layout trained the model. Decoding is greedy,
 or sampling with temperature, top-k and top-p.
 """
 
@@ -15,6 +16,7 @@ import torch
 
 from hybrid import param_meta
 from hybrid.checkpoint import CheckpointReader
+from hybrid.convert.consolidate import CheckpointSource, Target
 from hybrid.topology import Topology
 
 
@@ -25,14 +27,11 @@ def load_model(load_dir) -> "torch.nn.Module":
     reader = CheckpointReader(load_dir)
     config = GPTConfig.from_dict(reader.model_config).replace(sequence_parallel=False, recompute="none")
     model = GPTModel(config, Topology.local(), device="meta")
-    shards = [reader.open_model_shard(r) for r in range(reader.layout.tp)]
     state = {}
-    for name, p in model.named_parameters():
-        pieces = [s.get_tensor(name) for s in shards]
-        meta = param_meta.get_tp_meta(p)
-        full = param_meta.merge(pieces, meta)
-        # At TP=1 the padded vocabulary has its own padding: re-shard the logical tensor for one rank.
-        state[name] = param_meta.shard(full, meta, 1, 0).float()
+    with CheckpointSource(reader) as src:
+        for name, p in model.named_parameters():
+            # the piece of a one-rank layout: at TP=1 the padded vocabulary keeps its own padding
+            state[name] = src.read_weight(name, Target(param_meta.get_tp_meta(p), 1, 0), dtype=torch.float32)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
 

@@ -30,6 +30,7 @@ from hybrid.distributed import destroy_distributed
 from hybrid.engine.builders import no_weight_decay_rule
 from hybrid.engine.checkpoint import load_engine, save_engine
 from hybrid.monitor import IterationMetrics, TrainingMonitor, resolve_peak_flops
+from hybrid.pipeline.split import split_from_config
 from hybrid.topology import Topology
 from hybrid.training.cli import parse_args, validate
 from hybrid.training.data import build_data
@@ -85,8 +86,8 @@ class Trainer:
         hybrid.init_distributed(timeout_s=timeout_s)
         # Unset tensor_parallel_size means 1 when hybrid builds the topology (as hybrid.initialize does).
         # The timeout reaches every TP/DP/PP group, not just the default one.
-        self.topology = Topology(tp=config.tensor_parallel_size or 1, timeout_s=timeout_s,
-                                 allow_tp_across_nodes=config.distributed.allow_tp_across_nodes)
+        self.topology = Topology(tp=config.tensor_parallel_size or 1, pp=config.pipeline.size or 1,
+                                 timeout_s=timeout_s, allow_tp_across_nodes=config.distributed.allow_tp_across_nodes)
         topo = self.topology
         # Before the model is built, so that a refused start costs seconds: where --load resumes (an
         # unclear one is an error, never a silent fresh start), and the --save folder becomes this run's
@@ -107,7 +108,8 @@ class Trainer:
         from model_zoo import GPTModel, flops_per_token
 
         seed_everything(config.seed)
-        self.model = GPTModel(self.model_config, topo, device=topo.device, seed=config.seed)
+        split = split_from_config(config.pipeline, self.model_config.num_layers, topo.pp_size)
+        self.model = GPTModel(self.model_config, topo, device=topo.device, seed=config.seed, split=split)
         # Counted on the whole parameters, before an optimizer may partition them.
         self._decay_exempt = count_exempt(self.model.named_parameters(), no_weight_decay_rule(config, None))
         self.engine = hybrid.initialize(self.model, config, topology=topo)
@@ -179,16 +181,16 @@ class Trainer:
         _log(self.topology, f"saved checkpoint {path}{note}")
 
     # ---- one iteration ----------------------------------------------------------------------------
+    def _model_inputs(self, micro_batches) -> list:
+        device = self.topology.device
+        return [{"input_ids": mb["tokens"].to(device), "labels": mb["labels"].to(device),
+                 "loss_mask": mb["loss_mask"].to(device), "position_ids": mb["position_ids"].to(device)}
+                for mb in micro_batches]
+
     def _train_step(self, micro_batches) -> float:
-        engine, device = self.engine, self.topology.device
-        losses = []
-        for mb in micro_batches:
-            loss = engine(mb["tokens"].to(device), labels=mb["labels"].to(device),
-                          loss_mask=mb["loss_mask"].to(device), position_ids=mb["position_ids"].to(device))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach().float())
-        mean = torch.stack(losses).mean()
+        """One global batch through the pipeline schedule (plain accumulation at pp=1); the DP-mean loss."""
+        _, loss = self.engine.train_batch(self._model_inputs(micro_batches))
+        mean = torch.tensor(loss, dtype=torch.float32, device=self.topology.device)
         self.topology.comm.all_reduce(mean, "dp", op="avg")
         return float(mean)
 
@@ -204,12 +206,9 @@ class Trainer:
         for k, micro_batches in enumerate(iter_global_batches(self.data.valid, sampler)):
             if k >= self.config.eval.iters:
                 break
-            for mb in micro_batches:
-                losses.append(engine(mb["tokens"].to(device), labels=mb["labels"].to(device),
-                                     loss_mask=mb["loss_mask"].to(device),
-                                     position_ids=mb["position_ids"].to(device)).float())
+            losses.append(engine.eval_batch(self._model_inputs(micro_batches)))
         engine.train()
-        mean = torch.stack(losses).mean()
+        mean = torch.tensor(sum(losses) / len(losses), dtype=torch.float32, device=device)
         self.topology.comm.all_reduce(mean, "dp", op="avg")
         return float(mean)
 

@@ -136,6 +136,7 @@ class ZeroOptimizer(abc.ABC):
         self.global_steps = 0  # step() calls, skipped ones included
         self.skipped_steps = 0
         self._micro = 0  # backward() calls since the last step()
+        self._chunks = 1  # backward passes per micro-batch (model chunks of an interleaved pipeline stage)
         self._last_grad_norm = math.nan
         self._last_comm: Dict[str, Dict[str, float]] = {}
         self.param_index: List[ParamRecord] = []
@@ -161,16 +162,35 @@ class ZeroOptimizer(abc.ABC):
         Gradients are reduced over ``dp`` during backward, as the sibling's
         reducer decides (see :meth:`_backward_phase`).
         """
-        gas = self.gradient_accumulation_steps
-        if self._micro >= gas:
-            raise RuntimeError(f"backward() was called {self._micro + 1} times since the last step(), but "
-                               f"gradient_accumulation_steps={gas}; call step() once every {gas} micro-batches")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("backward() expects the scalar (mean) loss of one micro-batch, got "
                              f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else list(loss.shape)}")
-        factor = self.loss_scale / gas
-        with self._backward_phase(last_micro_step=self._micro == gas - 1):
-            (loss * factor if factor != 1.0 else loss).backward()
+        factor = self.loss_scale / self.gradient_accumulation_steps
+        self._run_backward(lambda: (loss * factor if factor != 1.0 else loss).backward())
+
+    def backward_from(self, output: torch.Tensor, grad: torch.Tensor) -> None:
+        """Backward of a pipeline part from the gradient ``grad`` of its ``output`` (same shape), received from
+        the next part: it already carries the loss scale and the accumulation factor."""
+        self._run_backward(lambda: torch.autograd.backward(output, grad))
+
+    @property
+    def backward_calls_per_step(self) -> int:
+        """Backward passes per optimizer step on this rank: one per micro-batch, times the model chunks a
+        rank of an interleaved pipeline holds (:meth:`set_chunks`)."""
+        return self.gradient_accumulation_steps * self._chunks
+
+    def set_chunks(self, chunks: int) -> None:
+        """This rank runs ``chunks`` backward passes per micro-batch (interleaved pipeline stages)."""
+        self._chunks = int(chunks)
+
+    def _run_backward(self, run: Callable[[], None]) -> None:
+        calls = self.backward_calls_per_step
+        if self._micro >= calls:
+            raise RuntimeError(f"backward() was called {self._micro + 1} times since the last step(), but "
+                               f"gradient_accumulation_steps={self.gradient_accumulation_steps}; call step() once "
+                               f"every {self.gradient_accumulation_steps} micro-batches")
+        with self._backward_phase(last_micro_step=self._micro == calls - 1):
+            run()
         self._micro += 1
 
     def step(self, lr: Optional[float] = None) -> bool:
@@ -181,7 +201,7 @@ class ZeroOptimizer(abc.ABC):
         scaler then lowers the scale. ``lr`` sets the learning rate from now on.
         """
         gas = self.gradient_accumulation_steps
-        if self._micro != gas:
+        if self._micro != self.backward_calls_per_step:
             raise RuntimeError(f"step() after {self._micro} backward() calls, but gradient_accumulation_steps="
                                f"{gas}; call backward() once per micro-batch and step() every {gas}")
         if lr is not None:
@@ -189,6 +209,7 @@ class ZeroOptimizer(abc.ABC):
                 raise ValueError(f"learning rate must be >= 0, got {lr}")
             self.inner.lr = float(lr)
         self._wait_for_gradients()
+        self._sum_tied_gradients()
         denominator = self.loss_scale * self.topology.dp_size
         sq = self._global_sq()
         overflow = not math.isfinite(sq)
@@ -246,6 +267,11 @@ class ZeroOptimizer(abc.ABC):
     def _wait_for_gradients(self) -> None:
         """Wait for the reductions launched during the last backward (before the norm reads them)."""
         self.reducer.wait()
+
+    def _sum_tied_gradients(self) -> None:
+        """Add the gradients of the two copies of a weight tied across the first and last pipeline stage
+        (all-reduce over ``"embed"``): both then step with the gradient one process would have. A sibling
+        that keeps tied weights in flat groups of their own provides it; without pipeline ties it is a no-op."""
 
     @abc.abstractmethod
     def _global_sq(self) -> float:
@@ -309,12 +335,14 @@ class ZeroOptimizer(abc.ABC):
                              f"dp={sd['dp_size']}) but this rank is part {self.part} of {self.partition_count} "
                              f"(stage {int(self.stage)}, dp={self.topology.dp_size}); reshard the checkpoint first")
         mine = [r.to_json() for r in self.param_index]
-        keys = ("name", "shape", "dtype", "offset", "numel", "group")
+        # segment and parts too: a state written for other buckets holds other elements in each partition
+        keys = ("name", "shape", "dtype", "offset", "numel", "group", "segment", "parts")
         for a, b in zip(sd["param_index"], mine):
             if any(a[k] != b[k] for k in keys):
                 raise ValueError(f"parameter index mismatch: checkpoint has {a['name']} {a['shape']} at offset "
-                                 f"{a['offset']} of group {a['group']}, this model has {b['name']} {b['shape']} "
-                                 f"at offset {b['offset']} of group {b['group']}; the model or bucket_size differ")
+                                 f"{a['offset']} of group {a['group']} (segment {a.get('segment')}), this model has "
+                                 f"{b['name']} {b['shape']} at offset {b['offset']} of group {b['group']} (segment "
+                                 f"{b['segment']}); the model or zero.bucket_size differ")
         if len(sd["param_index"]) != len(mine):
             raise ValueError(f"checkpoint indexes {len(sd['param_index'])} parameters, this model has {len(mine)}")
 

@@ -133,6 +133,18 @@ class FlatZeroOptimizer(ZeroOptimizer):
         yield
         self.reducer.end_backward()
 
+    def _sum_tied_gradients(self) -> None:
+        if self.topology.size("embed") == 1:
+            return
+        for g in self.groups:
+            if not g.tied:
+                continue
+            if self._local_gradients():  # the 1-bit optimizers' local steps read each rank's whole gradient
+                self.comm.all_reduce(self.reducer.grads[g.index], "embed")
+                continue
+            for chunk in self._grad_chunks[g.index]:
+                self.comm.all_reduce(chunk, "embed")
+
     def _global_sq(self) -> float:
         if self._local_gradients():
             # No reduced gradient exists: each rank's local gradient times dp stands for the DP sum, so the

@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from hybrid.param_meta import TPMeta, get_tp_meta
+from hybrid.param_meta import TPMeta, get_tp_meta, is_pipeline_tied
 
 ALIGN_BYTES = 128  # every chunk starts on a 128-byte boundary (vector loads, NCCL/gloo fast paths)
 
@@ -151,7 +151,11 @@ def param_parts(offset: int, numel: int, segment: Segment, parts: int) -> Tuple[
 
 
 class FlatGroup:
-    """One contiguous buffer holding every trainable parameter of one (dtype, decay) class.
+    """One contiguous buffer holding every trainable parameter of one (dtype, decay, tied) class.
+
+    ``tied``: the group holds only a weight tied across pipeline stages
+    (:func:`hybrid.param_meta.is_pipeline_tied`), alone, so that its partitions
+    cover the same elements on both stages that hold a copy.
 
     Attributes:
         buffer: ``[numel]`` tensor of ``dtype``; each parameter's ``.data`` is a view into it.
@@ -162,12 +166,13 @@ class FlatGroup:
 
     def __init__(self, index: int, dtype: torch.dtype, weight_decay: bool,
                  named: List[Tuple[str, torch.nn.Parameter, int]], parts: int, pad_parts: int,
-                 bucket_numel: int):
+                 bucket_numel: int, tied: bool = False):
         if pad_parts % parts != 0:
             raise ZeroConfigError(f"pad_parts={pad_parts} must be a multiple of parts={parts}")
         self.index = index
         self.dtype = dtype
         self.weight_decay = weight_decay
+        self.tied = tied
         self.parts = parts
         self.segments = plan_segments([p.numel() for _, p, _ in named], pad_parts, bucket_numel,
                                       align_elements(dtype))
@@ -246,7 +251,7 @@ def build_flat_groups(model: torch.nn.Module, parts: int, pad_parts: int, bucket
     if len(devices) > 1:
         raise ZeroConfigError(f"trainable parameters are spread over devices {sorted(map(str, devices))}; "
                               f"move the model to one device before building the optimizer")
-    classes: Dict[Tuple[torch.dtype, bool], List[Tuple[str, torch.nn.Parameter, int]]] = {}
+    classes: Dict[Tuple[torch.dtype, bool, bool], List[Tuple[str, torch.nn.Parameter, int]]] = {}
     for position, (name, p) in enumerate(trainable):
         if not p.dtype.is_floating_point:
             raise ZeroConfigError(f"parameter {name!r} has dtype {p.dtype}; only floating-point "
@@ -255,8 +260,8 @@ def build_flat_groups(model: torch.nn.Module, parts: int, pad_parts: int, bucket
             raise ZeroConfigError(f"parameter {name!r} is on the meta device; materialise the model "
                                   f"before building the optimizer")
         decay = use_weight_decay and not (no_weight_decay is not None and no_weight_decay(name, p))
-        classes.setdefault((p.dtype, decay), []).append((name, p, position))
-    # Group order is the order in which each class first appears: the same on every rank.
+        classes.setdefault((p.dtype, decay, is_pipeline_tied(p)), []).append((name, p, position))
+    # Group order is the order in which each class first appears: the same on every rank of a stage.
     keys = sorted(classes, key=lambda k: classes[k][0][2])
-    return [FlatGroup(i, dtype, decay, classes[(dtype, decay)], parts, pad_parts, bucket_numel)
-            for i, (dtype, decay) in enumerate(keys)]
+    return [FlatGroup(i, dtype, decay, classes[(dtype, decay, tied)], parts, pad_parts, bucket_numel, tied)
+            for i, (dtype, decay, tied) in enumerate(keys)]

@@ -9,6 +9,9 @@ Every gradient element is therefore counted by exactly one rank:
   counts its shard. A replicated parameter (``get_tp_meta(p).partitioned`` is
   False, e.g. a layer norm) holds the same gradient on every TP rank, so only
   TP rank 0 counts it.
+* **PP**: each pipeline stage counts its own parameters; of a weight tied
+  across the first and last stage (a flat group with ``tied`` set) only the
+  first stage's copy counts.
 
 The per-rank sums of squares are added with one all-reduce of a float64
 scalar over the ``world`` axis. That one scalar also decides overflow for the
@@ -60,6 +63,8 @@ class GradNorm:
         if not counts_whole_gradient and topology.dp_rank != 0:
             return  # stage 0: DP rank 0 counts for its DP group
         for group, seg_chunks in zip(groups, chunks):
+            if group.tied and topology.pp_rank != 0:
+                continue  # the first stage counts the tied weight
             for s, chunk in enumerate(seg_chunks):
                 if topology.tp_rank == 0:
                     self.views.append(chunk)

@@ -27,6 +27,7 @@ FULL = {
                   "decay_iters": 100, "min_lr": 3e-5},
     "clip_grad": 1.0, "micro_batch_size": 2, "gradient_accumulation_steps": 4, "global_batch_size": 64,
     "tensor_parallel_size": 2, "recompute": "selective",
+    "pipeline": {"size": 2, "schedule": "interleaved", "layers_per_virtual_stage": 2, "layers_per_stage": None},
     "tensorboard": {"enabled": True, "output_path": "tb", "job_name": "run1"},
     "seed": 7, "steps_per_print": 5, "use_fused_kernels": False,
     # the trainer's sections

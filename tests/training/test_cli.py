@@ -27,7 +27,15 @@ def _fails(argv, world, match, monkeypatch, capsys):
 
 @pytest.mark.parametrize("argv,world,match", [
     (MODEL + ["--mock-data", "--train-iters", "2", "--tensor-model-parallel-size", "3"], 4,
-     ("world size 4 is not divisible by the tensor-parallel size 3", "(set by --tensor-model-parallel-size)")),
+     ("world size 4 is not divisible by tensor_parallel_size x pipeline.size = 3 x 1",
+      "(set by --tensor-model-parallel-size, --pipeline-model-parallel-size)")),
+    (MODEL + ["--mock-data", "--train-iters", "2", "--tensor-model-parallel-size", "2",
+              "--pipeline-model-parallel-size", "3"], 4,
+     ("world size 4 is not divisible by tensor_parallel_size x pipeline.size = 2 x 3", "start a multiple of 6")),
+    (MODEL + ["--mock-data", "--train-iters", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "3"], 4,
+     ("ZeRO stage 3 partitions the parameters", "(set by --zero-stage, --pipeline-model-parallel-size)")),
+    (MODEL + ["--mock-data", "--train-iters", "2", "--pipeline-schedule", "interleaved"], 4,
+     ("the interleaved pipeline schedule and 'pipeline.layers_per_virtual_stage' go together",)),
     (MODEL + ["--mock-data", "--train-iters", "2", "--micro-batch-size", "2", "--global-batch-size", "6"], 2,
      ("global_batch_size 6 is not divisible by micro_batch_size x data-parallel size = 2 x 2 = 4",
       "--micro-batch-size", "--global-batch-size")),

@@ -52,7 +52,8 @@ def token_batch(step: int, n: int, vocab: int = VOCAB, seq: int = SEQ,
 
 
 def reference_adamw(model: nn.Module, steps: int, global_batch: int, *, lr: float, weight_decay: float,
-                    clip: float = 0.0, vocab: int = VOCAB, seq: int = SEQ, export=None, copy: bool = False):
+                    clip: float = 0.0, vocab: int = VOCAB, seq: int = SEQ, export=None, copy: bool = False,
+                    eps: float = 1e-8):
     """Plain single-process torch.optim.AdamW on whole global batches.
 
     Returns (losses, grad norms before clipping, {name: final param as numpy});
@@ -61,7 +62,7 @@ def reference_adamw(model: nn.Module, steps: int, global_batch: int, *, lr: floa
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in named if not no_decay(n, p)], "weight_decay": weight_decay},
               {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=lr)
+    opt = torch.optim.AdamW(groups, lr=lr, eps=eps)
     losses, norms = [], []
     for s in range(steps):
         x, y = token_batch(s, global_batch, vocab, seq, copy)

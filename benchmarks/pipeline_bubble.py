@@ -1,0 +1,120 @@
+"""The pipeline bubble, measured: idle time per stage against (p - 1) / (v m + p - 1).
+
+Two pipeline ranks (gloo, one per core of this machine) run the pipeline
+executor (:mod:`hybrid.pipeline.executor`) over equal parts of a stack of
+linear layers, for m = 2, 4, 8 and 16 micro-batches, with 1F1B and with the
+interleaved schedule at v = 2 model chunks per rank. The idle fraction of a
+stage is the time it spends blocked in receives over the step time. The
+formula assumes equal stages and free transfers; the parts here are equal by
+construction and each transfer is a few KB against milliseconds of compute.
+
+Rounds interleave the schedules and the micro-batch counts; the table gives
+medians over rounds (each round's figure is a median over steps), the
+formula, and measured / formula.
+
+Reproduce (from the repository root, on a quiet machine)::
+
+    python benchmarks/pipeline_bubble.py                 # ~1 min on 2 cores
+    python benchmarks/pipeline_bubble.py --json benchmarks/results/pipeline_bubble.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from tests.multiproc import run_distributed  # noqa: E402  (the repository's gloo process harness)
+
+PP = 2
+MICROBATCHES = (2, 4, 8, 16)
+SCHEDULES = (("1f1b", 1), ("interleaved", 2))
+
+
+def _chunk(layers: int, hidden: int, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh()) for _ in range(layers)])
+
+
+def _rank(args: dict) -> dict:
+    """One pipeline rank: every (schedule, m) of every round; median idle fraction and step time per cell."""
+    import hybrid
+    from hybrid.pipeline import PipelineExecutor
+
+    topo = hybrid.Topology(pp=PP, timeout_s=120)
+    hidden, batch = args["hidden"], args["batch"]
+    out = {}
+    for _ in range(args["rounds"]):
+        for schedule, chunks in SCHEDULES:
+            # the same work per rank for every schedule: layers_per_rank split over the chunks
+            parts = [_chunk(args["layers_per_rank"] // chunks, hidden, seed=c) for c in range(chunks)]
+            last = PP * chunks - 1
+
+            def forward(chunk, part, x, mb):
+                h = parts[chunk](mb if part == 0 else x)
+                return h.square().mean() if part == last else h
+
+            executor = PipelineExecutor(topo, list(range(chunks)), schedule,
+                                        activation_shape=lambda mb: torch.Size((batch, hidden)),
+                                        activation_dtype=torch.float32)
+            for m in MICROBATCHES:
+                mbs = [torch.randn(batch, hidden) for _ in range(m)]
+                idle, step = [], []
+                for k in range(args["steps"] + 1):
+                    topo.comm.barrier("pp")  # both stages start the step together
+                    stats = executor.step(mbs, forward)
+                    for p in (q for c in parts for q in c.parameters()):
+                        p.grad = None
+                    if k:  # the first step warms up
+                        idle.append(stats.idle_fraction)
+                        step.append(stats.step_s)
+                cell = out.setdefault(f"{schedule}/m{m}", {"idle": [], "step_s": []})
+                cell["idle"].append(statistics.median(idle))
+                cell["step_s"].append(statistics.median(step))
+    topo.close()
+    return out
+
+
+def main(argv=None) -> None:
+    from hybrid.pipeline import bubble_fraction
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per cell and round")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=32, help="rows per micro-batch")
+    ap.add_argument("--layers-per-rank", type=int, default=8)
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    cfg = {k: getattr(args, k) for k in ("rounds", "steps", "hidden", "batch", "layers_per_rank")}
+    per_rank = run_distributed(_rank, PP, cfg, timeout=1800, env={"OMP_NUM_THREADS": "1"})
+    rows = []
+    print(f"pipeline bubble: pp={PP} (gloo, one thread per rank), {args.layers_per_rank} linear layers of "
+          f"{args.hidden} per rank, micro-batch {args.batch} rows; medians of {args.rounds} interleaved rounds")
+    print(f"{'schedule':<16} {'m':>3} {'formula':>8} {'stage 0':>8} {'stage 1':>8} {'worst/formula':>14} "
+          f"{'step ms':>8}")
+    for schedule, chunks in SCHEDULES:
+        for m in MICROBATCHES:
+            key = f"{schedule}/m{m}"
+            formula = bubble_fraction(PP, m, chunks)
+            idle = [statistics.median(r[key]["idle"]) for r in per_rank]
+            step_ms = 1e3 * statistics.median(per_rank[0][key]["step_s"])
+            ratio = max(idle) / formula
+            rows.append({"schedule": schedule, "chunks": chunks, "microbatches": m, "formula": formula,
+                         "idle_per_stage": idle, "worst_over_formula": ratio, "step_ms": step_ms})
+            print(f"{schedule + (f' v={chunks}' if chunks > 1 else ''):<16} {m:>3} {formula:>8.3f} {idle[0]:>8.3f} "
+                  f"{idle[1]:>8.3f} {ratio:>14.2f} {step_ms:>8.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": {"pp": PP, **cfg}, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""Run one pipeline step: a schedule's forwards and backwards, and the transfers between stages.
+
+Each pipeline rank holds ``v`` model chunks (parts ``pp_rank + c * pp`` of the
+model, :mod:`hybrid.pipeline.split`). For every
+:class:`~hybrid.pipeline.schedule.Action` of its schedule it
+
+* **forward** of micro-batch ``i`` on chunk ``c``: receives the input
+  activation from the previous part (unless this is the first part), runs the
+  chunk, and sends the output to the next part (unless this is the last part,
+  whose output is the micro-batch's loss);
+* **backward**: backpropagates the loss (last part) or the received output
+  gradient, and sends the input's gradient to the previous part.
+
+Transfers go over the ``"pp"`` axis of the communicator as point-to-point
+messages of a shape known on both sides (the caller's ``activation_shape``):
+sends are asynchronous, receives block with the communicator's timeout, so a
+mismatched schedule (a stage with another micro-batch count) ends in a
+:class:`~hybrid.comm.CollectiveError` naming the transfer, not in a hang.
+Activations and gradients travel with different tags, which keeps their
+streams apart where one pair of ranks carries both (interleaving at pp=2).
+
+With ``pp == 1`` there are no transfers and the step is plain gradient
+accumulation over the micro-batches, in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from hybrid.config.errors import ConfigError
+from hybrid.pipeline import schedule as schedules
+from hybrid.pipeline.actions import FORWARD, Action
+from hybrid.topology import Topology
+
+ACTIVATION_TAG = 1
+GRADIENT_TAG = 2
+
+# forward_fn(chunk, part, input, microbatch) -> output: input is None on the first part (the chunk reads
+# the micro-batch); the last part returns the micro-batch's scalar loss.
+ForwardFn = Callable[[Any, int, Optional[torch.Tensor], Any], torch.Tensor]
+# backward_fn(output, grad): grad is None for the last part's loss, else the gradient of output received.
+BackwardFn = Callable[[torch.Tensor, Optional[torch.Tensor]], None]
+
+
+def plain_backward(output: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+    torch.autograd.backward(output, grad)
+
+
+@dataclasses.dataclass
+class StepStats:
+    """What one :meth:`PipelineExecutor.step` measured on this rank."""
+
+    losses: List[float]            # per micro-batch, on the rank holding the last part (else empty)
+    step_s: float = 0.0            # wall time of the whole step
+    wait_s: float = 0.0            # time blocked in receives (the bubble, plus any transfer time)
+    max_in_flight: int = 0         # most micro-batch chunks forwarded and not yet backwarded
+    sent_bytes: int = 0
+
+    @property
+    def idle_fraction(self) -> float:
+        return self.wait_s / self.step_s if self.step_s > 0 else 0.0
+
+
+class PipelineExecutor:
+    """Runs ``schedule`` over this rank's ``chunks`` (``v`` of them, chunk ``c`` = part ``pp_rank + c * pp``;
+    whatever ``forward_fn`` takes: modules, or indices into one model).
+
+    ``activation_shape(microbatch)`` gives the ``torch.Size`` of the tensor passed between parts for that
+    micro-batch (for the GPT models ``[s, b, h]``, or ``[s/tp, b, h]`` under sequence parallelism), and
+    ``activation_dtype`` its dtype; both sides of a transfer compute them the same way.
+    """
+
+    def __init__(self, topology: Topology, chunks: Sequence[Any], schedule: str = "1f1b",
+                 *, activation_shape: Callable[[Any], torch.Size], activation_dtype: torch.dtype):
+        self.topology = topology
+        self.chunks = list(chunks)
+        self.schedule = schedule
+        self.pp = topology.pp_size
+        self.pp_rank = topology.pp_rank
+        self.num_parts = self.pp * len(self.chunks)
+        self.activation_shape = activation_shape
+        self.activation_dtype = activation_dtype
+        if len(self.chunks) > 1 and self.pp == 1:
+            raise ConfigError("virtual pipeline stages need pipeline_model_parallel_size > 1")
+
+    def part(self, chunk: int) -> int:
+        return chunk * self.pp + self.pp_rank
+
+    def step(self, microbatches: Sequence[Any], forward_fn: ForwardFn,
+             backward_fn: BackwardFn = plain_backward, train: bool = True) -> StepStats:
+        """Forward (and, when ``train``, backward) every micro-batch through the pipeline.
+
+        ``backward_fn(output, grad)`` backpropagates one part: the last part's loss with ``grad=None`` (the engine
+        scales it by the loss scale and the micro-batch count there), any other part's output with the gradient
+        received from the next part. Gradients accumulate in the parameters as in plain gradient accumulation.
+        """
+        m, v = len(microbatches), len(self.chunks)
+        if train:
+            actions = schedules.build(self.schedule, self.pp_rank, self.pp, m, v)
+        else:
+            actions = schedules.forward_only(self.pp_rank, self.pp, m, v)
+        stats = StepStats(losses=[])
+        losses: Dict[int, float] = {}
+        inputs: Dict[Tuple[int, int], Optional[torch.Tensor]] = {}
+        outputs: Dict[Tuple[int, int], torch.Tensor] = {}
+        pending = []
+        start = time.perf_counter()
+        try:
+            for action in actions:
+                if action.kind == FORWARD:
+                    self._forward(action, microbatches, forward_fn, train, inputs, outputs, losses, pending, stats)
+                    stats.max_in_flight = max(stats.max_in_flight, len(outputs))
+                else:
+                    self._backward(action, backward_fn, inputs, outputs, pending, stats)
+            for handle in pending:
+                handle.wait()
+        except BaseException:
+            # The step is lost (the job ends on this error): leave the sends no peer will complete.
+            self.topology.comm.abandon(pending)
+            raise
+        stats.step_s = time.perf_counter() - start
+        stats.losses = [losses[i] for i in sorted(losses)]
+        return stats
+
+    # ---- one action ---------------------------------------------------------------------------
+    def _forward(self, action: Action, microbatches, forward_fn, train, inputs, outputs, losses, pending,
+                 stats) -> None:
+        mb, k = action.microbatch, self.part(action.chunk)
+        x = None
+        if k > 0:
+            x = self._receive(self.activation_shape(microbatches[mb]), self.activation_dtype, k - 1,
+                              ACTIVATION_TAG, stats)
+            x.requires_grad_(train)
+        with torch.set_grad_enabled(train):
+            y = forward_fn(self.chunks[action.chunk], k, x, microbatches[mb])
+        if k == self.num_parts - 1:
+            losses[mb] = float(y.detach())
+        else:
+            expected = self.activation_shape(microbatches[mb])
+            if tuple(y.shape) != tuple(expected) or y.dtype != self.activation_dtype:
+                raise RuntimeError(f"pipeline part {k} produced {y.dtype} {tuple(y.shape)} for micro-batch {mb} but "
+                                   f"the next part expects {self.activation_dtype} {tuple(expected)}")
+            pending.append(self._send(y.detach(), k + 1, ACTIVATION_TAG, stats))
+        if train:
+            inputs[(mb, action.chunk)] = x
+            outputs[(mb, action.chunk)] = y
+
+    def _backward(self, action: Action, backward_fn, inputs, outputs, pending, stats) -> None:
+        mb, k = action.microbatch, self.part(action.chunk)
+        x, y = inputs.pop((mb, action.chunk)), outputs.pop((mb, action.chunk))
+        if k == self.num_parts - 1:
+            backward_fn(y, None)
+        else:
+            backward_fn(y, self._receive(y.shape, y.dtype, k + 1, GRADIENT_TAG, stats))
+        if k > 0:
+            pending.append(self._send(x.grad, k - 1, GRADIENT_TAG, stats))
+
+    # ---- transfers ----------------------------------------------------------------------------
+    def _rank_of_part(self, part: int) -> int:
+        return part % self.pp
+
+    def _send(self, tensor: torch.Tensor, part: int, tag: int, stats: StepStats):
+        tensor = tensor.contiguous()
+        stats.sent_bytes += tensor.numel() * tensor.element_size()
+        return self.topology.comm.send(tensor, "pp", self._rank_of_part(part), async_op=True, tag=tag)
+
+    def _receive(self, shape, dtype, part: int, tag: int, stats: StepStats) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.topology.device)
+        begin = time.perf_counter()
+        self.topology.comm.recv(buf, "pp", self._rank_of_part(part), tag=tag)
+        stats.wait_s += time.perf_counter() - begin
+        return buf

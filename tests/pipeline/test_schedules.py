@@ -1,0 +1,93 @@
+"""Stage splits and schedules, checked on paper (no processes): every schedule finishes without deadlock,
+delivers its transfers in order, idles exactly the bubble formula's fraction and keeps the promised number of
+micro-batches in flight."""
+
+import pytest
+
+from hybrid.config.errors import ConfigError
+from hybrid.pipeline import Action, ScheduleError, balanced_layer_counts, bubble_fraction, simulate, split_layers
+from hybrid.pipeline import schedule
+
+SIZES = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 16)]
+
+
+def _lists(name, pp, m, chunks=1):
+    return [schedule.build(name, r, pp, m, chunks) for r in range(pp)]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_flush_schedules_idle_the_formula_and_bound_memory(name):
+    for pp, m in SIZES:
+        sim = simulate(_lists(name, pp, m))
+        assert max(sim.idle_fraction) == pytest.approx(bubble_fraction(pp, m), abs=1e-12), (pp, m)
+        expected = [m] * pp if name == "gpipe" else [min(pp - s, m) for s in range(pp)]
+        assert sim.max_in_flight == expected, (pp, m)
+
+
+def test_interleaving_divides_the_bubble_by_the_chunk_count():
+    for pp, m in SIZES:
+        for v in (2, 3):
+            if pp == 1 or m % pp:
+                continue
+            sim = simulate(_lists("interleaved", pp, m, v), chunks=v)
+            assert max(sim.idle_fraction) == pytest.approx(bubble_fraction(pp, m, v), abs=1e-12), (pp, m, v)
+            assert max(sim.idle_fraction) < bubble_fraction(pp, m)
+            assert sim.max_in_flight == [min(2 * (pp - s - 1) + (v - 1) * pp + 1, v * m) for s in range(pp)]
+
+
+def test_every_action_runs_once():
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+        for r in range(4):
+            acts = schedule.build(name, r, 4, 8, v)
+            assert sorted((a.kind, a.microbatch, a.chunk) for a in acts) == sorted(
+                (k, mb, c) for k in "FB" for mb in range(8) for c in range(v))
+
+
+def test_the_checker_catches_a_deadlock_and_swapped_transfers():
+    # Swapped: rank 1 awaits micro-batch 1's activation first. Deadlock: rank 0 waits for micro-batch 0's
+    # gradient before sending micro-batch 1's activation, which rank 1 waits for before that backward.
+    ok = _lists("gpipe", 2, 2)
+    with pytest.raises(ScheduleError, match="order"):
+        simulate([ok[0], [Action("F", 1), Action("F", 0), Action("B", 0), Action("B", 1)]])
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        simulate([[Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
+                  [Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1)]])
+
+
+def test_bad_schedule_requests_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match="unknown pipeline schedule 'zigzag'"):
+        schedule.build("zigzag", 0, 2, 4)
+    with pytest.raises(ConfigError, match="need the interleaved schedule"):
+        schedule.build("1f1b", 0, 2, 4, 2)
+    with pytest.raises(ConfigError, match="multiple of pipeline_model_parallel_size=4"):
+        schedule.build("interleaved", 0, 4, 6, 2)
+
+
+def test_balanced_split_rule():
+    # the embedding and the head count as one layer each; extra layers go to the last stages
+    assert balanced_layer_counts(3, 2) == [1, 2]
+    assert balanced_layer_counts(24, 4) == [5, 6, 7, 6]
+    assert balanced_layer_counts(8, 1) == [8]
+    for layers in range(0, 40):
+        for parts in range(1, 9):
+            try:
+                counts = balanced_layer_counts(layers, parts)
+            except ConfigError:
+                assert layers + 2 < parts
+                continue
+            assert sum(counts) == layers and min(counts) >= 0
+            loads = [c + (k == 0) + (k == parts - 1) for k, c in enumerate(counts)] if parts > 1 else counts
+            assert max(loads) - min(loads) <= 1
+            assert loads == sorted(loads)  # the heavier parts come last
+
+
+def test_split_ranges_and_explicit_override():
+    split = split_layers(6, 2, chunks=2)
+    assert [list(split.layers_of(r, c)) for c in range(2) for r in range(2)] == [[0], [1, 2], [3, 4], [5]]
+    assert split.layers_of_rank(0) == [0, 3, 4]
+    explicit = split_layers(5, 2, layers_per_stage=[4, 1])
+    assert explicit.counts() == [4, 1]
+    with pytest.raises(ConfigError, match="sum to num_layers=5"):
+        split_layers(5, 2, layers_per_stage=[4, 2])
+    with pytest.raises(ConfigError, match="one count per part"):
+        split_layers(5, 2, layers_per_stage=[5])
