@@ -142,8 +142,10 @@ class FlatZeroOptimizer(ZeroOptimizer):
             if self._local_gradients():  # the 1-bit optimizers' local steps read each rank's whole gradient
                 self.comm.all_reduce(self.reducer.grads[g.index], "embed")
                 continue
-            for chunk in self._grad_chunks[g.index]:
+            for s, chunk in enumerate(self._grad_chunks[g.index]):
                 self.comm.all_reduce(chunk, "embed")
+                if self._offload:  # its host twin was streamed during backward, before this sum
+                    self._offload[g.index].grad_to_host(s)
 
     def _global_sq(self) -> float:
         if self._local_gradients():

@@ -29,10 +29,11 @@ def gpt_config(num_layers: int, tie: bool = True, sequence_parallel: bool = Fals
                                       sequence_parallel=sequence_parallel)
 
 
-def engine_config(stage: int, micro: int, schedule: str = "1f1b", per_virtual=None, optimizer="adamw") -> dict:
+def engine_config(stage: int, micro: int, schedule: str = "1f1b", per_virtual=None, optimizer="adamw",
+                  offload: str = "none", precision: str = "fp32") -> dict:
     extra = {"freeze_step": 3} if optimizer == "onebit_adam" else {}
-    return {"optimizer": {"type": optimizer, "lr": LR, "weight_decay": WD, "eps": EPS, **extra}, "clip_grad": CLIP,
-            "zero": {"stage": stage, "bucket_size": BUCKET}, "micro_batch_size": micro,
+    return {"precision": precision, "optimizer": {"type": optimizer, "lr": LR, "weight_decay": WD, "eps": EPS, **extra}, "clip_grad": CLIP,
+            "zero": {"stage": stage, "bucket_size": BUCKET, "offload_optimizer": offload}, "micro_batch_size": micro,
             "global_batch_size": GLOBAL, "steps_per_print": 0,
             "pipeline": {"schedule": schedule, "layers_per_virtual_stage": per_virtual}}
 
@@ -65,7 +66,8 @@ def _build(case: dict):
                            ranks_per_node=torch.distributed.get_world_size() // case["pp"])
     cfg = gpt_config(case["layers"], case.get("tie", True), case.get("sp", False))
     config = HybridConfig.from_dict(engine_config(case["stage"], case["micro"], case.get("schedule", "1f1b"),
-                                                  case.get("per_virtual"), case.get("optimizer", "adamw")))
+                                                  case.get("per_virtual"), case.get("optimizer", "adamw"),
+                                                  case.get("offload", "none"), case.get("precision", "fp32")))
     model = GPTModel(cfg, topo, split=split_from_config(config.pipeline, cfg.num_layers, topo.pp_size))
     return topo, cfg, model, hybrid.initialize(model, config, topology=topo)
 
