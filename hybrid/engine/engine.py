@@ -62,6 +62,9 @@ class Engine:
         self.config = config
         self.topology = topology
         self.batch = config.resolve_batch(topology.dp_size)
+        problem = pipeline_problem(config.zero.stage, topology.pp_size)
+        if problem:
+            raise ConfigError(f"zero.stage {config.zero.stage} with pp={topology.pp_size}: {problem}")
         check_recompute(model, config.recompute)
         self.module = model
         model.train()
@@ -162,11 +165,6 @@ class Engine:
                              f"{len(microbatches)}")
         if self._awaiting_step or self.micro_steps % gas:
             raise RuntimeError("train_batch was called in the middle of a global batch of backward()/step() calls")
-        model = self.module
-
-        def forward(chunk, part, hidden, mb):
-            with self._autocast():
-                return model.forward_part(part, hidden, **mb)
 
         def backward(output, grad):
             if grad is None:
@@ -174,7 +172,7 @@ class Engine:
             else:
                 self.optimizer.backward_from(output, grad)
 
-        stats = self.pipeline.step(microbatches, forward, backward)
+        stats = self.pipeline.step(microbatches, self._forward_part, backward)
         self.last_pipeline_stats = stats
         loss = self._pipeline_loss(stats.losses)
         self.micro_steps += gas
@@ -183,15 +181,14 @@ class Engine:
 
     def eval_batch(self, microbatches: Sequence[Mapping[str, Any]]) -> float:
         """The mean loss of ``microbatches`` through the pipeline, forward only (validation)."""
-        model = self.module
-
-        def forward(chunk, part, hidden, mb):
-            with self._autocast():
-                return model.forward_part(part, hidden, **mb)
-
         with torch.no_grad():
-            stats = self.pipeline.step(microbatches, forward, train=False)
+            stats = self.pipeline.step(microbatches, self._forward_part, train=False)
         return float(self._pipeline_loss(stats.losses))
+
+    def _forward_part(self, chunk: int, part: int, hidden: Optional[torch.Tensor],
+                      microbatch: Mapping[str, Any]) -> torch.Tensor:
+        with self._autocast():
+            return self.module.forward_part(part, hidden, **microbatch)
 
     def _pipeline_loss(self, losses: List[float]) -> torch.Tensor:
         """The mean of the last stage's micro-batch losses, on every stage (broadcast over ``"pp"``)."""
@@ -212,9 +209,6 @@ class Engine:
                                   f"model (one with a stage split and forward_part, such as model_zoo.GPTModel); "
                                   f"{type(model).__name__} is not")
             return None
-        problem = pipeline_problem(self.config.zero.stage, self.topology.pp_size)
-        if problem:
-            raise ConfigError(f"zero.stage {self.config.zero.stage} with pp={self.topology.pp_size}: {problem}")
         self.optimizer.set_chunks(split.chunks)
         return PipelineExecutor(self.topology, list(range(split.chunks)), self.config.pipeline.schedule,
                                 activation_shape=lambda mb: model.activation_shape(*mb["input_ids"].shape),
@@ -380,6 +374,10 @@ def initialize(model: torch.nn.Module, config: ConfigSource = None, topology: Op
         init_distributed()
         topology = Topology(tp=cfg.tensor_parallel_size or 1, pp=cfg.pipeline.size or 1,
                             allow_tp_across_nodes=cfg.distributed.allow_tp_across_nodes)
+    elif cfg.pipeline.size is not None and cfg.pipeline.size != topology.pp_size:
+        raise ConfigError(f"config key 'pipeline.size' is {cfg.pipeline.size} but the topology has "
+                          f"pp={topology.pp_size}; leave the key unset to use the topology's, or build the "
+                          f"Topology with pp={cfg.pipeline.size}")
     elif cfg.tensor_parallel_size is not None and cfg.tensor_parallel_size != topology.tp_size:
         raise ConfigError(f"config key 'tensor_parallel_size' is {cfg.tensor_parallel_size} but the topology "
                           f"has tp={topology.tp_size}; leave the key unset to use the topology's, or build the "
