@@ -38,7 +38,7 @@ import safetensors
 import torch
 
 from hybrid.checkpoint import CheckpointError, CheckpointFormatError, CheckpointReader, model_file, optimizer_file
-from hybrid.param_meta import REPLICATED, TPMeta
+from hybrid.param_meta import REPLICATED, TPMeta, full_size_of
 from hybrid.convert.ranges import assemble, check_same_layout, piece_size
 
 WEIGHT = "weight"
@@ -211,7 +211,7 @@ class CheckpointSource:
             meta = REPLICATED
         if meta.partitioned:
             full = list(shape)
-            full[meta.dim] = meta.logical_size if meta.logical_size is not None else shape[meta.dim] * tp
+            full[meta.dim] = full_size_of(meta, shape[meta.dim], tp)
             expected = piece_size(meta, full[meta.dim], tp)
             if expected != shape[meta.dim]:
                 raise CheckpointFormatError(f"{self.reader.path}: {name!r} has {shape[meta.dim]} entries along dim "
