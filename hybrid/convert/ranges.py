@@ -61,16 +61,25 @@ def assemble(read: ReadPiece, shape: Sequence[int], dtype: torch.dtype, saved: T
         out = torch.empty(tuple(shape), dtype=dtype)
     elif tuple(out.shape) != tuple(shape):
         raise ValueError(f"out has shape {list(out.shape)}, the piece {list(shape)}")
-    dim = target.dim
-    step = max_rows or full_size or 1
     for run in shard_runs(target, full_size, target_tp, target_rank):
-        dst = out.narrow(dim, run.local_start, run.length)
+        dst = out.narrow(target.dim, run.local_start, run.length)
         if run.full_start is None:
             dst.zero_()
-            continue
-        for src in source_runs(saved, full_size, saved_tp, run.full_start, run.full_start + run.length):
-            for lo in range(0, src.length, step):
-                n = min(step, src.length - lo)
-                start = src.local_start + lo
-                dst.narrow(dim, src.full_start - run.full_start + lo, n).copy_(read(src.rank, start, start + n))
+        else:
+            copy_rows(read, dst, saved, saved_tp, full_size, run.full_start, max_rows)
     return out
+
+
+def copy_rows(read: ReadPiece, dst: torch.Tensor, saved: TPMeta, saved_tp: int, full_size: int, start: int,
+              max_rows: Optional[int] = None) -> torch.Tensor:
+    """Fill ``dst`` with the full range ``[start, start + dst.shape[dim])`` along ``saved.dim``, read from the
+    saved pieces through ``read`` at most ``max_rows`` entries at a time. Returns ``dst``."""
+    dim = saved.dim
+    step = max_rows or full_size or 1
+    stop = start + dst.shape[dim]
+    for src in source_runs(saved, full_size, saved_tp, start, stop):
+        for lo in range(0, src.length, step):
+            n = min(step, src.length - lo)
+            first = src.local_start + lo
+            dst.narrow(dim, src.full_start - start + lo, n).copy_(read(src.rank, first, first + n))
+    return dst

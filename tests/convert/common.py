@@ -22,6 +22,13 @@ GPT2_CFG = GPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, nu
 LLAMA_CFG = GPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS, ffn_hidden_size=96,
                       seq_length=SEQ, position="rope", rope_theta=500.0, norm="rmsnorm", norm_eps=1e-6, mlp="swiglu",
                       bias=False, tie_embeddings=False)
+# Grouped-query Llama 3 style (8 query heads, 2 key/value groups, llama3 RoPE scaling), Mistral (GQA, no
+# window) and Qwen2 (multi-query, q/k/v bias): the hybrid side of the configs tests/convert/test_hf.py builds.
+_LLAMA_GQA = dict(num_heads=8, num_query_groups=2)
+LLAMA_GQA_CFG = LLAMA_CFG.replace(**_LLAMA_GQA, rope_scaling="llama3", rope_scaling_factor=8.0,
+                                  rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_positions=8)
+MISTRAL_CFG = LLAMA_CFG.replace(**_LLAMA_GQA)
+QWEN2_CFG = LLAMA_CFG.replace(num_heads=8, num_query_groups=1, qkv_bias=True, rope_theta=10000.0)
 
 
 def randomized_state(cfg: GPTConfig, seed: int = 0) -> Dict[str, torch.Tensor]:
@@ -71,13 +78,15 @@ def write_weights_checkpoint(save_dir, cfg: GPTConfig, state: Dict[str, torch.Te
     return writer.iter_dir
 
 
-def make_engine(cfg: GPTConfig, *, precision: str = "fp32", stage: int = 1, seed: int = 1, lr: float = 1e-3):
-    """A one-process engine (TP=1, DP=1) over a fresh GPTModel(cfg)."""
-    topo = Topology.local()
+def make_engine(cfg: GPTConfig, *, precision: str = "fp32", stage: int = 1, seed: int = 1, lr: float = 1e-3,
+                topology: Optional[Topology] = None):
+    """An engine over a fresh GPTModel(cfg): one process (TP=1, DP=1), or ``topology``'s layout."""
+    topo = topology or Topology.local()
     model = GPTModel(cfg, topo, seed=seed)
     return hybrid.initialize(model, {"precision": precision, "zero": {"stage": stage},
                                      "optimizer": {"type": "adamw", "lr": lr, "weight_decay": 0.1},
-                                     "clip_grad": 1.0, "micro_batch_size": 2, "global_batch_size": 2,
+                                     "clip_grad": 1.0, "micro_batch_size": 2,
+                                     "global_batch_size": 2 * topo.dp_size,
                                      "steps_per_print": 0}, topology=topo)
 
 
