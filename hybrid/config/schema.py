@@ -233,6 +233,9 @@ class ModelConfig:
     num_layers: Optional[int] = _field(None, ge=1, flag="--num-layers", help="transformer layers")
     hidden_size: Optional[int] = _field(None, ge=1, flag="--hidden-size", help="hidden size")
     num_attention_heads: Optional[int] = _field(None, ge=1, flag="--num-attention-heads", help="attention heads")
+    num_query_groups: Optional[int] = _field(None, ge=1, flag="--num-query-groups",
+                                             help="key/value heads shared by the query heads (grouped-query "
+                                                  "attention; 1: multi-query; unset: one per attention head)")
     ffn_hidden_size: Optional[int] = _field(None, ge=1, flag="--ffn-hidden-size",
                                             help="MLP hidden size (unset: 4h, or the SwiGLU rule)")
     seq_length: Optional[int] = _field(None, ge=1, flag="--seq-length", help="training sequence length")

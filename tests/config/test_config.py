@@ -30,7 +30,8 @@ FULL = {
     "tensorboard": {"enabled": True, "output_path": "tb", "job_name": "run1"},
     "seed": 7, "steps_per_print": 5, "use_fused_kernels": False,
     # the trainer's sections
-    "model": {"preset": None, "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128,
+    "model": {"preset": None, "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+              "ffn_hidden_size": 128,
               "seq_length": 32, "max_position_embeddings": 64, "vocab_size": 512, "position_embedding_type": "rope",
               "normalization": "rmsnorm", "norm_epsilon": 1e-6, "rotary_base": 500000.0, "swiglu": True,
               "disable_bias_linear": True, "untie_embeddings_and_output_weights": True, "hidden_dropout": 0.1,

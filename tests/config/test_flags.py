@@ -42,6 +42,7 @@ TODAYS_FLAGS = [
     (["--num-layers", "3"], "model.num_layers", 3),
     (["--hidden-size", "64"], "model.hidden_size", 64),
     (["--num-attention-heads", "4"], "model.num_attention_heads", 4),
+    (["--num-query-groups", "2"], "model.num_query_groups", 2),
     (["--ffn-hidden-size", "256"], "model.ffn_hidden_size", 256),
     (["--seq-length", "128"], "model.seq_length", 128),
     (["--max-position-embeddings", "256"], "model.max_position_embeddings", 256),
