@@ -40,8 +40,9 @@ SPECS: List[Dict] = [
     dict(stage=2, tp=2, recompute="none", precision="bf16", micro=1, gas=2, bucket=30_000),
     dict(stage=2, tp=2, sp=True, recompute="full", precision="fp32", micro=1, **LLAMA),
     dict(stage=1, tp=1, recompute="none", precision="bf16", micro=2, **LLAMA),
-    # grouped-query attention: 8 query heads, 2 key/value groups (smaller k and v projections and activations)
-    dict(stage=2, tp=2, recompute="none", precision="fp32", micro=2, heads=8, groups=2, **LLAMA),
+    # grouped-query attention with a single key/value head (smaller k and v projections and activations),
+    # which TP 2 replicates: its gradient rows are summed over the pair of ranks (all_reduce/tp/2)
+    dict(stage=2, tp=2, recompute="none", precision="fp32", micro=2, heads=8, groups=1, **LLAMA),
     # 1-bit Adam's compressed phase: the momentum exchange, the error buffers, whole gradients
     dict(stage=0, tp=2, recompute="none", precision="fp32", micro=2, optimizer="onebit_adam", bucket=30_000),
 ]
