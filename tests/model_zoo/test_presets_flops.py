@@ -91,3 +91,17 @@ def test_flops_per_token_matches_hand_count_and_measured_matmuls(mlp):
     with FlopCounterMode(display=False) as counter:
         model(ids, labels=ids).backward()
     assert counter.get_total_flops() == 6 * n_matmul * ids.numel()
+
+
+def test_docs_preset_table_lists_every_preset_with_the_computed_count():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "model_zoo.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 12 and cells[0].startswith("`") and cells[0].strip("`") in list_presets():
+            rows[cells[0].strip("`")] = int(cells[8].replace(",", ""))
+    assert set(rows) == set(list_presets())
+    for name, documented in rows.items():
+        assert documented == count_parameters(get_preset(name)), name
