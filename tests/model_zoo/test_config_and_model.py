@@ -141,3 +141,16 @@ def test_query_groups_must_divide_the_heads_and_meet_tp_either_way():
         GPTConfig(**base, num_query_groups=3).validate(2)
     with pytest.raises(ValueError, match="num_query_groups=5 must be a positive integer that divides num_heads=12"):
         GPTConfig(**base, num_query_groups=5).validate(1)
+
+
+def test_trainer_flags_set_grouped_query_attention_rope_scaling_and_the_qkv_bias():
+    from hybrid.training import parse_args
+    from hybrid.training.model import model_config
+
+    args = parse_args(["--model", "llama-tiny", "--num-query-groups", "2", "--rope-scaling", "llama3",
+                       "--rope-scaling-factor", "8", "--rope-original-max-positions", "64", "--add-qkv-bias",
+                       "--mock-data", "--micro-batch-size", "1", "--train-iters", "1"])
+    cfg = model_config(args, 4096).validate(2)
+    assert (cfg.query_groups, cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_original_max_positions) == \
+        (2, "llama3", 8.0, 64)
+    assert cfg.attention_bias and not cfg.bias
