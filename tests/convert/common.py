@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -108,3 +109,29 @@ def optimizer_tensors(engine) -> Dict[str, torch.Tensor]:
     sd = engine.optimizer.state_dict()
     return {f"{i}/{k}": v.clone() for i, g in enumerate(sd["groups"]) for k, v in g.items()
             if isinstance(v, torch.Tensor)}
+
+
+def train_tp2_dp2_zero2(root: str, configs: Dict[str, GPTConfig], tokens: torch.Tensor) -> Optional[dict]:
+    """Per config: 3 steps at TP=2 x DP=2 with ZeRO-2, saved to ``root/<name>``. Rank 0 returns, per name,
+    the trained model's logits on ``tokens`` and the first step's gradient norm beside a one-process
+    float64 reference's (None on other ranks). Run on 4 ranks (tests.multiproc)."""
+    import torch.distributed as dist
+
+    topo = Topology(tp=2)
+    out = {}
+    for kind, cfg in configs.items():
+        engine = make_engine(cfg, stage=2, topology=topo)
+        train(engine, 1)
+        norm = engine.get_grad_norm()
+        train(engine, 2, seed=1)
+        engine.save_checkpoint(os.path.join(root, kind))
+        engine.module.eval()
+        with torch.no_grad():
+            logits = engine.module.gather_logits(engine.module(tokens))
+        # The reference: the same initial model and first batch (every DP rank drew the same one), one process.
+        ref = GPTModel(cfg, Topology.local(), seed=1).double()
+        ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
+        ref(ids[:, :-1], labels=ids[:, 1:]).backward()
+        ref_norm = torch.sqrt(sum(p.grad.square().sum() for p in ref.parameters())).item()
+        out[kind] = {"logits": logits.numpy(), "norm": norm, "ref_norm": ref_norm}
+    return out if dist.get_rank() == 0 else None

@@ -18,7 +18,7 @@ from hybrid.convert.consolidate import CheckpointSource, ConversionError
 from hybrid.checkpoint import CheckpointReader
 from hybrid.convert.hf import export_to_hf, import_from_hf
 from tests.convert.common import GPT2_CFG, LLAMA_CFG, LLAMA_GQA_CFG, MISTRAL_CFG, QWEN2_CFG, SEQ, VOCAB, \
-    make_engine, model_from_state, randomized_state, train, write_weights_checkpoint
+    model_from_state, randomized_state, train_tp2_dp2_zero2, write_weights_checkpoint
 from tests.data.testkit import train_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -256,39 +256,12 @@ TRAINED = ("llama-gqa", "qwen2")  # qwen2 is multi-query: TP=2 replicates its ke
 # Llama's layout (its export loads in test_hf_to_hybrid_to_hf_is_bit_identical)
 
 
-def _train_tp2_dp2_zero2(root):
-    """Per kind: 3 steps at TP=2 x DP=2 with ZeRO-2, saved; rank 0 returns the trained model's logits, and for
-    each kind the first step's gradient norm beside a one-process float64 reference's."""
-    import torch.distributed as dist
-
-    from hybrid.topology import Topology
-    from model_zoo import GPTModel
-
-    topo = Topology(tp=2)
-    out = {}
-    for kind in TRAINED:
-        cfg = KINDS[kind][0]
-        engine = make_engine(cfg, stage=2, topology=topo)
-        train(engine, 1)
-        norm = engine.get_grad_norm()
-        train(engine, 2, seed=1)
-        engine.save_checkpoint(os.path.join(root, kind))
-        engine.module.eval()
-        with torch.no_grad():
-            logits = engine.module.gather_logits(engine.module(_tokens()))
-        # The reference: the same initial model and first batch (every DP rank drew the same one), one process.
-        ref = GPTModel(cfg, Topology.local(), seed=1).double()
-        ids = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
-        ref(ids[:, :-1], labels=ids[:, 1:]).backward()
-        ref_norm = torch.sqrt(sum(p.grad.square().sum() for p in ref.parameters())).item()
-        out[kind] = {"logits": logits.numpy(), "norm": norm, "ref_norm": ref_norm} if dist.get_rank() == 0 else None
-    return out
-
-
 def test_export_after_zero2_training_at_tp2_dp2_loads_with_from_pretrained(tmp_path):
     from tests.multiproc import run_distributed
 
-    results = run_distributed(_train_tp2_dp2_zero2, 4, str(tmp_path), timeout=240)[0]
+    # The worker lives in common.py, which does not import transformers: each spawned rank imports less.
+    results = run_distributed(train_tp2_dp2_zero2, 4, str(tmp_path), {k: KINDS[k][0] for k in TRAINED},
+                              _tokens(), timeout=240)[0]
     for kind in TRAINED:
         # Replicated key/value heads count once: the norm a single process computes (fp32 rounding of a
         # sum of ~1e5 squares, far below the share of the key/value rows counted twice).
