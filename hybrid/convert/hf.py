@@ -133,8 +133,8 @@ def export_to_hf(load, output, *, dtype: Optional[str] = None, max_shard_bytes: 
         raise ConversionError(f"{reader.path / 'metadata.json'}: model_config is not a model_zoo GPTConfig: {e}") \
             from None
     imported = (reader.trainer_state.get("imported_from") or {}).get("architecture")
-    if architecture is None and imported in {m.ARCHITECTURE for m in MAPS} \
-            and not map_for_config(cfg, imported).mismatches(cfg):
+    by_name = {m.ARCHITECTURE: m for m in MAPS}
+    if architecture is None and imported in by_name and not by_name[imported].mismatches(cfg):
         architecture = imported
     arch = map_for_config(cfg, architecture)
     out_dtype = PRECISION_DTYPES[_check_dtype(dtype or reader.layout.precision)]

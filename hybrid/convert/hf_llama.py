@@ -28,7 +28,7 @@ Each architecture is a :class:`LlamaFamily` object with the map interface of
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 from hybrid.convert.hf_common import Link, refuse, require
 from model_zoo.config import GPTConfig, swiglu_ffn_size
@@ -47,7 +47,10 @@ class LlamaFamily:
     ARCHITECTURE: str
     MODEL_TYPE: str
     qkv_bias: bool  # Qwen2's q/k/v bias
-    window_keys: bool  # config.json carries sliding_window (Mistral, Qwen2)
+    fixed: Tuple[Tuple[str, Any], ...]  # config.json settings export writes as they are
+    # The config.json switch that turns sliding_window on (Qwen2's use_sliding_window; None: a window is
+    # in force whenever one is given)
+    window_switch: Optional[str] = None
 
     def switches(self) -> Dict[str, Any]:
         return {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
@@ -73,12 +76,9 @@ class LlamaFamily:
             "initializer_range": cfg.init_std, "use_cache": True, "bos_token_id": None, "eos_token_id": None,
             "torch_dtype": dtype_name,
         }
-        if self.MODEL_TYPE == "llama":
-            out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-        if self.window_keys:
-            out["sliding_window"] = None
-        if self.MODEL_TYPE == "qwen2":
-            out.update(use_sliding_window=False, max_window_layers=cfg.num_layers)
+        out.update(self.fixed)
+        if self.window_switch is not None:  # no layer has the (switched off) window
+            out["max_window_layers"] = cfg.num_layers
         return out
 
     def config_from_hf(self, hf: Dict[str, Any], where: str) -> GPTConfig:
@@ -115,7 +115,7 @@ class LlamaFamily:
 
     def _check_window(self, hf: Dict[str, Any], positions: int, where: str) -> None:
         window = hf.get("sliding_window")
-        used = window is not None and (self.MODEL_TYPE != "qwen2" or hf.get("use_sliding_window")
+        used = window is not None and (self.window_switch is None or hf.get(self.window_switch)
                                        or "sliding_attention" in (hf.get("layer_types") or ()))
         if used and window < positions:
             raise refuse(where, "sliding_window", window, f"hybrid's attention is full causal, which matches a "
@@ -151,9 +151,11 @@ class LlamaFamily:
         return (name == "lm_head.weight" and cfg.tie_embeddings) or name.endswith("rotary_emb.inv_freq")
 
 
-LLAMA = LlamaFamily("LlamaForCausalLM", "llama", qkv_bias=False, window_keys=False)
-MISTRAL = LlamaFamily("MistralForCausalLM", "mistral", qkv_bias=False, window_keys=True)
-QWEN2 = LlamaFamily("Qwen2ForCausalLM", "qwen2", qkv_bias=True, window_keys=True)
+LLAMA = LlamaFamily("LlamaForCausalLM", "llama", qkv_bias=False,
+                    fixed=(("attention_bias", False), ("mlp_bias", False), ("pretraining_tp", 1)))
+MISTRAL = LlamaFamily("MistralForCausalLM", "mistral", qkv_bias=False, fixed=(("sliding_window", None),))
+QWEN2 = LlamaFamily("Qwen2ForCausalLM", "qwen2", qkv_bias=True,
+                    fixed=(("sliding_window", None), ("use_sliding_window", False)), window_switch="use_sliding_window")
 FAMILIES = (LLAMA, MISTRAL, QWEN2)
 
 

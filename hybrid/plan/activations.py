@@ -141,7 +141,8 @@ def _dims(config: GPTConfig, micro_batch: int, tp: int, sequence_parallel: bool,
           profile: DeviceProfile) -> _Dims:
     s, b = config.seq_length, micro_batch
     return _Dims(N=s * b, s=s, b=b, h=config.hidden_size, f=config.ffn_size, a=config.num_heads,
-                 d=config.head_dim, g=qkv_layout(config).local_heads(tp)[1], t=tp, r=1.0 / tp if sequence_parallel and tp > 1 else 1.0, p=act_bytes,
+                 d=config.head_dim, g=qkv_layout(config).local_heads(tp)[1], t=tp,
+                 r=1.0 / tp if sequence_parallel and tp > 1 else 1.0, p=act_bytes,
                  m=profile.dropout_mask_bytes or act_bytes, q=profile.norm_stat_bytes or act_bytes,
                  vocab_local=config.padded_vocab_size(tp) // tp)
 
