@@ -256,7 +256,7 @@ TRAINED = ("llama-gqa", "qwen2")  # qwen2 is multi-query: TP=2 replicates its ke
 # Llama's layout (its export loads in test_hf_to_hybrid_to_hf_is_bit_identical)
 
 
-def test_export_after_zero2_training_at_tp2_dp2_loads_with_from_pretrained(tmp_path):
+def test_export_after_zero2_training_at_tp2_dp2_loads_with_from_pretrained_and_reshards_to_tp4(tmp_path):
     from tests.multiproc import run_distributed
 
     # The worker lives in common.py, which does not import transformers: each spawned rank imports less.
@@ -277,3 +277,6 @@ def test_export_after_zero2_training_at_tp2_dp2_loads_with_from_pretrained(tmp_p
         with torch.no_grad():
             ref = hf(input_ids=_tokens()).logits
         assert _rel(torch.from_numpy(results[kind]["logits"]), ref) < TOL, kind
+        # The same checkpoint resharded on load to TP=4, which replicates every key/value head of both.
+        assert results[kind]["tp4_weights_exact"], kind
+        assert _rel(torch.from_numpy(results[kind]["tp4_logits"]), ref) < TOL, kind
