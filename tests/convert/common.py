@@ -112,10 +112,11 @@ def optimizer_tensors(engine) -> Dict[str, torch.Tensor]:
 
 
 def train_tp2_dp2_zero2(root: str, configs: Dict[str, GPTConfig], tokens: torch.Tensor) -> Optional[dict]:
-    """Per config: 3 steps at TP=2 x DP=2 with ZeRO-2, saved to ``root/<name>``, then loaded at TP=4 x DP=1.
-    Rank 0 returns, per name, the trained model's logits on ``tokens``, the first step's gradient norm
-    beside a one-process float64 reference's, and the TP=4 load's logits and whether its weights equal
-    the saved ones (None on other ranks). Run on 4 ranks (tests.multiproc)."""
+    """Per config: 3 steps at TP=2 x DP=2 with ZeRO-2, saved to ``root/<name>``, then loaded at TP=4 x DP=1
+    with ZeRO-3. Rank 0 returns, per name, the trained model's logits on ``tokens``, the first step's
+    gradient norm beside a one-process float64 reference's, and for the TP=4 load its logits, whether its
+    weights equal the saved ones and its next step's gradient norm beside a reference's (None on other
+    ranks). Run on 4 ranks (tests.multiproc)."""
     import torch.distributed as dist
 
     topo = Topology(tp=2)
@@ -135,22 +136,30 @@ def train_tp2_dp2_zero2(root: str, configs: Dict[str, GPTConfig], tokens: torch.
         ref(ids[:, :-1], labels=ids[:, 1:]).backward()
         ref_norm = torch.sqrt(sum(p.grad.square().sum() for p in ref.parameters())).item()
         out[kind] = {"logits": logits.numpy(), "norm": norm, "ref_norm": ref_norm}
-    # Resharded on load to TP=4 x DP=1 (ZeRO-1, optimizer state included): a model whose key/value heads
-    # are fewer than 4 is replicated on more ranks than it was saved from. Its weights must be the saved
-    # ones exactly, and its logits the TP=2 model's.
+    # Resharded on load to TP=4 x DP=1 under ZeRO-3 (optimizer state included): a model whose key/value
+    # heads are fewer than 4 is replicated on more ranks than it was saved from. Its weights must be the
+    # saved ones exactly, its logits the TP=2 model's, and its next gradient norm a one-process reference's.
+    from hybrid.checkpoint import CheckpointReader
+    from hybrid.convert.consolidate import CheckpointSource
+
     topo4 = Topology(tp=4)
     for kind, cfg in configs.items():
-        engine = make_engine(cfg, stage=1, topology=topo4, seed=2)
+        engine = make_engine(cfg, stage=3, topology=topo4, seed=2)
         engine.load_checkpoint(os.path.join(root, kind))
-        weights = full_state(engine.module, topo4)
-        engine.module.eval()
-        with torch.no_grad():
-            logits = engine.module.gather_logits(engine.module(tokens))
-        if dist.get_rank() == 0:
-            from hybrid.checkpoint import CheckpointReader
-            from hybrid.convert.consolidate import CheckpointSource
-
-            with CheckpointSource(CheckpointReader(os.path.join(root, kind))) as src:
-                out[kind]["tp4_weights_exact"] = all(torch.equal(weights[n], src.read(n)) for n in src.tensors)
-            out[kind]["tp4_logits"] = logits.numpy()
+        with engine.gathered_parameters():
+            weights = full_state(engine.module, topo4)
+            engine.module.eval()
+            with torch.no_grad():
+                logits = engine.module.gather_logits(engine.module(tokens))
+        engine.module.train()
+        train(engine, 1, seed=2)
+        norm = engine.get_grad_norm()
+        with CheckpointSource(CheckpointReader(os.path.join(root, kind))) as src:
+            saved = {n: src.read(n) for n in src.tensors}
+        ref = model_from_state(cfg, saved).train().double()
+        ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=torch.Generator().manual_seed(2))
+        ref(ids[:, :-1], labels=ids[:, 1:]).backward()
+        out[kind].update(tp4_weights_exact=all(torch.equal(weights[n], saved[n]) for n in saved),
+                         tp4_logits=logits.numpy(), tp4_norm=norm,
+                         tp4_ref_norm=torch.sqrt(sum(p.grad.square().sum() for p in ref.parameters())).item())
     return out if dist.get_rank() == 0 else None
