@@ -17,6 +17,9 @@ Axes:
     ``embed`` the first and the last pipeline stage at one (tp, dp) position: they hold the two copies of
               tied input and output embeddings (a rank of a middle stage, or of a job with pp=1, is alone)
     ``world`` every rank
+    ``tp/k``  ``k`` consecutive ranks of one TP group (:meth:`Topology.enable_tp_subgroups`): the ranks
+              that hold the same replicated piece of a layer, e.g. one key/value head of grouped-query
+              attention when there are more TP ranks than key/value heads
 """
 
 from __future__ import annotations
@@ -37,6 +40,18 @@ AXES = ("tp", "dp", "pp", "mp", "embed", "world")
 # The data-parallel group split by node (see Topology.enable_node_axes): the ranks of this rank's dp group on
 # its own node, and the ranks of its dp group at the same position on every node.
 NODE_AXES = ("dp_node", "dp_cross")
+
+
+def tp_subaxis(size: int) -> str:
+    """The axis name of the groups of ``size`` consecutive ranks of a TP group."""
+    return f"tp/{size}"
+
+
+def _tp_sub_size(axis: str) -> Optional[int]:
+    """``k`` for a ``tp/k`` axis, else None."""
+    if isinstance(axis, str) and axis.startswith("tp/") and axis[3:].isdigit() and int(axis[3:]) >= 1:
+        return int(axis[3:])
+    return None
 
 
 class TopologyError(ValueError):
@@ -88,6 +103,9 @@ class Grid:
 
     def size(self, axis: str) -> int:
         _check_axis(axis)
+        sub = _tp_sub_size(axis)
+        if sub is not None:
+            return self._check_sub(sub)
         return {"tp": self.tp, "dp": self.dp, "pp": self.pp, "mp": self.tp * self.pp,
                 "embed": min(self.pp, 2), "world": self.world_size}[axis]
 
@@ -118,6 +136,10 @@ class Grid:
             return list(range(self.world_size))
         if axis == "tp":
             return [self.rank_of(Coord(t, c.dp, c.pp)) for t in range(self.tp)]
+        sub = _tp_sub_size(axis)
+        if sub is not None:
+            first = c.tp // self._check_sub(sub) * sub
+            return [self.rank_of(Coord(t, c.dp, c.pp)) for t in range(first, first + sub)]
         if axis == "dp":
             return [self.rank_of(Coord(c.tp, d, c.pp)) for d in range(self.dp)]
         if axis == "pp":
@@ -128,6 +150,11 @@ class Grid:
             return [self.rank_of(Coord(c.tp, c.dp, 0)), self.rank_of(Coord(c.tp, c.dp, self.pp - 1))]
         # mp: every (tp, pp) pair at this dp coordinate, tp innermost.
         return [self.rank_of(Coord(t, c.dp, p)) for p in range(self.pp) for t in range(self.tp)]
+
+    def _check_sub(self, size: int) -> int:
+        if self.tp % size:
+            raise TopologyError(f"axis {tp_subaxis(size)!r}: {size} does not divide the tensor-parallel size {self.tp}")
+        return size
 
     def all_groups(self, axis: str) -> List[List[int]]:
         """Every group along ``axis``, each as its ranks, ordered by their lowest rank."""
@@ -220,8 +247,9 @@ class Nodes:
 
 
 def _check_axis(axis: str) -> None:
-    if axis not in AXES and axis not in NODE_AXES:
-        raise TopologyError(f"unknown axis {axis!r}; expected one of {', '.join(AXES + NODE_AXES)}")
+    if axis not in AXES and axis not in NODE_AXES and _tp_sub_size(axis) is None:
+        raise TopologyError(f"unknown axis {axis!r}; expected one of {', '.join(AXES + NODE_AXES)} or "
+                            f"tp/k")
 
 
 class Topology:
@@ -314,6 +342,27 @@ class Topology:
         self._node_axes = True
         # this rank's own groups are asked for on every collective: kept, not worked out each time
         self._own_node_axes = {axis: next(g for g in groups[axis] if self.rank in g) for axis in NODE_AXES}
+
+    def enable_tp_subgroups(self, size: int) -> str:
+        """Create the process groups of axis ``tp/size`` (``size`` consecutive ranks of each TP group) and
+        return its name. Collective over the world: every rank calls it, in the same order relative to other
+        group creation (building a model does, when it needs one). Each group gets the communicator's
+        timeout. Calling it again for the same size does nothing.
+        """
+        axis = tp_subaxis(size)
+        self.grid.size(axis)  # refuses a size that does not divide tp
+        if axis in self._groups or size == 1 or self.world_size == 1:
+            return axis
+        if size == self.tp_size:  # the TP group itself
+            self._groups[axis] = self._groups.get("tp")
+            return axis
+        for tp_ranks in self.grid.all_groups("tp"):
+            for i in range(0, len(tp_ranks), size):
+                ranks = tp_ranks[i:i + size]
+                group = dist.new_group(ranks, timeout=self.comm.timeout)
+                if self.rank in ranks:
+                    self._groups[axis] = group
+        return axis
 
     def _node_axis_ranks(self, axis: str, rank: int) -> List[int]:
         if not self._node_axes:

@@ -2,8 +2,11 @@
 
 One dataclass covers the GPT-2 family (learned positions, LayerNorm, GELU,
 biases, tied embeddings) and the Llama family (RoPE, RMSNorm, SwiGLU, no
-biases, untied head). :meth:`GPTConfig.validate` checks it against a
-tensor-parallel size and names the offending keys.
+biases, untied head), with grouped-query attention (``num_query_groups``
+key/value heads shared by the query heads; 1 is multi-query), RoPE scaling
+(linear, or Llama 3's frequency-dependent rule) and a QKV bias of its own
+(``qkv_bias``: Qwen2 has it with no other bias). :meth:`GPTConfig.validate`
+checks it against a tensor-parallel size and names the offending keys.
 """
 
 from __future__ import annotations
@@ -11,10 +14,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Optional
 
+from hybrid import param_meta
+
 POSITIONS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 RECOMPUTE = ("none", "full", "selective")
+ROPE_SCALINGS = ("none", "linear", "llama3")
 
 
 def swiglu_ffn_size(hidden_size: int, multiple_of: int = 256) -> int:
@@ -29,15 +35,25 @@ class GPTConfig:
     hidden_size: int
     num_layers: int
     num_heads: int
+    num_query_groups: Optional[int] = None  # key/value heads; None: num_heads (plain multi-head), 1: multi-query
     ffn_hidden_size: Optional[int] = None  # None: 4h (gelu) or the Llama rule (swiglu)
     seq_length: int = 1024  # training sequence length
     max_position_embeddings: Optional[int] = None  # learned table size; None: seq_length
     position: str = "learned"  # "learned" | "rope"
     rope_theta: float = 10000.0
+    # RoPE scaling: "linear" divides every frequency by rope_scaling_factor; "llama3" divides only the low
+    # frequencies (wavelength > rope_original_max_positions / rope_low_freq_factor), keeps the high ones
+    # (wavelength < rope_original_max_positions / rope_high_freq_factor) and blends in between.
+    rope_scaling: str = "none"  # "none" | "linear" | "llama3"
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
     norm: str = "layernorm"  # "layernorm" | "rmsnorm"
     norm_eps: float = 1e-5
     mlp: str = "gelu"  # "gelu" (tanh approximation) | "swiglu"
     bias: bool = True
+    qkv_bias: Optional[bool] = None  # bias of the q/k/v projection; None: as ``bias`` (Qwen2: True, bias False)
     tie_embeddings: bool = True
     hidden_dropout: float = 0.0  # embeddings and both residual branches
     attention_dropout: float = 0.0  # attention probabilities
@@ -57,6 +73,16 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads (``num_query_groups``, or ``num_heads`` when unset)."""
+        return self.num_query_groups if self.num_query_groups is not None else self.num_heads
+
+    @property
+    def attention_bias(self) -> bool:
+        """Whether the q/k/v projection has a bias."""
+        return self.bias if self.qkv_bias is None else self.qkv_bias
 
     @property
     def num_positions(self) -> int:
@@ -86,6 +112,20 @@ class GPTConfig:
         if not self.norm_eps > 0 or not self.init_std > 0 or not self.rope_theta > 0:
             raise ValueError(f"GPTConfig.norm_eps ({self.norm_eps}), init_std ({self.init_std}) and rope_theta "
                              f"({self.rope_theta}) must be > 0")
+        if self.num_query_groups is not None and (not isinstance(self.num_query_groups, int)
+                                                  or isinstance(self.num_query_groups, bool)
+                                                  or self.num_query_groups < 1
+                                                  or self.num_heads % self.num_query_groups):
+            raise ValueError(f"GPTConfig.num_query_groups={self.num_query_groups!r} must be a positive integer "
+                             f"that divides num_heads={self.num_heads}")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"GPTConfig.rope_scaling={self.rope_scaling!r} is not one of {', '.join(ROPE_SCALINGS)}")
+        if not self.rope_scaling_factor > 0 or not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor \
+                or not (isinstance(self.rope_original_max_positions, int) and self.rope_original_max_positions > 0):
+            raise ValueError(f"GPTConfig RoPE scaling needs rope_scaling_factor > 0 "
+                             f"({self.rope_scaling_factor}), 0 < rope_low_freq_factor < rope_high_freq_factor "
+                             f"({self.rope_low_freq_factor}, {self.rope_high_freq_factor}) and a positive integer "
+                             f"rope_original_max_positions ({self.rope_original_max_positions!r})")
         if self.hidden_size % self.num_heads != 0:
             raise ValueError(f"GPTConfig.hidden_size={self.hidden_size} must be divisible by "
                              f"num_heads={self.num_heads}")
@@ -100,6 +140,7 @@ class GPTConfig:
         if self.num_heads % tp_size != 0:
             raise ValueError(f"GPTConfig.num_heads={self.num_heads} must be divisible by the tensor-parallel "
                              f"size tp={tp_size} (attention heads are split over TP ranks)")
+        param_meta.split_units(self.query_groups, tp_size, "GPTConfig.num_query_groups")
         if self.ffn_size % tp_size != 0:
             raise ValueError(f"GPTConfig.ffn_hidden_size={self.ffn_size} must be divisible by the "
                              f"tensor-parallel size tp={tp_size}")

@@ -6,7 +6,8 @@ not model. Model FLOPs per token, forward plus backward::
     flops_per_token = 6 * N_matmul + 12 * L * s * h
 
 * ``N_matmul`` is every weight that multiplies an activation: per layer the
-  q/k/v and output projections (``4 h^2``) and the MLP (``2 h f`` for GELU,
+  q/k/v projection (``h (h + 2 g d)`` with ``g`` key/value groups of head dim
+  ``d``; ``3 h^2`` without grouping), the output projection (``h^2``) and the MLP (``2 h f`` for GELU,
   ``3 h f`` for SwiGLU), plus the LM head ``V h`` once (tied or not). Input
   embedding lookups, position tables, norms and biases do no matmul and are
   left out. A matmul with ``n`` weights costs ``2n`` FLOPs per token forward
@@ -27,16 +28,18 @@ from torch import nn
 
 from hybrid import param_meta
 from model_zoo.config import GPTConfig
+from model_zoo.qkv_layout import qkv_layout
 
 
 def count_parameters(config: GPTConfig) -> int:
     """Total parameters of the TP=1 model with the logical vocabulary (tied weights counted once)."""
     h, f, L, V = config.hidden_size, config.ffn_size, config.num_layers, config.vocab_size
     b = 1 if config.bias else 0
+    qkv = qkv_layout(config).out_features
     norm = h + (h if config.norm == "layernorm" and config.bias else 0)
     mlp_in = 2 * f if config.mlp == "swiglu" else f
     per_layer = (2 * norm
-                 + 3 * h * h + b * 3 * h + h * h + b * h  # attention
+                 + qkv * h + (qkv if config.attention_bias else 0) + h * h + b * h  # attention
                  + mlp_in * h + b * mlp_in + f * h + b * h)  # MLP
     total = V * h + L * per_layer + norm
     if config.position == "learned":
@@ -50,7 +53,7 @@ def matmul_parameters(config: GPTConfig) -> int:
     """``N_matmul``: weights that take part in matmuls, the LM head counted once."""
     h, f, L, V = config.hidden_size, config.ffn_size, config.num_layers, config.vocab_size
     mlp = (3 if config.mlp == "swiglu" else 2) * h * f
-    return L * (4 * h * h + mlp) + V * h
+    return L * ((qkv_layout(config).out_features + h) * h + mlp) + V * h
 
 
 def flops_per_token(config: GPTConfig, seq_length: Optional[int] = None) -> int:

@@ -5,7 +5,8 @@ Parameter names (a converter maps them to other formats)::
     embedding.word_embeddings.weight          [V_p/tp, h]  vocab-parallel, padded rows zero
     embedding.position_embeddings.weight      [P, h]       learned positions only, replicated
     layers.{i}.input_norm.{weight,bias}       [h]          replicated
-    layers.{i}.attention.qkv_proj.{weight,bias}  [3h/tp, h]   column-parallel, stride 3 ([q; k; v])
+    layers.{i}.attention.qkv_proj.{weight,bias}  [(nh/tp + 2 ng') d, h]  column-parallel [q; k; v]
+                                              (model_zoo.qkv_layout; ng' = max(1, ng/tp) key/value heads)
     layers.{i}.attention.out_proj.weight      [h, h/tp]    row-parallel (bias [h] replicated)
     layers.{i}.post_attention_norm.{weight,bias}
     layers.{i}.mlp.in_proj.{weight,bias}      [f/tp, h] (GELU) or [2f/tp, h] ([gate; up], stride 2)
@@ -13,7 +14,8 @@ Parameter names (a converter maps them to other formats)::
     final_norm.{weight,bias}
     lm_head.weight                            [V_p/tp, h]  untied models only
 
-Biases and the LayerNorm bias exist only when ``config.bias``.
+Biases and the LayerNorm bias exist only when ``config.bias``; the qkv bias
+when ``config.attention_bias`` (``qkv_bias``, else ``bias``).
 
 Under pipeline parallelism (``topology.pp_size > 1``) each rank builds only
 its stage's share (:mod:`hybrid.pipeline.split`): the embedding on the first
@@ -41,7 +43,7 @@ from hybrid.tensor_parallel.mappings import copy_to_tp_region, gather_from_tp_re
 from hybrid.pipeline.split import StageSplit, split_layers
 from hybrid.tensor_parallel.random import RNGTracker, checkpoint
 from model_zoo.config import GPTConfig
-from model_zoo.transformer import TransformerLayer, dropout, make_norm, rope_cos_sin
+from model_zoo.transformer import TransformerLayer, dropout, make_norm, rope_cos_sin, rope_inv_freq
 
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.topology import Topology
@@ -242,7 +244,7 @@ class GPTModel(nn.Module):
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
         rope = None
         if cfg.position == "rope" and end > first:
-            rope = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, self.activation_dtype)
+            rope = rope_cos_sin(position_ids, rope_inv_freq(cfg), self.activation_dtype)
 
         x = hidden
         if part == 0:

@@ -1,7 +1,9 @@
 """Named model shapes. ``get_preset(name, **overrides)`` returns a fresh :class:`GPTConfig`.
 
 Published parameter counts (logical vocabulary, no padding) are kept next to
-each preset in :data:`PUBLISHED_PARAMS`; the tests check the model against them.
+each preset in :data:`PUBLISHED_PARAMS` (exact), :data:`ROUNDED_PARAMS` (in
+billions, as the model cards give them) and :data:`NOMINAL_PARAMS`; the
+tests check the model against them.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ def _gpt2_style(hidden: int, layers: int, heads: int, seq: int = 1024, vocab: in
                      tie_embeddings=True, hidden_dropout=0.1, attention_dropout=0.1)
 
 
-def _llama_style(hidden: int, layers: int, heads: int, ffn: int, vocab: int, seq: int) -> GPTConfig:
+def _llama_style(hidden: int, layers: int, heads: int, ffn: int, vocab: int, seq: int, groups=None,
+                 theta: float = 10000.0, eps: float = 1e-6, **switches) -> GPTConfig:
     return GPTConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
-                     ffn_hidden_size=ffn, seq_length=seq, position="rope", rope_theta=10000.0, norm="rmsnorm",
-                     norm_eps=1e-6, mlp="swiglu", bias=False, tie_embeddings=False, hidden_dropout=0.0,
-                     attention_dropout=0.0, scaled_output_init=False)
+                     num_query_groups=groups, ffn_hidden_size=ffn, seq_length=seq, position="rope",
+                     rope_theta=theta, norm="rmsnorm", norm_eps=eps, mlp="swiglu", bias=False, tie_embeddings=False,
+                     hidden_dropout=0.0, attention_dropout=0.0, scaled_output_init=False, **switches)
 
 
 _PRESETS: Dict[str, Callable[[], GPTConfig]] = {
@@ -31,6 +34,10 @@ _PRESETS: Dict[str, Callable[[], GPTConfig]] = {
     "tiny": lambda: _gpt2_style(hidden=128, layers=4, heads=8, seq=128, vocab=4096).replace(
         hidden_dropout=0.0, attention_dropout=0.0),
     "llama-tiny": lambda: _llama_style(hidden=128, layers=4, heads=8, ffn=352, vocab=4096, seq=128),
+    # Llama 3 style for CPU tests and the demo: 8 query heads sharing 2 key/value groups, llama3 RoPE scaling.
+    "tiny-gqa": lambda: _llama_style(hidden=128, layers=4, heads=8, ffn=352, vocab=4096, seq=128, groups=2,
+                                     theta=500000.0, eps=1e-5, rope_scaling="llama3", rope_scaling_factor=8.0,
+                                     rope_original_max_positions=64),
     "gpt2-small": lambda: _gpt2_style(hidden=768, layers=12, heads=12),
     "gpt2-medium": lambda: _gpt2_style(hidden=1024, layers=24, heads=16),
     "gpt2-large": lambda: _gpt2_style(hidden=1280, layers=36, heads=20),
@@ -39,6 +46,15 @@ _PRESETS: Dict[str, Callable[[], GPTConfig]] = {
     "turing-nlg-17b": lambda: _gpt2_style(hidden=4256, layers=78, heads=28),
     "gpt3-175b": lambda: _gpt2_style(hidden=12288, layers=96, heads=96, seq=2048),
     "llama-7b": lambda: _llama_style(hidden=4096, layers=32, heads=32, ffn=11008, vocab=32000, seq=4096),
+    # The config.json of each Hugging Face release (see docs/model_zoo.md).
+    "llama3-8b": lambda: _llama_style(hidden=4096, layers=32, heads=32, groups=8, ffn=14336, vocab=128256,
+                                      seq=8192, theta=500000.0, eps=1e-5),
+    "llama3-70b": lambda: _llama_style(hidden=8192, layers=80, heads=64, groups=8, ffn=28672, vocab=128256,
+                                       seq=8192, theta=500000.0, eps=1e-5),
+    "mistral-7b": lambda: _llama_style(hidden=4096, layers=32, heads=32, groups=8, ffn=14336, vocab=32000,
+                                       seq=4096, theta=10000.0, eps=1e-5),
+    "qwen2-7b": lambda: _llama_style(hidden=3584, layers=28, heads=28, groups=4, ffn=18944, vocab=152064,
+                                     seq=4096, theta=1000000.0, eps=1e-6, qkv_bias=True),
 }
 
 # Exact published counts where one exists (Hugging Face checkpoints); the large
@@ -49,6 +65,13 @@ PUBLISHED_PARAMS: Dict[str, int] = {
     "gpt2-large": 774_030_080,
     "gpt2-xl": 1_557_611_200,
     "llama-7b": 6_738_415_616,
+}
+# Published rounded, in billions (the model cards' totals); the tests check the exact count rounds to them.
+ROUNDED_PARAMS: Dict[str, str] = {
+    "llama3-8b": "8.03",
+    "llama3-70b": "70.6",
+    "mistral-7b": "7.24",
+    "qwen2-7b": "7.62",
 }
 NOMINAL_PARAMS: Dict[str, float] = {
     "megatron-8.3b": 8.3e9,

@@ -19,6 +19,7 @@ from hybrid.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinea
 from hybrid.tensor_parallel.norms import LayerNorm, RMSNorm
 from hybrid.tensor_parallel.random import RNGTracker, checkpoint
 from model_zoo.config import GPTConfig
+from model_zoo.qkv_layout import qkv_layout
 
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.topology import Topology
@@ -27,12 +28,33 @@ Rope = Optional[Tuple[torch.Tensor, torch.Tensor]]
 
 
 # ---- rotary positions (the Llama convention: rotate halves, not interleaved pairs) ---------
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> Tuple[
+def rope_inv_freq(config: GPTConfig, device=None) -> torch.Tensor:
+    """The ``head_dim / 2`` rotation frequencies ``theta^(-2i/d)`` (fp32), scaled as ``config.rope_scaling`` says.
+
+    ``linear``: all divided by ``rope_scaling_factor``. ``llama3`` (the Llama 3.1
+    rule): with wavelength ``w = 2 pi / f`` and ``L = rope_original_max_positions``,
+    frequencies with ``w > L / low_freq_factor`` are divided by the factor,
+    those with ``w < L / high_freq_factor`` kept, and those between blended:
+    ``(1 - a) f / factor + a f`` with ``a = (L / w - low) / (high - low)``.
+    """
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float, device=device) / d))
+    factor = config.rope_scaling_factor
+    if config.rope_scaling == "linear":
+        return inv_freq / factor
+    if config.rope_scaling == "llama3":
+        low, high, context = config.rope_low_freq_factor, config.rope_high_freq_factor, \
+            config.rope_original_max_positions
+        wavelen = 2 * math.pi / inv_freq
+        blend = ((context / wavelen - low) / (high - low)).clamp(0.0, 1.0)  # 0: long waves, 1: short ones
+        return (1 - blend) * inv_freq / factor + blend * inv_freq
+    return inv_freq
+
+
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> Tuple[
         torch.Tensor, torch.Tensor]:
     """``cos``, ``sin`` ``[b, 1, s, head_dim]`` for ``position_ids`` ``[b, s]``, computed in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=position_ids.device)
-                                / head_dim))
-    freqs = position_ids[..., None].float() * inv_freq
+    freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
 
@@ -72,23 +94,27 @@ def output_init(config: GPTConfig) -> tp_init.Initializer:
 
 # ---- attention ---------------------------------------------------------------------------------
 class ParallelAttention(nn.Module):
-    """Causal self-attention with heads split over ``"tp"``.
+    """Causal self-attention with heads split over ``"tp"``; grouped-query when ``num_query_groups < num_heads``.
 
-    ``qkv_proj``: column-parallel ``[3h/tp, h]``, full layout ``[q; k; v]``
-    (stride 3, heads contiguous inside each). ``out_proj``: row-parallel
-    ``[h, h/tp]``. Input and output ``[s(/tp), b, h]``.
+    ``qkv_proj``: column-parallel, full layout ``[q; k; v]`` as
+    :mod:`model_zoo.qkv_layout` defines it (``[nh/tp + 2 max(1, ng/tp)] d``
+    rows per rank; key/value heads replicated over ``tp/ng`` ranks when
+    ``tp > ng``, their gradients summed over those ranks). ``out_proj``:
+    row-parallel ``[h, h/tp]``. Input and output ``[s(/tp), b, h]``.
     """
 
     def __init__(self, config: GPTConfig, topology: "Topology", tracker: RNGTracker, device=None, dtype=None):
         super().__init__()
         h, tp = config.hidden_size, topology.tp_size
-        self.local_heads = config.num_heads // tp
+        layout = qkv_layout(config)
+        self.local_heads, self.local_groups = layout.local_heads(tp)
         self.head_dim = config.head_dim
         self.attention_dropout = config.attention_dropout
         self.selective_recompute = config.recompute == "selective"
         self.tracker = tracker
         sp = config.sequence_parallel
-        self.qkv_proj = ColumnParallelLinear(h, 3 * h, topology, bias=config.bias, sequence_parallel=sp, stride=3,
+        self.qkv_proj = ColumnParallelLinear(h, layout.out_features, topology, bias=config.attention_bias,
+                                             sequence_parallel=sp, **layout.tp_split(),
                                              weight_init=tp_init.normal(config.init_std), device=device,
                                              dtype=dtype)
         self.out_proj = RowParallelLinear(h, h, topology, bias=config.bias, input_is_parallel=True,
@@ -96,24 +122,28 @@ class ParallelAttention(nn.Module):
                                           dtype=dtype)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``[b, heads/tp, s, d]`` x3 -> ``[b, heads/tp, s, d]``; dropout from the per-TP-rank stream."""
+        """q ``[b, heads/tp, s, d]``, k and v ``[b, groups, s, d]`` -> ``[b, heads/tp, s, d]``;
+        dropout from the per-TP-rank stream."""
         p = self.attention_dropout if self.training else 0.0
+        gqa = {"enable_gqa": True} if self.local_groups != self.local_heads else {}
         if p == 0.0:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         with self.tracker.fork("tp", q.device):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, **gqa)
 
     def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # [s, b, 3 * heads/tp * d], the whole sequence even under SP
+        qkv = self.qkv_proj(x)  # [s, b, (heads/tp + 2 groups) * d], the whole sequence even under SP
         s, b = qkv.shape[0], qkv.shape[1]
-        q, k, v = (t.view(s, b, self.local_heads, self.head_dim).permute(1, 2, 0, 3) for t in qkv.chunk(3, dim=-1))
+        d = self.head_dim
+        q, k, v = (t.view(s, b, -1, d).permute(1, 2, 0, 3) for t in qkv.split(
+            [self.local_heads * d, self.local_groups * d, self.local_groups * d], dim=-1))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.selective_recompute:
             ctx = checkpoint(self._core, q, k, v, tracker=self.tracker)
         else:
             ctx = self._core(q, k, v)
-        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * d)
         return self.out_proj(ctx)
 
 

@@ -161,3 +161,18 @@ def test_communicator_counts_the_bytes_that_leave_the_node():
         crossing = ring4 if rank in (1, 3) else 0.0
         assert counts["world"] == {"all_reduce/world": crossing, "reduce_scatter/world": crossing / 2}, (rank, counts)
         assert total == 6000.0 + 1.5 * crossing  # never reset
+
+
+def test_tp_subaxis_groups_consecutive_tp_ranks():
+    from hybrid.topology import Grid, TopologyError, tp_subaxis
+
+    grid = Grid.build(8, tp=4)  # tp groups [0..3], [4..7]
+    axis = tp_subaxis(2)
+    assert axis == "tp/2" and grid.size(axis) == 2
+    assert grid.group_ranks(axis, 5) == [4, 5] and grid.group_ranks(axis, 6) == [6, 7]
+    assert grid.all_groups(axis) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid.group_ranks("tp/4", 2) == grid.group_ranks("tp", 2)
+    with pytest.raises(TopologyError, match="'tp/3': 3 does not divide the tensor-parallel size 4"):
+        grid.size("tp/3")
+    with pytest.raises(TopologyError, match="unknown axis 'tp/x'"):
+        grid.size("tp/x")

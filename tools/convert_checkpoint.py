@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--load", required=True, help="save directory or DIR/iter_N")
     f.add_argument("--output", required=True, help="FILE.safetensors")
 
-    h = sub.add_parser("to-hf", help="a Hugging Face transformers directory (GPT2LMHeadModel / LlamaForCausalLM)")
+    h = sub.add_parser("to-hf", help="a Hugging Face transformers directory (GPT2LMHeadModel, LlamaForCausalLM, "
+                                     "MistralForCausalLM, Qwen2ForCausalLM)")
     h.add_argument("--load", required=True, help="save directory or DIR/iter_N")
     h.add_argument("--output", required=True, help="directory to write config.json and model*.safetensors into")
     h.add_argument("--dtype", choices=PRECISIONS, help="tensor dtype (default: the run's precision)")
@@ -66,8 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--tokenizer-model", metavar="PATH",
                    help="the run's SentencePiece .model file, checked and exported as tokenizer.model "
                         "(default: no tokenizer; the path recorded in the checkpoint is never used)")
+    h.add_argument("--architecture", help="the HF class to write when several fit the model's switches (e.g. "
+                                          "MistralForCausalLM; default: the one it was imported from, else the "
+                                          "first that fits)")
 
-    i = sub.add_parser("from-hf", help="import a Hugging Face GPT-2 or Llama directory (for --load --finetune)")
+    i = sub.add_parser("from-hf", help="import a Hugging Face GPT-2, Llama, Mistral or Qwen2 directory (for --load "
+                                       "--finetune)")
     i.add_argument("--input", required=True, help="directory with config.json and safetensors or pytorch_model.bin")
     i.add_argument("--save", required=True, help="save directory for the hybrid checkpoint")
     i.add_argument("--tp", type=int, default=1, help="tensor-parallel size to shard for (default 1)")
@@ -104,7 +109,8 @@ def run(args) -> str:
         from hybrid.convert.hf import export_to_hf
 
         res = export_to_hf(args.load, args.output, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
-                           tokenizer_model=args.tokenizer_model, progress=progress)
+                           tokenizer_model=args.tokenizer_model, architecture=args.architecture,
+                           progress=progress)
         lines = [f"wrote {res.architecture} to {res.directory} ({len(res.files)} weight file(s))"]
         if res.tokenizer:
             lines.append(f"copied the SentencePiece tokenizer to {res.tokenizer}")

@@ -253,6 +253,9 @@ class ModelConfig:
     num_layers: Optional[int] = _field(None, ge=1, flag="--num-layers", help="transformer layers")
     hidden_size: Optional[int] = _field(None, ge=1, flag="--hidden-size", help="hidden size")
     num_attention_heads: Optional[int] = _field(None, ge=1, flag="--num-attention-heads", help="attention heads")
+    num_query_groups: Optional[int] = _field(None, ge=1, flag="--num-query-groups",
+                                             help="key/value heads shared by the query heads (grouped-query "
+                                                  "attention; 1: multi-query; unset: one per attention head)")
     ffn_hidden_size: Optional[int] = _field(None, ge=1, flag="--ffn-hidden-size",
                                             help="MLP hidden size (unset: 4h, or the SwiGLU rule)")
     seq_length: Optional[int] = _field(None, ge=1, flag="--seq-length", help="training sequence length")
@@ -265,7 +268,19 @@ class ModelConfig:
     norm_epsilon: Optional[float] = _field(None, gt=0.0, flag="--norm-epsilon", help="epsilon of LayerNorm/RMSNorm")
     rotary_base: Optional[float] = _field(None, gt=0.0, flag="--rotary-base",
                                           help="base (theta) of rotary position embeddings")
+    rope_scaling: Optional[str] = _field(None, flag="--rope-scaling",
+                                         help="RoPE frequency scaling: none, linear or llama3 (Llama 3.1's rule)")
+    rope_scaling_factor: Optional[float] = _field(None, gt=0.0, flag="--rope-scaling-factor",
+                                                  help="divisor of the scaled RoPE frequencies")
+    rope_low_freq_factor: Optional[float] = _field(None, gt=0.0, flag="--rope-low-freq-factor",
+                                                   help="llama3 scaling: wavelengths past original/this are scaled")
+    rope_high_freq_factor: Optional[float] = _field(None, gt=0.0, flag="--rope-high-freq-factor",
+                                                    help="llama3 scaling: wavelengths below original/this are kept")
+    rope_original_max_positions: Optional[int] = _field(None, ge=1, flag="--rope-original-max-positions",
+                                                        help="llama3 scaling: the original context length")
     swiglu: bool = _field(False, flag="--swiglu", help="SwiGLU MLP instead of GELU")
+    add_qkv_bias: bool = _field(False, flag="--add-qkv-bias",
+                                help="a bias on the q/k/v projection even with --disable-bias-linear (Qwen2)")
     disable_bias_linear: bool = _field(False, flag="--disable-bias-linear", help="no biases in linear layers")
     untie_embeddings_and_output_weights: bool = _field(False, flag="--untie-embeddings-and-output-weights",
                                                        help="separate output layer weights")

@@ -41,8 +41,8 @@ import safetensors
 import torch
 
 from hybrid.checkpoint import CheckpointError, CheckpointFormatError, CheckpointReader, model_file, optimizer_file
-from hybrid.param_meta import REPLICATED, TPMeta
-from hybrid.convert.ranges import assemble, check_same_layout, piece_size
+from hybrid.param_meta import REPLICATED, TPMeta, full_size_of
+from hybrid.convert.ranges import assemble, check_same_layout, copy_rows, piece_size
 
 WEIGHT = "weight"
 MASTER = "master"
@@ -220,7 +220,7 @@ class CheckpointSource:
             meta = REPLICATED
         if meta.partitioned:
             full = list(shape)
-            full[meta.dim] = meta.logical_size if meta.logical_size is not None else shape[meta.dim] * tp
+            full[meta.dim] = full_size_of(meta, shape[meta.dim], tp)
             expected = piece_size(meta, full[meta.dim], tp)
             if expected != shape[meta.dim]:
                 raise CheckpointFormatError(f"{self.reader.path}: {name!r} has {shape[meta.dim]} entries along dim "
@@ -271,18 +271,20 @@ class CheckpointSource:
         """The best copy of a weight (see :meth:`best_weight`), full or ``target``'s piece."""
         return self.read(name, self.best_weight(name), target=target, dtype=dtype)
 
-    def read_chunk(self, name: str, index: int, count: int, what: str = WEIGHT,
-                   dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Chunk ``index`` of ``count`` equal chunks along dim 0 of the full tensor (e.g. q of a fused
-        [q; k; v]); reads only that chunk's rows when the tensor is TP-split along dim 0."""
+    def read_rows(self, name: str, start: int, stop: int, what: str = WEIGHT,
+                  dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rows ``[start, stop)`` (dim 0) of the full tensor (e.g. k of a fused [q; k; v]); reads only
+        those rows when the tensor is TP-split along dim 0."""
         t = self._entry(name)
-        rows = t.full_shape[0]
-        if rows % count:
-            raise ConversionError(f"{name}: {rows} rows cannot be cut into {count} equal chunks")
+        if not 0 <= start <= stop <= t.full_shape[0]:
+            raise ConversionError(f"{name}: rows [{start}, {stop}) lie outside its {t.full_shape[0]} rows")
         if not (t.meta.partitioned and t.meta.dim == 0):
-            chunk = self.read(name, what, dtype=dtype).chunk(count, dim=0)[index]
-            return chunk.clone() if out is None else out.copy_(chunk)
-        return self._read(t, what, Target(TPMeta(dim=0), count, index), dtype, out)
+            rows = self.read(name, what, dtype=dtype)[start:stop]
+            return rows.clone() if out is None else out.copy_(rows)
+        read_piece, out_dtype = self._piece_reader(t, what)
+        if out is None:
+            out = torch.empty((stop - start,) + tuple(t.full_shape[1:]), dtype=dtype or out_dtype)
+        return copy_rows(read_piece, out, t.meta, self.layout.tp, t.full_shape[0], start, self._max_rows(t))
 
     def read(self, name: str, what: str = WEIGHT, *, target: Optional[Target] = None,
              dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -301,27 +303,33 @@ class CheckpointSource:
 
     def _read(self, t: SavedTensor, what: str, target: Optional[Target], dtype: Optional[torch.dtype],
               out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        name = t.name
-        if what == WEIGHT:
-            read_piece, out_dtype = self._weight_pieces(t), t.dtype
-        else:
-            if not self.has_state(name):
-                raise ConversionError(f"{self.reader.path} holds no optimizer state for {name!r}")
-            read_piece, out_dtype = self._state_pieces(t, what), torch.float32
+        read_piece, out_dtype = self._piece_reader(t, what)
         dtype = out.dtype if out is not None else dtype or out_dtype
         if not t.meta.partitioned:
             piece = read_piece(0, 0, 0)  # a fresh tensor here
             if out is None:
                 return piece.to(dtype=dtype)
             if tuple(out.shape) != t.full_shape:
-                raise ValueError(f"{name}: out has shape {list(out.shape)}, the tensor {list(t.full_shape)}")
+                raise ValueError(f"{t.name}: out has shape {list(out.shape)}, the tensor {list(t.full_shape)}")
             return out.copy_(piece)
         if target is None:  # the logical full tensor: one unpadded rank
             target = Target(dataclasses.replace(t.meta, pad_multiple=1), 1, 0)
-        row_bytes = max(1, t.numel // t.full_shape[t.meta.dim]) * torch.empty((), dtype=t.dtype).element_size()
         return assemble(read_piece, t.target_shape(target), dtype, t.meta, self.layout.tp,
                         t.full_shape[t.meta.dim], target.meta, target.tp, target.rank,
-                        max_rows=max(1, self._budget // 4 // row_bytes), out=out)
+                        max_rows=self._max_rows(t), out=out)
+
+    def _piece_reader(self, t: SavedTensor, what: str):
+        """``(read(rank, start, stop), dtype)`` of ``what`` for ``t``'s saved pieces."""
+        if what == WEIGHT:
+            return self._weight_pieces(t), t.dtype
+        if not self.has_state(t.name):
+            raise ConversionError(f"{self.reader.path} holds no optimizer state for {t.name!r}")
+        return self._state_pieces(t, what), torch.float32
+
+    def _max_rows(self, t: SavedTensor) -> int:
+        """Entries along the dim read at once: a quarter of the map budget."""
+        row_bytes = max(1, t.numel // t.full_shape[t.meta.dim]) * torch.empty((), dtype=t.dtype).element_size()
+        return max(1, self._budget // 4 // row_bytes)
 
     def _handle(self, tp_rank: int, stage: int):
         if (tp_rank, stage) not in self._handles:

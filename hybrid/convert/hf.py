@@ -2,7 +2,8 @@
 
 Export (:func:`export_to_hf`) picks the architecture from the model's
 switches (GPT-2 switches -> ``GPT2LMHeadModel``, Llama switches ->
-``LlamaForCausalLM``), streams every HF tensor out of the checkpoint (fused
+``LlamaForCausalLM`` or, when asked or imported from one,
+``MistralForCausalLM``; with a q/k/v bias -> ``Qwen2ForCausalLM``), streams every HF tensor out of the checkpoint (fused
 ``[q; k; v]`` and ``[gate; up]`` are read chunk by chunk, straight from the
 TP pieces), writes ``model.safetensors`` (sharded with the standard index
 past ``max_shard_bytes``) and ``config.json``, and copies the SentencePiece
@@ -42,7 +43,7 @@ from hybrid.layout import ParallelLayout
 from hybrid.topology import Topology
 from model_zoo.config import GPTConfig
 
-MAPS = (hf_gpt2, hf_llama)
+MAPS = (hf_gpt2,) + hf_llama.FAMILIES
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_PRECISIONS = {v: k for k, v in PRECISION_DTYPES.items()}
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -59,10 +60,16 @@ class ExportResult:
 
 
 # ---- architecture choice ------------------------------------------------------------------------------
-def map_for_config(cfg: GPTConfig):
-    """The architecture map whose switches ``cfg`` has, or an error saying why none fits."""
+def map_for_config(cfg: GPTConfig, architecture: Optional[str] = None):
+    """The architecture map whose switches ``cfg`` has (``architecture`` when named: Llama, Mistral and
+    Qwen2 without its bias share their switches), or an error saying why none fits."""
     reasons = []
-    for m in MAPS:
+    if architecture is not None:
+        named = [m for m in MAPS if m.ARCHITECTURE == architecture]
+        if not named:
+            raise ConversionError(f"--architecture {architecture!r} is not one of "
+                                  f"{', '.join(m.ARCHITECTURE for m in MAPS)}")
+    for m in named if architecture is not None else MAPS:
         bad = m.mismatches(cfg)
         if not bad:
             return m
@@ -96,20 +103,25 @@ def gpt_param_layout(cfg: GPTConfig) -> Dict[str, Tuple[Tuple[int, ...], param_m
 
 
 def _hf_shape(link: Link, index: int, full_shape: Tuple[int, ...]) -> Tuple[int, ...]:
-    shape = (full_shape[0] // len(link.hf),) + tuple(full_shape[1:])
+    lo, hi = link.row_range(index, full_shape[0])
+    shape = (hi - lo,) + tuple(full_shape[1:])
     return shape[::-1] if link.transpose else shape
 
 
 # ---- export ---------------------------------------------------------------------------------------------
 def export_to_hf(load, output, *, dtype: Optional[str] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                 tokenizer_model=None, progress: Optional[ProgressFactory] = None) -> ExportResult:
+                 tokenizer_model=None, architecture: Optional[str] = None,
+                 progress: Optional[ProgressFactory] = None) -> ExportResult:
     """Write the checkpoint at ``load`` as a Hugging Face directory ``output``.
 
     ``dtype`` (``fp32``/``bf16``/``fp16``) defaults to the run's precision.
     For a bf16/fp16 run exported in fp32, the values are the fp32 master
     weights when the checkpoint holds them. ``tokenizer_model`` is a
     SentencePiece ``.model`` file to export as ``tokenizer.model``; without
-    it no tokenizer is exported and ``note`` says so.
+    it no tokenizer is exported and ``note`` says so. ``architecture``
+    (``--architecture``) picks among the HF classes the model's switches fit
+    (default: the one it was imported from, when the checkpoint records it,
+    else the first that fits: GPT-2, Llama, Mistral, Qwen2).
     """
     reader = CheckpointReader(load)
     if not reader.model_config:
@@ -120,7 +132,11 @@ def export_to_hf(load, output, *, dtype: Optional[str] = None, max_shard_bytes: 
     except (TypeError, ValueError) as e:
         raise ConversionError(f"{reader.path / 'metadata.json'}: model_config is not a model_zoo GPTConfig: {e}") \
             from None
-    arch = map_for_config(cfg)
+    imported = (reader.trainer_state.get("imported_from") or {}).get("architecture")
+    by_name = {m.ARCHITECTURE: m for m in MAPS}
+    if architecture is None and imported in by_name and not by_name[imported].mismatches(cfg):
+        architecture = imported
+    arch = map_for_config(cfg, architecture)
     out_dtype = PRECISION_DTYPES[_check_dtype(dtype or reader.layout.precision)]
     # Checked before any weight is written: a wrong file fails in a second, not after the export.
     tokenizer = _read_tokenizer(tokenizer_model, cfg.vocab_size) if tokenizer_model is not None else None
@@ -162,7 +178,7 @@ def _export_tensor(src: CheckpointSource, link: Link, index: int, what: str, dty
     if len(link.hf) == 1:
         src.read(link.hybrid, what, out=view)
     else:
-        src.read_chunk(link.hybrid, index, len(link.hf), what, out=view)
+        src.read_rows(link.hybrid, *link.row_range(index, src.tensors[link.hybrid].full_shape[0]), what, out=view)
     return hf
 
 
@@ -288,7 +304,7 @@ def _hybrid_full(hf: HFDirectory, link: Link, dtype: torch.dtype) -> torch.Tenso
 def _check_hf_tensors(hf: HFDirectory, arch, cfg: GPTConfig, links, layout) -> None:
     wanted = {link.hybrid for link in links}
     if wanted != set(layout):  # the map and model_zoo disagree: a bug, not a user error
-        raise ConversionError(f"internal: {arch.__name__} maps {sorted(wanted ^ set(layout))[:5]} differently "
+        raise ConversionError(f"internal: {arch.ARCHITECTURE} maps {sorted(wanted ^ set(layout))[:5]} differently "
                               f"from model_zoo.GPTModel")
     used = {name for link in links for name in link.hf}
     missing = sorted(n for n in used if n not in hf.files)

@@ -1,4 +1,4 @@
-"""What an architecture map (:mod:`~hybrid.convert.hf_gpt2`, :mod:`~hybrid.convert.hf_llama`) provides.
+"""What an architecture map (:mod:`~hybrid.convert.hf_gpt2`, the families of :mod:`~hybrid.convert.hf_llama`) provides.
 
 A map relates the *full* (TP-merged, unpadded) hybrid state of a
 :class:`model_zoo.GPTModel` to a Hugging Face ``transformers`` state dict,
@@ -18,7 +18,7 @@ tensor by tensor, with :class:`Link` records. Each map module defines:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from hybrid.convert.consolidate import ConversionError
 
@@ -30,11 +30,22 @@ class Link:
     The hybrid tensor is the HF tensors concatenated along dim 0 (``[q; k; v]``
     from three projections), each one transposed first when ``transpose``
     (GPT-2's ``Conv1D`` stores ``[in, out]``; hybrid linear layers ``[out, in]``).
+    ``rows``: how many rows of the hybrid tensor each HF tensor makes (None:
+    equal shares; grouped-query attention has smaller k and v).
     """
 
     hybrid: str
     hf: Tuple[str, ...]
     transpose: bool = False
+    rows: Optional[Tuple[int, ...]] = None
+
+    def row_range(self, index: int, total: int) -> Tuple[int, int]:
+        """Rows ``[lo, hi)`` of the hybrid tensor (``total`` rows) that HF tensor ``index`` makes."""
+        sizes = self.rows or (total // len(self.hf),) * len(self.hf)
+        if sum(sizes) != total:
+            raise ConversionError(f"{self.hybrid}: {total} rows cannot be cut into {list(sizes)}")
+        lo = sum(sizes[:index])
+        return lo, lo + sizes[index]
 
 
 def require(hf: Dict[str, Any], key: str, where: str) -> Any:

@@ -1,12 +1,19 @@
-"""Llama (``LlamaForCausalLM``) <-> hybrid GPT with the Llama switches.
+"""The Llama family: ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` <-> hybrid GPT.
 
-The Llama switches: rotary positions (rotate-halves convention, the one HF
-uses, so q and k need no permutation), RMSNorm, SwiGLU MLP, no biases,
-usually an untied head. Name map per layer ``i``::
+The three share one layout and differ in their switches: rotary positions
+(rotate-halves convention, the one HF uses, so q and k need no permutation),
+RMSNorm, SwiGLU MLP and no MLP or output biases; grouped-query attention
+(``num_key_value_heads`` = hybrid's ``num_query_groups``) and RoPE scaling
+(``linear``, ``llama3``). Qwen2 adds a bias to q, k and v (hybrid's
+``qkv_bias``); Mistral and Qwen2 may declare a sliding attention window,
+which hybrid's full causal attention reproduces only when the window covers
+every position (null, or at least ``max_position_embeddings``); other
+windows are refused. Name map per layer ``i``::
 
     model.embed_tokens                         embedding.word_embeddings
     model.layers.i.input_layernorm             layers.i.input_norm
-    model.layers.i.self_attn.{q,k,v}_proj      layers.i.attention.qkv_proj   ([q; k; v], dim 0)
+    model.layers.i.self_attn.{q,k,v}_proj      layers.i.attention.qkv_proj   ([q; k; v], dim 0; rows of
+                                                                             model_zoo.qkv_layout)
     model.layers.i.self_attn.o_proj            layers.i.attention.out_proj
     model.layers.i.post_attention_layernorm    layers.i.post_attention_norm
     model.layers.i.mlp.{gate,up}_proj          layers.i.mlp.in_proj          ([gate; up], dim 0)
@@ -14,101 +21,163 @@ usually an untied head. Name map per layer ``i``::
     model.norm                                 final_norm
     lm_head                                    lm_head (untied models only)
 
-Grouped-query attention (fewer key/value heads) and RoPE scaling have no
-hybrid counterpart yet and are refused on import.
+Each architecture is a :class:`LlamaFamily` object with the map interface of
+:mod:`hybrid.convert.hf_common`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+import dataclasses
+from typing import Any, Dict, List, Optional, Tuple
 
 from hybrid.convert.hf_common import Link, refuse, require
 from model_zoo.config import GPTConfig, swiglu_ffn_size
+from model_zoo.qkv_layout import qkv_layout
 
-ARCHITECTURE = "LlamaForCausalLM"
-MODEL_TYPE = "llama"
-
-_SWITCHES = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False}
-
-
-def mismatches(cfg: GPTConfig) -> List[str]:
-    return [f"{k}={getattr(cfg, k)!r} (Llama has {v!r})" for k, v in _SWITCHES.items() if getattr(cfg, k) != v]
-
-
-def hf_config(cfg: GPTConfig, dtype_name: str) -> Dict[str, Any]:
-    return {
-        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": cfg.num_positions, "rms_norm_eps": cfg.norm_eps,
-        # Older transformers read rope_theta, newer ones rope_parameters; both describe the same rotation.
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_scaling": None, "attention_bias": False, "attention_dropout": cfg.attention_dropout,
-        "mlp_bias": False, "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
-        "pretraining_tp": 1, "use_cache": True, "bos_token_id": None, "eos_token_id": None,
-        "torch_dtype": dtype_name,
-    }
+# HF rope_type -> hybrid rope_scaling, and the HF keys of its parameters -> GPTConfig fields
+_ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
+_ROPE_KEYS = {"linear": (("factor", "rope_scaling_factor"),),
+              "llama3": (("factor", "rope_scaling_factor"), ("low_freq_factor", "rope_low_freq_factor"),
+                         ("high_freq_factor", "rope_high_freq_factor"),
+                         ("original_max_position_embeddings", "rope_original_max_positions"))}
 
 
-def _rope_theta(hf: Dict[str, Any], where: str) -> float:
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    for source, cfg in (("rope_parameters", params), ("rope_scaling", scaling)):
-        kind = cfg.get("rope_type", cfg.get("type", "default"))
-        if kind != "default":
-            raise refuse(where, f"{source}.rope_type", kind, "hybrid implements plain RoPE, no scaling")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+@dataclasses.dataclass(frozen=True)
+class LlamaFamily:
+    ARCHITECTURE: str
+    MODEL_TYPE: str
+    qkv_bias: bool  # Qwen2's q/k/v bias
+    fixed: Tuple[Tuple[str, Any], ...]  # config.json settings export writes as they are
+    # The config.json switch that turns sliding_window on (Qwen2's use_sliding_window; None: a window is
+    # in force whenever one is given)
+    window_switch: Optional[str] = None
+
+    def switches(self) -> Dict[str, Any]:
+        return {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
+                "attention_bias": self.qkv_bias}
+
+    def mismatches(self, cfg: GPTConfig) -> List[str]:
+        return [f"{k}={getattr(cfg, k)!r} ({self.ARCHITECTURE} has {v!r})" for k, v in self.switches().items()
+                if getattr(cfg, k) != v]
+
+    def hf_config(self, cfg: GPTConfig, dtype_name: str) -> Dict[str, Any]:
+        scaling = _hf_rope_scaling(cfg)
+        out = {
+            "architectures": [self.ARCHITECTURE], "model_type": self.MODEL_TYPE,
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
+            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.query_groups, "head_dim": cfg.head_dim, "hidden_act": "silu",
+            "max_position_embeddings": cfg.num_positions, "rms_norm_eps": cfg.norm_eps,
+            # Older transformers read rope_theta and rope_scaling, newer ones rope_parameters; all describe
+            # the same rotation.
+            "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
+            "rope_parameters": dict(scaling or {"rope_type": "default"}, rope_theta=cfg.rope_theta),
+            "attention_dropout": cfg.attention_dropout, "tie_word_embeddings": cfg.tie_embeddings,
+            "initializer_range": cfg.init_std, "use_cache": True, "bos_token_id": None, "eos_token_id": None,
+            "torch_dtype": dtype_name,
+        }
+        out.update(self.fixed)
+        if self.window_switch is not None:  # no layer has the (switched off) window
+            out["max_window_layers"] = cfg.num_layers
+        return out
+
+    def config_from_hf(self, hf: Dict[str, Any], where: str) -> GPTConfig:
+        heads = require(hf, "num_attention_heads", where)
+        hidden = require(hf, "hidden_size", where)
+        groups = hf.get("num_key_value_heads") or heads
+        if heads % groups:
+            raise refuse(where, "num_key_value_heads", groups, f"it must divide num_attention_heads={heads}")
+        head_dim = hf.get("head_dim") or hidden // heads
+        if head_dim * heads != hidden:
+            raise refuse(where, "head_dim", head_dim, f"hybrid needs head_dim = hidden_size / num_attention_heads "
+                                                      f"= {hidden} / {heads}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise refuse(where, "hidden_act", hf["hidden_act"], "the hybrid SwiGLU MLP uses silu")
+        for key in ("mlp_bias",) + (() if self.qkv_bias else ("attention_bias",)):
+            if hf.get(key):
+                raise refuse(where, key, hf[key], f"hybrid's {self.ARCHITECTURE} switches have no such bias")
+        # The position table size becomes the sequence length (the trainer's --seq-length may lower it).
+        positions = require(hf, "max_position_embeddings", where)
+        self._check_window(hf, positions, where)
+        # The default SwiGLU width is recorded as None, as the trainer records it when no flag sets it.
+        ffn = require(hf, "intermediate_size", where)
+        return GPTConfig(
+            vocab_size=require(hf, "vocab_size", where), hidden_size=hidden,
+            num_layers=require(hf, "num_hidden_layers", where), num_heads=heads,
+            num_query_groups=None if groups == heads else groups,
+            ffn_hidden_size=None if ffn == swiglu_ffn_size(hidden) else ffn, seq_length=positions,
+            position="rope", **_rope_from_hf(hf, where), norm="rmsnorm",
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)), mlp="swiglu", bias=False,
+            qkv_bias=True if self.qkv_bias else None,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_dropout=float(hf.get("attention_dropout", 0.0)),
+            init_std=float(hf.get("initializer_range", 0.02)))
+
+    def _check_window(self, hf: Dict[str, Any], positions: int, where: str) -> None:
+        window = hf.get("sliding_window")
+        used = window is not None and (self.window_switch is None or hf.get(self.window_switch)
+                                       or "sliding_attention" in (hf.get("layer_types") or ()))
+        if used and window < positions:
+            raise refuse(where, "sliding_window", window, f"hybrid's attention is full causal, which matches a "
+                                                          f"window only when it is null or at least "
+                                                          f"max_position_embeddings={positions}")
+
+    def links(self, cfg: GPTConfig) -> List[Link]:
+        rows = qkv_layout(cfg).sections
+        out = [Link("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
+        for i in range(cfg.num_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            out += [
+                Link(f"{dst}input_norm.weight", (f"{src}input_layernorm.weight",)),
+                Link(f"{dst}attention.qkv_proj.weight", tuple(f"{src}self_attn.{x}_proj.weight" for x in "qkv"),
+                     rows=rows),
+            ]
+            if cfg.attention_bias:
+                out.append(Link(f"{dst}attention.qkv_proj.bias",
+                                tuple(f"{src}self_attn.{x}_proj.bias" for x in "qkv"), rows=rows))
+            out += [
+                Link(f"{dst}attention.out_proj.weight", (f"{src}self_attn.o_proj.weight",)),
+                Link(f"{dst}post_attention_norm.weight", (f"{src}post_attention_layernorm.weight",)),
+                Link(f"{dst}mlp.in_proj.weight", (f"{src}mlp.gate_proj.weight", f"{src}mlp.up_proj.weight")),
+                Link(f"{dst}mlp.out_proj.weight", (f"{src}mlp.down_proj.weight",)),
+            ]
+        out.append(Link("final_norm.weight", ("model.norm.weight",)))
+        if not cfg.tie_embeddings:
+            out.append(Link("lm_head.weight", ("lm_head.weight",)))
+        return out
+
+    def ignored(self, name: str, cfg: GPTConfig) -> bool:
+        # A tied head duplicates embed_tokens; rotary_emb.inv_freq is a buffer some releases saved.
+        return (name == "lm_head.weight" and cfg.tie_embeddings) or name.endswith("rotary_emb.inv_freq")
 
 
-def config_from_hf(hf: Dict[str, Any], where: str) -> GPTConfig:
-    heads = require(hf, "num_attention_heads", where)
-    hidden = require(hf, "hidden_size", where)
-    kv_heads = hf.get("num_key_value_heads") or heads
-    if kv_heads != heads:
-        raise refuse(where, "num_key_value_heads", kv_heads, f"grouped-query attention; hybrid needs as many "
-                                                             f"key/value heads as attention heads ({heads})")
-    head_dim = hf.get("head_dim") or hidden // heads
-    if head_dim * heads != hidden:
-        raise refuse(where, "head_dim", head_dim, f"hybrid needs head_dim = hidden_size / num_attention_heads = "
-                                                  f"{hidden} / {heads}")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise refuse(where, "hidden_act", hf["hidden_act"], "the hybrid SwiGLU MLP uses silu")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            raise refuse(where, key, hf[key], "the hybrid Llama switches have no biases")
-    # The position table size becomes the sequence length (the trainer's --seq-length may lower it).
-    positions = require(hf, "max_position_embeddings", where)
-    # The default SwiGLU width is recorded as None, as the trainer records it when no flag sets it.
-    ffn = require(hf, "intermediate_size", where)
-    return GPTConfig(
-        vocab_size=require(hf, "vocab_size", where), hidden_size=hidden,
-        num_layers=require(hf, "num_hidden_layers", where), num_heads=heads,
-        ffn_hidden_size=None if ffn == swiglu_ffn_size(hidden) else ffn, seq_length=positions, position="rope",
-        rope_theta=_rope_theta(hf, where), norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        mlp="swiglu", bias=False,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_dropout=float(hf.get("attention_dropout", 0.0)), init_std=float(hf.get("initializer_range", 0.02)))
+LLAMA = LlamaFamily("LlamaForCausalLM", "llama", qkv_bias=False,
+                    fixed=(("attention_bias", False), ("mlp_bias", False), ("pretraining_tp", 1)))
+MISTRAL = LlamaFamily("MistralForCausalLM", "mistral", qkv_bias=False, fixed=(("sliding_window", None),))
+QWEN2 = LlamaFamily("Qwen2ForCausalLM", "qwen2", qkv_bias=True,
+                    fixed=(("sliding_window", None), ("use_sliding_window", False)), window_switch="use_sliding_window")
+FAMILIES = (LLAMA, MISTRAL, QWEN2)
 
 
-def links(cfg: GPTConfig) -> List[Link]:
-    out = [Link("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
-    for i in range(cfg.num_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        out += [
-            Link(f"{dst}input_norm.weight", (f"{src}input_layernorm.weight",)),
-            Link(f"{dst}attention.qkv_proj.weight", tuple(f"{src}self_attn.{x}_proj.weight" for x in "qkv")),
-            Link(f"{dst}attention.out_proj.weight", (f"{src}self_attn.o_proj.weight",)),
-            Link(f"{dst}post_attention_norm.weight", (f"{src}post_attention_layernorm.weight",)),
-            Link(f"{dst}mlp.in_proj.weight", (f"{src}mlp.gate_proj.weight", f"{src}mlp.up_proj.weight")),
-            Link(f"{dst}mlp.out_proj.weight", (f"{src}mlp.down_proj.weight",)),
-        ]
-    out.append(Link("final_norm.weight", ("model.norm.weight",)))
-    if not cfg.tie_embeddings:
-        out.append(Link("lm_head.weight", ("lm_head.weight",)))
+def _hf_rope_scaling(cfg: GPTConfig):
+    if cfg.rope_scaling == "none":
+        return None
+    hf_type = next(k for k, v in _ROPE_TYPES.items() if v == cfg.rope_scaling)
+    return {"rope_type": hf_type, **{hf_key: getattr(cfg, key) for hf_key, key in _ROPE_KEYS[cfg.rope_scaling]}}
+
+
+def _rope_from_hf(hf: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """GPTConfig's rope fields from ``rope_parameters`` (newer transformers) or ``rope_scaling`` + ``rope_theta``."""
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    kind = params.get("rope_type", params.get("type", "default"))
+    source = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    if kind not in _ROPE_TYPES:
+        raise refuse(where, f"{source}.rope_type", kind, f"hybrid implements {', '.join(_ROPE_TYPES)}")
+    out: Dict[str, Any] = {"rope_theta": float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0),
+                           "rope_scaling": _ROPE_TYPES[kind]}
+    for hf_key, key in _ROPE_KEYS.get(_ROPE_TYPES[kind], ()):
+        value = require(params, hf_key, f"{where} ({source})")
+        out[key] = int(value) if key == "rope_original_max_positions" else float(value)
+    if params.get("attention_factor") not in (None, 1.0):
+        raise refuse(where, f"{source}.attention_factor", params["attention_factor"], "hybrid scales no attention")
     return out
-
-
-def ignored(name: str, cfg: GPTConfig) -> bool:
-    # A tied head duplicates embed_tokens; rotary_emb.inv_freq is a buffer some releases saved.
-    return (name == "lm_head.weight" and cfg.tie_embeddings) or name.endswith("rotary_emb.inv_freq")

@@ -36,7 +36,7 @@ from hybrid.checkpoint import CheckpointReader, CheckpointWriter
 from hybrid.convert.consolidate import CheckpointSource, ConversionError, Target
 from hybrid.convert.output import ProgressFactory, nbytes_of, open_bar, read_ahead, tracked
 from hybrid.layout import STAGE_TRAITS, LayoutError, ParallelLayout, ZeroStage, zero_stage
-from hybrid.param_meta import TPMeta
+from hybrid.param_meta import TPMeta, split_units
 from hybrid.zero.flat_buffer import align_elements, dtype_name, param_parts, plan_segments
 
 DEFAULT_BUCKET_SIZE = 25_000_000  # the trainer's --zero-bucket-size default
@@ -164,6 +164,12 @@ def _check_target(target: ParallelLayout, bucket_size: int, reader: CheckpointRe
         if isinstance(value, int) and value % target.tp:
             raise ConversionError(f"--target-tp {target.tp} does not divide the model's {key}={value}; choose a "
                                   f"TP size that divides it")
+    groups = cfg.get("num_query_groups")
+    if isinstance(groups, int):
+        try:
+            split_units(groups, target.tp, "the model's num_query_groups")
+        except ValueError as e:
+            raise ConversionError(f"--target-tp {target.tp}: {e}") from None
     src_root = reader.path.resolve().parent
     if save.resolve() == src_root or save.resolve() == reader.path.resolve():
         raise ConversionError(f"--save {save} is the checkpoint's own directory; write the resharded checkpoint "

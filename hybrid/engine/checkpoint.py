@@ -18,6 +18,8 @@ stopped.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
 from hybrid.checkpoint import CheckpointError, CheckpointReader, save_checkpoint
@@ -29,6 +31,15 @@ if TYPE_CHECKING:  # pragma: no cover
 def _model_config(engine: "Engine") -> Optional[Dict[str, Any]]:
     config = getattr(engine.module, "config", None)
     return config.to_dict() if hasattr(config, "to_dict") else None
+
+
+def _model_defaults(engine: "Engine") -> Dict[str, Any]:
+    """The defaults of the model config's fields: what a checkpoint saved before a field existed meant
+    (a new setting defaults to the behaviour models had before it)."""
+    config = getattr(engine.module, "config", None)
+    if not dataclasses.is_dataclass(config):
+        return {}
+    return {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
 
 
 def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples: int = 0,
@@ -71,7 +82,10 @@ def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True,
     naming what differs when the checkpoint cannot be loaded into this engine.
     """
     reader = CheckpointReader(load_dir)
-    _check_model_config(reader.model_config, _model_config(engine), reader.path)
+    saved = reader.model_config
+    if saved:
+        saved = {**_model_defaults(engine), **saved}
+    _check_model_config(saved, _model_config(engine), reader.path)
     topo = engine.topology
     if reader.layout.to_json() != engine.layout.to_json():
         from hybrid.engine.reshard import load_resharded

@@ -14,10 +14,13 @@ Per layer, no recomputation::
                       linear's input: the norm output, or under SP the gathered [s, b, h])
                       RMSNorm, fused: p*N*h*r + 4*N*r + p*N*h
                       RMSNorm, reference (fp32 maths): 4*N*h*r + 4*N*r + p*N*h*r + p*N*h
-    attention         flash kernel: qkv 3pNh/t [+ rotated q, k 2pNh/t with RoPE] + out pNh/t
+    attention         with ``g`` key/value heads per rank (``a/t`` without grouped-query attention;
+                      model_zoo.qkv_layout) and ``k = N*d*g`` their elements:
+                      flash kernel: qkv p(Nh/t + 2k) [+ rotated q, k p(Nh/t + k) with RoPE] + out pNh/t
                       + log-sum-exp 4*N*a/t
                       math kernel (CPU with attention dropout; computes in fp32): fp32 copies of
-                      q, k, v 12Nh/t (with b = 1 and fp32, v stays a view of qkv: 20Nh/t),
+                      q, k, v 12Nh/t, k and v expanded to every query head under grouped-query
+                      attention (with b = 1, fp32 and no grouping, v stays a view of qkv: 20Nh/t),
                       output pNh/t, and 12 * b * (a/t) * s^2 (fp32 probabilities, dropout
                       mask, dropped probabilities)
     MLP               GELU 2pNf/t (pre- and post-activation); SwiGLU 4pNf/t
@@ -45,6 +48,7 @@ import dataclasses
 from typing import Optional
 
 from model_zoo.config import GPTConfig
+from model_zoo.qkv_layout import qkv_layout
 
 RECOMPUTE = ("none", "selective", "full")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -124,6 +128,7 @@ class _Dims:
     f: int
     a: int
     d: int
+    g: int  # key/value heads per TP rank
     t: int
     r: float  # residual-stream fraction held by one TP rank
     p: int
@@ -136,7 +141,8 @@ def _dims(config: GPTConfig, micro_batch: int, tp: int, sequence_parallel: bool,
           profile: DeviceProfile) -> _Dims:
     s, b = config.seq_length, micro_batch
     return _Dims(N=s * b, s=s, b=b, h=config.hidden_size, f=config.ffn_size, a=config.num_heads,
-                 d=config.head_dim, t=tp, r=1.0 / tp if sequence_parallel and tp > 1 else 1.0, p=act_bytes,
+                 d=config.head_dim, g=qkv_layout(config).local_heads(tp)[1], t=tp,
+                 r=1.0 / tp if sequence_parallel and tp > 1 else 1.0, p=act_bytes,
                  m=profile.dropout_mask_bytes or act_bytes, q=profile.norm_stat_bytes or act_bytes,
                  vocab_local=config.padded_vocab_size(tp) // tp)
 
@@ -153,14 +159,17 @@ def _norm_block(config: GPTConfig, x: _Dims, profile: DeviceProfile) -> float:
 
 def _attention(config: GPTConfig, x: _Dims, recompute: str, training: bool, profile: DeviceProfile) -> float:
     n_h_t = x.N * x.h / x.t
+    n_kv = x.N * x.d * x.g  # one of k, v on this rank
     rope = config.position == "rope"
-    core_io = x.p * n_h_t * (4 + (2 if rope else 0))  # qkv storage [+ rotated q, k] + output
+    # qkv storage [+ rotated q, k] + output
+    core_io = x.p * (n_h_t + 2 * n_kv + (n_h_t + n_kv if rope else 0) + n_h_t)
     if recompute == "selective":
         return core_io
     math = profile.math_attention_with_dropout and training and config.attention_dropout > 0
     if math:
         scores = x.b * (x.a / x.t) * x.s * x.s
-        v_storage = 3 if x.p == 4 and x.b == 1 else 1  # a view of qkv needs no fp32 copy
+        # a view of qkv needs no fp32 copy; grouped k and v are expanded to every query head (fresh copies)
+        v_storage = 3 if x.p == 4 and x.b == 1 and x.g * x.t == x.a else 1
         return 4 * n_h_t * (2 + v_storage) + x.p * n_h_t + 12 * scores
     return core_io + 4 * x.N * x.a / x.t
 

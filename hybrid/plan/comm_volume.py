@@ -30,7 +30,10 @@ backward. Full recomputation replays the forward ones up to the last tensor
 backward needs (one all-reduce, or two all-gathers and a reduce-scatter, per
 layer); under ZeRO stage 3 it replays whole layers (two all-reduces, or two
 all-gathers and two reduce-scatters). The embedding, the
-head and the loss add a few more (see :func:`tp_volume`).
+head and the loss add a few more (see :func:`tp_volume`). Grouped-query
+attention with fewer key/value heads than TP ranks adds, per layer and
+micro-batch, the all-reduce of the replicated k and v rows' gradients over
+the ``tp/k`` group of ranks that hold them (``all_reduce/tp/k``).
 
 Compressed ZeRO communication (:mod:`hybrid.plan.compressed`): with
 ``zero.quantized_gradients`` every gradient reduction is a quantized
@@ -68,6 +71,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple, Union
 
+from hybrid import param_meta
 from hybrid.compression import Quantization
 from hybrid.layout import stage_traits
 from hybrid.plan.activations import DTYPE_BYTES
@@ -75,7 +79,9 @@ from hybrid.plan.candidate import Candidate
 from hybrid.plan.compressed import chunk, packed_bytes
 from hybrid.plan.model_memory import FlatLayout, Stage3Layout
 from hybrid.plan.zero_collectives import gathers_after_step, reduces_by_scatter, reduces_every_micro_batch
+from hybrid.topology import tp_subaxis
 from model_zoo.config import GPTConfig
+from model_zoo.qkv_layout import qkv_layout
 
 Report = Dict[str, Dict[str, float]]
 
@@ -292,6 +298,14 @@ def tp_volume(config: GPTConfig, micro_batch: int, tp: int, *, sequence_parallel
     # The loss: the row maximum, then the sums (sum of exponentials and the target logit).
     _add(report, "all_reduce", "tp", tp, 4 * n_tok, calls=k)
     _add(report, "all_reduce", "tp", tp, 2 * 4 * n_tok, calls=k)
+    # Key/value heads replicated over tp/g ranks (grouped-query attention with g < tp): each backward sums
+    # the gradient of their q/k/v weight (and bias) rows over those ranks, one call per block (k, then v).
+    layout = qkv_layout(config)
+    for lo, hi, replicas in param_meta.replicated_runs(layout.tp_meta(), layout.out_features, tp):
+        axis = tp_subaxis(replicas)
+        _add(report, "all_reduce", axis, replicas, (hi - lo) * config.hidden_size * p, calls=k * L)
+        if config.attention_bias:
+            _add(report, "all_reduce", axis, replicas, (hi - lo) * p, calls=k * L)
     return report
 
 

@@ -85,8 +85,7 @@ def shard_shapes(config: GPTConfig, tp: int) -> List[ParamShape]:
     for name, shape, meta in _full_model_params(json.dumps(config.to_dict(), sort_keys=True)):
         local = list(shape)
         if meta.partitioned:
-            full = meta.logical_size if meta.logical_size is not None else shape[meta.dim]
-            local[meta.dim] = param_meta.padded_size(full, meta, tp) // tp
+            local[meta.dim] = param_meta.piece_size(meta, shape[meta.dim], tp)
         out.append(ParamShape(name, tuple(local)))
     return out
 

@@ -11,7 +11,8 @@ from hybrid.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLine
 from hybrid.tensor_parallel.mappings import (copy_to_tp_region, gather_from_sequence_parallel_region,
                                              gather_from_tp_region, reduce_from_tp_region,
                                              reduce_scatter_to_sequence_parallel_region,
-                                             scatter_to_sequence_parallel_region, scatter_to_tp_region)
+                                             scatter_to_sequence_parallel_region, scatter_to_tp_region,
+                                             sum_grad_rows)
 from hybrid.tensor_parallel.norms import LayerNorm, RMSNorm
 from hybrid.tensor_parallel.random import RNGTracker, checkpoint
 
@@ -21,5 +22,5 @@ __all__ = [
     "Initializer", "materialize", "gather_full", "gather_pieces", "full_state",
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region", "sum_grad_rows",
 ]

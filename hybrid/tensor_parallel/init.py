@@ -141,20 +141,12 @@ def _shard_rows(param: torch.Tensor, name: str, seed: int, tp_size: int, tp_rank
     if dim != 0:
         rows = draw_rows(init, full, seed, name, r0, r1)  # the piece has every full row
         return rows if dim is None else param_meta.shard(rows, meta, tp_size, tp_rank)
-    logical = full[0]
-    padded = param_meta.padded_size(logical, meta, tp_size) if meta.logical_size is not None else logical
-    block = padded // meta.stride
-    piece = block // tp_size
     out = torch.zeros([r1 - r0] + list(full[1:]), dtype=torch.float32)  # padded rows (vocabulary) stay zero
-    j = r0
-    while j < r1:  # piece row j -> full row (j // piece) * block + tp_rank * piece + j % piece
-        s, w = divmod(j, piece)
-        end = min(r1, (s + 1) * piece)
-        f_lo = s * block + tp_rank * piece + w
-        f_hi = min(f_lo + (end - j), logical)
-        if f_lo < f_hi:
-            draw_rows(init, full, seed, name, f_lo, f_hi, out=out[j - r0: j - r0 + f_hi - f_lo])
-        j = end
+    for run in param_meta.piece_runs(meta, full[0], tp_size, tp_rank):
+        a, z = max(r0, run.local_start), min(r1, run.local_start + run.length)
+        if a < z and run.full_start is not None:
+            lo = run.full_start + a - run.local_start
+            draw_rows(init, full, seed, name, lo, lo + z - a, out=out[a - r0: z - r0])
     return out
 
 

@@ -31,7 +31,8 @@ from hybrid import param_meta
 from hybrid.tensor_parallel import init as tp_init
 from hybrid.tensor_parallel.mappings import (copy_to_tp_region, gather_from_sequence_parallel_region,
                                              gather_from_tp_region, reduce_from_tp_region,
-                                             reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region)
+                                             reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region,
+                                             sum_grad_rows)
 
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.topology import Topology
@@ -70,22 +71,38 @@ class ColumnParallelLinear(nn.Module):
     ``weight``: ``[out/tp, in]`` (TP dim 0, ``stride`` blocks), ``bias``: ``[out/tp]``.
     ``stride=k`` means the full output is k concatenated blocks (e.g. q, k, v)
     and each rank holds its piece of every block, concatenated.
+    ``blocks=((size, units), ...)`` instead splits the output into unequal
+    blocks of indivisible units (q, k and v heads of grouped-query attention;
+    see :mod:`hybrid.param_meta`): a block of fewer units than TP ranks is
+    replicated over ``tp / units`` consecutive ranks, and the gradient of
+    those rows (weight and bias) is summed over exactly those ranks (axis
+    ``"tp/k"``, :func:`~hybrid.tensor_parallel.mappings.sum_grad_rows`).
     ``pad_multiple`` pads ``out_features`` up to a multiple of
     ``pad_multiple * tp`` (the vocabulary head); the padded rows start at zero.
     """
 
     def __init__(self, in_features: int, out_features: int, topology: "Topology", *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, stride: int = 1,
-                 pad_multiple: Optional[int] = None, weight_init: tp_init.Initializer = tp_init.normal(0.02),
+                 pad_multiple: Optional[int] = None, blocks: Optional[param_meta.Blocks] = None,
+                 weight_init: tp_init.Initializer = tp_init.normal(0.02),
                  bias_init: tp_init.Initializer = tp_init.ZEROS, device=None, dtype=None):
         super().__init__()
         tp = topology.tp_size
+        if blocks is not None and (pad_multiple is not None or stride != 1):
+            raise ValueError("ColumnParallelLinear: blocks cannot be combined with pad_multiple or stride > 1")
         if pad_multiple is not None and stride != 1:
             raise ValueError("ColumnParallelLinear: pad_multiple and stride > 1 cannot be combined")
-        if gather_output and stride != 1:
+        if gather_output and (stride != 1 or blocks is not None):
             raise ValueError(f"ColumnParallelLinear: gather_output=True with stride={stride} would return the "
                              f"rank-interleaved blocks, not the full layout; gather with param_meta.merge instead")
-        if pad_multiple is not None:
+        self.replicated_rows = []  # (lo, hi, axis): local rows held alike by the ranks of axis "tp/k"
+        if blocks is not None:
+            meta = dict(dim=0, blocks=blocks)
+            tp_meta = param_meta.TPMeta(**meta)
+            full_out = param_meta.piece_size(tp_meta, out_features, tp) * tp
+            self.replicated_rows = [(lo, hi, topology.enable_tp_subgroups(k))
+                                    for lo, hi, k in param_meta.replicated_runs(tp_meta, out_features, tp)]
+        elif pad_multiple is not None:
             meta = dict(dim=0, logical_size=out_features, pad_multiple=pad_multiple)
             full_out = param_meta.padded_size(out_features, param_meta.TPMeta(**meta), tp)
         else:
@@ -101,8 +118,11 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _new_param((full_out // tp,), device, dtype, bias_init, **meta) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return column_parallel_linear(x, self.weight, self.bias, self.topology,
-                                      self.sequence_parallel, self.gather_output)
+        weight, bias = self.weight, self.bias
+        for lo, hi, axis in self.replicated_rows:
+            weight = sum_grad_rows(weight, self.topology, lo, hi, axis)
+            bias = None if bias is None else sum_grad_rows(bias, self.topology, lo, hi, axis)
+        return column_parallel_linear(x, weight, bias, self.topology, self.sequence_parallel, self.gather_output)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.topology.tp_size}, "

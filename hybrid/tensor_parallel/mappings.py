@@ -18,7 +18,13 @@ Sequence-parallel primitives act on dim 0, the sequence dim of the
     gather_from_sequence_parallel_region        fwd: all-gather dim 0   bwd: reduce-scatter dim 0
     reduce_scatter_to_sequence_parallel_region  fwd: reduce-scatter 0   bwd: all-gather dim 0
 
-Every collective goes through ``topology.comm`` on the ``"tp"`` group.
+A replicated piece of a TP-partitioned weight (a key/value head that several
+TP ranks hold under grouped-query attention) goes through::
+
+    sum_grad_rows            fwd: identity           bwd: all-reduce rows [lo, hi) over "tp/k"
+
+Every collective goes through ``topology.comm`` on the ``"tp"`` group (or a
+``"tp/k"`` sub-group of it).
 """
 
 from __future__ import annotations
@@ -178,6 +184,19 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return _gather_first(g, ctx.topo), None
 
 
+class _SumGradRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topo, lo, hi, axis):
+        ctx.topo, ctx.lo, ctx.hi, ctx.axis = topo, lo, hi, axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        ctx.topo.comm.all_reduce(g[ctx.lo:ctx.hi], ctx.axis)  # rows along dim 0: a contiguous view
+        return g, None, None, None, None
+
+
 # ---- public API ------------------------------------------------------------------------
 def copy_to_tp_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     """Identity forward; backward all-reduces the gradient over ``"tp"``.
@@ -224,3 +243,13 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, topo: "Topology",
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     """``[s, ...] -> [s/n, ...]``: sum over ``"tp"`` and keep this rank's chunk; backward all-gathers dim 0."""
     return _ReduceScatterToSP.apply(x, topo)
+
+
+def sum_grad_rows(x: torch.Tensor, topo: "Topology", lo: int, hi: int, axis: str) -> torch.Tensor:
+    """Identity forward; backward sums rows ``[lo, hi)`` (dim 0) of the gradient over ``axis`` (a ``"tp/k"``).
+
+    Wraps a weight whose rows ``[lo, hi)`` the ``k`` ranks of ``axis`` hold
+    alike and use for different outputs: each rank's gradient of them is a
+    partial sum, and the sum keeps the copies equal.
+    """
+    return _SumGradRows.apply(x, topo, lo, hi, axis)

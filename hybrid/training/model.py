@@ -8,11 +8,15 @@ from hybrid.config import HybridConfig
 
 # model section key -> GPTConfig field, for the shape settings that override a preset when given.
 _SHAPE_KEYS = (("num_layers", "num_layers"), ("hidden_size", "hidden_size"), ("num_attention_heads", "num_heads"),
+               ("num_query_groups", "num_query_groups"),
                ("ffn_hidden_size", "ffn_hidden_size"), ("seq_length", "seq_length"),
                ("max_position_embeddings", "max_position_embeddings"), ("position_embedding_type", "position"),
                ("normalization", "norm"), ("hidden_dropout", "hidden_dropout"),
                ("attention_dropout", "attention_dropout"), ("init_method_std", "init_std"),
-               ("norm_epsilon", "norm_eps"), ("rotary_base", "rope_theta"))
+               ("norm_epsilon", "norm_eps"), ("rotary_base", "rope_theta"), ("rope_scaling", "rope_scaling"),
+               ("rope_scaling_factor", "rope_scaling_factor"), ("rope_low_freq_factor", "rope_low_freq_factor"),
+               ("rope_high_freq_factor", "rope_high_freq_factor"),
+               ("rope_original_max_positions", "rope_original_max_positions"))
 
 
 def model_config(config: HybridConfig, vocab_size: int):
@@ -36,6 +40,8 @@ def model_config(config: HybridConfig, vocab_size: int):
         changes["mlp"] = "swiglu"
     if m.disable_bias_linear:
         changes["bias"] = False
+    if m.add_qkv_bias:
+        changes["qkv_bias"] = True
     if m.untie_embeddings_and_output_weights:
         changes["tie_embeddings"] = False
     changes["sequence_parallel"] = m.sequence_parallel

@@ -8,7 +8,8 @@ Every gradient element is therefore counted by exactly one rank:
 * **TP**: a TP-partitioned parameter's shards are disjoint, so every TP rank
   counts its shard. A replicated parameter (``get_tp_meta(p).partitioned`` is
   False, e.g. a layer norm) holds the same gradient on every TP rank, so only
-  TP rank 0 counts it.
+  TP rank 0 counts it. A key/value head that several TP ranks hold (grouped-query
+  attention with more TP ranks than key/value groups) counts on the first of them.
 * **PP**: each pipeline stage counts its own parameters; of a weight tied
   across the first and last stage (a flat group with ``tied`` set) only the
   first stage's copy counts.
@@ -26,24 +27,26 @@ from typing import List, Sequence
 
 import torch
 
+from hybrid import param_meta
 from hybrid.topology import Topology
 from hybrid.zero.flat_buffer import FlatGroup
 
 
-def _partitioned_runs(group: FlatGroup, segment: int, lo: int, hi: int) -> List[tuple]:
-    """Maximal ``(a, b)`` ranges of ``[lo, hi)`` (buffer coordinates) holding TP-partitioned parameters."""
+def _counted_runs(group: FlatGroup, segment: int, lo: int, hi: int, tp: int, tp_rank: int) -> List[tuple]:
+    """Maximal ``(a, b)`` ranges of ``[lo, hi)`` (buffer coordinates) that this TP rank counts in the norm
+    (:func:`hybrid.param_meta.norm_ranges`: partitioned parameters, less key/value heads another rank
+    holds too)."""
     runs: List[list] = []
     for r in group.segments[segment].records:
         rec = group.records[r]
-        if not rec.tp_meta.partitioned:
-            continue
-        a, b = max(lo, rec.offset), min(hi, rec.offset + rec.numel)
-        if a >= b:
-            continue
-        if runs and runs[-1][1] == a:
-            runs[-1][1] = b
-        else:
-            runs.append([a, b])
+        for p_lo, p_hi in param_meta.norm_ranges(rec.tp_meta, rec.shape, tp, tp_rank):
+            a, b = max(lo, rec.offset + p_lo), min(hi, rec.offset + p_hi)
+            if a >= b:
+                continue
+            if runs and runs[-1][1] == a:
+                runs[-1][1] = b
+            else:
+                runs.append([a, b])
     return [tuple(x) for x in runs]
 
 
@@ -70,7 +73,7 @@ class GradNorm:
                     self.views.append(chunk)
                     continue
                 lo, _ = group.segments[s].chunk_range(part, group.parts)
-                for a, b in _partitioned_runs(group, s, lo, lo + chunk.numel()):
+                for a, b in _counted_runs(group, s, lo, lo + chunk.numel(), topology.tp_size, topology.tp_rank):
                     self.views.append(chunk[a - lo: b - lo])
 
     def local_sq(self) -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from hybrid import param_meta
 from hybrid.zero.base import ZeroOptimizer
 from hybrid.zero.flat_buffer import ZeroConfigError, dtype_name
 from hybrid.zero.offload import HostCopy, host_device
@@ -36,12 +37,13 @@ from hybrid.zero.stage3_grads import Stage3GradReducer
 from hybrid.zero.stage3_layout import Unit, build_units, param_index, partition_numel
 
 
-def _partition_runs(units: List[Unit], dp_rank: int, tp_rank: int):
+def _partition_runs(units: List[Unit], dp_rank: int, tp_size: int, tp_rank: int):
     """Per unit, this rank's chunk cut into ``(start, end, decay, counts_for_norm)`` runs (partition coordinates).
 
     ``decay``: the elements are weight-decayed. ``counts_for_norm``: the
-    gradient norm counts them on this rank (TP-replicated parameters are
-    counted by TP rank 0 only; padding counts nowhere but is zero anyway).
+    gradient norm counts them on this rank (:func:`hybrid.param_meta.norm_ranges`:
+    TP-replicated parameters are counted by TP rank 0 only; padding counts
+    nowhere but is zero anyway).
     """
     runs = []
     for u in units:
@@ -56,11 +58,10 @@ def _partition_runs(units: List[Unit], dp_rank: int, tp_rank: int):
         lo, hi = u.chunk_range(dp_rank)
         base = u.partition_offset - lo
         for rec in u.records:
-            if tp_rank != 0 and not rec.tp_meta.partitioned:
-                continue
-            a, b = max(lo, rec.offset), min(hi, rec.offset + rec.numel)
-            if a < b:
-                norm_runs.append((base + a, base + b))
+            for p_lo, p_hi in param_meta.norm_ranges(rec.tp_meta, rec.shape, tp_size, tp_rank):
+                a, b = max(lo, rec.offset + p_lo), min(hi, rec.offset + p_hi)
+                if a < b:
+                    norm_runs.append((base + a, base + b))
     return runs, norm_runs
 
 
@@ -152,7 +153,7 @@ class Stage3Optimizer(ZeroOptimizer):
                                   self.topology.rank_in("dp_node"))
 
     def _setup_master(self, master_dtype: torch.dtype, host: Optional[torch.device]) -> None:
-        runs, norm_runs = _partition_runs(self.units, self.part, self.topology.tp_rank)
+        runs, norm_runs = _partition_runs(self.units, self.part, self.topology.tp_size, self.topology.tp_rank)
         master_device = host if host is not None else self.device
         self.aliased = master_dtype == self.dtype and master_device == self.device
         if self.aliased:

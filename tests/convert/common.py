@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -22,6 +23,13 @@ GPT2_CFG = GPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, nu
 LLAMA_CFG = GPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS, ffn_hidden_size=96,
                       seq_length=SEQ, position="rope", rope_theta=500.0, norm="rmsnorm", norm_eps=1e-6, mlp="swiglu",
                       bias=False, tie_embeddings=False)
+# Grouped-query Llama 3 style (8 query heads, 2 key/value groups, llama3 RoPE scaling), Mistral (GQA, no
+# window) and Qwen2 (multi-query, q/k/v bias): the hybrid side of the configs tests/convert/test_hf.py builds.
+_LLAMA_GQA = dict(num_heads=8, num_query_groups=2)
+LLAMA_GQA_CFG = LLAMA_CFG.replace(**_LLAMA_GQA, rope_scaling="llama3", rope_scaling_factor=8.0,
+                                  rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_positions=8)
+MISTRAL_CFG = LLAMA_CFG.replace(**_LLAMA_GQA)
+QWEN2_CFG = LLAMA_CFG.replace(num_heads=8, num_query_groups=1, qkv_bias=True, rope_theta=10000.0)
 
 
 def randomized_state(cfg: GPTConfig, seed: int = 0) -> Dict[str, torch.Tensor]:
@@ -71,13 +79,15 @@ def write_weights_checkpoint(save_dir, cfg: GPTConfig, state: Dict[str, torch.Te
     return writer.iter_dir
 
 
-def make_engine(cfg: GPTConfig, *, precision: str = "fp32", stage: int = 1, seed: int = 1, lr: float = 1e-3):
-    """A one-process engine (TP=1, DP=1) over a fresh GPTModel(cfg)."""
-    topo = Topology.local()
+def make_engine(cfg: GPTConfig, *, precision: str = "fp32", stage: int = 1, seed: int = 1, lr: float = 1e-3,
+                topology: Optional[Topology] = None):
+    """An engine over a fresh GPTModel(cfg): one process (TP=1, DP=1), or ``topology``'s layout."""
+    topo = topology or Topology.local()
     model = GPTModel(cfg, topo, seed=seed)
     return hybrid.initialize(model, {"precision": precision, "zero": {"stage": stage},
                                      "optimizer": {"type": "adamw", "lr": lr, "weight_decay": 0.1},
-                                     "clip_grad": 1.0, "micro_batch_size": 2, "global_batch_size": 2,
+                                     "clip_grad": 1.0, "micro_batch_size": 2,
+                                     "global_batch_size": 2 * topo.dp_size,
                                      "steps_per_print": 0}, topology=topo)
 
 
@@ -99,3 +109,57 @@ def optimizer_tensors(engine) -> Dict[str, torch.Tensor]:
     sd = engine.optimizer.state_dict()
     return {f"{i}/{k}": v.clone() for i, g in enumerate(sd["groups"]) for k, v in g.items()
             if isinstance(v, torch.Tensor)}
+
+
+def train_tp2_dp2_zero2(root: str, configs: Dict[str, GPTConfig], tokens: torch.Tensor) -> Optional[dict]:
+    """Per config: 3 steps at TP=2 x DP=2 with ZeRO-2, saved to ``root/<name>``, then loaded at TP=4 x DP=1
+    with ZeRO-3. Rank 0 returns, per name, the trained model's logits on ``tokens``, the first step's
+    gradient norm beside a one-process float64 reference's, and for the TP=4 load its logits, whether its
+    weights equal the saved ones and its next step's gradient norm beside a reference's (None on other
+    ranks). Run on 4 ranks (tests.multiproc)."""
+    import torch.distributed as dist
+
+    topo = Topology(tp=2)
+    out = {}
+    for kind, cfg in configs.items():
+        engine = make_engine(cfg, stage=2, topology=topo)
+        train(engine, 1)
+        norm = engine.get_grad_norm()
+        train(engine, 2, seed=1)
+        engine.save_checkpoint(os.path.join(root, kind))
+        engine.module.eval()
+        with torch.no_grad():
+            logits = engine.module.gather_logits(engine.module(tokens))
+        # The reference: the same initial model and first batch (every DP rank drew the same one), one process.
+        ref = GPTModel(cfg, Topology.local(), seed=1).double()
+        ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
+        ref(ids[:, :-1], labels=ids[:, 1:]).backward()
+        ref_norm = torch.sqrt(sum(p.grad.square().sum() for p in ref.parameters())).item()
+        out[kind] = {"logits": logits.numpy(), "norm": norm, "ref_norm": ref_norm}
+    # Resharded on load to TP=4 x DP=1 under ZeRO-3 (optimizer state included): a model whose key/value
+    # heads are fewer than 4 is replicated on more ranks than it was saved from. Its weights must be the
+    # saved ones exactly, its logits the TP=2 model's, and its next gradient norm a one-process reference's.
+    from hybrid.checkpoint import CheckpointReader
+    from hybrid.convert.consolidate import CheckpointSource
+
+    topo4 = Topology(tp=4)
+    for kind, cfg in configs.items():
+        engine = make_engine(cfg, stage=3, topology=topo4, seed=2)
+        engine.load_checkpoint(os.path.join(root, kind))
+        with engine.gathered_parameters():
+            weights = full_state(engine.module, topo4)
+            engine.module.eval()
+            with torch.no_grad():
+                logits = engine.module.gather_logits(engine.module(tokens))
+        engine.module.train()
+        train(engine, 1, seed=2)
+        norm = engine.get_grad_norm()
+        with CheckpointSource(CheckpointReader(os.path.join(root, kind))) as src:
+            saved = {n: src.read(n) for n in src.tensors}
+        ref = model_from_state(cfg, saved).train().double()
+        ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=torch.Generator().manual_seed(2))
+        ref(ids[:, :-1], labels=ids[:, 1:]).backward()
+        out[kind].update(tp4_weights_exact=all(torch.equal(weights[n], saved[n]) for n in saved),
+                         tp4_logits=logits.numpy(), tp4_norm=norm,
+                         tp4_ref_norm=torch.sqrt(sum(p.grad.square().sum() for p in ref.parameters())).item())
+    return out if dist.get_rank() == 0 else None

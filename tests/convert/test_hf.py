@@ -17,13 +17,35 @@ from safetensors.torch import load_file
 from hybrid.convert.consolidate import CheckpointSource, ConversionError
 from hybrid.checkpoint import CheckpointReader
 from hybrid.convert.hf import export_to_hf, import_from_hf
-from tests.convert.common import GPT2_CFG, LLAMA_CFG, SEQ, VOCAB, model_from_state, randomized_state, \
-    write_weights_checkpoint
+from tests.convert.common import GPT2_CFG, LLAMA_CFG, LLAMA_GQA_CFG, MISTRAL_CFG, QWEN2_CFG, SEQ, VOCAB, \
+    model_from_state, randomized_state, train_tp2_dp2_zero2, write_weights_checkpoint
 from tests.data.testkit import train_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-5
+# kind -> the hybrid config its HF model converts to, and the HF class
+KINDS = {"gpt2": (GPT2_CFG, "GPT2LMHeadModel"), "llama": (LLAMA_CFG, "LlamaForCausalLM"),
+         "llama-gqa": (LLAMA_GQA_CFG, "LlamaForCausalLM"), "mistral": (MISTRAL_CFG, "MistralForCausalLM"),
+         "qwen2": (QWEN2_CFG, "Qwen2ForCausalLM")}
+
+
+def _llama_family_config(kind: str, tie: bool):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  max_position_embeddings=SEQ, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0,
+                  tie_word_embeddings=False if tie is None else tie)
+    if kind == "llama":
+        return transformers.LlamaConfig(**common, num_attention_heads=4, num_key_value_heads=4, rope_theta=500.0)
+    if kind == "llama-gqa":  # Llama 3 style: grouped-query attention and llama3 RoPE scaling
+        return transformers.LlamaConfig(**common, num_attention_heads=8, num_key_value_heads=2, rope_theta=500.0,
+                                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 8})
+    if kind == "mistral":
+        return transformers.MistralConfig(**common, num_attention_heads=8, num_key_value_heads=2, rope_theta=500.0,
+                                          sliding_window=None)
+    return transformers.Qwen2Config(**common, num_attention_heads=8, num_key_value_heads=1, rope_theta=10000.0,
+                                    use_sliding_window=False)
 
 
 def _hf_model(kind: str, tie: bool = None):
@@ -33,11 +55,7 @@ def _hf_model(kind: str, tie: bool = None):
                                       eos_token_id=0, tie_word_embeddings=True if tie is None else tie)
         model = transformers.GPT2LMHeadModel(cfg)
     else:
-        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ,
-                                       rope_theta=500.0, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0,
-                                       tie_word_embeddings=False if tie is None else tie)
-        model = transformers.LlamaForCausalLM(cfg)
+        model = getattr(transformers, KINDS[kind][1])(_llama_family_config(kind, tie))
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():  # fresh norms are ones and biases zeros: make a misplaced one visible
         for name, p in model.named_parameters():
@@ -96,7 +114,9 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, kind, tp):
 
 
 @pytest.mark.parametrize("kind,tp,fmt", [("gpt2", 1, "safetensors"), ("gpt2", 2, "bin"), ("llama", 1, "bin"),
-                                         ("llama", 2, "safetensors")])
+                                         ("llama", 2, "safetensors"), ("llama-gqa", 1, "safetensors"),
+                                         ("llama-gqa", 2, "safetensors"), ("mistral", 1, "safetensors"),
+                                         ("mistral", 2, "bin"), ("qwen2", 1, "bin"), ("qwen2", 2, "safetensors")])
 def test_import_gives_the_transformers_logits(tmp_path, kind, tp, fmt):
     hf = _hf_model(kind)
     hf.save_pretrained(tmp_path / "hf")
@@ -106,18 +126,20 @@ def test_import_gives_the_transformers_logits(tmp_path, kind, tp, fmt):
     out = import_from_hf(tmp_path / "hf", tmp_path / "ck", tp=tp)
     reader = CheckpointReader(tmp_path / "ck")
     assert reader.path == out and reader.layout.tp == tp and not reader.has_optimizer_state
-    cfg = LLAMA_CFG if kind == "llama" else GPT2_CFG
+    cfg = KINDS[kind][0]
     from model_zoo import GPTConfig
 
     imported = GPTConfig.from_dict(reader.model_config)
-    assert (imported.position, imported.norm, imported.mlp, imported.bias) == \
-        (cfg.position, cfg.norm, cfg.mlp, cfg.bias)
+    switches = ("position", "norm", "mlp", "bias", "attention_bias", "query_groups", "num_heads", "rope_theta",
+                "rope_scaling", "rope_scaling_factor", "rope_original_max_positions")
+    assert [getattr(imported, k) for k in switches] == [getattr(cfg, k) for k in switches]
     with torch.no_grad():
         ref = hf(input_ids=_tokens()).logits
     assert _rel(_hybrid_logits(imported, _checkpoint_state(out)), ref) < TOL
 
 
-@pytest.mark.parametrize("kind,tie", [("gpt2", True), ("gpt2", False), ("llama", False), ("llama", True)])
+@pytest.mark.parametrize("kind,tie", [("gpt2", True), ("gpt2", False), ("llama", False), ("llama", True),
+                                      ("llama-gqa", False), ("mistral", False), ("qwen2", True)])
 def test_hf_to_hybrid_to_hf_is_bit_identical(tmp_path, kind, tie):
     hf = _hf_model(kind, tie)
     hf.save_pretrained(tmp_path / "hf")
@@ -127,6 +149,7 @@ def test_hf_to_hybrid_to_hf_is_bit_identical(tmp_path, kind, tie):
     assert a.keys() == b.keys()
     for name in a:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["architectures"] == [type(hf).__name__]
     back = type(hf).from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         assert torch.equal(hf(input_ids=_tokens()).logits, back(input_ids=_tokens()).logits)
@@ -163,8 +186,12 @@ def test_import_refuses_what_hybrid_cannot_reproduce(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     cfg_path = tmp_path / "hf" / "config.json"
     good = json.loads(cfg_path.read_text())
-    cfg_path.write_text(json.dumps(dict(good, num_key_value_heads=2)))
-    with pytest.raises(ConversionError, match="num_key_value_heads=2 is not supported.*grouped-query"):
+    cfg_path.write_text(json.dumps(dict(good, num_key_value_heads=3)))
+    with pytest.raises(ConversionError, match="num_key_value_heads=3 is not supported.*must divide "
+                                              "num_attention_heads=4"):
+        import_from_hf(tmp_path / "hf", tmp_path / "ck")
+    cfg_path.write_text(json.dumps(dict(good, rope_parameters={"rope_type": "yarn", "factor": 4.0})))
+    with pytest.raises(ConversionError, match="rope_parameters.rope_type='yarn' is not supported"):
         import_from_hf(tmp_path / "hf", tmp_path / "ck")
     cfg_path.write_text(json.dumps(dict(good, intermediate_size=128)))  # the config no longer fits the tensors
     with pytest.raises(ConversionError, match=r"gate_proj.weight has shape \[96, 64\], but config.json implies "
@@ -179,6 +206,18 @@ def test_import_refuses_what_hybrid_cannot_reproduce(tmp_path):
     os.remove(tmp_path / "hf" / "model.safetensors")
     with pytest.raises(ConversionError, match="holds no weights: expected model.safetensors"):
         import_from_hf(tmp_path / "hf", tmp_path / "ck")
+
+
+def test_a_sliding_window_the_attention_cannot_honour_is_refused(tmp_path):
+    _hf_model("mistral").save_pretrained(tmp_path / "hf")
+    cfg_path = tmp_path / "hf" / "config.json"
+    good = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps(dict(good, sliding_window=SEQ // 2)))
+    with pytest.raises(ConversionError, match=f"sliding_window={SEQ // 2} is not supported.*full causal.*at least "
+                                              f"max_position_embeddings={SEQ}"):
+        import_from_hf(tmp_path / "hf", tmp_path / "ck")
+    cfg_path.write_text(json.dumps(dict(good, sliding_window=SEQ)))  # covers every position: the same attention
+    import_from_hf(tmp_path / "hf", tmp_path / "ck")
 
 
 def test_export_refuses_a_model_of_no_known_family(tmp_path):
@@ -210,3 +249,37 @@ def test_a_tokenizer_flag_that_is_not_a_sentencepiece_model_is_refused_before_an
     big = train_tokenizer(tmp_path, vocab_size=VOCAB + 20, num_docs=200)
     with pytest.raises(ConversionError, match=rf"has {VOCAB + 20} pieces but the model's vocabulary holds {VOCAB}"):
         export_to_hf(tmp_path / "ck", tmp_path / "hf", tokenizer_model=big)
+
+
+# ---- export after training in a parallel layout -------------------------------------------------------
+TRAINED = ("llama-gqa", "qwen2")  # qwen2 is multi-query: TP=2 replicates its key/value head; Mistral shares
+# Llama's layout (its export loads in test_hf_to_hybrid_to_hf_is_bit_identical)
+
+
+def test_export_after_zero2_training_at_tp2_dp2_loads_with_from_pretrained_and_reshards_to_tp4_zero3(tmp_path):
+    from tests.multiproc import run_distributed
+
+    # The worker lives in common.py, which does not import transformers: each spawned rank imports less.
+    results = run_distributed(train_tp2_dp2_zero2, 4, str(tmp_path), {k: KINDS[k][0] for k in TRAINED},
+                              _tokens(), timeout=240)[0]
+    for kind in TRAINED:
+        # Replicated key/value heads count once: the norm a single process computes (fp32 rounding of a
+        # sum of ~1e5 squares, far below the share of the key/value rows counted twice).
+        assert abs(results[kind]["norm"] - results[kind]["ref_norm"]) <= 1e-5 * results[kind]["ref_norm"], kind
+        reader = CheckpointReader(tmp_path / kind)
+        assert (reader.layout.tp, reader.layout.dp, int(reader.layout.zero_stage)) == (2, 2, 2)
+        assert reader.has_optimizer_state
+        cfg, arch = KINDS[kind]
+        res = export_to_hf(tmp_path / kind, tmp_path / f"{kind}-hf", architecture=arch)
+        assert res.architecture == arch
+        hf = getattr(transformers, arch).from_pretrained(tmp_path / f"{kind}-hf").eval()
+        assert hf.config.num_key_value_heads == cfg.query_groups
+        with torch.no_grad():
+            ref = hf(input_ids=_tokens()).logits
+        assert _rel(torch.from_numpy(results[kind]["logits"]), ref) < TOL, kind
+        # The same checkpoint resharded on load to TP=4 with ZeRO-3, which replicates every key/value head
+        # of both models: the saved weights, the same logits, and the next step's norm counts each head once.
+        r = results[kind]
+        assert r["tp4_weights_exact"], kind
+        assert _rel(torch.from_numpy(r["tp4_logits"]), ref) < TOL, kind
+        assert abs(r["tp4_norm"] - r["tp4_ref_norm"]) <= 1e-5 * r["tp4_ref_norm"], kind

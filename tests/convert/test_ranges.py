@@ -62,3 +62,51 @@ def test_bad_sizes_are_refused():
         list(source_runs(TPMeta(dim=0, stride=3), 32, 2, 0, 4))
     with pytest.raises(ValueError, match="outside the full size"):
         list(source_runs(TPMeta(dim=0), 8, 2, 0, 9))
+
+
+# Grouped-query q/k/v: 8 query heads and 2 key/value heads of 2 rows each, split and replicated over TP.
+GQA = TPMeta(dim=0, blocks=((16, 8), (4, 2), (4, 2)))
+
+
+@pytest.mark.parametrize("saved_tp,target_tp", [(1, 2), (2, 4), (4, 1), (4, 2), (8, 4)])
+def test_blocks_assemble_equals_shard_and_replicate_key_value_heads(saved_tp, target_tp):
+    full = torch.randn(24, 3, generator=torch.Generator().manual_seed(1))
+    pieces = [param_meta.shard(full, GQA, saved_tp, r) for r in range(saved_tp)]
+    assert torch.equal(param_meta.merge(pieces, GQA), full)
+
+    def read(rank, start, stop):
+        return pieces[rank].narrow(0, start, stop - start)
+
+    for rank in range(target_tp):
+        want = param_meta.shard(full, GQA, target_tp, rank)
+        got = assemble(read, want.shape, full.dtype, GQA, saved_tp, 24, GQA, target_tp, rank)
+        assert torch.equal(got, want)
+    # At tp=4 rank r holds query heads 2r, 2r+1 and key/value head r // 2: rows 4r..4r+3, then k and v rows.
+    tp4 = [param_meta.shard(full, GQA, 4, r) for r in range(4)]
+    for r in range(4):
+        kv = r // 2
+        assert torch.equal(tp4[r], torch.cat([full[4 * r: 4 * r + 4], full[16 + 2 * kv: 18 + 2 * kv],
+                                              full[20 + 2 * kv: 22 + 2 * kv]]))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_norm_ranges_count_every_element_once(tp):
+    # Count how often each full element is counted over the TP ranks: exactly once, replicated or not.
+    for meta, shape in CASES[:3] + [(GQA, (24, 3)), (param_meta.REPLICATED, (5, 3))]:
+        if meta.blocks is None and meta.partitioned and shape[meta.dim] % (meta.stride * tp):
+            continue
+        full = torch.arange(float(torch.tensor(shape).prod())).reshape(shape)
+        counts = torch.zeros(full.numel())
+        for rank in range(tp):
+            piece = param_meta.shard(full, meta, tp, rank).reshape(-1)
+            for lo, hi in param_meta.norm_ranges(meta, param_meta.shard(full, meta, tp, rank).shape, tp, rank):
+                counts[piece[lo:hi].long()] += 1
+        assert torch.equal(counts, torch.ones_like(counts)), (meta, tp)
+
+
+def test_units_and_tp_must_divide_one_another():
+    assert param_meta.split_units(2, 4) == 2 and param_meta.split_units(8, 4) == 4
+    with pytest.raises(ValueError, match="num_query_groups=3 and the tensor-parallel size tp=2 must divide one "
+                                         "another"):
+        param_meta.split_units(3, 2, "num_query_groups")
+    assert GQA == TPMeta.from_json(GQA.to_json()) and "blocks" not in TPMeta(dim=0, stride=3).to_json()

@@ -129,3 +129,28 @@ def test_eval_mode_is_deterministic_and_train_mode_drops():
     before = torch.get_rng_state()
     model(ids, labels=ids)
     assert torch.equal(before, torch.get_rng_state())  # the model's dropout never touches the global stream
+
+
+def test_query_groups_must_divide_the_heads_and_meet_tp_either_way():
+    base = dict(vocab_size=64, hidden_size=96, num_layers=1, num_heads=12)
+    for tp in (1, 2, 3, 6, 12):  # 3 groups: split over tp 1, 3; replicated over tp 6, 12
+        if tp in (1, 3, 6, 12):
+            GPTConfig(**base, num_query_groups=3).validate(tp)
+    with pytest.raises(ValueError, match="GPTConfig.num_query_groups=3 and the tensor-parallel size tp=2 must "
+                                         "divide one another"):
+        GPTConfig(**base, num_query_groups=3).validate(2)
+    with pytest.raises(ValueError, match="num_query_groups=5 must be a positive integer that divides num_heads=12"):
+        GPTConfig(**base, num_query_groups=5).validate(1)
+
+
+def test_trainer_flags_set_grouped_query_attention_rope_scaling_and_the_qkv_bias():
+    from hybrid.training import parse_args
+    from hybrid.training.model import model_config
+
+    args = parse_args(["--model", "llama-tiny", "--num-query-groups", "2", "--rope-scaling", "llama3",
+                       "--rope-scaling-factor", "8", "--rope-original-max-positions", "64", "--add-qkv-bias",
+                       "--mock-data", "--micro-batch-size", "1", "--train-iters", "1"])
+    cfg = model_config(args, 4096).validate(2)
+    assert (cfg.query_groups, cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_original_max_positions) == \
+        (2, "llama3", 8.0, 64)
+    assert cfg.attention_bias and not cfg.bias

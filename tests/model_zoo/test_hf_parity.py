@@ -51,7 +51,7 @@ def _gpt2_weights(hf) -> dict:
     return out
 
 
-def _llama_weights(hf) -> dict:
+def _llama_weights(hf, bias: bool = False) -> dict:
     sd = hf.state_dict()
     out = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
            "final_norm.weight": sd["model.norm.weight"], "lm_head.weight": sd["lm_head.weight"]}
@@ -61,6 +61,9 @@ def _llama_weights(hf) -> dict:
         out[dst + "post_attention_norm.weight"] = sd[src + "post_attention_layernorm.weight"]
         out[dst + "attention.qkv_proj.weight"] = torch.cat(
             [sd[src + f"self_attn.{x}_proj.weight"] for x in "qkv"], dim=0)
+        if bias:  # Qwen2's q/k/v bias
+            out[dst + "attention.qkv_proj.bias"] = torch.cat(
+                [sd[src + f"self_attn.{x}_proj.bias"] for x in "qkv"], dim=0)
         out[dst + "attention.out_proj.weight"] = sd[src + "self_attn.o_proj.weight"]
         out[dst + "mlp.in_proj.weight"] = torch.cat(
             [sd[src + "mlp.gate_proj.weight"], sd[src + "mlp.up_proj.weight"]], dim=0)
@@ -123,16 +126,38 @@ def test_gpt2_switches_match_gpt2lmheadmodel():
     _compare(ours, hf)
 
 
-def test_llama_switches_match_llamaforcausallm():
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96,
-                                   num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
-                                   max_position_embeddings=SEQ, rope_theta=500.0, rms_norm_eps=1e-6,
-                                   tie_word_embeddings=False)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
+# (HF class, HF extras, hybrid extras): plain multi-head; grouped-query with llama3 RoPE scaling; Qwen2's
+# multi-query attention with a q/k/v bias.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8}
+LLAMA_FAMILY = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=HEADS, num_key_value_heads=HEADS),
+              dict(num_heads=HEADS)),
+    "llama-gqa": ("LlamaConfig", "LlamaForCausalLM",
+                  dict(num_attention_heads=8, num_key_value_heads=2, rope_scaling=LLAMA3_ROPE),
+                  dict(num_heads=8, num_query_groups=2, rope_scaling="llama3", rope_scaling_factor=8.0,
+                       rope_original_max_positions=8)),
+    "qwen2-mqa": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=8, num_key_value_heads=1),
+                  dict(num_heads=8, num_query_groups=1, qkv_bias=True)),
+}
+
+
+@pytest.mark.parametrize("kind", list(LLAMA_FAMILY))
+def test_llama_switches_match_llamaforcausallm(kind):
+    config_cls, model_cls, hf_extra, extra = LLAMA_FAMILY[kind]
+    cfg = getattr(transformers, config_cls)(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96,
+                                            num_hidden_layers=LAYERS, max_position_embeddings=SEQ,
+                                            rope_theta=500.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                            **hf_extra)
+    hf = getattr(transformers, model_cls)(cfg).eval()
     _randomise_norms(hf)
-    ours = GPTModel(GPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS,
-                              ffn_hidden_size=96, seq_length=SEQ, position="rope", rope_theta=500.0,
-                              norm="rmsnorm", norm_eps=1e-6, mlp="swiglu", bias=False, tie_embeddings=False),
+    with torch.no_grad():  # fresh biases are zeros: random ones make a misplaced q, k or v bias visible
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(4)))
+    ours = GPTModel(GPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, ffn_hidden_size=96,
+                              seq_length=SEQ, position="rope", rope_theta=500.0, norm="rmsnorm", norm_eps=1e-6,
+                              mlp="swiglu", bias=False, tie_embeddings=False, **extra),
                     Topology.local()).eval()
-    _load(ours, _llama_weights(hf))
+    _load(ours, _llama_weights(hf, bias="qkv_bias" in extra))
     _compare(ours, hf)

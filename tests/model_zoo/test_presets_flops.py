@@ -7,10 +7,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from hybrid.topology import Topology
 from model_zoo import (GPTConfig, GPTModel, count_model_parameters, count_parameters, flops_per_token, get_preset,
                        list_presets, matmul_parameters)
-from model_zoo.presets import NOMINAL_PARAMS, PUBLISHED_PARAMS
+from model_zoo.presets import NOMINAL_PARAMS, PUBLISHED_PARAMS, ROUNDED_PARAMS
 
 REQUIRED = ("tiny", "llama-tiny", "gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl", "megatron-8.3b",
-            "turing-nlg-17b", "gpt3-175b", "llama-7b")
+            "turing-nlg-17b", "gpt3-175b", "llama-7b", "tiny-gqa", "llama3-8b", "llama3-70b", "mistral-7b",
+            "qwen2-7b")
 
 
 def test_every_required_preset_exists():
@@ -26,6 +27,9 @@ def test_count_formula_matches_meta_model_and_publication(name):
     assert built == count_parameters(cfg)
     if name in PUBLISHED_PARAMS:
         assert built == PUBLISHED_PARAMS[name]
+    if name in ROUNDED_PARAMS:  # "8.03" (billions): the exact count rounds to it at its precision
+        published = ROUNDED_PARAMS[name]
+        assert f"{built / 1e9:.{len(published.split('.')[1])}f}" == published, built
     if name in NOMINAL_PARAMS:
         assert abs(built / NOMINAL_PARAMS[name] - 1) < 0.02, built
 
@@ -38,6 +42,9 @@ def test_preset_shapes():
     llama = get_preset("llama-7b")
     assert (llama.position, llama.norm, llama.mlp, llama.bias, llama.tie_embeddings) == (
         "rope", "rmsnorm", "swiglu", False, False)
+    for name, groups in (("llama3-8b", 8), ("llama3-70b", 8), ("mistral-7b", 8), ("qwen2-7b", 4), ("tiny-gqa", 2)):
+        cfg = get_preset(name)
+        assert (cfg.query_groups, cfg.attention_bias) == (groups, name == "qwen2-7b"), name
     tiny = get_preset("tiny")
     assert count_parameters(tiny) < 5_000_000 and tiny.seq_length <= 128
 
@@ -61,14 +68,18 @@ def test_get_preset_overrides_and_errors():
 #   LM head 10*8 = 80
 #   GELU:   N = 2*768 + 80 = 1616,  6N = 9696,  attention 12*L*s*h = 12*2*4*8 = 768  -> 10464
 #   SwiGLU: N = 2*1024 + 80 = 2128, 6N = 12768, attention 768                       -> 13536
-HAND = {"gelu": (1616, 10464), "swiglu": (2128, 13536)}
+# Multi-query (1 key/value head of d=4): qkv 8*(8 + 2*4) = 128 instead of 192 -> per layer 960,
+#   N = 2*960 + 80 = 2000, 6N = 12000, attention 768 (the query side is unchanged)  -> 12768
+HAND = {"gelu": (1616, 10464), "swiglu": (2128, 13536), "swiglu-mqa": (2000, 12768)}
 
 
-@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu", "swiglu-mqa"])
 def test_flops_per_token_matches_hand_count_and_measured_matmuls(mlp):
     extra = {} if mlp == "gelu" else dict(position="rope", norm="rmsnorm", bias=False, tie_embeddings=False)
+    if mlp == "swiglu-mqa":
+        extra["num_query_groups"] = 1
     cfg = GPTConfig(vocab_size=10, hidden_size=8, num_layers=2, num_heads=2, ffn_hidden_size=32, seq_length=4,
-                    vocab_pad_multiple=1, mlp=mlp, **extra)
+                    vocab_pad_multiple=1, mlp=mlp.split("-")[0], **extra)
     n_matmul, total = HAND[mlp]
     assert matmul_parameters(cfg) == n_matmul
     assert flops_per_token(cfg) == total
@@ -80,3 +91,17 @@ def test_flops_per_token_matches_hand_count_and_measured_matmuls(mlp):
     with FlopCounterMode(display=False) as counter:
         model(ids, labels=ids).backward()
     assert counter.get_total_flops() == 6 * n_matmul * ids.numel()
+
+
+def test_docs_preset_table_lists_every_preset_with_the_computed_count():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "model_zoo.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 12 and cells[0].startswith("`") and cells[0].strip("`") in list_presets():
+            rows[cells[0].strip("`")] = int(cells[8].replace(",", ""))
+    assert set(rows) == set(list_presets())
+    for name, documented in rows.items():
+        assert documented == count_parameters(get_preset(name)), name

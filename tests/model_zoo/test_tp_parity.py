@@ -2,7 +2,10 @@
 
 One spawn of four processes runs every configuration (GPT-2 and Llama
 switches x sequence parallelism on/off x recompute none/full/selective x
-TP 1/2/4) and every dropout check; the tests below assert on its results.
+TP 1/2/4; grouped-query attention with 8 query heads and 2 key/value groups,
+whose key/value heads TP 4 replicates over pairs of ranks, and multi-query
+attention over a smaller grid) and every dropout check; the tests below
+assert on its results.
 Each rank computes its own reference with ``Topology.local()``: the TP=1
 model cast to float64, so that every fp32 run (TP=1 included) is measured
 against the same near-exact result rather than against another fp32 rounding.
@@ -33,7 +36,17 @@ FAMILIES = {
                   position="rope", norm="rmsnorm", norm_eps=1e-6, mlp="swiglu", bias=False,
                   tie_embeddings=False, scaled_output_init=False, init_std=0.1),
 }
+_LLAMA_GQA = dict(FAMILIES["llama"], num_heads=8, qkv_bias=True, rope_scaling="llama3", rope_scaling_factor=8.0,
+                  rope_original_max_positions=8)
+FAMILIES["llama-gqa"] = dict(_LLAMA_GQA, num_query_groups=2)
+FAMILIES["llama-mqa"] = dict(_LLAMA_GQA, num_query_groups=1)
 RECOMPUTE = ("none", "full", "selective")
+# (sequence parallel, recompute) per family: every pair for the original two, fewer for the grouped ones.
+GRID = {"gpt2": list(itertools.product((False, True), RECOMPUTE)),
+        "llama": list(itertools.product((False, True), RECOMPUTE)),
+        "llama-gqa": [(False, "none"), (True, "selective")],
+        "llama-mqa": [(False, "full"), (True, "selective")]}
+DROPOUT_FAMILIES = ("gpt2", "llama")
 
 
 def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -80,11 +93,20 @@ def _padded_grads_zero(model: GPTModel) -> bool:
 
 
 def _replicated_grads_identical(model: GPTModel) -> bool:
-    ok = True
+    """Replicated parameters, and the key/value rows that several TP ranks hold, have equal gradients."""
+    ok, tp = True, model.topology.tp_size
     for p in model.parameters():
-        if not param_meta.get_tp_meta(p).partitioned:
+        meta = param_meta.get_tp_meta(p)
+        if not meta.partitioned:
             pieces = gather_pieces(p.grad, model.topology)
             ok &= all(torch.equal(pieces[0], q) for q in pieces[1:])
+            continue
+        full = param_meta.full_size_of(meta, p.shape[0], tp)
+        runs = param_meta.replicated_runs(meta, full, tp)
+        if runs:
+            pieces = gather_pieces(p.grad, model.topology)
+            for lo, hi, k in runs:
+                ok &= all(torch.equal(pieces[r][lo:hi], pieces[r - r % k][lo:hi]) for r in range(tp))
     return ok
 
 
@@ -99,7 +121,7 @@ def _parity_worker():
         ref_model.double()
         ref_logits, ref_loss = _step(ref_model, batch)
         ref_grads = full_state(ref_model, local, grads=True)
-        for sp, recompute, tp in itertools.product((False, True), RECOMPUTE, (1, 2, 4)):
+        for (sp, recompute), tp in itertools.product(GRID[family], (1, 2, 4)):
             topo = topos[tp]
             model = GPTModel(GPTConfig(**kw, sequence_parallel=sp, recompute=recompute), topo, seed=SEED)
             weights = full_state(model, topo)
@@ -116,6 +138,8 @@ def _parity_worker():
                 "padded_zero": _padded_grads_zero(model),
                 "count_ok": count_model_parameters(model, tp) == count_parameters(model.config),
             }
+        if family not in DROPOUT_FAMILIES:
+            continue
         # Dropout on: reproducible for one seed, and recomputation replays the same masks.
         drop_kw = dict(kw, hidden_dropout=0.2, attention_dropout=0.2)
         eval_loss = GPTModel(GPTConfig(**drop_kw), local, seed=SEED).eval()(batch[0], labels=batch[1]).item()
@@ -151,7 +175,7 @@ def test_logits_loss_and_grads_match_float64_tp1(results):
     bounds = {family: _bounds(family) for family in FAMILIES}
     worst = {"logits": 0.0, "loss": 0.0, "grads": 0.0}
     for rank, res in enumerate(results):
-        assert len(res["parity"]) == 2 * 2 * 3 * 3
+        assert len(res["parity"]) == 3 * sum(len(g) for g in GRID.values())
         for key, r in res["parity"].items():
             assert r["grad_names_equal"], key
             grad_err = max(r["grads"].values())
@@ -189,7 +213,7 @@ def test_logical_parameter_count_is_tp_invariant(results):
 
 def test_dropout_reproducible_and_recompute_replays_it(results):
     for res in results:
-        assert len(res["dropout"]) == 2 * 2
+        assert len(res["dropout"]) == 2 * len(DROPOUT_FAMILIES)
         for key, r in res["dropout"].items():
             assert r["dropout_active"], f"{key}: dropout did not change the loss; the check would be vacuous"
             assert r["repeat_identical"], f"{key}: two runs with one seed differ"

@@ -28,7 +28,7 @@ def _measure(config, precision: str, micro: int) -> int:
     return saved.bytes
 
 
-CASES = list(itertools.product(["tiny", "llama-tiny"], ["fp32", "bf16"], ["none", "selective", "full"]))
+CASES = list(itertools.product(["tiny", "llama-tiny", "tiny-gqa"], ["fp32", "bf16"], ["none", "selective", "full"]))
 
 
 @pytest.mark.parametrize("preset,precision,recompute", CASES)

@@ -2,7 +2,8 @@
 
 Small GPTs run on 4 CPU ranks (one spawn for all configs, see ``harness.py``)
 across ZeRO stages 0-2, TP 1/2, sequence parallelism, recomputation none /
-selective / full, fp32 and bf16, GPT-2 and Llama shapes. For every rank:
+selective / full, fp32 and bf16, GPT-2 and Llama shapes, grouped-query
+attention. For every rank:
 
 * each component of ``memory_report()`` (weights, gradients, staging buckets,
   master, optimizer state) is within 5% of the prediction, and so is the
@@ -39,6 +40,9 @@ SPECS: List[Dict] = [
     dict(stage=2, tp=2, recompute="none", precision="bf16", micro=1, gas=2, bucket=30_000),
     dict(stage=2, tp=2, sp=True, recompute="full", precision="fp32", micro=1, **LLAMA),
     dict(stage=1, tp=1, recompute="none", precision="bf16", micro=2, **LLAMA),
+    # grouped-query attention with a single key/value head (smaller k and v projections and activations),
+    # which TP 2 replicates: its gradient rows are summed over the pair of ranks (all_reduce/tp/2)
+    dict(stage=2, tp=2, recompute="none", precision="fp32", micro=2, heads=8, groups=1, **LLAMA),
     # 1-bit Adam's compressed phase: the momentum exchange, the error buffers, whole gradients
     dict(stage=0, tp=2, recompute="none", precision="fp32", micro=2, optimizer="onebit_adam", bucket=30_000),
 ]
