@@ -104,21 +104,36 @@ def test_slurm_script_with_srun_and_scontrol_stand_ins(tmp_path):
     _trained(proc, tmp_path / "checkpoints")
 
 
-def test_tiny_demo_script_reuses_the_environment_and_trains_grouped_query_attention(tmp_path):
+def test_tiny_demo_script_reuses_the_environment_and_trains_grouped_query_attention_in_a_pipeline(tmp_path):
+    from hybrid.convert.hf import export_to_hf
+    from hybrid.convert.reshard import reshard_checkpoint
+
     dist_info = next(Path(p) for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
     installed = sorted(dist_info.glob("hybrid-*.dist-info"))
     before = [p.stat().st_mtime_ns for p in installed]
-    env = _env(tmp_path, SETUP="1", WORK_DIR=str(tmp_path / "tiny"), MODEL="tiny-gqa", NPROC="1", TP="1",
+    env = _env(tmp_path, SETUP="1", WORK_DIR=str(tmp_path / "tiny"), MODEL="tiny-gqa", NPROC="2", TP="1", PP="2",
                ZERO_STAGE="1",
-               TRAIN_ITERS="2", MICRO_BATCH="1", GLOBAL_BATCH="1", SEQ_LENGTH="32", VOCAB_SIZE="300",
+               TRAIN_ITERS="2", MICRO_BATCH="1", GLOBAL_BATCH="2", SEQ_LENGTH="32", VOCAB_SIZE="300",
                MAX_DOCUMENTS="200", EVAL_INTERVAL="0", LOG_INTERVAL="1", SAVE_INTERVAL="2", MAX_NEW_TOKENS="4")
     proc = _run(["bash", str(SCRIPTS / "pretrain_gpt_tiny.sh")], env)
     assert "iteration 2/2" in proc.stdout and "a sample from the trained model" in proc.stdout, proc.stdout[-3000:]
+    assert "tp=1 dp=1 pp=2" in proc.stdout
     reader = CheckpointReader(tmp_path / "tiny" / "checkpoints")
-    assert reader.iteration == 2
+    assert reader.iteration == 2 and reader.layout.pp == 2
+    # to-hf reads the two-stage checkpoint exactly as its offline rewrite without stages
+    reshard_checkpoint(tmp_path / "tiny" / "checkpoints", tmp_path / "flat", target_tp=1)
+    for src, out in ((tmp_path / "tiny" / "checkpoints", tmp_path / "hf_pp"), (tmp_path / "flat", tmp_path / "hf_flat")):
+        export_to_hf(src, out)
+    assert _safetensors(tmp_path / "hf_pp") == _safetensors(tmp_path / "hf_flat")
     # The demo's MODEL switch: a Llama-style model with 2 key/value groups for its 8 query heads.
     cfg = reader.model_config
     assert (cfg["num_heads"], cfg["num_query_groups"], cfg["rope_scaling"], cfg["norm"]) == (8, 2, "llama3", "rmsnorm")
     # setup_env.sh found everything in place: it reported the environment and reinstalled nothing.
     assert "hybrid 0.1.0 with torch" in proc.stdout
     assert [p.stat().st_mtime_ns for p in installed] == before and installed
+
+
+def _safetensors(directory: Path) -> dict:
+    from safetensors.numpy import load_file
+
+    return {k: v.tobytes() for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
