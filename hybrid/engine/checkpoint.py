@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
-from hybrid.checkpoint import CheckpointError, CheckpointReader, save_checkpoint
+from hybrid.checkpoint import BackgroundSaver, CheckpointError, CheckpointReader, save_checkpoint
 
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.engine.engine import Engine
@@ -33,7 +33,7 @@ def _model_config(engine: "Engine") -> Optional[Dict[str, Any]]:
 
 def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples: int = 0,
                 client_state: Optional[Mapping[str, Any]] = None, keep_last: Optional[int] = None,
-                healthy: bool = True):
+                healthy: bool = True, background: Optional[BackgroundSaver] = None):
     """Write ``save_dir/iter_{iteration:07d}`` from every rank; returns the directory.
 
     The engine's :meth:`~hybrid.engine.Engine.state_dict` is split over the
@@ -44,17 +44,22 @@ def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples:
     :func:`load_engine`). Collective over the whole world. ``healthy=False``
     marks a state saved while the run was not healthy (diverging): pruning by
     ``keep_last`` always keeps the newest healthy checkpoint besides.
+
+    With ``background`` (the engine's, when ``checkpoint.async_save`` is on)
+    the state is copied to host memory and written by its thread: the call
+    returns once the copy is taken, and the directory is complete when the
+    saver reports it (:meth:`~hybrid.checkpoint.BackgroundSaver.poll`).
     """
     state = engine.state_dict()
     optimizer_state = state["optimizer"]
     param_index = optimizer_state.pop("param_index")
     trainer_state = {"engine": state["progress"], "client": dict(client_state or {})}
-    return save_checkpoint(save_dir, iteration, engine.layout, engine.topology.coord,
-                           model_state=state["model"], optimizer_state=optimizer_state,
-                           rank_state=state["rng"], consumed_samples=consumed_samples,
-                           model_config=_model_config(engine), param_index=param_index,
-                           trainer_state=trainer_state, keep_last=keep_last, healthy=healthy,
-                           all_gather_object=engine.topology.comm.all_gather_object)
+    args = dict(model_state=state["model"], optimizer_state=optimizer_state, rank_state=state["rng"],
+                consumed_samples=consumed_samples, model_config=_model_config(engine), param_index=param_index,
+                trainer_state=trainer_state, keep_last=keep_last, healthy=healthy)
+    save = background.submit if background is not None else save_checkpoint
+    return save(save_dir, iteration, engine.layout, engine.topology.coord,
+                all_gather_object=engine.topology.comm.all_gather_object, **args)
 
 
 def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True,
