@@ -3,15 +3,20 @@
 :class:`HostSnapshot` copies a nested state (dicts, lists and tuples of
 tensors, numbers and strings, as the engine's ``state_dict`` parts are) so
 that the next optimizer step cannot change what a background writer is
-writing. Every tensor is copied, wherever it lives:
+writing. Every tensor is copied into a host buffer that the snapshot keeps
+and reuses at the next save while the tensor keeps its shape and dtype:
 
-* on the CPU, a plain ``clone`` (the host copy is all there is to make);
-* on CUDA, into page-locked ("pinned") host buffers that the snapshot keeps
-  and reuses at the next save while the tensors keep their shapes, so that a
-  save neither allocates nor pins gigabytes again; the copies are issued
-  non-blocking and waited for once, at the end, on the current stream.
-  (This path is compiled and written for GPUs; the project's tests run it on
-  CPU only.)
+* on the CPU, ordinary memory. Reuse matters there too: copying into warm
+  pages is 3-4x faster than a fresh ``clone``, which pays a page fault per
+  4 KiB (measured: 1 GiB in 0.36-0.97 s against 1.3-2.1 s, one thread of
+  this 2-core machine), and the blocking phase of a save is this copy;
+* on CUDA, page-locked ("pinned") memory, so that the device-to-host copies
+  run at full PCIe speed and can be issued non-blocking; they are waited for
+  once, at the end, on the current stream (:meth:`HostSnapshot.finish`).
+  (This path is written for GPUs; the project's tests run the CPU path only.)
+
+The buffers are one copy of the rank's state, held from the first
+background save on (what the planner counts, ``hybrid-plan --async-save``).
 
 A :class:`~hybrid.checkpoint.safetensors_stream.TensorSource` is produced at
 snapshot time: it reads the live state. Containers are rebuilt and other
@@ -48,7 +53,7 @@ def state_nbytes(value: Any) -> int:
 
 
 class HostSnapshot:
-    """Host copies of nested states; on CUDA it keeps its pinned buffers between saves.
+    """Host copies of nested states, into buffers it keeps between saves (pinned ones for CUDA tensors).
 
     One snapshot serves one save at a time: the buffers of a save are reused
     by the next, so the caller must not snapshot again before the previous
@@ -56,13 +61,13 @@ class HostSnapshot:
     """
 
     def __init__(self) -> None:
-        self._pinned: Dict[str, torch.Tensor] = {}  # path in the state -> reusable page-locked buffer
+        self._buffers: Dict[str, torch.Tensor] = {}  # path in the state -> reusable host buffer
         self._pending_cuda = False
 
     @property
-    def pinned_bytes(self) -> int:
-        """Page-locked host bytes kept for reuse (0 on CPU)."""
-        return sum(t.numel() * t.element_size() for t in self._pinned.values())
+    def buffer_bytes(self) -> int:
+        """Host bytes kept for reuse."""
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
     def copy(self, value: Any, path: str = "") -> Any:
         """A copy of ``value`` that shares no tensor storage or mutable object with it.
@@ -93,15 +98,14 @@ class HostSnapshot:
             self._pending_cuda = False
 
     def _copy_tensor(self, tensor: torch.Tensor, path: str) -> torch.Tensor:
-        if tensor.device.type != "cuda":
-            return tensor.clone(memory_format=torch.contiguous_format)
-        buffer = self._pinned_buffer(path, tuple(tensor.shape), tensor.dtype)
-        buffer.copy_(tensor, non_blocking=True)
-        self._pending_cuda = True
+        cuda = tensor.device.type == "cuda"
+        buffer = self._buffer(path, tuple(tensor.shape), tensor.dtype, pinned=cuda)
+        buffer.copy_(tensor, non_blocking=cuda)
+        self._pending_cuda |= cuda
         return buffer
 
-    def _pinned_buffer(self, path: str, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        buffer = self._pinned.get(path)
-        if buffer is None or tuple(buffer.shape) != shape or buffer.dtype != dtype:
-            buffer = self._pinned[path] = torch.empty(shape, dtype=dtype, pin_memory=True)
+    def _buffer(self, path: str, shape: Tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        buffer = self._buffers.get(path)
+        if buffer is None or tuple(buffer.shape) != shape or buffer.dtype != dtype or buffer.is_pinned() != pinned:
+            buffer = self._buffers[path] = torch.empty(shape, dtype=dtype, pin_memory=pinned)
         return buffer

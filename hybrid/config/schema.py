@@ -298,8 +298,9 @@ class CheckpointConfig:
                                                      "longer run.train_iters) at the saved position")
     async_save: bool = _field(False, flag="--async-save",
                               help="save in the background: training waits only while each rank's state is copied "
-                                   "to host memory (one copy of it), a thread writes, checksums and commits it; "
-                                   "at most one save in flight. Also read by the engine's save_checkpoint")
+                                   "to host memory (one copy of it); a thread writes, fsyncs and checksums it, and "
+                                   "latest moves at the first step after every rank has written; at most one save "
+                                   "in flight. Also read by the engine's save_checkpoint")
     async_save_chunk_mb: Optional[int] = _field(None, ge=1, flag="--async-save-chunk-mb",
                                                 help="with async_save: copy at most this many MiB per rank; the "
                                                      "files (model shard, optimizer partition) that do not fit are "

@@ -240,3 +240,57 @@ def test_a_rank_killed_in_a_background_save_leaves_latest_on_the_previous_checkp
     if partial.exists():  # rank 0's writer got that far: never complete
         with pytest.raises(IncompleteCheckpointError):
             CheckpointReader(partial)
+
+
+# ---- SIGTERM with a save in flight (the trainer) -----------------------------------------------------------
+TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--vocab-size", "128", "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "1",
+        "--eval-interval", "0", "--log-interval", "100", "--async-save"]
+
+
+def _sigterm_while_saving(save_dir: str):
+    import hybrid.training.trainer as trainer_module
+    from hybrid.training import Trainer, parse_args, validate
+
+    lines = []
+    trainer_module._log = lambda topology, message: lines.append(message)
+    original_write, original_wait = PhasedSave.write, background.BackgroundSaver.wait
+    waiting = threading.Event()
+
+    def wait(self):
+        if self.in_flight:
+            waiting.set()
+        return original_wait(self)
+
+    def signalled(self, *args, **kwargs):
+        if self.writer.iteration == 2:  # the save in flight when the signal arrives
+            lines.append(f"lock held: {(Path(save_dir) / SAVE_LOCK_FILE).exists()}")
+            os.kill(os.getpid(), signal.SIGTERM)
+            # Held until the trainer, having seen the signal, waits for this save: it is in flight then.
+            assert waiting.wait(60), "the trainer never waited for the save in flight"
+        return original_write(self, *args, **kwargs)
+
+    background.BackgroundSaver.wait = wait
+    PhasedSave.write = signalled
+    cfg = parse_args(TINY + ["--train-iters", "100", "--save", save_dir, "--save-interval", "2"])
+    validate(cfg, world_size=1)
+    trainer = Trainer(cfg)
+    last = trainer.train()
+    return last, lines
+
+
+def test_sigterm_with_a_save_in_flight_waits_for_it_then_saves_the_final_state(tmp_path):
+    save = tmp_path / "ckpt"
+    ((last, lines),) = run_distributed(_sigterm_while_saving, 1, str(save), timeout=120)
+    assert last == 3, lines
+    saved = [line for line in lines if "checkpoint" in line or line.startswith(("exiting", "lock"))]
+    order = [next(i for i, line in enumerate(saved) if line.startswith(prefix)) for prefix in (
+        "lock held: True", f"saved checkpoint {save / 'iter_0000002'} in the background",
+        f"saving checkpoint {save / 'iter_0000003'} in the background", "exiting at iteration 3",
+        f"saved checkpoint {save / 'iter_0000003'} in the background")]
+    assert order == sorted(order), saved
+    assert "verified" in saved[order[1]] and "verified" in saved[order[4]], saved
+    for iteration in (2, 3):
+        CheckpointReader(save / f"iter_{iteration:07d}").verify_all()
+    assert (save / "latest").read_text() == "iter_0000003\n"
+    assert not (save / SAVE_LOCK_FILE).exists()
