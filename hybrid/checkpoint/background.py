@@ -85,8 +85,9 @@ class SaveReport:
     ``blocking_s``: how long :meth:`BackgroundSaver.submit` kept the caller
     (the snapshot, and with ``chunk_bytes`` the parts written from the live
     state); ``write_s``: from the hand-off until this rank's files were
-    durable (``latest`` moves at the next collection after every rank's are); ``nbytes``: the size of the whole checkpoint (every rank's
-    files, from its ``metadata.json``); ``snapshot_bytes``: this rank's host copy;
+    durable (``latest`` moves at the next collection after every rank's
+    are); ``nbytes``: the size of the whole checkpoint (every rank's files,
+    from its ``metadata.json``); ``snapshot_bytes``: this rank's host copy;
     ``files``: the files this rank wrote.
     """
 

@@ -192,9 +192,10 @@ class Trainer:
     def _collect_save(self, wait: bool, verify: bool = False) -> None:
         """Report a background save that has finished (or, with ``wait``, the one in flight once it has).
 
-        Collective while a save is in flight (:meth:`~hybrid.engine.Engine.poll_checkpoint`). A failed save raises its :class:`~hybrid.checkpoint.CheckpointError` (one line
-        naming the file; ``latest`` still names the previous checkpoint). ``verify``: re-read this rank's
-        files and check their sha256 against ``metadata.json`` first (at exit and at the end of training).
+        Collective while a save is in flight (:meth:`~hybrid.engine.Engine.poll_checkpoint`). A failed
+        save raises its :class:`~hybrid.checkpoint.CheckpointError` (one line naming the file; ``latest``
+        still names the previous checkpoint). ``verify``: re-read this rank's files and check their sha256
+        against ``metadata.json`` first (at exit and at the end of training).
         """
         with flag_context(f"--save {self.config.checkpoint.save}"):
             report = self.engine.wait_checkpoint() if wait else self.engine.poll_checkpoint()

@@ -33,6 +33,7 @@ from hybrid.checkpoint.atomic import AtomicHashedFile
 from hybrid.checkpoint.layout import SAVE_LOCK_FILE
 from hybrid.checkpoint.save import PhasedSave
 from hybrid.topology import Topology
+from tests.engine.test_engine_checkpoint import _train
 from tests.multiproc import ChildFailed, run_distributed
 
 
@@ -46,21 +47,9 @@ def _engine(stage=1, offload="none", chunk_mb=None, topology=None, width=32):
     if stage == 3:
         zero["persistence_threshold"] = 16
     config = {"zero": zero, "optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.1},
-              "micro_batch_size": 4, "gradient_accumulation_steps": 1,
+              "micro_batch_size": 4, "gradient_accumulation_steps": 2,  # as tests/engine's _train steps
               "checkpoint": {"async_save": True, "async_save_chunk_mb": chunk_mb}}
     return hybrid.initialize(_model(width), config, topology=topology or Topology(tp=1))
-
-
-def _train(engine, steps, seed):
-    g = torch.Generator().manual_seed(seed * 100 + engine.topology.rank)
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(4, 8, generator=g)
-        loss = (engine(x) - x.sum(1, keepdim=True)).pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
 
 
 def _weights(engine):
