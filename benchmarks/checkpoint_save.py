@@ -70,7 +70,7 @@ def _bench(layers: int, rounds: int, steps: int, root: str) -> dict:
     # One engine (host memory for one model): the mode is its checkpoint.async_save, switched between saves.
     engine = _engine(layers)
     _step(engine)
-    out = {"state_dict_s": [], "sync_s": [], "async_blocking_s": [], "async_write_s": [], "steps_idle_s": [], "steps_during_save_s": [],
+    out = {"state_dict_s": [], "sync_s": [], "async_blocking_s": [], "async_prepare_s": [], "async_copy_s": [], "async_write_s": [], "steps_idle_s": [], "steps_during_save_s": [],
            "checkpoint_bytes": None, "snapshot_bytes": None}
     for r in range(rounds):
         order = ("sync", "async") if r % 2 == 0 else ("async", "sync")
@@ -94,6 +94,8 @@ def _bench(layers: int, rounds: int, steps: int, root: str) -> dict:
                     out["steps_during_save_s"].append(_step(engine))
                 report = engine.wait_checkpoint()
                 out["async_write_s"].append(report.write_s)
+                out["async_prepare_s"].append(report.prepare_s)
+                out["async_copy_s"].append(report.copy_s)
                 out["checkpoint_bytes"], out["snapshot_bytes"] = report.nbytes, report.snapshot_bytes
             if int(os.environ["RANK"]) == 0:
                 shutil.rmtree(save_dir, ignore_errors=True)
@@ -143,6 +145,8 @@ def main() -> None:
           f"({summary['blocking_fraction']:.1%} of synchronous; goal <= 15%)")
     print(f"  first background save blocks       {first_async:8.2f} s  (allocates the host buffers)")
     print(f"  of which engine.state_dict()       {med['state_dict_s']:8.2f} s  (both modes collect the state)")
+    print(f"  of which preparing the directory   {med['async_prepare_s']:8.2f} s  (a gather: waits for every rank)")
+    print(f"  of which copying to host buffers   {med['async_copy_s']:8.2f} s")
     print(f"  background writer (to durable)     {med['async_write_s']:8.2f} s")
     print(f"  step time, no save in flight       {med['steps_idle_s']:8.3f} s")
     print(f"  step time, background save writing {med['steps_during_save_s']:8.3f} s")

@@ -88,7 +88,9 @@ class SaveReport:
     durable (``latest`` moves at the next collection after every rank's
     are); ``nbytes``: the size of the whole checkpoint (every rank's files,
     from its ``metadata.json``); ``snapshot_bytes``: this rank's host copy;
-    ``files``: the files this rank wrote.
+    ``files``: the files this rank wrote. ``prepare_s`` and ``copy_s``: the
+    parts of ``blocking_s`` spent preparing the directory (a gather: it
+    waits for the slowest rank) and copying the state.
     """
 
     iteration: int
@@ -98,6 +100,8 @@ class SaveReport:
     nbytes: int
     snapshot_bytes: int
     files: Tuple[str, ...]
+    prepare_s: float = 0.0
+    copy_s: float = 0.0
 
     def verify(self) -> None:
         """Re-read this rank's files and check them against ``metadata.json`` (size and sha256)."""
@@ -157,6 +161,7 @@ class BackgroundSaver:
         except BaseException:
             save.release()
             raise
+        prepared = time.perf_counter()
         parts = rank_parts(coord, model_state, optimizer_state, rank_state)
         live = self._live_parts(parts)
         to_write = dict(parts[:live])
@@ -167,7 +172,8 @@ class BackgroundSaver:
         self._snapshot.finish()
         self._save, self._gather = save, all_gather_object
         self._flight = {"iteration": iteration, "commit_args": self._snapshot.copy(commit_args),
-                        "snapshot_bytes": snapshot_bytes, "files": []}
+                        "snapshot_bytes": snapshot_bytes, "files": [], "prepare_s": prepared - start,
+                        "copy_s": time.perf_counter() - prepared}
         written = threading.Semaphore(0)
 
         def file_written(record: FileRecord) -> None:
@@ -270,7 +276,7 @@ class BackgroundSaver:
         finally:
             save.release()
         return SaveReport(flight["iteration"], path, flight["blocking_s"], flight["write_s"], checkpoint_bytes(path),
-                          flight["snapshot_bytes"], tuple(flight["files"]))
+                          flight["snapshot_bytes"], tuple(flight["files"]), flight["prepare_s"], flight["copy_s"])
 
     def _timeout_error(self) -> CheckpointError:
         latest = self._save.iter_dir.parent / LATEST_FILE

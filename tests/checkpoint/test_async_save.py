@@ -215,7 +215,10 @@ def _killed_in_background(save_dir: str, when: str):
     return np.zeros(1)
 
 
-@pytest.mark.parametrize("when", ["during the write", "between snapshot and write"])
+# The kill during the write runs the synchronous save's write code (PhasedSave.write), whose kill mid-shard
+# tests/checkpoint/test_distributed.py covers in the default run; here it is under -m slow.
+@pytest.mark.parametrize("when", [pytest.param("during the write", marks=pytest.mark.slow),
+                                  "between snapshot and write"])
 def test_a_rank_killed_in_a_background_save_leaves_latest_on_the_previous_checkpoint(tmp_path, when):
     with pytest.raises(ChildFailed, match=r"rank\(s\) \[1\] .*died with exit codes \[-9\]|rank 0 .*failed"):
         run_distributed(_killed_in_background, 2, str(tmp_path), when, timeout=120, collective_timeout_s=30)
