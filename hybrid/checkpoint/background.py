@@ -27,11 +27,12 @@ a thread overlaps it with training without a second copy of the state in
 shared memory or a second process to start (benchmarks/checkpoint_save.py
 reports the step times during a background save). The writer issues no
 collective: the phases that communicate run on the training thread between
-steps, over the training communicator. A writer with a process group of its
-own was tried and deadlocked here: on gloo (torch 2.13), a collective on a
-second group from a second thread hung against the training thread's
-collectives on 2 ranks, and NCCL forbids issuing from two threads on one
-communicator anyway. The price is that ``latest`` moves at the first step
+steps, over the training communicator. A writer with a gloo process group of
+its own was tried first: on 2 ranks (torch 2.13) its ``all_gather_object``
+and the training thread's all-reduces hung against each other in the
+engine's test (the cause was not found: two threads doing plain collectives
+on two groups did not hang), and two threads issuing collectives at once is
+fragile on NCCL besides. The price is that ``latest`` moves at the first step
 boundary after the last rank finished writing, not at that very moment, and
 one ``all_gather_object`` of a boolean per step while a save is in flight.
 
@@ -158,22 +159,22 @@ class BackgroundSaver:
         save = PhasedSave(save_dir, iteration, layout, coord, all_gather_object, keep_last)
         try:
             save.prepare()
+            prepared = time.perf_counter()
+            parts = rank_parts(coord, model_state, optimizer_state, rank_state)
+            live = self._live_parts(parts)
+            to_write = dict(parts[:live])
+            snapshot_bytes = 0
+            for name, value in parts[live:]:
+                to_write[name] = self._snapshot.copy(value, name)
+                snapshot_bytes += state_nbytes(value)
+            self._snapshot.finish()
+            frozen_args = self._snapshot.copy(commit_args)
         except BaseException:
-            save.release()
+            save.release()  # nothing was handed to a writer: the coordinator lets go of the lock
             raise
-        prepared = time.perf_counter()
-        parts = rank_parts(coord, model_state, optimizer_state, rank_state)
-        live = self._live_parts(parts)
-        to_write = dict(parts[:live])
-        snapshot_bytes = 0
-        for name, value in parts[live:]:
-            to_write[name] = self._snapshot.copy(value, name)
-            snapshot_bytes += state_nbytes(value)
-        self._snapshot.finish()
         self._save, self._gather = save, all_gather_object
-        self._flight = {"iteration": iteration, "commit_args": self._snapshot.copy(commit_args),
-                        "snapshot_bytes": snapshot_bytes, "files": [], "prepare_s": prepared - start,
-                        "copy_s": time.perf_counter() - prepared}
+        self._flight = {"iteration": iteration, "commit_args": frozen_args, "snapshot_bytes": snapshot_bytes,
+                        "files": [], "prepare_s": prepared - start, "copy_s": time.perf_counter() - prepared}
         written = threading.Semaphore(0)
 
         def file_written(record: FileRecord) -> None:
