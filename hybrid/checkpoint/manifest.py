@@ -191,6 +191,11 @@ def read_manifest(iter_dir: Path) -> Manifest:
     return manifest
 
 
+def checkpoint_bytes(iter_dir) -> int:
+    """The size of a complete checkpoint: every file its ``metadata.json`` lists (the manifest itself aside)."""
+    return sum(r.nbytes for r in read_manifest(Path(iter_dir)).files.values())
+
+
 def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 

@@ -7,12 +7,15 @@ failed (so no rank is left waiting on a peer that gave up). The one
 communication primitive needed is ``all_gather_object`` over the whole world
 (``topology.comm.all_gather_object``); it carries each rank's file digests to
 the coordinator and doubles as the barrier between the phases.
+:class:`PhasedSave` offers the phases one by one, for the background writer
+(:mod:`hybrid.checkpoint.background`), which writes on another thread but
+exchanges on the training thread.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, List, Mapping, Optional
+from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 from hybrid.checkpoint.errors import CheckpointError
 from hybrid.checkpoint.lock import SaveDirLock
@@ -64,67 +67,129 @@ def save_checkpoint(save_dir, iteration: int, layout: ParallelLayout, coord, *,
 
     Returns the new iteration directory.
     """
-    check_layout(layout)
-    _check_coord(layout, coord)
-    check_keep_last(keep_last)
-    writer = CheckpointWriter(save_dir, iteration, layout)
-    me = f"rank (tp={coord.tp}, dp={coord.dp}, pp={coord.pp})"
-    coordinator = (coord.tp, coord.dp, coord.pp) == (0, 0, 0)
+    save = PhasedSave(save_dir, iteration, layout, coord, all_gather_object, keep_last)
+    try:
+        save.prepare()
+        save.finish_writes(save.write(model_state, optimizer_state, rank_state))
+        return save.commit(consumed_samples=consumed_samples, model_config=model_config, param_index=param_index,
+                           trainer_state=trainer_state, healthy=healthy)
+    finally:
+        save.release()
 
-    def gather_and_check(outcome: dict, phase: str, own_error: Optional[BaseException]) -> list:
-        outcomes = all_gather_object(outcome)
-        if len(outcomes) != layout.world_size:
+
+class PhasedSave:
+    """The three phases of one rank's save, as separate calls (:func:`save_checkpoint` runs them in a row).
+
+    :meth:`prepare` and :meth:`commit` communicate (``all_gather_object``,
+    collective over the world) and must run on the thread that issues the
+    job's other collectives; :meth:`write` only writes this rank's files and
+    may run on any thread (the background writer's). :meth:`finish_writes`
+    hands the outcome of :meth:`write` to the exchange of digests. Call
+    :meth:`release` last, whatever happened (it lets go of the save
+    directory's lock the coordinator took in :meth:`prepare`).
+    """
+
+    def __init__(self, save_dir, iteration: int, layout: ParallelLayout, coord,
+                 all_gather_object: GatherFn = gather_single_process, keep_last: Optional[int] = None):
+        check_layout(layout)
+        _check_coord(layout, coord)
+        check_keep_last(keep_last)
+        self.writer = CheckpointWriter(save_dir, iteration, layout)
+        self.layout, self.coord, self.keep_last = layout, coord, keep_last
+        self._gather = all_gather_object
+        self._me = f"rank (tp={coord.tp}, dp={coord.dp}, pp={coord.pp})"
+        self.coordinator = (coord.tp, coord.dp, coord.pp) == (0, 0, 0)
+        self._lock = SaveDirLock(save_dir)  # taken by the coordinator in phase 1
+        self._outcomes: List[dict] = []
+
+    @property
+    def iter_dir(self) -> Path:
+        return self.writer.iter_dir
+
+    def _failed(self, e: BaseException) -> dict:
+        return {"error": f"{self._me}: {type(e).__name__}: {e}"}
+
+    def _gather_and_check(self, outcome: dict, phase: str, own_error: Optional[BaseException]) -> list:
+        outcomes = self._gather(outcome)
+        if len(outcomes) != self.layout.world_size:
             raise CheckpointError(
                 f"all_gather_object returned {len(outcomes)} entries but the layout has "
-                f"{layout.world_size} ranks; pass "
+                f"{self.layout.world_size} ranks; pass "
                 f"all_gather_object=topology.comm.all_gather_object (a gather over the whole world)")
         failures = [o["error"] for o in outcomes if o.get("error")]
         if failures:
-            raise CheckpointError(f"saving {writer.iter_dir} failed while {phase}: "
+            raise CheckpointError(f"saving {self.iter_dir} failed while {phase}: "
                                   + "; ".join(failures)) from own_error
         return outcomes
 
-    lock = SaveDirLock(save_dir)  # taken by the coordinator in phase 1
-    try:
-        # Phase 1: the coordinator takes the lock, clears leftovers and creates the directory.
+    def prepare(self) -> None:
+        """Phase 1 (collective): the coordinator takes the lock, clears leftovers and creates the directory."""
         outcome, error = {}, None
-        if coordinator:
+        if self.coordinator:
             try:
-                lock.acquire()
-                writer.prepare()
+                self._lock.acquire()
+                self.writer.prepare()
             except Exception as e:  # noqa: BLE001 - reported to every rank below
-                outcome, error = {"error": f"{me}: {type(e).__name__}: {e}"}, e
-        gather_and_check(outcome, "preparing the directory", error)
+                outcome, error = self._failed(e), e
+        self._gather_and_check(outcome, "preparing the directory", error)
 
-        # Phase 2: every rank writes its own files and reports their digests.
-        outcome, error = {}, None
+    def write(self, model_state=None, optimizer_state=None, rank_state=None,
+              file_written: Optional[Callable[[FileRecord], None]] = None) -> Tuple[dict, Optional[BaseException]]:
+        """Phase 2 (local): write this rank's files; returns the outcome for :meth:`finish_writes` and the error.
+
+        ``file_written`` is called with each file's record once it is durable.
+        Never raises for a failed write: every rank must learn of it in the exchange.
+        """
         try:
             records: List[FileRecord] = []
-            if coord.dp == 0 and model_state is not None:
-                records.append(writer.write_model_shard(model_state, coord.tp, coord.pp))
-            if optimizer_state is not None:
-                records.append(writer.write_optimizer_shard(optimizer_state, coord.tp, coord.dp, coord.pp))
-            if rank_state is not None:
-                records.append(writer.write_rank_state(rank_state, coord.tp, coord.dp, coord.pp))
-            outcome = {"records": [r.to_json() for r in records]}
+            for name, value in rank_parts(self.coord, model_state, optimizer_state, rank_state):
+                records.append(self._write_part(name, value))
+                if file_written is not None:
+                    file_written(records[-1])
+            return {"records": [r.to_json() for r in records]}, None
         except Exception as e:  # noqa: BLE001
-            outcome, error = {"error": f"{me}: {type(e).__name__}: {e}"}, e
-        outcomes = gather_and_check(outcome, "writing shards", error)
+            return self._failed(e), e
 
-        # Phase 3: the coordinator seals the checkpoint; everyone learns the result.
+    def _write_part(self, name: str, value: Any) -> FileRecord:
+        c, w = self.coord, self.writer
+        if name == "model_state":
+            return w.write_model_shard(value, c.tp, c.pp)
+        if name == "optimizer_state":
+            return w.write_optimizer_shard(value, c.tp, c.dp, c.pp)
+        return w.write_rank_state(value, c.tp, c.dp, c.pp)
+
+    def finish_writes(self, written: Tuple[dict, Optional[BaseException]]) -> None:
+        """Phase 2's exchange (collective): every rank's digests to every rank, or every rank's failure."""
+        self._outcomes = self._gather_and_check(written[0], "writing shards", written[1])
+
+    def commit(self, *, consumed_samples: int = 0, model_config: Optional[Mapping[str, Any]] = None,
+               param_index: Any = None, trainer_state: Optional[Mapping[str, Any]] = None,
+               healthy: bool = True) -> Path:
+        """Phase 3 (collective): the coordinator seals the checkpoint and moves ``latest``; everyone learns the
+        result. Returns the iteration directory."""
         outcome, error = {}, None
-        if coordinator:
+        if self.coordinator:
             try:
-                all_records = [FileRecord.from_json(r) for o in outcomes for r in o["records"]]
-                writer.commit(all_records, consumed_samples=consumed_samples, model_config=model_config,
-                              param_index=param_index, trainer_state=trainer_state, keep_last=keep_last,
-                              healthy=healthy)
+                all_records = [FileRecord.from_json(r) for o in self._outcomes for r in o["records"]]
+                self.writer.commit(all_records, consumed_samples=consumed_samples, model_config=model_config,
+                                   param_index=param_index, trainer_state=trainer_state,
+                                   keep_last=self.keep_last, healthy=healthy)
             except Exception as e:  # noqa: BLE001
-                outcome, error = {"error": f"{me}: {type(e).__name__}: {e}"}, e
-        gather_and_check(outcome, "writing metadata.json and latest", error)
-    finally:
-        lock.release()  # a no-op where not taken; a count down when the run holds the lock
-    return writer.iter_dir
+                outcome, error = self._failed(e), e
+        self._gather_and_check(outcome, "writing metadata.json and latest", error)
+        return self.iter_dir
+
+    def release(self) -> None:
+        self._lock.release()  # a no-op where not taken; a count down when the run holds the lock
+
+
+def rank_parts(coord, model_state, optimizer_state, rank_state) -> List[Tuple[str, Any]]:
+    """The parts of its state this rank writes, one file each, in the order it writes them, as
+    ``(argument name, value)``: its model shard (DP rank 0 only), its optimizer partition, its per-rank state
+    (each when given)."""
+    parts = [("model_state", model_state if coord.dp == 0 else None), ("optimizer_state", optimizer_state),
+             ("rank_state", rank_state)]
+    return [(name, value) for name, value in parts if value is not None]
 
 
 def _check_coord(layout: ParallelLayout, coord) -> None:

@@ -18,7 +18,8 @@ holds what the rest of the package derives from it:
 The engine (:func:`hybrid.initialize`) reads the engine keys; the trainer
 (``hybrid-train``) reads the tree as a whole, including the sections only it
 uses (``model``, ``data``, ``checkpoint``, ``run``, ``eval``, ``logging``,
-``distributed``), which the engine ignores.
+``distributed``), which the engine ignores (but ``checkpoint.async_save``
+and ``checkpoint.async_save_chunk_mb``, which its ``save_checkpoint`` reads).
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ class TensorBoardConfig:
 
 
 # ---- trainer sections -----------------------------------------------------------------------------
-# The engine ignores these; hybrid-train reads them. Choices of model settings
+# The engine ignores these (but checkpoint.async_save*); hybrid-train reads them. Choices of model settings
 # (position embedding types, norms) are model_zoo's and checked by its GPTConfig.
 
 @dataclasses.dataclass
@@ -315,7 +316,11 @@ class DataConfig:
 
 @dataclasses.dataclass
 class CheckpointConfig:
-    """Where checkpoints go and come from."""
+    """Where checkpoints go and come from, and how they are written.
+
+    The engine reads ``async_save`` and ``async_save_chunk_mb`` (for
+    :meth:`hybrid.engine.Engine.save_checkpoint`); the rest is the trainer's.
+    """
 
     save: Optional[str] = _field(None, flag="--save", help="directory to save checkpoints in")
     load: Optional[str] = _field(None, flag="--load", help="directory (its 'latest') or DIR/iter_N to resume from")
@@ -326,6 +331,16 @@ class CheckpointConfig:
     override_opt_param_scheduler: bool = _field(False, flag="--override-opt-param-scheduler",
                                                 help="on load, keep the configured LR schedule settings (e.g. a "
                                                      "longer run.train_iters) at the saved position")
+    async_save: bool = _field(False, flag="--async-save",
+                              help="save in the background: training waits only while each rank's state is copied "
+                                   "to host memory (one copy of it); a thread writes, fsyncs and checksums it, and "
+                                   "latest moves at the first step after every rank has written; at most one save "
+                                   "in flight. Also read by the engine's save_checkpoint")
+    async_save_chunk_mb: Optional[int] = _field(None, ge=1, flag="--async-save-chunk-mb",
+                                                help="with async_save: copy at most this many MiB per rank; the "
+                                                     "files (model shard, optimizer partition) that do not fit are "
+                                                     "written from the live state while training waits (unset: "
+                                                     "copy everything)")
 
 
 @dataclasses.dataclass

@@ -175,6 +175,9 @@ def _cross_key_rules(cfg: "HybridConfig") -> None:
         if value is not None and ckpt.save is None:
             raise error(f"config key 'checkpoint.{key}' needs 'checkpoint.save' (a directory to save in)",
                         f"checkpoint.{key}", "checkpoint.save")
+    if ckpt.async_save_chunk_mb is not None and not ckpt.async_save:
+        raise error("config key 'checkpoint.async_save_chunk_mb' bounds the host copy of a background save; it "
+                    "needs 'checkpoint.async_save'", "checkpoint.async_save_chunk_mb", "checkpoint.async_save")
 
 
 def _training_requirements(cfg: "HybridConfig") -> None:

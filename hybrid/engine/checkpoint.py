@@ -22,7 +22,7 @@ import dataclasses
 
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
-from hybrid.checkpoint import CheckpointError, CheckpointReader, save_checkpoint
+from hybrid.checkpoint import BackgroundSaver, CheckpointError, CheckpointReader, save_checkpoint
 
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.engine.engine import Engine
@@ -44,7 +44,7 @@ def _model_defaults(engine: "Engine") -> Dict[str, Any]:
 
 def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples: int = 0,
                 client_state: Optional[Mapping[str, Any]] = None, keep_last: Optional[int] = None,
-                healthy: bool = True):
+                healthy: bool = True, background: Optional[BackgroundSaver] = None):
     """Write ``save_dir/iter_{iteration:07d}`` from every rank; returns the directory.
 
     The engine's :meth:`~hybrid.engine.Engine.state_dict` is split over the
@@ -55,6 +55,11 @@ def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples:
     :func:`load_engine`). Collective over the whole world. ``healthy=False``
     marks a state saved while the run was not healthy (diverging): pruning by
     ``keep_last`` always keeps the newest healthy checkpoint besides.
+
+    With ``background`` (the engine's, when ``checkpoint.async_save`` is on)
+    the state is copied to host memory and written by its thread: the call
+    returns once the copy is taken, and the directory is complete when the
+    saver reports it (:meth:`~hybrid.checkpoint.BackgroundSaver.poll`).
     """
     state = engine.state_dict()
     optimizer_state = state["optimizer"]
@@ -63,12 +68,12 @@ def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples:
         # every stage indexes its own parameters: metadata.json keeps one index per stage, in stage order
         param_index = engine.topology.comm.all_gather_object(param_index, "pp")
     trainer_state = {"engine": state["progress"], "client": dict(client_state or {})}
-    return save_checkpoint(save_dir, iteration, engine.layout, engine.topology.coord,
-                           model_state=state["model"], optimizer_state=optimizer_state,
-                           rank_state=state["rng"], consumed_samples=consumed_samples,
-                           model_config=_model_config(engine), param_index=param_index,
-                           trainer_state=trainer_state, keep_last=keep_last, healthy=healthy,
-                           all_gather_object=engine.topology.comm.all_gather_object)
+    args = dict(model_state=state["model"], optimizer_state=optimizer_state, rank_state=state["rng"],
+                consumed_samples=consumed_samples, model_config=_model_config(engine), param_index=param_index,
+                trainer_state=trainer_state, keep_last=keep_last, healthy=healthy)
+    save = background.submit if background is not None else save_checkpoint
+    return save(save_dir, iteration, engine.layout, engine.topology.coord,
+                all_gather_object=engine.topology.comm.all_gather_object, **args)
 
 
 def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True,

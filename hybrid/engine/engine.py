@@ -18,11 +18,13 @@ non-finite gradients) and zeroes the gradients.
 from __future__ import annotations
 
 import contextlib
+import logging
 import dataclasses
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from hybrid.checkpoint.background import BackgroundSaver, SaveReport
 from hybrid.config.errors import ConfigError
 from hybrid.config.load import ConfigSource, load_config
 from hybrid.config.schema import HybridConfig
@@ -86,6 +88,7 @@ class Engine:
         self._logger = StepLogger(config, is_rank0=topology.rank == 0)
         self.pipeline = self._build_pipeline(model)
         self.last_pipeline_stats = None
+        self._saver: Optional[BackgroundSaver] = None  # made at the first save with checkpoint.async_save
 
     # ---- forward ----------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -305,16 +308,49 @@ class Engine:
         self.micro_steps = self.global_step * self.batch.gradient_accumulation_steps
 
     def save_checkpoint(self, directory, iteration: Optional[int] = None, *, consumed_samples: int = 0,
-                        client_state: Optional[dict] = None, keep_last: Optional[int] = None):
+                        client_state: Optional[dict] = None, keep_last: Optional[int] = None,
+                        healthy: bool = True):
         """Save the complete training state to ``directory/iter_{iteration:07d}`` (default: ``global_step``).
 
         Collective: every rank calls it. See :mod:`hybrid.engine.checkpoint`.
+        With ``checkpoint.async_save`` it returns once the state is copied to
+        host memory (after waiting for the previous save, whose failure it
+        raises); collect the result with :meth:`poll_checkpoint` (each step) or
+        :meth:`wait_checkpoint`, and :meth:`close` waits for it.
         """
         from hybrid.engine.checkpoint import save_engine
 
         step = self.global_step if iteration is None else iteration
         return save_engine(self, directory, step, consumed_samples=consumed_samples, client_state=client_state,
-                           keep_last=keep_last)
+                           keep_last=keep_last, healthy=healthy, background=self._background_saver())
+
+    def _background_saver(self) -> Optional[BackgroundSaver]:
+        ckpt = self.config.checkpoint
+        if not ckpt.async_save:
+            return None
+        if self._saver is None:
+            timeout = self.topology.comm.timeout
+            chunk = ckpt.async_save_chunk_mb << 20 if ckpt.async_save_chunk_mb is not None else None
+            self._saver = BackgroundSaver(timeout.total_seconds() if timeout else None, chunk)
+        return self._saver
+
+    def poll_checkpoint(self) -> Optional[SaveReport]:
+        """Commit and report the background save in flight once every rank has written it (once; None while
+        it is being written, or when none is in flight). Collective over the world while a save is in flight:
+        call it on every rank at the same points (the trainer does at each iteration). Raises
+        :class:`~hybrid.checkpoint.CheckpointError` naming the file when it failed; ``latest`` then still
+        names the previous checkpoint."""
+        return self._saver.poll() if self._saver is not None else None
+
+    def wait_checkpoint(self) -> Optional[SaveReport]:
+        """Wait (at most the job's collective timeout) for this rank's background writer, then commit and
+        report as :meth:`poll_checkpoint` (collective)."""
+        return self._saver.wait() if self._saver is not None else None
+
+    def abandon_checkpoint(self) -> None:
+        """Drop a background save in flight without committing it (no communication), for failing paths."""
+        if self._saver is not None:
+            self._saver.abandon()
 
     def load_checkpoint(self, directory, *, load_optimizer: bool = True) -> dict:
         """Load a checkpoint saved in any layout (TP, DP, ZeRO stage, precision) into this engine.
@@ -333,11 +369,19 @@ class Engine:
         return self.optimizer.gathered_parameters()
 
     def close(self) -> None:
-        """Flush and close the TensorBoard writer and detach the optimizer's gradient hooks.
+        """Commit a background save in flight (collective then), flush and close the TensorBoard writer and
+        detach the optimizer's gradient hooks.
 
         The hooks hold the optimizer's buffers alive through a reference cycle, so an engine that is
-        dropped without ``close()`` keeps its memory until the cycle collector runs.
+        dropped without ``close()`` keeps its memory until the cycle collector runs. A background save
+        that fails here is logged, not raised (close runs in ``finally`` blocks); on a path that is
+        failing, call :meth:`abandon_checkpoint` first.
         """
+        if self._saver is not None:
+            try:
+                self._saver.wait()
+            except Exception as e:  # noqa: BLE001 - logged: close must not replace an earlier error
+                logging.getLogger(__name__).error("%s", e)
         self._logger.close()
         self.optimizer.remove_hooks()
 

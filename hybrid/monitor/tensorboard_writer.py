@@ -17,7 +17,14 @@ The tag set is fixed (dashboards and tests rely on it):
 ``memory/peak_bytes``      CUDA peak allocated, or peak RSS on CPU
 ``valid/lm_loss``          validation loss
 ``valid/ppl``              validation perplexity
+``checkpoint/blocking_s``  seconds training waited for the save (all of a
+                           synchronous one; a background one's host copy)
+``checkpoint/write_s``     seconds from the start of writing to ``latest``
+``checkpoint/bytes``       size of the whole checkpoint (every rank's files)
 =========================  ============================================
+
+The checkpoint tags are written at the iteration that was saved, once the
+save is complete (a background save: when the trainer collects it).
 
 plus the hyperparameters as a markdown table under the text tag
 ``hyperparameters``. A scalar whose value is unknown (no peak for MFU, no
@@ -38,6 +45,7 @@ TRAIN_TAGS = (
     "train/batch_size", "memory/allocated_bytes", "memory/peak_bytes",
 )
 VALID_TAGS = ("valid/lm_loss", "valid/ppl")
+CHECKPOINT_TAGS = ("checkpoint/blocking_s", "checkpoint/write_s", "checkpoint/bytes")
 HPARAMS_TAG = "hyperparameters"
 
 
@@ -89,6 +97,10 @@ class TensorBoardWriter:
     def write_validation(self, iteration: int, lm_loss: float) -> None:
         self._scalar("valid/lm_loss", lm_loss, iteration)
         self._scalar("valid/ppl", perplexity(lm_loss), iteration)
+
+    def write_checkpoint(self, iteration: int, blocking_s: float, write_s: float, nbytes: int) -> None:
+        for tag, value in zip(CHECKPOINT_TAGS, (blocking_s, write_s, float(nbytes))):
+            self._scalar(tag, value, iteration)
 
     def write_hparams(self, hparams: Mapping[str, Any], step: int = 0) -> None:
         self._writer.add_text(HPARAMS_TAG, hparams_markdown(hparams), global_step=step)

@@ -102,6 +102,11 @@ class TrainingMonitor:
             self._tb.write_validation(iteration, lm_loss)
         return line
 
+    def record_checkpoint(self, iteration: int, blocking_s: float, write_s: float, nbytes: int) -> None:
+        """Report a complete checkpoint of ``iteration`` to TensorBoard (the trainer prints its own line)."""
+        if self._tb is not None:
+            self._tb.write_checkpoint(iteration, blocking_s, write_s, nbytes)
+
     def flush(self) -> None:
         if self._tb is not None:
             self._tb.flush()

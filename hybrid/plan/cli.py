@@ -13,7 +13,7 @@ from hybrid.plan.cluster import Cluster, ClusterError, parse_size
 from hybrid.plan.layouts import RECOMPUTES, Choices, enumerate_layouts, plan, refused_placements, refused_stages
 from hybrid.plan.model_memory import OPTIMIZER_STATES
 from hybrid.plan.report import LEGEND, format_table, summary, to_json
-from hybrid.plan.setup import TrainingSetup, zero_field
+from hybrid.plan.setup import TrainingSetup, checkpoint_field, zero_field
 from model_zoo.config import GPTConfig
 from model_zoo.flops import count_parameters
 from model_zoo.presets import get_preset, list_presets
@@ -97,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     ly.add_argument("--micro-batch", type=int, nargs="+", help="micro batch sizes")
     ly.add_argument("--max-micro-batch", type=int, default=16)
     ly.add_argument("--sequence-parallel", action="store_true", help="use sequence parallelism when tp > 1")
+    ck = ap.add_argument_group("checkpoints")
+    for key in ("async_save", "async_save_chunk_mb"):
+        field = checkpoint_field(key)
+        text = f"checkpoint.{key}: {field.metadata['help']} (planner: counted in host memory)"
+        if isinstance(field.default, bool):
+            ck.add_argument(field.metadata["flag"], action="store_true", help=text)
+        else:
+            ck.add_argument(field.metadata["flag"], type=int, metavar="MIB", default=None, help=text)
     out = ap.add_argument_group("output")
     out.add_argument("--top", type=int, default=15, help="rows of the table")
     out.add_argument("--json", action="store_true", help="print every layout as JSON instead of the table")
@@ -185,6 +193,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                               stage3_live_parameters=args.stage3_live_parameters,
                               stage3_prefetch=args.stage3_prefetch,
                               stage3_persistence_threshold=args.stage3_persistence_threshold,
+                              async_save=args.async_save, async_save_chunk_mb=args.async_save_chunk_mb,
                               fragmentation=args.fragmentation,
                               profile=PROFILES[args.device])
         choices = Choices(tp=args.tp, stages=args.zero_stage, offloads=args.offload, recomputes=args.recompute,

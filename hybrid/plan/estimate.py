@@ -62,11 +62,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Union
 
+from hybrid.layout import partition_count
 from hybrid.plan.activations import DTYPE_BYTES, ActivationBytes, activation_bytes
 from hybrid.plan.candidate import Candidate
 from hybrid.plan.compressed import FP32, chunk, gather_buffers, reduction_buffers
-from hybrid.plan.model_memory import (FlatLayout, Stage3Layout, StateBytes, flat_layout, shard_shapes, stage3_layout,
-                                      stage3_state_bytes, state_bytes)
+from hybrid.plan.model_memory import (FlatLayout, Stage3Layout, StateBytes, flat_layout, shard_shapes, snapshot_bytes,
+                                      stage3_layout, stage3_state_bytes, state_bytes)
 from hybrid.plan.setup import TrainingSetup
 from hybrid.plan.zero_collectives import gathers_after_step, reduces_by_scatter, reduces_every_micro_batch
 from hybrid.zero.buckets import STAGING_BUFFERS_BEFORE_WAIT
@@ -87,6 +88,7 @@ class MemoryEstimate:
     step_peak: int
     fragmentation: int
     untracked: int = 0  # bytes the communication library holds outside tensors, beyond the tensor peak
+    snapshot: int = 0  # host bytes of a background checkpoint save's copy (TrainingSetup.async_save)
 
     @property
     def weights(self) -> int:
@@ -129,7 +131,8 @@ class MemoryEstimate:
 
     @property
     def host(self) -> int:
-        return self.state.host_total
+        """Host bytes of one rank: offloaded state, and a background checkpoint save's copy of its state."""
+        return self.state.host_total + self.snapshot
 
     @property
     def transient(self) -> int:
@@ -345,4 +348,18 @@ def estimate_memory(config: GPTConfig, candidate: Candidate, setup: TrainingSetu
         peak = max(forward, backward, step)
         untracked = max([0] + [tensors + copies - peak for tensors, copies in moments])
     return MemoryEstimate(candidate, state, act, peak_comm, forward, backward, step,
-                          int(setup.fragmentation * transient), untracked)
+                          int(setup.fragmentation * transient), untracked, _snapshot(config, candidate, setup))
+
+
+def _snapshot(config: GPTConfig, candidate: Candidate, setup: TrainingSetup) -> int:
+    """A background checkpoint save's host copy on DP rank 0 (0 when saves are synchronous)."""
+    if not setup.async_save:
+        return 0
+    layout = zero_layout(config, candidate, setup)
+    if isinstance(layout, Stage3Layout):
+        model, partition = sum(layout.units) + layout.persistent, layout.partition_numel
+    else:
+        model, partition = layout.unpadded, layout.numel // partition_count(candidate.zero_stage, layout.dp)
+    chunk = setup.async_save_chunk_mb << 20 if setup.async_save_chunk_mb is not None else None
+    return snapshot_bytes(model, layout.element_bytes, partition, optimizer=setup.optimizer,
+                          momentum=setup.momentum, chunk_bytes=chunk)

@@ -34,7 +34,7 @@ import dataclasses
 import functools
 import json
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -328,6 +328,18 @@ def state_bytes(layout: FlatLayout, stage: int, *, precision: str, offload: str 
     # Host twins of the reduced gradient chunks and of the low-precision weight chunks the CPU step writes.
     return StateBytes(weights, grads, staging, 0, 0, 0, host_master=master, host_optimizer_states=states,
                       host_grads=2 * pb * part)
+
+
+def snapshot_bytes(model_numel: int, element_bytes: int, partition_numel: int, *, optimizer: str = "adamw",
+                   momentum: bool = False, chunk_bytes: Optional[int] = None) -> int:
+    """Host bytes of a background checkpoint save's copy (``checkpoint.async_save``) on DP rank 0, the rank
+    that copies the most: the model shard it writes (``model_numel`` elements of ``element_bytes``), its fp32
+    master partition and its optimizer state (``partition_numel`` elements each; what the optimizer file
+    holds), bounded by ``chunk_bytes`` (``checkpoint.async_save_chunk_mb``) when set.
+    """
+    n_states = OPTIMIZER_STATES[optimizer] if optimizer != "sgd" else (1 if momentum else 0)
+    total = element_bytes * model_numel + 4 * partition_numel * (1 + n_states)
+    return total if chunk_bytes is None else min(total, chunk_bytes)
 
 
 def onebit_bytes(layout: FlatLayout, block: int) -> int:

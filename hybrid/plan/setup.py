@@ -12,7 +12,7 @@ from typing import Optional
 
 from hybrid.compression import (ONE_BIT_OPTIMIZERS, ONEBIT_ADAM, ONEBIT_BITS, Quantization, compression_problem,
                                 gradient_quantization, hpz_problem, onebit_problem, weight_quantization)
-from hybrid.config import ZeroConfig
+from hybrid.config import CheckpointConfig, ZeroConfig
 from hybrid.plan.activations import CUDA, DeviceProfile
 
 DEFAULT_FRAGMENTATION = 0.10
@@ -21,10 +21,19 @@ DEFAULT_FRAGMENTATION = 0.10
 def zero_field(key: str) -> dataclasses.Field:
     """The field of ``zero.<key>`` in the training configuration (its default, and its ``help`` and
     ``choices`` in ``metadata``)."""
-    for field in dataclasses.fields(ZeroConfig):
+    return _field_of(ZeroConfig, key)
+
+
+def checkpoint_field(key: str) -> dataclasses.Field:
+    """The field of ``checkpoint.<key>`` in the training configuration (its ``flag`` and ``help``)."""
+    return _field_of(CheckpointConfig, key)
+
+
+def _field_of(section, key: str) -> dataclasses.Field:
+    for field in dataclasses.fields(section):
         if field.name == key:
             return field
-    raise KeyError(f"ZeroConfig has no field {key!r}")
+    raise KeyError(f"{section.__name__} has no field {key!r}")
 
 
 def zero_default(key: str):
@@ -50,6 +59,8 @@ class TrainingSetup:
     quantization_block: int = zero_default("quantization_block")  # zero.quantization_block: elements per scale
     two_level_reduce: bool = zero_default("two_level_reduce")  # zero.two_level_reduce: inside nodes, then across
     hpz_partition_size: int = zero_default("hpz_partition_size")  # zero.hpz_partition_size: stage 3's hpZ (1: off)
+    async_save: bool = False  # checkpoint.async_save: a background save's host copy counts in host memory
+    async_save_chunk_mb: Optional[int] = None  # checkpoint.async_save_chunk_mb: bounds that copy
     fragmentation: float = DEFAULT_FRAGMENTATION
     profile: DeviceProfile = CUDA
 

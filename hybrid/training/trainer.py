@@ -22,13 +22,13 @@ from typing import Optional, Sequence
 import torch
 
 import hybrid
-from hybrid.checkpoint import CheckpointError, find_resume_point, lock_save_dir
+from hybrid.checkpoint import CheckpointError, checkpoint_bytes, find_resume_point, lock_save_dir
 from hybrid.config import HybridConfig
 from hybrid.config.parse import to_dotted
 from hybrid.data import GlobalBatchSampler, iter_global_batches
 from hybrid.distributed import destroy_distributed
 from hybrid.engine.builders import no_weight_decay_rule
-from hybrid.engine.checkpoint import load_engine, save_engine
+from hybrid.engine.checkpoint import load_engine
 from hybrid.monitor import IterationMetrics, TrainingMonitor, resolve_peak_flops
 from hybrid.pipeline.split import split_from_config
 from hybrid.topology import Topology
@@ -167,18 +167,48 @@ class Trainer:
 
         A save during a run of skipped steps is marked unhealthy, so that
         ``--keep-last`` keeps the newest healthy checkpoint to resume from.
+        With ``--async-save`` it first waits for the save in flight (reporting
+        it), then returns once this rank's state is copied to host memory; the
+        save is reported when a later iteration collects it (:meth:`_collect_save`).
         """
         ckpt = self.config.checkpoint
         if not self.engine.optimizer.weights_finite():
             self.monitor.flush_interval()
             raise TrainingDiverged(non_finite_weights_message(self.iteration, ckpt.save))
+        self._collect_save(wait=True)
+        start = time.perf_counter()
         with flag_context(f"--save {ckpt.save}"):
-            path = save_engine(self.engine, ckpt.save, self.iteration, consumed_samples=self.consumed_samples,
-                               client_state={"args": self.saved_settings()}, keep_last=ckpt.keep_last,
-                               healthy=self.guard.healthy)
+            path = self.engine.save_checkpoint(ckpt.save, self.iteration, consumed_samples=self.consumed_samples,
+                                               client_state={"args": self.saved_settings()},
+                                               keep_last=ckpt.keep_last, healthy=self.guard.healthy)
+        elapsed = time.perf_counter() - start
         note = "" if self.guard.healthy else (f" (marked unhealthy: {self.guard.consecutive} consecutive skipped "
                                               f"step(s) before it)")
+        if ckpt.async_save:
+            _log(self.topology, f"saving checkpoint {path} in the background{note} (training blocked "
+                                f"{elapsed:.2f} s)")
+            return
+        self.monitor.record_checkpoint(self.iteration, elapsed, elapsed, checkpoint_bytes(path))
         _log(self.topology, f"saved checkpoint {path}{note}")
+
+    def _collect_save(self, wait: bool, verify: bool = False) -> None:
+        """Report a background save that has finished (or, with ``wait``, the one in flight once it has).
+
+        Collective while a save is in flight (:meth:`~hybrid.engine.Engine.poll_checkpoint`). A failed
+        save raises its :class:`~hybrid.checkpoint.CheckpointError` (one line naming the file; ``latest``
+        still names the previous checkpoint). ``verify``: re-read this rank's files and check their sha256
+        against ``metadata.json`` first (at exit and at the end of training).
+        """
+        with flag_context(f"--save {self.config.checkpoint.save}"):
+            report = self.engine.wait_checkpoint() if wait else self.engine.poll_checkpoint()
+            if report is None:
+                return
+            if verify:
+                report.verify()
+        self.monitor.record_checkpoint(report.iteration, report.blocking_s, report.write_s, report.nbytes)
+        _log(self.topology, f"saved checkpoint {report.path} in the background ({report.nbytes / 2**20:.1f} MiB "
+                            f"in {report.write_s:.1f} s; training blocked {report.blocking_s:.2f} s"
+                            f"{', verified' if verify else ''})")
 
     # ---- one iteration ----------------------------------------------------------------------------
     def _model_inputs(self, micro_batches) -> list:
@@ -228,6 +258,7 @@ class Trainer:
         batches = iter_global_batches(self.data.train, sampler)
         try:
             while self.iteration < train_iters:
+                self._collect_save(wait=False)
                 start = time.perf_counter()
                 skipped_before = self.engine.skipped_steps
                 self.guard.before_step()
@@ -256,6 +287,8 @@ class Trainer:
                     or (save_interval and self.iteration % save_interval == 0)
                     or self.iteration == train_iters)
                 if saving:
+                    if reason is not None:
+                        self._collect_save(wait=True, verify=True)  # the save in flight, before the final one
                     self.save()
                 if reason is not None:
                     self.monitor.flush_interval()
@@ -264,9 +297,11 @@ class Trainer:
             else:
                 if eval_interval and self.iteration % eval_interval != 0:
                     self._report_validation()
+            self._collect_save(wait=True, verify=True)
             self._report_inter_node_traffic()
             self._report_profile()
         except BaseException:
+            self.engine.abandon_checkpoint()  # no commit on a failing path: latest stays on the previous one
             self._abandon_collectives()
             raise
         finally:

@@ -4,7 +4,7 @@ import re
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from hybrid.monitor import (HPARAMS_TAG, TRAIN_TAGS, VALID_TAGS, IterationMetrics, MemoryStats,
+from hybrid.monitor import (CHECKPOINT_TAGS, HPARAMS_TAG, TRAIN_TAGS, VALID_TAGS, IterationMetrics, MemoryStats,
                             PeakFlops, TrainingMonitor)
 
 SEQ, WORLD, BATCH, FLOPS_PER_TOKEN, PEAK = 64, 4, 8, 3.0e9, 2.0
@@ -143,3 +143,21 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="log_interval"):
         TrainingMonitor(train_iters=10, log_interval=0, is_logging_rank=True, seq_length=8,
                         world_size=1)
+
+
+def test_checkpoint_scalars_at_the_saved_iterations(tmp_path):
+    with TrainingMonitor(train_iters=10, log_interval=5, is_logging_rank=True, seq_length=SEQ, world_size=WORLD,
+                         tensorboard_dir=str(tmp_path / "tb"), print_fn=lambda line: None,
+                         memory_fn=lambda device: MEMORY) as mon:
+        mon.record_checkpoint(4, 0.25, 3.5, 123456)
+        mon.record_checkpoint(8, 0.5, 4.0, 654321)
+    acc = _events(tmp_path)
+    assert set(acc.Tags()["scalars"]) == set(CHECKPOINT_TAGS)
+    values = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in CHECKPOINT_TAGS}
+    assert values == {"checkpoint/blocking_s": [(4, 0.25), (8, 0.5)], "checkpoint/write_s": [(4, 3.5), (8, 4.0)],
+                      "checkpoint/bytes": [(4, 123456.0), (8, 654321.0)]}
+    silent = TrainingMonitor(train_iters=10, log_interval=5, is_logging_rank=False, seq_length=SEQ, world_size=WORLD,
+                             tensorboard_dir=str(tmp_path / "quiet"))
+    silent.record_checkpoint(4, 0.25, 3.5, 1)  # other ranks write nothing
+    silent.close()
+    assert not (tmp_path / "quiet").exists()

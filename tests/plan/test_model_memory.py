@@ -104,3 +104,36 @@ def test_stage3_gradient_flow_replays_the_reducer():
     # The live limit caps what is gathered with the unit.
     capped = stage3_gradient_flow([20] * 10, 7, bucket_size=1, dp=4, prefetch=40, live=30)
     assert capped.worst == deep.worst - 30
+
+
+@pytest.mark.parametrize("stage,dp", [(1, 1), (1, 4), (3, 4)])
+def test_a_background_save_counts_one_host_copy_of_the_ranks_state(stage, dp):
+    """``checkpoint.async_save``: host memory grows by what DP rank 0 copies (its model shard, master and
+    moments), which is what the snapshot of a real engine holds at dp=1; ``async_save_chunk_mb`` bounds it."""
+    import hybrid
+    from hybrid.checkpoint.save import rank_parts
+    from hybrid.checkpoint.snapshot import state_nbytes
+    from hybrid.layout import ParallelLayout
+    from hybrid.plan.candidate import Candidate
+    from hybrid.plan.estimate import estimate_memory
+    from hybrid.plan.setup import TrainingSetup
+    from hybrid.topology import Coord
+
+    config = get_preset("tiny", num_layers=2)
+    candidate = Candidate(ParallelLayout(tp=1, dp=dp, zero_stage=stage, precision="fp32"), micro_batch=1)
+    sync = estimate_memory(config, candidate, TrainingSetup())
+    background = estimate_memory(config, candidate, TrainingSetup(async_save=True))
+    assert sync.snapshot == 0 and background.host == sync.host + background.snapshot
+    # DP rank 0's copy: the whole model shard in the training precision, the fp32 partition three times.
+    numel = sum(s.numel for s in shard_shapes(config, 1))
+    assert 4 * numel + 12 * numel / dp <= background.snapshot <= (4 * numel + 12 * numel / dp) * 1.01
+    bounded = estimate_memory(config, candidate, TrainingSetup(async_save=True, async_save_chunk_mb=1))
+    assert bounded.snapshot == min(background.snapshot, 1 << 20)
+    if dp == 1 and stage == 1:  # what the engine's save actually copies
+        engine = hybrid.initialize(GPTModel(config, Topology.local()), {"zero": {"stage": 1}, "micro_batch_size": 1},
+                                   topology=Topology.local())
+        state = engine.state_dict()
+        copied = sum(state_nbytes(v) for _, v in rank_parts(Coord(0, 0, 0), state["model"], state["optimizer"],
+                                                            state["rng"]))
+        assert background.snapshot <= copied <= background.snapshot + 64 * 1024  # + the RNG states and counters
+        engine.close()

@@ -36,7 +36,15 @@ def _straight_then_resumed(save_dir, zero_stage, k, extra=()):
 QUANTIZED = ("--zero-quantized-gradients", "int4", "--zero-quantized-weights", "int8")
 
 
-@pytest.mark.parametrize("zero_stage,extra", [(1, ()), (2, ()), (2, QUANTIZED)], ids=["z1", "z2", "z2-quantized"])
+# Saving synchronously and in the background (--async-save) both resume exactly; each layout runs with one of
+# them in the default run (the process start-up dominates), the other under -m slow.
+ASYNC = ("--async-save",)
+
+
+@pytest.mark.parametrize("zero_stage,extra", [
+    pytest.param(1, (), id="z1"), pytest.param(2, ASYNC, id="z2-async"), pytest.param(2, QUANTIZED, id="z2-quantized"),
+    pytest.param(1, ASYNC, id="z1-async", marks=pytest.mark.slow), pytest.param(2, (), id="z2", marks=pytest.mark.slow),
+    pytest.param(2, QUANTIZED + ASYNC, id="z2-quantized-async", marks=pytest.mark.slow)])
 def test_resume_is_bit_identical(tmp_path, zero_stage, extra):
     k = 3
     results = run_distributed(_straight_then_resumed, 4, str(tmp_path / "ckpt"), zero_stage, k, extra,

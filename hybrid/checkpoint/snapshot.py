@@ -1,0 +1,111 @@
+"""A copy of one rank's state in host memory, taken while training waits, written while it goes on.
+
+:class:`HostSnapshot` copies a nested state (dicts, lists and tuples of
+tensors, numbers and strings, as the engine's ``state_dict`` parts are) so
+that the next optimizer step cannot change what a background writer is
+writing. Every tensor is copied into a host buffer that the snapshot keeps
+and reuses at the next save while the tensor keeps its shape and dtype:
+
+* on the CPU, ordinary memory. Reuse matters there too: copying into warm
+  pages is 3-4x faster than a fresh ``clone``, which pays a page fault per
+  4 KiB (measured: 1 GiB in 0.36-0.97 s against 1.3-2.1 s, one thread of
+  this 2-core machine), and the blocking phase of a save is this copy;
+* on CUDA, page-locked ("pinned") memory, so that the device-to-host copies
+  run at full PCIe speed and can be issued non-blocking; they are waited for
+  once, at the end, on the current stream (:meth:`HostSnapshot.finish`).
+  (This path is written for GPUs; the project's tests run the CPU path only.)
+
+The buffers are one copy of the rank's state, held from the first
+background save on (what the planner counts, ``hybrid-plan --async-save``).
+
+A :class:`~hybrid.checkpoint.safetensors_stream.TensorSource` is produced at
+snapshot time: it reads the live state. Containers are rebuilt and other
+leaves kept when immutable, deep-copied otherwise, so the copy shares no
+mutable object with the live state.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Tuple
+
+import torch
+
+from hybrid.checkpoint.safetensors_stream import TensorSource
+
+_IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.Size, torch.device)
+
+
+def state_nbytes(value: Any) -> int:
+    """Bytes of every tensor in a nested state (what one host copy of it costs)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, TensorSource):
+        numel = 1
+        for n in value.shape:
+            numel *= n
+        return numel * torch.empty((), dtype=value.dtype).element_size()
+    if isinstance(value, dict):
+        return sum(state_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(state_nbytes(v) for v in value)
+    return 0
+
+
+class HostSnapshot:
+    """Host copies of nested states, into buffers it keeps between saves (pinned ones for CUDA tensors).
+
+    One snapshot serves one save at a time: the buffers of a save are reused
+    by the next, so the caller must not snapshot again before the previous
+    copy was written (the background writer allows one save in flight).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: Dict[str, torch.Tensor] = {}  # path in the state -> reusable host buffer
+        self._pending_cuda = False
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Host bytes kept for reuse."""
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+
+    def copy(self, value: Any, path: str = "") -> Any:
+        """A copy of ``value`` that shares no tensor storage or mutable object with it.
+
+        CUDA copies may still be in flight when this returns: call :meth:`finish` before reading them.
+        """
+        if isinstance(value, TensorSource):
+            value = value.produce()
+        if isinstance(value, torch.Tensor):
+            return self._copy_tensor(value.detach(), path)
+        if isinstance(value, dict):
+            items = [(k, self.copy(v, f"{path}/{k}")) for k, v in value.items()]
+            out = type(value).__new__(type(value))  # keeps OrderedDict and other dict subclasses
+            out.update(items)
+            return out
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+            return type(value)(*(self.copy(v, f"{path}/{i}") for i, v in enumerate(value)))
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.copy(v, f"{path}/{i}") for i, v in enumerate(value))
+        if isinstance(value, _IMMUTABLE):
+            return value
+        return copy.deepcopy(value)
+
+    def finish(self) -> None:
+        """Wait for the CUDA copies issued by :meth:`copy` (a no-op on CPU)."""
+        if self._pending_cuda:
+            torch.cuda.current_stream().synchronize()
+            self._pending_cuda = False
+
+    def _copy_tensor(self, tensor: torch.Tensor, path: str) -> torch.Tensor:
+        cuda = tensor.device.type == "cuda"
+        buffer = self._buffer(path, tuple(tensor.shape), tensor.dtype, pinned=cuda)
+        buffer.copy_(tensor, non_blocking=cuda)
+        self._pending_cuda |= cuda
+        return buffer
+
+    def _buffer(self, path: str, shape: Tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        buffer = self._buffers.get(path)
+        if buffer is None or tuple(buffer.shape) != shape or buffer.dtype != dtype or buffer.is_pinned() != pinned:
+            buffer = self._buffers[path] = torch.empty(shape, dtype=dtype, pin_memory=pinned)
+        return buffer
