@@ -30,9 +30,9 @@ def gpt_config(num_layers: int, tie: bool = True, sequence_parallel: bool = Fals
 
 
 def engine_config(stage: int, micro: int, schedule: str = "1f1b", per_virtual=None, optimizer="adamw",
-                  offload: str = "none", precision: str = "fp32") -> dict:
+                  offload: str = "none", precision: str = "fp32", async_save: bool = False) -> dict:
     extra = {"freeze_step": 3} if optimizer == "onebit_adam" else {}
-    return {"precision": precision, "optimizer": {"type": optimizer, "lr": LR, "weight_decay": WD, "eps": EPS, **extra}, "clip_grad": CLIP,
+    return {"checkpoint": {"async_save": async_save}, "precision": precision, "optimizer": {"type": optimizer, "lr": LR, "weight_decay": WD, "eps": EPS, **extra}, "clip_grad": CLIP,
             "zero": {"stage": stage, "bucket_size": BUCKET, "offload_optimizer": offload}, "micro_batch_size": micro,
             "global_batch_size": GLOBAL, "steps_per_print": 0,
             "pipeline": {"schedule": schedule, "layers_per_virtual_stage": per_virtual}}
@@ -67,7 +67,8 @@ def _build(case: dict):
     cfg = gpt_config(case["layers"], case.get("tie", True), case.get("sp", False))
     config = HybridConfig.from_dict(engine_config(case["stage"], case["micro"], case.get("schedule", "1f1b"),
                                                   case.get("per_virtual"), case.get("optimizer", "adamw"),
-                                                  case.get("offload", "none"), case.get("precision", "fp32")))
+                                                  case.get("offload", "none"), case.get("precision", "fp32"),
+                                                  case.get("async_save", False)))
     model = GPTModel(cfg, topo, split=split_from_config(config.pipeline, cfg.num_layers, topo.pp_size))
     return topo, cfg, model, hybrid.initialize(model, config, topology=topo)
 
@@ -83,6 +84,7 @@ def _steps(engine, topo, cfg, micro: int, steps):
         losses.append(engine.train_batch([{"input_ids": x[i:i + micro], "labels": y[i:i + micro]}
                                           for i in range(0, share, micro)])[1])
         norms.append(engine.get_grad_norm())
+        engine.poll_checkpoint()  # commits a background save once every rank has written it
     return losses, norms
 
 
@@ -103,8 +105,9 @@ def checkpoint_chain(source: dict, targets: list, directory: str, offline: str, 
 
     topo, cfg, model, engine = _build(source)
     _steps(engine, topo, cfg, source["micro"], range(saved_at))
-    engine.save_checkpoint(directory)
+    engine.save_checkpoint(directory)  # in the background when the source says async_save
     losses, _ = _steps(engine, topo, cfg, source["micro"], range(saved_at, steps))
+    engine.wait_checkpoint()
     out = {"straight": {"params": _whole_params(model, topo), "losses": losses, "local": _local(model)}}
     engine.close()
     topo.close()

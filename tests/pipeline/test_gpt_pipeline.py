@@ -115,14 +115,15 @@ def test_1f1b_first_stage_holds_at_most_pp_micro_batches(results):
 
 
 def test_pipeline_checkpoints_resume_exactly_and_load_into_other_layouts(tmp_path):
-    # PP2 x TP2 ZeRO-1 (tied embeddings) saves at step 3. The same layout resumes bit for bit; PP1 x DP4 ZeRO-2,
+    # PP2 x TP2 ZeRO-1 (tied embeddings) saves at step 3, in the background while it trains on. The same layout
+    # (saving synchronously) resumes bit for bit; PP1 x DP4 ZeRO-2,
     # PP4 and the offline tool's PP1 x DP4 rewrite continue like the run that never stopped, within 1e-5 (the
     # parity bound: the layouts differ in summation order only).
     from hybrid.convert.fp32 import export_fp32
 
     directory, offline = str(tmp_path / "ckpt"), str(tmp_path / "offline")
-    source = dict(tp=2, pp=2, stage=1, micro=2, layers=4)
-    targets = [dict(source, where="saved"), dict(tp=1, pp=1, stage=2, micro=2, layers=4, where="saved"),
+    source = dict(tp=2, pp=2, stage=1, micro=2, layers=4, async_save=True)
+    targets = [dict(source, where="saved", async_save=False), dict(tp=1, pp=1, stage=2, micro=2, layers=4, where="saved"),
                dict(tp=1, pp=4, stage=0, micro=4, layers=4, where="saved"),
                dict(tp=1, pp=1, stage=1, micro=2, layers=4, where="offline")]
     per_rank = run_distributed(gp.checkpoint_chain, 4, source, targets, directory, offline, 3, 6, timeout=400)
