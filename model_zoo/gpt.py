@@ -43,6 +43,7 @@ from hybrid.tensor_parallel.mappings import copy_to_tp_region, gather_from_tp_re
 from hybrid.pipeline.split import StageSplit, split_layers
 from hybrid.tensor_parallel.random import RNGTracker, checkpoint
 from model_zoo.config import GPTConfig
+from model_zoo.qkv_layout import qkv_layout
 from model_zoo.transformer import TransformerLayer, dropout, make_norm, rope_cos_sin, rope_inv_freq
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -147,6 +148,11 @@ class GPTModel(nn.Module):
             self.embedding = GPTEmbedding(config, topology, device, dtype, positions=self.is_first_stage)
             if config.tie_embeddings and topology.pp_size > 1:
                 param_meta.set_pipeline_tied(self.embedding.word_embeddings.weight)
+        # Process groups are made collectively over the world: every stage makes the ones the attention layers
+        # need (key/value heads replicated over tp/k ranks), whether or not it builds any layer.
+        layout = qkv_layout(config)
+        for _, _, k in param_meta.replicated_runs(layout.tp_meta(), layout.out_features, topology.tp_size):
+            topology.enable_tp_subgroups(k)
         self.layers = LayerStack({i: TransformerLayer(config, topology, self.rng_tracker, device, dtype)
                                   for i in self.split.layers_of_rank(stage)})
         self.final_norm = make_norm(config, topology, device, dtype) if self.is_last_stage else None

@@ -20,22 +20,26 @@ LR, WD, CLIP, EPS = 1e-3, 0.1, 2.0, 1e-5
 BUCKET = 30_000
 
 
-def gpt_config(num_layers: int, tie: bool = True, sequence_parallel: bool = False):
+def gpt_config(num_layers: int, tie: bool = True, sequence_parallel: bool = False, query_groups=None):
     from model_zoo import get_preset
 
     # the well-conditioned tiny GPT of tests/zero/test_gpt_parity.py (no biases, init_std 0.1)
     return get_preset("tiny").replace(num_layers=num_layers, hidden_size=64, num_heads=4, seq_length=16,
                                       vocab_size=500, bias=False, init_std=0.1, tie_embeddings=tie,
-                                      sequence_parallel=sequence_parallel)
+                                      sequence_parallel=sequence_parallel, num_query_groups=query_groups)
 
 
-def engine_config(stage: int, micro: int, schedule: str = "1f1b", per_virtual=None, optimizer="adamw",
-                  offload: str = "none", precision: str = "fp32", async_save: bool = False) -> dict:
+def engine_config(case: dict) -> dict:
+    """The engine config of a test case: ``stage``, ``micro`` and optionally ``schedule``, ``per_virtual``,
+    ``layers_per_stage``, ``optimizer``, ``offload``, ``precision``, ``async_save``."""
+    optimizer = case.get("optimizer", "adamw")
     extra = {"freeze_step": 3} if optimizer == "onebit_adam" else {}
-    return {"checkpoint": {"async_save": async_save}, "precision": precision, "optimizer": {"type": optimizer, "lr": LR, "weight_decay": WD, "eps": EPS, **extra}, "clip_grad": CLIP,
-            "zero": {"stage": stage, "bucket_size": BUCKET, "offload_optimizer": offload}, "micro_batch_size": micro,
-            "global_batch_size": GLOBAL, "steps_per_print": 0,
-            "pipeline": {"schedule": schedule, "layers_per_virtual_stage": per_virtual}}
+    return {"checkpoint": {"async_save": case.get("async_save", False)}, "precision": case.get("precision", "fp32"),
+            "optimizer": {"type": optimizer, "lr": LR, "weight_decay": WD, "eps": EPS, **extra}, "clip_grad": CLIP,
+            "zero": {"stage": case["stage"], "bucket_size": BUCKET, "offload_optimizer": case.get("offload", "none")},
+            "micro_batch_size": case["micro"], "global_batch_size": GLOBAL, "steps_per_print": 0,
+            "pipeline": {"schedule": case.get("schedule", "1f1b"), "layers_per_virtual_stage": case.get("per_virtual"),
+                         "layers_per_stage": case.get("layers_per_stage")}}
 
 
 def train_layout(case: dict) -> dict:
@@ -64,11 +68,8 @@ def _build(case: dict):
     # ranks_per_node: one pipeline stage per node (TP and DP inside it)
     topo = hybrid.Topology(tp=case["tp"], pp=case["pp"], timeout_s=60,
                            ranks_per_node=torch.distributed.get_world_size() // case["pp"])
-    cfg = gpt_config(case["layers"], case.get("tie", True), case.get("sp", False))
-    config = HybridConfig.from_dict(engine_config(case["stage"], case["micro"], case.get("schedule", "1f1b"),
-                                                  case.get("per_virtual"), case.get("optimizer", "adamw"),
-                                                  case.get("offload", "none"), case.get("precision", "fp32"),
-                                                  case.get("async_save", False)))
+    cfg = gpt_config(case["layers"], case.get("tie", True), case.get("sp", False), case.get("query_groups"))
+    config = HybridConfig.from_dict(engine_config(case))
     model = GPTModel(cfg, topo, split=split_from_config(config.pipeline, cfg.num_layers, topo.pp_size))
     return topo, cfg, model, hybrid.initialize(model, config, topology=topo)
 

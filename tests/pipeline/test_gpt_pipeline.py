@@ -21,6 +21,9 @@ CASES = {
     "pp2-tp2-sp-z2": dict(tp=2, pp=2, stage=2, micro=2, layers=3, sp=True),
     # four stages; the first holds only the embedding ([0, 1, 2, 1] layers); untied head
     "pp4-z0": dict(tp=1, pp=4, stage=0, micro=2, layers=4, tie=False),
+    # multi-query attention at TP2 (the key/value head replicated over both TP ranks); the first stage holds
+    # the embedding alone (an explicit split)
+    "pp2-tp2-mqa-z1": dict(tp=2, pp=2, stage=1, micro=2, layers=2, query_groups=1, layers_per_stage=[0, 2]),
     # interleaved: two chunks of one layer per rank
     "pp2-dp2-interleaved-z2": dict(tp=1, pp=2, stage=2, micro=2, layers=4, schedule="interleaved", per_virtual=1),
 }
@@ -57,7 +60,7 @@ def _reference(case):
     from hybrid.tensor_parallel.gather import full_state
     from model_zoo import GPTModel
 
-    cfg = gp.gpt_config(case["layers"], case.get("tie", True))
+    cfg = gp.gpt_config(case["layers"], case.get("tie", True), query_groups=case.get("query_groups"))
     model = GPTModel(cfg, Topology.local())
     losses, norms, params = reference_adamw(model, gp.STEPS, gp.GLOBAL, lr=gp.LR, weight_decay=gp.WD,
                                             clip=gp.CLIP, eps=gp.EPS, vocab=cfg.vocab_size, seq=cfg.seq_length,
