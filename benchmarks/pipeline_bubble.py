@@ -25,6 +25,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 from torch import nn
@@ -70,11 +71,16 @@ def _rank(args: dict) -> dict:
                 for k in range(args["steps"] + 1):
                     topo.comm.barrier("pp")  # both stages start the step together
                     stats = executor.step(mbs, forward)
+                    # ... and end it together: a stage that finishes early idles until the step's end (the
+                    # formula's makespan), which its own step time would leave out
+                    begin = time.perf_counter()
+                    topo.comm.barrier("pp")
+                    tail = time.perf_counter() - begin
                     for p in (q for c in parts for q in c.parameters()):
                         p.grad = None
                     if k:  # the first step warms up
-                        idle.append(stats.idle_fraction)
-                        step.append(stats.step_s)
+                        idle.append((stats.wait_s + tail) / (stats.step_s + tail))
+                        step.append(stats.step_s + tail)
                 cell = out.setdefault(f"{schedule}/m{m}", {"idle": [], "step_s": []})
                 cell["idle"].append(statistics.median(idle))
                 cell["step_s"].append(statistics.median(step))
@@ -88,8 +94,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per cell and round")
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=32, help="rows per micro-batch")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=64, help="rows per micro-batch")
     ap.add_argument("--layers-per-rank", type=int, default=8)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
