@@ -252,8 +252,7 @@ def test_a_tokenizer_flag_that_is_not_a_sentencepiece_model_is_refused_before_an
 
 
 # ---- export after training in a parallel layout -------------------------------------------------------
-TRAINED = ("llama-gqa", "qwen2")  # qwen2 is multi-query: TP=2 replicates its key/value head; Mistral shares
-# Llama's layout (its export loads in test_hf_to_hybrid_to_hf_is_bit_identical)
+TRAINED = ("llama-gqa", "mistral", "qwen2")  # qwen2 is multi-query: TP=2 replicates its key/value head
 
 
 def test_export_after_zero2_training_at_tp2_dp2_loads_with_from_pretrained_and_reshards_to_tp4_zero3(tmp_path):
