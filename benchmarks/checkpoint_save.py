@@ -99,7 +99,7 @@ def _bench(layers: int, rounds: int, steps: int, root: str) -> dict:
                 for _ in range(steps):
                     out["steps_during_save_s"].append(_step(engine))
                 report = engine.wait_checkpoint()
-                out["async_blocking_s"].append(report.blocking_s)  # the call and the fence's wait
+                out["async_blocking_s"].append(report.blocking_s)  # the whole call and the fence's wait
                 out["async_fence_s"].append(report.fence_s)
                 out["async_write_s"].append(report.write_s)
                 out["async_prepare_s"].append(report.prepare_s)

@@ -118,9 +118,10 @@ THREAD_NAME = "hybrid-checkpoint-writer"
 class SaveReport:
     """A finished background save, as this rank saw it.
 
-    ``blocking_s``: how long :meth:`BackgroundSaver.submit` kept the caller
-    plus the fence's wait (:meth:`BackgroundSaver.fence`), with
-    ``chunk_bytes`` the parts written from the live state); ``write_s``: from the hand-off until this rank's files were
+    ``blocking_s``: how long the save kept the caller (:meth:`BackgroundSaver.submit`
+    from its ``started``: collecting the state, the directory, the small copies,
+    with ``chunk_bytes`` the parts written from the live state) plus the
+    fence's wait (:meth:`BackgroundSaver.fence`); ``write_s``: from the hand-off until this rank's files were
     durable (``latest`` moves at the next collection after every rank's
     are); ``nbytes``: the size of the whole checkpoint (every rank's files,
     from its ``metadata.json``); ``snapshot_bytes``: this rank's host copy;
@@ -186,7 +187,8 @@ class BackgroundSaver:
     # ---- starting a save ------------------------------------------------------------------------------------
     def submit(self, save_dir, iteration: int, layout, coord, *, all_gather_object: GatherFn = gather_single_process,
                model_state=None, optimizer_state=None, rank_state=None, keep_last: Optional[int] = None,
-               deferred: Collection[str] = (), handed_over: Collection[str] = (), **commit_args: Any) -> Path:
+               deferred: Collection[str] = (), handed_over: Collection[str] = (), started: Optional[float] = None,
+               **commit_args: Any) -> Path:
         """Start saving ``iteration``; returns its directory (complete once :meth:`poll` or :meth:`wait` reports it).
 
         The arguments are :func:`~hybrid.checkpoint.save_checkpoint`'s, and:
@@ -195,6 +197,9 @@ class BackgroundSaver:
         :meth:`fence` before it changes any of them; ``handed_over``: parts
         that are fresh copies the caller no longer touches, written as they
         are. Other parts and ``commit_args`` are copied before this returns.
+        ``started``: the ``time.perf_counter()`` at which the caller began
+        the save, when it collected the state before calling (counted as
+        blocking time too).
         Collective like :func:`~hybrid.checkpoint.save_checkpoint`: every rank
         submits its own state. A failure to prepare the directory is raised
         here, as a synchronous save raises it.
@@ -253,7 +258,7 @@ class BackgroundSaver:
         for _ in range(live):  # the parts written from the live state: training must not change them yet
             if not self._acquire_or_done(written):
                 break
-        self._flight["blocking_s"] = time.perf_counter() - start
+        self._flight["blocking_s"] = time.perf_counter() - (start if started is None else started)
         return save.iter_dir
 
     def fence(self) -> None:

@@ -1,4 +1,4 @@
-"""A copy of one rank's state in host memory, taken while training waits, written while it goes on.
+"""A copy of one rank's state in host memory, into buffers reused between saves, for a background writer.
 
 :class:`HostSnapshot` copies a nested state (dicts, lists and tuples of
 tensors, numbers and strings, as the engine's ``state_dict`` parts are) so
@@ -9,10 +9,11 @@ and reuses at the next save while the tensor keeps its shape and dtype:
 * on the CPU, ordinary memory. Reuse matters there too: copying into warm
   pages is 3-4x faster than a fresh ``clone``, which pays a page fault per
   4 KiB (measured: 1 GiB in 0.36-0.97 s against 1.3-2.1 s, one thread of
-  this 2-core machine), and the blocking phase of a save is this copy;
+  this 2-core machine), and the copy must end before the next optimizer
+  update, which waits for it (the write fence, :mod:`hybrid.checkpoint.background`);
 * on CUDA, page-locked ("pinned") memory, so that the device-to-host copies
   run at full PCIe speed and can be issued non-blocking; they are waited for
-  once, at the end, on the current stream (:meth:`HostSnapshot.finish`).
+  once, at the end, on the copying thread's current stream (:meth:`HostSnapshot.finish`).
   (This path is written for GPUs; the project's tests run the CPU path only.)
 
 The buffers are one copy of the rank's state, held from the first

@@ -18,6 +18,7 @@ stopped.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
 from hybrid.checkpoint import BackgroundSaver, CheckpointError, CheckpointReader, save_checkpoint
@@ -52,6 +53,7 @@ def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples:
     The directory is complete when the saver reports it
     (:meth:`~hybrid.checkpoint.BackgroundSaver.poll`).
     """
+    started = time.perf_counter()  # a background save's blocking time counts collecting the state
     state = engine.state_dict(lazy=background is not None)
     optimizer_state = state["optimizer"]
     param_index = optimizer_state.pop("param_index")
@@ -73,7 +75,7 @@ def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples:
             args["model_state"] = {k: v.clone() if k in buffers else v for k, v in args["model_state"].items()}
     return background.submit(save_dir, iteration, engine.layout, engine.topology.coord,
                              all_gather_object=engine.topology.comm.all_gather_object, deferred=deferred,
-                             handed_over=handed_over, **args)
+                             handed_over=handed_over, started=started, **args)
 
 
 def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True,

@@ -219,8 +219,9 @@ class FlatZeroOptimizer(ZeroOptimizer):
         tensors are the live state (no copies, except the master of fp32
         parameters, which is assembled from the parameter buffer): save or
         clone them before the next step. ``lazy``: the master of fp32
-        parameters as an :class:`~hybrid.zero.assembled.AssembledTensor` of the
-        live chunks instead of that copy.
+        parameters and the 1-bit optimizers' buffers as
+        :class:`~hybrid.zero.assembled.AssembledTensor` of the live chunks
+        instead of copies.
         """
         inner = self.inner.state_dict()
         groups = []
@@ -229,8 +230,8 @@ class FlatZeroOptimizer(ZeroOptimizer):
                            "partition_numel": g.partition_numel,
                            "segments": [[s.start, s.size, s.used] for s in g.segments],
                            "master": part.master_flat(lazy), **state,
-                           **(self.onebit.state(g.index) if self.onebit is not None else {}),
-                           **(self.zero_one.state(g.index) if self.zero_one is not None else {})})
+                           **(self.onebit.state(g.index, lazy) if self.onebit is not None else {}),
+                           **(self.zero_one.state(g.index, lazy) if self.zero_one is not None else {})})
         header = self._state_header(groups)
         if self.zero_one is not None:
             header["zero_one_schedule"] = self.zero_one.state_header()
