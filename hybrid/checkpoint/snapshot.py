@@ -13,7 +13,7 @@ and reuses at the next save while the tensor keeps its shape and dtype:
   update, which waits for it (the write fence, :mod:`hybrid.checkpoint.background`);
 * on CUDA, page-locked ("pinned") memory, so that the device-to-host copies
   run at full PCIe speed and can be issued non-blocking; they are waited for
-  once, at the end, on the copying thread's current stream (:meth:`HostSnapshot.finish`).
+  once, at the end, on each source device's current stream (:meth:`HostSnapshot.finish`).
   (This path is written for GPUs; the project's tests run the CPU path only.)
 
 The buffers are one copy of the rank's state, held from the first
@@ -93,7 +93,7 @@ class HostSnapshot:
 
     def __init__(self) -> None:
         self._buffers: Dict[str, torch.Tensor] = {}  # path in the state -> reusable host buffer
-        self._pending_cuda = False
+        self._pending_cuda: set = set()  # CUDA devices with copies in flight
 
     @property
     def buffer_bytes(self) -> int:
@@ -138,15 +138,17 @@ class HostSnapshot:
 
     def finish(self) -> None:
         """Wait for the CUDA copies issued by :meth:`copy` (a no-op on CPU)."""
-        if self._pending_cuda:
-            torch.cuda.current_stream().synchronize()
-            self._pending_cuda = False
+        # per device: a writer thread's current device is not the training thread's
+        for device in self._pending_cuda:
+            torch.cuda.current_stream(device).synchronize()
+        self._pending_cuda = set()
 
     def _fill(self, buffer: torch.Tensor, source: Any) -> None:
         if isinstance(source, torch.Tensor):
             cuda = source.device.type == "cuda"
             buffer.copy_(source, non_blocking=cuda)
-            self._pending_cuda |= cuda
+            if cuda:
+                self._pending_cuda.add(source.device)
         else:
             source.copy_into(buffer)  # piece by piece: blocking copies, nothing left in flight
 
