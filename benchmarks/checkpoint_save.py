@@ -8,10 +8,14 @@ depends on the bytes, not on the architecture), trains one step, then runs
 ``--rounds`` interleaved rounds, alternating which mode goes first:
 
 * sync: ``save_checkpoint`` with ``async_save`` off; the time it blocks;
-* async: the time ``save_checkpoint`` blocks (the host copy), then
-  ``--steps`` training steps while the writer runs (their times are reported,
-  not gated: the writer shares the machine's cores), then the wait for the
-  commit; the writer's own time (``write_s``).
+* async: the time training blocks, which is the time ``save_checkpoint``
+  takes (RNG, counters, the directory; the weights and the optimizer
+  partition are handed to the writer live) plus the time the first step's
+  optimizer update waits at the write fence for the writer's host copy of
+  them (``SaveReport.blocking_s``, both parts also reported apart); then
+  ``--steps`` training steps while the writer runs (their times, fence
+  included, are reported, not gated: the writer shares the machine's cores),
+  then the wait for the commit; the writer's own time (``write_s``).
 
 Reported: medians over rounds of rank 0's figures, the blocking time of the
 background save as a fraction of the synchronous save's (the issue's goal:
@@ -70,17 +74,19 @@ def _bench(layers: int, rounds: int, steps: int, root: str) -> dict:
     # One engine (host memory for one model): the mode is its checkpoint.async_save, switched between saves.
     engine = _engine(layers)
     _step(engine)
-    out = {"state_dict_s": [], "sync_s": [], "async_blocking_s": [], "async_prepare_s": [], "async_copy_s": [], "async_write_s": [], "steps_idle_s": [], "steps_during_save_s": [],
-           "checkpoint_bytes": None, "snapshot_bytes": None}
+    out = {"state_dict_s": [], "state_dict_lazy_s": [], "sync_s": [], "async_blocking_s": [], "async_call_s": [],
+           "async_fence_s": [], "async_prepare_s": [], "async_copy_s": [], "async_write_s": [], "steps_idle_s": [],
+           "steps_during_save_s": [], "checkpoint_bytes": None, "snapshot_bytes": None}
     for r in range(rounds):
         order = ("sync", "async") if r % 2 == 0 else ("async", "sync")
         for mode in order:
             save_dir = os.path.join(root, f"{mode}-{r}")
             engine.config.checkpoint.async_save = mode == "async"
-            if mode == "async":  # what both modes spend collecting the state (engine.state_dict), alone
-                start = time.perf_counter()
-                engine.state_dict()
-                out["state_dict_s"].append(time.perf_counter() - start)
+            if mode == "async":  # what each mode spends collecting the state (engine.state_dict), alone
+                for key, lazy in (("state_dict_s", False), ("state_dict_lazy_s", True)):
+                    start = time.perf_counter()
+                    engine.state_dict(lazy=lazy)
+                    out[key].append(time.perf_counter() - start)
             if mode == "sync":
                 out["steps_idle_s"] += [_step(engine) for _ in range(steps)]
                 start = time.perf_counter()
@@ -89,10 +95,12 @@ def _bench(layers: int, rounds: int, steps: int, root: str) -> dict:
             else:
                 start = time.perf_counter()
                 engine.save_checkpoint(save_dir, r)
-                out["async_blocking_s"].append(time.perf_counter() - start)
+                out["async_call_s"].append(time.perf_counter() - start)
                 for _ in range(steps):
                     out["steps_during_save_s"].append(_step(engine))
                 report = engine.wait_checkpoint()
+                out["async_blocking_s"].append(report.blocking_s)  # the whole call and the fence's wait
+                out["async_fence_s"].append(report.fence_s)
                 out["async_write_s"].append(report.write_s)
                 out["async_prepare_s"].append(report.prepare_s)
                 out["async_copy_s"].append(report.copy_s)
@@ -130,7 +138,10 @@ def main() -> None:
         "checkpoint_bytes": r0["checkpoint_bytes"], "rank0_snapshot_bytes": r0["snapshot_bytes"],
         "sync_save_s_median": med["sync_s"], "async_blocking_s_first": first_async,
         "async_blocking_s_median_after_first": med["async_blocking_s"],
+        "async_call_s_median": med["async_call_s"], "async_fence_s_median": med["async_fence_s"],
+        "async_copy_s_median": med["async_copy_s"],
         "async_write_s_median": med["async_write_s"], "state_dict_s_median": med["state_dict_s"],
+        "state_dict_lazy_s_median": med["state_dict_lazy_s"],
         "blocking_fraction": med["async_blocking_s"] / med["sync_s"],
         "step_s_median_idle": med["steps_idle_s"], "step_s_median_during_save": med["steps_during_save_s"],
         "load_average_before": load_before, "rank0": r0,
@@ -144,9 +155,12 @@ def main() -> None:
     print(f"  background save blocks             {med['async_blocking_s']:8.2f} s  "
           f"({summary['blocking_fraction']:.1%} of synchronous; goal <= 15%)")
     print(f"  first background save blocks       {first_async:8.2f} s  (allocates the host buffers)")
-    print(f"  of which engine.state_dict()       {med['state_dict_s']:8.2f} s  (both modes collect the state)")
-    print(f"  of which preparing the directory   {med['async_prepare_s']:8.2f} s  (a gather: waits for every rank)")
-    print(f"  of which copying to host buffers   {med['async_copy_s']:8.2f} s")
+    print(f"  of which the save_checkpoint call  {med['async_call_s']:8.2f} s")
+    print(f"    engine.state_dict(lazy=True)     {med['state_dict_lazy_s']:8.2f} s  (synchronous save's: "
+          f"{med['state_dict_s']:.2f} s)")
+    print(f"    preparing the directory          {med['async_prepare_s']:8.2f} s  (a gather: waits for every rank)")
+    print(f"  of which the update's fence wait   {med['async_fence_s']:8.2f} s")
+    print(f"  writer's copy to host buffers      {med['async_copy_s']:8.2f} s  (on its thread, during the step)")
     print(f"  background writer (to durable)     {med['async_write_s']:8.2f} s")
     print(f"  step time, no save in flight       {med['steps_idle_s']:8.3f} s")
     print(f"  step time, background save writing {med['steps_during_save_s']:8.3f} s")

@@ -7,8 +7,9 @@ two threads:
 
 1. *prepare* (collective), on the caller's thread: the coordinator takes the
    save directory's lock, clears leftovers and creates the directory;
-2. *write* (local), on the writer thread, from a host copy of this rank's
-   state (:class:`~hybrid.checkpoint.snapshot.HostSnapshot`): every file is
+2. *copy, then write* (local), on the writer thread: the tensors it was
+   handed live are copied into reused host buffers
+   (:class:`~hybrid.checkpoint.snapshot.HostSnapshot`), then every file is
    written, fsync'd and hashed on its way to disk;
 3. *exchange and commit* (collective), on the caller's thread again, once
    every rank's writer has finished (:meth:`BackgroundSaver.poll`, called at
@@ -18,6 +19,39 @@ two threads:
 
 So the guarantees are the synchronous save's: a rank killed or a write failed
 before the commit leaves ``latest`` on the previous complete checkpoint.
+
+What training waits for: the call and the fence
+------------------------------------------------
+:meth:`BackgroundSaver.submit` does synchronously only what is small or
+collective: the directory and its lock (phase 1), the containers of the state
+rebuilt, and a host copy of what may change before the next optimizer step --
+the per-rank state (RNG states: the process generators and the model's
+tensor-parallel dropout streams, which every forward with dropout advances),
+the counters, loss scale, LR schedule and data position (``commit_args``),
+and whatever the caller does not name in ``deferred``. The parts named in
+``deferred`` (the engine names the model weights and the optimizer partition:
+masters and moments) are handed to the writer *live*, and copied by it first.
+
+That is safe because of where those tensors change. The next step's forward
+reads the weights (ZeRO-3 gathers copies of them into the modules) and
+writes activations; backward writes gradients, which no checkpoint holds;
+the weights, the fp32 masters and the moments change only in the optimizer's
+update and in loads (:mod:`hybrid.zero.base`, "The write fence"). Each of
+those first calls :meth:`BackgroundSaver.fence` (through the optimizer's
+``write_fence``, set by the engine), which waits -- at most ``timeout_s`` --
+until the writer has finished copying. That includes the CPU Adam of
+optimizer offload, which updates the host masters inside the update. Module
+buffers may change in forward (running statistics): the engine hands over
+copies of those. ZeRO-3's model state is already a fresh host copy (gathered
+unit by unit, a collective): the engine names it in ``handed_over`` and it is
+written as it is, without a second copy; likewise the optimizers' lazily
+assembled tensors (``state_dict(lazy=True)``) are copied once, piece by piece,
+by the writer.
+
+The time training blocks is the call plus the fence's wait
+(:attr:`SaveReport.blocking_s`). When the copy ends before the next update,
+as it does when a step's forward and backward take longer than copying the
+rank's state, the fence does not wait at all.
 
 Why a thread, and why no collective on it
 -----------------------------------------
@@ -52,8 +86,9 @@ Rules
 * ``chunk_bytes`` bounds the host copy: the parts of the state (one file each:
   model shard, optimizer partition, RNG state, in the order they are written)
   that do not fit are written by the thread from the live tensors while the
-  caller waits, and only the rest is copied. The extra host memory is then at
-  most ``chunk_bytes``; the price is a longer wait.
+  caller waits (no fence needed: the caller is waiting), and only the rest is
+  copied, deferred or not. The extra host memory is then at most
+  ``chunk_bytes``; the price is a longer wait.
 
 The thread is a daemon, so an abandoned writer never keeps the process alive.
 """
@@ -65,14 +100,14 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Collection, Dict, List, Optional, Tuple
 
 from hybrid.checkpoint.errors import CheckpointError
 from hybrid.checkpoint.layout import LATEST_FILE
 from hybrid.checkpoint.manifest import FileRecord, checkpoint_bytes
 from hybrid.checkpoint.reader import CheckpointReader
 from hybrid.checkpoint.save import GatherFn, PhasedSave, gather_single_process, rank_parts
-from hybrid.checkpoint.snapshot import HostSnapshot, state_nbytes
+from hybrid.checkpoint.snapshot import HostSnapshot, PendingCopy, materialize_lazy, state_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +118,18 @@ THREAD_NAME = "hybrid-checkpoint-writer"
 class SaveReport:
     """A finished background save, as this rank saw it.
 
-    ``blocking_s``: how long :meth:`BackgroundSaver.submit` kept the caller
-    (the snapshot, and with ``chunk_bytes`` the parts written from the live
-    state); ``write_s``: from the hand-off until this rank's files were
+    ``blocking_s``: how long the save kept the caller (:meth:`BackgroundSaver.submit`
+    from its ``started``: collecting the state, the directory, the small copies,
+    with ``chunk_bytes`` the parts written from the live state) plus the
+    fence's wait (:meth:`BackgroundSaver.fence`); ``write_s``: from the hand-off until this rank's files were
     durable (``latest`` moves at the next collection after every rank's
     are); ``nbytes``: the size of the whole checkpoint (every rank's files,
     from its ``metadata.json``); ``snapshot_bytes``: this rank's host copy;
-    ``files``: the files this rank wrote. ``prepare_s`` and ``copy_s``: the
-    parts of ``blocking_s`` spent preparing the directory (a gather: it
-    waits for the slowest rank) and copying the state.
+    ``files``: the files this rank wrote. ``prepare_s``: the part of
+    ``blocking_s`` spent preparing the directory (a gather: it waits for the
+    slowest rank); ``copy_s``: copying the state to host buffers, on the
+    writer thread for the deferred parts; ``fence_s``: the part of
+    ``blocking_s`` training waited at the fence for that copy.
     """
 
     iteration: int
@@ -103,6 +141,7 @@ class SaveReport:
     files: Tuple[str, ...]
     prepare_s: float = 0.0
     copy_s: float = 0.0
+    fence_s: float = 0.0
 
     def verify(self) -> None:
         """Re-read this rank's files and check them against ``metadata.json`` (size and sha256)."""
@@ -129,6 +168,8 @@ class BackgroundSaver:
         self._snapshot = HostSnapshot()
         self._thread: Optional[threading.Thread] = None
         self._done = threading.Event()
+        self._copied = threading.Event()  # the deferred tensors are copied (or no save needs them)
+        self._copied.set()
         self._save: Optional[PhasedSave] = None
         self._gather: GatherFn = gather_single_process
         self._flight: Dict[str, Any] = {}
@@ -146,12 +187,22 @@ class BackgroundSaver:
     # ---- starting a save ------------------------------------------------------------------------------------
     def submit(self, save_dir, iteration: int, layout, coord, *, all_gather_object: GatherFn = gather_single_process,
                model_state=None, optimizer_state=None, rank_state=None, keep_last: Optional[int] = None,
+               deferred: Collection[str] = (), handed_over: Collection[str] = (), started: Optional[float] = None,
                **commit_args: Any) -> Path:
         """Start saving ``iteration``; returns its directory (complete once :meth:`poll` or :meth:`wait` reports it).
 
-        The arguments are :func:`~hybrid.checkpoint.save_checkpoint`'s.
-        Collective like that function: every rank submits its own state. A
-        failure to prepare the directory is raised here, as a synchronous save raises it.
+        The arguments are :func:`~hybrid.checkpoint.save_checkpoint`'s, and:
+        ``deferred``: names of parts (``"model_state"``, ``"optimizer_state"``)
+        whose tensors the writer copies on its thread: the caller must call
+        :meth:`fence` before it changes any of them; ``handed_over``: parts
+        that are fresh copies the caller no longer touches, written as they
+        are. Other parts and ``commit_args`` are copied before this returns.
+        ``started``: the ``time.perf_counter()`` at which the caller began
+        the save, when it collected the state before calling (counted as
+        blocking time too).
+        Collective like :func:`~hybrid.checkpoint.save_checkpoint`: every rank
+        submits its own state. A failure to prepare the directory is raised
+        here, as a synchronous save raises it.
         """
         if self.in_flight:
             self.wait()  # its failure is raised here when no step has collected it yet
@@ -161,11 +212,16 @@ class BackgroundSaver:
             save.prepare()
             prepared = time.perf_counter()
             parts = rank_parts(coord, model_state, optimizer_state, rank_state)
-            live = self._live_parts(parts)
+            live = self._live_parts(parts, handed_over)
+            live_names = {name for name, _ in parts[:live]}
             to_write = dict(parts[:live])
+            pending: List[PendingCopy] = []
             snapshot_bytes = 0
             for name, value in parts[live:]:
-                to_write[name] = self._snapshot.copy(value, name)
+                if name in handed_over:
+                    to_write[name] = value
+                    continue
+                to_write[name] = self._snapshot.copy(value, name, pending if name in deferred else None)
                 snapshot_bytes += state_nbytes(value)
             self._snapshot.finish()
             frozen_args = self._snapshot.copy(commit_args)
@@ -174,29 +230,54 @@ class BackgroundSaver:
             raise
         self._save, self._gather = save, all_gather_object
         self._flight = {"iteration": iteration, "commit_args": frozen_args, "snapshot_bytes": snapshot_bytes,
-                        "files": [], "prepare_s": prepared - start, "copy_s": time.perf_counter() - prepared}
+                        "files": [], "prepare_s": prepared - start, "copy_s": time.perf_counter() - prepared,
+                        "fence_s": 0.0}
         written = threading.Semaphore(0)
 
         def file_written(record: FileRecord) -> None:
             self._flight["files"].append(record.name)
             written.release()
 
+        def prepare_part(name: str, value: Any) -> Any:
+            if name in live_names:  # written from the live state while the caller waits
+                return materialize_lazy(value)
+            if not self._copied.is_set():  # the first part written from host buffers: fill them first
+                copy_start = time.perf_counter()
+                self._snapshot.run(pending)
+                self._flight["copy_s"] += time.perf_counter() - copy_start
+                self._copied.set()
+            return value
+
         self._done.clear()
+        if pending:
+            self._copied.clear()
         self._flight["started"] = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True,
-                                        args=(save, to_write, file_written))
+                                        args=(save, to_write, file_written, prepare_part))
         self._thread.start()
         for _ in range(live):  # the parts written from the live state: training must not change them yet
             if not self._acquire_or_done(written):
                 break
-        self._flight["blocking_s"] = time.perf_counter() - start
+        self._flight["blocking_s"] = time.perf_counter() - (start if started is None else started)
         return save.iter_dir
 
-    def _live_parts(self, parts: List[Tuple[str, Any]]) -> int:
-        """How many leading parts are written from the live state so that the copy of the rest fits the bound."""
+    def fence(self) -> None:
+        """Return once the writer has copied the tensors handed to it live (at once when it has; at most
+        ``timeout_s``). Call before changing any of them (the engine's optimizer does, before its update
+        and its loads). The wait counts as blocking time (:attr:`SaveReport.blocking_s`). Local."""
+        if self._copied.is_set():
+            return
+        start = time.perf_counter()
+        if not self._copied.wait(self.timeout_s):
+            raise self._timeout_error("copied the state it was handed")
+        self._flight["fence_s"] += time.perf_counter() - start
+
+    def _live_parts(self, parts: List[Tuple[str, Any]], handed_over: Collection[str]) -> int:
+        """How many leading parts are written from the live state so that the copy of the rest fits the bound
+        (parts handed over cost no copy)."""
         if self.chunk_bytes is None:
             return 0
-        sizes = [state_nbytes(value) for _, value in parts]
+        sizes = [0 if name in handed_over else state_nbytes(value) for name, value in parts]
         live = 0
         while live < len(parts) and sum(sizes[live:]) > self.chunk_bytes:
             live += 1
@@ -212,13 +293,14 @@ class BackgroundSaver:
                 raise self._timeout_error()
         return True
 
-    def _run(self, save: PhasedSave, to_write: Dict[str, Any], file_written) -> None:
+    def _run(self, save: PhasedSave, to_write: Dict[str, Any], file_written, prepare_part) -> None:
         try:
-            self._flight["written"] = save.write(file_written=file_written, **to_write)
+            self._flight["written"] = save.write(file_written=file_written, prepare_part=prepare_part, **to_write)
         except BaseException as e:  # noqa: BLE001 - write() reports failures itself; this is a last resort
             self._flight["written"] = ({"error": f"{type(e).__name__}: {e}"}, e)
         finally:
             self._flight["write_s"] = time.perf_counter() - self._flight["started"]
+            self._copied.set()  # a failed or cut-short copy must not hold training: the save is failed anyway
             self._done.set()
 
     # ---- committing it -------------------------------------------------------------------------------------
@@ -276,12 +358,13 @@ class BackgroundSaver:
                                   f"previous checkpoint: {' '.join(str(e).split())}") from e
         finally:
             save.release()
-        return SaveReport(flight["iteration"], path, flight["blocking_s"], flight["write_s"], checkpoint_bytes(path),
-                          flight["snapshot_bytes"], tuple(flight["files"]), flight["prepare_s"], flight["copy_s"])
+        return SaveReport(flight["iteration"], path, flight["blocking_s"] + flight["fence_s"], flight["write_s"],
+                          checkpoint_bytes(path), flight["snapshot_bytes"], tuple(flight["files"]),
+                          flight["prepare_s"], flight["copy_s"], flight["fence_s"])
 
-    def _timeout_error(self) -> CheckpointError:
+    def _timeout_error(self, what: str = "finished writing") -> CheckpointError:
         latest = self._save.iter_dir.parent / LATEST_FILE
         return CheckpointError(
-            f"the background save of {self._save.iter_dir} has not finished writing after {self.timeout_s:g} s (the "
+            f"the background save of {self._save.iter_dir} has not {what} after {self.timeout_s:g} s (the "
             f"job's collective timeout, distributed.timeout_minutes): its writer is stuck on the disk; {latest} "
             f"still names the previous checkpoint")

@@ -134,15 +134,20 @@ class PhasedSave:
         self._gather_and_check(outcome, "preparing the directory", error)
 
     def write(self, model_state=None, optimizer_state=None, rank_state=None,
-              file_written: Optional[Callable[[FileRecord], None]] = None) -> Tuple[dict, Optional[BaseException]]:
+              file_written: Optional[Callable[[FileRecord], None]] = None,
+              prepare_part: Optional[Callable[[str, Any], Any]] = None) -> Tuple[dict, Optional[BaseException]]:
         """Phase 2 (local): write this rank's files; returns the outcome for :meth:`finish_writes` and the error.
 
-        ``file_written`` is called with each file's record once it is durable.
+        ``file_written`` is called with each file's record once it is durable;
+        ``prepare_part(name, value)``, when given, returns what to write for each
+        part just before it is written (the background writer's host copy).
         Never raises for a failed write: every rank must learn of it in the exchange.
         """
         try:
             records: List[FileRecord] = []
             for name, value in rank_parts(self.coord, model_state, optimizer_state, rank_state):
+                if prepare_part is not None:
+                    value = prepare_part(name, value)
                 records.append(self._write_part(name, value))
                 if file_written is not None:
                     file_written(records[-1])

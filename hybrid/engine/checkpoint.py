@@ -19,7 +19,7 @@ stopped.
 from __future__ import annotations
 
 import dataclasses
-
+import time
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
 from hybrid.checkpoint import BackgroundSaver, CheckpointError, CheckpointReader, save_checkpoint
@@ -57,11 +57,14 @@ def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples:
     ``keep_last`` always keeps the newest healthy checkpoint besides.
 
     With ``background`` (the engine's, when ``checkpoint.async_save`` is on)
-    the state is copied to host memory and written by its thread: the call
-    returns once the copy is taken, and the directory is complete when the
-    saver reports it (:meth:`~hybrid.checkpoint.BackgroundSaver.poll`).
+    the call returns once the small parts of the state are copied; the
+    weights and the optimizer partition are copied by the saver's thread
+    before the optimizer next changes them (its write fence), then written.
+    The directory is complete when the saver reports it
+    (:meth:`~hybrid.checkpoint.BackgroundSaver.poll`).
     """
-    state = engine.state_dict()
+    started = time.perf_counter()  # a background save's blocking time counts collecting the state
+    state = engine.state_dict(lazy=background is not None)
     optimizer_state = state["optimizer"]
     param_index = optimizer_state.pop("param_index")
     if engine.topology.pp_size > 1:
@@ -71,9 +74,21 @@ def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples:
     args = dict(model_state=state["model"], optimizer_state=optimizer_state, rank_state=state["rng"],
                 consumed_samples=consumed_samples, model_config=_model_config(engine), param_index=param_index,
                 trainer_state=trainer_state, keep_last=keep_last, healthy=healthy)
-    save = background.submit if background is not None else save_checkpoint
-    return save(save_dir, iteration, engine.layout, engine.topology.coord,
-                all_gather_object=engine.topology.comm.all_gather_object, **args)
+    if background is None:
+        return save_checkpoint(save_dir, iteration, engine.layout, engine.topology.coord,
+                               all_gather_object=engine.topology.comm.all_gather_object, **args)
+    # The weights and the optimizer partition change only in the optimizer's update and in loads, behind its
+    # write fence: the writer copies them. Module buffers may change in forward: copied now.
+    if engine.optimizer.model_state_is_copy:
+        deferred, handed_over = ("optimizer_state",), ("model_state",)
+    else:
+        deferred, handed_over = ("model_state", "optimizer_state"), ()
+        if args["model_state"] is not None:
+            buffers = {name for name, _ in engine.module.named_buffers(remove_duplicate=False)}
+            args["model_state"] = {k: v.clone() if k in buffers else v for k, v in args["model_state"].items()}
+    return background.submit(save_dir, iteration, engine.layout, engine.topology.coord,
+                             all_gather_object=engine.topology.comm.all_gather_object, deferred=deferred,
+                             handed_over=handed_over, started=started, **args)
 
 
 def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True,
@@ -92,6 +107,7 @@ def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True,
         saved = {**_model_defaults(engine), **saved}
     _check_model_config(saved, _model_config(engine), reader.path)
     topo = engine.topology
+    engine.optimizer.fence_writes()  # resharding writes module tensors directly: a background copy must be done
     if reader.layout.to_json() != engine.layout.to_json():
         from hybrid.engine.reshard import load_resharded
 

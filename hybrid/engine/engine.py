@@ -268,7 +268,7 @@ class Engine:
         """The parallel layout of this engine: the topology's sizes, the ZeRO stage and the precision."""
         return self.topology.layout(self.config.zero.stage, self.config.precision)
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self, lazy: bool = False) -> Dict[str, Any]:
         """This rank's complete training state, from each component's own ``state_dict``.
 
         ``model``: the weights a checkpoint's model file holds (whole tensors
@@ -276,9 +276,11 @@ class Engine:
         ZeRO-3, which gathers them: collective over ``dp`` there);
         ``optimizer``: the ZeRO partition, counters and loss scaler;
         ``rng``: every generator of this rank; ``progress``: the engine's
-        step counters and the LR schedule.
+        step counters and the LR schedule. ``lazy``: the optimizer's assembled
+        tensors as :class:`~hybrid.zero.assembled.AssembledTensor` (see
+        :meth:`~hybrid.zero.ZeroOptimizer.state_dict`).
         """
-        return {"model": self.optimizer.model_state_for_save(), "optimizer": self.optimizer.state_dict(),
+        return {"model": self.optimizer.model_state_for_save(), "optimizer": self.optimizer.state_dict(lazy),
                 "rng": self.rng.state_dict(), "progress": self._progress_state()}
 
     def load_state_dict(self, state: Dict[str, Any], *, strict_schedule: bool = True) -> None:
@@ -332,6 +334,7 @@ class Engine:
             timeout = self.topology.comm.timeout
             chunk = ckpt.async_save_chunk_mb << 20 if ckpt.async_save_chunk_mb is not None else None
             self._saver = BackgroundSaver(timeout.total_seconds() if timeout else None, chunk)
+            self.optimizer.write_fence = self._saver.fence  # the update waits for the writer's copy of its state
         return self._saver
 
     def poll_checkpoint(self) -> Optional[SaveReport]:

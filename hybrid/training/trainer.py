@@ -185,8 +185,8 @@ class Trainer:
         note = "" if self.guard.healthy else (f" (marked unhealthy: {self.guard.consecutive} consecutive skipped "
                                               f"step(s) before it)")
         if ckpt.async_save:
-            _log(self.topology, f"saving checkpoint {path} in the background{note} (training blocked "
-                                f"{elapsed:.2f} s)")
+            _log(self.topology, f"saving checkpoint {path} in the background{note} (the call blocked "
+                                f"{elapsed:.2f} s; the next update waits for the host copy if unfinished)")
             return
         self.monitor.record_checkpoint(self.iteration, elapsed, elapsed, checkpoint_bytes(path))
         _log(self.topology, f"saved checkpoint {path}{note}")

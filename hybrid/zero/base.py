@@ -22,6 +22,17 @@ factor, applied inside the optimizer kernel. What differs between the siblings
 is where the state lives, how backward reduces gradients, how the global
 gradient norm is summed and how the new weights are published; the step
 itself (overflow check, loss scale, clipping, counters) is written here once.
+
+The write fence
+---------------
+Between steps nothing changes the weights, the master partition or the
+optimizer moments: forward and backward read the weights (stage 3 gathers
+copies of them into the modules) and write only gradients. They change in
+the update of :meth:`ZeroOptimizer.step` and in the loads (``load_state_dict``,
+``load_model_state``, ``weights_loaded``, ``write_parameter``). Each of those
+first calls :meth:`ZeroOptimizer.fence_writes`, which runs ``write_fence``
+when one is set: the engine sets it to wait until a background checkpoint
+writer has copied the live state it was handed (:mod:`hybrid.checkpoint.background`).
 """
 
 from __future__ import annotations
@@ -142,6 +153,8 @@ class ZeroOptimizer(abc.ABC):
         self.param_index: List[ParamRecord] = []
         self.partition_count = 1
         self.part = 0
+        # called before weights, masters or moments change (see "The write fence" above); None: nothing to wait for
+        self.write_fence: Optional[Callable[[], None]] = None
 
     def _finish_setup(self) -> None:
         """Called by each sibling at the end of its constructor: set-up traffic is not the first step's."""
@@ -221,10 +234,16 @@ class ZeroOptimizer(abc.ABC):
         if overflow:
             self.skipped_steps += 1
         else:
+            self.fence_writes()
             self._apply_update(clip_factor(self._last_grad_norm, self.clip_grad) / denominator)
         self._last_comm = self.comm.report()
         self.comm.reset_stats()
         return not overflow
+
+    def fence_writes(self) -> None:
+        """Called before anything changes the weights, the masters or the optimizer moments: runs ``write_fence``."""
+        if self.write_fence is not None:
+            self.write_fence()
 
     def get_grad_norm(self) -> float:
         """L2 norm of the full, unscaled, DP-averaged gradient of the last step, BEFORE clipping.
@@ -303,8 +322,12 @@ class ZeroOptimizer(abc.ABC):
 
     # ---- state ----------------------------------------------------------------------------------------
     @abc.abstractmethod
-    def state_dict(self) -> dict:
-        """This rank's partition: master weights, optimizer state, counters, loss scaler, parameter index."""
+    def state_dict(self, lazy: bool = False) -> dict:
+        """This rank's partition: master weights, optimizer state, counters, loss scaler, parameter index.
+
+        Tensors are live where the optimizer holds them whole and fresh copies where it assembles them;
+        ``lazy`` returns those as :class:`~hybrid.zero.assembled.AssembledTensor` of the live pieces instead.
+        """
 
     @abc.abstractmethod
     def load_state_dict(self, sd: dict) -> None:
@@ -353,6 +376,9 @@ class ZeroOptimizer(abc.ABC):
             self.loss_scaler.load_state_dict(sd["loss_scaler"])
 
     # ---- whole weights in and out (checkpoints, resharding) ---------------------------------------------
+    # Whether model_state_for_save returns fresh host copies (True) or the module's live tensors (False).
+    model_state_is_copy = False
+
     @abc.abstractmethod
     def model_state_for_save(self) -> Optional[Dict[str, torch.Tensor]]:
         """What a checkpoint's model file holds (this TP rank's shard, whole tensors); None on ranks that

@@ -223,7 +223,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
         return rep
 
     # ---- state -------------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state_dict(self, lazy: bool = False) -> dict:
         """This rank's flat partitions, counters, loss scaler and the parameter index.
 
         Each group entry holds ``master`` (this rank's [partition_numel] fp32
@@ -233,7 +233,10 @@ class FlatZeroOptimizer(ZeroOptimizer):
         checkpoint can be resharded to any layout. Like ``torch.optim``, the
         tensors are the live state (no copies, except the master of fp32
         parameters, which is assembled from the parameter buffer): save or
-        clone them before the next step.
+        clone them before the next step. ``lazy``: the master of fp32
+        parameters and the 1-bit optimizers' buffers as
+        :class:`~hybrid.zero.assembled.AssembledTensor` of the live chunks
+        instead of copies.
         """
         inner = self.inner.state_dict()
         groups = []
@@ -241,9 +244,9 @@ class FlatZeroOptimizer(ZeroOptimizer):
             groups.append({"dtype": dtype_name(g.dtype), "weight_decay": g.weight_decay, "numel": g.numel,
                            "partition_numel": g.partition_numel,
                            "segments": [[s.start, s.size, s.used] for s in g.segments],
-                           "master": part.master_flat(), **state,
-                           **(self.onebit.state(g.index) if self.onebit is not None else {}),
-                           **(self.zero_one.state(g.index) if self.zero_one is not None else {})})
+                           "master": part.master_flat(lazy), **state,
+                           **(self.onebit.state(g.index, lazy) if self.onebit is not None else {}),
+                           **(self.zero_one.state(g.index, lazy) if self.zero_one is not None else {})})
         header = self._state_header(groups)
         if self.zero_one is not None:
             header["zero_one_schedule"] = self.zero_one.state_header()
@@ -252,6 +255,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
     def load_state_dict(self, sd: dict) -> None:
         """Restore a state written by :meth:`state_dict` under the same layout, then refresh the model."""
         self._check_state(sd)
+        self.fence_writes()
         inner = {"kind": sd["optimizer"]["type"], "step": sd["step"], "lr": sd["optimizer"]["lr"],
                  "groups": [{k: v for k, v in g.items() if k in self.inner.state_names} for g in sd["groups"]]}
         self.inner.load_state_dict(inner)
@@ -274,10 +278,12 @@ class FlatZeroOptimizer(ZeroOptimizer):
 
     def load_model_state(self, state: Dict[str, torch.Tensor]) -> None:
         """Load a ``model.state_dict()`` (this TP rank's shard, keys must match) and make the masters follow it."""
+        self.fence_writes()
         self.model.load_state_dict(state, strict=True)
         self.weights_loaded()
 
     def weights_loaded(self, from_master: bool = False) -> None:
+        self.fence_writes()
         if from_master:
             self._publish_params(write=True)
             return

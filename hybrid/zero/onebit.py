@@ -49,6 +49,7 @@ import torch
 from hybrid.compression import ONEBIT_BITS
 from hybrid.comm import Communicator
 from hybrid.kernels import quantize as codec
+from hybrid.zero.assembled import AssembledTensor, assembled_or_copy
 from hybrid.zero.flat_buffer import FlatGroup
 from hybrid.zero.inner import InnerOptimizer
 
@@ -145,11 +146,13 @@ class CompressedAverage:
             handle.wait()
             outputs(gi, s, gathered, codec.unpack(gathered, self.rows[gi][s], ONEBIT_BITS, self.block).view(-1))
 
-    def state(self, gi: int) -> dict:
-        """Group ``gi``'s error buffers for a checkpoint (empty before the first use)."""
+    def state(self, gi: int, lazy: bool = False) -> dict:
+        """Group ``gi``'s error buffers for a checkpoint (empty before the first use); ``lazy``: as
+        :class:`~hybrid.zero.assembled.AssembledTensor` of the live buffers instead of copies."""
         if self.worker_error is None:
             return {}
-        return {ERROR_KEYS[0]: torch.cat(self.worker_error[gi]), ERROR_KEYS[1]: torch.cat(self.server_error[gi]),
+        return {ERROR_KEYS[0]: assembled_or_copy(AssembledTensor.concat(self.worker_error[gi]), lazy),
+                ERROR_KEYS[1]: assembled_or_copy(AssembledTensor.concat(self.server_error[gi]), lazy),
                 LAYOUT_KEY: list(self.layout)}
 
     def load(self, saved_groups: List[dict]) -> Optional[str]:
@@ -267,9 +270,9 @@ class OneBitAdam:
                 torch._foreach_copy_(group.lowp, masters)
 
     # ---- state and memory --------------------------------------------------------------------------
-    def state(self, gi: int) -> dict:
+    def state(self, gi: int, lazy: bool = False) -> dict:
         """Group ``gi``'s error-feedback buffers for a checkpoint (empty during the warm-up)."""
-        return self.channel.state(gi)
+        return self.channel.state(gi, lazy)
 
     def load(self, saved_groups: List[dict]) -> Optional[str]:
         """Restore the error buffers saved under this layout; returns why they restart at zero, or None.

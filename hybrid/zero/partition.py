@@ -22,6 +22,7 @@ import torch
 
 from hybrid.comm import Communicator, Handle
 from hybrid.compression import Quantization
+from hybrid.zero.assembled import AssembledTensor, assembled_or_copy
 from hybrid.zero.flat_buffer import FlatGroup
 
 
@@ -69,11 +70,12 @@ class GroupPartition:
             handles.append(comm.all_gather_into_tensor(full, self.param_chunks[s], "dp", async_op=True, quant=quant))
         return handles
 
-    def master_flat(self) -> torch.Tensor:
-        """The master partition as one contiguous tensor (a copy when aliased)."""
+    def master_flat(self, lazy: bool = False):
+        """The master partition as one contiguous tensor: the live one, or when aliased a copy of the
+        parameter chunks (with ``lazy``, an :class:`~hybrid.zero.assembled.AssembledTensor` of them)."""
         if self.master is not None:
             return self.master
-        return torch.cat(self.master_chunks)
+        return assembled_or_copy(AssembledTensor.concat(self.master_chunks), lazy)
 
     def load_master(self, flat: torch.Tensor) -> None:
         if flat.numel() != self.group.partition_numel:

@@ -26,6 +26,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from hybrid import param_meta
+from hybrid.zero.assembled import AssembledTensor, assembled_or_copy
 from hybrid.zero.base import ZeroOptimizer
 from hybrid.zero.flat_buffer import ZeroConfigError, dtype_name
 from hybrid.zero.offload import HostCopy, host_device
@@ -290,21 +291,24 @@ class Stage3Optimizer(ZeroOptimizer):
         return rep
 
     # ---- state ----------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state_dict(self, lazy: bool = False) -> dict:
         """This rank's partition of the master weights and optimizer state, counters, and the parameter index.
 
         One flat group (index 0) in the partition layout of
         :mod:`hybrid.zero.stage3_layout`: ``master`` ([partition_numel] fp32,
         the live tensor) and each optimizer moment of the same shape (copies:
-        the optimizer keeps decayed and undecayed elements apart). Every
+        the optimizer keeps decayed and undecayed elements apart; with
+        ``lazy``, :class:`~hybrid.zero.assembled.AssembledTensor` of the live
+        pieces instead). Every
         ``param_index`` entry has the ``parts`` of stages 1-2, so the
         checkpoint tools read and reshard it like any other. Collective-free.
         """
-        moments = {name: torch.empty_like(self.master) for name in self.inner.state_names}
-        for (runs, _), group in zip(self._group_runs, self.inner.groups):
-            for name, flat in moments.items():
-                for (a, b), view in zip(runs, group.views[name]):
-                    flat[a:b].copy_(view)
+        moments = {}
+        for name in self.inner.state_names:
+            pieces = tuple((a, view) for (runs, _), group in zip(self._group_runs, self.inner.groups)
+                           for (a, _b), view in zip(runs, group.views[name]))
+            flat = AssembledTensor(self.master.numel(), self.master.dtype, self.master.device, pieces)
+            moments[name] = assembled_or_copy(flat, lazy)
         group = {"dtype": dtype_name(self.dtype), "numel": sum(u.numel for u in self.units),
                  "partition_numel": self.partition.numel(),
                  "units": [[u.module_name, u.numel, u.used, u.decay_end] for u in self.units],
@@ -314,6 +318,7 @@ class Stage3Optimizer(ZeroOptimizer):
     def load_state_dict(self, sd: dict) -> None:
         """Restore a state written by :meth:`state_dict` under the same layout (collective over ``dp``)."""
         self._check_state(sd)
+        self.fence_writes()
         saved = sd["groups"][0]
         if saved["master"].numel() != self.master.numel():
             raise ValueError(f"the saved partition holds {saved['master'].numel()} elements, this rank's "
@@ -346,6 +351,7 @@ class Stage3Optimizer(ZeroOptimizer):
         """
         if name not in self._record_of:
             raise KeyError(f"{name!r} is not a trainable parameter of this ZeRO-3 model")
+        self.fence_writes()
         i, r = self._record_of[name]
         u = self.units[i]
         rec = u.records[r]
@@ -365,6 +371,7 @@ class Stage3Optimizer(ZeroOptimizer):
         rounded copies); otherwise the parameters were, and the masters
         follow them.
         """
+        self.fence_writes()
         self.gatherer.reset()
         with torch.no_grad():
             if not self.aliased:
@@ -380,6 +387,7 @@ class Stage3Optimizer(ZeroOptimizer):
         Trainable parameters go to this rank's partition; buffers and frozen
         parameters into the module. Keys must match exactly. Collective over ``dp``.
         """
+        self.fence_writes()
         own = dict(self.model.state_dict(keep_vars=True))
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if missing or unexpected:
@@ -394,6 +402,8 @@ class Stage3Optimizer(ZeroOptimizer):
                 self.write_parameter(name, state[key])
         self.model.load_state_dict(rest, strict=False)
         self.weights_loaded()
+
+    model_state_is_copy = True  # gathered unit by unit into host copies
 
     def model_state_for_save(self, dst_dp_rank: int = 0) -> Optional[Dict[str, torch.Tensor]]:
         """``model.state_dict()`` with whole tensors, as CPU copies on DP rank ``dst_dp_rank``; None elsewhere.

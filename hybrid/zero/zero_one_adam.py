@@ -32,6 +32,7 @@ from typing import List, Optional
 import torch
 
 from hybrid.comm import Communicator
+from hybrid.zero.assembled import AssembledTensor, assembled_or_copy
 from hybrid.zero.flat_buffer import FlatGroup
 from hybrid.zero.inner import InnerOptimizer
 from hybrid.zero.onebit import CompressedAverage
@@ -180,10 +181,10 @@ class ZeroOneAdam:
         sched.lr_sum = 0.0
 
     # ---- state and memory ------------------------------------------------------------------------------
-    def state(self, gi: int) -> dict:
-        out = dict(self.channel.state(gi))
+    def state(self, gi: int, lazy: bool = False) -> dict:
+        out = dict(self.channel.state(gi, lazy))
         if self.anchor is not None:
-            out[ANCHOR_KEY] = torch.cat(self.anchor[gi])
+            out[ANCHOR_KEY] = assembled_or_copy(AssembledTensor.concat(self.anchor[gi]), lazy)
         return out
 
     def state_header(self) -> dict:

@@ -34,6 +34,7 @@ from hybrid.checkpoint.layout import SAVE_LOCK_FILE
 from hybrid.checkpoint.save import PhasedSave
 from hybrid.topology import Topology
 from tests.engine.test_engine_checkpoint import _train
+from tests.zero.common import clone_state
 from tests.multiproc import ChildFailed, run_distributed
 
 
@@ -58,9 +59,12 @@ def _weights(engine):
 
 
 class _Hold:
-    """Holds the background writer when it calls ``owner.name`` until :meth:`release`; :meth:`undo` restores."""
+    """Holds the background writer when it calls ``owner.name`` until :meth:`release`; :meth:`undo` restores.
 
-    def __init__(self, owner=PhasedSave, name="write"):
+    The default holds it before each file it writes, after it has copied the live state it was handed.
+    """
+
+    def __init__(self, owner=PhasedSave, name="_write_part"):
         self.go = threading.Event()
         self.owner, self.name, self.original = owner, name, getattr(owner, name)
 
@@ -133,6 +137,49 @@ def test_the_background_save_writes_the_state_at_the_save_in_every_layout(tmp_pa
                 assert r["written_before_return"][:len(live)] == live, (rank, r)
                 assert 0 < r["report"][2] < 1 << 20, r
             assert optim in r["files"]
+
+
+# ---- the fence: the next update waits for the writer's copy of the live state ----------------------------------
+def _tensors_equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_tensors_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_tensors_equal(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "none"), (2, "cpu"), (3, "none")])
+def test_the_next_update_waits_for_the_writers_copy_of_the_live_state(tmp_path, stage, offload):
+    from hybrid.checkpoint.snapshot import HostSnapshot
+
+    engine = _engine(stage, offload, topology=Topology.local())
+    _train(engine, 1, seed=1)
+    model_at_save = clone_state(dict(engine.optimizer.model_state_for_save()))
+    optimizer_at_save = clone_state(engine.optimizer.state_dict())
+    hold = _Hold(HostSnapshot, "run")  # the writer's copy of the tensors it was handed live
+    released = threading.Event()
+
+    def release():
+        released.set()
+        hold.release()
+
+    try:
+        engine.save_checkpoint(tmp_path)
+        threading.Timer(0.3, release).start()
+        _train(engine, 1, seed=2)  # forward and backward run; the update waits at the fence for the copy
+        assert released.is_set(), "the optimizer step finished while the writer had not copied the state"
+        report = engine.wait_checkpoint()
+    finally:
+        hold.release()
+        hold.undo()
+    assert 0 < report.fence_s <= report.blocking_s, report
+    reader = CheckpointReader(tmp_path)
+    reader.verify_all()
+    assert _tensors_equal(dict(reader.load_model_shard(0, 0)), model_at_save)
+    saved = reader.load_optimizer_shard(0, 0, 0)
+    assert _tensors_equal(saved["groups"], optimizer_at_save["groups"])
+    assert saved["step"] == optimizer_at_save["step"] == 1 and saved["global_steps"] == 1
+    engine.close()
 
 
 # ---- a failed background write ------------------------------------------------------------------------------
@@ -246,7 +293,7 @@ def _sigterm_while_saving(save_dir: str):
 
     lines = []
     trainer_module._log = lambda topology, message: lines.append(message)
-    original_write, original_wait = PhasedSave.write, background.BackgroundSaver.wait
+    original_write, original_wait = PhasedSave._write_part, background.BackgroundSaver.wait
     waiting = threading.Event()
 
     def wait(self):
@@ -255,7 +302,7 @@ def _sigterm_while_saving(save_dir: str):
         return original_wait(self)
 
     def signalled(self, *args, **kwargs):
-        if self.writer.iteration == 2:  # the save in flight when the signal arrives
+        if self.writer.iteration == 2 and not waiting.is_set():  # the save in flight when the signal arrives
             lines.append(f"lock held: {(Path(save_dir) / SAVE_LOCK_FILE).exists()}")
             os.kill(os.getpid(), signal.SIGTERM)
             # Held until the trainer, having seen the signal, waits for this save: it is in flight then.
@@ -263,7 +310,7 @@ def _sigterm_while_saving(save_dir: str):
         return original_write(self, *args, **kwargs)
 
     background.BackgroundSaver.wait = wait
-    PhasedSave.write = signalled
+    PhasedSave._write_part = signalled  # each file, after the writer copied the state (the next update waits)
     cfg = parse_args(TINY + ["--train-iters", "100", "--save", save_dir, "--save-interval", "2"])
     validate(cfg, world_size=1)
     trainer = Trainer(cfg)
