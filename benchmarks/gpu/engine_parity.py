@@ -119,7 +119,7 @@ def body(res: PartResult) -> None:
 
     dry = res.dry_run
     topo, info = es.world_one(dry)
-    device = torch.device("cpu") if dry else torch.device("cuda", torch.cuda.current_device())
+    device = topo.device  # the GPU under NCCL, the CPU in the dry run
     cfg = es.model_config(dry, "gpt2-medium")
     steps, micro = dry_run_choice(dry, 20, 4), dry_run_choice(dry, 2, 2)
     res.info.update(model="tiny (dry run)" if dry else "gpt2-medium", steps=steps, micro_batch=micro,

@@ -133,7 +133,7 @@ def _rel(got: float, want: float) -> str:
 def body(res: PartResult) -> None:
     dry = res.dry_run
     topo, _ = es.world_one(dry)
-    device = torch.device("cpu") if dry else torch.device("cuda", torch.cuda.current_device())
+    device = topo.device  # the GPU under NCCL, the CPU in the dry run
     cfg = es.model_config(dry, "gpt2-medium")
     micro = 2
     res.info.update(model="tiny (dry run)" if dry else "gpt2-medium", micro_batch=micro, seq_length=cfg.seq_length,

@@ -153,7 +153,7 @@ def run_setting(res: PartResult, factory: "es.ModelFactory", model: str, recompu
 def body(res: PartResult) -> None:
     dry = res.dry_run
     topo, _ = es.world_one(dry)
-    device = torch.device("cpu") if dry else torch.device("cuda", torch.cuda.current_device())
+    device = topo.device  # the GPU under NCCL, the CPU in the dry run
     peaks = {"spec": SPEC_PEAK_BF16_TFLOPS, "measured": es.peak_tflops_measured(out_dir())}
     models = dry_run_choice(dry, MODELS, MODELS[:1])
     micros = dry_run_choice(dry, MICRO_BATCHES, (1, 2))

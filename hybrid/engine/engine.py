@@ -162,6 +162,10 @@ class Engine:
         micro-batches), the loss computed on the last stage and broadcast over ``"pp"`` so that every rank
         reports the same value.
         """
+        if self.pipeline is None:
+            raise TypeError(f"train_batch needs a pipeline-aware model (one with a stage split and forward_part, "
+                            f"such as model_zoo.GPTModel); for {type(self.module).__name__} call engine(...), "
+                            f"engine.backward(loss) and engine.step() per micro-batch")
         gas = self.batch.gradient_accumulation_steps
         if len(microbatches) != gas:
             raise ValueError(f"train_batch needs gradient_accumulation_steps={gas} micro-batches, got "
@@ -184,6 +188,9 @@ class Engine:
 
     def eval_batch(self, microbatches: Sequence[Mapping[str, Any]]) -> float:
         """The mean loss of ``microbatches`` through the pipeline, forward only (validation)."""
+        if self.pipeline is None:
+            raise TypeError(f"eval_batch needs a pipeline-aware model (such as model_zoo.GPTModel); for "
+                            f"{type(self.module).__name__} call engine(...) under torch.no_grad()")
         with torch.no_grad():
             stats = self.pipeline.step(microbatches, self._forward_part, train=False)
         return float(self._pipeline_loss(stats.losses))

@@ -8,9 +8,8 @@
 
 from hybrid.pipeline.executor import PipelineExecutor, StepStats
 from hybrid.pipeline.actions import Action
-from hybrid.pipeline.schedule import SCHEDULE_NAMES
 from hybrid.pipeline.simulate import ScheduleError, bubble_fraction, simulate
 from hybrid.pipeline.split import StageSplit, balanced_layer_counts, split_layers
 
-__all__ = ["Action", "PipelineExecutor", "SCHEDULE_NAMES", "ScheduleError", "StageSplit", "StepStats",
+__all__ = ["Action", "PipelineExecutor", "ScheduleError", "StageSplit", "StepStats",
            "balanced_layer_counts", "bubble_fraction", "simulate", "split_layers"]

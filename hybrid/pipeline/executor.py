@@ -58,11 +58,6 @@ class StepStats:
     step_s: float = 0.0            # wall time of the whole step
     wait_s: float = 0.0            # time blocked in receives (the bubble, plus any transfer time)
     max_in_flight: int = 0         # most micro-batch chunks forwarded and not yet backwarded
-    sent_bytes: int = 0
-
-    @property
-    def idle_fraction(self) -> float:
-        return self.wait_s / self.step_s if self.step_s > 0 else 0.0
 
 
 class PipelineExecutor:
@@ -144,7 +139,7 @@ class PipelineExecutor:
             if tuple(y.shape) != tuple(expected) or y.dtype != self.activation_dtype:
                 raise RuntimeError(f"pipeline part {k} produced {y.dtype} {tuple(y.shape)} for micro-batch {mb} but "
                                    f"the next part expects {self.activation_dtype} {tuple(expected)}")
-            pending.append(self._send(y.detach(), k + 1, ACTIVATION_TAG, stats))
+            pending.append(self._send(y.detach(), k + 1, ACTIVATION_TAG))
         if train:
             inputs[(mb, action.chunk)] = x
             outputs[(mb, action.chunk)] = y
@@ -157,16 +152,15 @@ class PipelineExecutor:
         else:
             backward_fn(y, self._receive(y.shape, y.dtype, k + 1, GRADIENT_TAG, stats))
         if k > 0:
-            pending.append(self._send(x.grad, k - 1, GRADIENT_TAG, stats))
+            pending.append(self._send(x.grad, k - 1, GRADIENT_TAG))
 
     # ---- transfers ----------------------------------------------------------------------------
     def _rank_of_part(self, part: int) -> int:
         return part % self.pp
 
-    def _send(self, tensor: torch.Tensor, part: int, tag: int, stats: StepStats):
-        tensor = tensor.contiguous()
-        stats.sent_bytes += tensor.numel() * tensor.element_size()
-        return self.topology.comm.send(tensor, "pp", self._rank_of_part(part), async_op=True, tag=tag)
+    def _send(self, tensor: torch.Tensor, part: int, tag: int):
+        # the communicator counts the bytes (comm_report)
+        return self.topology.comm.send(tensor.contiguous(), "pp", self._rank_of_part(part), async_op=True, tag=tag)
 
     def _receive(self, shape, dtype, part: int, tag: int, stats: StepStats) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.topology.device)

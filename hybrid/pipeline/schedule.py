@@ -24,7 +24,7 @@ from hybrid.config.schema import PIPELINE_SCHEDULES
 from hybrid.pipeline import gpipe, interleaved, one_f_one_b
 from hybrid.pipeline.actions import BACKWARD, FORWARD, Action
 
-__all__ = ["Action", "BACKWARD", "FORWARD", "SCHEDULE_NAMES", "build", "forward_only", "schedules"]
+__all__ = ["Action", "BACKWARD", "FORWARD", "SCHEDULES", "build", "forward_only"]
 
 ScheduleFn = Callable[[int, int, int, int], List[Action]]
 
@@ -34,22 +34,18 @@ def forward_only(pp_rank: int, pp: int, microbatches: int, chunks: int = 1) -> L
     return [Action(FORWARD, mb, c) for mb, c in interleaved.forward_order(pp, microbatches, chunks)]
 
 
-def schedules() -> Dict[str, ScheduleFn]:
-    """The training schedules by name (``pipeline.schedule``, whose choices are ``PIPELINE_SCHEDULES``)."""
-    return {"gpipe": gpipe.actions, "1f1b": one_f_one_b.actions, "interleaved": interleaved.actions}
-
-
-SCHEDULE_NAMES = PIPELINE_SCHEDULES
+# pipeline.schedule's choices (PIPELINE_SCHEDULES, the config's list) -> the module that orders the work
+SCHEDULES: Dict[str, ScheduleFn] = {"gpipe": gpipe.actions, "1f1b": one_f_one_b.actions,
+                                    "interleaved": interleaved.actions}
 
 
 def build(name: str, pp_rank: int, pp: int, microbatches: int, chunks: int = 1) -> List[Action]:
     """The actions of ``pp_rank`` under schedule ``name``; refuses combinations the schedule cannot run."""
-    table = schedules()
-    if name not in table:
+    if name not in SCHEDULES:
         raise ConfigError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(PIPELINE_SCHEDULES)}")
     if chunks > 1 and name != "interleaved":
         raise ConfigError(f"{chunks} virtual stages per rank need the interleaved schedule, not {name!r}; set "
                           f"--pipeline-schedule interleaved or drop --num-layers-per-virtual-pipeline-stage")
     if microbatches < 1:
         raise ConfigError(f"a pipeline step needs at least one micro-batch, got {microbatches}")
-    return table[name](pp_rank, pp, microbatches, chunks)
+    return SCHEDULES[name](pp_rank, pp, microbatches, chunks)

@@ -82,7 +82,10 @@ class FlatZeroOptimizer(ZeroOptimizer):
         self._offload = [ChunkOffload(gc, part.param_chunks, host, poison=poison and not part.aliased)
                          for gc, part in zip(self._grad_chunks, self.partitions)] if host is not None else []
         if any(not off.same for off in self._offload):
-            self.reducer.on_final = lambda g, s: self._offload[g].grad_to_host(s)
+            # A weight tied across pipeline stages is final only once its copies' gradients are added in the
+            # step (_sum_tied_gradients): its group goes to the host there, with the segments not streamed.
+            tied = {g.index for g in self.groups if g.tied and topology.size("embed") > 1}
+            self.reducer.on_final = lambda g, s: None if g in tied else self._offload[g].grad_to_host(s)
         for k, (g, part) in enumerate(zip(self.groups, self.partitions)):
             lowp = part.param_chunks if not self._offload else self._offload[k].lowp
             self.inner.add_group(part.master_chunks, decay=g.weight_decay, lowp=None if part.aliased else lowp,
@@ -142,10 +145,8 @@ class FlatZeroOptimizer(ZeroOptimizer):
             if self._local_gradients():  # the 1-bit optimizers' local steps read each rank's whole gradient
                 self.comm.all_reduce(self.reducer.grads[g.index], "embed")
                 continue
-            for s, chunk in enumerate(self._grad_chunks[g.index]):
+            for chunk in self._grad_chunks[g.index]:
                 self.comm.all_reduce(chunk, "embed")
-                if self._offload:  # its host twin was streamed during backward, before this sum
-                    self._offload[g.index].grad_to_host(s)
 
     def _global_sq(self) -> float:
         if self._local_gradients():

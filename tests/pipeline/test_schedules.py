@@ -54,6 +54,12 @@ def test_the_checker_catches_a_deadlock_and_swapped_transfers():
                   [Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1)]])
 
 
+def test_every_configurable_schedule_has_its_module():
+    from hybrid.config.schema import PIPELINE_SCHEDULES
+
+    assert sorted(schedule.SCHEDULES) == sorted(PIPELINE_SCHEDULES)
+
+
 def test_bad_schedule_requests_are_refused_in_one_line():
     with pytest.raises(ConfigError, match="unknown pipeline schedule 'zigzag'"):
         schedule.build("zigzag", 0, 2, 4)

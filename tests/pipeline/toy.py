@@ -101,7 +101,7 @@ def run_pipeline(num_layers: int, count: int, schedule: str, chunks: int = 1, tr
             if p.grad is not None:
                 grads[name] = p.grad.numpy().copy()
     out = {"losses": stats.losses, "grads": grads, "max_in_flight": stats.max_in_flight,
-           "idle": stats.idle_fraction, "layers": split.layers_of_rank(topo.pp_rank), "pp_rank": topo.pp_rank,
+           "layers": split.layers_of_rank(topo.pp_rank), "pp_rank": topo.pp_rank,
            "dp_rank": topo.dp_rank}
     topo.close()
     return out
