@@ -293,15 +293,19 @@ class Topology:
             atexit.register(self.close)
 
     @classmethod
-    def local(cls) -> "Topology":
+    def local(cls, pp: int = 1, pp_rank: int = 0) -> "Topology":
         """A one-process topology that never communicates, even inside a larger world.
 
-        Used for single-process references (tests, conversion tools).
+        Used for single-process references (tests, conversion tools). ``pp`` and ``pp_rank``: it stands for
+        pipeline stage ``pp_rank`` of ``pp``, so that a model built on it (on ``meta``, as the planner does)
+        has that stage's parameters; such a model cannot run.
         """
+        if not 0 <= pp_rank < pp:
+            raise ValueError(f"pipeline rank {pp_rank} is not one of {pp} stages")
         topo = cls.__new__(cls)
-        topo.grid = Grid(tp=1, dp=1, pp=1)
+        topo.grid = Grid(tp=1, dp=1, pp=pp)
         topo.rank = 0
-        topo.coord = Coord(0, 0, 0)
+        topo.coord = Coord(0, 0, pp_rank)
         topo.nodes = Nodes(ranks_per_node=1)
         topo._groups = {}
         topo._node_axes = False

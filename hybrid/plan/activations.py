@@ -103,7 +103,9 @@ class ActivationBytes:
     ``by_reference``: the part of ``embedding`` that recomputation regions keep
     by plain reference rather than through autograd's saved tensors (the RoPE
     tables under full recomputation): in memory all the same, but invisible to
-    ``saved_tensors_hooks``.
+    ``saved_tensors_hooks``. ``rope_tables``: the part of ``embedding`` that is
+    the RoPE ``cos``/``sin`` tables, which every pipeline part with layers
+    computes for itself.
     """
 
     per_layer: int
@@ -113,6 +115,7 @@ class ActivationBytes:
     layers: int
     loss_workspace: int
     by_reference: int = 0
+    rope_tables: int = 0
 
     @property
     def total(self) -> int:
@@ -231,4 +234,5 @@ def activation_bytes(config: GPTConfig, micro_batch: int, *, tp: int = 1, sequen
         head=int(_head(config, x, profile)),
         layers=config.num_layers,
         loss_workspace=int(logits + 8 * x.N * x.vocab_local),
-        by_reference=rope_tables if recompute == "full" else 0)
+        by_reference=rope_tables if recompute == "full" else 0,
+        rope_tables=int(rope_tables))

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import List, Optional
 
+from hybrid.config.schema import PIPELINE_SCHEDULES
 from hybrid.layout import OFFLOAD_DEVICES, PRECISIONS, ZERO_STAGES, LayoutError
 from hybrid.plan.activations import PROFILES
 from hybrid.plan.candidate import DEFAULT_PRECISION
@@ -91,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "measure)")
     ly = ap.add_argument_group("layouts to consider (default: all valid ones)")
     ly.add_argument("--tp", type=int, nargs="+", help="tensor-parallel sizes")
+    ly.add_argument("--pp", type=int, nargs="+", default=[1],
+                    help="pipeline sizes (default 1: no pipeline; e.g. --pp 1 2 4 8)")
+    ly.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
+                    help="the schedule of layouts with a pipeline")
+    ly.add_argument("--virtual-stages", type=int, nargs="+", default=[1],
+                    help="model chunks per pipeline stage to consider (above 1: the interleaved schedule)")
     ly.add_argument("--zero-stage", type=int, nargs="+", choices=ZERO_STAGES, default=list(ZERO_STAGES))
     ly.add_argument("--offload", nargs="+", choices=OFFLOAD_DEVICES, default=list(OFFLOAD_DEVICES))
     ly.add_argument("--recompute", nargs="+", choices=RECOMPUTES, default=list(RECOMPUTES))
@@ -196,7 +203,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                               async_save=args.async_save, async_save_chunk_mb=args.async_save_chunk_mb,
                               fragmentation=args.fragmentation,
                               profile=PROFILES[args.device])
-        choices = Choices(tp=args.tp, stages=args.zero_stage, offloads=args.offload, recomputes=args.recompute,
+        choices = Choices(tp=args.tp, pp=args.pp, pipeline_schedule=args.pipeline_schedule,
+                          virtual_stages=args.virtual_stages, stages=args.zero_stage, offloads=args.offload, recomputes=args.recompute,
                           micro_batches=args.micro_batch, max_micro_batch=args.max_micro_batch,
                           sequence_parallel=args.sequence_parallel, precision=args.precision)
         evaluations = plan(config, cluster, args.global_batch_size, setup, choices)

@@ -131,9 +131,19 @@ class Cluster:
     def host(self) -> HostLink:
         return HostLink(bytes_per_s=self.pcie_gbps * 1e9, cpu_adam_params_per_s=self.cpu_adam_rate / self.node_size)
 
-    def placement(self, tp: int, dp: int) -> Placement:
-        """``tp × dp`` ranks (every GPU) on this cluster's nodes."""
-        return Placement(tp=tp, dp=dp, nodes=self.nodes, ranks_per_node=self.node_size)
+    def placement(self, tp: int, dp: int, pp: int = 1) -> Placement:
+        """The ``tp × dp`` ranks of one pipeline stage (every GPU when ``pp`` is 1) on this cluster's nodes. The
+        rank order puts the pipeline outermost: a stage fills whole nodes, or several stages share one node
+        (:func:`stage_fits_nodes`)."""
+        if pp == 1:
+            return Placement(tp=tp, dp=dp, nodes=self.nodes, ranks_per_node=self.node_size)
+        stage = tp * dp
+        problem = stage_fits_nodes(stage, self.node_size)
+        if problem:
+            raise ClusterError(problem)
+        if stage % self.node_size == 0:
+            return Placement(tp=tp, dp=dp, nodes=stage // self.node_size, ranks_per_node=self.node_size)
+        return Placement(tp=tp, dp=dp, nodes=1, ranks_per_node=stage)
 
     def describe(self) -> str:
         host = f", {format_bytes(self.cpu_memory)} host memory per node" if self.cpu_memory else ""
@@ -149,3 +159,12 @@ class Cluster:
         return (f"{compute}; links {self.intra_node_gbps:g} GB/s per GPU inside a node, "
                 f"{self.inter_node_gbps:g} GB/s per node between nodes{latency}; host link "
                 f"{self.pcie_gbps:g} GB/s; CPU Adam {self.cpu_adam_rate:.3g} parameters/s per node")
+
+
+def stage_fits_nodes(stage_ranks: int, node_size: int) -> Optional[str]:
+    """Why a pipeline stage of ``stage_ranks`` ranks cannot be placed on nodes of ``node_size`` (None when it
+    can): it must fill whole nodes or divide one."""
+    if stage_ranks % node_size and node_size % stage_ranks:
+        return (f"a pipeline stage of {stage_ranks} ranks (tp x dp) neither fills whole nodes of {node_size} GPUs "
+                f"nor divides one; choose pipeline sizes that keep tp x dp a multiple or a divisor of the node")
+    return None

@@ -73,7 +73,7 @@ from typing import Dict, Optional, Tuple, Union
 
 from hybrid import param_meta
 from hybrid.compression import Quantization
-from hybrid.layout import stage_traits
+from hybrid.layout import partition_count, stage_traits
 from hybrid.plan.activations import DTYPE_BYTES
 from hybrid.plan.candidate import Candidate
 from hybrid.plan.compressed import chunk, packed_bytes
@@ -261,12 +261,15 @@ def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches
 
 def tp_volume(config: GPTConfig, micro_batch: int, tp: int, *, sequence_parallel: bool, recompute: str,
               precision: str, micro_batches: int = 1, report: Optional[Report] = None,
-              whole_replay: bool = False) -> Report:
+              whole_replay: bool = False, layers: Optional[int] = None, first: bool = True,
+              last: bool = True) -> Report:
     """Tensor-parallel collectives of one step (``micro_batches`` micro-batches) over ``tp`` ranks.
 
     ``whole_replay``: full recomputation replays each layer's whole forward
     (ZeRO stage 3 turns the early stop off so that every module's forward
     hooks run) rather than stopping at the last tensor backward needs.
+    ``layers``, ``first``, ``last``: a pipeline rank's share -- its layers
+    (default all), whether it holds the embedding and the head with the loss.
     """
     report = {} if report is None else report
     if tp == 1:
@@ -274,30 +277,32 @@ def tp_volume(config: GPTConfig, micro_batch: int, tp: int, *, sequence_parallel
     p = DTYPE_BYTES[precision]
     n_tok = config.seq_length * micro_batch
     act = n_tok * config.hidden_size * p  # one [s, b, h] activation
-    L, k = config.num_layers, micro_batches
+    L, k = (config.num_layers if layers is None else layers), micro_batches
+    emb, head = int(first), int(last)
     # Full recomputation replays a layer's forward only up to the last tensor backward needs, so the
     # collective after the MLP's row-parallel projection is not repeated (unless the replay is whole).
     replay = L if recompute == "full" else 0
     replay_last = replay if whole_replay else 0
     if sequence_parallel:
         # Column-parallel inputs: all-gather forward, reduce-scatter backward; row-parallel outputs the reverse.
-        _add(report, "all_gather", "tp", tp, act, calls=k * (2 * L + 1 + 2 * replay + 2 * L + 1))
-        _add(report, "reduce_scatter", "tp", tp, act, calls=k * (2 * L + 1 + replay + replay_last + 2 * L + 1))
+        # (The head's input is gathered in forward, the embedding's output gradient in backward.)
+        _add(report, "all_gather", "tp", tp, act, calls=k * (2 * L + head + 2 * replay + 2 * L + emb))
+        _add(report, "reduce_scatter", "tp", tp, act, calls=k * (2 * L + emb + replay + replay_last + 2 * L + head))
         # Replicated parameters used on sequence shards: each one's gradient is summed over TP.
         norm_params = 2 if config.norm == "layernorm" and config.bias else 1
         h_bytes = config.hidden_size * p
-        _add(report, "all_reduce", "tp", tp, h_bytes, calls=k * (2 * L + 1) * norm_params)
+        _add(report, "all_reduce", "tp", tp, h_bytes, calls=k * (2 * L + head) * norm_params)
         if config.bias:
             _add(report, "all_reduce", "tp", tp, h_bytes, calls=k * 2 * L)  # row-parallel biases
         if config.position == "learned":
-            _add(report, "all_reduce", "tp", tp, config.num_positions * h_bytes, calls=k)
+            _add(report, "all_reduce", "tp", tp, config.num_positions * h_bytes, calls=k * emb)
     else:
         # Forward: the embedding, and after each row-parallel projection; backward: the inputs of each
         # column-parallel projection and of the head.
-        _add(report, "all_reduce", "tp", tp, act, calls=k * (1 + 2 * L + replay + replay_last + 2 * L + 1))
+        _add(report, "all_reduce", "tp", tp, act, calls=k * (emb + 2 * L + replay + replay_last + 2 * L + head))
     # The loss: the row maximum, then the sums (sum of exponentials and the target logit).
-    _add(report, "all_reduce", "tp", tp, 4 * n_tok, calls=k)
-    _add(report, "all_reduce", "tp", tp, 2 * 4 * n_tok, calls=k)
+    _add(report, "all_reduce", "tp", tp, 4 * n_tok, calls=k * head)
+    _add(report, "all_reduce", "tp", tp, 2 * 4 * n_tok, calls=k * head)
     # Key/value heads replicated over tp/g ranks (grouped-query attention with g < tp): each backward sums
     # the gradient of their q/k/v weight (and bias) rows over those ranks, one call per block (k, then v).
     layout = qkv_layout(config)
@@ -312,22 +317,44 @@ def tp_volume(config: GPTConfig, micro_batch: int, tp: int, *, sequence_parallel
 def step_volume(config: GPTConfig, layout: Union[FlatLayout, Stage3Layout], candidate: Candidate,
                 micro_batches: int, reduce_once: bool = False, gradients: Optional[Quantization] = None,
                 weights: Optional[Quantization] = None, node_split: Optional[Tuple[int, int]] = None,
-                hpz: int = 1, momentum: Optional[Quantization] = None) -> Report:
+                hpz: int = 1, momentum: Optional[Quantization] = None, pp_rank: int = 0) -> Report:
     """Every collective of one step (``micro_batches`` micro-batches of ``candidate``): data-parallel,
     tensor-parallel and the gradient-norm all-reduce. ``layout``: the candidate's flat or stage-3 layout;
     ``reduce_once``: ``zero.reduce_once`` (stage 2 reduces once per step); ``gradients`` / ``weights``: the
     formats of ``zero.quantized_gradients`` / ``zero.quantized_weights`` (None: off); ``node_split``: ``(l, m)``
     dp ranks per node and nodes under ``zero.two_level_reduce`` (None: off); ``hpz``: ``zero.hpz_partition_size``
-    (stage 3; 1: off); ``momentum``: 1-bit Adam's compressed phase (:func:`dp_volume`)."""
+    (stage 3; 1: off); ``momentum``: 1-bit Adam's compressed phase (:func:`dp_volume`); ``pp_rank``: with a
+    pipeline, the rank whose step it is (``layout`` is its own), which adds :func:`pipeline_volume`."""
     report: Report = {}
     dp_volume(layout, candidate.zero_stage, micro_batches, report, tied_head=config.tie_embeddings,
               reduce_once=reduce_once, gradients=gradients, weights=weights, node_split=node_split, hpz=hpz,
               momentum=momentum)
+    share = {}
+    if candidate.pp > 1:
+        split = candidate.stage_split(config)
+        share = dict(layers=len(split.layers_of_rank(pp_rank)), first=split.holds_embedding(pp_rank),
+                     last=split.holds_head(pp_rank))
+        pipeline_volume(config, layout, candidate, micro_batches, pp_rank, report)
     # Partitioned parameters are gathered by module hooks, which a replay must run: it replays whole layers.
     tp_volume(config, candidate.micro_batch, candidate.tp, sequence_parallel=candidate.sequence_parallel,
               recompute=candidate.recompute, precision=candidate.precision, micro_batches=micro_batches,
-              report=report, whole_replay=candidate.traits.parameters)
-    _add(report, "all_reduce", "world", candidate.tp * layout.dp, 8)  # the float64 squared gradient norm
+              report=report, whole_replay=candidate.traits.parameters, **share)
+    _add(report, "all_reduce", "world", candidate.parallel.world_size, 8)  # the float64 squared gradient norm
+    return report
+
+
+def pipeline_volume(config: GPTConfig, layout: FlatLayout, candidate: Candidate, micro_batches: int, pp_rank: int,
+                    report: Report) -> Report:
+    """Pipeline rank ``pp_rank``'s transfers (:func:`hybrid.plan.pipeline_stages.p2p_volume`), the tied embedding copies' gradient sum over ``embed`` (first and last rank: one all-reduce per
+    segment of the tied group's gradient partition) and the loss broadcast from the last rank (float64)."""
+    from hybrid.plan.pipeline_stages import p2p_volume
+
+    p2p_volume(config, candidate, micro_batches, pp_rank, report)
+    if config.tie_embeddings and layout.tied_segments and pp_rank in (0, candidate.pp - 1):
+        parts = partition_count(candidate.zero_stage, layout.dp)
+        for size in layout.tied_segments:
+            _add(report, "all_reduce", "embed", 2, layout.element_bytes * size // parts)
+    _add(report, "broadcast", "pp", candidate.pp, 8)
     return report
 
 

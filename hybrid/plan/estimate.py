@@ -60,7 +60,7 @@ buckets of :func:`stage3_gradient_flow`, which replays the unquantized path.
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
+from typing import List, Optional, Union
 
 from hybrid.layout import partition_count
 from hybrid.plan.activations import DTYPE_BYTES, ActivationBytes, activation_bytes
@@ -68,6 +68,7 @@ from hybrid.plan.candidate import Candidate
 from hybrid.plan.compressed import FP32, chunk, gather_buffers, reduction_buffers
 from hybrid.plan.model_memory import (FlatLayout, Stage3Layout, StateBytes, flat_layout, shard_shapes, snapshot_bytes,
                                       stage3_layout, stage3_state_bytes, state_bytes)
+from hybrid.plan.pipeline_stages import stage_share
 from hybrid.plan.setup import TrainingSetup
 from hybrid.plan.zero_collectives import gathers_after_step, reduces_by_scatter, reduces_every_micro_batch
 from hybrid.zero.buckets import STAGING_BUFFERS_BEFORE_WAIT
@@ -89,6 +90,9 @@ class MemoryEstimate:
     fragmentation: int
     untracked: int = 0  # bytes the communication library holds outside tensors, beyond the tensor peak
     snapshot: int = 0  # host bytes of a background checkpoint save's copy (TrainingSetup.async_save)
+    pp_rank: int = 0  # the pipeline rank these figures are for (its busiest, for a whole pipeline layout)
+    held_activations: int = 0  # activation bytes held at the schedule's worst moment (pipeline_stages)
+    in_flight: int = 1  # micro-batch chunks whose activations are held then
 
     @property
     def weights(self) -> int:
@@ -216,23 +220,24 @@ def largest_layer_weight(config: GPTConfig) -> int:
     return max(3 * h * h, (2 if config.mlp == "swiglu" else 1) * f * h)
 
 
-def zero_layout(config: GPTConfig, candidate: Candidate,
-                setup: TrainingSetup = TrainingSetup()) -> Union[FlatLayout, Stage3Layout]:
-    """How the candidate's ZeRO optimizer lays one rank's parameters out: in units when its stage partitions
-    the parameters, else in flat buffers."""
+def zero_layout(config: GPTConfig, candidate: Candidate, setup: TrainingSetup = TrainingSetup(),
+                pp_rank: int = 0) -> Union[FlatLayout, Stage3Layout]:
+    """How the candidate's ZeRO optimizer lays one rank's parameters out (pipeline rank ``pp_rank``'s, with a
+    pipeline): in units when its stage partitions the parameters, else in flat buffers."""
     if candidate.traits.parameters:
         return stage3_layout(config, candidate.tp, candidate.dp, candidate.precision,
                              setup.stage3_persistence_threshold, setup.weight_decay)
-    return flat_layout(shard_shapes(config, candidate.tp), candidate.dp, candidate.precision, setup.bucket_size,
-                       setup.weight_decay)
+    split = candidate.stage_split(config) if candidate.pp > 1 else None
+    return flat_layout(shard_shapes(config, candidate.tp, split, pp_rank), candidate.dp, candidate.precision,
+                       setup.bucket_size, setup.weight_decay, tied_head=split is not None and split.holds_head(pp_rank))
 
 
-def _model_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup):
+def _model_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, pp_rank: int = 0):
     """``(state, stage-3 bytes gathered at the forward peak, gathered during backward, the stage-3 gradient flow
     (:class:`GradientFlow`, bytes; None with whole parameters), the step's gather temporary, reduce-scatter
     payload in flight at the end of backward with whole parameters (gloo's copies), packed buffers of the
     quantized reductions in flight then)``."""
-    layout = zero_layout(config, candidate, setup)
+    layout = zero_layout(config, candidate, setup, pp_rank)
     if candidate.traits.parameters:
         return _unit_state(config, candidate, setup, layout)
     return _flat_state(candidate, setup, layout)
@@ -290,34 +295,70 @@ def _flat_state(candidate: Candidate, setup: TrainingSetup, flat: FlatLayout):
     return state, 0, 0, None, gather_temp, flat.element_bytes * in_flight, packed
 
 
-def estimate_memory(config: GPTConfig, candidate: Candidate, setup: TrainingSetup = TrainingSetup()) -> MemoryEstimate:
-    """Predict the memory of one device for ``config`` trained as ``candidate``."""
-    state, gathered, gathered_backward, staging3, gather_temp, in_flight, packed = _model_state(config, candidate,
-                                                                                                 setup)
+def estimate_memory(config: GPTConfig, candidate: Candidate, setup: TrainingSetup = TrainingSetup(),
+                    micro_batches: Optional[int] = None) -> MemoryEstimate:
+    """Predict the memory of one device for ``config`` trained as ``candidate``: with a pipeline, that of its
+    busiest pipeline rank (:func:`estimate_stages`; ``micro_batches`` per step, which the schedule's activations
+    in flight depend on, must then be given)."""
+    if candidate.pp > 1:
+        return max(estimate_stages(config, candidate, setup, micro_batches), key=lambda m: m.total)
     act = activation_bytes(config, candidate.micro_batch, tp=candidate.tp,
                            sequence_parallel=candidate.sequence_parallel, recompute=candidate.recompute,
                            precision=candidate.precision, profile=setup.profile)
+    return _estimate(config, candidate, setup, act, act.total, first=True, last=True)
+
+
+def estimate_stages(config: GPTConfig, candidate: Candidate, setup: TrainingSetup = TrainingSetup(),
+                    micro_batches: Optional[int] = None) -> List[MemoryEstimate]:
+    """The memory of every pipeline rank of ``candidate`` (:mod:`hybrid.plan.pipeline_stages`), in rank order,
+    for steps of ``micro_batches`` micro-batches."""
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"a pipeline's memory depends on the micro-batches per step: give micro_batches >= 1, "
+                         f"got {micro_batches!r}")
+    act = activation_bytes(config, candidate.micro_batch, tp=candidate.tp,
+                           sequence_parallel=candidate.sequence_parallel, recompute=candidate.recompute,
+                           precision=candidate.precision, profile=setup.profile)
+    out = []
+    for rank in range(candidate.pp):
+        share = stage_share(config, candidate, act, micro_batches, rank)
+        out.append(_estimate(config, candidate, setup, share.activations, share.held, first=share.first,
+                             last=share.last, pp_rank=rank, in_flight=share.in_flight))
+    return out
+
+
+def _estimate(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, act: ActivationBytes, held: int, *,
+              first: bool, last: bool, pp_rank: int = 0, in_flight: int = 1) -> MemoryEstimate:
+    """The peaks of one rank whose micro-batch saves ``act`` and that holds ``held`` bytes of activations at the
+    worst moment of its schedule (``act.total`` without a pipeline); ``first``/``last``: it holds the
+    embedding / the head and loss."""
+    state, gathered, gathered_backward, staging3, gather_temp, in_flight_bytes, packed = _model_state(
+        config, candidate, setup, pp_rank)
     p = DTYPE_BYTES[candidate.precision]
     base = state.device_total
     n = config.seq_length * candidate.micro_batch
     h, t = config.hidden_size, candidate.tp
     v_local = config.padded_vocab_size(t) // t
     logits, fp32_nv, loss_saved = p * n * v_local, 4 * n * v_local, 4 * n * v_local + 9 * n
-    before_loss = act.total - loss_saved
-    # End of forward: the loss shifts the logits and exponentiates them in fp32.
-    forward = base + gathered + before_loss + logits + 2 * fp32_nv
-    # Start of backward: the fp32 loss gradient (and its cast) beside everything saved.
-    cast = logits if p != 4 else 0
     head_grad = p * v_local * h
-    backward = max(base + act.total + fp32_nv + cast,
-                   # the head's matmuls: the logits gradient, the weight gradient and the hidden gradient
-                   base + before_loss + logits + head_grad + p * n * h)
+    if last:
+        before_loss = held - loss_saved
+        # End of forward: the loss shifts the logits and exponentiates them in fp32.
+        forward = base + gathered + before_loss + logits + 2 * fp32_nv
+        # Start of backward: the fp32 loss gradient (and its cast) beside everything saved.
+        cast = logits if p != 4 else 0
+        backward = max(base + held + fp32_nv + cast,
+                       # the head's matmuls: the logits gradient, the weight gradient and the hidden gradient
+                       base + before_loss + logits + head_grad + p * n * h)
+        final_norm = act.head - loss_saved
+    else:  # a pipeline rank without the head: its forward ends with its output, kept for its backward
+        before_loss, final_norm = held, 0
+        forward = backward = base + gathered + held
     # The last layer's backward: its largest weight gradient and input gradient in flight, the residual
-    # gradient, a recomputed layer's activations, and a tied head's gradient waiting for the embedding's.
-    tied = head_grad if config.tie_embeddings else 0
+    # gradient (received from the next pipeline part, in a pipeline), a recomputed layer's activations, and a
+    # tied head's gradient waiting for the embedding's (in one process; pipeline copies are separate weights).
+    tied = head_grad if config.tie_embeddings and first and last else 0
     rebuilt = act.layer_full if candidate.recompute == "full" else 0
     weight_grad = p * max(largest_layer_weight(config) // t, 1)
-    final_norm = act.head - loss_saved
     backward = max(backward, base + before_loss - final_norm + rebuilt + tied + weight_grad
                    + p * n * config.ffn_size // t + p * n * h) + gathered_backward
     backward_comm = gathered_backward
@@ -332,10 +373,10 @@ def estimate_memory(config: GPTConfig, candidate: Candidate, setup: TrainingSetu
         for tensors, _ in moments:
             if tensors > backward:
                 backward, backward_comm = tensors, tensors - base - act.embedding
-    elif in_flight or packed:
+    elif in_flight_bytes or packed:
         # Whole parameters: the end of backward, with the quantized reductions' packed buffers.
         end = base + act.embedding + packed
-        moments.append((end, in_flight))
+        moments.append((end, in_flight_bytes))
         if end > backward:
             backward, backward_comm = end, packed
     step = base + state.step_workspace + gather_temp
@@ -348,14 +389,15 @@ def estimate_memory(config: GPTConfig, candidate: Candidate, setup: TrainingSetu
         peak = max(forward, backward, step)
         untracked = max([0] + [tensors + copies - peak for tensors, copies in moments])
     return MemoryEstimate(candidate, state, act, peak_comm, forward, backward, step,
-                          int(setup.fragmentation * transient), untracked, _snapshot(config, candidate, setup))
+                          int(setup.fragmentation * transient), untracked,
+                          _snapshot(config, candidate, setup, pp_rank), pp_rank, held, in_flight)
 
 
-def _snapshot(config: GPTConfig, candidate: Candidate, setup: TrainingSetup) -> int:
+def _snapshot(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, pp_rank: int = 0) -> int:
     """A background checkpoint save's host copy on DP rank 0 (0 when saves are synchronous)."""
     if not setup.async_save:
         return 0
-    layout = zero_layout(config, candidate, setup)
+    layout = zero_layout(config, candidate, setup, pp_rank)
     if isinstance(layout, Stage3Layout):
         model, partition = sum(layout.units) + layout.persistent, layout.partition_numel
     else:

@@ -7,7 +7,12 @@ A layout is valid when:
   a ``tp`` asked for explicitly (``Choices.tp``) may also span whole nodes
   (a multiple of the node's GPUs: the Megatron-style baseline whose TP
   collectives cross the inter-node link, ``--allow-tp-across-nodes`` at run time);
-* ``dp = gpus / tp`` is whole and divides the global batch;
+* ``pp`` (pipeline stages) divides ``gpus / tp``, leaves a stage of ``tp x dp``
+  ranks that fills whole nodes or divides one (:func:`hybrid.plan.cluster.stage_fits_nodes`),
+  can split the layers (:meth:`~hybrid.plan.candidate.Candidate.stage_split`), and
+  the stage does not partition parameters (:func:`hybrid.layout.pipeline_problem`);
+  with ``v`` virtual stages (interleaved schedule) ``pp x v`` divides the layers;
+* ``dp = gpus / (tp x pp)`` is whole and divides the global batch;
 * the micro batch divides ``global_batch / dp`` (the rest is gradient
   accumulation);
 * offload is used only where the stage allows it
@@ -39,9 +44,11 @@ import dataclasses
 import itertools
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from hybrid.layout import OFFLOAD_DEVICES, ZERO_STAGES, LayoutError, ParallelLayout, offload_problem
+from hybrid.config.errors import ConfigError
+from hybrid.layout import (OFFLOAD_DEVICES, ZERO_STAGES, LayoutError, ParallelLayout, offload_problem,
+                           pipeline_problem)
 from hybrid.plan.candidate import DEFAULT_PRECISION, Candidate
-from hybrid.plan.cluster import Cluster
+from hybrid.plan.cluster import Cluster, stage_fits_nodes
 from hybrid.plan.comm_volume import Report
 from hybrid.plan.estimate import MemoryEstimate, estimate_memory
 from hybrid.plan.predict import placement_problem, predict
@@ -60,6 +67,9 @@ class Choices:
     """Restrictions on the enumeration (None: try every valid value), and the precision every layout uses."""
 
     tp: Optional[Sequence[int]] = None
+    pp: Sequence[int] = (1,)
+    pipeline_schedule: str = "1f1b"
+    virtual_stages: Sequence[int] = (1,)
     stages: Sequence[int] = ZERO_STAGES
     offloads: Sequence[str] = OFFLOAD_DEVICES
     recomputes: Sequence[str] = RECOMPUTES
@@ -139,8 +149,10 @@ def enumerate_layouts(config: GPTConfig, cluster: Cluster, global_batch: int,
                           f"num_heads={config.num_heads} and the MLP width {config.ffn_size}; valid sizes "
                           f"here are {valid_tp}")
     layouts = []
-    for tp in tps:
-        dp = cluster.gpus // tp
+    for tp, pp, chunks in itertools.product(tps, choices.pp, choices.virtual_stages):
+        if (cluster.gpus // tp) % pp or not _splits(config, cluster, tp, pp, chunks, choices.pipeline_schedule):
+            continue
+        dp = cluster.gpus // (tp * pp)
         if global_batch % dp:
             continue
         per_rank = global_batch // dp
@@ -149,22 +161,39 @@ def enumerate_layouts(config: GPTConfig, cluster: Cluster, global_batch: int,
         sp = choices.sequence_parallel and tp > 1
         for stage, offload, recompute, micro in itertools.product(choices.stages, choices.offloads,
                                                                   choices.recomputes, micros):
-            if offload in OFFLOAD_DEVICES and offload_problem(stage, offload):
-                continue  # the stage cannot offload (an unknown device is refused by Candidate below)
-            parallel = ParallelLayout(tp=tp, dp=dp, zero_stage=stage, precision=choices.precision)
+            if offload in OFFLOAD_DEVICES and offload_problem(stage, offload) or pipeline_problem(stage, pp):
+                continue  # the stage cannot offload or pipeline (an unknown device is refused by Candidate below)
+            parallel = ParallelLayout(tp=tp, dp=dp, pp=pp, zero_stage=stage, precision=choices.precision)
             layouts.append(Candidate(parallel, offload=offload, recompute=recompute, micro_batch=micro,
-                                     sequence_parallel=sp))
+                                     sequence_parallel=sp, pipeline_schedule=choices.pipeline_schedule,
+                                     virtual_stages=chunks))
     if not layouts:
         raise LayoutError(f"no layout divides --global-batch-size {global_batch}: it must be a multiple of the "
                           f"data-parallel size gpus/tp for some tp in {tps} (and of the --micro-batch given)")
     return layouts
 
 
+def _splits(config: GPTConfig, cluster: Cluster, tp: int, pp: int, chunks: int, schedule: str) -> bool:
+    """``pp`` pipeline stages of ``chunks`` parts each can hold ``config``'s layers and be placed on the nodes."""
+    if pp == 1:
+        return chunks == 1
+    if stage_fits_nodes(cluster.gpus // pp, cluster.node_size):
+        return False
+    try:
+        Candidate(ParallelLayout(tp=tp, dp=cluster.gpus // (tp * pp), pp=pp), pipeline_schedule=schedule,
+                  virtual_stages=chunks).stage_split(config)
+    except (ConfigError, LayoutError):
+        return False
+    return True
+
+
 def evaluate(config: GPTConfig, candidate: Candidate, cluster: Cluster, setup: TrainingSetup,
              global_batch: int) -> Evaluation:
-    """Predict memory, communication and step time of one candidate layout."""
-    memory = estimate_memory(config, candidate, setup)
-    step = predict(config, candidate, global_batch, setup, cluster.placement(candidate.tp, candidate.dp),
+    """Predict memory, communication and step time of one candidate layout (its busiest pipeline rank's)."""
+    micro_batches = global_batch // (candidate.dp * candidate.micro_batch)
+    memory = estimate_memory(config, candidate, setup, micro_batches)
+    step = predict(config, candidate, global_batch, setup,
+                   cluster.placement(candidate.tp, candidate.dp, candidate.pp),
                    cluster.link, cluster.flops_per_s, cluster.host)
     host_fits = cluster.cpu_memory is None or memory.host * cluster.node_size <= cluster.cpu_memory
     return Evaluation(candidate, memory, step.comm, step.time, memory.total <= cluster.usable_memory, host_fits,
@@ -186,8 +215,8 @@ def refused_placements(candidates: Iterable[Candidate], cluster: Cluster,
                        setup: TrainingSetup) -> Dict[Tuple[int, int], str]:
     """The ``(tp, dp)`` of ``candidates`` that ``setup`` cannot run on ``cluster``'s nodes, each with the
     reason (:func:`hybrid.plan.predict.placement_problem`)."""
-    sizes = sorted({(c.tp, c.dp) for c in candidates})
-    refused = {(tp, dp): placement_problem(setup, cluster.placement(tp, dp)) for tp, dp in sizes}
+    sizes = sorted({(c.tp, c.dp, c.pp) for c in candidates})
+    refused = {(tp, dp): placement_problem(setup, cluster.placement(tp, dp, pp)) for tp, dp, pp in sizes}
     return {size: why for size, why in refused.items() if why}
 
 

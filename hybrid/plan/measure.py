@@ -60,6 +60,9 @@ class SavedActivations:
     ``exclude``: storage keys to leave out (:func:`storage_keys` of the model's
     parameters). After the block, ``bytes`` is the total and ``by_dtype`` a
     breakdown; ``records`` lists ``(shape, dtype, storage bytes)`` in save order.
+    Each storage is also followed until it is freed (after the backward that
+    used it): ``peak_held_bytes`` is the most held at once, where a pipeline
+    schedule's micro-batches in flight add up and its backwards subtract.
     """
 
     def __init__(self, exclude: Optional[Set[int]] = None):
@@ -67,19 +70,31 @@ class SavedActivations:
         self._seen: Dict[int, int] = {}
         self.records = []
         self.by_dtype: Dict[torch.dtype, int] = {}
+        self._held: Dict[int, int] = {}
+        self._refs: Dict[int, weakref.ref] = {}
+        self.held_bytes = self.peak_held_bytes = 0
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if t.untyped_storage().nbytes() == 0:
             return t
         key = _storage_key(t)
-        if key in self.exclude or key in self._seen:
+        if key in self.exclude or key in self._held:
             return t
         n = _storage_nbytes(t)
-        self._seen[key] = n
-        self.records.append((tuple(t.shape), t.dtype, n))
-        self.by_dtype[t.dtype] = self.by_dtype.get(t.dtype, 0) + n
+        if key not in self._seen:
+            self._seen[key] = n
+            self.records.append((tuple(t.shape), t.dtype, n))
+            self.by_dtype[t.dtype] = self.by_dtype.get(t.dtype, 0) + n
+        self._held[key] = n
+        self._refs[key] = weakref.ref(t.untyped_storage(), lambda _r, k=key: self._release(k))
+        self.held_bytes += n
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
         return t
+
+    def _release(self, key: int) -> None:
+        self.held_bytes -= self._held.pop(key, 0)
+        self._refs.pop(key, None)
 
     @property
     def bytes(self) -> int:

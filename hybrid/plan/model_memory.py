@@ -42,6 +42,7 @@ from hybrid import param_meta
 from hybrid.compression import DEFAULT_BLOCK, ONEBIT_ADAM, ONEBIT_BITS, packed_bytes
 from hybrid.layout import (StageTraits, ZeroStage, keeps_whole_gradients, offload_problem, partition_count,
                            stage_traits)
+from hybrid.pipeline.split import StageSplit
 from hybrid.plan.setup import zero_default
 from hybrid.zero.buckets import STAGING_BUFFERS_BEFORE_WAIT
 from hybrid.zero.flat_buffer import align_elements, plan_segments
@@ -53,40 +54,48 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, ONEBIT_ADAM: 2}  # fp32 sta
 
 @dataclasses.dataclass(frozen=True)
 class ParamShape:
-    """One parameter of one TP rank's shard, in registration order."""
+    """One parameter of one TP rank's shard, in registration order. ``tied``: the last pipeline stage's copy of
+    word embeddings tied across stages (:func:`hybrid.param_meta.is_pipeline_tied`), a flat group of its own."""
 
     name: str
     shape: Tuple[int, ...]
+    tied: bool = False
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
 
-@functools.lru_cache(maxsize=32)
-def _full_model_params(config_json: str) -> Tuple[Tuple[str, Tuple[int, ...], param_meta.TPMeta], ...]:
-    """``(name, TP=1 shape, TP metadata)`` of every parameter of the model, built on ``meta``."""
+@functools.lru_cache(maxsize=128)
+def _full_model_params(config_json: str, split: Optional[StageSplit] = None,
+                       pp_rank: int = 0) -> Tuple[Tuple[str, Tuple[int, ...], param_meta.TPMeta, bool], ...]:
+    """``(name, TP=1 shape, TP metadata, pipeline-tied)`` of every parameter of the model -- of pipeline stage
+    ``pp_rank`` when ``split`` is given -- built on ``meta``."""
     from hybrid.topology import Topology
     from model_zoo.gpt import GPTModel
 
     config = GPTConfig.from_dict(json.loads(config_json))
-    model = GPTModel(config, Topology.local(), device="meta")
-    return tuple((name, tuple(p.shape), param_meta.get_tp_meta(p)) for name, p in model.named_parameters())
+    topology = Topology.local(split.pp, pp_rank) if split is not None else Topology.local()
+    model = GPTModel(config, topology, device="meta", split=split)
+    return tuple((name, tuple(p.shape), param_meta.get_tp_meta(p), param_meta.is_pipeline_tied(p))
+                 for name, p in model.named_parameters())
 
 
-def shard_shapes(config: GPTConfig, tp: int) -> List[ParamShape]:
-    """The parameters one TP rank holds (every TP rank holds the same shapes), tied ones once.
+def shard_shapes(config: GPTConfig, tp: int, split: Optional[StageSplit] = None,
+                 pp_rank: int = 0) -> List[ParamShape]:
+    """The parameters one TP rank holds (every TP rank holds the same shapes), tied ones once; those of
+    pipeline stage ``pp_rank`` when ``split`` (:class:`hybrid.pipeline.split.StageSplit`) is given.
 
     Derived from the real model's registration order and TP metadata at TP=1,
     resized the way :func:`hybrid.param_meta.shard` cuts them.
     """
     config.validate(tp)
     out = []
-    for name, shape, meta in _full_model_params(json.dumps(config.to_dict(), sort_keys=True)):
+    for name, shape, meta, tied in _full_model_params(json.dumps(config.to_dict(), sort_keys=True), split, pp_rank):
         local = list(shape)
         if meta.partitioned:
             local[meta.dim] = param_meta.piece_size(meta, shape[meta.dim], tp)
-        out.append(ParamShape(name, tuple(local)))
+        out.append(ParamShape(name, tuple(local), tied))
     return out
 
 
@@ -114,6 +123,10 @@ class FlatLayout:
     dp: int
     unpadded: int  # trainable elements without padding
     launches: Tuple[Tuple[float, int], ...] = ()
+    tied_segments: Tuple[int, ...] = ()  # the segments of the group of a weight tied across pipeline stages
+    # Stage 2's staging buckets kept open through backward: the last pipeline rank's tied copy of the word
+    # embeddings is registered first, so reduced last, yet its gradient (the head's) arrives first.
+    held_open: int = 0
 
     @property
     def numel(self) -> int:
@@ -133,35 +146,41 @@ class FlatLayout:
 
 
 def flat_layout(params: Sequence[ParamShape], dp: int, precision: str, bucket_size: int,
-                weight_decay: bool = True) -> FlatLayout:
+                weight_decay: bool = True, tied_head: bool = False) -> FlatLayout:
     """Lay ``params`` out in flat groups the way :func:`hybrid.zero.flat_buffer.build_flat_groups` does.
 
-    Groups are ``(dtype, decay)`` classes in order of first appearance; one
-    dtype here (the whole model runs in ``precision``). ``weight_decay``: the
-    optimizer has a non-zero weight decay, so 1-D parameters form a group of
-    their own.
+    Groups are ``(dtype, decay, tied)`` classes in order of first appearance;
+    one dtype here (the whole model runs in ``precision``). ``weight_decay``:
+    the optimizer has a non-zero weight decay, so 1-D parameters form a group
+    of their own; a weight tied across pipeline stages (``ParamShape.tied``)
+    is always alone; ``tied_head``: these are the last pipeline rank's
+    parameters, whose tied copy serves as the output head
+    (:attr:`FlatLayout.held_open`).
     """
     dtype = DTYPES[precision]
-    classes: Dict[bool, List[int]] = {}
-    positions: Dict[bool, List[int]] = {}  # each parameter's place in registration order
+    classes: Dict[Tuple[bool, bool], List[int]] = {}
+    positions: Dict[Tuple[bool, bool], List[int]] = {}  # each parameter's place in registration order
     for i, p in enumerate(params):
-        decay = weight_decay and not no_decay_1d(p)
-        classes.setdefault(decay, []).append(p.numel)
-        positions.setdefault(decay, []).append(i)
+        key = (weight_decay and not no_decay_1d(p), p.tied)
+        classes.setdefault(key, []).append(p.numel)
+        positions.setdefault(key, []).append(i)
     before = [0]
     for p in params:
         before.append(before[-1] + p.numel)  # elements registered before each parameter
     total = max(1, before[-1])
-    groups, launches = [], []
-    for decay, numels in classes.items():  # dicts keep insertion order: first appearance
+    groups, launches, tied = [], [], ()
+    for key, numels in classes.items():  # dicts keep insertion order: first appearance
         segments = plan_segments(numels, dp, bucket_size, align_elements(dtype))
         groups.append((sum(s.size for s in segments), tuple(s.size for s in segments)))
+        if key[1]:
+            tied = groups[-1][1]
         for seg in segments:
-            first = positions[decay][seg.records[0]]
+            first = positions[key][seg.records[0]]
             launches.append((first, 1.0 - before[first] / total, seg.size))
     launches.sort(key=lambda launch: -launch[0])
     return FlatLayout(tuple(groups), torch.empty((), dtype=dtype).element_size(), dp,
-                      sum(p.numel for p in params), tuple((ready, size) for _, ready, size in launches))
+                      sum(p.numel for p in params), tuple((ready, size) for _, ready, size in launches), tied,
+                      len(tied) if tied_head else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,7 +337,7 @@ def state_bytes(layout: FlatLayout, stage: int, *, precision: str, offload: str 
     staging = 0
     if not whole_grads:
         # Partitioned gradients are staged bucket by bucket in a pool of buffers before each reduce-scatter.
-        staging = pb * layout.largest_segment * min(STAGING_BUFFERS_BEFORE_WAIT, layout.segments)
+        staging = pb * layout.largest_segment * min(STAGING_BUFFERS_BEFORE_WAIT + layout.held_open, layout.segments)
     largest_group_part = max(n // parts for n, _ in layout.groups)
     master, states, workspace = _optimizer_bytes(part, pb, offload, optimizer, momentum, compiled_adam,
                                                  host_is_device, largest_group_part)

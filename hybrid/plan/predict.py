@@ -62,7 +62,8 @@ def placement_problem(setup: TrainingSetup, placement: Placement) -> Optional[st
 
 def predict(config: GPTConfig, candidate: Candidate, global_batch: int, setup: TrainingSetup, placement: Placement,
             link: LinkSpec, flops_per_s: float, host: Optional[HostLink] = None) -> Prediction:
-    """The collectives and step time of ``candidate`` (``setup.reduce_once``, the compression formats,
+    """The collectives and step time of ``candidate`` (its slowest pipeline rank's, with a pipeline;
+    ``placement`` then places one stage's ranks) (``setup.reduce_once``, the compression formats,
     ``setup.two_level_reduce`` and ``setup.hpz_partition_size`` included). A stage the compression settings
     (hpZ included) cannot run at is refused (LayoutError) with the rule's words
     (:meth:`TrainingSetup.compression_problem`), and so is a placement they cannot run on
@@ -70,16 +71,20 @@ def predict(config: GPTConfig, candidate: Candidate, global_batch: int, setup: T
     problem = setup.compression_problem(candidate.zero_stage) or placement_problem(setup, placement)
     if problem:
         raise LayoutError(problem)
-    layout = zero_layout(config, candidate, setup)
     accumulation = accumulation_steps(candidate, global_batch)
-    comm = step_volume(config, layout, candidate, micro_batches=accumulation, reduce_once=setup.whole_gradients,
-                       gradients=setup.gradient_quant, weights=setup.weight_quant,
-                       node_split=placement.node_split if setup.two_level_reduce else None,
-                       hpz=setup.hpz_partition_size, momentum=setup.momentum_quant)
-    time = step_time(config, candidate, comm, global_batch=global_batch, micro_batches=accumulation,
-                     layout=layout, placement=placement, link=link, flops_per_s=flops_per_s,
-                     host=host, reduce_once=setup.whole_gradients, hpz=setup.hpz_partition_size)
-    return Prediction(layout, accumulation, comm, time)
+    slowest = None
+    for pp_rank in range(candidate.pp):  # a pipeline's step is its slowest rank's
+        layout = zero_layout(config, candidate, setup, pp_rank)
+        comm = step_volume(config, layout, candidate, micro_batches=accumulation, reduce_once=setup.whole_gradients,
+                           gradients=setup.gradient_quant, weights=setup.weight_quant,
+                           node_split=placement.node_split if setup.two_level_reduce else None,
+                           hpz=setup.hpz_partition_size, momentum=setup.momentum_quant, pp_rank=pp_rank)
+        time = step_time(config, candidate, comm, global_batch=global_batch, micro_batches=accumulation,
+                         layout=layout, placement=placement, link=link, flops_per_s=flops_per_s,
+                         host=host, reduce_once=setup.whole_gradients, hpz=setup.hpz_partition_size, pp_rank=pp_rank)
+        if slowest is None or time.total > slowest.time.total:
+            slowest = Prediction(layout, accumulation, comm, time)
+    return slowest
 
 
 def predict_step_time(model_config: GPTConfig, layout: ParallelLayout, micro_batch: int, global_batch: int,

@@ -14,6 +14,8 @@ COLUMNS = [
     ("#", 3, lambda i, e: f"{i}"),
     ("tp", 4, lambda i, e: f"{e.candidate.tp}{'s' if e.candidate.sequence_parallel else ''}"),
     ("dp", 4, lambda i, e: f"{e.candidate.dp}"),
+    ("pp", 4, lambda i, e: f"{e.candidate.pp}" + (f"v{e.candidate.virtual_stages}"
+                                                  if e.candidate.virtual_stages > 1 else "")),
     ("zero", 4, lambda i, e: f"{int(e.candidate.zero_stage)}"),
     ("offload", 7, lambda i, e: e.candidate.offload),
     ("recompute", 9, lambda i, e: e.candidate.recompute),
@@ -34,6 +36,7 @@ COLUMNS = [
     ("comp s", 7, lambda i, e: f"{e.time.compute:.2f}"),
     ("intra s", 7, lambda i, e: f"{e.time.intra:.2f}"),
     ("inter s", 7, lambda i, e: f"{e.time.inter:.2f}"),
+    ("pipe s", 6, lambda i, e: f"{e.time.bubble + e.time.pipeline:.2f}"),
     ("step s", 7, lambda i, e: f"{e.time.total:.2f}"),
     ("tok/s", 8, lambda i, e: _rate(e.tokens_per_s)),
 ]
@@ -47,8 +50,11 @@ host = GiB of host memory per GPU (offload).
 DP/TP GB = wire bytes each GPU sends per step; node GB = bytes each node sends off the node per step.
 Step time (seconds) = comp (model FLOPs per GPU / achieved FLOP/s) + intra and inter (exposed time of
 the collectives whose rings stay inside nodes / cross them; a node's inter-node bytes share its one
-link) + offload; tok/s = tokens per second of the job, by which fitting layouts are ranked.
-'tps' = tensor parallel with sequence parallelism; mb = micro batch, gas = accumulation steps.
+link) + offload + pipe (a pipeline's bubble and its transfers on the critical path); tok/s = tokens per
+second of the job, by which fitting layouts are ranked. With a pipeline, memory is its busiest stage's and
+time its slowest stage's; gas is then the micro-batches per step.
+'tps' = tensor parallel with sequence parallelism; pp = pipeline stages ('4v2': 4 stages of 2 virtual
+stages, interleaved); mb = micro batch, gas = accumulation steps.
 A '*' after fits: the node's host memory is too small."""
 
 
@@ -80,7 +86,10 @@ def to_json(evaluations: Sequence[Evaluation]) -> str:
     rows: List[dict] = []
     for e in evaluations:
         m = e.memory
-        rows.append({"tp": e.candidate.tp, "dp": e.candidate.dp, "zero_stage": int(e.candidate.zero_stage),
+        rows.append({"tp": e.candidate.tp, "dp": e.candidate.dp, "pp": e.candidate.pp,
+                     "pipeline_schedule": e.candidate.pipeline_schedule,
+                     "virtual_stages": e.candidate.virtual_stages, "busiest_pipeline_rank": m.pp_rank,
+                     "micro_batches_in_flight": m.in_flight, "zero_stage": int(e.candidate.zero_stage),
                      "offload": e.candidate.offload, "recompute": e.candidate.recompute,
                      "micro_batch": e.candidate.micro_batch, "gradient_accumulation_steps": e.accumulation,
                      "sequence_parallel": e.candidate.sequence_parallel,
@@ -91,7 +100,8 @@ def to_json(evaluations: Sequence[Evaluation]) -> str:
                                "peak": m.peak, "total": m.total, "host": m.host},
                      "fits": e.fits and e.host_fits, "comm": e.comm,
                      "step_time_s": {"total": e.time.total, "compute": e.time.compute, "intra": e.time.intra,
-                                     "inter": e.time.inter, "offload": e.time.offload},
+                                     "inter": e.time.inter, "offload": e.time.offload, "bubble": e.time.bubble,
+                                     "pipeline": e.time.pipeline},
                      "tokens_per_s": e.tokens_per_s,
                      "inter_node_bytes_per_node": e.time.inter_node_bytes_per_node,
                      "inter_node_bytes_by_node": list(e.time.inter_bytes_by_node),

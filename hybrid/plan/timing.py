@@ -32,7 +32,11 @@
               (:mod:`hybrid.zero.order_check`), which waits for what is queued before it
     offload   = 2 * p * G/N_d bytes over the host link (gradients down, weights up)
                 + G/N_d parameters / (CPU Adam rate per GPU)
-    step      = compute + exposed intra-node + exposed inter-node + offload
+    pipeline  (pp > 1, :mod:`hybrid.plan.pipeline_stages`): compute is the rank's share
+              (its layers, the head on the last rank); the bubble adds
+              compute * b / (1 - b) idle seconds, b = (p - 1) / (v m + p - 1); the
+              transfers on the critical path and the tied gradients' sum: all of it
+    step      = compute + exposed intra-node + exposed inter-node + offload [+ bubble + pipeline]
 
 Model FLOPs come from :func:`model_zoo.flops.flops_per_token`; a rank does
 ``1/(tp·dp)`` of the step's: DP ranks split the tokens, and TP ranks split
@@ -55,12 +59,15 @@ from hybrid.plan.candidate import Candidate
 from hybrid.plan.comm_volume import Report, stage3_gather_axis, stage3_gathers
 from hybrid.plan.links import CollectiveLinks, HostLink, LinkSpec, Placement, link_seconds, split_by_link
 from hybrid.plan.model_memory import FlatLayout, Stage3Layout
+from hybrid.plan.pipeline_stages import bubble, critical_transfers, stage_layers
 from hybrid.plan.zero_collectives import reduces_every_micro_batch
 from model_zoo.config import GPTConfig
 from model_zoo.flops import flops_per_token, matmul_parameters
 
 # The share of a step's compute that is backward (twice the forward's FLOPs).
 BACKWARD_SHARE = 2.0 / 3.0
+# The axes of a pipeline's own traffic: transfers and the loss broadcast ("pp"), the tied embeddings' gradients
+PIPELINE_AXES = ("pp", "embed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +100,13 @@ class StepTime:
     inter_bytes_by_node: Tuple[float, ...]
     intra_node_bytes_per_rank: float
     collectives: Tuple[CollectiveTime, ...] = ()
+    bubble: float = 0.0  # a pipeline rank's idle seconds while the pipeline fills and drains
+    pipeline: float = 0.0  # seconds of pipeline transfers on the critical path (and the tied gradients' sum)
+    pp_rank: int = 0  # the pipeline rank these figures are for (the slowest, for a whole pipeline layout)
 
     @property
     def total(self) -> float:
-        return self.compute + self.intra + self.inter + self.offload
+        return self.compute + self.intra + self.inter + self.offload + self.bubble + self.pipeline
 
     @property
     def tokens_per_s(self) -> float:
@@ -123,11 +133,16 @@ def recompute_flops_per_token(config: GPTConfig, recompute: str) -> int:
     return 0
 
 
-def flops_per_rank(config: GPTConfig, candidate: Candidate, global_batch: int) -> float:
+def flops_per_rank(config: GPTConfig, candidate: Candidate, global_batch: int, pp_rank: int = 0) -> float:
     """FLOPs one rank computes in a step of ``global_batch`` sequences: model FLOPs plus recomputation,
-    split over ``tp × dp`` ranks."""
+    split over ``tp × dp`` ranks; with a pipeline, pipeline rank ``pp_rank``'s share: its layers' part of the
+    layers' FLOPs, and the head's (``6 V h`` per token) on the last rank."""
     tokens = global_batch * config.seq_length
     per_token = flops_per_token(config) + recompute_flops_per_token(config, candidate.recompute)
+    if candidate.pp > 1:
+        head = 6 * config.vocab_size * config.hidden_size
+        layers = stage_layers(config, candidate)[pp_rank]
+        per_token = (per_token - head) * layers / config.num_layers + (head if pp_rank == candidate.pp - 1 else 0)
     return tokens * per_token / (candidate.tp * candidate.dp)
 
 
@@ -212,18 +227,22 @@ def offload_seconds(candidate: Candidate, partition_numel: int, host: Optional[H
 
 def step_time(config: GPTConfig, candidate: Candidate, comm: Report, *, global_batch: int, micro_batches: int,
               layout: Union[FlatLayout, Stage3Layout], placement: Placement, link: LinkSpec, flops_per_s: float,
-              host: Optional[HostLink] = None, reduce_once: bool = False, hpz: int = 1) -> StepTime:
+              host: Optional[HostLink] = None, reduce_once: bool = False, hpz: int = 1, pp_rank: int = 0) -> StepTime:
     """Predicted seconds of one optimizer step (``global_batch`` sequences, ``micro_batches`` per rank) of
     ``candidate`` placed as ``placement``.
 
     ``comm``: the step's collectives (:func:`hybrid.plan.comm_volume.step_volume`) over ``layout`` (the
     candidate's ZeRO layout: its buckets, and the optimizer partition offload moves and the CPU steps);
     ``flops_per_s``: the FLOP/s one rank achieves; ``reduce_once`` / ``hpz``: ``zero.reduce_once`` /
-    ``zero.hpz_partition_size``, as ``comm`` was built with.
+    ``zero.hpz_partition_size``, as ``comm`` was built with. With a pipeline, ``layout`` and ``comm`` are
+    pipeline rank ``pp_rank``'s, ``placement`` places one stage's ranks, and the step adds the rank's bubble and
+    pipeline transfers (:mod:`hybrid.plan.pipeline_stages`).
     """
     if not flops_per_s > 0:
         raise ValueError(f"the achieved FLOP/s per rank must be > 0, got {flops_per_s!r}")
-    compute = flops_per_rank(config, candidate, global_batch) / flops_per_s
+    compute = flops_per_rank(config, candidate, global_batch, pp_rank) / flops_per_s
+    pipeline_entries = {k: v for k, v in comm.items() if k.split("/")[1] in PIPELINE_AXES}
+    comm = {k: v for k, v in comm.items() if k not in pipeline_entries}
     split: Dict[str, CollectiveLinks] = split_by_link(comm, placement)
     times = {name: link_seconds(c, link) for name, c in split.items()}
     if isinstance(layout, Stage3Layout):
@@ -234,6 +253,11 @@ def step_time(config: GPTConfig, candidate: Candidate, comm: Report, *, global_b
     collectives = tuple(CollectiveTime(name, "inter" if c.crosses_nodes else "intra", times[name], exposed[name],
                                        c.inter_bytes_per_node) for name, c in sorted(split.items()))
     by_node = tuple(map(sum, zip(*(c.inter_bytes_by_node for c in split.values())))) or (0.0,) * placement.nodes
+    pipeline, idle = 0.0, 0.0
+    if candidate.pp > 1:
+        pipeline, crossing = pipeline_seconds(pipeline_entries, candidate, micro_batches, placement, link)
+        by_node = tuple(b + crossing for b in by_node)
+        idle = compute * bubble(candidate, micro_batches) / (1.0 - bubble(candidate, micro_batches))
     return StepTime(compute=compute,
                     intra=sum(c.exposed for c in collectives if c.link == "intra"),
                     inter=sum(c.exposed for c in collectives if c.link == "inter"),
@@ -241,4 +265,34 @@ def step_time(config: GPTConfig, candidate: Candidate, comm: Report, *, global_b
                     tokens=global_batch * config.seq_length,
                     inter_bytes_by_node=by_node,
                     intra_node_bytes_per_rank=sum(c.intra_bytes_per_rank for c in split.values()),
-                    collectives=collectives)
+                    collectives=collectives, bubble=idle, pipeline=pipeline, pp_rank=pp_rank)
+
+
+def pipeline_seconds(entries: Report, candidate: Candidate, micro_batches: int, placement: Placement,
+                     link: LinkSpec) -> Tuple[float, float]:
+    """``(seconds, bytes each node sends off it)`` of a pipeline rank's traffic (``entries``: its ``send/pp``,
+    ``all_reduce/embed``... of :func:`hybrid.plan.comm_volume.pipeline_volume`). Transfers: both directions'
+    :func:`~hybrid.plan.pipeline_stages.critical_transfers`, one message at a time, over the inter-node link
+    when pipeline neighbours sit on different nodes (``placement``: one stage's ranks). The tied gradients'
+    sum and the loss broadcast: whole, on the same link."""
+    crosses = placement_crosses_stages(placement)
+    bandwidth = link.inter_bytes_per_s_per_node if crosses else link.intra_bytes_per_s
+    seconds, crossing = 0.0, 0.0
+    send = entries.get("send/pp")
+    if send:
+        each = send["payload_bytes"] / send["calls"]
+        seconds += 2 * critical_transfers(candidate, micro_batches) * (each / bandwidth + link.latency_s)
+    for name, entry in entries.items():
+        if name.split("/")[0] in ("send", "recv"):
+            continue
+        seconds += entry["wire_bytes"] / bandwidth + link.latency_s * entry["calls"]
+    if crosses:
+        # every rank of a node at a stage boundary sends to the next stage's rank on another node
+        crossing = placement.ranks_per_node * sum(e["wire_bytes"] for e in entries.values())
+    return seconds, crossing
+
+
+def placement_crosses_stages(placement: Placement) -> bool:
+    """Pipeline neighbours sit on different nodes: one stage's ranks (``placement``) fill whole nodes, as the
+    rank order (pipeline outermost) places them."""
+    return placement.tp * placement.dp % placement.ranks_per_node == 0

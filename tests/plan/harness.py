@@ -20,7 +20,7 @@ The parent compares these with the planner (``hybrid.plan``).
 from __future__ import annotations
 
 import gc
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import torch
 
@@ -49,10 +49,14 @@ def engine_config(spec: Dict) -> Dict:
         if key in spec:
             zero[zero_key] = spec[key]
     # onebit_adam with freeze_step 1: the measured (second) step is a compressed one
+    pipeline = {}
+    if spec.get("pp", 1) > 1:
+        pipeline = {"pipeline": {"schedule": spec.get("schedule", "1f1b"),
+                                 "layers_per_virtual_stage": spec.get("per_virtual")}}
     return {"precision": spec["precision"], "zero": zero,
             "optimizer": {"type": spec.get("optimizer", "adamw"), "lr": 1e-3, "weight_decay": 0.1, "freeze_step": 1},
             "micro_batch_size": spec["micro"], "gradient_accumulation_steps": spec.get("gas", 1),
-            "recompute": spec.get("recompute", "none"), "steps_per_print": 0}
+            "recompute": spec.get("recompute", "none"), "steps_per_print": 0, **pipeline}
 
 
 def _measure_one(spec: Dict, baseline: int) -> Dict:
@@ -115,3 +119,65 @@ def measure_configs(specs: List[Dict]) -> List[Dict]:
     torch.manual_seed(0)
     baseline = live_tensor_bytes()  # what the process holds before any model (each config frees its own)
     return [_measure_one(spec, baseline) for spec in specs]
+
+
+class FreshCopies(Sequence):
+    """Micro-batches handed to ``train_batch`` as fresh copies of the token ids at every access: the ids a
+    forward saves are then held by autograd alone, and freed by the backward, as for one process. (A caller's
+    own list would keep every micro-batch's ids for the whole step: data, not activations.)"""
+
+    def __init__(self, ids: List[torch.Tensor]):
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        x = self.ids[i].clone()
+        return {"input_ids": x, "labels": x}
+
+
+def _measure_pipeline(spec: Dict, baseline: int) -> Dict:
+    """:func:`_measure_one` for a pipeline (``spec["pp"]`` stages, ``gas`` micro-batches per step through
+    ``Engine.train_batch``): the step's peak is measured whole, and ``held`` is the most saved-activation bytes
+    held at once over the schedule (:class:`hybrid.plan.measure.SavedActivations`)."""
+    import hybrid
+    from hybrid import Topology
+    from hybrid.config.schema import HybridConfig
+    from hybrid.pipeline.split import split_from_config
+    from hybrid.plan.measure import LiveTensorTracker, SavedActivations, storage_keys
+    from model_zoo import GPTModel
+
+    topo = Topology(tp=spec["tp"], pp=spec["pp"], timeout_s=120)
+    cfg = gpt_config(spec)
+    config = HybridConfig.from_dict(engine_config(spec))
+    model = GPTModel(cfg, topo, split=split_from_config(config.pipeline, cfg.num_layers, topo.pp_size))
+    model.check_inputs = False
+    engine = hybrid.initialize(model, config, topology=topo)
+    gen = torch.Generator().manual_seed(100 + topo.dp_rank)
+    batches = FreshCopies([torch.randint(0, cfg.vocab_size, (spec["micro"], cfg.seq_length), generator=gen)
+                           for _ in range(spec["gas"])])
+    engine.train_batch(batches)
+    saved = SavedActivations(storage_keys(model.parameters()))
+    with LiveTensorTracker() as tracker, saved:
+        state = tracker.start_bytes - baseline
+        engine.train_batch(batches)
+        peak = tracker.peak_bytes - baseline
+    out = {"state": state, "report": engine.memory_report(), "held": saved.peak_held_bytes, "peak": peak,
+           "comm": engine.comm_report(), "in_flight": engine.last_pipeline_stats.max_in_flight,
+           "compiled_adam": bool(getattr(engine.optimizer.inner, "compiled", False)), "tp_rank": topo.tp_rank,
+           "dp_rank": topo.dp_rank, "pp_rank": topo.pp_rank}
+    engine.optimizer.remove_hooks()
+    engine.close()
+    topo.close()
+    del model, engine, batches
+    gc.collect()
+    return out
+
+
+def measure_pipeline_configs(specs: List[Dict]) -> List[Dict]:
+    from hybrid.plan.measure import live_tensor_bytes
+
+    torch.manual_seed(0)
+    baseline = live_tensor_bytes()
+    return [_measure_pipeline(spec, baseline) for spec in specs]

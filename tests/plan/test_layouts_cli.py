@@ -79,8 +79,14 @@ def test_a_candidate_is_a_validated_parallel_layout():
         Candidate(ParallelLayout(tp=1, dp=8), offload="cpu")
     with pytest.raises(LayoutError, match="zero_stage"):
         Candidate(ParallelLayout(tp=1, dp=8, zero_stage=4))
-    with pytest.raises(LayoutError, match="pp=1"):
-        Candidate(ParallelLayout(tp=1, dp=8, pp=2))
+    with pytest.raises(LayoutError, match="use stage 0, 1 or 2 with pipeline parallelism"):
+        Candidate(ParallelLayout(tp=1, dp=8, pp=2, zero_stage=3))
+    with pytest.raises(LayoutError, match="pipeline schedule must be one of"):
+        Candidate(ParallelLayout(tp=1, dp=8, pp=2), pipeline_schedule="zigzag")
+    with pytest.raises(LayoutError, match="need a pipeline"):
+        Candidate(ParallelLayout(tp=1, dp=8, pp=2), virtual_stages=2)
+    assert (Candidate(ParallelLayout(tp=2, dp=8, pp=4), pipeline_schedule="interleaved", virtual_stages=2)
+            .describe() == "tp=2 dp=8 pp=4 interleaved v=2 zero=0 offload=none recompute=none micro=1")
     with pytest.raises(LayoutError, match="recompute"):
         Candidate(ParallelLayout(tp=1, dp=8), recompute="some")
     with pytest.raises(LayoutError, match="micro_batch"):
