@@ -148,10 +148,15 @@ def enumerate_layouts(config: GPTConfig, cluster: Cluster, global_batch: int,
                           f"{cluster.node_size} GPUs of a node (or, asked for explicitly, span whole nodes), "
                           f"num_heads={config.num_heads} and the MLP width {config.ffn_size}; valid sizes "
                           f"here are {valid_tp}")
+    sizes = [(tp, pp, chunks) for tp, pp, chunks in itertools.product(tps, choices.pp, choices.virtual_stages)
+             if (cluster.gpus // tp) % pp == 0 and _splits(config, cluster, tp, pp, chunks, choices.pipeline_schedule)]
+    if not sizes:
+        raise LayoutError(f"no pipeline size in {list(choices.pp)} (virtual stages {list(choices.virtual_stages)}) "
+                          f"fits: pp must divide gpus/tp for some tp in {tps}, leave a stage of tp x dp ranks that "
+                          f"fills whole nodes of {cluster.node_size} or divides one, and split num_layers="
+                          f"{config.num_layers} (pp x virtual stages must divide it when interleaved)")
     layouts = []
-    for tp, pp, chunks in itertools.product(tps, choices.pp, choices.virtual_stages):
-        if (cluster.gpus // tp) % pp or not _splits(config, cluster, tp, pp, chunks, choices.pipeline_schedule):
-            continue
+    for tp, pp, chunks in sizes:
         dp = cluster.gpus // (tp * pp)
         if global_batch % dp:
             continue

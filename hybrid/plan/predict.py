@@ -90,7 +90,8 @@ def predict(config: GPTConfig, candidate: Candidate, global_batch: int, setup: T
 def predict_step_time(model_config: GPTConfig, layout: ParallelLayout, micro_batch: int, global_batch: int,
                       nodes: int, ranks_per_node: int, link: LinkSpec, achieved_flops_per_s: float, *,
                       reduce_once: bool = False, recompute: str = "none", sequence_parallel: bool = False,
-                      setup: Optional[TrainingSetup] = None) -> StepTime:
+                      setup: Optional[TrainingSetup] = None, pipeline_schedule: str = "1f1b",
+                      virtual_stages: int = 1) -> StepTime:
     """Predicted step time of ``layout`` (tp × dp ranks on ``nodes`` × ``ranks_per_node``) training
     ``global_batch`` sequences per step in micro-batches of ``micro_batch``.
 
@@ -98,12 +99,15 @@ def predict_step_time(model_config: GPTConfig, layout: ParallelLayout, micro_bat
     ``zero.reduce_once`` (stage 2 keeps whole gradients and reduces once per step; refused for stage 3, as
     the runtime refuses it), whatever ``setup`` says; ``setup``: the other ZeRO knobs (bucket size, the
     ``zero.quantized_*`` formats...), :class:`TrainingSetup` defaults when None. No optimizer offload (it
-    needs a host link: use :func:`predict`).
+    needs a host link: use :func:`predict`). With a pipeline (``layout.pp`` > 1), ``nodes`` ×
+    ``ranks_per_node`` place one stage's ``tp × dp`` ranks, and ``pipeline_schedule`` / ``virtual_stages`` are
+    its schedule and model chunks per rank.
     """
     problem = reduce_once_problem(layout.zero_stage, reduce_once)
     if problem:
         raise LayoutError(problem)
-    candidate = Candidate(layout, micro_batch=micro_batch, recompute=recompute, sequence_parallel=sequence_parallel)
+    candidate = Candidate(layout, micro_batch=micro_batch, recompute=recompute, sequence_parallel=sequence_parallel,
+                          pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages)
     setup = dataclasses.replace(setup or TrainingSetup(), reduce_once=reduce_once)
     placement = Placement(tp=layout.tp, dp=layout.dp, nodes=nodes, ranks_per_node=ranks_per_node)
     return predict(model_config, candidate, global_batch, setup, placement, link, achieved_flops_per_s).time
