@@ -41,7 +41,7 @@ critical path, one after the other (the receiver waits for each).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from hybrid.pipeline.actions import FORWARD
 from hybrid.pipeline.schedule import build
