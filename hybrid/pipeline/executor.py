@@ -17,7 +17,10 @@ sends are asynchronous, receives block with the communicator's timeout, so a
 mismatched schedule (a stage with another micro-batch count) ends in a
 :class:`~hybrid.comm.CollectiveError` naming the transfer, not in a hang.
 Activations and gradients travel with different tags, which keeps their
-streams apart where one pair of ranks carries both (interleaving at pp=2).
+streams apart on gloo where one pair of ranks carries both (interleaving at
+pp=2). NCCL ignores tags and matches a pair's messages in posting order
+alone; every schedule posts them in the same order on both sides, which
+:func:`~hybrid.pipeline.simulate.simulate` checks for the combined stream.
 
 With ``pp == 1`` there are no transfers and the step is plain gradient
 accumulation over the micro-batches, in the same order.

@@ -9,11 +9,12 @@ units per action of one chunk (forward 1, backward 2 by default, divided by
 the chunk count so that a rank's work per micro-batch is the same for any
 ``v``). Transfers take no time.
 
-Besides the timings it checks that every stream of transfers between two
-ranks (activations one way, gradients the other) is sent in the order the
-receiver awaits it: point-to-point messages of one kind between two ranks
-are matched in order, so a schedule that broke this would silently swap
-micro-batches.
+Besides the timings it checks that the transfers from one rank to another
+-- activations and gradients together, as one stream -- are sent in the order
+the receiver awaits them: point-to-point messages between two ranks are
+matched in order (per tag on gloo; NCCL ignores tags, so there all of them,
+which at pp = 2 with interleaving carries both kinds one way), and a schedule
+that broke this would silently swap micro-batches.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def simulate(lists: Sequence[Sequence[Action]], chunks: int = 1, forward_cost: f
     cursor = [0] * pp
     live = [0] * pp
     peak = [0] * pp
-    sent: Dict[Tuple[int, int, str], List[Tuple[int, int]]] = {}
-    awaited: Dict[Tuple[int, int, str], List[Tuple[int, int]]] = {}
+    sent: Dict[Tuple[int, int], List[Tuple[str, int, int]]] = {}
+    awaited: Dict[Tuple[int, int], List[Tuple[str, int, int]]] = {}
 
     def part_of(rank: int, action: Action) -> int:
         return action.chunk * pp + rank
@@ -70,17 +71,17 @@ def simulate(lists: Sequence[Sequence[Action]], chunks: int = 1, forward_cost: f
         for a in actions:
             k = part_of(rank, a)
             if a.kind == FORWARD and k + 1 < parts:
-                sent.setdefault((rank, (k + 1) % pp, "act"), []).append((a.microbatch, k + 1))
+                sent.setdefault((rank, (k + 1) % pp), []).append(("act", a.microbatch, k + 1))
             if a.kind == FORWARD and k > 0:
-                awaited.setdefault(((k - 1) % pp, rank, "act"), []).append((a.microbatch, k))
+                awaited.setdefault(((k - 1) % pp, rank), []).append(("act", a.microbatch, k))
             if a.kind == BACKWARD and k > 0:
-                sent.setdefault((rank, (k - 1) % pp, "grad"), []).append((a.microbatch, k - 1))
+                sent.setdefault((rank, (k - 1) % pp), []).append(("grad", a.microbatch, k - 1))
             if a.kind == BACKWARD and k + 1 < parts:
-                awaited.setdefault(((k + 1) % pp, rank, "grad"), []).append((a.microbatch, k))
+                awaited.setdefault(((k + 1) % pp, rank), []).append(("grad", a.microbatch, k))
     for stream in set(sent) | set(awaited):
         if sent.get(stream, []) != awaited.get(stream, []):
-            src, dst, kind = stream
-            raise ScheduleError(f"the {kind} transfers from pipeline rank {src} to {dst} are sent in the order "
+            src, dst = stream
+            raise ScheduleError(f"the transfers from pipeline rank {src} to {dst} are sent in the order "
                                 f"{sent.get(stream, [])} but received in the order {awaited.get(stream, [])}")
 
     progressed = True
