@@ -293,15 +293,22 @@ class Topology:
             atexit.register(self.close)
 
     @classmethod
-    def local(cls) -> "Topology":
+    def local(cls, pp: int = 1, pp_rank: int = 0) -> "Topology":
         """A one-process topology that never communicates, even inside a larger world.
 
-        Used for single-process references (tests, conversion tools).
+        Used for single-process references (tests, conversion tools). ``pp`` and
+        ``pp_rank`` make it stand in for stage ``pp_rank`` of a ``pp``-stage
+        pipeline (TP and DP 1): an offline tool builds that stage's share of a
+        model from it, on the meta device, to learn its parameters' names and
+        order. It still never communicates: run nothing through it.
         """
+        if not isinstance(pp, int) or pp < 1 or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp:
+            raise TopologyError(f"Topology.local: pp_rank {pp_rank!r} must lie in [0, pp) with pp >= 1 "
+                                f"(got pp={pp!r})")
         topo = cls.__new__(cls)
-        topo.grid = Grid(tp=1, dp=1, pp=1)
-        topo.rank = 0
-        topo.coord = Coord(0, 0, 0)
+        topo.grid = Grid(tp=1, dp=1, pp=pp)
+        topo.rank = pp_rank
+        topo.coord = Coord(0, 0, pp_rank)
         topo.nodes = Nodes(ranks_per_node=1)
         topo._groups = {}
         topo._node_axes = False
