@@ -52,7 +52,7 @@ from hybrid.layout import STAGE_TRAITS, LayoutError, ParallelLayout, ZeroStage, 
 from hybrid.param_meta import TPMeta, split_units
 from hybrid.zero.flat_buffer import align_elements, dtype_name, group_classes, place_group
 
-DEFAULT_BUCKET_SIZE = 25_000_000  # the trainer's --zero-bucket-size default
+DEFAULT_BUCKET_SIZE = HybridConfig().zero.bucket_size  # the trainer's --zero-bucket-size default
 # The keys of the config's pipeline section that decide what each pipeline rank's files hold (the schedule
 # does not): the size first.
 SPLIT_KEYS = ("size", "layers_per_virtual_stage", "layers_per_stage")
@@ -179,7 +179,7 @@ def _target_pipeline(saved: ParallelLayout, args: dict, given: Mapping[str, Any]
     unknown = sorted(set(given) - set(SPLIT_KEYS))
     if unknown:
         raise ConversionError(f"unknown pipeline settings {unknown}; the offline reshard takes {list(SPLIT_KEYS)}")
-    size = given.get("size") or saved.pp
+    size = saved.pp if given.get("size") is None else given["size"]
     tree = {"size": size}
     for key in SPLIT_KEYS[1:]:
         value = given.get(key)
