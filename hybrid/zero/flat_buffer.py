@@ -1,6 +1,7 @@
 """Flat parameter buffers, the parameter index, and their DP partitioning.
 
-Trainable parameters are grouped by ``(dtype, weight decay on/off)``. Each
+Trainable parameters are grouped by ``(dtype, weight decay on/off, tied across pipeline stages)``
+(:func:`group_classes`). Each
 group becomes one contiguous 1-D buffer, and every parameter of the group is
 rebound to a view into it, in module registration order. Frozen parameters
 (``requires_grad=False``) stay where they are; a parameter reachable under two
