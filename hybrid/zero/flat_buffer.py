@@ -1,9 +1,9 @@
 """Flat parameter buffers, the parameter index, and their DP partitioning.
 
-Trainable parameters are grouped by ``(dtype, weight decay on/off, tied across pipeline stages)``
-(:func:`group_classes`). Each
-group becomes one contiguous 1-D buffer, and every parameter of the group is
-rebound to a view into it, in module registration order. Frozen parameters
+Trainable parameters are grouped by ``(dtype, weight decay on/off, tied
+across pipeline stages)`` (:func:`group_classes`). Each group becomes one
+contiguous 1-D buffer, and every parameter of the group is rebound to a view
+into it, in module registration order (:func:`place_group`). Frozen parameters
 (``requires_grad=False``) stay where they are; a parameter reachable under two
 names (tied weights) is placed once, under its first name.
 
