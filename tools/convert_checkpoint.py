@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     # The loading job's pipeline settings, spelled as its own flags (hybrid.convert.reshard.SPLIT_KEYS).
     for key, leaf in _pipeline_leaves():
         many = typing.get_origin(leaf.kind) is list
-        default = "the saved pipeline size" if key == "size" else "the saved run's when the size is unchanged"
+        default = "the saved pipeline size" if key == "size" else \
+            "the saved run's split if the size stays and no split flag is given"
         r.add_argument(leaf.flag, dest=f"pipeline_{key}", type=int, nargs="+" if many else None, metavar="N",
                        help=f"the loading job's {leaf.flag} (default: {default})")
 

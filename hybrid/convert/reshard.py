@@ -126,8 +126,8 @@ def reshard_checkpoint(load, save, *, target_tp: int, target_dp: Optional[int] =
     ``bucket_size`` to the saved run's ``--zero-bucket-size``. ``pipeline``: the
     loading job's pipeline settings, keys of the config's ``pipeline`` section
     (``size``, ``layers_per_virtual_stage``, ``layers_per_stage``); ``size``
-    defaults to the saved pipeline size, the split settings to the saved run's
-    when the size is unchanged (else the balanced split). Returns the new
+    defaults to the saved pipeline size, the split to the saved run's when
+    neither the size nor a split key is given (else the balanced split). Returns the new
     iteration directory (``save`` gets a ``latest`` pointing at it).
     """
     from hybrid.config import saved_setting  # reads the trainer's stored settings, nested or (older) flat
@@ -180,12 +180,10 @@ def _target_pipeline(saved: ParallelLayout, args: dict, given: Mapping[str, Any]
     if unknown:
         raise ConversionError(f"unknown pipeline settings {unknown}; the offline reshard takes {list(SPLIT_KEYS)}")
     size = saved.pp if given.get("size") is None else given["size"]
-    tree = {"size": size}
-    for key in SPLIT_KEYS[1:]:
-        value = given.get(key)
-        if value is None and size == saved.pp:
-            value = saved_setting(args, f"pipeline.{key}")
-        tree[key] = value
+    # The saved split describes the saved stages: it applies when neither the size nor the split changes.
+    keep_split = size == saved.pp and all(given.get(key) is None for key in SPLIT_KEYS[1:])
+    tree = {"size": size, **{key: saved_setting(args, f"pipeline.{key}") if keep_split else given.get(key)
+                             for key in SPLIT_KEYS[1:]}}
     if tree["layers_per_virtual_stage"] is not None:
         tree["schedule"] = "interleaved"  # the schedule that runs virtual stages; it does not change the files
     try:

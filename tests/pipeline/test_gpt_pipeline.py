@@ -133,7 +133,8 @@ def test_pipeline_checkpoints_resume_exactly_and_load_into_other_layouts(tmp_pat
                                                           pipeline={"size": 2, "layers_per_stage": [1, 3]})),
                 "interleaved": (str(tmp_path / "interleaved"),
                                 dict(target_tp=1, target_dp=2, pipeline={"size": 2, "layers_per_virtual_stage": 1}))}
-    targets = [dict(source, where="saved", async_save=False), dict(tp=1, pp=1, stage=2, micro=2, layers=4, where="saved"),
+    targets = [dict(source, where="saved", async_save=False),
+               dict(tp=1, pp=1, stage=2, micro=2, layers=4, where="saved"),
                dict(tp=1, pp=4, stage=0, micro=4, layers=4, where="saved"),
                dict(tp=1, pp=1, stage=1, micro=2, layers=4, where="flat"),
                dict(uneven, where="uneven"),
