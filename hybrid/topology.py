@@ -296,15 +296,18 @@ class Topology:
     def local(cls, pp: int = 1, pp_rank: int = 0) -> "Topology":
         """A one-process topology that never communicates, even inside a larger world.
 
-        Used for single-process references (tests, conversion tools). ``pp`` and ``pp_rank``: it stands for
-        pipeline stage ``pp_rank`` of ``pp``, so that a model built on it (on ``meta``, as the planner does)
-        has that stage's parameters; such a model cannot run.
+        Used for single-process references (tests, conversion tools). ``pp`` and
+        ``pp_rank`` make it stand in for stage ``pp_rank`` of a ``pp``-stage
+        pipeline (TP and DP 1): an offline tool builds that stage's share of a
+        model from it, on the meta device, to learn its parameters' names and
+        order. It still never communicates: run nothing through it.
         """
-        if not 0 <= pp_rank < pp:
-            raise ValueError(f"pipeline rank {pp_rank} is not one of {pp} stages")
+        if not isinstance(pp, int) or pp < 1 or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp:
+            raise TopologyError(f"Topology.local: pp_rank {pp_rank!r} must lie in [0, pp) with pp >= 1 "
+                                f"(got pp={pp!r})")
         topo = cls.__new__(cls)
         topo.grid = Grid(tp=1, dp=1, pp=pp)
-        topo.rank = 0
+        topo.rank = pp_rank
         topo.coord = Coord(0, 0, pp_rank)
         topo.nodes = Nodes(ranks_per_node=1)
         topo._groups = {}

@@ -2,6 +2,7 @@
 """Convert hybrid checkpoints: to another layout, to one fp32 file, to and from Hugging Face.
 
     python tools/convert_checkpoint.py reshard --load ckpt --save ckpt_tp4 --target-tp 4 [--target-dp 2]
+                                              [--pipeline-model-parallel-size 2 [--pipeline-layers-per-stage 1 3]]
     python tools/convert_checkpoint.py to-fp32 --load ckpt/iter_0001000 --output model_fp32.safetensors
     python tools/convert_checkpoint.py to-hf   --load ckpt --output hf_model [--tokenizer-model spm.model]
     python tools/convert_checkpoint.py from-hf --input hf_model --save ckpt_hf --tp 2
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 
 if __package__ in (None, ""):
     _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    r = sub.add_parser("reshard", help="rewrite a checkpoint in another TP / DP / ZeRO-stage layout")
+    r = sub.add_parser("reshard", help="rewrite a checkpoint in another TP / DP / PP / ZeRO-stage layout")
     r.add_argument("--load", required=True, help="save directory or DIR/iter_N")
     r.add_argument("--save", required=True, help="new save directory")
     r.add_argument("--target-tp", type=int, required=True, help="tensor-parallel size of the loading job")
@@ -53,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--target-zero-stage", type=int, help="ZeRO stage (default: the saved one)")
     r.add_argument("--zero-bucket-size", type=int,
                    help="the loading job's --zero-bucket-size (default: the saved run's)")
+    # The loading job's pipeline settings, spelled as its own flags (hybrid.convert.reshard.SPLIT_KEYS).
+    for key, leaf in _pipeline_leaves():
+        many = typing.get_origin(leaf.kind) is list
+        default = "the saved pipeline size" if key == "size" else \
+            "the saved run's split if the size stays and no split flag is given"
+        r.add_argument(leaf.flag, dest=f"pipeline_{key}", type=int, nargs="+" if many else None, metavar="N",
+                       help=f"the loading job's {leaf.flag} (default: {default})")
 
     f = sub.add_parser("to-fp32", help="one consolidated fp32 safetensors file of the full model")
     f.add_argument("--load", required=True, help="save directory or DIR/iter_N")
@@ -83,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _pipeline_leaves():
+    from hybrid.config.flags import leaves
+    from hybrid.config.schema import HybridConfig
+    from hybrid.convert.reshard import SPLIT_KEYS
+
+    every = leaves(HybridConfig)
+    return [(key, every[f"pipeline.{key}"]) for key in SPLIT_KEYS]
+
+
 def _progress(enabled: bool):
     if not enabled:
         return None
@@ -97,9 +115,10 @@ def run(args) -> str:
     if args.command == "reshard":
         from hybrid.convert.reshard import reshard_checkpoint
 
+        pipeline = {key: getattr(args, f"pipeline_{key}") for key, _ in _pipeline_leaves()}
         out = reshard_checkpoint(args.load, args.save, target_tp=args.target_tp, target_dp=args.target_dp,
                                  target_zero_stage=args.target_zero_stage, bucket_size=args.zero_bucket_size,
-                                 progress=progress)
+                                 pipeline={k: v for k, v in pipeline.items() if v is not None}, progress=progress)
         return f"wrote {out}"
     if args.command == "to-fp32":
         from hybrid.convert.fp32 import export_fp32

@@ -9,12 +9,13 @@ loading refuses, so it is stored as an int64 tensor.
 from __future__ import annotations
 
 import random
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 
 from hybrid.checkpoint.errors import CheckpointFormatError
+from hybrid.layout import ParallelLayout
 
 _KEYS = ("python", "numpy", "torch_cpu", "torch_cuda")
 
@@ -48,3 +49,27 @@ def restore_rng_state(state: Dict[str, Any]) -> None:
             raise CheckpointFormatError("the checkpoint holds a CUDA RNG state but CUDA is not "
                                         "available; resume on a CUDA device")
         torch.cuda.set_rng_state(state["torch_cuda"])
+
+
+# ---- random state across layouts -------------------------------------------------------------------------
+# The model tracker's per-TP-rank dropout stream (saved under "tp/<device>"): meaningful only at the TP size
+# that drew it.
+PER_TP_RANK_STREAM = "tp"
+
+
+def restored_rank(saved: ParallelLayout, tp_size: int, tp_rank: int, dp_rank: int,
+                  pp_rank: int) -> Tuple[int, int, int]:
+    """The saved rank ``(tp, dp, pp)`` whose random state rank ``(tp_rank, dp_rank, pp_rank)`` of a job with
+    ``tp_size`` restores when the checkpoint was saved in layout ``saved``: the same rank where it existed,
+    else rank 0 along that axis (the TP rank too when the TP size changed). A new layout has no exact
+    counterpart of every saved rank: only a same-layout resume is bit-exact."""
+    same_tp = saved.tp == tp_size
+    return (tp_rank if same_tp else 0, dp_rank if dp_rank < saved.dp else 0, pp_rank if pp_rank < saved.pp else 0)
+
+
+def tracker_streams_for(streams: Optional[Dict[str, Any]], same_tp_size: bool) -> Optional[Dict[str, Any]]:
+    """The saved tracker streams (``{"stream/device": state}``) a rank restores: all of them at the TP size
+    that saved them, all but the per-TP-rank stream at another (that stream then restarts from the seed)."""
+    if not streams or same_tp_size:
+        return streams
+    return {k: v for k, v in streams.items() if k.split("/", 1)[0] != PER_TP_RANK_STREAM}

@@ -27,11 +27,11 @@ over unchanged. A bf16/fp16 run's checkpoint loaded into an fp32 run
 continues from the fp32 master weights, not from their rounded copies.
 
 Random state: a new layout has no exact counterpart of every saved rank, so
-each rank restores the Python/NumPy/torch generators and the TP-shared
-dropout stream of saved rank (tp = this tp rank if the TP size is unchanged
-else 0, dp = this dp rank if it existed else 0); the per-TP-rank dropout
-stream is kept only when the TP size is unchanged (otherwise it restarts
-from the seed). Only a same-layout resume is bit-exact.
+each rank restores the generators of the saved rank
+:func:`hybrid.checkpoint.rng.restored_rank` names, without the per-TP-rank
+dropout stream when the TP size changed
+(:func:`~hybrid.checkpoint.rng.tracker_streams_for`). Only a same-layout
+resume is bit-exact.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 import torch
 
 from hybrid.checkpoint import CheckpointReader
+from hybrid.checkpoint.rng import restored_rank
 from hybrid.convert.consolidate import MASTER, WEIGHT, CheckpointSource, ConversionError, Target
 from hybrid.param_meta import REPLICATED, full_shape, get_tp_meta
 
@@ -199,7 +200,5 @@ def _restore_rng(engine: "Engine", reader: CheckpointReader) -> None:
     if not reader.has_rank_state:
         return
     saved, topo = reader.layout, engine.topology
-    same_tp = saved.tp == topo.tp_size
-    state = reader.load_rank_state(topo.tp_rank if same_tp else 0, topo.dp_rank if topo.dp_rank < saved.dp else 0,
-                                   topo.pp_rank if topo.pp_rank < saved.pp else 0)
-    engine.rng.load_state_dict(state, same_tp_size=same_tp)
+    state = reader.load_rank_state(*restored_rank(saved, topo.tp_size, topo.tp_rank, topo.dp_rank, topo.pp_rank))
+    engine.rng.load_state_dict(state, same_tp_size=saved.tp == topo.tp_size)

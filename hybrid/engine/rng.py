@@ -13,9 +13,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from hybrid.checkpoint import capture_rng_state, restore_rng_state
-
-# The tracker's per-TP-rank stream: meaningful only at the TP size that drew it.
-_PER_TP_RANK_STREAM = "tp"
+from hybrid.checkpoint.rng import tracker_streams_for
 
 
 class RandomState:
@@ -38,8 +36,7 @@ class RandomState:
         if rng.get("torch_cuda") is not None and not torch.cuda.is_available():
             rng["torch_cuda"] = None  # saved on a GPU, resumed without one: nothing to restore it into
         restore_rng_state(rng)
-        streams: Optional[dict] = state.get("tp_rng")
+        streams: Optional[dict] = tracker_streams_for(state.get("tp_rng"), same_tp_size)
         if self._tracker is None or not streams:
             return
-        parsed = {tuple(k.split("/", 1)): t for k, t in streams.items()}
-        self._tracker.set_states({k: t for k, t in parsed.items() if same_tp_size or k[0] != _PER_TP_RANK_STREAM})
+        self._tracker.set_states({tuple(k.split("/", 1)): t for k, t in streams.items()})

@@ -1,8 +1,9 @@
 """Flat parameter buffers, the parameter index, and their DP partitioning.
 
-Trainable parameters are grouped by ``(dtype, weight decay on/off)``. Each
-group becomes one contiguous 1-D buffer, and every parameter of the group is
-rebound to a view into it, in module registration order. Frozen parameters
+Trainable parameters are grouped by ``(dtype, weight decay on/off, tied
+across pipeline stages)`` (:func:`group_classes`). Each group becomes one
+contiguous 1-D buffer, and every parameter of the group is rebound to a view
+into it, in module registration order (:func:`place_group`). Frozen parameters
 (``requires_grad=False``) stay where they are; a parameter reachable under two
 names (tied weights) is placed once, under its first name.
 
@@ -26,7 +27,7 @@ chunk boundaries; :meth:`ParamRecord.parts` says which piece lives where.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -150,6 +151,45 @@ def param_parts(offset: int, numel: int, segment: Segment, parts: int) -> Tuple[
     return tuple(out)
 
 
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one parameter of a group goes: its segment, its element offset in the group buffer, its parts."""
+
+    segment: int
+    offset: int
+    parts: Tuple[Part, ...]
+
+
+def place_group(numels: Sequence[int], parts: int, pad_parts: int, bucket_numel: int,
+                align: int) -> Tuple[List[Segment], List[Placement]]:
+    """Lay out one group's parameters (given by size, in buffer order): its segments, and each parameter's
+    :class:`Placement`. Pure arithmetic: the optimizer's layout, which offline tools reproduce by calling it.
+
+    Segments are padded for ``pad_parts``; the parameter pieces are cut for ``parts`` (see
+    :func:`build_flat_groups`).
+    """
+    segments = plan_segments(numels, pad_parts, bucket_numel, align)
+    placements: List[Optional[Placement]] = [None] * len(numels)
+    for s_idx, seg in enumerate(segments):
+        offset = seg.start
+        for r in seg.records:
+            placements[r] = Placement(s_idx, offset, param_parts(offset, numels[r], seg, parts))
+            offset += numels[r]
+    return segments, placements  # type: ignore[return-value]
+
+
+def group_classes(keys: Sequence[Hashable]) -> Dict[Hashable, List[int]]:
+    """The flat-group class of each parameter (``keys``, in registration order) to its members' indices.
+
+    Classes come in the order in which each first appears: the optimizer's group order, the same on every
+    rank of a stage.
+    """
+    classes: Dict[Hashable, List[int]] = {}
+    for i, key in enumerate(keys):
+        classes.setdefault(key, []).append(i)
+    return classes
+
+
 class FlatGroup:
     """One contiguous buffer holding every trainable parameter of one (dtype, decay, tied) class.
 
@@ -174,22 +214,16 @@ class FlatGroup:
         self.weight_decay = weight_decay
         self.tied = tied
         self.parts = parts
-        self.segments = plan_segments([p.numel() for _, p, _ in named], pad_parts, bucket_numel,
-                                      align_elements(dtype))
+        self.segments, placements = place_group([p.numel() for _, p, _ in named], parts, pad_parts, bucket_numel,
+                                                align_elements(dtype))
         self.numel = self.segments[-1].start + self.segments[-1].size
         self.device = named[0][1].device
         self.params: List[torch.nn.Parameter] = [p for _, p, _ in named]
-        records: List[Optional[ParamRecord]] = [None] * len(named)
-        for s_idx, seg in enumerate(self.segments):
-            offset = seg.start
-            for r in seg.records:
-                name, p, position = named[r]
-                records[r] = ParamRecord(
-                    name=name, shape=tuple(p.shape), dtype=dtype, group=index, segment=s_idx,
-                    offset=offset, numel=p.numel(), position=position, weight_decay=weight_decay,
-                    tp_meta=get_tp_meta(p), parts=param_parts(offset, p.numel(), seg, parts))
-                offset += p.numel()
-        self.records: List[ParamRecord] = records  # type: ignore[assignment]
+        self.records: List[ParamRecord] = [
+            ParamRecord(name=name, shape=tuple(p.shape), dtype=dtype, group=index, segment=at.segment,
+                        offset=at.offset, numel=p.numel(), position=position, weight_decay=weight_decay,
+                        tp_meta=get_tp_meta(p), parts=at.parts)
+            for (name, p, position), at in zip(named, placements)]
         self.buffer = torch.zeros(self.numel, dtype=dtype, device=self.device)
         for rec, p in zip(self.records, self.params):
             view = self.buffer[rec.offset: rec.offset + rec.numel].view(rec.shape)
@@ -251,8 +285,8 @@ def build_flat_groups(model: torch.nn.Module, parts: int, pad_parts: int, bucket
     if len(devices) > 1:
         raise ZeroConfigError(f"trainable parameters are spread over devices {sorted(map(str, devices))}; "
                               f"move the model to one device before building the optimizer")
-    classes: Dict[Tuple[torch.dtype, bool, bool], List[Tuple[str, torch.nn.Parameter, int]]] = {}
-    for position, (name, p) in enumerate(trainable):
+    keys = []
+    for name, p in trainable:
         if not p.dtype.is_floating_point:
             raise ZeroConfigError(f"parameter {name!r} has dtype {p.dtype}; only floating-point "
                                   f"parameters can be trained")
@@ -260,8 +294,8 @@ def build_flat_groups(model: torch.nn.Module, parts: int, pad_parts: int, bucket
             raise ZeroConfigError(f"parameter {name!r} is on the meta device; materialise the model "
                                   f"before building the optimizer")
         decay = use_weight_decay and not (no_weight_decay is not None and no_weight_decay(name, p))
-        classes.setdefault((p.dtype, decay, is_pipeline_tied(p)), []).append((name, p, position))
-    # Group order is the order in which each class first appears: the same on every rank of a stage.
-    keys = sorted(classes, key=lambda k: classes[k][0][2])
-    return [FlatGroup(i, dtype, decay, classes[(dtype, decay, tied)], parts, pad_parts, bucket_numel, tied)
-            for i, (dtype, decay, tied) in enumerate(keys)]
+        keys.append((p.dtype, decay, is_pipeline_tied(p)))
+    classes = group_classes(keys)
+    return [FlatGroup(i, dtype, decay, [(trainable[m][0], trainable[m][1], m) for m in members], parts, pad_parts,
+                      bucket_numel, tied)
+            for i, ((dtype, decay, tied), members) in enumerate(classes.items())]

@@ -52,6 +52,44 @@ def test_every_subcommand_round_trips(tool, tmp_path, capsys):
     assert "wrote GPT2LMHeadModel" in out and "copied the SentencePiece tokenizer to" in out and "--finetune" in out
     a, b = load_file(tmp_path / "a.safetensors"), load_file(tmp_path / "b.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # a pipeline target: one parameter index and one set of files per stage, the same model in them
+    assert tool.main(["reshard", "--load", str(tmp_path / "tp2"), "--save", str(tmp_path / "pp2"), "--target-tp", "1",
+                      "--pipeline-model-parallel-size", "2", "--pipeline-layers-per-stage", "0", "2",
+                      "--no-progress"]) == 0
+    reader = CheckpointReader(tmp_path / "pp2")
+    assert (reader.layout.pp, reader.layout.tp, reader.layout.dp) == (2, 1, 2)
+    first, last = ({e["name"] for e in reader.stage_param_index(s)} for s in (0, 1))
+    assert not any(n.startswith("layers.") for n in first) and {"layers.0.mlp.in_proj.weight",
+                                                                  "layers.1.mlp.in_proj.weight"} <= last
+    assert first & last == {"embedding.word_embeddings.weight"}  # the tied copy on the last stage
+    assert {"model_tp00_pp00.safetensors", "model_tp00_pp01.safetensors", "optim_tp00_dp01_pp01.pt",
+            "rank_tp00_dp01_pp01.pt"} <= set(reader.manifest.files)
+    assert tool.main(["to-fp32", "--load", str(tmp_path / "pp2"), "--output", str(tmp_path / "c.safetensors"),
+                      "--no-progress"]) == 0
+    c = load_file(tmp_path / "c.safetensors")
+    assert c.keys() == a.keys() and all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_impossible_pipeline_targets_exit_with_status_1_and_one_line(tool, tmp_path, capsys):
+    save_engine(make_engine(GPT2_CFG, stage=1), tmp_path / "ck", 0)
+    layers = GPT2_CFG.num_layers
+    size = "--pipeline-model-parallel-size"
+    cases = {
+        (size, str(layers + 3)): f"cannot split {layers} layers over {layers + 3} pipeline parts",
+        (size, "2", "--target-zero-stage", "3"): f"--target-zero-stage 3 with {size} 2: ZeRO stage 3 partitions the "
+                                                 f"parameters",
+        (size, "2", "--num-layers-per-virtual-pipeline-stage", str(layers)):
+            f"--num-layers-per-virtual-pipeline-stage {layers} x pipeline_model_parallel_size 2 must divide",
+        (size, "2", "--pipeline-layers-per-stage", "1"): "has 1 entries but the pipeline has 2 parts",
+        (size, "0"): f"'pipeline.size' must be >= 1, got 0 (set by {size})",
+    }
+    for k, (flags, message) in enumerate(cases.items()):
+        assert tool.main(["reshard", "--load", str(tmp_path / "ck"), "--save", str(tmp_path / f"out{k}"),
+                          "--target-tp", "1", *flags, "--no-progress"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("convert_checkpoint reshard: error: ") and err.count("\n") == 1, err
+        assert message in err, err
+        assert not (tmp_path / f"out{k}").exists()
 
 
 def test_errors_exit_with_status_1_and_one_line(tool, tmp_path, capsys):

@@ -122,7 +122,7 @@ def test_tiny_demo_script_reuses_the_environment_and_trains_grouped_query_attent
     reader = CheckpointReader(tmp_path / "tiny" / "checkpoints")
     assert reader.iteration == 2 and reader.layout.pp == 2
     # to-hf reads the two-stage checkpoint exactly as its offline rewrite without stages
-    reshard_checkpoint(tmp_path / "tiny" / "checkpoints", tmp_path / "flat", target_tp=1)
+    reshard_checkpoint(tmp_path / "tiny" / "checkpoints", tmp_path / "flat", target_tp=1, pipeline={"size": 1})
     for src, out in ((tmp_path / "tiny" / "checkpoints", tmp_path / "hf_pp"), (tmp_path / "flat", tmp_path / "hf_flat")):
         export_to_hf(src, out)
     assert _safetensors(tmp_path / "hf_pp") == _safetensors(tmp_path / "hf_flat")

@@ -97,11 +97,14 @@ def _whole_params(model, topo) -> dict:
     return params if topo.tp_rank == 0 and topo.dp_rank == 0 else None
 
 
-def checkpoint_chain(source: dict, targets: list, directory: str, offline: str, saved_at: int, steps: int) -> dict:
-    """``source`` trains ``saved_at`` steps, saves, and goes on to ``steps`` (the run that never stops); then every
-    layout of ``targets`` (``"where"``: ``"saved"`` or ``"offline"``, the checkpoint rewritten by the offline tool
-    for PP1 x DP4 ZeRO-1) loads it and trains on to ``steps``. Returns each run's final parameters (whole, on TP 0 of
-    DP 0) and weights as this rank holds them, for the bit-identical check of the same layout."""
+def checkpoint_chain(source: dict, targets: list, directory: str, rewrites: dict, saved_at: int, steps: int) -> dict:
+    """``source`` trains ``saved_at`` steps, saves, and goes on to ``steps`` (the run that never stops); rank 0 then
+    rewrites the checkpoint with the offline tool once per entry of ``rewrites`` (``{label: (directory,
+    reshard_checkpoint keywords)}``), and every layout of ``targets`` loads it (``"where"``: ``"saved"`` or a
+    rewrite's label), saves at once to ``"save_at_load"`` when given, and trains on to ``steps``. Returns each run's
+    final parameters (whole, on TP 0 of DP 0), weights as this rank holds them (for the bit-identical checks) and
+    whether its load resharded."""
+    import hybrid.engine.reshard as reshard_on_load
     from hybrid.convert.reshard import reshard_checkpoint
 
     topo, cfg, model, engine = _build(source)
@@ -113,15 +116,31 @@ def checkpoint_chain(source: dict, targets: list, directory: str, offline: str, 
     engine.close()
     topo.close()
     if torch.distributed.get_rank() == 0:
-        reshard_checkpoint(directory, offline, target_tp=1, target_dp=4, bucket_size=BUCKET)
+        for target_dir, keywords in rewrites.values():
+            reshard_checkpoint(directory, target_dir, bucket_size=BUCKET, **keywords)
     torch.distributed.barrier()
-    for k, target in enumerate(targets):
-        topo, cfg, model, engine = _build(target)
-        engine.load_checkpoint(offline if target["where"] == "offline" else directory)
-        losses, _ = _steps(engine, topo, cfg, target["micro"], range(saved_at, steps))
-        out[k] = {"params": _whole_params(model, topo), "losses": losses, "local": _local(model)}
-        engine.close()
-        topo.close()
+    resharded = []
+    original = reshard_on_load.load_resharded
+
+    def counted(*args, **kwargs):  # load_engine takes this path only when the layouts differ
+        resharded.append(True)
+        return original(*args, **kwargs)
+
+    reshard_on_load.load_resharded = counted
+    try:
+        for k, target in enumerate(targets):
+            topo, cfg, model, engine = _build(target)
+            resharded.clear()
+            engine.load_checkpoint(directory if target["where"] == "saved" else rewrites[target["where"]][0])
+            if target.get("save_at_load"):
+                engine.save_checkpoint(target["save_at_load"])
+            losses, _ = _steps(engine, topo, cfg, target["micro"], range(saved_at, steps))
+            out[k] = {"params": _whole_params(model, topo), "losses": losses, "local": _local(model),
+                      "resharded": bool(resharded)}
+            engine.close()
+            topo.close()
+    finally:
+        reshard_on_load.load_resharded = original
     return out
 
 

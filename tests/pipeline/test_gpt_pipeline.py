@@ -118,31 +118,89 @@ def test_1f1b_first_stage_holds_at_most_pp_micro_batches(results):
 
 
 def test_pipeline_checkpoints_resume_exactly_and_load_into_other_layouts(tmp_path):
-    # PP2 x TP2 ZeRO-1 (tied embeddings) saves at step 3, in the background while it trains on. The same layout
-    # (saving synchronously) resumes bit for bit; PP1 x DP4 ZeRO-2,
-    # PP4 and the offline tool's PP1 x DP4 rewrite continue like the run that never stopped, within 1e-5 (the
-    # parity bound: the layouts differ in summation order only).
+    # PP2 x TP2 ZeRO-1 (tied embeddings, 2 + 2 layers) saves at step 3, in the background while it trains on. The
+    # same layout (saving synchronously) resumes bit for bit; PP1 x DP4 ZeRO-2, PP4, and the offline tool's
+    # rewrites for PP1 x DP4, for PP2 x DP2 ZeRO-2 with 1 + 3 layers and for PP2 x DP2 interleaved (two chunks
+    # of one layer per rank) continue like the run that never stopped, within 1e-5 (the parity bound: the layouts
+    # differ in summation order only).
     from hybrid.convert.fp32 import export_fp32
 
     directory, offline = str(tmp_path / "ckpt"), str(tmp_path / "offline")
     source = dict(tp=2, pp=2, stage=1, micro=2, layers=4, async_save=True)
-    targets = [dict(source, where="saved", async_save=False), dict(tp=1, pp=1, stage=2, micro=2, layers=4, where="saved"),
+    uneven = dict(tp=1, pp=2, stage=2, micro=2, layers=4, layers_per_stage=[1, 3])
+    rewrites = {"flat": (offline, dict(target_tp=1, target_dp=4, pipeline={"size": 1})),
+                "uneven": (str(tmp_path / "uneven"), dict(target_tp=1, target_dp=2, target_zero_stage=2,
+                                                          pipeline={"size": 2, "layers_per_stage": [1, 3]})),
+                "interleaved": (str(tmp_path / "interleaved"),
+                                dict(target_tp=1, target_dp=2, pipeline={"size": 2, "layers_per_virtual_stage": 1}))}
+    targets = [dict(source, where="saved", async_save=False),
+               dict(tp=1, pp=1, stage=2, micro=2, layers=4, where="saved"),
                dict(tp=1, pp=4, stage=0, micro=4, layers=4, where="saved"),
-               dict(tp=1, pp=1, stage=1, micro=2, layers=4, where="offline")]
-    per_rank = run_distributed(gp.checkpoint_chain, 4, source, targets, directory, offline, 3, 6, timeout=400)
+               dict(tp=1, pp=1, stage=1, micro=2, layers=4, where="flat"),
+               dict(uneven, where="uneven"),
+               dict(uneven, where="saved", save_at_load=str(tmp_path / "saved_by_job")),
+               dict(tp=1, pp=2, stage=1, micro=2, layers=4, schedule="interleaved", per_virtual=1, where="interleaved")]
+    per_rank = run_distributed(gp.checkpoint_chain, 4, source, targets, directory, rewrites, 3, 6, timeout=400)
     straight = gp.merged(r["straight"]["params"] for r in per_rank)
     for r in per_rank:  # the same layout: every loss and weight bit for bit
-        assert r[0]["losses"] == r["straight"]["losses"]
+        assert r[0]["losses"] == r["straight"]["losses"] and not r[0]["resharded"]
         for name, value in r["straight"]["local"].items():
             np.testing.assert_array_equal(r[0]["local"][name], value, err_msg=name)
     for k, target in enumerate(targets[1:], start=1):
         resumed = gp.merged(r[k]["params"] for r in per_rank)
         assert set(resumed) == set(straight)
         assert max_rel_diff(resumed, straight) <= 1e-5, target
-    # to-fp32 reads the pipeline checkpoint exactly as its offline-resharded twin (to-hf: the demo's test)
+        # an offline rewrite is in the loading job's own layout: it loads without resharding
+        assert all(r[k]["resharded"] == (target["where"] == "saved" and k > 0) for r in per_rank), target
+    # The rewrite for PP2 x DP2 ZeRO-2 holds what a job in that layout saves right after loading the original
+    # (resharding on load), file for file, and continues from it bit for bit (same kernels, same order).
+    for r in per_rank:
+        assert r[4]["losses"] == r[5]["losses"]
+        assert r[4]["local"].keys() == r[5]["local"].keys()
+        for name, value in r[5]["local"].items():
+            np.testing.assert_array_equal(r[4]["local"][name], value, err_msg=name)
+    _assert_same_checkpoint(rewrites["uneven"][0], str(tmp_path / "saved_by_job"))
+    # to-fp32 reads the pipeline checkpoint exactly as its offline-resharded twins (to-hf: the demo's test)
     export_fp32(directory, tmp_path / "pp.safetensors")
-    export_fp32(offline, tmp_path / "flat.safetensors")
-    assert _tensors(tmp_path / "pp.safetensors") == _tensors(tmp_path / "flat.safetensors")
+    for label in ("flat", "uneven", "interleaved"):
+        export_fp32(rewrites[label][0], tmp_path / f"{label}.safetensors")
+        assert _tensors(tmp_path / f"{label}.safetensors") == _tensors(tmp_path / "pp.safetensors"), label
+
+
+def _assert_same_checkpoint(a: str, b: str) -> None:
+    """Two checkpoints of the same layout hold the same files with the same contents and parameter index."""
+    import torch
+
+    from hybrid.checkpoint import CheckpointReader
+
+    ra, rb = CheckpointReader(a), CheckpointReader(b)
+    assert ra.layout == rb.layout and ra.iteration == rb.iteration
+    assert ra.param_index == rb.param_index
+    assert sorted(ra.manifest.files) == sorted(rb.manifest.files)
+    for name, record in ra.manifest.files.items():
+        if record.kind == "model":
+            assert _tensors(ra.verify(name)) == _tensors(rb.verify(name)), name
+        else:
+            _assert_equal_state(torch.load(ra.verify(name), weights_only=True),
+                                torch.load(rb.verify(name), weights_only=True), name)
+
+
+def _assert_equal_state(x, y, where: str) -> None:
+    import torch
+
+    assert type(x) is type(y), where
+    if isinstance(x, dict):
+        assert x.keys() == y.keys(), where
+        for k in x:
+            _assert_equal_state(x[k], y[k], f"{where}/{k}")
+    elif isinstance(x, (list, tuple)):
+        assert len(x) == len(y), where
+        for i, (u, v) in enumerate(zip(x, y)):
+            _assert_equal_state(u, v, f"{where}[{i}]")
+    elif isinstance(x, torch.Tensor):
+        assert x.dtype == y.dtype and torch.equal(x, y), where
+    else:
+        assert x == y, where
 
 
 def _tensors(path):
