@@ -34,7 +34,7 @@ import dataclasses
 import functools
 import json
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -45,7 +45,7 @@ from hybrid.layout import (StageTraits, ZeroStage, keeps_whole_gradients, offloa
 from hybrid.pipeline.split import StageSplit
 from hybrid.plan.setup import zero_default
 from hybrid.zero.buckets import STAGING_BUFFERS_BEFORE_WAIT
-from hybrid.zero.flat_buffer import align_elements, plan_segments
+from hybrid.zero.flat_buffer import align_elements, group_classes, plan_segments
 from model_zoo.config import GPTConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -158,12 +158,9 @@ def flat_layout(params: Sequence[ParamShape], dp: int, precision: str, bucket_si
     (:attr:`FlatLayout.held_open`).
     """
     dtype = DTYPES[precision]
-    classes: Dict[Tuple[bool, bool], List[int]] = {}
-    positions: Dict[Tuple[bool, bool], List[int]] = {}  # each parameter's place in registration order
-    for i, p in enumerate(params):
-        key = (weight_decay and not no_decay_1d(p), p.tied)
-        classes.setdefault(key, []).append(p.numel)
-        positions.setdefault(key, []).append(i)
+    # class -> each member's place in registration order
+    positions = group_classes([(weight_decay and not no_decay_1d(p), p.tied) for p in params])
+    classes = {key: [params[i].numel for i in members] for key, members in positions.items()}
     before = [0]
     for p in params:
         before.append(before[-1] + p.numel)  # elements registered before each parameter
