@@ -37,7 +37,7 @@ until it is waited on; those bytes are not tensors, so they are kept apart as
 ``untracked`` (what they add to the tensor peak: at the end of backward stage 1
 has every bucket in flight, stage 2 the last ones it launched -- up to its
 staging pool plus one, the first buckets of the buffer --; stage 3 at most
-``MAX_INFLIGHT_BUCKETS`` buckets at any moment). NCCL reduces in place, so the
+:func:`hybrid.zero.inflight.inflight_limit` elements, two buckets, at any moment). NCCL reduces in place, so the
 CUDA profile has none.
 
 Compressed communication (:mod:`hybrid.plan.compressed`) allocates real
@@ -71,7 +71,7 @@ from hybrid.plan.model_memory import (FlatLayout, Stage3Layout, StateBytes, flat
 from hybrid.plan.setup import TrainingSetup
 from hybrid.plan.zero_collectives import gathers_after_step, reduces_by_scatter, reduces_every_micro_batch
 from hybrid.zero.buckets import STAGING_BUFFERS_BEFORE_WAIT
-from hybrid.zero.stage3_grads import MAX_INFLIGHT_BUCKETS
+from hybrid.zero.inflight import closes_before, inflight_limit
 from model_zoo.config import GPTConfig
 
 
@@ -165,16 +165,20 @@ def _prefetched(order, k: int, prefetch: int) -> int:
     return ahead
 
 
-def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, prefetch: int, live: int,
-                         max_inflight: int = MAX_INFLIGHT_BUCKETS) -> GradientFlow:
+def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, prefetch: int,
+                         live: int) -> GradientFlow:
     """Replay a ZeRO-3 backward over unit sizes (elements; ``order``: gathered units in backward order).
 
     While a unit's gradient is staged (:class:`hybrid.zero.stage3_grads.Stage3GradReducer`) a rank holds
     the unit gathered with the next ones prefetched (:class:`hybrid.zero.param_gather.ParamGatherer`), the
     open bucket's staging buffers, the unit's staging buffer and autograd's gradient, and the buckets on the
-    wire (input and reduced output each). Launching a bucket of several units concatenates them first. The
+    wire (input and reduced output each). A ready unit is released, and joins the open bucket after launching
+    it if it would take it past ``bucket_size`` (:func:`hybrid.zero.inflight.closes_before`); launching lands
+    the oldest buckets until the new one fits :func:`hybrid.zero.inflight.inflight_limit`, then concatenates
+    a bucket of several units. The units prefetched behind a ready unit stay gathered while it launches. The
     persistent pool is reduced last, at the end of backward.
     """
+    limit = inflight_limit(bucket_size)
     flights, open_units = [], []
     worst, worst_wire = 0, 0
 
@@ -186,27 +190,36 @@ def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, pref
     def wire() -> int:
         return sum(flights) + sum(flights) // dp
 
-    def launch() -> int:
+    def launch(beside: int) -> int:
+        """Launch the open bucket beside ``beside`` other elements held; the elements held at that moment."""
         new = sum(open_units)
-        held = wire() + new + new // dp + (new if len(open_units) > 1 else 0)
+        while flights and sum(flights) + new > limit:
+            flights.pop(0)
+        held = beside + wire() + new + new // dp + (new if len(open_units) > 1 else 0)
         note(held)
         flights.append(new)
         open_units.clear()
-        del flights[:-max_inflight]
         return held
+
+    def ready(x: int, ahead: int) -> None:
+        if closes_before(sum(open_units), x, bucket_size):
+            launch(ahead + x)  # the unit's staging buffer waits beside the launch
+        open_units.append(x)
+        if sum(open_units) >= bucket_size:
+            launch(ahead)
 
     for k, x in enumerate(order):
         gathered = min(live, x + _prefetched(order, k, prefetch))
         note(gathered + sum(open_units) + 2 * x + wire())
-        open_units.append(x)
-        if sum(open_units) >= bucket_size:
-            launch()
-    if persistent:
-        open_units.append(persistent)
+        ready(x, gathered - x)
     final, final_wire = 0, 0
+    if persistent:
+        ready(persistent, 0)
     if open_units:
+        while flights and sum(flights) + sum(open_units) > limit:
+            flights.pop(0)
         final_wire = sum(flights) + sum(open_units)
-        final = launch()
+        final = launch(0)
     return GradientFlow(worst, worst_wire, final, final_wire)
 
 
