@@ -70,6 +70,7 @@ from hybrid.plan.model_memory import (FlatLayout, Stage3Layout, StateBytes, flat
                                       stage3_layout, stage3_state_bytes, state_bytes)
 from hybrid.plan.setup import TrainingSetup
 from hybrid.plan.zero_collectives import gathers_after_step, reduces_by_scatter, reduces_every_micro_batch
+from hybrid.ring import scratch_chunks
 from hybrid.zero.buckets import STAGING_BUFFERS_BEFORE_WAIT
 from hybrid.zero.inflight import closes_before, inflight_limit
 from model_zoo.config import GPTConfig
@@ -165,8 +166,8 @@ def _prefetched(order, k: int, prefetch: int) -> int:
     return ahead
 
 
-def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, prefetch: int,
-                         live: int) -> GradientFlow:
+def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, prefetch: int, live: int,
+                         pinned: int = 0, ring_chunks: int = 0) -> GradientFlow:
     """Replay a ZeRO-3 backward over unit sizes (elements; ``order``: gathered units in backward order).
 
     While a unit's gradient is staged (:class:`hybrid.zero.stage3_grads.Stage3GradReducer`) a rank holds
@@ -177,6 +178,10 @@ def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, pref
     the oldest buckets until the new one fits :func:`hybrid.zero.inflight.inflight_limit`, then concatenates
     a bucket of several units. The units prefetched behind a ready unit stay gathered while it launches. The
     persistent pool is reduced last, at the end of backward.
+
+    ``pinned``: elements held until the last unit of ``order`` is done (a tied head's unit, gathered again
+    for the head's backward, and its weight gradient waiting in autograd for the embedding's contribution).
+    ``ring_chunks``: ``[numel / dp]`` scratch tensors each reduce-scatter in flight holds (the gloo ring).
     """
     limit = inflight_limit(bucket_size)
     flights, open_units = [], []
@@ -188,14 +193,14 @@ def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, pref
             worst, worst_wire = held, sum(flights)
 
     def wire() -> int:
-        return sum(flights) + sum(flights) // dp
+        return sum(flights) + (1 + ring_chunks) * sum(f // dp for f in flights)
 
     def launch(beside: int) -> int:
         """Launch the open bucket beside ``beside`` other elements held; the elements held at that moment."""
         new = sum(open_units)
         while flights and sum(flights) + new > limit:
             flights.pop(0)
-        held = beside + wire() + new + new // dp + (new if len(open_units) > 1 else 0)
+        held = beside + wire() + new + (1 + ring_chunks) * (new // dp) + (new if len(open_units) > 1 else 0)
         note(held)
         flights.append(new)
         open_units.clear()
@@ -210,8 +215,9 @@ def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, pref
 
     for k, x in enumerate(order):
         gathered = min(live, x + _prefetched(order, k, prefetch))
-        note(gathered + sum(open_units) + 2 * x + wire())
-        ready(x, gathered - x)
+        held = pinned if k < len(order) - 1 else 0
+        note(held + gathered + sum(open_units) + 2 * x + wire())
+        ready(x, held + gathered - x)
     final, final_wire = 0, 0
     if persistent:
         ready(persistent, 0)
@@ -265,8 +271,11 @@ def _unit_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, u
     # limit; later each unit is gathered again with the next ones prefetched behind it.
     live = setup.stage3_live_parameters
     backward = p * min(live, sum(units.units), max(head, units.largest_unit) + ahead)
+    # A tied head's unit stays gathered through backward beside its waiting gradient (both about the unit's size).
+    pinned = 2 * head if config.tie_embeddings else 0
+    ring = scratch_chunks(units.dp) if setup.profile.ring_reduce_scatter else 0
     flow = stage3_gradient_flow(units.backward_order(config.tie_embeddings), units.persistent,
-                                setup.bucket_size, units.dp, setup.stage3_prefetch, live)
+                                setup.bucket_size, units.dp, setup.stage3_prefetch, live, pinned, ring)
     return state, forward, backward, flow.scaled(p), 0, 0, 0
 
 
