@@ -2,33 +2,59 @@
 
 For every contender -- torch DDP, hybrid ZeRO stages 0/1/2/3, stage 3 with
 CPU offload, torch FSDP2 (and DeepSpeed ZeRO-3 when importable) -- the search
-looks for the largest hidden size (in steps of ``--step``; ``--layers``
-layers, sequence ``--seq``, micro batch 1, fp32 AdamW) at which 4 gloo ranks
-train 3 steps while the resident memory summed over the ranks stays under
-``--budget``. Each attempt starts 4 fresh rank processes (gloo on loopback);
-a monitor samples their RSS every 50 ms and kills them the moment the sum
-crosses the budget (the kernel's OOM killer counts as a failure too). glibc's
-adaptive mmap threshold is fixed (``MALLOC_MMAP_THRESHOLD_``) so that freed
-tensors return to the system and RSS follows the live bytes.
+looks for the largest model (sequence ``--seq``, micro batch 1, fp32 AdamW)
+at which 4 gloo ranks train 3 steps while the resident memory summed over the
+ranks stays under ``--budget``. The model grows one of two ways:
+
+* ``--vary hidden`` (wide, the default): ``--layers`` layers, the hidden size
+  in steps of ``--step`` (128);
+* ``--vary layers`` (deep): hidden size ``--hidden``, the number of layers in
+  steps of ``--step`` (1).
+
+The deep shape is the fairer comparison of what ZeRO partitions. At a fixed
+width every contender trains the same layers, so what does not scale with the
+parameter count -- one layer's activations and gradients, and a stage-3
+*unit* (one module's weights, gathered whole: at most ``4h^2`` elements) with
+its staged gradient -- is the same for all of them, and only the per-parameter
+state (20 bytes for DDP, ``16/N_d`` for stage 3) decides how many layers fit.
+A wide 2-layer model instead makes the units grow with the model (71M elements
+at hidden 4224), so stage 3's transient grows with its parameters. The
+parameter count is what the table compares ('vs DDP' is a ratio of
+parameters, never of hidden sizes or layers), and one layer adds a fixed
+``12h^2`` parameters, a finer step than 128 in hidden.
+
+``--bucket`` (``zero.bucket_size``, and DDP's bucket cap) and ``--prefetch``
+(``zero.prefetch_bucket_size``) are what a memory-bound stage-3 run tunes:
+the bucket bounds the gradient reductions in flight
+(:mod:`hybrid.zero.inflight`) and the prefetch the weights gathered ahead.
+
+Each attempt starts 4 fresh rank processes (gloo on loopback); a monitor
+samples their RSS every 50 ms and kills them the moment the sum crosses the
+budget (the kernel's OOM killer counts as a failure too). glibc's adaptive
+mmap threshold is fixed (``MALLOC_MMAP_THRESHOLD_``) so that freed tensors
+return to the system and RSS follows the live bytes.
 
 The search starts at the planner's prediction and walks up or down from it
 one step, then in doubling strides, then bisects between the largest fit and
 the smallest failure: two attempts when the prediction is right. The planner's
-prediction for a contender is the largest hidden size whose predicted resident
+prediction for a contender is the largest size whose predicted resident
 peak per rank (``hybrid.plan.estimate_memory`` with the CPU device profile:
 tensors plus gloo's private copies, and host memory for offload), plus the
-measured resident size of an idle rank, times 4 fits the budget. torch's
-trainers are predicted with the hybrid stage holding the same state (DDP as
-stage 0 plus DDP's separate gradient buckets, FSDP2 and DeepSpeed as stage 3):
-the planner models hybrid, so those rows are rough. Stages 0-2 build the model
-whole before flattening it, which the prediction adds as a construction peak
-(two copies of the fp32 weights); stage 3 and FSDP2 build on ``meta`` and
-materialise only each rank's shard.
+measured resident size of an idle rank, times 4 fits the budget; every
+attempt and the final table print the planner's summed figure beside the
+measured one. torch's trainers are predicted with the hybrid stage holding
+the same state (DDP as stage 0 plus DDP's separate gradient buckets, FSDP2
+and DeepSpeed as stage 3): the planner models hybrid, so those rows are
+rough. Stages 0-2 build the model whole before flattening it, which the
+prediction adds as a construction peak (two copies of the fp32 weights);
+stage 3 and FSDP2 build on ``meta`` and materialise only each rank's shard.
 
-Reproduce (from the repository root)::
+Reproduce (from the repository root; hold ``flock /work/bench.lock`` on a shared machine)::
 
     python benchmarks/max_model_size.py                      # all contenders, 20 GiB budget, ~25 minutes
-    python benchmarks/max_model_size.py --budget 16GiB --max-attempts 4   # the run in docs/planner.md
+    python benchmarks/max_model_size.py --budget 16GiB --max-attempts 4   # the wide run in docs/planner.md
+    python benchmarks/max_model_size.py --vary layers --hidden 768 --budget 8GiB --bucket 2000000 \
+        --prefetch 2000000 --only "torch DDP,hybrid zero-3"                # the deep run in docs/planner.md
     python benchmarks/max_model_size.py --only "zero-3" --budget 6GiB --max-attempts 3   # a quick look
     python benchmarks/max_model_size.py --only "zero-3" --predict 4224,4352   # the planner's figures only
 """
