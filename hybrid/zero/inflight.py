@@ -12,8 +12,9 @@
   ones land until it fits (:meth:`InflightReductions.make_room`); a bucket
   larger than the limit goes out alone.
 
-Every in-flight input also holds a reduced output ``[numel / N_d]``, and on
-gloo the library's private copy of the input, so the limit bounds those too.
+Every in-flight input also holds a reduced output ``[numel / N_d]`` and, on
+gloo, the ring's scratch chunks of the same size (:func:`hybrid.ring.scratch_chunks`)
+and the library's private copy of the input, so the limit bounds those too.
 These rules are shared by :class:`hybrid.zero.stage3_grads.Stage3GradReducer`
 and the planner's replay of it (:func:`hybrid.plan.estimate.stage3_gradient_flow`).
 """
@@ -42,7 +43,7 @@ def inflight_limit(bucket_numel: int) -> int:
 class InflightReductions:
     """Reduce-scatters launched and not landed yet, oldest first, each with the elements of its input.
 
-    ``land`` of an entry waits for its handle, then runs its ``finish`` (which
+    Landing an entry waits for its handle, then runs its ``finish`` (which
     writes the reduced chunk into the gradient partition).
     """
 

@@ -6,9 +6,10 @@ on a rank). When every parameter of a unit has its gradient the unit is
 *ready*: its gathered weights are released and it joins the open bucket (the
 bucket is launched first if the unit would take it past ``bucket_numel``
 elements). A bucket holding ``bucket_numel`` elements or more is
-reduce-scattered over ``dp`` asynchronously; the rank's chunk of every unit in it is written (first
-micro-step after :meth:`zero`) or added (later micro-steps) into the gradient
-partition, which has the partition layout of :mod:`hybrid.zero.stage3_layout`.
+reduce-scattered over ``dp`` asynchronously; the rank's chunk of every unit in
+it is written (first micro-step after :meth:`zero`) or added (later
+micro-steps) into the gradient partition, which has the partition layout of
+:mod:`hybrid.zero.stage3_layout`.
 
 A unit's staging buffer is already in reduce-scatter order (chunk ``k`` is
 DP rank ``k``'s); a bucket of several units interleaves them rank by rank:
