@@ -72,7 +72,9 @@ class DeviceProfile:
     apart, as ``MemoryEstimate.untracked``.
     ``ring_reduce_scatter``: reduce-scatters run as hybrid's point-to-point
     ring (:mod:`hybrid.ring`, gloo), each holding :func:`hybrid.ring.scratch_chunks`
-    tensors of its output's size until it is waited on.
+    tensors of its output's size until it is waited on, and sending from its
+    input (no library copy: stage 3's estimate counts none; stages 0-2 keep
+    counting ``reduce_scatter_copies_input`` as an upper bound).
     """
 
     name: str

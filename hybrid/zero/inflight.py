@@ -13,8 +13,8 @@
   larger than the limit goes out alone.
 
 Every in-flight input also holds a reduced output ``[numel / N_d]`` and, on
-gloo, the ring's scratch chunks of the same size (:func:`hybrid.ring.scratch_chunks`)
-and the library's private copy of the input, so the limit bounds those too.
+gloo, the ring's scratch chunks of the same size (:func:`hybrid.ring.scratch_chunks`),
+so the limit bounds those too.
 These rules are shared by :class:`hybrid.zero.stage3_grads.Stage3GradReducer`
 and the planner's replay of it (:func:`hybrid.plan.estimate.stage3_gradient_flow`).
 """

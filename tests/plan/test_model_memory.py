@@ -111,6 +111,24 @@ def test_stage3_gradient_flow_replays_the_reducer():
     assert capped.worst == deep.worst - 30
 
 
+def test_stage3_on_the_gloo_ring_counts_no_library_copies():
+    # hybrid's ring reduce-scatter sends from the bucket itself: the CPU profile's stage 3 has no untracked
+    # copies, its ring scratch chunks are tensors in the peak; a backend that copied inputs would add them.
+    import dataclasses
+
+    from hybrid.layout import ParallelLayout
+    from hybrid.plan import CPU, Candidate, TrainingSetup, estimate_memory
+    from model_zoo import GPTConfig
+
+    cfg = GPTConfig(vocab_size=1024, hidden_size=1024, num_layers=2, num_heads=16, seq_length=32)
+    candidate = Candidate(ParallelLayout(tp=1, dp=4, zero_stage=3, precision="fp32"), micro_batch=1)
+    ring = estimate_memory(cfg, candidate, TrainingSetup(bucket_size=10**6, profile=CPU))
+    copying = dataclasses.replace(CPU, ring_reduce_scatter=False)
+    plain = estimate_memory(cfg, candidate, TrainingSetup(bucket_size=10**6, profile=copying))
+    assert ring.untracked == 0 and plain.untracked > 0
+    assert ring.peak > plain.peak  # the ring's scratch chunks ([numel / 4] x 2 per bucket in flight)
+
+
 @pytest.mark.parametrize("stage,dp", [(1, 1), (1, 4), (3, 4)])
 def test_a_background_save_counts_one_host_copy_of_the_ranks_state(stage, dp):
     """``checkpoint.async_save``: host memory grows by what DP rank 0 copies (its model shard, master and
