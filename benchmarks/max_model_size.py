@@ -101,7 +101,7 @@ CONTENDERS = [
 
 
 def gpt_config(size: int, args):
-    """The GPT of search size ``size``: its hidden size (``--vary hidden``) or its number of layers (``--vary layers``)."""
+    """The GPT of search size ``size``: its hidden size (``--vary hidden``) or its layers (``--vary layers``)."""
     from model_zoo import GPTConfig
 
     hidden, layers = (size, args.layers) if args.vary == "hidden" else (args.hidden, size)
