@@ -2,33 +2,59 @@
 
 For every contender -- torch DDP, hybrid ZeRO stages 0/1/2/3, stage 3 with
 CPU offload, torch FSDP2 (and DeepSpeed ZeRO-3 when importable) -- the search
-looks for the largest hidden size (in steps of ``--step``; ``--layers``
-layers, sequence ``--seq``, micro batch 1, fp32 AdamW) at which 4 gloo ranks
-train 3 steps while the resident memory summed over the ranks stays under
-``--budget``. Each attempt starts 4 fresh rank processes (gloo on loopback);
-a monitor samples their RSS every 50 ms and kills them the moment the sum
-crosses the budget (the kernel's OOM killer counts as a failure too). glibc's
-adaptive mmap threshold is fixed (``MALLOC_MMAP_THRESHOLD_``) so that freed
-tensors return to the system and RSS follows the live bytes.
+looks for the largest model (sequence ``--seq``, micro batch 1, fp32 AdamW)
+at which 4 gloo ranks train 3 steps while the resident memory summed over the
+ranks stays under ``--budget``. The model grows one of two ways:
+
+* ``--vary hidden`` (wide, the default): ``--layers`` layers, the hidden size
+  in steps of ``--step`` (128);
+* ``--vary layers`` (deep): hidden size ``--hidden``, the number of layers in
+  steps of ``--step`` (1).
+
+The deep shape is the fairer comparison of what ZeRO partitions. At a fixed
+width every contender trains the same layers, so what does not scale with the
+parameter count -- one layer's activations and gradients, and a stage-3
+*unit* (one module's weights, gathered whole: at most ``4h^2`` elements) with
+its staged gradient -- is the same for all of them, and only the per-parameter
+state (20 bytes for DDP, ``16/N_d`` for stage 3) decides how many layers fit.
+A wide 2-layer model instead makes the units grow with the model (71M elements
+at hidden 4224), so stage 3's transient grows with its parameters. The
+parameter count is what the table compares ('vs DDP' is a ratio of
+parameters, never of hidden sizes or layers), and one layer adds a fixed
+``12h^2`` parameters, a finer step than 128 in hidden.
+
+``--bucket`` (``zero.bucket_size``, and DDP's bucket cap) and ``--prefetch``
+(``zero.prefetch_bucket_size``) are what a memory-bound stage-3 run tunes:
+the bucket bounds the gradient reductions in flight
+(:mod:`hybrid.zero.inflight`) and the prefetch the weights gathered ahead.
+
+Each attempt starts 4 fresh rank processes (gloo on loopback); a monitor
+samples their RSS every 50 ms and kills them the moment the sum crosses the
+budget (the kernel's OOM killer counts as a failure too). glibc's adaptive
+mmap threshold is fixed (``MALLOC_MMAP_THRESHOLD_``) so that freed tensors
+return to the system and RSS follows the live bytes.
 
 The search starts at the planner's prediction and walks up or down from it
 one step, then in doubling strides, then bisects between the largest fit and
 the smallest failure: two attempts when the prediction is right. The planner's
-prediction for a contender is the largest hidden size whose predicted resident
+prediction for a contender is the largest size whose predicted resident
 peak per rank (``hybrid.plan.estimate_memory`` with the CPU device profile:
 tensors plus gloo's private copies, and host memory for offload), plus the
-measured resident size of an idle rank, times 4 fits the budget. torch's
-trainers are predicted with the hybrid stage holding the same state (DDP as
-stage 0 plus DDP's separate gradient buckets, FSDP2 and DeepSpeed as stage 3):
-the planner models hybrid, so those rows are rough. Stages 0-2 build the model
-whole before flattening it, which the prediction adds as a construction peak
-(two copies of the fp32 weights); stage 3 and FSDP2 build on ``meta`` and
-materialise only each rank's shard.
+measured resident size of an idle rank, times 4 fits the budget; every
+attempt and the final table print the planner's summed figure beside the
+measured one. torch's trainers are predicted with the hybrid stage holding
+the same state (DDP as stage 0 plus DDP's separate gradient buckets, FSDP2
+and DeepSpeed as stage 3): the planner models hybrid, so those rows are
+rough. Stages 0-2 build the model whole before flattening it, which the
+prediction adds as a construction peak (two copies of the fp32 weights);
+stage 3 and FSDP2 build on ``meta`` and materialise only each rank's shard.
 
-Reproduce (from the repository root)::
+Reproduce (from the repository root; hold ``flock /work/bench.lock`` on a shared machine)::
 
     python benchmarks/max_model_size.py                      # all contenders, 20 GiB budget, ~25 minutes
-    python benchmarks/max_model_size.py --budget 16GiB --max-attempts 4   # the run in docs/planner.md
+    python benchmarks/max_model_size.py --budget 16GiB --max-attempts 4   # the wide run in docs/planner.md
+    python benchmarks/max_model_size.py --vary layers --hidden 768 --budget 8GiB --bucket 2000000 \
+        --prefetch 2000000 --only "torch DDP,hybrid zero-3"                # the deep run in docs/planner.md
     python benchmarks/max_model_size.py --only "zero-3" --budget 6GiB --max-attempts 3   # a quick look
     python benchmarks/max_model_size.py --only "zero-3" --predict 4224,4352   # the planner's figures only
 """
@@ -74,17 +100,27 @@ CONTENDERS = [
 ]
 
 
-def gpt_config(hidden: int, args):
+def gpt_config(size: int, args):
+    """The GPT of search size ``size``: its hidden size (``--vary hidden``) or its layers (``--vary layers``)."""
     from model_zoo import GPTConfig
 
-    return GPTConfig(vocab_size=VOCAB, hidden_size=hidden, num_layers=args.layers, num_heads=hidden // 64,
+    hidden, layers = (size, args.layers) if args.vary == "hidden" else (args.hidden, size)
+    return GPTConfig(vocab_size=VOCAB, hidden_size=hidden, num_layers=layers, num_heads=hidden // 64,
                      seq_length=args.seq, hidden_dropout=0.0, attention_dropout=0.0)
 
 
-def n_params(hidden: int, args) -> int:
+def n_params(size: int, args) -> int:
     from model_zoo import count_parameters
 
-    return count_parameters(gpt_config(hidden, args))
+    return count_parameters(gpt_config(size, args))
+
+
+def zero_knobs(args) -> Dict:
+    """The ``zero`` settings every hybrid contender gets from the command line (the rest keep their defaults)."""
+    knobs = {"bucket_size": args.bucket}
+    if args.prefetch is not None:
+        knobs["prefetch_bucket_size"] = args.prefetch
+    return knobs
 
 
 # ---- availability ------------------------------------------------------------------------------------
@@ -111,14 +147,14 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} missing from /proc/self/status")
 
 
-def _build(c: Contender, hidden: int, args):
+def _build(c: Contender, size: int, args):
     """The training step of contender ``c`` on this rank, as a function of (x, y)."""
     import torch
 
     from hybrid import Topology
     from model_zoo import GPTModel
 
-    cfg = gpt_config(hidden, args)
+    cfg = gpt_config(size, args)
     if c.kind == "hybrid" and c.stage == 3 and importlib.util.find_spec("hybrid.zero.sharded_init"):
         from hybrid.config import OptimizerConfig, ZeroConfig
         from hybrid.zero.sharded_init import zero3_from_meta
@@ -127,7 +163,7 @@ def _build(c: Contender, hidden: int, args):
         model = GPTModel(cfg, Topology(tp=1), device="meta")
         model.check_inputs = False
         opt = zero3_from_meta(model, model.topology, model.seed,
-                              ZeroConfig(stage=3, bucket_size=args.bucket, offload_optimizer=c.offload),
+                              ZeroConfig(stage=3, offload_optimizer=c.offload, **zero_knobs(args)),
                               OptimizerConfig(lr=1e-4))
 
         def step(x, y):
@@ -141,7 +177,7 @@ def _build(c: Contender, hidden: int, args):
         topo = Topology(tp=1)
         model = GPTModel(cfg, topo)
         model.check_inputs = False
-        zero = {"stage": c.stage, "bucket_size": args.bucket}
+        zero = {"stage": c.stage, **zero_knobs(args)}
         if c.offload != "none":
             zero["offload_optimizer"] = c.offload
         engine = hybrid.initialize(model, {"zero": zero, "optimizer": {"type": "adamw", "lr": 1e-4},
@@ -159,7 +195,9 @@ def _build(c: Contender, hidden: int, args):
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
             "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-            "zero_optimization": {"stage": 3, "reduce_bucket_size": args.bucket}, "steps_per_print": 10**9})
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": args.bucket,
+                                  **({} if args.prefetch is None else {"stage3_prefetch_bucket_size": args.prefetch})},
+            "steps_per_print": 10**9})
 
         def step(x, y):
             loss = engine(x, y)
@@ -202,14 +240,14 @@ def rank_main(spec: str) -> None:
     from hybrid.distributed import destroy_distributed
 
     d = json.loads(spec)
-    c, hidden, args = Contender(**d["contender"]), d["hidden"], argparse.Namespace(**d["args"])
+    c, size, args = Contender(**d["contender"]), d["size"], argparse.Namespace(**d["args"])
     torch.set_num_threads(1)  # 4 ranks share the cores
     hybrid.init_distributed(timeout_s=args.attempt_timeout, backend="gloo")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM restarts from the current RSS
     base_kib = _status_kib("VmRSS")
     torch.manual_seed(0)
-    step = _build(c, hidden, args)
+    step = _build(c, size, args)
     g = torch.Generator().manual_seed(int(os.environ["RANK"]))
     t0 = time.time()
     for _ in range(args.steps):
@@ -239,22 +277,22 @@ def _rss(procs) -> int:
     return total
 
 
-def run_attempt(c: Contender, hidden: int, args) -> Dict:
-    """``{"ok": bool, "why": str, "peak_sum": bytes, "seconds": float}`` for one hidden size.
+def run_attempt(c: Contender, size: int, args) -> Dict:
+    """``{"ok": bool, "why": str, "peak_sum": bytes, "seconds": float}`` for one model size.
 
     An attempt that fails for another reason than memory (a rendezvous port
     taken in the meantime, say) is run once more.
     """
-    result = _run_attempt_once(c, hidden, args)
+    result = _run_attempt_once(c, size, args)
     if result["why"].startswith("failed"):
-        result = _run_attempt_once(c, hidden, args)
+        result = _run_attempt_once(c, size, args)
     return result
 
 
-def _run_attempt_once(c: Contender, hidden: int, args) -> Dict:
+def _run_attempt_once(c: Contender, size: int, args) -> Dict:
     import psutil
 
-    spec = json.dumps({"contender": dataclasses.asdict(c), "hidden": hidden, "args": vars(args)})
+    spec = json.dumps({"contender": dataclasses.asdict(c), "size": size, "args": vars(args)})
     port = _free_port()
     t0 = time.time()
     procs = []
@@ -302,16 +340,18 @@ def _run_attempt_once(c: Contender, hidden: int, args) -> Dict:
 
 
 # ---- the planner's prediction ----------------------------------------------------------------------
-def predicted_rank_bytes(c: Contender, hidden: int, args) -> int:
+def predicted_rank_bytes(c: Contender, size: int, args) -> int:
     """Predicted peak bytes of one rank: the planner's training peak, or the construction peak if larger."""
     from hybrid.plan import CPU, Candidate, ParallelLayout, TrainingSetup, ZeroStage, estimate_memory, shard_shapes
 
-    cfg = gpt_config(hidden, args)
+    cfg = gpt_config(size, args)
     # torch's trainers are predicted as the hybrid stage that holds the same state.
     same_state = {"ddp": ZeroStage.DISABLED, "fsdp2": ZeroStage.PARAMETERS, "deepspeed": ZeroStage.PARAMETERS}
     parallel = ParallelLayout(tp=1, dp=WORLD, zero_stage=same_state.get(c.kind, c.stage), precision="fp32")
     candidate = Candidate(parallel, offload=c.offload, micro_batch=1)
-    est = estimate_memory(cfg, candidate, TrainingSetup(bucket_size=args.bucket, weight_decay=False, profile=CPU))
+    knobs = {} if args.prefetch is None else {"stage3_prefetch": args.prefetch}
+    est = estimate_memory(cfg, candidate, TrainingSetup(bucket_size=args.bucket, weight_decay=False, profile=CPU,
+                                                        **knobs))
     weights = 4 * sum(s.numel for s in shard_shapes(cfg, 1))
     peak = est.resident_peak + est.host
     whole = not candidate.traits.parameters
@@ -324,29 +364,30 @@ def predicted_rank_bytes(c: Contender, hidden: int, args) -> int:
     return peak
 
 
-def predicted_sum(c: Contender, hidden: int, args, base_bytes: float) -> float:
+def predicted_sum(c: Contender, size: int, args, base_bytes: float) -> float:
     """The planner's resident bytes summed over the ranks (what the monitor compares with the budget)."""
-    return WORLD * (base_bytes + predicted_rank_bytes(c, hidden, args))
+    return WORLD * (base_bytes + predicted_rank_bytes(c, size, args))
 
 
-def predicted_hidden(c: Contender, args, base_bytes: float) -> int:
+def predicted_size(c: Contender, args, base_bytes: float) -> int:
+    """The largest size (a multiple of ``--step``) whose predicted summed RSS fits the budget."""
     best = args.step
-    for hidden in range(args.step, 64 * args.step + 1, args.step):
-        if predicted_sum(c, hidden, args, base_bytes) > args.budget:
+    for size in range(args.step, 1024 * args.step + 1, args.step):
+        if predicted_sum(c, size, args, base_bytes) > args.budget:
             break
-        best = hidden
+        best = size
     return best
 
 
 # ---- the search ------------------------------------------------------------------------------------------
 def search(c: Contender, args, base_bytes: float, log) -> Dict:
-    guess = predicted_hidden(c, args, base_bytes)
+    guess = predicted_size(c, args, base_bytes)
     fit, fail, tried = None, None, {}
 
     def probe(h: int) -> bool:
         r = run_attempt(c, h, args)
         tried[h] = r
-        log(f"  {c.name:26s} hidden {h:5d} ({n_params(h, args) / 1e6:7.1f}M params): "
+        log(f"  {c.name:26s} {args.vary} {h:5d} ({n_params(h, args) / 1e6:7.1f}M params): "
             f"{'fits' if r['ok'] else r['why']:32s} peak RSS sum {r['peak_sum'] / 2**30:5.2f} GiB "
             f"(planner {predicted_sum(c, h, args, base_bytes) / 2**30:5.2f}), {r['seconds']:5.1f}s")
         return r["ok"]
@@ -366,14 +407,15 @@ def search(c: Contender, args, base_bytes: float, log) -> Dict:
         else:  # still failing: walk down
             h, stride = fail - stride, 2 * stride
     exact = fit is not None and fail is not None and fail - fit <= args.step
-    return {"hidden": fit, "exact": exact, "predicted": guess, "fail": fail, "attempts": tried}
+    return {"size": fit, "exact": exact, "predicted": guess, "fail": fail, "attempts": tried}
 
 
-def print_table(rows: Dict[str, Dict], args) -> None:
+def print_table(rows: Dict[str, Dict], args, base_bytes: float) -> None:
     ddp = rows.get("torch DDP", {})
-    ddp_params = n_params(ddp["hidden"], args) if ddp.get("hidden") else None
-    head = (f"{'contender':26s} {'max hidden':>10s} {'params':>10s} {'vs DDP':>7s} {'planner hidden':>14s} "
-            f"{'planner params':>14s} {'peak RSS sum':>12s}")
+    ddp_params = n_params(ddp["size"], args) if ddp.get("size") else None
+    name = "layers" if args.vary == "layers" else "hidden"
+    head = (f"{'contender':26s} {'max ' + name:>10s} {'params':>10s} {'vs DDP':>7s} {'peak RSS sum':>12s} "
+            f"{'planner RSS':>11s} {'planner ' + name:>14s} {'planner params':>14s}")
     print(head)
     print("-" * len(head))
     for c in CONTENDERS:
@@ -383,17 +425,22 @@ def print_table(rows: Dict[str, Dict], args) -> None:
         if "unavailable" in r:
             print(f"{c.name:26s} {'not available: ' + r['unavailable']}")
             continue
-        h = r["hidden"]
+        h = r["size"]
         params = n_params(h, args) if h else 0
         bound = "" if r["exact"] else (">=" if h else "<")
         ratio = f"{params / ddp_params:.2f}x" if ddp_params and h else ""
         peak = r["attempts"][h]["peak_sum"] / 2**30 if h else 0
-        print(f"{c.name:26s} {bound + str(h or args.step):>10s} {params / 1e6:9.1f}M {ratio:>7s} "
-              f"{r['predicted']:14d} {n_params(r['predicted'], args) / 1e6:13.1f}M {peak:9.2f} GiB")
-    print(f"\nbudget {args.budget / 2**30:.1f} GiB of RSS summed over {WORLD} gloo ranks; GPT with {args.layers} "
-          f"layers, "
-          f"vocab {VOCAB}, seq {args.seq}, micro batch 1, fp32 AdamW, {args.steps} steps; hidden in steps of "
-          f"{args.step}. '>=': the largest size tried fit (search capped); 'vs DDP' = parameters over DDP's.")
+        planned = predicted_sum(c, h, args, base_bytes) / 2**30 if h else 0
+        print(f"{c.name:26s} {bound + str(h or args.step):>10s} {params / 1e6:9.1f}M {ratio:>7s} {peak:8.2f} GiB "
+              f"{planned:7.2f} GiB {r['predicted']:14d} {n_params(r['predicted'], args) / 1e6:13.1f}M")
+    shape = (f"{args.layers} layers, hidden in steps of {args.step}" if args.vary == "hidden"
+             else f"hidden {args.hidden}, layers in steps of {args.step}")
+    knobs = f"gradient bucket {args.bucket} elements" + (
+        "" if args.prefetch is None else f", stage-3 prefetch {args.prefetch} elements")
+    print(f"\nbudget {args.budget / 2**30:.1f} GiB of RSS summed over {WORLD} gloo ranks; GPT with {shape}, vocab "
+          f"{VOCAB}, seq {args.seq}, micro batch 1, fp32 AdamW, {args.steps} steps; {knobs}. '>=': the largest size "
+          f"tried fit (search capped); 'vs DDP' = parameters over DDP's; 'planner RSS': the planner's summed RSS at "
+          f"the size found.")
 
 
 def main(argv=None) -> None:
@@ -402,38 +449,52 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rank", help=argparse.SUPPRESS)
     ap.add_argument("--budget", default="20GiB", help="RSS summed over the ranks that an attempt may use")
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vary", choices=("hidden", "layers"), default="hidden",
+                    help="what the search grows: the hidden size of a --layers model (wide), or the number of "
+                         "layers of a --hidden model (deep)")
+    ap.add_argument("--layers", type=int, default=2, help="layers (with --vary hidden)")
+    ap.add_argument("--hidden", type=int, default=768, help="hidden size, a multiple of 64 (with --vary layers)")
     ap.add_argument("--seq", type=int, default=32,
                     help="sequence length: compute grows with it, memory hardly (32 keeps the largest "
                          "attempts near a minute on 2 cores)")
-    ap.add_argument("--step", type=int, default=128, help="hidden size granularity (a multiple of 64)")
+    ap.add_argument("--step", type=int, default=None,
+                    help="granularity of the search: hidden size (a multiple of 64; default 128) or layers "
+                         "(default 1)")
     ap.add_argument("--steps", type=int, default=3, help="training steps an attempt must complete")
-    ap.add_argument("--bucket", type=int, default=25_000_000, help="gradient bucket, elements")
+    ap.add_argument("--bucket", type=int, default=25_000_000, help="gradient bucket, elements (zero.bucket_size)")
+    ap.add_argument("--prefetch", type=int, default=None,
+                    help="stage 3: elements gathered ahead (zero.prefetch_bucket_size; default: the config's)")
     ap.add_argument("--max-attempts", type=int, default=4, help="attempts per contender")
     ap.add_argument("--attempt-timeout", type=float, default=400.0, help="seconds before an attempt is abandoned")
     ap.add_argument("--only", default="", help="comma-separated substrings of contender names")
     ap.add_argument("--predict", default="",
-                    help="comma-separated hidden sizes: print the planner's summed RSS for each and stop (no search)")
+                    help="comma-separated sizes (hidden or layers, see --vary): print the planner's summed RSS for "
+                         "each and stop (no search)")
     args = ap.parse_args(argv)
     if args.rank:
         rank_main(args.rank)
         return
-    if args.step % 64:
-        ap.error("--step must be a multiple of 64 (the head dimension)")
+    if args.step is None:
+        args.step = 128 if args.vary == "hidden" else 1
+    if args.vary == "hidden" and args.step % 64:
+        ap.error("--step must be a multiple of 64 (the head dimension) with --vary hidden")
+    if args.vary == "layers" and args.hidden % 64:
+        ap.error("--hidden must be a multiple of 64 (the head dimension)")
     args.budget = parse_size(args.budget, "--budget")
     chosen = [c for c in CONTENDERS if not args.only or any(s.strip() in c.name for s in args.only.split(","))]
     t0 = time.time()
     log = lambda s: print(f"[{time.time() - t0:6.0f}s] {s}", flush=True)  # noqa: E731
     calib = run_attempt(Contender("calibration", "hybrid", 0), args.step, args)
     if not calib["ok"]:
-        raise SystemExit(f"the calibration run (hybrid zero-0, hidden {args.step}) failed: {calib['why']}")
+        raise SystemExit(f"the calibration run (hybrid zero-0, {args.vary} {args.step}) failed: {calib['why']}")
     base = calib["base_mib"] * 2**20
     log(f"an idle rank holds {calib['base_mib']:.0f} MiB resident (torch, gloo); the planner adds that per rank")
     if args.predict:
         for c in chosen:
             sizes = [int(h) for h in args.predict.split(",")]
-            print(f"{c.name:26s} planner: largest hidden {predicted_hidden(c, args, base)}; summed RSS "
-                  + ", ".join(f"{h}: {predicted_sum(c, h, args, base) / 2**30:.2f} GiB" for h in sizes))
+            print(f"{c.name:26s} planner: largest {args.vary} {predicted_size(c, args, base)}; summed RSS "
+                  + ", ".join(f"{h} ({n_params(h, args) / 1e6:.1f}M): {predicted_sum(c, h, args, base) / 2**30:.2f} GiB"
+                              for h in sizes))
         return
     rows: Dict[str, Dict] = {}
     for c in chosen:
@@ -444,7 +505,7 @@ def main(argv=None) -> None:
             continue
         rows[c.name] = search(c, args, base, log)
     print()
-    print_table(rows, args)
+    print_table(rows, args, base)
 
 
 if __name__ == "__main__":

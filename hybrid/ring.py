@@ -36,6 +36,12 @@ import torch.distributed as dist
 TAG_SPACE = 1 << 30  # gloo tags are non-negative int32; 0 is left to plain send/recv
 
 
+def scratch_chunks(n: int) -> int:
+    """Chunk-sized ``[k]`` buffers one ring over ``n`` ranks holds until it finishes: the receive buffer, and the
+    running partial sum when ``n > 2`` (none when there is no one to talk to)."""
+    return 0 if n < 2 else (2 if n > 2 else 1)
+
+
 def ring_tag(sequence: int, step: int, steps: int) -> int:
     """The message tag of ``step`` of the ``sequence``-th ring of a group (the same on every rank)."""
     return 1 + (sequence * max(steps, 1) + step) % (TAG_SPACE - 1)
@@ -69,7 +75,7 @@ class RingReduceScatter:
         self.step = 0
         self.recv = torch.empty_like(self.output)
         # The running partial sum that is sent on (steps 1 .. n-2); not needed on a ring of two.
-        self.acc = torch.empty_like(self.output) if self.n > 2 else None
+        self.acc = torch.empty_like(self.output) if scratch_chunks(self.n) > 1 else None
         self.works: list = []
         self.done = False
         self._post(self.chunk(self._send_index(0)))

@@ -124,7 +124,9 @@ class ZeroConfig:
     stage: int = _field(0, choices=ZERO_STAGES, help="0: data parallel (all-reduce); 1: + partitioned fp32 master "
                                                      "and optimizer states; 2: + partitioned gradients; 3: + "
                                                      "partitioned parameters")
-    bucket_size: int = _field(25_000_000, ge=1, help="elements per gradient bucket reduced as one collective")
+    bucket_size: int = _field(25_000_000, ge=1, help="elements per gradient bucket reduced as one collective; "
+                                                     "stage 3: a bucket exceeds it only when one unit does, and "
+                                                     "at most twice this many elements are on the wire")
     overlap_comm: bool = _field(True, help="launch each bucket's reduction during backward as soon as it fills")
     reduce_once: bool = _field(False, help="stage 2 under gradient accumulation: keep the whole gradient and "
                                            "reduce it once per step, as stages 0-1 do, not on every micro-step "
@@ -154,7 +156,8 @@ class ZeroConfig:
     max_live_parameters: int = _field(1_000_000_000, ge=1, help="stage 3: elements of gathered parameters held "
                                                                 "at once")
     prefetch_bucket_size: int = _field(50_000_000, ge=0, help="stage 3: elements gathered ahead of the module "
-                                                              "that needs them; 0 disables prefetch")
+                                                              "that needs them and not used yet (gathers in "
+                                                              "flight included); 0 disables prefetch")
 
 
 @dataclasses.dataclass

@@ -70,6 +70,11 @@ class DeviceProfile:
     private copy of its input inside the communication library until it is
     waited on (gloo). Those bytes are not tensors: the planner reports them
     apart, as ``MemoryEstimate.untracked``.
+    ``ring_reduce_scatter``: reduce-scatters run as hybrid's point-to-point
+    ring (:mod:`hybrid.ring`, gloo), each holding :func:`hybrid.ring.scratch_chunks`
+    tensors of its output's size until it is waited on, and sending from its
+    input (no library copy: stage 3's estimate counts none; stages 0-2 keep
+    counting ``reduce_scatter_copies_input`` as an upper bound).
     """
 
     name: str
@@ -80,13 +85,14 @@ class DeviceProfile:
     gather_copies_output: bool = False
     host_is_device: bool = False
     reduce_scatter_copies_input: bool = False
+    ring_reduce_scatter: bool = False
 
 
 CUDA = DeviceProfile("cuda", dropout_mask_bytes=1, norm_stat_bytes=4, math_attention_with_dropout=False,
                      fused_rmsnorm=True)
 CPU = DeviceProfile("cpu", dropout_mask_bytes=None, norm_stat_bytes=None, math_attention_with_dropout=True,
                     fused_rmsnorm=False, gather_copies_output=True, host_is_device=True,
-                    reduce_scatter_copies_input=True)
+                    reduce_scatter_copies_input=True, ring_reduce_scatter=True)
 PROFILES = {"cuda": CUDA, "cpu": CPU}
 
 

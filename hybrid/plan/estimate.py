@@ -36,9 +36,14 @@ On gloo an asynchronous reduce-scatter also keeps a private copy of its input
 until it is waited on; those bytes are not tensors, so they are kept apart as
 ``untracked`` (what they add to the tensor peak: at the end of backward stage 1
 has every bucket in flight, stage 2 the last ones it launched -- up to its
-staging pool plus one, the first buckets of the buffer --; stage 3 at most
-``MAX_INFLIGHT_BUCKETS`` buckets at any moment). NCCL reduces in place, so the
-CUDA profile has none.
+staging pool plus one, the first buckets of the buffer --). Stage 3 counts
+none on the CPU profile: its reduce-scatters run as hybrid's point-to-point
+ring (:mod:`hybrid.ring`), which sends from the bucket itself, and the ring's
+scratch chunks are tensors, in :func:`stage3_gradient_flow` (measured: the
+summed RSS of 4 ranks of a 2-layer model with 35M-element units within 1% of
+the prediction without copies). Stages 0-2 still count the copies, an upper
+bound for the same ring's scratch (``2/N_d`` of each input in flight). NCCL
+reduces in place, so the CUDA profile has none.
 
 Compressed communication (:mod:`hybrid.plan.compressed`) allocates real
 tensors instead, on every device. With ``zero.quantized_gradients`` each
@@ -71,8 +76,9 @@ from hybrid.plan.model_memory import (FlatLayout, Stage3Layout, StateBytes, flat
 from hybrid.plan.pipeline_stages import stage_share
 from hybrid.plan.setup import TrainingSetup
 from hybrid.plan.zero_collectives import gathers_after_step, reduces_by_scatter, reduces_every_micro_batch
+from hybrid.ring import scratch_chunks
 from hybrid.zero.buckets import STAGING_BUFFERS_BEFORE_WAIT
-from hybrid.zero.stage3_grads import MAX_INFLIGHT_BUCKETS
+from hybrid.zero.inflight import closes_before, inflight_limit
 from model_zoo.config import GPTConfig
 
 
@@ -170,15 +176,23 @@ def _prefetched(order, k: int, prefetch: int) -> int:
 
 
 def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, prefetch: int, live: int,
-                         max_inflight: int = MAX_INFLIGHT_BUCKETS) -> GradientFlow:
+                         pinned: int = 0, ring_chunks: int = 0) -> GradientFlow:
     """Replay a ZeRO-3 backward over unit sizes (elements; ``order``: gathered units in backward order).
 
     While a unit's gradient is staged (:class:`hybrid.zero.stage3_grads.Stage3GradReducer`) a rank holds
     the unit gathered with the next ones prefetched (:class:`hybrid.zero.param_gather.ParamGatherer`), the
     open bucket's staging buffers, the unit's staging buffer and autograd's gradient, and the buckets on the
-    wire (input and reduced output each). Launching a bucket of several units concatenates them first. The
+    wire (input and reduced output each). A ready unit is released, and joins the open bucket after launching
+    it if it would take it past ``bucket_size`` (:func:`hybrid.zero.inflight.closes_before`); launching lands
+    the oldest buckets until the new one fits :func:`hybrid.zero.inflight.inflight_limit`, then concatenates
+    a bucket of several units. The units prefetched behind a ready unit stay gathered while it launches. The
     persistent pool is reduced last, at the end of backward.
+
+    ``pinned``: elements held until the last unit of ``order`` is done (a tied head's unit, gathered again
+    for the head's backward, and its weight gradient waiting in autograd for the embedding's contribution).
+    ``ring_chunks``: ``[numel / dp]`` scratch tensors each reduce-scatter in flight holds (the gloo ring).
     """
+    limit = inflight_limit(bucket_size)
     flights, open_units = [], []
     worst, worst_wire = 0, 0
 
@@ -188,29 +202,39 @@ def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, pref
             worst, worst_wire = held, sum(flights)
 
     def wire() -> int:
-        return sum(flights) + sum(flights) // dp
+        return sum(flights) + (1 + ring_chunks) * sum(f // dp for f in flights)
 
-    def launch() -> int:
+    def launch(beside: int) -> int:
+        """Launch the open bucket beside ``beside`` other elements held; the elements held at that moment."""
         new = sum(open_units)
-        held = wire() + new + new // dp + (new if len(open_units) > 1 else 0)
+        while flights and sum(flights) + new > limit:
+            flights.pop(0)
+        held = beside + wire() + new + (1 + ring_chunks) * (new // dp) + (new if len(open_units) > 1 else 0)
         note(held)
         flights.append(new)
         open_units.clear()
-        del flights[:-max_inflight]
         return held
+
+    def ready(x: int, ahead: int) -> None:
+        if closes_before(sum(open_units), x, bucket_size):
+            launch(ahead + x)  # the unit's staging buffer waits beside the launch
+        open_units.append(x)
+        if sum(open_units) >= bucket_size:
+            launch(ahead)
 
     for k, x in enumerate(order):
         gathered = min(live, x + _prefetched(order, k, prefetch))
-        note(gathered + sum(open_units) + 2 * x + wire())
-        open_units.append(x)
-        if sum(open_units) >= bucket_size:
-            launch()
-    if persistent:
-        open_units.append(persistent)
+        held = pinned if k < len(order) - 1 else 0
+        note(held + gathered + sum(open_units) + 2 * x + wire())
+        ready(x, held + gathered - x)
     final, final_wire = 0, 0
+    if persistent:
+        ready(persistent, 0)
     if open_units:
+        while flights and sum(flights) + sum(open_units) > limit:
+            flights.pop(0)
         final_wire = sum(flights) + sum(open_units)
-        final = launch()
+        final = launch(0)
     return GradientFlow(worst, worst_wire, final, final_wire)
 
 
@@ -257,8 +281,11 @@ def _unit_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, u
     # limit; later each unit is gathered again with the next ones prefetched behind it.
     live = setup.stage3_live_parameters
     backward = p * min(live, sum(units.units), max(head, units.largest_unit) + ahead)
+    # A tied head's unit stays gathered through backward beside its waiting gradient (both about the unit's size).
+    pinned = 2 * head if config.tie_embeddings else 0
+    ring = scratch_chunks(units.dp) if setup.profile.ring_reduce_scatter else 0
     flow = stage3_gradient_flow(units.backward_order(config.tie_embeddings), units.persistent,
-                                setup.bucket_size, units.dp, setup.stage3_prefetch, live)
+                                setup.bucket_size, units.dp, setup.stage3_prefetch, live, pinned, ring)
     return state, forward, backward, flow.scaled(p), 0, 0, 0
 
 
@@ -362,7 +389,8 @@ def _estimate(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, act
     backward = max(backward, base + before_loss - final_norm + rebuilt + tied + weight_grad
                    + p * n * config.ffn_size // t + p * n * h) + gathered_backward
     backward_comm = gathered_backward
-    gloo_copies = setup.profile.reduce_scatter_copies_input
+    # Stage 3 on the ring keeps no library copy (the module docstring); stages 0-2 count one as an upper bound.
+    gloo_copies = setup.profile.reduce_scatter_copies_input and not (staging3 and setup.profile.ring_reduce_scatter)
     # (tensor bytes, library copies beyond them) at the moments where reduce-scatters are in flight
     moments = [(base + act.embedding + staging3.final, staging3.final_on_wire)] if staging3 else []
     if staging3:

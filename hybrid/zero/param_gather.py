@@ -20,8 +20,9 @@ When a unit is gathered and released:
   gradient (or when backward ends).
 * **prefetch**: the sequence of units each phase fetched in the first step is
   recorded; later, after each fetch, the next units of that sequence are
-  gathered asynchronously (up to ``prefetch_numel`` elements) while the
-  current module computes.
+  gathered asynchronously while the current module computes: the units
+  gathered ahead of the cursor and not yet used, those still in flight
+  included, hold at most ``prefetch_numel`` elements.
 * **hpZ** (``secondary``, :mod:`hybrid.zero.secondary_partition`): every
   gather over ``dp`` leaves this rank's ``1/l`` slice of the unit in the
   secondary partition; a backward gather of a unit whose slice is fresh
@@ -311,9 +312,12 @@ class ParamGatherer:
         while k < len(trace) and budget > 0:
             i = trace[k]
             k += 1
-            if i in self.live or i in self.inflight or i in batch:
+            if i in self.live or i in batch:
                 continue
             n = self.units[i].numel
+            if i in self.inflight:  # gathered ahead already: it holds its share of the prefetch budget
+                budget -= n
+                continue
             if n > budget or pending + n > self.max_live_numel:
                 break
             batch.append(i)

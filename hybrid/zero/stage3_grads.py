@@ -3,19 +3,22 @@
 A post-accumulate-grad hook copies each fresh ``param.grad`` into its unit's
 ``[unit.numel]`` staging buffer and drops it (the full gradient never stays
 on a rank). When every parameter of a unit has its gradient the unit is
-*ready*: its gathered weights are released and it joins the open bucket. A
-bucket holding ``bucket_numel`` elements or more is reduce-scattered over
-``dp`` asynchronously; the rank's chunk of every unit in it is written (first
-micro-step after :meth:`zero`) or added (later micro-steps) into the gradient
-partition, which has the partition layout of :mod:`hybrid.zero.stage3_layout`.
+*ready*: its gathered weights are released and it joins the open bucket (the
+bucket is launched first if the unit would take it past ``bucket_numel``
+elements). A bucket holding ``bucket_numel`` elements or more is
+reduce-scattered over ``dp`` asynchronously; the rank's chunk of every unit in
+it is written (first micro-step after :meth:`zero`) or added (later
+micro-steps) into the gradient partition, which has the partition layout of
+:mod:`hybrid.zero.stage3_layout`.
 
 A unit's staging buffer is already in reduce-scatter order (chunk ``k`` is
 DP rank ``k``'s); a bucket of several units interleaves them rank by rank:
 ``[u0.chunk0 u1.chunk0 .. | u0.chunk1 u1.chunk1 .. | ..]``.
 
-At most ``MAX_INFLIGHT_BUCKETS`` buckets are on the wire at once: launching
-another lands the oldest first, so the gradient held beyond the partition is
-bounded by a few buckets, not the model.
+The elements on the wire are capped (:mod:`hybrid.zero.inflight`: two
+buckets' worth): launching a bucket lands the oldest ones first until it fits,
+so the gradient held beyond the partition is bounded by a few buckets, not the
+model.
 
 Units are launched in the order they became ready, which is the backward's
 order; :class:`~hybrid.zero.order_check.OrderCheck` verifies it is the same on
@@ -27,19 +30,16 @@ into a gradient partition in host memory as they land.
 
 from __future__ import annotations
 
-import collections
 import functools
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from hybrid.comm import Communicator, Handle
+from hybrid.comm import Communicator
 from hybrid.compression import Quantization
+from hybrid.zero.inflight import InflightReductions, closes_before, inflight_limit
 from hybrid.zero.order_check import OrderCheck
 from hybrid.zero.stage3_layout import Unit
-
-# Buckets on the wire at once: one reducing while the next fills overlaps communication with backward.
-MAX_INFLIGHT_BUCKETS = 2
 
 
 class Stage3GradReducer:
@@ -74,7 +74,7 @@ class Stage3GradReducer:
         self._bucket: List[int] = []
         self._bucket_size = 0
         self._fresh = [True] * len(units)
-        self._inflight: Deque[Tuple[Handle, Callable[[], None]]] = collections.deque()
+        self._inflight = InflightReductions(inflight_limit(bucket_numel))
         self._hooks = []
         self._wire_bytes = 0  # inputs and outputs of the buckets in flight
         self.transient_peak_bytes = 0  # most gradient bytes held beyond the partition (staging + in flight)
@@ -133,6 +133,8 @@ class Stage3GradReducer:
     def _ready(self, i: int) -> None:
         self._reduced.add(i)
         self._on_unit_done(i)
+        if closes_before(self._bucket_size, self.units[i].numel, self.bucket_numel):
+            self._flush()
         self._bucket.append(i)
         self._bucket_size += self.units[i].numel
         if self._bucket_size >= self.bucket_numel:
@@ -151,7 +153,9 @@ class Stage3GradReducer:
     def _flush(self) -> None:
         if not self._bucket:
             return
-        bucket, self._bucket, self._bucket_size = self._bucket, [], 0
+        bucket, numel, self._bucket, self._bucket_size = self._bucket, self._bucket_size, [], 0
+        # Land older buckets first (freeing their inputs and gloo's copies) until this one fits the cap.
+        self._inflight.make_room(numel)
         names = ", ".join(self.units[i].module_name for i in bucket)
         self.order.verify("reduce", bucket, f"reduce-scatter [{names}]")
         staged = [self._staging.pop(i, None) for i in bucket]
@@ -169,11 +173,7 @@ class Stage3GradReducer:
         self._note_peak()
         handle = self.comm.reduce_scatter_tensor(out, flat, "dp", async_op=True, **self.wire)
         # keep the input alive until the collective is done
-        self._inflight.append((handle, functools.partial(self._land, bucket, out, flat)))
-        # Land older buckets now: each in-flight bucket pins its whole input, so waiting only in step()
-        # would hold an unpartitioned copy of the model's gradient at the end of backward.
-        while len(self._inflight) > MAX_INFLIGHT_BUCKETS:
-            self._wait_oldest()
+        self._inflight.add(handle, functools.partial(self._land, bucket, out, flat), numel)
 
     def _land(self, bucket: List[int], out: torch.Tensor, flat: torch.Tensor) -> None:
         o = 0
@@ -189,14 +189,8 @@ class Stage3GradReducer:
             o += c
         self._wire_bytes -= (flat.numel() + out.numel()) * flat.element_size()
 
-    def _wait_oldest(self) -> None:
-        handle, finish = self._inflight.popleft()
-        handle.wait()
-        finish()
-
     def wait(self) -> None:
-        while self._inflight:
-            self._wait_oldest()
+        self._inflight.land_all()
         if self.grads.device != self.device and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 

@@ -92,18 +92,41 @@ def test_bad_combinations_are_refused_with_the_key():
 def test_stage3_gradient_flow_replays_the_reducer():
     from hybrid.plan.estimate import GradientFlow, stage3_gradient_flow
 
-    # Units of 10 elements, buckets of >= 15, dp 2, no prefetch. Unit 2 is staged while the first bucket
-    # (units 0+1: 20 in, 10 out) is on the wire: 10 gathered + 2 x 10 (staging, autograd's gradient) + 30 = 60.
-    # The final flush: 30 on the wire + the last unit's 10 in and 5 out = 45, with 30 input elements in flight.
+    # Units of 10 elements, buckets of 15 (so one unit each: a second would overflow it), dp 2, no prefetch.
+    # Unit 2 is staged while unit 0's bucket (10 in, 5 out) is on the wire: 10 gathered + 2 x 10 (staging,
+    # autograd's gradient) + 10 (unit 1, waiting in the open bucket) + 15 = 55. The final flush: units 0 and 1
+    # on the wire (15 + 15, the cap of 2 x 15 input elements), unit 2's 10 in and 5 out = 45.
     flow = stage3_gradient_flow([10, 10, 10], 0, bucket_size=15, dp=2, prefetch=0, live=10**9)
-    assert flow == GradientFlow(worst=60, worst_on_wire=20, final=45, final_on_wire=30)
-    # Older buckets land as new ones launch, so a deeper model holds no more (2 buckets on the wire at most).
+    assert flow == GradientFlow(worst=55, worst_on_wire=10, final=45, final_on_wire=30)
+    # Older buckets land before a new one launches: with units larger than the cap (2 x 1 element), one bucket
+    # is on the wire at a time, so a deeper model holds no more.
     short = stage3_gradient_flow([20] * 10, 7, bucket_size=1, dp=4, prefetch=40, live=10**9)
     deep = stage3_gradient_flow([20] * 100, 7, bucket_size=1, dp=4, prefetch=40, live=10**9)
-    assert short.worst == deep.worst == (20 + 40) + 2 * 20 + (40 + 10)
+    assert short.worst == deep.worst == (20 + 40) + 2 * 20 + (20 + 5)
+    # A cap of two buckets' worth lets two small buckets overlap: 3 units of 20 per bucket of 60, limit 120.
+    wide = stage3_gradient_flow([20] * 12, 0, bucket_size=60, dp=4, prefetch=0, live=10**9)
+    assert wide.worst_on_wire == 120
     # The live limit caps what is gathered with the unit.
     capped = stage3_gradient_flow([20] * 10, 7, bucket_size=1, dp=4, prefetch=40, live=30)
     assert capped.worst == deep.worst - 30
+
+
+def test_stage3_on_the_gloo_ring_counts_no_library_copies():
+    # hybrid's ring reduce-scatter sends from the bucket itself: the CPU profile's stage 3 has no untracked
+    # copies, its ring scratch chunks are tensors in the peak; a backend that copied inputs would add them.
+    import dataclasses
+
+    from hybrid.layout import ParallelLayout
+    from hybrid.plan import CPU, Candidate, TrainingSetup, estimate_memory
+    from model_zoo import GPTConfig
+
+    cfg = GPTConfig(vocab_size=1024, hidden_size=1024, num_layers=2, num_heads=16, seq_length=32)
+    candidate = Candidate(ParallelLayout(tp=1, dp=4, zero_stage=3, precision="fp32"), micro_batch=1)
+    ring = estimate_memory(cfg, candidate, TrainingSetup(bucket_size=10**6, profile=CPU))
+    copying = dataclasses.replace(CPU, ring_reduce_scatter=False)
+    plain = estimate_memory(cfg, candidate, TrainingSetup(bucket_size=10**6, profile=copying))
+    assert ring.untracked == 0 and plain.untracked > 0
+    assert ring.peak > plain.peak  # the ring's scratch chunks ([numel / 4] x 2 per bucket in flight)
 
 
 @pytest.mark.parametrize("stage,dp", [(1, 1), (1, 4), (3, 4)])

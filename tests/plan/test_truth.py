@@ -136,6 +136,10 @@ STAGE3_SPECS: List[Dict] = [
     dict(stage=3, tp=1, recompute="none", precision="bf16", micro=2, bucket=20_000, persist=2_000),
     dict(stage=3, tp=2, recompute="full", precision="fp32", micro=2, persist=2_000, prefetch=0),
     dict(stage=3, tp=1, offload="cpu", recompute="selective", precision="bf16", micro=2, persist=2_000),
+    # buckets smaller than the model: a unit that would overflow the open bucket launches it first, and at most
+    # two buckets' worth of elements are on the wire (hybrid.zero.inflight): backward's gradient flow is the peak
+    dict(stage=3, tp=1, recompute="none", precision="fp32", micro=1, hidden=256, layers=4, seq=16, bucket=300_000,
+         persist=2_000, prefetch=300_000),
     dict(stage=2, tp=2, offload="cpu", recompute="none", precision="bf16", micro=2),
 ]
 

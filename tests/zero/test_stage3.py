@@ -168,7 +168,7 @@ def test_gathered_parameters_stay_within_the_live_limit(results, tp):
 def test_gradients_beyond_the_partition_stay_within_a_few_buckets(results):
     # Buckets are landed as later ones launch, so the unpartitioned gradient a rank holds at any moment is a
     # few buckets (each at most BUCKET plus one unit), never the whole model's.
-    from hybrid.zero.stage3_grads import MAX_INFLIGHT_BUCKETS
+    from hybrid.zero.inflight import MAX_INFLIGHT_BUCKETS
 
     for r in results:
         res = r["deep"]
