@@ -2,8 +2,6 @@
 configurations, the weight-decay rule the peers get, and that the peers' plain twin is the same model as
 hybrid's GPT (so a loss gap means a different training, not a different network)."""
 
-import math
-
 import pytest
 import torch
 
@@ -125,6 +123,5 @@ def test_peers_train_the_same_model_with_the_same_decay():
 
 def test_loss_tolerance_floor():
     eps = torch.finfo(torch.float32).eps
-    assert zvp.loss_tolerance([2.0, 1.0], [2.0, 1.0], 10_000) == pytest.approx(4 * 100 * eps * 2.0)
-    assert zvp.loss_tolerance([2.0, 1.0], [2.0, 1.1], 100) == pytest.approx(0.4)
-    assert math.isfinite(zvp.loss_tolerance([9.0], [9.0], 1))
+    assert zvp.loss_tolerance([2.0, 1.0], [2.0, 1.0]) == pytest.approx(4 * eps * 2.0)  # the floor: one rounding
+    assert zvp.loss_tolerance([2.0, 1.0], [2.0, 1.1]) == pytest.approx(0.4)  # 4x the fp32 reference's own gap
