@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks.paired import paired_ratio  # noqa: E402
