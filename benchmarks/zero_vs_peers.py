@@ -40,7 +40,7 @@ against hybrid TP2 x DP2 ZeRO-1; DeepSpeed ZeRO-1/2/3 against stages 1/2/3
 Reproduce (from the repository root)::
 
     python benchmarks/zero_vs_peers.py                    # 3 rounds x 12 steps (2 x 8 took 12 min on 2 shared cores)
-    python benchmarks/zero_vs_peers.py --quick            # the machinery end to end, < 2 min
+    python benchmarks/zero_vs_peers.py --quick            # the machinery end to end, ~3 min (not a measurement)
     python benchmarks/zero_vs_peers.py --only "zero-1,DDP"   # some contenders only
 
 Writes every figure, each round's raw medians and every configuration to
@@ -428,7 +428,7 @@ def _build_deepspeed(c: Contender, args):
                                                                                    [])
         return _state_elements(inner) + sum(t.numel() for t in masters)
 
-    zc = engine.zero_optimization() and engine._config.zero_config
+    zc = engine._config.zero_config
     keys = DS_EFFECTIVE_KEYS + (DS_STAGE3_KEYS if c.stage == 3 else ())
     desc = {"deepspeed.initialize config": config,
             "zero_optimization (effective)": {k: getattr(zc, k) for k in keys},
@@ -583,6 +583,7 @@ def loss_problems(runs: Mapping[str, Mapping[int, Dict]], tol: float) -> List[st
 
 QUICK = {"hidden": 64, "layers": 2, "heads": 4, "vocab": 1024, "seq": 32, "global_batch": 8, "steps": 3,
          "warmup": 1, "rounds": 2}
+QUICK_ONLY = "hybrid zero-1,torch DDP"  # both tables' rows for one pair (each launch costs ~10 s of imports)
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -602,14 +603,16 @@ def parse(argv=None) -> argparse.Namespace:
                     help="hybrid's zero.bucket_size (elements), and the matched peers'; 0: hybrid's default")
     ap.add_argument("--only", default="", help="comma-separated substrings of contender names to run")
     ap.add_argument("--quick", action="store_true",
-                    help="a tiny model, 2 rounds of 3 steps: the machinery end to end in under 2 minutes, "
-                         "not a measurement (" + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + ")")
+                    help="a tiny model, 2 rounds of 3 steps, --only '" + QUICK_ONLY + "' unless given: the "
+                         "machinery end to end in ~2-3 minutes on 2 shared cores, not a measurement ("
+                         + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + ")")
     ap.add_argument("--json", default=os.path.join(REPO, "benchmarks", "results", "zero_vs_peers.json"),
                     help="where to write the results ('' for nowhere)")
     args = ap.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
+        args.only = args.only or QUICK_ONLY
     for what, size in (("--global-batch", WORLD), ("--hidden", args.heads)):
         if getattr(args, what[2:].replace("-", "_")) % size:
             ap.error(f"{what} must be divisible by {size}")
