@@ -39,7 +39,7 @@ against hybrid TP2 x DP2 ZeRO-1; DeepSpeed ZeRO-1/2/3 against stages 1/2/3
 
 Reproduce (from the repository root)::
 
-    python benchmarks/zero_vs_peers.py                    # 3 rounds x 12 steps (2 x 8 took 12 min on 2 shared cores)
+    python benchmarks/zero_vs_peers.py                    # 3 rounds x 12 steps: 21 min on 2 shared cores
     python benchmarks/zero_vs_peers.py --quick            # the machinery end to end, ~3 min (not a measurement)
     python benchmarks/zero_vs_peers.py --only "zero-1,DDP"   # some contenders only
 
