@@ -2,7 +2,9 @@
 
 A post-accumulate-grad hook copies each fresh ``param.grad`` into its unit's
 ``[unit.numel]`` staging buffer and drops it (the full gradient never stays
-on a rank). When every parameter of a unit has its gradient the unit is
+on a rank). The buffer is not zero-filled: a parameter's first gradient is
+copied in, and only the padding and the parameters that got no gradient are
+zeroed (the latter when the unit is reduced). When every parameter of a unit has its gradient the unit is
 *ready*: its gathered weights are released and it joins the open bucket. A
 bucket holding ``bucket_numel`` elements or more is reduce-scattered over
 ``dp`` asynchronously; the rank's chunk of every unit in it is written (first
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -69,7 +71,7 @@ class Stage3GradReducer:
             for r, p in enumerate(u.params):
                 self._slot[id(p)] = (u.index, r)
         self._staging: Dict[int, torch.Tensor] = {}
-        self._arrived: Dict[int, int] = {}
+        self._arrived: Dict[int, Set[int]] = {}  # unit -> records whose gradient is in its staging buffer
         self._reduced = set()
         self._bucket: List[int] = []
         self._bucket_size = 0
@@ -100,9 +102,22 @@ class Stage3GradReducer:
     def _stage_buffer(self, i: int) -> torch.Tensor:
         buf = self._staging.get(i)
         if buf is None:
-            # zeros: padding and unused parameters contribute nothing to the sum
-            buf = self._staging[i] = torch.zeros(self.units[i].numel, dtype=self.dtype, device=self.device)
+            u = self.units[i]
+            buf = self._staging[i] = torch.empty(u.numel, dtype=self.dtype, device=self.device)
+            buf[u.used:].zero_()  # padding contributes nothing to the sum
             self._note_peak()
+        return buf
+
+    def _staged(self, i: int) -> torch.Tensor:
+        """Unit ``i``'s staging buffer, taken for reduction, with zeros where no gradient arrived."""
+        u = self.units[i]
+        buf = self._staging.pop(i, None)
+        if buf is None:
+            return torch.zeros(u.numel, dtype=self.dtype, device=self.device)
+        arrived = self._arrived.get(i, ())
+        for r, rec in enumerate(u.records):
+            if r not in arrived:  # unused in this backward: no gradient
+                buf[rec.offset: rec.offset + rec.numel].zero_()
         return buf
 
     def _note_peak(self, extra: int = 0) -> None:
@@ -123,11 +138,15 @@ class Stage3GradReducer:
                                f"checkpointed regions?)")
         rec = self.units[i].records[r]
         dst = self._stage_buffer(i)[rec.offset: rec.offset + rec.numel].view(rec.shape)
-        dst.add_(param.grad)
+        arrived = self._arrived.setdefault(i, set())
+        if r in arrived:
+            dst.add_(param.grad)
+        else:
+            dst.copy_(param.grad)
+            arrived.add(r)
         param.grad = None
         self._unshape(param)
-        self._arrived[i] = self._arrived.get(i, 0) + 1
-        if self._arrived[i] == len(self.units[i].params):
+        if len(arrived) == len(self.units[i].params):
             self._ready(i)
 
     def _ready(self, i: int) -> None:
@@ -144,19 +163,22 @@ class Stage3GradReducer:
         for u in self.units:
             if u.index not in self._reduced:
                 self._ready(u.index)
-        self._flush()
-        self.order.verify("end-backward", (), "end of backward")
+        self._flush(last=True)
 
     # ---- communication ----------------------------------------------------------------------------------
-    def _flush(self) -> None:
+    def _flush(self, last: bool = False) -> None:
+        """Reduce-scatter the open bucket. ``last``: the end of backward, which the order check marks (with
+        the bucket's own check, or alone when no bucket is open) so that ranks that issued a different number
+        of reductions disagree there."""
         if not self._bucket:
+            if last:
+                self.order.verify("end-backward", (), "end of backward")
             return
         bucket, self._bucket, self._bucket_size = self._bucket, [], 0
         names = ", ".join(self.units[i].module_name for i in bucket)
-        self.order.verify("reduce", bucket, f"reduce-scatter [{names}]")
-        staged = [self._staging.pop(i, None) for i in bucket]
-        staged = [s if s is not None else torch.zeros(self.units[i].numel, dtype=self.dtype, device=self.device)
-                  for i, s in zip(bucket, staged)]
+        kind = "reduce-last" if last else "reduce"
+        self.order.verify(kind, bucket, f"reduce-scatter [{names}]{' (end of backward)' if last else ''}")
+        staged = [self._staged(i) for i in bucket]
         if len(bucket) == 1:
             flat = staged[0]
         else:
