@@ -40,6 +40,7 @@ from tests.multiproc import run_distributed  # noqa: E402
 
 WORLD = 4
 CONTENDERS = ("torch DDP", "torch FSDP2 (reshard)", "hybrid zero-3")
+REUSE = "hybrid zero-3 reuse"  # with --reuse: zero.max_reuse_distance set
 
 
 class _Timers:
@@ -98,7 +99,7 @@ class _Phases:
             self.values[name + " blocked"] = comm.blocked_seconds() - b0
 
 
-def _build_hybrid(args, stage: int, breakdown: bool):
+def _build_hybrid(args, stage: int, breakdown: bool, reuse: int = 0):
     import hybrid
     from hybrid import Topology
     from model_zoo import GPTModel
@@ -107,7 +108,8 @@ def _build_hybrid(args, stage: int, breakdown: bool):
     model = GPTModel(gpt_config(args), topo)
     model.check_inputs = False
     micro = args.global_batch // WORLD
-    engine = hybrid.initialize(model, {"zero": {"stage": stage}, "micro_batch_size": micro,
+    zero = {"stage": stage, "max_reuse_distance": reuse} if stage == 3 else {"stage": stage}
+    engine = hybrid.initialize(model, {"zero": zero, "micro_batch_size": micro,
                                        "global_batch_size": args.global_batch,
                                        "optimizer": {"lr": args.lr, "weight_decay": args.wd}},
                                topology=topo, no_weight_decay=lambda n, p: p.ndim < 2)
@@ -187,8 +189,12 @@ def child(args) -> Dict:
     built = {}
     for kind in args.contenders:
         torch.manual_seed(0)
-        built[kind] = (_build_hybrid(args, int(kind[-1]), args.breakdown) if kind.startswith("hybrid")
-                       else _build_torch(kind, args))
+        if kind == REUSE:
+            built[kind] = _build_hybrid(args, 3, args.breakdown, args.reuse)
+        elif kind.startswith("hybrid"):
+            built[kind] = _build_hybrid(args, int(kind[-1]), args.breakdown)
+        else:
+            built[kind] = _build_torch(kind, args)
     micro = args.global_batch // WORLD
     out = {kind: {"times": [], "cpu": [], "losses": [], "stats": []} for kind in args.contenders}
     n = len(args.contenders)
@@ -237,17 +243,19 @@ def main(argv=None) -> None:
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--bucket", type=int, default=25_000_000, help="DDP gradient bucket, elements (hybrid's default)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, each in fresh processes; the table shows medians")
+    ap.add_argument("--reuse", type=int, default=0,
+                    help="also run stage 3 with zero.max_reuse_distance set to this many elements")
     ap.add_argument("--with-zero0", action="store_true",
                     help="also run hybrid stage 0 (the same model code as stage 3, DDP's algorithm)")
     ap.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                     help="time stage 3 without the hook timers")
     args = ap.parse_args(argv)
-    args.contenders = CONTENDERS + (("hybrid zero-0",) if args.with_zero0 else ())
-    z3, peers = "hybrid zero-3", CONTENDERS[:2]
+    args.contenders = CONTENDERS + ((REUSE,) if args.reuse else ()) + (("hybrid zero-0",) if args.with_zero0 else ())
+    ours, peers = [k for k in args.contenders if k.startswith("hybrid zero-3")], CONTENDERS[:2]
     wall: Dict[str, List[float]] = collections.defaultdict(list)
     cpu: Dict[str, List[float]] = collections.defaultdict(list)
-    ratios: Dict[str, List[float]] = collections.defaultdict(list)
-    cpu_ratios: Dict[str, List[float]] = collections.defaultdict(list)
+    ratios: Dict[tuple, List[float]] = collections.defaultdict(list)
+    cpu_ratios: Dict[tuple, List[float]] = collections.defaultdict(list)
     breakdowns: Dict[str, List[Dict[str, float]]] = collections.defaultdict(list)
     loss_gap = 0.0
     for round_ in range(args.rounds):
@@ -258,9 +266,10 @@ def main(argv=None) -> None:
             wall[k].append(statistics.median(steps[k]))
             cpu[k].append(statistics.median(cpus[k]))
             breakdowns[k].append(_breakdown(per_rank, k))
-        for peer in peers:  # paired: the same step, back to back
-            ratios[peer].append(statistics.median(a / b for a, b in zip(steps[z3], steps[peer])))
-            cpu_ratios[peer].append(statistics.median(a / b for a, b in zip(cpus[z3], cpus[peer])))
+        for z3 in ours:
+            for peer in peers:  # paired: the same step, back to back
+                ratios[z3, peer].append(statistics.median(a / b for a, b in zip(steps[z3], steps[peer])))
+                cpu_ratios[z3, peer].append(statistics.median(a / b for a, b in zip(cpus[z3], cpus[peer])))
         mean_loss = {k: [statistics.mean(r[k]["losses"][i] for r in per_rank)
                          for i in range(len(per_rank[0][k]["losses"]))] for k in args.contenders}
         loss_gap = max([loss_gap] + [abs(a - b) for k in args.contenders[1:]
@@ -274,10 +283,11 @@ def main(argv=None) -> None:
     for k in args.contenders:
         rounds = " ".join(f"{1e3 * t:.0f}" for t in wall[k])
         print(f"{k:24s} {1e3 * statistics.median(wall[k]):10.1f}ms {statistics.median(cpu[k]):8.2f}s   {rounds}")
-    for peer in peers:
-        rs = " ".join(f"{r:.2f}" for r in ratios[peer])
-        print(f"{z3} / {peer:22s} step {statistics.median(ratios[peer]):.2f}x (rounds: {rs}), "
-              f"CPU {statistics.median(cpu_ratios[peer]):.2f}x")
+    for z3 in ours:
+        for peer in peers:
+            rs = " ".join(f"{r:.2f}" for r in ratios[z3, peer])
+            print(f"{z3:19s} / {peer:22s} step {statistics.median(ratios[z3, peer]):.2f}x (rounds: {rs}), "
+                  f"CPU {statistics.median(cpu_ratios[z3, peer]):.2f}x")
     print(f"largest gap between the contenders' mean losses: {loss_gap:.2e}")
     if args.breakdown:
         print("\nbreakdown per rank and step (median over ranks and steps, then over rounds). thread CPU: the "
