@@ -12,8 +12,12 @@ micro-step after :meth:`zero`) or added (later micro-steps) into the gradient
 partition, which has the partition layout of :mod:`hybrid.zero.stage3_layout`.
 
 A unit's staging buffer is already in reduce-scatter order (chunk ``k`` is
-DP rank ``k``'s); a bucket of several units interleaves them rank by rank:
-``[u0.chunk0 u1.chunk0 .. | u0.chunk1 u1.chunk1 .. | ..]``.
+DP rank ``k``'s); a bucket of several units is reduced as their staging
+buffers interleaved rank by rank, ``[u0.chunk0 u1.chunk0 .. | u0.chunk1
+u1.chunk1 .. | ..]``, in unit order (the communicator's segments: the ring
+reads the buffers in place). Backward readies units in reverse order, so a
+bucket is usually a run of consecutive units, whose chunks are one slice of
+the gradient partition: on a first micro-step it is reduced straight into it.
 
 At most ``MAX_INFLIGHT_BUCKETS`` buckets are on the wire at once: launching
 another lands the oldest first, so the gradient held beyond the partition is
@@ -178,38 +182,59 @@ class Stage3GradReducer:
         names = ", ".join(self.units[i].module_name for i in bucket)
         kind = "reduce-last" if last else "reduce"
         self.order.verify(kind, bucket, f"reduce-scatter [{names}]{' (end of backward)' if last else ''}")
+        bucket = sorted(bucket)  # unit order: the partition's
         staged = [self._staged(i) for i in bucket]
-        if len(bucket) == 1:
-            flat = staged[0]
-        else:
-            dp = self.units[0].dp
-            flat = torch.cat([s.view(dp, -1) for s in staged], dim=1).view(-1)
-        out = torch.empty(flat.numel() // self.units[0].dp, dtype=self.dtype, device=self.device)
-        # the bucket's staging buffers are still referenced here, beside their concatenation
-        self._note_peak(sum(t.numel() for t in staged) * flat.element_size() if len(bucket) > 1 else 0)
-        self._wire_bytes += (flat.numel() + out.numel()) * flat.element_size()
+        numel = sum(t.numel() for t in staged)
+        size = staged[0].element_size()
+        out = self._direct_target(bucket)
+        direct = out is not None
+        # Decided now, not when the bucket lands: the next micro-step's reduction of these units may be
+        # launched before this one lands, and must add to it.
+        fresh = [self._fresh[i] for i in bucket]
+        for i in bucket:
+            self._fresh[i] = False
+        if not direct:
+            out = torch.empty(numel // self.units[0].dp, dtype=self.dtype, device=self.device)
+        # a communicator that interleaves the buckets' units builds a copy beside the staging buffers
+        self._note_peak(numel * size if len(bucket) > 1 else 0)
+        self._wire_bytes += (numel + out.numel()) * size
         self._note_peak()
-        handle = self.comm.reduce_scatter_tensor(out, flat, "dp", async_op=True, **self.wire)
+        handle = self.comm.reduce_scatter_tensor(out, staged, "dp", async_op=True, **self.wire)
         # keep the input alive until the collective is done
-        self._inflight.append((handle, functools.partial(self._land, bucket, out, flat)))
+        self._inflight.append((handle, functools.partial(self._land, bucket, out, staged, direct, fresh)))
         # Land older buckets now: each in-flight bucket pins its whole input, so waiting only in step()
         # would hold an unpartitioned copy of the model's gradient at the end of backward.
         while len(self._inflight) > MAX_INFLIGHT_BUCKETS:
             self._wait_oldest()
 
-    def _land(self, bucket: List[int], out: torch.Tensor, flat: torch.Tensor) -> None:
+    def _direct_target(self, bucket: List[int]) -> Optional[torch.Tensor]:
+        """The gradient partition's slice for ``bucket`` (sorted) when the reduction may land there itself: its
+        units are consecutive, none holds a gradient yet (first micro-step), and the partition is on the device
+        the reduction runs on. None otherwise."""
+        if self.grads.device != self.device or not all(self._fresh[i] for i in bucket):
+            return None
+        if bucket[-1] - bucket[0] != len(bucket) - 1:
+            return None
+        first, last = self.units[bucket[0]], self.units[bucket[-1]]
+        return self.grads[first.partition_offset: last.partition_offset + last.chunk_numel]
+
+    def _land(self, bucket: List[int], out: torch.Tensor, staged: List[torch.Tensor], direct: bool,
+              fresh: List[bool]) -> None:
+        """Write (``fresh``: first of the step) or add the reduced chunks ``out`` into the gradient partition;
+        nothing to move when ``direct``: the reduction wrote the partition itself. Buckets land in launch
+        order."""
         o = 0
-        for i in bucket:
+        for i, first in zip(bucket, fresh):
             u = self.units[i]
             c = u.chunk_numel
-            target = self.grads[u.partition_offset: u.partition_offset + c]
-            if self._fresh[i]:
-                target.copy_(out[o: o + c], non_blocking=True)
-                self._fresh[i] = False
-            else:
-                target.add_(out[o: o + c].to(target.device))
+            if not direct:
+                target = self.grads[u.partition_offset: u.partition_offset + c]
+                if first:
+                    target.copy_(out[o: o + c], non_blocking=True)
+                else:
+                    target.add_(out[o: o + c].to(target.device))
             o += c
-        self._wire_bytes -= (flat.numel() + out.numel()) * flat.element_size()
+        self._wire_bytes -= (sum(t.numel() for t in staged) + out.numel()) * out.element_size()
 
     def _wait_oldest(self) -> None:
         handle, finish = self._inflight.popleft()
