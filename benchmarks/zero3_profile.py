@@ -1,23 +1,28 @@
 """hybrid ZeRO-3 against torch DDP and FSDP2 (reshard after forward), with a breakdown of stage 3's step.
 
-The three contenders train the same small GPT as ``benchmarks/zero_vs_peers.py``
+The contenders train the same small GPT as ``benchmarks/zero_vs_peers.py``
 (its model, batches and parameter groups are imported from there) on 4 gloo
 ranks; hybrid runs through ``hybrid.initialize`` with stage 3 and its default
-ZeRO settings. Rounds are interleaved (DDP, FSDP2, stage 3, DDP, ...), each
-contender in fresh processes; every round gives paired ratios (stage 3 over
-DDP, stage 3 over FSDP2) and the table prints their medians.
+ZeRO settings (``--reuse N``: also with ``zero.max_reuse_distance = N``). All
+contenders live in the same 4 processes and take their steps in turn
+(rotating order), so a busy spell of this shared machine hits them alike;
+each round starts fresh processes, and gives paired per-step ratios (stage 3
+over DDP, over FSDP2), whose medians over rounds the table prints, with the
+CPU time of all ranks per step (the steadier measure on shared cores).
 
-The stage-3 breakdown (``--breakdown``, default on) times, on every rank, the
-step's phases (forward, backward, optimizer step) and inside them: seconds
-blocked in the communicator (``Communicator.blocked_seconds``: gathers and
-reduce-scatters that compute did not hide), the Python of the gather hooks and
-of the gradient hooks (wall time inside them, their waits excluded), and
-the number of gathers and hook calls per step. Medians over ranks and steps.
+The breakdown (on by default) times, per rank, each phase of a step (forward,
+backward, optimizer step): wall time, the training thread's CPU time, the
+process's CPU time (gloo's threads too) and, for hybrid, the time blocked in
+the communicator (``Communicator.blocked_seconds``: gathers and
+reduce-scatters that compute did not hide). For stage 3 also the wall time
+inside the gather hooks, the gradient hooks, the order check, the end of
+backward and the step's wait for the last reduction (blocked or not), and the
+elements gathered per step. Medians over ranks and steps, then over rounds.
 
 Reproduce (from the repository root)::
 
-    python benchmarks/zero3_profile.py                 # 3 rounds, about 6 minutes on 2 cores
-    python benchmarks/zero3_profile.py --rounds 1 --steps 4   # a quick look
+    python benchmarks/zero3_profile.py --steps 8 --reuse 50000000   # 3 rounds, about 9 minutes on 2 cores
+    python benchmarks/zero3_profile.py --rounds 1 --steps 4         # a quick look
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from tests.multiproc import run_distributed  # noqa: E402
 WORLD = 4
 CONTENDERS = ("torch DDP", "torch FSDP2 (reshard)", "hybrid zero-3")
 REUSE = "hybrid zero-3 reuse"  # with --reuse: zero.max_reuse_distance set
+# The GPT, batch and optimizer of benchmarks/zero_vs_peers.py's default run (the names its helpers read).
+MODEL = dict(hidden=256, layers=4, heads=8, vocab=8192, seq=128, global_batch=16, lr=1e-3, wd=0.1)
 
 
 class _Timers:
@@ -231,16 +238,8 @@ def _breakdown(per_rank: List[Dict], kind: str) -> Dict[str, float]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=10, help="measured steps (after --warmup)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--bucket", type=int, default=25_000_000, help="DDP gradient bucket, elements (hybrid's default)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, each in fresh processes; the table shows medians")
     ap.add_argument("--reuse", type=int, default=0,
@@ -250,6 +249,8 @@ def main(argv=None) -> None:
     ap.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                     help="time stage 3 without the hook timers")
     args = ap.parse_args(argv)
+    for key, value in MODEL.items():
+        setattr(args, key, value)
     args.contenders = CONTENDERS + ((REUSE,) if args.reuse else ()) + (("hybrid zero-0",) if args.with_zero0 else ())
     ours, peers = [k for k in args.contenders if k.startswith("hybrid zero-3")], CONTENDERS[:2]
     wall: Dict[str, List[float]] = collections.defaultdict(list)

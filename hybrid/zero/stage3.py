@@ -12,7 +12,8 @@ host memory (``offload_optimizer="cpu"``).
 Communication per step over ``dp``: an all-gather of the weights in forward,
 another in backward and a reduce-scatter of the gradients, 1.5x the all-reduce
 of stage 0 (less for persistent units, which are all-gathered once per step
-after the update instead). With hpZ (``zero.hpz_partition_size = l`` > 1,
+after the update instead, and for units ``zero.max_reuse_distance`` keeps
+gathered from forward into backward: 1x when it covers the model). With hpZ (``zero.hpz_partition_size = l`` > 1,
 :mod:`hybrid.zero.secondary_partition`) the backward gather runs over
 ``dp_node`` instead, inside the node, from a secondary copy of the weights
 sharded over the node's ``l`` ranks (``1/l`` of the gathered units per rank).
