@@ -37,7 +37,7 @@ import contextlib
 import dataclasses
 import datetime
 import time
-from typing import TYPE_CHECKING, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -341,20 +341,37 @@ class Communicator:
         return self._launch("all_gather", axis, lambda a: _all_gather_flat(
             output, input, group=self._group(axis), async_op=a), async_op)
 
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, axis: str,
-                              op: str = "sum", async_op: bool = False,
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: Union[torch.Tensor, Sequence[torch.Tensor]],
+                              axis: str, op: str = "sum", async_op: bool = False,
                               quant: Optional[Quantization] = None, two_level: bool = False) -> Optional[Handle]:
         """Reduce ``input`` [n*k] over ``axis`` and keep this rank's chunk in ``output`` [k].
 
-        With ``quant``, chunk ``i`` of ``input`` is packed and sent to rank
-        ``i`` by one all-to-all; each rank dequantizes the ``n`` copies of its
-        chunk and adds them in fp32, in group-rank order. ``two_level`` (axis
-        ``dp`` only, after :meth:`~hybrid.topology.Topology.enable_node_axes`):
-        first inside the node, then across nodes (:meth:`_two_level_reduce_scatter`).
+        ``input`` may also be a list of segments ``s_j`` [n*k_j] (``k = sum
+        k_j``), reduced as if interleaved chunk by chunk, ``[s_0 chunk 0, s_1
+        chunk 0, .. | s_0 chunk 1, ..]``: this rank keeps ``[s_0 chunk r, s_1
+        chunk r, ..]``. The ring (gloo) reads them in place; the other paths
+        build the interleaved tensor first. With ``quant``, chunk ``i`` of
+        ``input`` is packed and sent to rank ``i`` by one all-to-all; each
+        rank dequantizes the ``n`` copies of its chunk and adds them in fp32,
+        in group-rank order. ``two_level`` (axis ``dp`` only, after
+        :meth:`~hybrid.topology.Topology.enable_node_axes`): first inside the
+        node, then across nodes (:meth:`_two_level_reduce_scatter`).
         """
+        n = self.size(axis)
+        if not isinstance(input, torch.Tensor):
+            segments = [s.view(-1) for s in input]
+            total = sum(s.numel() for s in segments)
+            if total != n * output.numel() or any(s.numel() % n for s in segments):
+                raise ValueError(f"reduce_scatter_tensor over {axis}: segments of {[s.numel() for s in segments]} "
+                                 f"elements, expected multiples of {n} adding up to {n} x {output.numel()}")
+            splits = two_level and self._splits_over_nodes(axis)
+            if (len(segments) > 1 and n > 1 and quant is None and not splits
+                    and self._backend(axis) in _RING_REDUCE_SCATTER_BACKENDS):
+                self._record("reduce_scatter", axis, total * segments[0].element_size(), (n - 1) / n)
+                return self._ring_reduce_scatter(output, segments, axis, op, async_op)
+            input = segments[0] if len(segments) == 1 else torch.cat([s.view(n, -1) for s in segments], 1).view(-1)
         if two_level and self._splits_over_nodes(axis):
             return self._two_level_reduce_scatter(output, input, op, quant, async_op)
-        n = self.size(axis)
         if input.numel() != n * output.numel():
             raise ValueError(f"reduce_scatter_tensor over {axis}: input has {input.numel()} "
                              f"elements, expected {n} x {output.numel()}")
@@ -372,9 +389,10 @@ class Communicator:
             output, input, op=_REDUCE_OPS[op], group=self._group(axis), async_op=a),
             async_op, finish)
 
-    def _ring_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, axis: str, op: str,
-                             async_op: bool) -> Optional[Handle]:
-        """:class:`~hybrid.ring.RingReduceScatter` over ``axis``: ``(n-1)/n`` of ``input`` sent per rank."""
+    def _ring_reduce_scatter(self, output: torch.Tensor, input: Union[torch.Tensor, List[torch.Tensor]], axis: str,
+                             op: str, async_op: bool) -> Optional[Handle]:
+        """:class:`~hybrid.ring.RingReduceScatter` over ``axis`` (of a tensor or segments): ``(n-1)/n`` of
+        ``input`` sent per rank."""
         if op not in ("sum", "avg"):
             raise ValueError(f"reduce_scatter_tensor over {axis}: op {op!r} is not supported on this backend "
                              f"(sum or avg)")

@@ -18,6 +18,13 @@ added up in the order ``x_{r+1} + x_{r+2} + ... + x_r`` (one fixed order per
 chunk, the same on every run). It needs two ``[k]`` buffers (one at ``n =
 2``), where an all-to-all would need ``[n*k]``.
 
+The input may be several *segments* ``s_j`` of ``n*k_j`` elements instead of
+one tensor: chunk ``c`` is then the concatenation of every segment's chunk
+``c`` (``k = sum k_j``), as if the segments were interleaved chunk by chunk,
+without building that ``[n*k]`` tensor. The sums are the same, element by
+element, in the same order; only the first send packs its pieces (``k``
+elements).
+
 Steps are driven from outside: :meth:`RingReduceScatter.advance` completes
 what has arrived without blocking, :meth:`RingReduceScatter.finish` blocks
 until the end. Each operation's messages carry their own tags, so rings in
@@ -28,7 +35,7 @@ the ranks advance them in.
 from __future__ import annotations
 
 import datetime
-from typing import Callable, ContextManager, List, Optional
+from typing import Callable, ContextManager, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -36,10 +43,11 @@ import torch.distributed as dist
 TAG_SPACE = 1 << 30  # gloo tags are non-negative int32; 0 is left to plain send/recv
 
 
-def scratch_chunks(n: int) -> int:
+def scratch_chunks(n: int, segments: int = 1) -> int:
     """Chunk-sized ``[k]`` buffers one ring over ``n`` ranks holds until it finishes: the receive buffer, and the
-    running partial sum when ``n > 2`` (none when there is no one to talk to)."""
-    return 0 if n < 2 else (2 if n > 2 else 1)
+    running partial sum when ``n > 2`` or the input comes in several ``segments`` (the first send packs their
+    pieces there); none when there is no one to talk to."""
+    return 0 if n < 2 else (2 if n > 2 or segments > 1 else 1)
 
 
 def ring_tag(sequence: int, step: int, steps: int) -> int:
@@ -48,23 +56,26 @@ def ring_tag(sequence: int, step: int, steps: int) -> int:
 
 
 class RingReduceScatter:
-    """One reduce-scatter of ``input`` [n*k] over a process group into ``output`` [k], as a ring.
+    """One reduce-scatter of ``input`` [n*k] (or segments, see the module docstring) over a process group into
+    ``output`` [k], as a ring.
 
     ``group``/``ranks``: the process group and its members' global ranks in
     group-rank order; ``me``: this rank's index in ``ranks``. ``output`` may be
-    this rank's own chunk of ``input`` (reduce in place); the other chunks of
-    ``input`` are only read. ``guard(what)`` wraps every blocking wait (it
-    names the operation in errors and counts the time blocked).
+    this rank's own chunk of ``input`` (reduce in place; one segment only);
+    the other chunks of ``input`` are only read. ``guard(what)`` wraps every
+    blocking wait (it names the operation in errors and counts the time blocked).
     """
 
-    def __init__(self, output: torch.Tensor, input: torch.Tensor, group, ranks: List[int], me: int,
-                 sequence: int, timeout: Optional[datetime.timedelta],
+    def __init__(self, output: torch.Tensor, input: Union[torch.Tensor, Sequence[torch.Tensor]], group,
+                 ranks: List[int], me: int, sequence: int, timeout: Optional[datetime.timedelta],
                  guard: Callable[[], ContextManager[None]], divide_by: Optional[int] = None):
         self.n = len(ranks)
         self.k = output.numel()
         self.me = me
         self.output = output.view(-1)
-        self.input = input.view(-1)
+        segments = [input] if isinstance(input, torch.Tensor) else list(input)
+        self.segments = [s.view(-1) for s in segments]
+        self.sizes = [s.numel() // self.n for s in self.segments]  # k_j: each segment's share of a chunk
         self.group = group
         self.next = ranks[(me + 1) % self.n]
         self.prev = ranks[(me - 1) % self.n]
@@ -74,14 +85,28 @@ class RingReduceScatter:
         self.divide_by = divide_by
         self.step = 0
         self.recv = torch.empty_like(self.output)
-        # The running partial sum that is sent on (steps 1 .. n-2); not needed on a ring of two.
-        self.acc = torch.empty_like(self.output) if scratch_chunks(self.n) > 1 else None
+        # The running partial sum that is sent on (steps 1 .. n-2; not needed on a ring of two), and where the
+        # first send packs the pieces of several segments.
+        several = len(self.segments) > 1
+        self.acc = torch.empty_like(self.output) if scratch_chunks(self.n, len(self.segments)) > 1 else None
         self.works: list = []
         self.done = False
-        self._post(self.chunk(self._send_index(0)))
+        first = self.chunk(self._send_index(0))
+        if several:
+            torch.cat(first, out=self.acc)
+        self._post(self.acc if several else first[0])
 
-    def chunk(self, i: int) -> torch.Tensor:
-        return self.input[i * self.k: (i + 1) * self.k]
+    def chunk(self, i: int) -> List[torch.Tensor]:
+        """The pieces of chunk ``i``, one per segment."""
+        return [s[i * k: (i + 1) * k] for s, k in zip(self.segments, self.sizes)]
+
+    def _add(self, mine: List[torch.Tensor], out: torch.Tensor) -> None:
+        """``out = recv + mine``, piece by piece."""
+        o = 0
+        for piece in mine:
+            k = piece.numel()
+            torch.add(self.recv[o: o + k], piece, out=out[o: o + k])
+            o += k
 
     def _send_index(self, step: int) -> int:
         return (self.me - step - 1) % self.n
@@ -113,14 +138,14 @@ class RingReduceScatter:
             self._wait_step()
             mine = self.chunk(self._recv_index(self.step))
             if self.step == self.n - 2:
-                torch.add(self.recv, mine, out=self.output)
+                self._add(mine, self.output)
                 if self.divide_by is not None:
                     self.output.div_(self.divide_by)
                 self.works = []
                 self.done = True
             else:
                 # The send of this step has completed, so the partial sum may be overwritten.
-                torch.add(self.recv, mine, out=self.acc)
+                self._add(mine, self.acc)
                 self.step += 1
                 self._post(self.acc)
         return True

@@ -50,6 +50,15 @@ def _rings(tp: int):
     pd = torch.empty(K, dtype=torch.bfloat16)
     comm.reduce_scatter_tensor(pd, d, "dp", op="avg")
     out["results"][4] = pd
+    # 5: segments (stage 3's buckets of units) reduce exactly as their interleaving does, bit for bit: the
+    # same ring, the same order of additions; the ring reads them in place
+    e = _input(topo.rank, n, 5)
+    segments = [e[: n * 300], e[n * 300: n * 400], e[n * 400:]]
+    pe, pi = torch.empty(K), torch.empty(K)
+    comm.reduce_scatter_tensor(pe, segments, "dp")
+    comm.reduce_scatter_tensor(pi, torch.cat([s.view(n, -1) for s in segments], 1).view(-1), "dp")
+    out["segments_equal"] = torch.equal(pe, pi)
+    out["results"][5] = pe
     # Plain lists: tensors returned from a child process travel as shared-memory handles that die with it.
     out["results"] = {t: v.double().tolist() for t, v in out["results"].items()}
     out["report"] = comm.report()
@@ -62,9 +71,12 @@ def test_ring_reduce_scatter_matches_a_float64_sum(world, tp):
     results = run_distributed(_rings, world, tp)
     for res in results:
         n, me, ranks = res["n"], res["me"], res["ranks"]
-        for tag in (1, 2, 3, 4):
+        for tag in (1, 2, 3, 4, 5):
             dtype = torch.bfloat16 if tag == 4 else torch.float32
             inputs = [_input(r, n, tag, dtype).double() for r in ranks]
+            if tag == 5:  # the segments interleaved chunk by chunk
+                inputs = [torch.cat([x[: n * 300].view(n, -1), x[n * 300: n * 400].view(n, -1),
+                                     x[n * 400:].view(n, -1)], 1).view(-1) for x in inputs]
             exact = sum(inputs)[me * K: (me + 1) * K]
             scale = sum(x.abs() for x in inputs)[me * K: (me + 1) * K]
             got = torch.tensor(res["results"][tag], dtype=torch.float64)
@@ -78,6 +90,7 @@ def test_ring_reduce_scatter_matches_a_float64_sum(world, tp):
         assert res["deterministic"]  # one fixed order of additions per chunk
         # The ring sends (n-1)/n of the buffer per rank, the ideal volume.
         rep = res["report"]["reduce_scatter/dp"]
-        assert rep["calls"] == 5
+        assert res["segments_equal"]
+        assert rep["calls"] == 7
         assert rep["wire_bytes"] == pytest.approx(rep["payload_bytes"] * (n - 1) / n)
         assert res["blocked"] > 0.0

@@ -155,6 +155,10 @@ class ZeroConfig:
                                                             "stay whole on every rank")
     max_live_parameters: int = _field(1_000_000_000, ge=1, help="stage 3: elements of gathered parameters held "
                                                                 "at once")
+    max_reuse_distance: int = _field(0, ge=0, help="stage 3: forward keeps a unit gathered, instead of releasing it, "
+                                                   "when it is used again within this many gathered elements "
+                                                   "(later in forward, or early in backward); 0: release every "
+                                                   "unit right after use")
     prefetch_bucket_size: int = _field(50_000_000, ge=0, help="stage 3: elements gathered ahead of the module "
                                                               "that needs them and not used yet (gathers in "
                                                               "flight included); 0 disables prefetch")

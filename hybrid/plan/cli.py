@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ZeRO-3: most parameter elements gathered at once (zero.max_live_parameters)")
     model.add_argument("--stage3-prefetch", type=int, default=DEFAULT_SETUP.stage3_prefetch,
                        help="ZeRO-3: elements gathered ahead of use (zero.prefetch_bucket_size)")
+    model.add_argument("--stage3-reuse", type=int, default=DEFAULT_SETUP.stage3_reuse,
+                       help="ZeRO-3: forward keeps units used again within this many elements gathered, into "
+                            "backward too (zero.max_reuse_distance)")
     model.add_argument("--stage3-persistence-threshold", type=int,
                        default=DEFAULT_SETUP.stage3_persistence_threshold,
                        help="ZeRO-3: parameters this small stay whole on every rank (zero.persistence_threshold)")
@@ -198,7 +201,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                               two_level_reduce=args.zero_two_level_reduce,
                               hpz_partition_size=args.zero_hpz_partition_size,
                               stage3_live_parameters=args.stage3_live_parameters,
-                              stage3_prefetch=args.stage3_prefetch,
+                              stage3_prefetch=args.stage3_prefetch, stage3_reuse=args.stage3_reuse,
                               stage3_persistence_threshold=args.stage3_persistence_threshold,
                               async_save=args.async_save, async_save_chunk_mb=args.async_save_chunk_mb,
                               fragmentation=args.fragmentation,

@@ -184,12 +184,13 @@ def stage3_gather_axis(phase: str, hpz: int = 1) -> str:
 
 
 def stage3_gathers(layout: Stage3Layout, micro_batches: int, tied_head: bool = True,
-                   weights: Optional[Quantization] = None, hpz: int = 1) -> Dict[str, list]:
+                   weights: Optional[Quantization] = None, hpz: int = 1, reuse: int = 0) -> Dict[str, list]:
     """The all-gathers of partitioned parameters in one step, by phase, as ``[(payload bytes, calls)]``:
     ``forward`` every unit once per micro-batch (a tied head's unit once more, where the LM head uses the
-    embedding outside its module), ``backward`` every unit again, ``after_step`` the persistent pool
-    re-gathered after the update. ``weights``: ``zero.quantized_weights`` (:func:`gathered_bytes`), which
-    hpZ's backward gathers (``hpz`` > 1, over ``dp_node``) do not use."""
+    embedding outside its module, unless every unit fits ``reuse`` elements and it stays gathered in
+    between), ``backward`` every unit again but those held from forward (:meth:`Stage3Layout.held_into_backward`),
+    ``after_step`` the persistent pool re-gathered after the update. ``weights``: ``zero.quantized_weights``
+    (:func:`gathered_bytes`), which hpZ's backward gathers (``hpz`` > 1, over ``dp_node``) do not use."""
     k = micro_batches
 
     def payload(numel: int, phase: str) -> int:
@@ -197,18 +198,19 @@ def stage3_gathers(layout: Stage3Layout, micro_batches: int, tied_head: bool = T
             return numel * layout.element_bytes
         return gathered_bytes(numel, layout.dp, layout.element_bytes, weights)
     forward = [(payload(size, "forward"), k) for size in layout.units]
-    if tied_head and layout.head_unit:
+    if tied_head and layout.head_unit and sum(layout.units) > reuse:
         forward.append((payload(layout.head_unit, "forward"), k))
+    held = layout.held_into_backward(reuse)
+    backward = [(payload(size, "backward"), k) for i, size in enumerate(layout.units) if i not in held]
     after_step = [(payload(layout.persistent, "after_step"), 1)] if layout.persistent else []
-    return {"forward": forward, "backward": [(payload(size, "backward"), k) for size in layout.units],
-            "after_step": after_step}
+    return {"forward": forward, "backward": backward, "after_step": after_step}
 
 
 def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches: int = 1,
               report: Optional[Report] = None, tied_head: bool = True, reduce_once: bool = False,
               gradients: Optional[Quantization] = None, weights: Optional[Quantization] = None,
               node_split: Optional[Tuple[int, int]] = None, hpz: int = 1,
-              momentum: Optional[Quantization] = None) -> Report:
+              momentum: Optional[Quantization] = None, reuse: int = 0) -> Report:
     """Data-parallel collectives of one step over ``layout.dp`` ranks (one call per bucket or unit).
 
     Whole parameters (flat buckets): each bucket's gradient is reduced, by
@@ -216,8 +218,10 @@ def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches
     all-gathered after the step where the stage partitions the optimizer
     state (:mod:`hybrid.plan.zero_collectives`). Partitioned parameters (stage
     3) take a :class:`Stage3Layout`: every unit is gathered for forward
-    and again for backward (a tied head's unit once more in forward, where it
-    is used outside its module), every unit's gradient is reduce-scattered,
+    and again for backward, but for the units kept gathered in between
+    (a tied head's unit once more in forward, where it is used outside its
+    module; ``reuse``: ``zero.max_reuse_distance``, see
+    :func:`stage3_gathers`), every unit's gradient is reduce-scattered,
     and the persistent pool is re-gathered after the update. Stage 3 also
     checks the gather order with a 16-byte all-reduce per request, left out here.
     ``reduce_once``: ``zero.reduce_once``
@@ -241,7 +245,7 @@ def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches
             raise ValueError(f"ZeRO stage {int(stage)} communicates per unit: pass stage3_layout(...), not a flat "
                              f"layout")
         p = layout.element_bytes
-        for phase, gathers in stage3_gathers(layout, k, tied_head, weights, hpz).items():
+        for phase, gathers in stage3_gathers(layout, k, tied_head, weights, hpz, reuse).items():
             axis = stage3_gather_axis(phase, hpz)
             for payload, calls in gathers:
                 _add(report, "all_gather", axis, n if axis == "dp" else hpz, payload, calls=calls)
@@ -317,18 +321,20 @@ def tp_volume(config: GPTConfig, micro_batch: int, tp: int, *, sequence_parallel
 def step_volume(config: GPTConfig, layout: Union[FlatLayout, Stage3Layout], candidate: Candidate,
                 micro_batches: int, reduce_once: bool = False, gradients: Optional[Quantization] = None,
                 weights: Optional[Quantization] = None, node_split: Optional[Tuple[int, int]] = None,
-                hpz: int = 1, momentum: Optional[Quantization] = None, pp_rank: int = 0) -> Report:
+                hpz: int = 1, momentum: Optional[Quantization] = None, reuse: int = 0,
+                pp_rank: int = 0) -> Report:
     """Every collective of one step (``micro_batches`` micro-batches of ``candidate``): data-parallel,
     tensor-parallel and the gradient-norm all-reduce. ``layout``: the candidate's flat or stage-3 layout;
     ``reduce_once``: ``zero.reduce_once`` (stage 2 reduces once per step); ``gradients`` / ``weights``: the
     formats of ``zero.quantized_gradients`` / ``zero.quantized_weights`` (None: off); ``node_split``: ``(l, m)``
     dp ranks per node and nodes under ``zero.two_level_reduce`` (None: off); ``hpz``: ``zero.hpz_partition_size``
-    (stage 3; 1: off); ``momentum``: 1-bit Adam's compressed phase (:func:`dp_volume`); ``pp_rank``: with a
-    pipeline, the rank whose step it is (``layout`` is its own), which adds :func:`pipeline_volume`."""
+    (stage 3; 1: off); ``momentum``: 1-bit Adam's compressed phase; ``reuse``: ``zero.max_reuse_distance``
+    (stage 3, :func:`dp_volume`); ``pp_rank``: with a pipeline, the rank whose step it is (``layout`` is its
+    own), which adds :func:`pipeline_volume`."""
     report: Report = {}
     dp_volume(layout, candidate.zero_stage, micro_batches, report, tied_head=config.tie_embeddings,
               reduce_once=reduce_once, gradients=gradients, weights=weights, node_split=node_split, hpz=hpz,
-              momentum=momentum)
+              momentum=momentum, reuse=reuse)
     share = {}
     if candidate.pp > 1:
         split = candidate.stage_split(config)

@@ -275,12 +275,14 @@ def _unit_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, u
                                host_is_device=setup.profile.host_is_device, hpz=setup.hpz_partition_size)
     head = units.head_unit
     ahead = min(setup.stage3_prefetch, sum(units.units))
-    # Forward, at the loss: the head's unit, plus what was prefetched behind the last module.
-    forward = p * (head + min(ahead, units.largest_unit))
+    # Units zero.max_reuse_distance keeps gathered from forward into backward (beside the head's unit).
+    held = sum(units.units[i] for i in units.held_into_backward(setup.stage3_reuse) if i != units.head_index)
+    # Forward, at the loss: the head's unit, plus what was prefetched behind the last module and what is held.
+    forward = p * (head + min(ahead, units.largest_unit) + held)
     # Backward starts with the head's unit and everything prefetched ahead of the layers, within the live
     # limit; later each unit is gathered again with the next ones prefetched behind it.
     live = setup.stage3_live_parameters
-    backward = p * min(live, sum(units.units), max(head, units.largest_unit) + ahead)
+    backward = p * min(live, sum(units.units), max(head, units.largest_unit) + ahead + held)
     # A tied head's unit stays gathered through backward beside its waiting gradient (both about the unit's size).
     pinned = 2 * head if config.tie_embeddings else 0
     ring = scratch_chunks(units.dp) if setup.profile.ring_reduce_scatter else 0

@@ -34,7 +34,7 @@ import dataclasses
 import functools
 import json
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -212,6 +212,25 @@ class Stage3Layout:
         if tied and 0 <= self.head_index < len(self.units):
             order.append(order.pop(len(self.units) - 1 - self.head_index))
         return tuple(order)
+
+    def held_into_backward(self, reuse: int) -> FrozenSet[int]:
+        """Indices (into ``units``) of the units that stay gathered from forward into backward.
+
+        Forward keeps a unit used again within the next ``reuse`` elements
+        (``zero.max_reuse_distance``) of the recorded sequence
+        (:class:`hybrid.zero.param_gather.ParamGatherer`): at the end of
+        forward that is the head of backward's gathers, the head's unit first,
+        then the others in reverse module order, up to the first that does not fit.
+        """
+        head = self.head_index if 0 <= self.head_index < len(self.units) else None
+        order = ([head] if head is not None else []) + [i for i in reversed(range(len(self.units))) if i != head]
+        held = set()
+        for i in order:
+            if self.units[i] > reuse:
+                break
+            held.add(i)
+            reuse -= self.units[i]
+        return frozenset(held)
 
 
 @functools.lru_cache(maxsize=64)

@@ -53,6 +53,7 @@ class TrainingSetup:
     stage3_persistence_threshold: int = zero_default("persistence_threshold")
     stage3_live_parameters: int = zero_default("max_live_parameters")
     stage3_prefetch: int = zero_default("prefetch_bucket_size")
+    stage3_reuse: int = zero_default("max_reuse_distance")  # zero.max_reuse_distance: kept from forward on
     reduce_once: bool = zero_default("reduce_once")  # zero.reduce_once: stage 2 keeps whole gradients, reduces once
     quantized_gradients: str = zero_default("quantized_gradients")  # zero.quantized_gradients: format name
     quantized_weights: str = zero_default("quantized_weights")  # zero.quantized_weights: format name

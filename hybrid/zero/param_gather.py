@@ -23,6 +23,13 @@ When a unit is gathered and released:
   gathered asynchronously while the current module computes: the units
   gathered ahead of the cursor and not yet used, those still in flight
   included, hold at most ``prefetch_numel`` elements.
+* **reuse** (``reuse_numel`` > 0, ``zero.max_reuse_distance``): from the
+  second step on, forward does not release a unit that is used again within
+  the next ``reuse_numel`` elements of the recorded sequence (the rest of
+  forward, then backward's when autograd records): a tied embedding stays
+  gathered from the lookup to the LM head, and the last units of forward,
+  which backward starts with, stay gathered into backward instead of being
+  gathered again. A kept unit can still be evicted when a gather needs room.
 * **hpZ** (``secondary``, :mod:`hybrid.zero.secondary_partition`): every
   gather over ``dp`` leaves this rank's ``1/l`` slice of the unit in the
   secondary partition; a backward gather of a unit whose slice is fresh
@@ -100,7 +107,7 @@ class ParamGatherer:
 
     def __init__(self, units: List[Unit], chunks: List[torch.Tensor], comm: Communicator, order: OrderCheck,
                  max_live_numel: int, prefetch_numel: int, quant: Optional[Quantization] = None,
-                 secondary: Optional[SecondaryPartition] = None):
+                 secondary: Optional[SecondaryPartition] = None, reuse_numel: int = 0):
         self.units = units
         self.chunks = chunks
         self.comm = comm
@@ -109,6 +116,7 @@ class ParamGatherer:
         self.order = order
         self.max_live_numel = max_live_numel
         self.prefetch_numel = prefetch_numel
+        self.reuse_numel = reuse_numel
         self.unit_of_param: Dict[int, int] = {id(p): u.index for u in units if not u.persistent for p in u.params}
         self.live: Dict[int, torch.Tensor] = {}  # unit -> gathered buffer (persistent units included)
         self.inflight: Dict[int, Tuple[Handle, torch.Tensor, bool]] = {}  # unit -> (handle, buffer, over dp)
@@ -127,6 +135,7 @@ class ParamGatherer:
         self.frames: List[List[int]] = []
         self._orphans: List[int] = []  # externally used outside any module frame
         self._ctx = []
+        self._backward_follows = False  # the forward running now records a graph (autograd on)
         self._empty = {u.index: torch.empty(0, dtype=chunks[u.index].dtype, device=chunks[u.index].device)
                        for u in units}
         self._shape_of: Dict[int, Tuple[int, ...]] = {id(p): rec.shape for u in units
@@ -303,6 +312,21 @@ class ParamGatherer:
         except ValueError:
             self._cursor = len(trace)
 
+    def _window(self, sequence: List[int]) -> List[int]:
+        """The distinct units at the head of ``sequence`` that fit ``reuse_numel`` elements (up to the first that
+        does not): the units kept rather than released."""
+        out: List[int] = []
+        budget = self.reuse_numel
+        for i in sequence:
+            if i in out:
+                continue
+            n = self.units[i].numel
+            if n > budget:
+                break
+            out.append(i)
+            budget -= n
+        return out
+
     def _prefetch(self) -> None:
         trace = self.traces.get(self.phase)
         if trace is None or self.prefetch_numel <= 0:
@@ -341,10 +365,28 @@ class ParamGatherer:
         self.phase = "idle"
 
     # ---- forward hooks ----------------------------------------------------------------------------
+    def _use(self, i: int) -> None:
+        """A module or op is about to use unit ``i``: gather it, or count the use of a unit kept gathered."""
+        if i in self.live:
+            self._note_fetch(i)  # kept (or prefetched and landed): the recorded sequence moves on past it
+        else:
+            self.ensure(i)
+
+    def _done(self, i: int) -> None:
+        """No running module uses unit ``i`` any more: release it, unless it is used again soon (:meth:`_ahead`)."""
+        if self.phase == "forward" and i in self._window(self._ahead()):
+            return
+        self.release(i)
+
+    def _ahead(self) -> List[int]:
+        """Forward's recorded units still to come in this forward, then backward's when a backward follows."""
+        rest = self.traces.get("forward", [])[self._cursor:]
+        return rest + self.traces.get("backward", []) if self._backward_follows else rest
+
     def module_pre(self, unit: Optional[int]) -> None:
         frame: List[int] = []
         if unit is not None:
-            self.ensure(unit)
+            self._use(unit)
             self.in_use[unit] = self.in_use.get(unit, 0) + 1
             frame.append(unit)
         self.frames.append(frame)
@@ -355,19 +397,20 @@ class ParamGatherer:
         for i in self.frames.pop():
             self.in_use[i] -= 1
             if self.in_use[i] == 0:
-                self.release(i)
+                self._done(i)
 
     def use_external(self, i: int) -> None:
         """A released parameter of unit ``i`` is about to be used by an op outside its module."""
         if i in self.live and self.in_use.get(i, 0) > 0:
             return
-        self.ensure(i)
+        self._use(i)
         self.in_use[i] = self.in_use.get(i, 0) + 1
         (self.frames[-1] if self.frames else self._orphans).append(i)
 
     def enter_forward(self) -> None:
         """Start of the root module's forward: install the saved-tensor hooks and the external-use mode."""
         self.exit_forward()  # a forward that raised never ran its post-hook
+        self._backward_follows = torch.is_grad_enabled()
         self.begin_phase("forward")
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         mode = _ExternalUse(self)
@@ -379,7 +422,12 @@ class ParamGatherer:
         self._ctx = [hooks, mode, whole]
 
     def exit_forward(self) -> None:
-        """End of the root module's forward: release everything it gathered."""
+        """End of the root module's forward: release what it gathered, except the units backward starts with.
+
+        Those (the ``prefetch_numel`` window of backward's recorded sequence)
+        stay gathered into backward when the forward ran with autograd on;
+        the weights cannot change in between (an update resets the gatherer).
+        """
         if not self._ctx:
             return
         ctxs, self._ctx = self._ctx, []
@@ -390,7 +438,12 @@ class ParamGatherer:
         for i in self._orphans:
             self.in_use[i] -= 1
         self._orphans = []
-        self.release_all()
+        keep = set(self._window(self.traces.get("backward", []))) if self._backward_follows else set()
+        for i in list(self.inflight):
+            self._complete(i)
+        for i in list(self.live):
+            if i not in keep:
+                self.release(i)
         self.end_phase()
 
     # ---- saved tensors --------------------------------------------------------------------------------

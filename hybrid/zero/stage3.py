@@ -12,7 +12,8 @@ host memory (``offload_optimizer="cpu"``).
 Communication per step over ``dp``: an all-gather of the weights in forward,
 another in backward and a reduce-scatter of the gradients, 1.5x the all-reduce
 of stage 0 (less for persistent units, which are all-gathered once per step
-after the update instead). With hpZ (``zero.hpz_partition_size = l`` > 1,
+after the update instead, and for units ``zero.max_reuse_distance`` keeps
+gathered from forward into backward: 1x when it covers the model). With hpZ (``zero.hpz_partition_size = l`` > 1,
 :mod:`hybrid.zero.secondary_partition`) the backward gather runs over
 ``dp_node`` instead, inside the node, from a secondary copy of the weights
 sharded over the node's ``l`` ranks (``1/l`` of the gathered units per rank).
@@ -73,7 +74,8 @@ class Stage3Optimizer(ZeroOptimizer):
     it reads from the ``zero`` section ``persistence_threshold`` (parameters
     with at most this many elements stay whole on every rank),
     ``max_live_parameters`` (elements of gathered weights allowed at once) and
-    ``prefetch_bucket_size`` (elements gathered ahead) and
+    ``prefetch_bucket_size`` (elements gathered ahead), ``max_reuse_distance``
+    (forward keeps a unit used again within this many elements) and
     ``hpz_partition_size`` (hpZ: a secondary copy of the weights sharded over
     the node's ``l`` dp ranks, which backward re-gathers from; it must be
     ``l``, or 1 for off). ``verify_order``
@@ -110,7 +112,8 @@ class Stage3Optimizer(ZeroOptimizer):
         self.order = OrderCheck(self.comm, enabled=verify_order)
         self.secondary = self._secondary_partition(zero.hpz_partition_size)
         self.gatherer = ParamGatherer(self.units, chunks, self.comm, self.order, zero.max_live_parameters,
-                                      zero.prefetch_bucket_size, quant=self.weight_quant, secondary=self.secondary)
+                                      zero.prefetch_bucket_size, quant=self.weight_quant, secondary=self.secondary,
+                                      reuse_numel=zero.max_reuse_distance)
         self._hooks = self._register_module_hooks()
         self._record_of = {rec.name: (u.index, r) for u in self.units for r, rec in enumerate(u.records)}
         self._name_of_param = {id(p): rec.name for u in self.units for rec, p in zip(u.records, u.params)}

@@ -2,18 +2,24 @@
 
 A post-accumulate-grad hook copies each fresh ``param.grad`` into its unit's
 ``[unit.numel]`` staging buffer and drops it (the full gradient never stays
-on a rank). When every parameter of a unit has its gradient the unit is
-*ready*: its gathered weights are released and it joins the open bucket (the
-bucket is launched first if the unit would take it past ``bucket_numel``
-elements). A bucket holding ``bucket_numel`` elements or more is
-reduce-scattered over ``dp`` asynchronously; the rank's chunk of every unit in
-it is written (first micro-step after :meth:`zero`) or added (later
+on a rank). The buffer is not zero-filled: a parameter's first gradient is
+copied in, and only the padding and the parameters that got no gradient are
+zeroed (the latter when the unit is reduced). When every parameter of a unit
+has its gradient the unit is *ready*: its gathered weights are released and it
+joins the open bucket (the bucket is launched first if the unit would take it
+past ``bucket_numel`` elements). A bucket holding ``bucket_numel`` elements or
+more is reduce-scattered over ``dp`` asynchronously; the rank's chunk of every
+unit in it is written (first micro-step after :meth:`zero`) or added (later
 micro-steps) into the gradient partition, which has the partition layout of
 :mod:`hybrid.zero.stage3_layout`.
 
 A unit's staging buffer is already in reduce-scatter order (chunk ``k`` is
-DP rank ``k``'s); a bucket of several units interleaves them rank by rank:
-``[u0.chunk0 u1.chunk0 .. | u0.chunk1 u1.chunk1 .. | ..]``.
+DP rank ``k``'s); a bucket of several units is reduced as their staging
+buffers interleaved rank by rank, ``[u0.chunk0 u1.chunk0 .. | u0.chunk1
+u1.chunk1 .. | ..]``, in unit order (the communicator's segments: the ring
+reads the buffers in place). Backward readies units in reverse order, so a
+bucket is usually a run of consecutive units, whose chunks are one slice of
+the gradient partition: on a first micro-step it is reduced straight into it.
 
 The elements on the wire are capped (:mod:`hybrid.zero.inflight`: two
 buckets' worth): launching a bucket lands the oldest ones first until it fits,
@@ -31,7 +37,7 @@ into a gradient partition in host memory as they land.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -69,7 +75,7 @@ class Stage3GradReducer:
             for r, p in enumerate(u.params):
                 self._slot[id(p)] = (u.index, r)
         self._staging: Dict[int, torch.Tensor] = {}
-        self._arrived: Dict[int, int] = {}
+        self._arrived: Dict[int, Set[int]] = {}  # unit -> records whose gradient is in its staging buffer
         self._reduced = set()
         self._bucket: List[int] = []
         self._bucket_size = 0
@@ -100,9 +106,22 @@ class Stage3GradReducer:
     def _stage_buffer(self, i: int) -> torch.Tensor:
         buf = self._staging.get(i)
         if buf is None:
-            # zeros: padding and unused parameters contribute nothing to the sum
-            buf = self._staging[i] = torch.zeros(self.units[i].numel, dtype=self.dtype, device=self.device)
+            u = self.units[i]
+            buf = self._staging[i] = torch.empty(u.numel, dtype=self.dtype, device=self.device)
+            buf[u.used:].zero_()  # padding contributes nothing to the sum
             self._note_peak()
+        return buf
+
+    def _staged(self, i: int) -> torch.Tensor:
+        """Unit ``i``'s staging buffer, taken for reduction, with zeros where no gradient arrived."""
+        u = self.units[i]
+        buf = self._staging.pop(i, None)
+        if buf is None:
+            return torch.zeros(u.numel, dtype=self.dtype, device=self.device)
+        arrived = self._arrived.get(i, ())
+        for r, rec in enumerate(u.records):
+            if r not in arrived:  # unused in this backward: no gradient
+                buf[rec.offset: rec.offset + rec.numel].zero_()
         return buf
 
     def _note_peak(self, extra: int = 0) -> None:
@@ -123,11 +142,15 @@ class Stage3GradReducer:
                                f"checkpointed regions?)")
         rec = self.units[i].records[r]
         dst = self._stage_buffer(i)[rec.offset: rec.offset + rec.numel].view(rec.shape)
-        dst.add_(param.grad)
+        arrived = self._arrived.setdefault(i, set())
+        if r in arrived:
+            dst.add_(param.grad)
+        else:
+            dst.copy_(param.grad)
+            arrived.add(r)
         param.grad = None
         self._unshape(param)
-        self._arrived[i] = self._arrived.get(i, 0) + 1
-        if self._arrived[i] == len(self.units[i].params):
+        if len(arrived) == len(self.units[i].params):
             self._ready(i)
 
     def _ready(self, i: int) -> None:
@@ -146,48 +169,72 @@ class Stage3GradReducer:
         for u in self.units:
             if u.index not in self._reduced:
                 self._ready(u.index)
-        self._flush()
-        self.order.verify("end-backward", (), "end of backward")
+        self._flush(last=True)
 
     # ---- communication ----------------------------------------------------------------------------------
-    def _flush(self) -> None:
+    def _flush(self, last: bool = False) -> None:
+        """Reduce-scatter the open bucket. ``last``: the end of backward, which the order check marks (with
+        the bucket's own check, or alone when no bucket is open) so that ranks that issued a different number
+        of reductions disagree there."""
         if not self._bucket:
+            if last:
+                self.order.verify("end-backward", (), "end of backward")
             return
         bucket, numel, self._bucket, self._bucket_size = self._bucket, self._bucket_size, [], 0
         # Land older buckets first (freeing their inputs and gloo's copies) until this one fits the cap.
         self._inflight.make_room(numel)
         names = ", ".join(self.units[i].module_name for i in bucket)
-        self.order.verify("reduce", bucket, f"reduce-scatter [{names}]")
-        staged = [self._staging.pop(i, None) for i in bucket]
-        staged = [s if s is not None else torch.zeros(self.units[i].numel, dtype=self.dtype, device=self.device)
-                  for i, s in zip(bucket, staged)]
-        if len(bucket) == 1:
-            flat = staged[0]
-        else:
-            dp = self.units[0].dp
-            flat = torch.cat([s.view(dp, -1) for s in staged], dim=1).view(-1)
-        out = torch.empty(flat.numel() // self.units[0].dp, dtype=self.dtype, device=self.device)
-        # the bucket's staging buffers are still referenced here, beside their concatenation
-        self._note_peak(sum(t.numel() for t in staged) * flat.element_size() if len(bucket) > 1 else 0)
-        self._wire_bytes += (flat.numel() + out.numel()) * flat.element_size()
-        self._note_peak()
-        handle = self.comm.reduce_scatter_tensor(out, flat, "dp", async_op=True, **self.wire)
-        # keep the input alive until the collective is done
-        self._inflight.add(handle, functools.partial(self._land, bucket, out, flat), numel)
-
-    def _land(self, bucket: List[int], out: torch.Tensor, flat: torch.Tensor) -> None:
-        o = 0
+        kind = "reduce-last" if last else "reduce"
+        self.order.verify(kind, bucket, f"reduce-scatter [{names}]{' (end of backward)' if last else ''}")
+        bucket = sorted(bucket)  # unit order: the partition's
+        staged = [self._staged(i) for i in bucket]
+        numel = sum(t.numel() for t in staged)
+        size = staged[0].element_size()
+        out = self._direct_target(bucket)
+        direct = out is not None
+        # Decided now, not when the bucket lands: the next micro-step's reduction of these units may be
+        # launched before this one lands, and must add to it.
+        fresh = [self._fresh[i] for i in bucket]
         for i in bucket:
+            self._fresh[i] = False
+        if not direct:
+            out = torch.empty(numel // self.units[0].dp, dtype=self.dtype, device=self.device)
+        # a communicator that interleaves the buckets' units builds a copy beside the staging buffers
+        self._note_peak(numel * size if len(bucket) > 1 else 0)
+        self._wire_bytes += (numel + out.numel()) * size
+        self._note_peak()
+        handle = self.comm.reduce_scatter_tensor(out, staged, "dp", async_op=True, **self.wire)
+        # keep the input alive until the collective is done
+        self._inflight.add(handle, functools.partial(self._land, bucket, out, staged, direct, fresh), numel)
+
+    def _direct_target(self, bucket: List[int]) -> Optional[torch.Tensor]:
+        """The gradient partition's slice for ``bucket`` (sorted) when the reduction may land there itself: its
+        units are consecutive, none holds a gradient yet (first micro-step), and the partition is on the device
+        the reduction runs on. None otherwise."""
+        if self.grads.device != self.device or not all(self._fresh[i] for i in bucket):
+            return None
+        if bucket[-1] - bucket[0] != len(bucket) - 1:
+            return None
+        first, last = self.units[bucket[0]], self.units[bucket[-1]]
+        return self.grads[first.partition_offset: last.partition_offset + last.chunk_numel]
+
+    def _land(self, bucket: List[int], out: torch.Tensor, staged: List[torch.Tensor], direct: bool,
+              fresh: List[bool]) -> None:
+        """Write (``fresh``: first of the step) or add the reduced chunks ``out`` into the gradient partition;
+        nothing to move when ``direct``: the reduction wrote the partition itself. Buckets land in launch
+        order."""
+        o = 0
+        for i, first in zip(bucket, fresh):
             u = self.units[i]
             c = u.chunk_numel
-            target = self.grads[u.partition_offset: u.partition_offset + c]
-            if self._fresh[i]:
-                target.copy_(out[o: o + c], non_blocking=True)
-                self._fresh[i] = False
-            else:
-                target.add_(out[o: o + c].to(target.device))
+            if not direct:
+                target = self.grads[u.partition_offset: u.partition_offset + c]
+                if first:
+                    target.copy_(out[o: o + c], non_blocking=True)
+                else:
+                    target.add_(out[o: o + c].to(target.device))
             o += c
-        self._wire_bytes -= (flat.numel() + out.numel()) * flat.element_size()
+        self._wire_bytes -= (sum(t.numel() for t in staged) + out.numel()) * out.element_size()
 
     def wait(self) -> None:
         self._inflight.land_all()

@@ -53,10 +53,10 @@ def test_stage3_and_offload_keys():
     cfg = from_deepspeed({"zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
         "stage3_param_persistence_threshold": 1e4, "stage3_max_live_parameters": 3e8,
-        "stage3_prefetch_bucket_size": 2e7}})
+        "stage3_prefetch_bucket_size": 2e7, "stage3_max_reuse_distance": 1e9}})
     z = cfg.zero
-    assert (z.stage, z.offload_optimizer, z.persistence_threshold, z.max_live_parameters, z.prefetch_bucket_size) \
-        == (3, "cpu", 10_000, 300_000_000, 20_000_000)
+    assert (z.stage, z.offload_optimizer, z.persistence_threshold, z.max_live_parameters, z.prefetch_bucket_size,
+            z.max_reuse_distance) == (3, "cpu", 10_000, 300_000_000, 20_000_000, 1_000_000_000)
     assert from_deepspeed({"zero_optimization": {"stage": 1}}).zero.offload_optimizer == "none"
     assert from_deepspeed({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"}}}) \
         .zero.offload_optimizer == "none"

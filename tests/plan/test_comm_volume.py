@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybrid.plan.comm_volume import axis_wire_bytes, dp_volume, tp_volume
+from hybrid.plan.comm_volume import axis_wire_bytes, dp_volume, stage3_gathers, tp_volume
 from hybrid.plan.model_memory import flat_layout, shard_shapes, stage3_layout
 from model_zoo import get_preset
 
@@ -29,6 +29,34 @@ def test_stages_1_and_2_move_what_stage_0_moves_and_stage_3_half_again():
     extra = axis_wire_bytes(dp_volume(units, 3, tied_head=True), "dp") - \
         axis_wire_bytes(dp_volume(units, 3, tied_head=False), "dp")
     assert extra == 2 * units.head_unit * 7 / 8
+
+
+def test_stage_3_units_kept_from_forward_are_not_gathered_again():
+    llama = get_preset("llama-tiny")
+    flat = flat_layout(shard_shapes(llama, 1), 8, "bf16", 5_000_000)
+    units = stage3_layout(llama, 1, 8, "bf16", persistence_threshold=1000)
+    stage0 = axis_wire_bytes(dp_volume(flat, 0), "dp")
+
+    def ratio(reuse):
+        return axis_wire_bytes(dp_volume(units, 3, tied_head=False, reuse=reuse), "dp") / stage0
+
+    assert units.held_into_backward(0) == frozenset()
+    assert ratio(0) == axis_wire_bytes(dp_volume(units, 3, tied_head=False), "dp") / stage0  # off by default
+    # Every unit kept: one gather per step and the reduce-scatter, stage 0's bytes (within unit padding).
+    assert units.held_into_backward(sum(units.units)) == frozenset(range(len(units.units)))
+    assert abs(ratio(sum(units.units)) - 1.0) < 0.01
+    # A window of the head and the last layer's units: backward starts with them, the rest is gathered again.
+    order = [units.head_index] + [i for i in reversed(range(len(units.units))) if i != units.head_index]
+    window = sum(units.units[i] for i in order[:3])
+    assert units.held_into_backward(window) == frozenset(order[:3])
+    assert 1.0 < ratio(window) < ratio(0)
+    # A tied head stays gathered from the lookup to the LM head only when every unit fits the window.
+    gpt = get_preset("gpt2-small")
+    tied = stage3_layout(gpt, 1, 8, "bf16")
+    gathers = {reuse: len(stage3_gathers(tied, 1, True, reuse=reuse)["forward"])
+               for reuse in (0, sum(tied.units) - 1, sum(tied.units))}
+    assert gathers == {0: len(tied.units) + 1, sum(tied.units) - 1: len(tied.units) + 1,
+                       sum(tied.units): len(tied.units)}
 
 
 def test_one_collective_per_bucket_and_per_micro_batch_in_stage_2():

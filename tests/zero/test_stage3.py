@@ -16,10 +16,11 @@ from tests.zero.test_gpt_parity import BUCKET, LR, MICRO_PER_TP, STEPS, WD, _ref
 WORLD = 4
 DEEP_BUCKET = 4_000  # many buckets per backward in the 8-layer run
 LIVE = 40_000  # elements gathered at once: a few modules of the 64-wide GPT (its largest holds 32768)
+REUSE_STEPS = 2  # the first step records the gather order, the second keeps units by it
 
 
 def _gpt_run(topo, stage, *, dtype=torch.float32, steps=STEPS, offload="none", threshold=100, live=LIVE, tie=True,
-             bucket=BUCKET, layers=None, gas=1):
+             bucket=BUCKET, layers=None, gas=1, reuse=0):
     from hybrid.tensor_parallel.gather import full_state
     from tests.zero.common import make_zero
     from model_zoo import GPTModel
@@ -28,12 +29,13 @@ def _gpt_run(topo, stage, *, dtype=torch.float32, steps=STEPS, offload="none", t
     if layers is not None:
         cfg = cfg.replace(num_layers=layers)
     model = GPTModel(cfg, topo, dtype=dtype)
-    extra = dict(persistence_threshold=threshold, max_live_parameters=live, prefetch_bucket_size=20_000) \
-        if stage == 3 else {}
+    extra = dict(persistence_threshold=threshold, max_live_parameters=live, prefetch_bucket_size=20_000,
+                 max_reuse_distance=reuse) if stage == 3 else {}
     opt = make_zero(model, topo, stage=stage, lr=LR, weight_decay=WD, no_weight_decay=lambda n, p: p.ndim < 2,
                         bucket_size=bucket, offload_optimizer=offload, gradient_accumulation_steps=gas, **extra)
     out = train_zero(model, opt, topo, steps, micro=MICRO_PER_TP * topo.tp_size // gas, gas=gas,
                      vocab=cfg.vocab_size, seq=cfg.seq_length)
+    trained_gathers = opt.gatherer.gathered_numel_total if stage == 3 else 0  # before the export below
     gathered = opt.gathered_parameters() if stage == 3 else _nullcontext()
     with gathered:
         full = {n: t.float().numpy() for n, t in full_state(model, topo).items()}
@@ -45,6 +47,7 @@ def _gpt_run(topo, stage, *, dtype=torch.float32, steps=STEPS, offload="none", t
         res["partition"] = opt.partition.numel()
         res["prefetch"] = (opt.gatherer.prefetch_issued, opt.gatherer.prefetch_hits)
         res["grad_transient"] = opt.reducer.transient_peak_bytes
+        res["gathered"] = trained_gathers
     elif offload != "none":
         res["streamed"] = [(off.streamed_last_step, len(off.grads)) for off in opt._offload]
     opt.remove_hooks()
@@ -125,6 +128,8 @@ def _suite():
             res["comm3"] = _gpt_run(topo, 3, steps=2, threshold=0, tie=False)
             res["bf16"] = _gpt_run(topo, 3, dtype=torch.bfloat16, steps=2, threshold=0)
             res["deep"] = _gpt_run(topo, 3, steps=1, bucket=DEEP_BUCKET, layers=8)
+            res["plain"] = _gpt_run(topo, 3, steps=REUSE_STEPS, live=10**6)
+            res["reuse"] = _gpt_run(topo, 3, steps=REUSE_STEPS, live=10**6, reuse=10**6)
     return res
 
 
@@ -214,6 +219,30 @@ def test_stage3_moves_one_and_a_half_times_the_dp_bytes_of_stage0(results):
         assert stage3 / stage0 <= 1.5 + 0.01
         # the order checks are tiny: 16 bytes per batch of collectives
         assert c3["all_reduce/dp"]["payload_bytes"] < 0.01 * stage3
+
+
+def test_reused_units_stay_gathered_and_train_the_same_model(results):
+    # zero.max_reuse_distance above the model's size: forward keeps the tied embedding from the lookup to the
+    # LM head and every unit into backward, so each unit is gathered once per step (after the first, which
+    # records the order); the weights gathered are the same, so the losses are bit for bit those of a run
+    # that releases every unit after use.
+    from hybrid.plan.comm_volume import dp_volume
+    from hybrid.plan.model_memory import stage3_layout
+
+    cfg = gpt_config()
+    layout = stage3_layout(cfg, 1, WORLD, "fp32", 100)
+    for r in results:
+        plain, reuse = r["plain"], r["reuse"]
+        assert reuse["losses"] == plain["losses"]
+        units = sum(n for _, n, p in reuse["units"] if not p)
+        assert reuse["gathered"] < plain["gathered"]
+        # step 1 as plain, then one gather of every unit per step (plain also gathers the head and backward)
+        assert reuse["gathered"] == plain["gathered"] // REUSE_STEPS + (REUSE_STEPS - 1) * units
+        assert plain["gathered"] > REUSE_STEPS * 2 * units
+        predicted = dp_volume(layout, 3, 1, tied_head=True, reuse=10**6)["all_gather/dp"]["payload_bytes"]
+        assert reuse["comm"]["all_gather/dp"]["payload_bytes"] == predicted
+        assert reuse["memory"]["gathered"] == 0  # released after every step
+        assert reuse["memory"]["peak_live_parameters"] <= 10**6
 
 
 def test_diverging_module_order_raises_instead_of_hanging(results):

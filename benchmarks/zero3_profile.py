@@ -1,0 +1,312 @@
+"""hybrid ZeRO-3 against torch DDP and FSDP2 (reshard after forward), with a breakdown of stage 3's step.
+
+The contenders train the same small GPT as ``benchmarks/zero_vs_peers.py``
+(its model, batches and parameter groups are imported from there) on 4 gloo
+ranks; hybrid runs through ``hybrid.initialize`` with stage 3 and its default
+ZeRO settings (``--reuse N``: also with ``zero.max_reuse_distance = N``). All
+contenders live in the same 4 processes and take their steps in turn
+(rotating order), so a busy spell of this shared machine hits them alike;
+each round starts fresh processes, and gives paired per-step ratios (stage 3
+over DDP, over FSDP2), whose medians over rounds the table prints, with the
+CPU time of all ranks per step (the steadier measure on shared cores).
+
+The breakdown (on by default) times, per rank, each phase of a step (forward,
+backward, optimizer step): wall time, the training thread's CPU time, the
+process's CPU time (gloo's threads too) and, for hybrid, the time blocked in
+the communicator (``Communicator.blocked_seconds``: gathers and
+reduce-scatters that compute did not hide). For stage 3 also the wall time
+inside the gather hooks, the gradient hooks, the order check, the end of
+backward and the step's wait for the last reduction (blocked or not), and the
+elements gathered per step. Medians over ranks and steps, then over rounds.
+
+Reproduce (from the repository root)::
+
+    python benchmarks/zero3_profile.py --steps 8 --reuse 50000000   # 3 rounds, about 9 minutes on 2 cores
+    python benchmarks/zero3_profile.py --rounds 1 --steps 4         # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks.zero_vs_peers import PlainGPT, batch, gpt_config, param_groups  # noqa: E402
+from tests.multiproc import run_distributed  # noqa: E402
+
+WORLD = 4
+CONTENDERS = ("torch DDP", "torch FSDP2 (reshard)", "hybrid zero-3")
+REUSE = "hybrid zero-3 reuse"  # with --reuse: zero.max_reuse_distance set
+# The GPT, batch and optimizer of benchmarks/zero_vs_peers.py's default run (the names its helpers read).
+MODEL = dict(hidden=256, layers=4, heads=8, vocab=8192, seq=128, global_batch=16, lr=1e-3, wd=0.1)
+
+
+class _Timers:
+    """Wall time spent inside wrapped methods, split into blocked-in-the-communicator and the rest (Python, copies).
+
+    Kinds nest: the order check's time is also inside the gather hooks that call it."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.seconds: Dict[str, float] = collections.defaultdict(float)
+        self.calls: Dict[str, int] = collections.defaultdict(int)
+        self._active = set()
+
+    def wrap(self, obj, method: str, key: str) -> None:
+        inner = getattr(obj, method)
+
+        def timed(*a, **k):
+            if key in self._active:  # nested in a call of the same kind: the outer call counts it
+                return inner(*a, **k)
+            self._active.add(key)
+            t0, b0 = time.perf_counter(), self.comm.blocked_seconds()
+            try:
+                return inner(*a, **k)
+            finally:
+                self._active.discard(key)
+                blocked = self.comm.blocked_seconds() - b0
+                self.seconds[key + " blocked"] += blocked
+                self.seconds[key + " other"] += time.perf_counter() - t0 - blocked
+                self.calls[key + " calls"] += 1
+
+        setattr(obj, method, timed)
+
+    def take(self) -> Dict[str, float]:
+        out = dict(self.seconds)
+        out.update({k: float(v) for k, v in self.calls.items()})
+        self.seconds.clear()
+        self.calls.clear()
+        return out
+
+
+class _Phases:
+    """Per phase of a step: wall seconds, this thread's CPU seconds, the process's CPU seconds (gloo's threads too)."""
+
+    def __init__(self):
+        self.values: Dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, comm=None):
+        t0, th0, c0 = time.perf_counter(), time.thread_time(), time.process_time()
+        b0 = comm.blocked_seconds() if comm is not None else 0.0
+        yield
+        self.values[name + " wall"] = time.perf_counter() - t0
+        self.values[name + " thread CPU"] = time.thread_time() - th0
+        self.values[name + " process CPU"] = time.process_time() - c0
+        if comm is not None:
+            self.values[name + " blocked"] = comm.blocked_seconds() - b0
+
+
+def _build_hybrid(args, stage: int, breakdown: bool, reuse: int = 0):
+    import hybrid
+    from hybrid import Topology
+    from model_zoo import GPTModel
+
+    topo = Topology()
+    model = GPTModel(gpt_config(args), topo)
+    model.check_inputs = False
+    micro = args.global_batch // WORLD
+    zero = {"stage": stage, "max_reuse_distance": reuse} if stage == 3 else {"stage": stage}
+    engine = hybrid.initialize(model, {"zero": zero, "micro_batch_size": micro,
+                                       "global_batch_size": args.global_batch,
+                                       "optimizer": {"lr": args.lr, "weight_decay": args.wd}},
+                               topology=topo, no_weight_decay=lambda n, p: p.ndim < 2)
+    opt, comm = engine.optimizer, topo.comm
+    timers = _Timers(comm)
+    if breakdown and stage == 3:
+        g, r = opt.gatherer, opt.reducer
+        timers.wrap(opt.order, "verify", "order check")
+        for name in ("module_pre", "module_post", "use_external", "_unpack", "_pack"):
+            timers.wrap(g, name, "gather hooks")
+        r.remove_hooks()  # the autograd hooks hold bound methods: wrap first, then attach again
+        for name in ("_on_grad", "_before_accumulate"):
+            timers.wrap(r, name, "grad hooks")
+        r.attach_hooks()
+        timers.wrap(r, "end_backward", "end of backward")
+        timers.wrap(r, "wait", "grad wait in step")
+    phase = _Phases()
+
+    def step(x, y):
+        g0 = getattr(opt, "gatherer", None) and opt.gatherer.gathered_numel_total
+        with phase("forward", comm):
+            loss = engine(x, y)
+        with phase("backward", comm):
+            engine.backward(loss)
+        with phase("step", comm):
+            engine.step()
+        if stage == 3:
+            phase.values["gathered elements"] = opt.gatherer.gathered_numel_total - g0
+        return loss
+
+    def stats():
+        out = dict(phase.values)
+        out.update(timers.take())
+        return out
+
+    return step, topo.dp_rank, stats
+
+
+def _build_torch(kind: str, args):
+    import torch.distributed as dist
+
+    model = PlainGPT.from_zoo(gpt_config(args))
+    if kind == "torch DDP":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, bucket_cap_mb=args.bucket * 4 / 2**20)
+        opt = torch.optim.AdamW(param_groups(model.module.named_parameters(), args.wd), lr=args.lr, fused=True)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for blk in model.blocks:
+            fully_shard(blk, reshard_after_forward=True)
+        fully_shard(model, reshard_after_forward=True)
+        opt = torch.optim.AdamW(param_groups(model.named_parameters(), args.wd), lr=args.lr, fused=True)
+    phase = _Phases()
+
+    def step(x, y):
+        with phase("forward"):
+            loss = model(x, y)
+        with phase("backward"):
+            loss.backward()
+        with phase("step"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step, dist.get_rank(), lambda: dict(phase.values)
+
+
+def child(args) -> Dict:
+    """Every contender on this rank, their steps interleaved in rotating order (a busy spell hits all alike).
+
+    Returns per contender the wall and CPU seconds of each measured step
+    (CPU: every thread of this process, gloo's included), its losses and
+    each step's breakdown.
+    """
+    built = {}
+    for kind in args.contenders:
+        torch.manual_seed(0)
+        if kind == REUSE:
+            built[kind] = _build_hybrid(args, 3, args.breakdown, args.reuse)
+        elif kind.startswith("hybrid"):
+            built[kind] = _build_hybrid(args, int(kind[-1]), args.breakdown)
+        else:
+            built[kind] = _build_torch(kind, args)
+    micro = args.global_batch // WORLD
+    out = {kind: {"times": [], "cpu": [], "losses": [], "stats": []} for kind in args.contenders}
+    n = len(args.contenders)
+    for s in range(args.warmup + args.steps):
+        x, y = batch(s, args)
+        for kind in args.contenders[s % n:] + args.contenders[:s % n]:
+            step, dp_rank, stats = built[kind]
+            xs, ys = x[dp_rank * micro:(dp_rank + 1) * micro], y[dp_rank * micro:(dp_rank + 1) * micro]
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss = step(xs, ys)
+            rec = out[kind]
+            if s >= args.warmup:
+                rec["times"].append(time.perf_counter() - t0)
+                rec["cpu"].append(time.process_time() - c0)
+                rec["stats"].append(stats())
+            else:
+                stats()
+            rec["losses"].append(float(loss.detach()))
+    return out
+
+
+def _per_step(per_rank: List[Dict], kind: str, key: str, combine) -> List[float]:
+    """``combine`` over ranks of each measured step's ``key`` (max of wall times: a step ends when every rank is
+    done; sum of CPU times)."""
+    steps = len(per_rank[0][kind][key])
+    return [combine(r[kind][key][i] for r in per_rank) for i in range(steps)]
+
+
+def _breakdown(per_rank: List[Dict], kind: str) -> Dict[str, float]:
+    stats = [s for r in per_rank for s in r[kind]["stats"]]
+    keys = {k for s in stats for k in s}
+    return {k: statistics.median(s.get(k, 0.0) for s in stats) for k in keys}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=10, help="measured steps (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--bucket", type=int, default=25_000_000, help="DDP gradient bucket, elements (hybrid's default)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds, each in fresh processes; the table shows medians")
+    ap.add_argument("--reuse", type=int, default=0,
+                    help="also run stage 3 with zero.max_reuse_distance set to this many elements")
+    ap.add_argument("--with-zero0", action="store_true",
+                    help="also run hybrid stage 0 (the same model code as stage 3, DDP's algorithm)")
+    ap.add_argument("--no-breakdown", dest="breakdown", action="store_false",
+                    help="time stage 3 without the hook timers")
+    args = ap.parse_args(argv)
+    for key, value in MODEL.items():
+        setattr(args, key, value)
+    args.contenders = CONTENDERS + ((REUSE,) if args.reuse else ()) + (("hybrid zero-0",) if args.with_zero0 else ())
+    ours, peers = [k for k in args.contenders if k.startswith("hybrid zero-3")], CONTENDERS[:2]
+    wall: Dict[str, List[float]] = collections.defaultdict(list)
+    cpu: Dict[str, List[float]] = collections.defaultdict(list)
+    ratios: Dict[tuple, List[float]] = collections.defaultdict(list)
+    cpu_ratios: Dict[tuple, List[float]] = collections.defaultdict(list)
+    breakdowns: Dict[str, List[Dict[str, float]]] = collections.defaultdict(list)
+    loss_gap = 0.0
+    for round_ in range(args.rounds):
+        per_rank = run_distributed(child, WORLD, args, timeout=900)
+        steps = {k: _per_step(per_rank, k, "times", max) for k in args.contenders}
+        cpus = {k: _per_step(per_rank, k, "cpu", sum) for k in args.contenders}
+        for k in args.contenders:
+            wall[k].append(statistics.median(steps[k]))
+            cpu[k].append(statistics.median(cpus[k]))
+            breakdowns[k].append(_breakdown(per_rank, k))
+        for z3 in ours:
+            for peer in peers:  # paired: the same step, back to back
+                ratios[z3, peer].append(statistics.median(a / b for a, b in zip(steps[z3], steps[peer])))
+                cpu_ratios[z3, peer].append(statistics.median(a / b for a, b in zip(cpus[z3], cpus[peer])))
+        mean_loss = {k: [statistics.mean(r[k]["losses"][i] for r in per_rank)
+                         for i in range(len(per_rank[0][k]["losses"]))] for k in args.contenders}
+        loss_gap = max([loss_gap] + [abs(a - b) for k in args.contenders[1:]
+                                     for a, b in zip(mean_loss[k], mean_loss[args.contenders[0]])])
+        print(f"[round {round_ + 1}] " + ", ".join(f"{k}: {1e3 * wall[k][-1]:.1f} ms" for k in args.contenders),
+              flush=True)
+    print(f"\nworld {WORLD} (gloo, {os.cpu_count()} CPU cores), GPT h={args.hidden} L={args.layers} seq={args.seq} "
+          f"vocab={args.vocab}, global batch {args.global_batch}, fp32 AdamW, {args.steps} measured steps after "
+          f"{args.warmup} warm-up, steps interleaved, {args.rounds} rounds; medians over rounds\n")
+    print(f"{'contender':24s} {'median step':>12s} {'CPU/step':>9s}   per round (ms)")
+    for k in args.contenders:
+        rounds = " ".join(f"{1e3 * t:.0f}" for t in wall[k])
+        print(f"{k:24s} {1e3 * statistics.median(wall[k]):10.1f}ms {statistics.median(cpu[k]):8.2f}s   {rounds}")
+    for z3 in ours:
+        for peer in peers:
+            rs = " ".join(f"{r:.2f}" for r in ratios[z3, peer])
+            print(f"{z3:19s} / {peer:22s} step {statistics.median(ratios[z3, peer]):.2f}x (rounds: {rs}), "
+                  f"CPU {statistics.median(cpu_ratios[z3, peer]):.2f}x")
+    print(f"largest gap between the contenders' mean losses: {loss_gap:.2e}")
+    if args.breakdown:
+        print("\nbreakdown per rank and step (median over ranks and steps, then over rounds). thread CPU: the "
+              "training thread's; process CPU: every thread (gloo's too); blocked: waiting in the communicator; "
+              "hook rows: wall time inside them, blocked or not (the order check runs inside the gather hooks):")
+        print(f"  {'':30s}" + "".join(f"{k[:16]:>17s}" for k in args.contenders))
+        keys = sorted({key for k in args.contenders for b in breakdowns[k] for key in b})
+        for key in keys:
+            cells = []
+            for k in args.contenders:
+                vals = [b[key] for b in breakdowns[k] if key in b]
+                if not vals:
+                    cells.append(f"{'':>17s}")
+                    continue
+                v = statistics.median(vals)
+                cells.append(f"{v:17.0f}" if ("calls" in key or "elements" in key) else f"{1e3 * v:15.1f}ms")
+            print(f"  {key:30s}" + "".join(cells))
+
+
+if __name__ == "__main__":
+    main()
