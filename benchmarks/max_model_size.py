@@ -351,7 +351,7 @@ def predicted_rank_bytes(c: Contender, size: int, args) -> int:
     candidate = Candidate(parallel, offload=c.offload, micro_batch=1)
     knobs = {} if args.prefetch is None else {"stage3_prefetch": args.prefetch}
     est = estimate_memory(cfg, candidate, TrainingSetup(bucket_size=args.bucket, weight_decay=False, profile=CPU,
-                                                        **knobs))
+                                                        **knobs), micro_batches=1)  # one micro-batch per step
     weights = 4 * sum(s.numel for s in shard_shapes(cfg, 1))
     peak = est.resident_peak + est.host
     whole = not candidate.traits.parameters

@@ -176,21 +176,25 @@ def _prefetched(order, k: int, prefetch: int) -> int:
 
 
 def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, prefetch: int, live: int,
-                         pinned: int = 0, ring_chunks: int = 0) -> GradientFlow:
+                         pinned: int = 0, ring: bool = False, direct: bool = False) -> GradientFlow:
     """Replay a ZeRO-3 backward over unit sizes (elements; ``order``: gathered units in backward order).
 
     While a unit's gradient is staged (:class:`hybrid.zero.stage3_grads.Stage3GradReducer`) a rank holds
     the unit gathered with the next ones prefetched (:class:`hybrid.zero.param_gather.ParamGatherer`), the
     open bucket's staging buffers, the unit's staging buffer and autograd's gradient, and the buckets on the
-    wire (input and reduced output each). A ready unit is released, and joins the open bucket after launching
-    it if it would take it past ``bucket_size`` (:func:`hybrid.zero.inflight.closes_before`); launching lands
-    the oldest buckets until the new one fits :func:`hybrid.zero.inflight.inflight_limit`, then concatenates
-    a bucket of several units. The units prefetched behind a ready unit stay gathered while it launches. The
-    persistent pool is reduced last, at the end of backward.
+    wire (input, and reduced output unless it lands in the partition itself). A ready unit is released, and
+    joins the open bucket after launching it if it would take it past ``bucket_size``
+    (:func:`hybrid.zero.inflight.closes_before`); launching lands the oldest buckets until the new one fits
+    :func:`hybrid.zero.inflight.inflight_limit`. A bucket goes to the communicator as its units' staging
+    buffers (no concatenated copy). The units prefetched behind a ready unit stay gathered while it launches.
+    The persistent pool is reduced last, at the end of backward.
 
     ``pinned``: elements held until the last unit of ``order`` is done (a tied head's unit, gathered again
     for the head's backward, and its weight gradient waiting in autograd for the embedding's contribution).
-    ``ring_chunks``: ``[numel / dp]`` scratch tensors each reduce-scatter in flight holds (the gloo ring).
+    ``ring``: each reduce-scatter in flight holds the gloo ring's ``[numel / dp]`` scratch tensors
+    (:func:`hybrid.ring.scratch_chunks`, more for a bucket of several units). ``direct``: every bucket is
+    reduced straight into the gradient partition (the first micro-step of a step with one), so none holds a
+    reduced output of its own.
     """
     limit = inflight_limit(bucket_size)
     flights, open_units = [], []
@@ -201,17 +205,22 @@ def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, pref
         if held > worst:
             worst, worst_wire = held, sum(flights)
 
+    extras = []  # per bucket in flight, its [numel / dp] tensors beyond the input: output, ring scratch
+
     def wire() -> int:
-        return sum(flights) + (1 + ring_chunks) * sum(f // dp for f in flights)
+        return sum(flights) + sum(e * (f // dp) for f, e in zip(flights, extras))
 
     def launch(beside: int) -> int:
         """Launch the open bucket beside ``beside`` other elements held; the elements held at that moment."""
         new = sum(open_units)
         while flights and sum(flights) + new > limit:
             flights.pop(0)
-        held = beside + wire() + new + (1 + ring_chunks) * (new // dp) + (new if len(open_units) > 1 else 0)
+            extras.pop(0)
+        extra = (0 if direct else 1) + (scratch_chunks(dp, len(open_units)) if ring else 0)
+        held = beside + wire() + new + extra * (new // dp)
         note(held)
         flights.append(new)
+        extras.append(extra)
         open_units.clear()
         return held
 
@@ -233,6 +242,7 @@ def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, pref
     if open_units:
         while flights and sum(flights) + sum(open_units) > limit:
             flights.pop(0)
+            extras.pop(0)
         final_wire = sum(flights) + sum(open_units)
         final = launch(0)
     return GradientFlow(worst, worst_wire, final, final_wire)
@@ -256,19 +266,22 @@ def zero_layout(config: GPTConfig, candidate: Candidate, setup: TrainingSetup = 
                        setup.bucket_size, setup.weight_decay, tied_head=split is not None and split.holds_head(pp_rank))
 
 
-def _model_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, pp_rank: int = 0):
+def _model_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, pp_rank: int = 0,
+                 micro_batches: Optional[int] = None):
     """``(state, stage-3 bytes gathered at the forward peak, gathered during backward, the stage-3 gradient flow
     (:class:`GradientFlow`, bytes; None with whole parameters), the step's gather temporary, reduce-scatter
     payload in flight at the end of backward with whole parameters (gloo's copies), packed buffers of the
     quantized reductions in flight then)``."""
     layout = zero_layout(config, candidate, setup, pp_rank)
     if candidate.traits.parameters:
-        return _unit_state(config, candidate, setup, layout)
+        return _unit_state(config, candidate, setup, layout, micro_batches)
     return _flat_state(candidate, setup, layout)
 
 
-def _unit_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, units: Stage3Layout):
-    """:func:`_model_state` when the parameters are partitioned in units, gathered where they are used."""
+def _unit_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, units: Stage3Layout,
+                micro_batches: Optional[int]):
+    """:func:`_model_state` when the parameters are partitioned in units, gathered where they are used
+    (``micro_batches`` per step, None: unknown, planned as several)."""
     p = DTYPE_BYTES[candidate.precision]
     state = stage3_state_bytes(units, offload=candidate.offload, optimizer=setup.optimizer,
                                momentum=setup.momentum, compiled_adam=setup.compiled_adam,
@@ -285,9 +298,12 @@ def _unit_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, u
     backward = p * min(live, sum(units.units), max(head, units.largest_unit) + ahead + held)
     # A tied head's unit stays gathered through backward beside its waiting gradient (both about the unit's size).
     pinned = 2 * head if config.tie_embeddings else 0
-    ring = scratch_chunks(units.dp) if setup.profile.ring_reduce_scatter else 0
+    # The reductions land in the gradient partition itself on a step's only micro-step (consecutive units on the
+    # partition's device: the CPU profile, or no offload); later micro-steps add through a reduced output.
+    direct = micro_batches == 1 and (candidate.offload == "none" or setup.profile.host_is_device)
     flow = stage3_gradient_flow(units.backward_order(config.tie_embeddings), units.persistent,
-                                setup.bucket_size, units.dp, setup.stage3_prefetch, live, pinned, ring)
+                                setup.bucket_size, units.dp, setup.stage3_prefetch, live, pinned,
+                                setup.profile.ring_reduce_scatter, direct)
     return state, forward, backward, flow.scaled(p), 0, 0, 0
 
 
@@ -328,13 +344,14 @@ def estimate_memory(config: GPTConfig, candidate: Candidate, setup: TrainingSetu
                     micro_batches: Optional[int] = None) -> MemoryEstimate:
     """Predict the memory of one device for ``config`` trained as ``candidate``: with a pipeline, that of its
     busiest pipeline rank (:func:`estimate_stages`; ``micro_batches`` per step, which the schedule's activations
-    in flight depend on, must then be given)."""
+    in flight depend on, must then be given). Stage 3 holds a little less with one micro-batch per step
+    (``micro_batches=1``: its reductions land in the partition itself)."""
     if candidate.pp > 1:
         return max(estimate_stages(config, candidate, setup, micro_batches), key=lambda m: m.total)
     act = activation_bytes(config, candidate.micro_batch, tp=candidate.tp,
                            sequence_parallel=candidate.sequence_parallel, recompute=candidate.recompute,
                            precision=candidate.precision, profile=setup.profile)
-    return _estimate(config, candidate, setup, act, act.total, first=True, last=True)
+    return _estimate(config, candidate, setup, act, act.total, first=True, last=True, micro_batches=micro_batches)
 
 
 def estimate_stages(config: GPTConfig, candidate: Candidate, setup: TrainingSetup = TrainingSetup(),
@@ -356,12 +373,13 @@ def estimate_stages(config: GPTConfig, candidate: Candidate, setup: TrainingSetu
 
 
 def _estimate(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, act: ActivationBytes, held: int, *,
-              first: bool, last: bool, pp_rank: int = 0, in_flight: int = 1) -> MemoryEstimate:
+              first: bool, last: bool, pp_rank: int = 0, in_flight: int = 1,
+              micro_batches: Optional[int] = None) -> MemoryEstimate:
     """The peaks of one rank whose micro-batch saves ``act`` and that holds ``held`` bytes of activations at the
     worst moment of its schedule (``act.total`` without a pipeline); ``first``/``last``: it holds the
     embedding / the head and loss."""
     state, gathered, gathered_backward, staging3, gather_temp, in_flight_bytes, packed = _model_state(
-        config, candidate, setup, pp_rank)
+        config, candidate, setup, pp_rank, micro_batches)
     p = DTYPE_BYTES[candidate.precision]
     base = state.device_total
     n = config.seq_length * candidate.micro_batch

@@ -67,7 +67,7 @@ def _predict(spec: Dict, compiled_adam: bool):
     knobs = {"stage3_persistence_threshold": spec.get("persist"), "stage3_prefetch": spec.get("prefetch")}
     setup = TrainingSetup(optimizer=spec.get("optimizer", "adamw"), bucket_size=spec.get("bucket", 10**8),
                           compiled_adam=compiled_adam, profile=CPU, **{k: v for k, v in knobs.items() if v is not None})
-    memory = estimate_memory(cfg, candidate, setup)
+    memory = estimate_memory(cfg, candidate, setup, micro_batches=spec.get("gas", 1))
     comm = step_volume(cfg, zero_layout(cfg, candidate, setup), candidate, micro_batches=spec.get("gas", 1),
                        reduce_once=setup.whole_gradients, momentum=setup.momentum_quant)
     return memory, comm
