@@ -10,11 +10,14 @@ construction and each transfer is a few KB against milliseconds of compute.
 
 Rounds interleave the schedules and the micro-batch counts; the table gives
 medians over rounds (each round's figure is a median over steps), the
-formula, and measured / formula.
+formula, and measured / formula. The defaults (32 layers of 1024 per rank,
+micro-batches of 128 rows) give each transfer of 512 KB some 100 ms of
+compute on either side; fewer layers make transfers and scheduling jitter a
+larger share (``--layers-per-rank 8 --batch 64``: the smaller run).
 
 Reproduce (from the repository root, on a quiet machine)::
 
-    python benchmarks/pipeline_bubble.py                 # ~1 min on 2 cores
+    python benchmarks/pipeline_bubble.py                 # ~5 min on 2 cores
     python benchmarks/pipeline_bubble.py --json benchmarks/results/pipeline_bubble.json
 """
 
@@ -95,8 +98,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per cell and round")
     ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=64, help="rows per micro-batch")
-    ap.add_argument("--layers-per-rank", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=128, help="rows per micro-batch")
+    ap.add_argument("--layers-per-rank", type=int, default=32)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     cfg = {k: getattr(args, k) for k in ("rounds", "steps", "hidden", "batch", "layers_per_rank")}
