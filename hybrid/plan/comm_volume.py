@@ -356,10 +356,9 @@ def pipeline_volume(config: GPTConfig, layout: FlatLayout, candidate: Candidate,
     from hybrid.plan.pipeline_stages import p2p_volume
 
     p2p_volume(config, candidate, micro_batches, pp_rank, report)
-    if config.tie_embeddings and layout.tied_segments and pp_rank in (0, candidate.pp - 1):
-        parts = partition_count(candidate.zero_stage, layout.dp)
-        for size in layout.tied_segments:
-            _add(report, "all_reduce", "embed", 2, layout.element_bytes * size // parts)
+    parts = partition_count(candidate.zero_stage, layout.dp)
+    for size in layout.tied_segments:  # only the first and last ranks hold a tied copy
+        _add(report, "all_reduce", "embed", 2, layout.element_bytes * size // parts)
     _add(report, "broadcast", "pp", candidate.pp, 8)
     return report
 

@@ -348,9 +348,7 @@ def estimate_memory(config: GPTConfig, candidate: Candidate, setup: TrainingSetu
     (``micro_batches=1``: its reductions land in the partition itself)."""
     if candidate.pp > 1:
         return max(estimate_stages(config, candidate, setup, micro_batches), key=lambda m: m.total)
-    act = activation_bytes(config, candidate.micro_batch, tp=candidate.tp,
-                           sequence_parallel=candidate.sequence_parallel, recompute=candidate.recompute,
-                           precision=candidate.precision, profile=setup.profile)
+    act = _activations(config, candidate, setup)
     return _estimate(config, candidate, setup, act, act.total, first=True, last=True, micro_batches=micro_batches)
 
 
@@ -361,15 +359,20 @@ def estimate_stages(config: GPTConfig, candidate: Candidate, setup: TrainingSetu
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"a pipeline's memory depends on the micro-batches per step: give micro_batches >= 1, "
                          f"got {micro_batches!r}")
-    act = activation_bytes(config, candidate.micro_batch, tp=candidate.tp,
-                           sequence_parallel=candidate.sequence_parallel, recompute=candidate.recompute,
-                           precision=candidate.precision, profile=setup.profile)
+    act = _activations(config, candidate, setup)
     out = []
     for rank in range(candidate.pp):
         share = stage_share(config, candidate, act, micro_batches, rank)
         out.append(_estimate(config, candidate, setup, share.activations, share.held, first=share.first,
                              last=share.last, pp_rank=rank, in_flight=share.in_flight))
     return out
+
+
+def _activations(config: GPTConfig, candidate: Candidate, setup: TrainingSetup) -> ActivationBytes:
+    """What one micro-batch of ``candidate`` saves through the whole model on one TP rank."""
+    return activation_bytes(config, candidate.micro_batch, tp=candidate.tp,
+                            sequence_parallel=candidate.sequence_parallel, recompute=candidate.recompute,
+                            precision=candidate.precision, profile=setup.profile)
 
 
 def _estimate(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, act: ActivationBytes, held: int, *,
