@@ -4,7 +4,8 @@
 // unscale x clip factor, update the fp32 master weight and both moments, and
 // optionally write a bf16/fp16 copy of the new weight. The SIMD path is chosen
 // at run time from the host's CPU flags; callers may force one for testing.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/Parallel.h>
 #include <omp.h>

@@ -2,7 +2,7 @@
 // quantize.cpp. Each op supplies its own test of the CPU flags its paths need (`supported`).
 #pragma once
 
-#include <torch/extension.h>
+#include <c10/util/Exception.h>
 
 #include <string>
 #include <vector>

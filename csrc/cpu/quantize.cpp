@@ -10,7 +10,8 @@
 // x86-64) through target pragmas and auto-vectorised; the path is chosen at run time
 // from the CPU flags, and callers may force one for testing. OpenMP splits the blocks
 // into one contiguous range per thread.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/Parallel.h>
 #include <omp.h>
