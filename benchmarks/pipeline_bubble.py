@@ -4,9 +4,16 @@ Two pipeline ranks (gloo, one per core of this machine) run the pipeline
 executor (:mod:`hybrid.pipeline.executor`) over equal parts of a stack of
 linear layers, for m = 2, 4, 8 and 16 micro-batches, with 1F1B and with the
 interleaved schedule at v = 2 model chunks per rank. The idle fraction of a
-stage is the time it spends blocked in receives over the step time. The
-formula assumes equal stages and free transfers; the parts here are equal by
-construction and each transfer is a few KB against milliseconds of compute.
+stage is the time it spends blocked in receives (and waiting for the step's
+end) over the step time. The formula assumes equal stages and free
+transfers. The parts here do equal work by construction (the first part also
+computes its input's gradient), each rank's compute thread is pinned to a
+core of its own (``--no-pin`` leaves them to the scheduler), and the executor
+posts its receives ahead, so each 512 KB transfer moves while the receiver
+computes. What remains beyond the formula is the difference in speed between
+the two cores, which on this virtual machine drifts by a few per cent: in
+1F1B's steady state the faster stage waits for the slower one at every
+micro-batch.
 
 Rounds interleave the schedules and the micro-batch counts; the table gives
 medians over rounds (each round's figure is a median over steps), the
@@ -53,6 +60,8 @@ def _rank(args: dict) -> dict:
     from hybrid.pipeline import PipelineExecutor
 
     topo = hybrid.Topology(pp=PP, timeout_s=120)
+    if args["pin"]:  # each stage's compute on a core of its own, as each stage has its own device on a GPU node
+        os.sched_setaffinity(0, {topo.pp_rank % os.cpu_count()})
     hidden, batch = args["hidden"], args["batch"]
     out = {}
     for _ in range(args["rounds"]):
@@ -69,7 +78,9 @@ def _rank(args: dict) -> dict:
                                         activation_shape=lambda mb: torch.Size((batch, hidden)),
                                         activation_dtype=torch.float32)
             for m in MICROBATCHES:
-                mbs = [torch.randn(batch, hidden) for _ in range(m)]
+                # requires_grad: the first part computes its input's gradient as every other part does, so the
+                # stages do equal work, as the formula assumes
+                mbs = [torch.randn(batch, hidden, requires_grad=True) for _ in range(m)]
                 idle, step = [], []
                 for k in range(args["steps"] + 1):
                     topo.comm.barrier("pp")  # both stages start the step together
@@ -100,12 +111,15 @@ def main(argv=None) -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=128, help="rows per micro-batch")
     ap.add_argument("--layers-per-rank", type=int, default=32)
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="leave the ranks' compute threads unpinned (by default each is pinned to its own core)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
-    cfg = {k: getattr(args, k) for k in ("rounds", "steps", "hidden", "batch", "layers_per_rank")}
-    per_rank = run_distributed(_rank, PP, cfg, timeout=1800, env={"OMP_NUM_THREADS": "1"})
+    cfg = {k: getattr(args, k) for k in ("rounds", "steps", "hidden", "batch", "layers_per_rank", "pin")}
+    per_rank = run_distributed(_rank, PP, cfg, timeout=1800, env={"OMP_NUM_THREADS": "1"}, start="spawn")
     rows = []
-    print(f"pipeline bubble: pp={PP} (gloo, one thread per rank), {args.layers_per_rank} linear layers of "
+    pinned = ", pinned to a core each" if args.pin else ""
+    print(f"pipeline bubble: pp={PP} (gloo, one thread per rank{pinned}), {args.layers_per_rank} linear layers of "
           f"{args.hidden} per rank, micro-batch {args.batch} rows; medians of {args.rounds} interleaved rounds")
     print(f"{'schedule':<16} {'m':>3} {'formula':>8} {'stage 0':>8} {'stage 1':>8} {'worst/formula':>14} "
           f"{'step ms':>8}")

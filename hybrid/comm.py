@@ -227,7 +227,8 @@ class Communicator:
         s.inter_node_bytes += crossing
         self._inter_node_sent += crossing
 
-    def _backend(self, axis: str) -> Optional[str]:
+    def backend(self, axis: str) -> Optional[str]:
+        """The backend of ``axis``'s group (``"gloo"``, ``"nccl"``), or None without a process group."""
         return dist.get_backend(self._group(axis)) if dist.is_available() and dist.is_initialized() else None
 
     # ---- helpers ----------------------------------------------------------------
@@ -366,7 +367,7 @@ class Communicator:
                                  f"elements, expected multiples of {n} adding up to {n} x {output.numel()}")
             splits = two_level and self._splits_over_nodes(axis)
             if (len(segments) > 1 and n > 1 and quant is None and not splits
-                    and self._backend(axis) in _RING_REDUCE_SCATTER_BACKENDS):
+                    and self.backend(axis) in _RING_REDUCE_SCATTER_BACKENDS):
                 self._record("reduce_scatter", axis, total * segments[0].element_size(), (n - 1) / n)
                 return self._ring_reduce_scatter(output, segments, axis, op, async_op)
             input = segments[0] if len(segments) == 1 else torch.cat([s.view(n, -1) for s in segments], 1).view(-1)
@@ -382,7 +383,7 @@ class Communicator:
         if quant is not None:
             return self._quantized_reduce_scatter(output, input, axis, op, quant, async_op)
         self._record("reduce_scatter", axis, _nbytes(input), (n - 1) / n)
-        if self._backend(axis) in _RING_REDUCE_SCATTER_BACKENDS:
+        if self.backend(axis) in _RING_REDUCE_SCATTER_BACKENDS:
             return self._ring_reduce_scatter(output, input, axis, op, async_op)
         finish = (lambda: output.div_(n)) if op == "avg" else None
         return self._launch("reduce_scatter", axis, lambda a: _reduce_scatter_flat(
