@@ -125,7 +125,7 @@ def main() -> None:
     root = tempfile.mkdtemp(dir=opts.dir)
     load_before = round(os.getloadavg()[0], 1)
     try:
-        results = run_distributed(_bench, opts.world, layers, opts.rounds, opts.steps, root, timeout=3600)
+        results = run_distributed(_bench, opts.world, layers, opts.rounds, opts.steps, root, timeout=3600, start="spawn")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     r0 = results[0]

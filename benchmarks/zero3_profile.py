@@ -260,7 +260,7 @@ def main(argv=None) -> None:
     breakdowns: Dict[str, List[Dict[str, float]]] = collections.defaultdict(list)
     loss_gap = 0.0
     for round_ in range(args.rounds):
-        per_rank = run_distributed(child, WORLD, args, timeout=900)
+        per_rank = run_distributed(child, WORLD, args, timeout=900, start="spawn")
         steps = {k: _per_step(per_rank, k, "times", max) for k in args.contenders}
         cpus = {k: _per_step(per_rank, k, "cpu", sum) for k in args.contenders}
         for k in args.contenders:

@@ -699,7 +699,7 @@ def main(argv=None) -> None:
             env = {"DS_ACCELERATOR": "cpu"} if c.kind == "deepspeed" else None
             t0 = time.time()
             try:
-                row = summarise(run_distributed(bench_child, WORLD, c, args, timeout=1800, env=env), ref64)
+                row = summarise(run_distributed(bench_child, WORLD, c, args, timeout=1800, env=env, start="spawn"), ref64)
             except Exception as err:  # noqa: BLE001 - one failed contender must not lose the others' figures
                 first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
                 failures.setdefault(c.name, {})[round_] = first
