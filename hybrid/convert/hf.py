@@ -39,13 +39,12 @@ from hybrid.convert.hf_common import Link
 from hybrid.convert.hf_io import DEFAULT_MAX_SHARD_BYTES, HFDirectory, read_json, write_sharded
 from hybrid.convert.output import ProgressFactory, nbytes_of, open_bar, read_ahead, tracked
 from hybrid.convert.ranges import piece_size
+from hybrid.engine.precision import DTYPES, PRECISION_OF_DTYPE
 from hybrid.layout import ParallelLayout
 from hybrid.topology import Topology
 from model_zoo.config import GPTConfig
 
 MAPS = (hf_gpt2,) + hf_llama.FAMILIES
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_DTYPE_PRECISIONS = {v: k for k, v in PRECISION_DTYPES.items()}
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 TOKENIZER_FILE = "tokenizer.model"
 
@@ -137,7 +136,7 @@ def export_to_hf(load, output, *, dtype: Optional[str] = None, max_shard_bytes: 
     if architecture is None and imported in by_name and not by_name[imported].mismatches(cfg):
         architecture = imported
     arch = map_for_config(cfg, architecture)
-    out_dtype = PRECISION_DTYPES[_check_dtype(dtype or reader.layout.precision)]
+    out_dtype = DTYPES[_check_dtype(dtype or reader.layout.precision)]
     # Checked before any weight is written: a wrong file fails in a second, not after the export.
     tokenizer = _read_tokenizer(tokenizer_model, cfg.vocab_size) if tokenizer_model is not None else None
     out = Path(output)
@@ -183,8 +182,8 @@ def _export_tensor(src: CheckpointSource, link: Link, index: int, what: str, dty
 
 
 def _check_dtype(name: str) -> str:
-    if name not in PRECISION_DTYPES:
-        raise ConversionError(f"--dtype {name!r} is not one of {', '.join(PRECISION_DTYPES)}")
+    if name not in DTYPES:
+        raise ConversionError(f"--dtype {name!r} is not one of {', '.join(DTYPES)}")
     return name
 
 
@@ -254,11 +253,11 @@ def import_from_hf(input_dir, save, *, tp: int = 1, dtype: Optional[str] = None,
     layout = gpt_param_layout(cfg)
     links = arch.links(cfg)
     _check_hf_tensors(hf, arch, cfg, links, layout)
-    out_dtype = PRECISION_DTYPES[_check_dtype(dtype)] if dtype else hf.dtype(links[0].hf[0])
-    if out_dtype not in _DTYPE_PRECISIONS:
+    out_dtype = DTYPES[_check_dtype(dtype)] if dtype else hf.dtype(links[0].hf[0])
+    if out_dtype not in PRECISION_OF_DTYPE:
         raise ConversionError(f"{hf.path} holds {out_dtype} weights; pass --dtype fp32, bf16 or fp16")
     # Weights only, as one data-parallel rank without ZeRO would hold them: any layout can load that.
-    writer = CheckpointWriter(save, 0, ParallelLayout(tp=tp, dp=1, precision=_DTYPE_PRECISIONS[out_dtype]))
+    writer = CheckpointWriter(save, 0, ParallelLayout(tp=tp, dp=1, precision=PRECISION_OF_DTYPE[out_dtype]))
     total = tp * sum(nbytes_of(layout[link.hybrid][0], out_dtype) for link in links)
     bar = open_bar(progress, f"from-hf {arch.ARCHITECTURE} to tp={tp}", total)
     index = []

@@ -23,8 +23,9 @@ import torch
 
 from hybrid.config.errors import ConfigError
 
+# the torch dtype of each of hybrid.layout.PRECISIONS: the one map, which the planner and the converters read too
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_NAMES = {v: k for k, v in DTYPES.items()}
+PRECISION_OF_DTYPE = {v: k for k, v in DTYPES.items()}
 
 
 def _first_param_not(model: torch.nn.Module, allowed) -> Optional[tuple]:
@@ -35,7 +36,7 @@ def _first_param_not(model: torch.nn.Module, allowed) -> Optional[tuple]:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return _NAMES.get(dtype, str(dtype))
+    return PRECISION_OF_DTYPE.get(dtype, str(dtype))
 
 
 def prepare_precision(model: torch.nn.Module, precision: str, autocast: bool) -> Optional[torch.dtype]:

@@ -40,6 +40,7 @@ import torch
 
 from hybrid import param_meta
 from hybrid.compression import DEFAULT_BLOCK, ONEBIT_ADAM, ONEBIT_BITS, packed_bytes
+from hybrid.engine.precision import DTYPES
 from hybrid.layout import (StageTraits, ZeroStage, keeps_whole_gradients, offload_problem, partition_count,
                            stage_traits)
 from hybrid.pipeline.split import StageSplit
@@ -48,7 +49,6 @@ from hybrid.zero.buckets import STAGING_BUFFERS_BEFORE_WAIT
 from hybrid.zero.flat_buffer import align_elements, group_classes, plan_segments
 from model_zoo.config import GPTConfig
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, ONEBIT_ADAM: 2}  # fp32 state tensors per master element
 
 
