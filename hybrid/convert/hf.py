@@ -33,6 +33,7 @@ import torch
 from hybrid import param_meta
 from hybrid.checkpoint import CheckpointReader, CheckpointWriter
 from hybrid.checkpoint.atomic import write_bytes_atomic
+from hybrid.checkpoint.lock import SaveDirLock
 from hybrid.convert import hf_gpt2, hf_llama
 from hybrid.convert.consolidate import WEIGHT, CheckpointSource, ConversionError
 from hybrid.convert.hf_common import Link
@@ -257,31 +258,35 @@ def import_from_hf(input_dir, save, *, tp: int = 1, dtype: Optional[str] = None,
     if out_dtype not in PRECISION_OF_DTYPE:
         raise ConversionError(f"{hf.path} holds {out_dtype} weights; pass --dtype fp32, bf16 or fp16")
     # Weights only, as one data-parallel rank without ZeRO would hold them: any layout can load that.
-    writer = CheckpointWriter(save, 0, ParallelLayout(tp=tp, dp=1, precision=PRECISION_OF_DTYPE[out_dtype]))
-    total = tp * sum(nbytes_of(layout[link.hybrid][0], out_dtype) for link in links)
-    bar = open_bar(progress, f"from-hf {arch.ARCHITECTURE} to tp={tp}", total)
-    index = []
-    try:
-        writer.prepare()
-        records = []
-        for rank in range(tp):
-            sources = {}
-            for link in links:
-                full, meta = layout[link.hybrid]
-                local = _local_shape(full, meta, tp)
-                sources[link.hybrid] = tracked(local, out_dtype, lambda link=link, meta=meta, rank=rank: param_meta.shard(
-                    _hybrid_full(hf, link, out_dtype), meta, tp, rank), bar)
-                if rank == 0:
-                    index.append({"name": link.hybrid, "shape": list(local), "dtype": _HF_DTYPE_NAMES[out_dtype],
-                                  "tp_meta": meta.to_json()})
-            with read_ahead(sources) as ahead:
-                records.append(writer.write_model_shard(ahead, rank))
-        writer.commit(records, model_config=cfg.to_dict(), param_index=index,
-                      trainer_state={"imported_from": {"format": "huggingface", "architecture": arch.ARCHITECTURE,
-                                                       "path": str(hf.path.resolve())}})
-    finally:
-        bar.close()
-        hf.close()
+    # as a job's save: a job saving into the same folder would delete this import's files as leftovers
+    with SaveDirLock(save):
+        writer = CheckpointWriter(save, 0, ParallelLayout(tp=tp, dp=1, precision=PRECISION_OF_DTYPE[out_dtype]))
+        total = tp * sum(nbytes_of(layout[link.hybrid][0], out_dtype) for link in links)
+        bar = open_bar(progress, f"from-hf {arch.ARCHITECTURE} to tp={tp}", total)
+        index = []
+        try:
+            writer.prepare()
+            records = []
+            for rank in range(tp):
+                sources = {}
+                for link in links:
+                    full, meta = layout[link.hybrid]
+                    local = _local_shape(full, meta, tp)
+                    sources[link.hybrid] = tracked(
+                        local, out_dtype,
+                        lambda link=link, meta=meta, rank=rank: param_meta.shard(_hybrid_full(hf, link, out_dtype),
+                                                                                 meta, tp, rank), bar)
+                    if rank == 0:
+                        index.append({"name": link.hybrid, "shape": list(local), "dtype": _HF_DTYPE_NAMES[out_dtype],
+                                      "tp_meta": meta.to_json()})
+                with read_ahead(sources) as ahead:
+                    records.append(writer.write_model_shard(ahead, rank))
+            writer.commit(records, model_config=cfg.to_dict(), param_index=index,
+                          trainer_state={"imported_from": {"format": "huggingface", "architecture": arch.ARCHITECTURE,
+                                                           "path": str(hf.path.resolve())}})
+        finally:
+            bar.close()
+            hf.close()
     return writer.iter_dir
 
 

@@ -42,6 +42,7 @@ from typing import Any, List, Mapping, Optional, Tuple
 import torch
 
 from hybrid.checkpoint import CheckpointReader, CheckpointWriter
+from hybrid.checkpoint.lock import SaveDirLock
 from hybrid.checkpoint.rng import restored_rank, tracker_streams_for
 from hybrid.config.errors import ConfigError
 from hybrid.config.schema import HybridConfig, PipelineConfig
@@ -151,23 +152,25 @@ def reshard_checkpoint(load, save, *, target_tp: int, target_dp: Optional[int] =
                     for n in share.entries)
         total += sum(g["partition_numel"] * 4 * len(keys) * target.tp * target.dp for _, groups in plans
                      for g in groups)
-        bar = open_bar(progress, f"reshard to {target.describe()}", total)
-        writer = CheckpointWriter(save, reader.iteration, target)
-        try:
-            writer.prepare()
-            records = []
-            for p, (share, (index, groups)) in enumerate(zip(shares, plans)):
-                for t in range(target.tp):
-                    with read_ahead(_model_sources(src, target, t, share, bar)) as sources:
-                        records.append(writer.write_model_shard(sources, t, p))
-                    if with_optimizer:
-                        records += _write_partitions(writer, src, target, t, p, index, groups, keys, bar)
-            records += _write_rank_states(writer, reader, target)
-            param_index = [index for index, _ in plans] if target.pp > 1 else plans[0][0]
-            writer.commit(records, consumed_samples=reader.consumed_samples, model_config=reader.model_config,
-                          param_index=param_index, trainer_state=_trainer_state(reader, target, args, pipe))
-        finally:
-            bar.close()
+        # as a job's save: a job saving into the same folder would delete this rewrite's files as leftovers
+        with SaveDirLock(save):
+            bar = open_bar(progress, f"reshard to {target.describe()}", total)
+            writer = CheckpointWriter(save, reader.iteration, target)
+            try:
+                writer.prepare()
+                records = []
+                for p, (share, (index, groups)) in enumerate(zip(shares, plans)):
+                    for t in range(target.tp):
+                        with read_ahead(_model_sources(src, target, t, share, bar)) as sources:
+                            records.append(writer.write_model_shard(sources, t, p))
+                        if with_optimizer:
+                            records += _write_partitions(writer, src, target, t, p, index, groups, keys, bar)
+                records += _write_rank_states(writer, reader, target)
+                param_index = [index for index, _ in plans] if target.pp > 1 else plans[0][0]
+                writer.commit(records, consumed_samples=reader.consumed_samples, model_config=reader.model_config,
+                              param_index=param_index, trainer_state=_trainer_state(reader, target, args, pipe))
+            finally:
+                bar.close()
     return writer.iter_dir
 
 

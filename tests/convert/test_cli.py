@@ -1,6 +1,7 @@
 """tools/convert_checkpoint.py: every subcommand end to end, its progress bar, and its error exits."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +111,23 @@ def test_runs_as_a_script_with_a_progress_bar(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "to-fp32" in proc.stderr and "100%" in proc.stderr  # tqdm draws on stderr
     assert load_file(tmp_path / "full.safetensors").keys() == set(randomized_state(GPT2_CFG))
+
+
+def test_a_save_folder_in_use_by_a_job_is_refused_in_one_line(tmp_path):
+    from hybrid.checkpoint.lock import SaveDirLock
+
+    write_weights_checkpoint(tmp_path / "ck", GPT2_CFG, randomized_state(GPT2_CFG), tp=2)
+    busy = tmp_path / "busy"
+    with SaveDirLock(busy):  # this process stands for a training job saving into busy/
+        proc = subprocess.run([sys.executable, str(TOOL), "reshard", "--load", str(tmp_path / "ck"), "--save",
+                               str(busy), "--target-tp", "1"], capture_output=True, text=True, cwd=tmp_path,
+                              timeout=120)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "in use by another job" in lines[0] and str(os.getpid()) in lines[0], proc.stderr
+    assert not any(p.name.startswith("iter_") for p in busy.iterdir())  # nothing written
+    # once the job is gone the same command writes the checkpoint
+    proc = subprocess.run([sys.executable, str(TOOL), "reshard", "--load", str(tmp_path / "ck"), "--save",
+                           str(busy), "--target-tp", "1"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (busy / "latest").exists() and not (busy / "save.lock").exists()
