@@ -7,7 +7,9 @@ once its rank is free and its input has arrived (the previous part's forward,
 or the next part's backward, of the same micro-batch). Costs are in arbitrary
 units per action of one chunk (forward 1, backward 2 by default, divided by
 the chunk count so that a rank's work per micro-batch is the same for any
-``v``). Transfers take no time.
+``v``), times ``stage_speed[r]`` on rank ``r`` when given (stages of unequal
+speed: 1.02 is a rank whose every action takes 2% longer). Transfers take no
+time.
 
 Besides the timings it checks that the transfers from one rank to another
 -- activations and gradients together, as one stream -- are sent in the order
@@ -50,11 +52,12 @@ def bubble_fraction(pp: int, microbatches: int, chunks: int = 1) -> float:
 
 
 def simulate(lists: Sequence[Sequence[Action]], chunks: int = 1, forward_cost: float = 1.0,
-             backward_cost: float = 2.0) -> Simulation:
+             backward_cost: float = 2.0, stage_speed: Optional[Sequence[float]] = None) -> Simulation:
     """Play ``lists[r]`` (rank ``r``'s actions) to the end; raise :class:`ScheduleError` on a deadlock or a
     transfer stream whose send and receive orders differ."""
     pp = len(lists)
     parts = pp * chunks
+    scale = list(stage_speed) if stage_speed is not None else [1.0] * pp
     done: Dict[Tuple[str, int, int], float] = {}  # (kind, micro-batch, part) -> finish time
     free = [0.0] * pp
     busy = [0.0] * pp
@@ -102,7 +105,7 @@ def simulate(lists: Sequence[Sequence[Action]], chunks: int = 1, forward_cost: f
                 if needs is not None and needs not in done:
                     break
                 start = max(free[rank], done[needs] if needs else 0.0)
-                cost = (forward_cost if a.kind == FORWARD else backward_cost) / chunks
+                cost = (forward_cost if a.kind == FORWARD else backward_cost) / chunks * scale[rank]
                 free[rank] = start + cost
                 busy[rank] += cost
                 done[(a.kind, a.microbatch, k)] = free[rank]

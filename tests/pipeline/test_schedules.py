@@ -35,6 +35,20 @@ def test_interleaving_divides_the_bubble_by_the_chunk_count():
             assert sim.max_in_flight == [min(2 * (pp - s - 1) + (v - 1) * pp + 1, v * m) for s in range(pp)]
 
 
+def test_a_slower_last_stage_sets_the_pace_and_the_faster_one_waits_for_it():
+    # 1F1B at p = 2, forward 1 and backward 2 on rank 0, s times that on rank 1 (s >= 1): after rank 0's first
+    # forward, rank 1 computes without a break (rank 0 always has the next activation ready), then rank 0 runs
+    # the last backward; so the step is 1 + 3ms + 2, rank 1 idles 3 of it and rank 0 all but its 3m.
+    for s in (1.0, 1.02, 1.05):
+        for m in (2, 8, 16):
+            sim = simulate(_lists("1f1b", 2, m), stage_speed=[1.0, s])
+            step = 3 + 3 * m * s
+            assert sim.makespan == pytest.approx(step, rel=1e-12)
+            assert sim.idle_fraction == pytest.approx([1 - 3 * m / step, 3 / step], rel=1e-12)
+            if s > 1:  # the slower stage idles less than the formula, the faster more
+                assert sim.idle_fraction[1] < bubble_fraction(2, m) < sim.idle_fraction[0]
+
+
 def test_every_action_runs_once():
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
         for r in range(4):
