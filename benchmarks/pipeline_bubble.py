@@ -7,8 +7,9 @@ interleaved schedule at v = 2 model chunks per rank. The idle fraction of a
 stage is the time it spends blocked in receives (and waiting for the step's
 end) over the step time. The formula assumes equal stages and free
 transfers. The parts here do equal work by construction (the first part also
-computes its input's gradient), each rank's compute thread is pinned to a
-core of its own (``--no-pin`` leaves them to the scheduler), and the executor
+computes its input's gradient), each rank's process is pinned to a core of
+its own before gloo starts its threads (``--no-pin`` leaves them to the
+scheduler), and the executor
 posts its receives ahead, so each 512 KB transfer moves while the receiver
 computes. What remains beyond the formula is the difference in speed between
 the two cores, which on this virtual machine drifts by a few per cent: in
@@ -59,9 +60,9 @@ def _rank(args: dict) -> dict:
     import hybrid
     from hybrid.pipeline import PipelineExecutor
 
+    if args["pin"]:  # each stage on a core of its own, as each stage has its own device on a GPU node
+        os.sched_setaffinity(0, {int(os.environ["RANK"]) % os.cpu_count()})
     topo = hybrid.Topology(pp=PP, timeout_s=120)
-    if args["pin"]:  # each stage's compute on a core of its own, as each stage has its own device on a GPU node
-        os.sched_setaffinity(0, {topo.pp_rank % os.cpu_count()})
     hidden, batch = args["hidden"], args["batch"]
     out = {}
     for _ in range(args["rounds"]):
