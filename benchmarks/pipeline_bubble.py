@@ -127,8 +127,9 @@ def main(argv=None) -> None:
     # stage waits for the slower one at every micro-batch, so a few per cent apart show as idle beyond it.
     # "at busy": the schedule played on paper with the stages' measured speeds (hybrid.pipeline.simulate):
     # the idle fraction those stage times allow, which the executor should reach.
+    # rounds: the min-max over rounds of each round's worst stage over the formula (the spread of the ratio)
     print(f"{'schedule':<16} {'m':>3} {'formula':>8} {'stage 0':>8} {'stage 1':>8} {'worst/formula':>14} "
-          f"{'step ms':>8} {'busy 1/0':>9} {'at busy':>8} {'worst/at busy':>14}")
+          f"{'rounds':>10} {'step ms':>8} {'busy 1/0':>9} {'at busy':>8} {'worst/at busy':>14}")
     for name, chunks in SCHEDULES:
         for m in MICROBATCHES:
             key = f"{name}/m{m}"
@@ -139,12 +140,13 @@ def main(argv=None) -> None:
             lists = [schedule.build(name, r, PP, m, chunks) for r in range(PP)]
             at_busy = max(simulate(lists, chunks, stage_speed=[b / busy[0] for b in busy]).idle_fraction)
             ratio = max(idle) / formula
+            per_round = [max(r[key]["idle"][k] for r in per_rank) / formula for k in range(args.rounds)]
             rows.append({"schedule": name, "chunks": chunks, "microbatches": m, "formula": formula,
                          "idle_per_stage": idle, "worst_over_formula": ratio, "step_ms": step_ms,
                          "busy_ms_per_stage": [1e3 * b for b in busy], "idle_at_measured_busy": at_busy,
-                         "worst_over_idle_at_busy": max(idle) / at_busy})
+                         "worst_over_idle_at_busy": max(idle) / at_busy, "worst_over_formula_per_round": per_round})
             print(f"{name + (f' v={chunks}' if chunks > 1 else ''):<16} {m:>3} {formula:>8.3f} {idle[0]:>8.3f} "
-                  f"{idle[1]:>8.3f} {ratio:>14.2f} {step_ms:>8.1f} {busy[1] / busy[0]:>9.3f} {at_busy:>8.3f} "
+                  f"{idle[1]:>8.3f} {ratio:>14.2f} {f'{min(per_round):.2f}-{max(per_round):.2f}':>10} {step_ms:>8.1f} {busy[1] / busy[0]:>9.3f} {at_busy:>8.3f} "
                   f"{max(idle) / at_busy:>14.2f}")
     if args.json:
         with open(args.json, "w") as f:
