@@ -23,6 +23,7 @@ Reproduce (from the repository root)::
 
     python benchmarks/zero3_profile.py --steps 8 --reuse 50000000   # 3 rounds, about 9 minutes on 2 cores
     python benchmarks/zero3_profile.py --rounds 1 --steps 4         # a quick look
+    python benchmarks/zero3_profile.py --steps 8 --reuse 50000000 --stage3-bucket 1500000   # stage 3 in buckets
 """
 
 from __future__ import annotations
@@ -116,6 +117,8 @@ def _build_hybrid(args, stage: int, breakdown: bool, reuse: int = 0):
     model.check_inputs = False
     micro = args.global_batch // WORLD
     zero = {"stage": stage, "max_reuse_distance": reuse} if stage == 3 else {"stage": stage}
+    if stage == 3 and args.stage3_bucket:
+        zero["bucket_size"] = args.stage3_bucket
     engine = hybrid.initialize(model, {"zero": zero, "micro_batch_size": micro,
                                        "global_batch_size": args.global_batch,
                                        "optimizer": {"lr": args.lr, "weight_decay": args.wd}},
@@ -241,6 +244,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=10, help="measured steps (after --warmup)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--bucket", type=int, default=25_000_000, help="DDP gradient bucket, elements (hybrid's default)")
+    ap.add_argument("--stage3-bucket", type=int, default=0,
+                    help="hybrid stage 3's zero.bucket_size, elements (0: the default; DDP keeps --bucket)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, each in fresh processes; the table shows medians")
     ap.add_argument("--reuse", type=int, default=0,
                     help="also run stage 3 with zero.max_reuse_distance set to this many elements")

@@ -9,10 +9,16 @@ parameters' ``.data`` becomes a view into that buffer.
 When a unit is gathered and released:
 
 * **forward**: a forward pre-hook on the owning module gathers its unit and
-  the post-hook releases it. Any other use of a released parameter (a tied
-  embedding read by the LM head outside its module) is caught by a
-  ``TorchFunctionMode`` active during the forward, which gathers the unit on
-  demand and holds it until the innermost running module returns.
+  the post-hook releases it. A read of a partitioned parameter as a module
+  attribute outside its module (a tied embedding's ``weight`` read by the LM
+  head, a position table read by its parent) is caught by the module's
+  ``_parameters`` dict (:class:`_WatchedParameters`, which
+  ``nn.Module.__getattr__`` reads from) while a forward runs: the unit is
+  gathered on demand and held until the innermost running module returns.
+  Only attribute reads are watched, not every op (a ``TorchFunctionMode``
+  would run Python on each of the forward's ops): a parameter kept in a
+  plain list or closure and used outside its module is not gathered, and
+  the op fails on its empty ``.data``.
 * **backward**: tensors autograd saves that live in a gathered buffer (the
   weight itself, or views of it) are replaced by a small reference
   (``saved_tensors_hooks``); unpacking it in backward gathers the unit again.
@@ -57,7 +63,6 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from hybrid.comm import Communicator, Handle
 from hybrid.compression import Quantization
@@ -76,24 +81,47 @@ class _SavedView:
     stride: Tuple[int, ...]
 
 
-class _ExternalUse(TorchFunctionMode):
-    """Gathers released parameters that an op touches (uses outside the owning module)."""
+class _WatchedParameters(dict):
+    """A module's ``_parameters`` that reports reads of partitioned parameters to the gatherer during a forward.
 
-    def __init__(self, gatherer: "ParamGatherer"):
-        super().__init__()
-        self.gatherer = gatherer
+    ``nn.Module.__getattr__`` serves ``module.weight`` from this dict, so
+    every attribute read of a parameter passes here; outside a forward (and
+    inside the gatherer's own bookkeeping) reads pass through unseen. Copies
+    and pickles are plain dicts.
+    """
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    __slots__ = ("gatherer",)
+
+    def __getitem__(self, name):
+        p = dict.__getitem__(self, name)
         g = self.gatherer
-        if not g.busy:
-            for a in args:
-                if isinstance(a, nn.Parameter) and id(a) in g.unit_of_param:
-                    g.use_external(g.unit_of_param[id(a)])
-                elif isinstance(a, (list, tuple)):
-                    for b in a:
-                        if isinstance(b, nn.Parameter) and id(b) in g.unit_of_param:
-                            g.use_external(g.unit_of_param[id(b)])
-        return func(*args, **(kwargs or {}))
+        if g.watching and not g.busy:
+            i = g.unit_of_param.get(id(p))
+            if i is not None:
+                g.use_external(i)
+        return p
+
+    def __reduce__(self):
+        return dict, (dict(self),)
+
+
+class ParameterReads:
+    """Watches the attribute reads of ``gatherer``'s partitioned parameters in every module of ``model`` that holds
+    one (tied ones in each holder); :meth:`remove` gives the modules plain dicts back."""
+
+    def __init__(self, model: nn.Module, gatherer: "ParamGatherer"):
+        self.modules = [m for m in model.modules()
+                        if any(id(p) in gatherer.unit_of_param for p in m._parameters.values())]
+        for m in self.modules:
+            watched = _WatchedParameters(m._parameters)
+            watched.gatherer = gatherer
+            m.__dict__["_parameters"] = watched
+
+    def remove(self) -> None:
+        for m in self.modules:
+            if isinstance(m._parameters, _WatchedParameters):
+                m.__dict__["_parameters"] = dict(m._parameters)
+        self.modules = []
 
 
 class ParamGatherer:
@@ -127,7 +155,8 @@ class ParamGatherer:
         self.gathered_numel_total = 0
         self.prefetch_issued = 0  # units gathered ahead of use
         self.prefetch_hits = 0  # fetches that found their unit already prefetched
-        self.busy = False  # inside our own bookkeeping: the torch-function mode must not react
+        self.busy = False  # inside our own bookkeeping: parameter reads are not uses
+        self.watching = False  # a forward runs: reads of released parameters gather them (_WatchedParameters)
         self.phase = "idle"
         self.traces: Dict[str, List[int]] = {}
         self._recording: Optional[List[int]] = None
@@ -148,16 +177,12 @@ class ParamGatherer:
 
     # ---- binding ----------------------------------------------------------------------------
     def _bind(self, u: Unit, buf: torch.Tensor) -> None:
-        busy, self.busy = self.busy, True  # setting .data is itself a torch function the mode would see
         for rec, p in zip(u.records, u.params):
             p.data = buf[rec.offset: rec.offset + rec.numel].view(rec.shape)
-        self.busy = busy
 
     def _unbind(self, u: Unit) -> None:
-        busy, self.busy = self.busy, True
         for p in u.params:
             p.data = self._empty[u.index]
-        self.busy = busy
 
     def shape_for_grad(self, p: nn.Parameter) -> None:
         """Give a released parameter its shape (a one-element stride-0 stub) while autograd accumulates its gradient.
@@ -170,17 +195,13 @@ class ParamGatherer:
         i = self.unit_of_param.get(id(p))
         if i is None or i in self.live:
             return
-        busy, self.busy = self.busy, True
         p.data = self._empty[i].new_zeros(1).expand(self._shape_of[id(p)])
-        self.busy = busy
 
     def unshape(self, p: nn.Parameter) -> None:
         i = self.unit_of_param.get(id(p))
         if i is None or i in self.live:
             return
-        busy, self.busy = self.busy, True
         p.data = self._empty[i]
-        self.busy = busy
 
     def _persist(self, u: Unit) -> None:
         """Persistent units stay gathered for good; their buffer is refreshed after every update."""
@@ -400,7 +421,7 @@ class ParamGatherer:
                 self._done(i)
 
     def use_external(self, i: int) -> None:
-        """A released parameter of unit ``i`` is about to be used by an op outside its module."""
+        """A parameter of unit ``i`` was read during the forward (used inside its module, or outside it)."""
         if i in self.live and self.in_use.get(i, 0) > 0:
             return
         self._use(i)
@@ -408,18 +429,18 @@ class ParamGatherer:
         (self.frames[-1] if self.frames else self._orphans).append(i)
 
     def enter_forward(self) -> None:
-        """Start of the root module's forward: install the saved-tensor hooks and the external-use mode."""
+        """Start of the root module's forward: install the saved-tensor hooks and watch parameter reads."""
         self.exit_forward()  # a forward that raised never ran its post-hook
         self._backward_follows = torch.is_grad_enabled()
         self.begin_phase("forward")
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        mode = _ExternalUse(self)
         # Activation checkpointing stops a recomputation as soon as it has what backward needs, which would
         # skip the forward post-hooks that release units: recompute whole modules instead.
         whole = torch.utils.checkpoint.set_checkpoint_early_stop(False)
-        for ctx in (hooks, mode, whole):
+        for ctx in (hooks, whole):
             ctx.__enter__()
-        self._ctx = [hooks, mode, whole]
+        self._ctx = [hooks, whole]
+        self.watching = True
 
     def exit_forward(self) -> None:
         """End of the root module's forward: release what it gathered, except the units backward starts with.
@@ -431,6 +452,7 @@ class ParamGatherer:
         if not self._ctx:
             return
         ctxs, self._ctx = self._ctx, []
+        self.watching = False
         for ctx in reversed(ctxs):
             ctx.__exit__(None, None, None)
         while self.frames:
