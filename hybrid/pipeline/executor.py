@@ -13,9 +13,9 @@ model, :mod:`hybrid.pipeline.split`). For every
 
 Transfers go over the ``"pp"`` axis of the communicator as point-to-point
 messages of a shape known on both sides (the caller's ``activation_shape``):
-sends are asynchronous, and each receive is posted one receive ahead of its
-use (:class:`ReceiveQueue`, on gloo), so the data has usually arrived by the time the
-action needs it. Waiting on a receive is bounded by the communicator's
+sends are asynchronous, and on gloo each receive is posted two receives ahead
+of its use (:class:`ReceiveQueue`), so the data has usually arrived by the
+time the action needs it. Waiting on a receive is bounded by the communicator's
 timeout, so a mismatched schedule (a stage with another micro-batch count)
 ends in a :class:`~hybrid.comm.CollectiveError` naming the transfer, not in a
 hang.
@@ -72,8 +72,9 @@ class StepStats:
 # would hold up the sends posted after it (Megatron pairs them in one batched call instead).
 _RECEIVE_AHEAD_BACKENDS = ("gloo",)
 # Two, not one: in the interleaved schedule's steady state a rank can need two receives (a forward's input
-# and a backward's gradient) between two of its computations; measured, one ahead left the interleaved
-# bubble 1.2-1.7x the formula where two brought it within 1.2x (docs/pipeline.md).
+# and a backward's gradient) between two of its computations. Measured (benchmarks/pipeline_bubble.py, at the
+# time with stages of unequal work), interleaved's worst idle at 4-16 micro-batches was 1.42-2.18x the formula
+# with one ahead, 1.18-1.81x with two, and no lower with four.
 RECEIVES_AHEAD = 2
 
 
