@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from hybrid.pipeline.executor import RECEIVES_AHEAD
 from model_zoo.config import GPTConfig
 from model_zoo.qkv_layout import qkv_layout
 
@@ -75,6 +76,9 @@ class DeviceProfile:
     tensors of its output's size until it is waited on, and sending from its
     input (no library copy: stage 3's estimate counts none; stages 0-2 keep
     counting ``reduce_scatter_copies_input`` as an upper bound).
+    ``receives_ahead``: a pipeline rank posts this many receives ahead of their
+    use (:data:`hybrid.pipeline.executor.RECEIVES_AHEAD` on gloo, 0 on NCCL),
+    each an activation-sized buffer from its posting on.
     """
 
     name: str
@@ -86,13 +90,14 @@ class DeviceProfile:
     host_is_device: bool = False
     reduce_scatter_copies_input: bool = False
     ring_reduce_scatter: bool = False
+    receives_ahead: int = 0
 
 
 CUDA = DeviceProfile("cuda", dropout_mask_bytes=1, norm_stat_bytes=4, math_attention_with_dropout=False,
                      fused_rmsnorm=True)
 CPU = DeviceProfile("cpu", dropout_mask_bytes=None, norm_stat_bytes=None, math_attention_with_dropout=True,
                     fused_rmsnorm=False, gather_copies_output=True, host_is_device=True,
-                    reduce_scatter_copies_input=True, ring_reduce_scatter=True)
+                    reduce_scatter_copies_input=True, ring_reduce_scatter=True, receives_ahead=RECEIVES_AHEAD)
 PROFILES = {"cuda": CUDA, "cpu": CPU}
 
 

@@ -73,7 +73,7 @@ from hybrid.plan.candidate import Candidate
 from hybrid.plan.compressed import FP32, chunk, gather_buffers, reduction_buffers
 from hybrid.plan.model_memory import (FlatLayout, Stage3Layout, StateBytes, flat_layout, shard_shapes, snapshot_bytes,
                                       stage3_layout, stage3_state_bytes, state_bytes)
-from hybrid.plan.pipeline_stages import stage_share
+from hybrid.plan.pipeline_stages import stage_share, transfers
 from hybrid.plan.setup import TrainingSetup
 from hybrid.plan.zero_collectives import gathers_after_step, reduces_by_scatter, reduces_every_micro_batch
 from hybrid.ring import scratch_chunks
@@ -99,6 +99,7 @@ class MemoryEstimate:
     pp_rank: int = 0  # the pipeline rank these figures are for (its busiest, for a whole pipeline layout)
     held_activations: int = 0  # activation bytes held at the schedule's worst moment (pipeline_stages)
     in_flight: int = 1  # micro-batch chunks whose activations are held then
+    posted_receives: int = 0  # pipeline receive buffers posted ahead of their use (DeviceProfile.receives_ahead)
 
     @property
     def weights(self) -> int:
@@ -363,8 +364,10 @@ def estimate_stages(config: GPTConfig, candidate: Candidate, setup: TrainingSetu
     out = []
     for rank in range(candidate.pp):
         share = stage_share(config, candidate, act, micro_batches, rank)
+        receives, nbytes = transfers(config, candidate, micro_batches, rank)
         out.append(_estimate(config, candidate, setup, share.activations, share.held, first=share.first,
-                             last=share.last, pp_rank=rank, in_flight=share.in_flight))
+                             last=share.last, pp_rank=rank, in_flight=share.in_flight,
+                             posted_receives=min(setup.profile.receives_ahead, receives) * nbytes))
     return out
 
 
@@ -377,10 +380,11 @@ def _activations(config: GPTConfig, candidate: Candidate, setup: TrainingSetup) 
 
 def _estimate(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, act: ActivationBytes, held: int, *,
               first: bool, last: bool, pp_rank: int = 0, in_flight: int = 1,
-              micro_batches: Optional[int] = None) -> MemoryEstimate:
+              micro_batches: Optional[int] = None, posted_receives: int = 0) -> MemoryEstimate:
     """The peaks of one rank whose micro-batch saves ``act`` and that holds ``held`` bytes of activations at the
     worst moment of its schedule (``act.total`` without a pipeline); ``first``/``last``: it holds the
-    embedding / the head and loss."""
+    embedding / the head and loss; ``posted_receives``: the pipeline receive buffers it has posted ahead of
+    their use, there through forward and backward."""
     state, gathered, gathered_backward, staging3, gather_temp, in_flight_bytes, packed = _model_state(
         config, candidate, setup, pp_rank, micro_batches)
     p = DTYPE_BYTES[candidate.precision]
@@ -412,6 +416,7 @@ def _estimate(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, act
     backward = max(backward, base + before_loss - final_norm + rebuilt + tied + weight_grad
                    + p * n * config.ffn_size // t + p * n * h) + gathered_backward
     backward_comm = gathered_backward
+    forward, backward = forward + posted_receives, backward + posted_receives
     # Stage 3 on the ring keeps no library copy (the module docstring); stages 0-2 count one as an upper bound.
     gloo_copies = setup.profile.reduce_scatter_copies_input and not (staging3 and setup.profile.ring_reduce_scatter)
     # (tensor bytes, library copies beyond them) at the moments where reduce-scatters are in flight
@@ -426,7 +431,7 @@ def _estimate(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, act
                 backward, backward_comm = tensors, tensors - base - act.embedding
     elif in_flight_bytes or packed:
         # Whole parameters: the end of backward, with the quantized reductions' packed buffers.
-        end = base + act.embedding + packed
+        end = base + act.embedding + packed + posted_receives
         moments.append((end, in_flight_bytes))
         if end > backward:
             backward, backward_comm = end, packed
@@ -441,7 +446,7 @@ def _estimate(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, act
         untracked = max([0] + [tensors + copies - peak for tensors, copies in moments])
     return MemoryEstimate(candidate, state, act, peak_comm, forward, backward, step,
                           int(setup.fragmentation * transient), untracked,
-                          _snapshot(config, candidate, setup, pp_rank), pp_rank, held, in_flight)
+                          _snapshot(config, candidate, setup, pp_rank), pp_rank, held, in_flight, posted_receives)
 
 
 def _snapshot(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, pp_rank: int = 0) -> int:
