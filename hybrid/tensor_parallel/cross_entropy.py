@@ -35,19 +35,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if n_valid < local_v:
             x = x.clone()
             x[..., n_valid:] = float("-inf")
-        row_max = x.max(dim=-1).values
+        row_max = x.amax(dim=-1)  # amax: max without the indices, which nothing here needs
         topo.comm.all_reduce(row_max, "tp", op="max")
-        x = x - row_max.unsqueeze(-1)  # in place would alter a saved fp32 view of the logits
-        exp = x.exp()
+        x = x - row_max.unsqueeze(-1)  # not in place: x may be the fp32 logits themselves
 
         in_range = (target >= start) & (target < start + local_v)
         local_target = (target - start).masked_fill(~in_range, 0)
         target_logit = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
-
         # One all-reduce for every per-row sum: [sum exp, target logit, (sum of logits)].
-        parts = [exp.sum(dim=-1), target_logit]
-        if label_smoothing > 0:
-            parts.append(x[..., :n_valid].sum(dim=-1))
+        smooth_sum = x[..., :n_valid].sum(dim=-1) if label_smoothing > 0 else None
+        exp = x.exp_()  # the shifted logits are not needed after this: exponentiate them where they are
+        parts = [exp.sum(dim=-1), target_logit] + ([smooth_sum] if smooth_sum is not None else [])
         sums = torch.stack(parts)
         topo.comm.all_reduce(sums, "tp")
         sum_exp, target_logit = sums[0], sums[1]
@@ -67,12 +65,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, local_target, in_range = ctx.saved_tensors
         eps = ctx.label_smoothing
-        grad = softmax.clone()
-        hit = in_range.unsqueeze(-1).to(grad.dtype) * (1.0 - eps)
+        g = grad_loss.unsqueeze(-1).float()
+        # (softmax - target distribution) * g, in two passes over the logits: the product into a new tensor
+        # (the saved softmax must survive a second backward), then the target terms times g where they fall
+        grad = softmax * g
+        hit = in_range.unsqueeze(-1).to(grad.dtype) * (1.0 - eps) * g
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit)
         if eps > 0:
-            grad[..., :ctx.n_valid] -= eps / ctx.vocab_size
-        grad.mul_(grad_loss.unsqueeze(-1).float())
+            grad[..., :ctx.n_valid] -= (eps / ctx.vocab_size) * g
         return grad.to(ctx.logits_dtype), None, None, None, None
 
 
