@@ -9,9 +9,8 @@ end) over the step time. The formula assumes equal stages and free
 transfers. The parts here do equal work by construction (the first part also
 computes its input's gradient), each rank's process is pinned to a core of
 its own before gloo starts its threads (``--no-pin`` leaves them to the
-scheduler), and the executor
-posts its receives ahead, so each 512 KB transfer moves while the receiver
-computes. What remains beyond the formula is the difference in speed between
+scheduler), and the executor posts its receives ahead, so each 512 KB
+transfer moves while the receiver computes. What remains beyond the formula is the difference in speed between
 the two cores, which on this virtual machine drifts by a few per cent: in
 1F1B's steady state the faster stage waits for the slower one at every
 micro-batch.
@@ -114,7 +113,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=128, help="rows per micro-batch")
     ap.add_argument("--layers-per-rank", type=int, default=32)
     ap.add_argument("--no-pin", dest="pin", action="store_false",
-                    help="leave the ranks' compute threads unpinned (by default each is pinned to its own core)")
+                    help="leave the ranks' processes unpinned (by default each is pinned to its own core)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     cfg = {k: getattr(args, k) for k in ("rounds", "steps", "hidden", "batch", "layers_per_rank", "pin")}
@@ -145,9 +144,10 @@ def main(argv=None) -> None:
                          "idle_per_stage": idle, "worst_over_formula": ratio, "step_ms": step_ms,
                          "busy_ms_per_stage": [1e3 * b for b in busy], "idle_at_measured_busy": at_busy,
                          "worst_over_idle_at_busy": max(idle) / at_busy, "worst_over_formula_per_round": per_round})
+            spread = f"{min(per_round):.2f}-{max(per_round):.2f}"
             print(f"{name + (f' v={chunks}' if chunks > 1 else ''):<16} {m:>3} {formula:>8.3f} {idle[0]:>8.3f} "
-                  f"{idle[1]:>8.3f} {ratio:>14.2f} {f'{min(per_round):.2f}-{max(per_round):.2f}':>10} {step_ms:>8.1f} {busy[1] / busy[0]:>9.3f} {at_busy:>8.3f} "
-                  f"{max(idle) / at_busy:>14.2f}")
+                  f"{idle[1]:>8.3f} {ratio:>14.2f} {spread:>10} {step_ms:>8.1f} {busy[1] / busy[0]:>9.3f} "
+                  f"{at_busy:>8.3f} {max(idle) / at_busy:>14.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": {"pp": PP, **cfg}, "rows": rows}, f, indent=1)

@@ -241,7 +241,7 @@ class PipelineExecutor:
         return out
 
     def _receive_ahead(self) -> int:
-        return RECEIVES_AHEAD if self.pp > 1 and self.topology.comm.backend("pp") in _RECEIVE_AHEAD_BACKENDS else 0
+        return RECEIVES_AHEAD if self.topology.comm.backend("pp") in _RECEIVE_AHEAD_BACKENDS else 0
 
     def _send(self, tensor: torch.Tensor, part: int, tag: int):
         # the communicator counts the bytes (comm_report)
