@@ -18,8 +18,8 @@ A group of size one never communicates and moves zero bytes.
 Other modules touch ``torch.distributed`` only to set the process groups up,
 never to move training data:
 
-* :mod:`hybrid.ring` is part of this module: the ring reduce-scatter it runs
-  on gloo, as point-to-point messages;
+* :mod:`hybrid.p2p_collectives` is part of this module: the reduce-scatters
+  and all-gathers it runs on gloo as point-to-point messages;
 * :mod:`hybrid.distributed` creates and destroys the default (world) group;
 * :mod:`hybrid.topology` reads the world's rank, size and backend and creates
   the per-axis groups (``new_group`` is itself collective over the world);
@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from hybrid.compression import Quantization
 from hybrid.kernels import quantize as _quant
-from hybrid.ring import RingReduceScatter
+from hybrid.p2p_collectives import DirectReduceScatter, RingReduceScatter, direct_all_gather, direct_tags, ring_tag
 
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.topology import Topology
@@ -141,9 +141,10 @@ class OpStats:
     inter_node_bytes: float = 0.0
 
 
-# Backends whose own reduce-scatter sends an all-reduce's bytes (gloo: measured 2.0x the buffer in total
-# at world 2, 6.0x at world 4); the communicator runs a ring of point-to-point messages there instead.
-_RING_REDUCE_SCATTER_BACKENDS = {"gloo"}
+# Backends whose own reduce-scatter and all-gather cost more than point-to-point messages (gloo's
+# reduce-scatter sends an all-reduce's bytes, its all-gather lands in a temporary): the communicator sends the
+# messages itself there (hybrid.p2p_collectives), directly inside a node, the reduce-scatter as a ring across.
+_P2P_COLLECTIVE_BACKENDS = {"gloo"}
 
 
 class Communicator:
@@ -159,7 +160,10 @@ class Communicator:
         self._blocked_s = 0.0
         # Rings of point-to-point messages still running, advanced whenever this rank communicates.
         self._rings: List[RingReduceScatter] = []
-        self._ring_sequence: Dict[str, int] = collections.defaultdict(int)
+        # Collectives built from point-to-point messages (rings, direct gathers), numbered per axis in issue
+        # order, which is the same on every rank: their messages' tags, so that those in flight together
+        # never take each other's messages.
+        self._p2p_sequence: Dict[str, int] = collections.defaultdict(int)
 
     @property
     def timeout(self) -> Optional[datetime.timedelta]:
@@ -339,8 +343,39 @@ class Communicator:
         if quant is not None:
             return self._quantized_all_gather(output, input, axis, quant, async_op)
         self._record("all_gather", axis, _nbytes(output), (n - 1) / n)
+        return self._gather_flat(output, input, axis, async_op)
+
+    def _gather_flat(self, output: torch.Tensor, input: torch.Tensor, axis: str, async_op: bool,
+                     finish: Optional[Callable[[], None]] = None) -> Optional[Handle]:
+        """The all-gather of flat ``input`` [k] into ``output`` [n*k] (not counted here): direct messages where
+        :meth:`_p2p` says so, else the backend's own."""
+        if self._p2p(axis) == "direct":
+            ranks, me = list(self._topology.group_ranks(axis)), self._topology.rank_in(axis)
+            tag = ring_tag(self._next_p2p(axis), 0, self.size(axis) - 1)
+            return self._launch("all_gather", axis, lambda a: self._maybe_wait(direct_all_gather(
+                output, input, self._group(axis), ranks, me, tag, self._timeout), a), async_op, finish)
         return self._launch("all_gather", axis, lambda a: _all_gather_flat(
-            output, input, group=self._group(axis), async_op=a), async_op)
+            output, input, group=self._group(axis), async_op=a), async_op, finish)
+
+    def _p2p(self, axis: str) -> Optional[str]:
+        """How this communicator runs ``axis``'s reduce-scatters and all-gathers itself: ``"direct"`` (its group
+        inside one node), ``"ring"`` (across nodes), or None (the backend's own collectives)."""
+        if self.backend(axis) not in _P2P_COLLECTIVE_BACKENDS:
+            return None
+        return "ring" if self._topology.nodes.spans_nodes(self._topology.group_ranks(axis)) else "direct"
+
+    def _next_p2p(self, axis: str, count: int = 1) -> int:
+        """The next ``count`` sequence numbers of ``axis``'s point-to-point collectives (their tags)."""
+        sequence = self._p2p_sequence[axis]
+        self._p2p_sequence[axis] += count
+        return sequence
+
+    @staticmethod
+    def _maybe_wait(works, async_op: bool):
+        if async_op:
+            return works
+        works.wait()
+        return None
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: Union[torch.Tensor, Sequence[torch.Tensor]],
                               axis: str, op: str = "sum", async_op: bool = False,
@@ -366,10 +401,9 @@ class Communicator:
                 raise ValueError(f"reduce_scatter_tensor over {axis}: segments of {[s.numel() for s in segments]} "
                                  f"elements, expected multiples of {n} adding up to {n} x {output.numel()}")
             splits = two_level and self._splits_over_nodes(axis)
-            if (len(segments) > 1 and n > 1 and quant is None and not splits
-                    and self.backend(axis) in _RING_REDUCE_SCATTER_BACKENDS):
+            if len(segments) > 1 and n > 1 and quant is None and not splits and self._p2p(axis):
                 self._record("reduce_scatter", axis, total * segments[0].element_size(), (n - 1) / n)
-                return self._ring_reduce_scatter(output, segments, axis, op, async_op)
+                return self._p2p_reduce_scatter(output, segments, axis, op, async_op)
             input = segments[0] if len(segments) == 1 else torch.cat([s.view(n, -1) for s in segments], 1).view(-1)
         if two_level and self._splits_over_nodes(axis):
             return self._two_level_reduce_scatter(output, input, op, quant, async_op)
@@ -383,28 +417,38 @@ class Communicator:
         if quant is not None:
             return self._quantized_reduce_scatter(output, input, axis, op, quant, async_op)
         self._record("reduce_scatter", axis, _nbytes(input), (n - 1) / n)
-        if self.backend(axis) in _RING_REDUCE_SCATTER_BACKENDS:
-            return self._ring_reduce_scatter(output, input, axis, op, async_op)
+        if self._p2p(axis):
+            return self._p2p_reduce_scatter(output, input, axis, op, async_op)
         finish = (lambda: output.div_(n)) if op == "avg" else None
         return self._launch("reduce_scatter", axis, lambda a: _reduce_scatter_flat(
             output, input, op=_REDUCE_OPS[op], group=self._group(axis), async_op=a),
             async_op, finish)
 
-    def _ring_reduce_scatter(self, output: torch.Tensor, input: Union[torch.Tensor, List[torch.Tensor]], axis: str,
-                             op: str, async_op: bool) -> Optional[Handle]:
-        """:class:`~hybrid.ring.RingReduceScatter` over ``axis`` (of a tensor or segments): ``(n-1)/n`` of
-        ``input`` sent per rank."""
+    def _p2p_reduce_scatter(self, output: torch.Tensor, input: Union[torch.Tensor, List[torch.Tensor]], axis: str,
+                            op: str, async_op: bool) -> Optional[Handle]:
+        """A reduce-scatter over ``axis`` (of a tensor or segments) as point-to-point messages
+        (:mod:`hybrid.p2p_collectives`, :meth:`_p2p` picks the shape): ``(n-1)/n`` of ``input`` sent per rank."""
         if op not in ("sum", "avg"):
             raise ValueError(f"reduce_scatter_tensor over {axis}: op {op!r} is not supported on this backend "
                              f"(sum or avg)")
         self._advance_rings()
         name = self._name("reduce_scatter", axis)
-        sequence = self._ring_sequence[axis]
-        self._ring_sequence[axis] += 1
+        n, group, me = self.size(axis), self._group(axis), self._topology.rank_in(axis)
+        ranks, divide_by = list(self._topology.group_ranks(axis)), (self.size(axis) if op == "avg" else None)
+        if self._p2p(axis) == "direct":
+            pieces = 1 if isinstance(input, torch.Tensor) else len(input)
+            sequence = self._next_p2p(axis, direct_tags(n, pieces))
+            with self._guard(name):
+                direct = DirectReduceScatter(output, input, group, ranks, me, sequence, self._timeout, divide_by)
+            handle = Handle(direct.waits, direct.finish, self._timeout, lambda: self._guard(name), self._untrack)
+            if not async_op:
+                handle.wait()
+                return None
+            return self._track(handle)
+        sequence = self._next_p2p(axis)
         with self._guard(name):
-            ring = RingReduceScatter(output, input, self._group(axis), list(self._topology.group_ranks(axis)),
-                                     self._topology.rank_in(axis), sequence, self._timeout,
-                                     lambda: self._guard(name), divide_by=self.size(axis) if op == "avg" else None)
+            ring = RingReduceScatter(output, input, group, ranks, me, sequence, self._timeout,
+                                     lambda: self._guard(name), divide_by=divide_by)
         if not async_op:
             ring.finish()
             return None
@@ -543,8 +587,7 @@ class Communicator:
         def finish() -> None:
             values = _quant.unpack(gathered, k, quant.bits, quant.block)
             output.view(n, k).copy_(values)
-        return self._launch("all_gather", axis, lambda a: _all_gather_flat(
-            gathered.view(-1), wire.view(-1), group=self._group(axis), async_op=a), async_op, finish)
+        return self._gather_flat(gathered.view(-1), wire.view(-1), axis, async_op, finish)
 
     def all_gather(self, tensors: List[torch.Tensor], input: torch.Tensor, axis: str) -> None:
         """Gather equally shaped ``input`` from every rank of ``axis`` into the list ``tensors``."""

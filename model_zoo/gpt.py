@@ -270,8 +270,9 @@ class GPTModel(nn.Module):
         if labels is None:
             return self._mask_padding(logits).transpose(0, 1).contiguous()
         mask = None if loss_mask is None else loss_mask.t()
+        # The logits are this forward's own (nothing saved them for backward): the loss may overwrite them.
         return vocab_parallel_cross_entropy(logits, labels.t(), topo, vocab_size=cfg.vocab_size, loss_mask=mask,
-                                            reduction="mean")
+                                            reduction="mean", overwrite_logits=True)
 
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         local_v = logits.shape[-1]

@@ -64,18 +64,23 @@ class DeviceProfile:
     ``math_attention_with_dropout``: attention dropout falls back to the math kernel.
     ``fused_rmsnorm``: RMSNorm keeps only its input and rstd (else the fp32 reference).
     ``gather_copies_output``: an all-gather lands in a temporary of the bucket's
-    size before it is copied into place (gloo), rather than in place (NCCL).
+    size before it is copied into place (gloo's own, which hybrid runs only
+    across nodes), rather than in place (NCCL, and hybrid's direct messages
+    inside a node on gloo: the ``cpu`` profile plans the ranks of one node).
     ``host_is_device``: the model lives in host memory, so optimizer offload
     copies nothing (a CPU run).
     ``reduce_scatter_copies_input``: an asynchronous reduce-scatter keeps a
     private copy of its input inside the communication library until it is
     waited on (gloo). Those bytes are not tensors: the planner reports them
     apart, as ``MemoryEstimate.untracked``.
-    ``ring_reduce_scatter``: reduce-scatters run as hybrid's point-to-point
-    ring (:mod:`hybrid.ring`, gloo), each holding :func:`hybrid.ring.scratch_chunks`
-    tensors of its output's size until it is waited on, and sending from its
-    input (no library copy: stage 3's estimate counts none; stages 0-2 keep
-    counting ``reduce_scatter_copies_input`` as an upper bound).
+    ``p2p_reduce_scatter``: reduce-scatters run as hybrid's point-to-point
+    messages (:mod:`hybrid.p2p_collectives`, gloo), each holding
+    :func:`hybrid.p2p_collectives.scratch_chunks` tensors of its output's size
+    until it is waited on -- the direct shape's, as the ranks of one node run
+    it (across nodes the ring holds fewer, so the count is an upper bound there
+    but at dp 2) -- and sending from its input (no library copy: stage 3's
+    estimate counts none; stages 0-2 keep counting ``reduce_scatter_copies_input``
+    as an upper bound).
     ``receives_ahead``: a pipeline rank posts this many receives ahead of their
     use (:data:`hybrid.pipeline.executor.RECEIVES_AHEAD` on gloo, 0 on NCCL),
     each an activation-sized buffer from its posting on.
@@ -89,15 +94,15 @@ class DeviceProfile:
     gather_copies_output: bool = False
     host_is_device: bool = False
     reduce_scatter_copies_input: bool = False
-    ring_reduce_scatter: bool = False
+    p2p_reduce_scatter: bool = False
     receives_ahead: int = 0
 
 
 CUDA = DeviceProfile("cuda", dropout_mask_bytes=1, norm_stat_bytes=4, math_attention_with_dropout=False,
                      fused_rmsnorm=True)
 CPU = DeviceProfile("cpu", dropout_mask_bytes=None, norm_stat_bytes=None, math_attention_with_dropout=True,
-                    fused_rmsnorm=False, gather_copies_output=True, host_is_device=True,
-                    reduce_scatter_copies_input=True, ring_reduce_scatter=True, receives_ahead=RECEIVES_AHEAD)
+                    fused_rmsnorm=False, host_is_device=True,
+                    reduce_scatter_copies_input=True, p2p_reduce_scatter=True, receives_ahead=RECEIVES_AHEAD)
 PROFILES = {"cuda": CUDA, "cpu": CPU}
 
 

@@ -38,12 +38,12 @@ until it is waited on; those bytes are not tensors, so they are kept apart as
 has every bucket in flight, stage 2 the last ones it launched -- up to its
 staging pool plus one, the first buckets of the buffer --). Stage 3 counts
 none on the CPU profile: its reduce-scatters run as hybrid's point-to-point
-ring (:mod:`hybrid.ring`), which sends from the bucket itself, and the ring's
-scratch chunks are tensors, in :func:`stage3_gradient_flow` (measured: the
-summed RSS of 4 ranks of a 2-layer model with 35M-element units within 1% of
-the prediction without copies). Stages 0-2 still count the copies, an upper
-bound for the same ring's scratch (``2/N_d`` of each input in flight). NCCL
-reduces in place, so the CUDA profile has none.
+messages (:mod:`hybrid.p2p_collectives`), which send from the bucket itself,
+and their receive buffers are tensors, in :func:`stage3_gradient_flow`
+(measured: the summed RSS of 4 ranks of a 2-layer model with 35M-element units
+within 1% of the prediction without copies). Stages 0-2 still count the
+copies, an upper bound for the same receive buffers (``(N_d-1)/N_d`` of each
+input in flight). NCCL reduces in place, so the CUDA profile has none.
 
 Compressed communication (:mod:`hybrid.plan.compressed`) allocates real
 tensors instead, on every device. With ``zero.quantized_gradients`` each
@@ -76,7 +76,7 @@ from hybrid.plan.model_memory import (FlatLayout, Stage3Layout, StateBytes, flat
 from hybrid.plan.pipeline_stages import stage_share, transfers
 from hybrid.plan.setup import TrainingSetup
 from hybrid.plan.zero_collectives import gathers_after_step, reduces_by_scatter, reduces_every_micro_batch
-from hybrid.ring import scratch_chunks
+from hybrid.p2p_collectives import scratch_chunks
 from hybrid.zero.buckets import STAGING_BUFFERS_BEFORE_WAIT
 from hybrid.zero.inflight import closes_before, inflight_limit
 from model_zoo.config import GPTConfig
@@ -177,7 +177,7 @@ def _prefetched(order, k: int, prefetch: int) -> int:
 
 
 def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, prefetch: int, live: int,
-                         pinned: int = 0, ring: bool = False, direct: bool = False) -> GradientFlow:
+                         pinned: int = 0, p2p: bool = False, direct: bool = False) -> GradientFlow:
     """Replay a ZeRO-3 backward over unit sizes (elements; ``order``: gathered units in backward order).
 
     While a unit's gradient is staged (:class:`hybrid.zero.stage3_grads.Stage3GradReducer`) a rank holds
@@ -192,8 +192,8 @@ def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, pref
 
     ``pinned``: elements held until the last unit of ``order`` is done (a tied head's unit, gathered again
     for the head's backward, and its weight gradient waiting in autograd for the embedding's contribution).
-    ``ring``: each reduce-scatter in flight holds the gloo ring's ``[numel / dp]`` scratch tensors
-    (:func:`hybrid.ring.scratch_chunks`, more for a bucket of several units). ``direct``: every bucket is
+    ``p2p``: each reduce-scatter in flight holds the point-to-point scratch tensors of ``[numel / dp]``
+    elements (:func:`hybrid.p2p_collectives.scratch_chunks`). ``direct``: every bucket is
     reduced straight into the gradient partition (the first micro-step of a step with one), so none holds a
     reduced output of its own.
     """
@@ -206,7 +206,7 @@ def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, pref
         if held > worst:
             worst, worst_wire = held, sum(flights)
 
-    extras = []  # per bucket in flight, its [numel / dp] tensors beyond the input: output, ring scratch
+    extras = []  # per bucket in flight, its [numel / dp] tensors beyond the input: output, p2p scratch
 
     def wire() -> int:
         return sum(flights) + sum(e * (f // dp) for f, e in zip(flights, extras))
@@ -217,7 +217,7 @@ def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, pref
         while flights and sum(flights) + new > limit:
             flights.pop(0)
             extras.pop(0)
-        extra = (0 if direct else 1) + (scratch_chunks(dp, len(open_units)) if ring else 0)
+        extra = (0 if direct else 1) + (scratch_chunks(dp, len(open_units)) if p2p else 0)
         held = beside + wire() + new + extra * (new // dp)
         note(held)
         flights.append(new)
@@ -294,9 +294,13 @@ def _unit_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, u
     # Forward, at the loss: the head's unit, plus what was prefetched behind the last module and what is held.
     forward = p * (head + min(ahead, units.largest_unit) + held)
     # Backward starts with the head's unit and everything prefetched ahead of the layers, within the live
-    # limit; later each unit is gathered again with the next ones prefetched behind it.
+    # limit; later each unit is gathered again with the next ones prefetched behind it. A tied head's unit stays
+    # gathered through backward, beside the layer's; full recomputation replays a whole layer, gathering all of
+    # its units, which stay gathered until their gradients arrive.
     live = setup.stage3_live_parameters
-    backward = p * min(live, sum(units.units), max(head, units.largest_unit) + ahead + held)
+    layer = units.layer_units if candidate.recompute == "full" else units.largest_unit
+    first = head + layer if config.tie_embeddings else max(head, layer)
+    backward = p * min(live, sum(units.units), first + ahead + held)
     # A tied head's unit stays gathered through backward beside its waiting gradient (both about the unit's size).
     pinned = 2 * head if config.tie_embeddings else 0
     # The reductions land in the gradient partition itself on a step's only micro-step (consecutive units on the
@@ -304,7 +308,7 @@ def _unit_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, u
     direct = micro_batches == 1 and (candidate.offload == "none" or setup.profile.host_is_device)
     flow = stage3_gradient_flow(units.backward_order(config.tie_embeddings), units.persistent,
                                 setup.bucket_size, units.dp, setup.stage3_prefetch, live, pinned,
-                                setup.profile.ring_reduce_scatter, direct)
+                                setup.profile.p2p_reduce_scatter, direct)
     return state, forward, backward, flow.scaled(p), 0, 0, 0
 
 
@@ -396,8 +400,9 @@ def _estimate(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, act
     head_grad = p * v_local * h
     if last:
         before_loss = held - loss_saved
-        # End of forward: the loss shifts the logits and exponentiates them in fp32.
-        forward = base + gathered + before_loss + logits + 2 * fp32_nv
+        # End of forward: the loss shifts the logits and exponentiates them in fp32, in the logits' own memory
+        # (the model gives them up) or, for low-precision logits, in their fp32 copy.
+        forward = base + gathered + before_loss + logits + (fp32_nv if p != 4 else 0)
         # Start of backward: the fp32 loss gradient (and its cast) beside everything saved.
         cast = logits if p != 4 else 0
         backward = max(base + held + fp32_nv + cast,
@@ -417,8 +422,8 @@ def _estimate(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, act
                    + p * n * config.ffn_size // t + p * n * h) + gathered_backward
     backward_comm = gathered_backward
     forward, backward = forward + posted_receives, backward + posted_receives
-    # Stage 3 on the ring keeps no library copy (the module docstring); stages 0-2 count one as an upper bound.
-    gloo_copies = setup.profile.reduce_scatter_copies_input and not (staging3 and setup.profile.ring_reduce_scatter)
+    # Stage 3 on point-to-point messages keeps no library copy (the module docstring); stages 0-2 count one as an upper bound.
+    gloo_copies = setup.profile.reduce_scatter_copies_input and not (staging3 and setup.profile.p2p_reduce_scatter)
     # (tensor bytes, library copies beyond them) at the moments where reduce-scatters are in flight
     moments = [(base + act.embedding + staging3.final, staging3.final_on_wire)] if staging3 else []
     if staging3:

@@ -30,11 +30,12 @@ host memory) offload copies nothing.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
 import math
-from typing import FrozenSet, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -197,6 +198,7 @@ class Stage3Layout:
     dp: int
     head_unit: int  # the unit of the output projection's weight (the word embeddings when tied)
     head_index: int = -1  # its position in ``units``
+    layer_units: int = 0  # elements of the gathered units of the largest transformer layer, all together
 
     @property
     def largest_unit(self) -> int:
@@ -235,7 +237,7 @@ class Stage3Layout:
 
 @functools.lru_cache(maxsize=64)
 def _stage3_units(config_json: str, tp: int, dp: int, precision: str, persistence_threshold: int,
-                  weight_decay: bool) -> Tuple[Tuple[int, ...], int, int, int, int]:
+                  weight_decay: bool) -> Tuple[Tuple[int, ...], int, int, int, int, int]:
     from hybrid.topology import Topology
     from hybrid.zero.stage3_layout import build_units
     from model_zoo.gpt import GPTModel
@@ -249,8 +251,13 @@ def _stage3_units(config_json: str, tp: int, dp: int, precision: str, persistenc
     head = id(model.head_weight())
     gathered = [u for u in units if not u.persistent]
     head_index = next((k for k, u in enumerate(gathered) if any(id(q) == head for q in u.params)), -1)
+    per_layer: Dict[str, int] = collections.defaultdict(int)
+    for u in gathered:
+        if u.module_name.startswith("layers."):
+            per_layer[".".join(u.module_name.split(".")[:2])] += u.numel
     return (tuple(u.numel for u in gathered), sum(u.numel for u in units if u.persistent),
-            sum(u.chunk_numel for u in units), gathered[head_index].numel if head_index >= 0 else 0, head_index)
+            sum(u.chunk_numel for u in units), gathered[head_index].numel if head_index >= 0 else 0, head_index,
+            max(per_layer.values(), default=0))
 
 
 def stage3_layout(config: GPTConfig, tp: int, dp: int, precision: str,
@@ -258,10 +265,10 @@ def stage3_layout(config: GPTConfig, tp: int, dp: int, precision: str,
                   weight_decay: bool = True) -> Stage3Layout:
     """The stage-3 units of ``config`` at TP ``tp`` over ``dp`` ranks (the optimizer's own function, on meta)."""
     config.validate(tp)
-    units, persistent, partition, head, head_index = _stage3_units(json.dumps(config.to_dict(), sort_keys=True), tp,
-                                                                   dp, precision, persistence_threshold, weight_decay)
+    units, persistent, partition, head, head_index, layer = _stage3_units(
+        json.dumps(config.to_dict(), sort_keys=True), tp, dp, precision, persistence_threshold, weight_decay)
     return Stage3Layout(units, persistent, partition, torch.empty((), dtype=DTYPES[precision]).element_size(), dp,
-                        head, head_index)
+                        head, head_index, layer)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,11 @@ excluded: they never enter the normaliser and their gradient is exactly 0.
 With label smoothing ``eps`` the target distribution is
 ``(1 - eps) * onehot + eps / vocab_size`` over the real vocabulary, so
 ``loss = (1 - eps) * nll + eps * mean_j(-log p_j)``, as ``F.cross_entropy``.
-The arithmetic runs in fp32 whatever the logits' dtype.
+The arithmetic runs in fp32 whatever the logits' dtype. With
+``overwrite_logits`` (fp32 logits the caller will not read again, such as a
+model's own head output) the shifted logits, their exponential and the saved
+softmax are all computed in the logits' memory: a ``[..., V_p/tp]`` buffer
+fewer to allocate and first-touch per call.
 """
 
 from __future__ import annotations
@@ -26,18 +30,22 @@ _REDUCTIONS = ("none", "sum", "mean")
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, topo, vocab_size, label_smoothing):
+    def forward(ctx, logits, target, topo, vocab_size, label_smoothing, overwrite_logits):
         local_v = logits.shape[-1]
         start = topo.tp_rank * local_v
         n_valid = max(0, min(local_v, vocab_size - start))  # real (unpadded) columns on this rank
 
         x = logits.float()
+        # x may be the caller's fp32 logits themselves: written to only when the caller gave them up
+        own = overwrite_logits or x is not logits
         if n_valid < local_v:
-            x = x.clone()
+            if not own:
+                x, own = x.clone(), True
             x[..., n_valid:] = float("-inf")
         row_max = x.amax(dim=-1)  # amax: max without the indices, which nothing here needs
         topo.comm.all_reduce(row_max, "tp", op="max")
-        x = x - row_max.unsqueeze(-1)  # not in place: x may be the fp32 logits themselves
+        # In place where allowed: a fresh [..., V_p/tp] tensor costs as much as the rest of the forward (page faults)
+        x = x.sub_(row_max.unsqueeze(-1)) if own else x - row_max.unsqueeze(-1)
 
         in_range = (target >= start) & (target < start + local_v)
         local_target = (target - start).masked_fill(~in_range, 0)
@@ -73,13 +81,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit)
         if eps > 0:
             grad[..., :ctx.n_valid] -= (eps / ctx.vocab_size) * g
-        return grad.to(ctx.logits_dtype), None, None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, topology: "Topology", *,
                                  vocab_size: Optional[int] = None, label_smoothing: float = 0.0,
                                  loss_mask: Optional[torch.Tensor] = None,
-                                 reduction: str = "none") -> torch.Tensor:
+                                 reduction: str = "none", overwrite_logits: bool = False) -> torch.Tensor:
     """Cross entropy of vocab-parallel ``logits`` ``[..., V_p/tp]`` against ``target`` ``[...]``.
 
     ``target`` holds global token ids in ``[0, vocab_size)``; ``vocab_size``
@@ -88,6 +96,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, top
     loss ``[...]`` (times the mask when given), ``"sum"`` its sum, ``"mean"``
     ``sum(loss * mask) / sum(mask)`` (the plain mean without a mask).
     The result is identical on every rank of the ``"tp"`` group.
+    ``overwrite_logits``: the caller will not read ``logits`` again, so the
+    softmax may be computed in their memory (fp32 logits; other dtypes are
+    converted into a new tensor anyway). The values are the same either way.
     """
     tp = topology.tp_size
     full_v = logits.shape[-1] * tp
@@ -109,7 +120,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, top
         raise ValueError(f"target ids must lie in [0, vocab_size={vocab_size}); got min {int(target.min())}, "
                          f"max {int(target.max())}")
 
-    loss = _VocabParallelCrossEntropy.apply(logits, target, topology, vocab_size, float(label_smoothing))
+    loss = _VocabParallelCrossEntropy.apply(logits, target, topology, vocab_size, float(label_smoothing),
+                                            bool(overwrite_logits))
     if loss_mask is not None:
         loss = loss * loss_mask.to(loss.dtype)
     if reduction == "none":

@@ -13,7 +13,7 @@
   larger than the limit goes out alone.
 
 Every in-flight input also holds a reduced output ``[numel / N_d]`` and, on
-gloo, the ring's scratch chunks of the same size (:func:`hybrid.ring.scratch_chunks`),
+gloo, the point-to-point receive buffers (:func:`hybrid.p2p_collectives.scratch_chunks`),
 so the limit bounds those too.
 These rules are shared by :class:`hybrid.zero.stage3_grads.Stage3GradReducer`
 and the planner's replay of it (:func:`hybrid.plan.estimate.stage3_gradient_flow`).

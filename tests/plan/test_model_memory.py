@@ -123,7 +123,7 @@ def test_stage3_on_the_gloo_ring_counts_no_library_copies():
     cfg = GPTConfig(vocab_size=1024, hidden_size=1024, num_layers=2, num_heads=16, seq_length=32)
     candidate = Candidate(ParallelLayout(tp=1, dp=4, zero_stage=3, precision="fp32"), micro_batch=1)
     ring = estimate_memory(cfg, candidate, TrainingSetup(bucket_size=10**6, profile=CPU))
-    copying = dataclasses.replace(CPU, ring_reduce_scatter=False)
+    copying = dataclasses.replace(CPU, p2p_reduce_scatter=False)
     plain = estimate_memory(cfg, candidate, TrainingSetup(bucket_size=10**6, profile=copying))
     assert ring.untracked == 0 and plain.untracked > 0
     assert ring.peak > plain.peak  # the ring's scratch chunks ([numel / 4] x 2 per bucket in flight)

@@ -1,8 +1,9 @@
-"""The ring reduce-scatter the communicator runs on gloo (hybrid.ring), against a float64 reference.
+"""The point-to-point reduce-scatter and all-gather the communicator runs on gloo (hybrid.p2p_collectives).
 
 Each rank's input is made from (seed, rank) alone, so every rank can build every other rank's
-input and the exact sum. The ring adds n fp32 numbers in one fixed order per chunk; the error of
-such a sum is at most (n-1) eps * sum|x| (each addition rounds once), which is the bound used.
+input and the exact sum. Both shapes (direct inside a node, the ring across nodes) add n fp32
+numbers in one fixed order per chunk; the error of such a sum is at most (n-1) eps * sum|x| (each
+addition rounds once), which is the bound used. Gathers must be exact.
 """
 
 import pytest
@@ -24,7 +25,7 @@ def _rings(tp: int):
     topo = Topology(tp=tp)
     comm, n, me = topo.comm, topo.size("dp"), topo.rank_in("dp")
     ranks = topo.group_ranks("dp")
-    out = {"n": n, "me": me, "ranks": ranks, "results": {}}
+    out = {"n": n, "me": me, "ranks": ranks, "results": {}, "shape": comm._p2p("dp")}
     # 1: blocking, separate output
     a = _input(topo.rank, n, 1)
     part = torch.empty(K)
@@ -59,6 +60,20 @@ def _rings(tp: int):
     comm.reduce_scatter_tensor(pi, torch.cat([s.view(n, -1) for s in segments], 1).view(-1), "dp")
     out["segments_equal"] = torch.equal(pe, pi)
     out["results"][5] = pe
+    # 6: all-gathers, one in flight with a reduce-scatter and waited after it (their tags must not mix), one
+    # in place (the input is this rank's own chunk of the output)
+    f = _input(topo.rank, n, 6)[:K]
+    gathered = torch.empty(n * K)
+    hg = comm.all_gather_into_tensor(gathered, f, "dp", async_op=True)
+    pr = torch.empty(K)
+    hr = comm.reduce_scatter_tensor(pr, _input(topo.rank, n, 7), "dp", async_op=True)
+    hr.wait()
+    hg.wait()
+    inplace = torch.empty(n * K)
+    inplace[me * K: (me + 1) * K] = _input(topo.rank, n, 8)[:K]
+    comm.all_gather_into_tensor(inplace, inplace[me * K: (me + 1) * K], "dp")
+    out["gathered"], out["inplace"] = gathered.tolist(), inplace.tolist()
+    out["results"][7] = pr
     # Plain lists: tensors returned from a child process travel as shared-memory handles that die with it.
     out["results"] = {t: v.double().tolist() for t, v in out["results"].items()}
     out["report"] = comm.report()
@@ -66,12 +81,20 @@ def _rings(tp: int):
     return out
 
 
-@pytest.mark.parametrize("world,tp", [(3, 1), (4, 1)])  # rings of 3 and 4; dp=2 runs in every ZeRO test
-def test_ring_reduce_scatter_matches_a_float64_sum(world, tp):
-    results = run_distributed(_rings, world, tp)
+# rings of 3 and 4 ranks inside a node (direct messages), and 4 over two nodes of 2 (the ring); dp=2 runs in every
+# ZeRO test
+@pytest.mark.parametrize("world,tp,per_node,shape", [(3, 1, None, "direct"), (4, 1, None, "direct"),
+                                                     (4, 1, 2, "ring")])
+def test_p2p_reduce_scatter_and_all_gather_match_a_float64_reference(world, tp, per_node, shape):
+    env = {"LOCAL_WORLD_SIZE": str(per_node)} if per_node else None
+    results = run_distributed(_rings, world, tp, env=env)
     for res in results:
         n, me, ranks = res["n"], res["me"], res["ranks"]
-        for tag in (1, 2, 3, 4, 5):
+        assert res["shape"] == shape
+        gathered = torch.cat([_input(r, n, 6)[:K] for r in ranks])
+        assert torch.tensor(res["gathered"], dtype=torch.float32).equal(gathered)
+        assert torch.tensor(res["inplace"], dtype=torch.float32).equal(torch.cat([_input(r, n, 8)[:K] for r in ranks]))
+        for tag in (1, 2, 3, 4, 5, 7):
             dtype = torch.bfloat16 if tag == 4 else torch.float32
             inputs = [_input(r, n, tag, dtype).double() for r in ranks]
             if tag == 5:  # the segments interleaved chunk by chunk
@@ -88,9 +111,9 @@ def test_ring_reduce_scatter_matches_a_float64_sum(world, tp):
             assert torch.all((got - exact).abs() <= bound), (tag, (got - exact).abs().max())
         assert res["allreduce"] == world
         assert res["deterministic"]  # one fixed order of additions per chunk
-        # The ring sends (n-1)/n of the buffer per rank, the ideal volume.
+        # Either shape sends (n-1)/n of the buffer per rank, the ideal volume.
         rep = res["report"]["reduce_scatter/dp"]
         assert res["segments_equal"]
-        assert rep["calls"] == 7
+        assert rep["calls"] == 8
         assert rep["wire_bytes"] == pytest.approx(rep["payload_bytes"] * (n - 1) / n)
         assert res["blocked"] > 0.0
