@@ -142,8 +142,9 @@ class OpStats:
 
 
 # Backends whose own reduce-scatter and all-gather cost more than point-to-point messages (gloo's
-# reduce-scatter sends an all-reduce's bytes, its all-gather lands in a temporary): the communicator sends the
-# messages itself there (hybrid.p2p_collectives), directly inside a node, the reduce-scatter as a ring across.
+# reduce-scatter sends an all-reduce's bytes, its all-gather lands in a temporary; benchmarks/p2p_collectives.py):
+# the communicator sends the messages itself there (hybrid.p2p_collectives), directly inside a node, the
+# reduce-scatter as a ring across nodes.
 _P2P_COLLECTIVE_BACKENDS = {"gloo"}
 
 
@@ -434,7 +435,7 @@ class Communicator:
         self._advance_rings()
         name = self._name("reduce_scatter", axis)
         n, group, me = self.size(axis), self._group(axis), self._topology.rank_in(axis)
-        ranks, divide_by = list(self._topology.group_ranks(axis)), (self.size(axis) if op == "avg" else None)
+        ranks, divide_by = list(self._topology.group_ranks(axis)), (n if op == "avg" else None)
         if self._p2p(axis) == "direct":
             pieces = 1 if isinstance(input, torch.Tensor) else len(input)
             sequence = self._next_p2p(axis, direct_tags(n, pieces))

@@ -6,10 +6,11 @@ rank (measured at the interface: 2.0x the buffer in total at world 2, 6.0x at
 world 4). Its ``all_gather`` sends the ideal ``(n-1)/n`` but lands the result
 in a temporary and copies it out. Sent as point-to-point messages, either one
 moves ``(n-1)/n`` of the buffer per rank and lands it in place, which is what
-makes ZeRO's reduce-scatter plus all-gather cost one all-reduce. Measured at
-world 4 on these machines (8 MB, median wall and CPU a rank): reduce-scatter
-13.8 ms / 6.3 ms (gloo), 13.9 / 4.5 (ring), 5.6 / 2.8 (direct); all-gather
-9.9 / 4.1 (gloo), 5.7 / 2.6 (direct).
+makes ZeRO's reduce-scatter plus all-gather cost one all-reduce.
+``python benchmarks/p2p_collectives.py`` (world 4 on one machine, 8 MB
+buffers, slowest rank's wall time and all ranks' CPU time): reduce-scatter
+20.6 ms / 35.6 ms (gloo), 11.8 / 17.8 (ring), 10.6 / 18.0 (direct); all-gather
+11.6 / 18.7 (gloo), 8.0 / 13.6 (direct).
 
 Two shapes, chosen by :class:`hybrid.comm.Communicator`:
 

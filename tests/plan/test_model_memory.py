@@ -111,9 +111,9 @@ def test_stage3_gradient_flow_replays_the_reducer():
     assert capped.worst == deep.worst - 30
 
 
-def test_stage3_on_the_gloo_ring_counts_no_library_copies():
-    # hybrid's ring reduce-scatter sends from the bucket itself: the CPU profile's stage 3 has no untracked
-    # copies, its ring scratch chunks are tensors in the peak; a backend that copied inputs would add them.
+def test_stage3_on_gloo_point_to_point_counts_no_library_copies():
+    # hybrid's point-to-point reduce-scatter sends from the bucket itself: the CPU profile's stage 3 has no
+    # untracked copies, its receive buffers are tensors in the peak; a backend that copied inputs would add them.
     import dataclasses
 
     from hybrid.layout import ParallelLayout
@@ -122,11 +122,11 @@ def test_stage3_on_the_gloo_ring_counts_no_library_copies():
 
     cfg = GPTConfig(vocab_size=1024, hidden_size=1024, num_layers=2, num_heads=16, seq_length=32)
     candidate = Candidate(ParallelLayout(tp=1, dp=4, zero_stage=3, precision="fp32"), micro_batch=1)
-    ring = estimate_memory(cfg, candidate, TrainingSetup(bucket_size=10**6, profile=CPU))
+    p2p = estimate_memory(cfg, candidate, TrainingSetup(bucket_size=10**6, profile=CPU))
     copying = dataclasses.replace(CPU, p2p_reduce_scatter=False)
     plain = estimate_memory(cfg, candidate, TrainingSetup(bucket_size=10**6, profile=copying))
-    assert ring.untracked == 0 and plain.untracked > 0
-    assert ring.peak > plain.peak  # the ring's scratch chunks ([numel / 4] x 2 per bucket in flight)
+    assert p2p.untracked == 0 and plain.untracked > 0
+    assert p2p.peak > plain.peak  # the receive buffers ([numel / 4] x 3 per bucket in flight)
 
 
 @pytest.mark.parametrize("stage,dp", [(1, 1), (1, 4), (3, 4)])
