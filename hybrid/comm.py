@@ -165,6 +165,7 @@ class Communicator:
         # order, which is the same on every rank: their messages' tags, so that those in flight together
         # never take each other's messages.
         self._p2p_sequence: Dict[str, int] = collections.defaultdict(int)
+        self._p2p_shape: Dict[str, Optional[str]] = {}  # _p2p's answer per axis
 
     @property
     def timeout(self) -> Optional[datetime.timedelta]:
@@ -361,9 +362,16 @@ class Communicator:
     def _p2p(self, axis: str) -> Optional[str]:
         """How this communicator runs ``axis``'s reduce-scatters and all-gathers itself: ``"direct"`` (its group
         inside one node), ``"ring"`` (across nodes), or None (the backend's own collectives)."""
-        if self.backend(axis) not in _P2P_COLLECTIVE_BACKENDS:
-            return None
-        return "ring" if self._topology.nodes.spans_nodes(self._topology.group_ranks(axis)) else "direct"
+        if axis in self._p2p_shape:  # fixed once the groups exist; asked on every reduce-scatter and gather
+            return self._p2p_shape[axis]
+        backend = self.backend(axis)
+        if backend not in _P2P_COLLECTIVE_BACKENDS:
+            shape = None
+        else:
+            shape = "ring" if self._topology.nodes.spans_nodes(self._topology.group_ranks(axis)) else "direct"
+        if backend is not None:
+            self._p2p_shape[axis] = shape
+        return shape
 
     def _next_p2p(self, axis: str, count: int = 1) -> int:
         """The next ``count`` sequence numbers of ``axis``'s point-to-point collectives (their tags)."""

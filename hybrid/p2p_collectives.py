@@ -192,8 +192,9 @@ class RingReduceScatter:
         # The running partial sum that is sent on (steps 1 .. n-2; not needed on a ring of two), and where the
         # first send packs the pieces of several segments.
         several = len(self.segments) > 1
-        self.acc = torch.empty_like(self.output) if scratch_chunks(self.n, len(self.segments), direct=False) > 1 else None
-        self.works: list = []
+        several_scratch = scratch_chunks(self.n, len(self.segments), direct=False) > 1
+        self.acc = torch.empty_like(self.output) if several_scratch else None
+        self.works = _Waits([], timeout)
         self.done = False
         first = self.chunk(self._send_index(0))
         if several:
@@ -220,19 +221,15 @@ class RingReduceScatter:
 
     def _post(self, send: torch.Tensor) -> None:
         tag = ring_tag(self.sequence, self.step, self.n - 1)
-        self.works = [dist.isend(send, self.next, group=self.group, tag=tag),
-                      dist.irecv(self.recv, self.prev, group=self.group, tag=tag)]
+        self.works = _Waits([dist.isend(send, self.next, group=self.group, tag=tag),
+                             dist.irecv(self.recv, self.prev, group=self.group, tag=tag)], self.timeout)
 
     def _wait_step(self) -> None:
         with self.guard():
-            for work in self.works:
-                if self.timeout is not None:
-                    work.wait(self.timeout)
-                else:
-                    work.wait()
+            self.works.wait()
 
     def _arrived(self) -> bool:
-        return all(work.is_completed() for work in self.works)
+        return all(work.is_completed() for work in self.works.works)
 
     def advance(self, block: bool) -> bool:
         """Complete the steps whose messages have arrived (all of them when ``block``); True once done."""
@@ -245,7 +242,7 @@ class RingReduceScatter:
                 self._add(mine, self.output)
                 if self.divide_by is not None:
                     self.output.div_(self.divide_by)
-                self.works = []
+                self.works = _Waits([], self.timeout)
                 self.done = True
             else:
                 # The send of this step has completed, so the partial sum may be overwritten.

@@ -422,7 +422,8 @@ def _estimate(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, act
                    + p * n * config.ffn_size // t + p * n * h) + gathered_backward
     backward_comm = gathered_backward
     forward, backward = forward + posted_receives, backward + posted_receives
-    # Stage 3 on point-to-point messages keeps no library copy (the module docstring); stages 0-2 count one as an upper bound.
+    # Stage 3 on point-to-point messages keeps no library copy (the module docstring); stages 0-2 count one
+    # as an upper bound.
     gloo_copies = setup.profile.reduce_scatter_copies_input and not (staging3 and setup.profile.p2p_reduce_scatter)
     # (tensor bytes, library copies beyond them) at the moments where reduce-scatters are in flight
     moments = [(base + act.embedding + staging3.final, staging3.final_on_wire)] if staging3 else []
