@@ -560,6 +560,7 @@ def run_point(tool, args, rate: Optional[str], delay: Optional[str], step_flops:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse(argv)
+    from hybrid.plan.setup import DEFAULT_SETUP
     from tools import emulated_cluster as tool
     try:
         tool.check_available(args.prefix)
@@ -598,6 +599,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               # additions beyond the planner's schema
               "zero_bucket_size": args.bucket_size or None,  # None: the trainer's default
               "cpu_cores": os.cpu_count(),  # shared by every rank of both emulated nodes
+              # stage 3's keep window (elements forward keeps gathered for backward) at the trainer's defaults
+              "zero_stage3_keep": DEFAULT_SETUP.stage3_keep,
               "iters_per_run": args.iters, "repeat": args.repeat, "bytes_per_step_method": (
                   "diff: (B(N) - B(1)) / (N - 1)" if args.bytes_method == "diff" and args.iters > 1
                   else "total: B(N) / N, start-up traffic included"),

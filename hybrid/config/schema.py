@@ -157,11 +157,13 @@ class ZeroConfig:
                                                                 "at once")
     max_reuse_distance: int = _field(0, ge=0, help="stage 3: forward keeps a unit gathered, instead of releasing it, "
                                                    "when it is used again within this many gathered elements "
-                                                   "(later in forward, or early in backward); 0: release every "
-                                                   "unit right after use")
+                                                   "(later in forward, or early in backward); below "
+                                                   "prefetch_bucket_size the prefetch window decides instead")
     prefetch_bucket_size: int = _field(50_000_000, ge=0, help="stage 3: elements gathered ahead of the module "
                                                               "that needs them and not used yet (gathers in "
-                                                              "flight included); 0 disables prefetch")
+                                                              "flight and units forward kept included); forward "
+                                                              "keeps a unit used again within them; 0 disables "
+                                                              "prefetch and keeping")
 
 
 @dataclasses.dataclass

@@ -14,14 +14,13 @@ from hybrid.plan.cluster import Cluster, ClusterError, parse_size
 from hybrid.plan.layouts import RECOMPUTES, Choices, enumerate_layouts, plan, refused_placements, refused_stages
 from hybrid.plan.model_memory import OPTIMIZER_STATES
 from hybrid.plan.report import LEGEND, format_table, summary, to_json
-from hybrid.plan.setup import TrainingSetup, checkpoint_field, zero_field
+from hybrid.plan.setup import DEFAULT_SETUP, TrainingSetup, checkpoint_field, zero_field
 from model_zoo.config import GPTConfig
 from model_zoo.flops import count_parameters
 from model_zoo.presets import get_preset, list_presets
 
 EXAMPLE = ("python -m hybrid.plan --model turing-nlg-17b --gpus 256 --gpus-per-node 16 --gpu-memory 32GiB "
            "--seq-length 1024 --global-batch-size 512")
-DEFAULT_SETUP = TrainingSetup()  # the defaults of the flags that set it
 
 
 def build_parser() -> argparse.ArgumentParser:

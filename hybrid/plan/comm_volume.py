@@ -78,6 +78,7 @@ from hybrid.plan.activations import DTYPE_BYTES
 from hybrid.plan.candidate import Candidate
 from hybrid.plan.compressed import chunk, packed_bytes
 from hybrid.plan.model_memory import FlatLayout, Stage3Layout
+from hybrid.plan.setup import DEFAULT_SETUP
 from hybrid.plan.zero_collectives import gathers_after_step, reduces_by_scatter, reduces_every_micro_batch
 from hybrid.topology import tp_subaxis
 from model_zoo.config import GPTConfig
@@ -184,23 +185,26 @@ def stage3_gather_axis(phase: str, hpz: int = 1) -> str:
 
 
 def stage3_gathers(layout: Stage3Layout, micro_batches: int, tied_head: bool = True,
-                   weights: Optional[Quantization] = None, hpz: int = 1, reuse: int = 0) -> Dict[str, list]:
+                   weights: Optional[Quantization] = None, hpz: int = 1, keep: Optional[int] = None) -> Dict[str, list]:
     """The all-gathers of partitioned parameters in one step, by phase, as ``[(payload bytes, calls)]``:
     ``forward`` every unit once per micro-batch (a tied head's unit once more, where the LM head uses the
-    embedding outside its module, unless every unit fits ``reuse`` elements and it stays gathered in
+    embedding outside its module, unless every unit fits ``keep`` elements and it stays gathered in
     between), ``backward`` every unit again but those held from forward (:meth:`Stage3Layout.held_into_backward`),
     ``after_step`` the persistent pool re-gathered after the update. ``weights``: ``zero.quantized_weights``
-    (:func:`gathered_bytes`), which hpZ's backward gathers (``hpz`` > 1, over ``dp_node``) do not use."""
+    (:func:`gathered_bytes`), which hpZ's backward gathers (``hpz`` > 1, over ``dp_node``) do not use.
+    ``keep``: the keep window (:attr:`hybrid.plan.setup.TrainingSetup.stage3_keep`; None: the defaults')."""
     k = micro_batches
+    if keep is None:
+        keep = DEFAULT_SETUP.stage3_keep
 
     def payload(numel: int, phase: str) -> int:
         if stage3_gather_axis(phase, hpz) != "dp":
             return numel * layout.element_bytes
         return gathered_bytes(numel, layout.dp, layout.element_bytes, weights)
     forward = [(payload(size, "forward"), k) for size in layout.units]
-    if tied_head and layout.head_unit and sum(layout.units) > reuse:
+    if tied_head and layout.head_unit and sum(layout.units) > keep:
         forward.append((payload(layout.head_unit, "forward"), k))
-    held = layout.held_into_backward(reuse)
+    held = layout.held_into_backward(keep)
     backward = [(payload(size, "backward"), k) for i, size in enumerate(layout.units) if i not in held]
     after_step = [(payload(layout.persistent, "after_step"), 1)] if layout.persistent else []
     return {"forward": forward, "backward": backward, "after_step": after_step}
@@ -210,7 +214,7 @@ def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches
               report: Optional[Report] = None, tied_head: bool = True, reduce_once: bool = False,
               gradients: Optional[Quantization] = None, weights: Optional[Quantization] = None,
               node_split: Optional[Tuple[int, int]] = None, hpz: int = 1,
-              momentum: Optional[Quantization] = None, reuse: int = 0) -> Report:
+              momentum: Optional[Quantization] = None, keep: Optional[int] = None) -> Report:
     """Data-parallel collectives of one step over ``layout.dp`` ranks (one call per bucket or unit).
 
     Whole parameters (flat buckets): each bucket's gradient is reduced, by
@@ -220,8 +224,8 @@ def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches
     3) take a :class:`Stage3Layout`: every unit is gathered for forward
     and again for backward, but for the units kept gathered in between
     (a tied head's unit once more in forward, where it is used outside its
-    module; ``reuse``: ``zero.max_reuse_distance``, see
-    :func:`stage3_gathers`), every unit's gradient is reduce-scattered,
+    module; ``keep``: the elements forward keeps gathered ahead,
+    :func:`hybrid.zero.param_gather.keep_numel`, see :func:`stage3_gathers`), every unit's gradient is reduce-scattered,
     and the persistent pool is re-gathered after the update. Stage 3 also
     checks the gather order with a 16-byte all-reduce per request, left out here.
     ``reduce_once``: ``zero.reduce_once``
@@ -245,7 +249,7 @@ def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches
             raise ValueError(f"ZeRO stage {int(stage)} communicates per unit: pass stage3_layout(...), not a flat "
                              f"layout")
         p = layout.element_bytes
-        for phase, gathers in stage3_gathers(layout, k, tied_head, weights, hpz, reuse).items():
+        for phase, gathers in stage3_gathers(layout, k, tied_head, weights, hpz, keep).items():
             axis = stage3_gather_axis(phase, hpz)
             for payload, calls in gathers:
                 _add(report, "all_gather", axis, n if axis == "dp" else hpz, payload, calls=calls)
@@ -321,20 +325,20 @@ def tp_volume(config: GPTConfig, micro_batch: int, tp: int, *, sequence_parallel
 def step_volume(config: GPTConfig, layout: Union[FlatLayout, Stage3Layout], candidate: Candidate,
                 micro_batches: int, reduce_once: bool = False, gradients: Optional[Quantization] = None,
                 weights: Optional[Quantization] = None, node_split: Optional[Tuple[int, int]] = None,
-                hpz: int = 1, momentum: Optional[Quantization] = None, reuse: int = 0,
+                hpz: int = 1, momentum: Optional[Quantization] = None, keep: Optional[int] = None,
                 pp_rank: int = 0) -> Report:
     """Every collective of one step (``micro_batches`` micro-batches of ``candidate``): data-parallel,
     tensor-parallel and the gradient-norm all-reduce. ``layout``: the candidate's flat or stage-3 layout;
     ``reduce_once``: ``zero.reduce_once`` (stage 2 reduces once per step); ``gradients`` / ``weights``: the
     formats of ``zero.quantized_gradients`` / ``zero.quantized_weights`` (None: off); ``node_split``: ``(l, m)``
     dp ranks per node and nodes under ``zero.two_level_reduce`` (None: off); ``hpz``: ``zero.hpz_partition_size``
-    (stage 3; 1: off); ``momentum``: 1-bit Adam's compressed phase; ``reuse``: ``zero.max_reuse_distance``
-    (stage 3, :func:`dp_volume`); ``pp_rank``: with a pipeline, the rank whose step it is (``layout`` is its
+    (stage 3; 1: off); ``momentum``: 1-bit Adam's compressed phase; ``keep``: stage 3's keep window
+    (:func:`dp_volume`); ``pp_rank``: with a pipeline, the rank whose step it is (``layout`` is its
     own), which adds :func:`pipeline_volume`."""
     report: Report = {}
     dp_volume(layout, candidate.zero_stage, micro_batches, report, tied_head=config.tie_embeddings,
               reduce_once=reduce_once, gradients=gradients, weights=weights, node_split=node_split, hpz=hpz,
-              momentum=momentum, reuse=reuse)
+              momentum=momentum, keep=keep)
     share = {}
     if candidate.pp > 1:
         split = candidate.stage_split(config)

@@ -21,8 +21,9 @@ passes three high points, and the peak is the largest:
 Communication buffers: stage 2's gradient staging buckets are part of the
 state. Under stage 3 gathered units come on top of the peaks: at the loss, the
 head's unit (the tied embedding is used outside its module) and one unit
-prefetched behind it; in backward, a unit with the ones prefetched behind it
-(at most ``stage3_prefetch`` elements, ``stage3_live_parameters`` in all),
+prefetched behind it, or the units forward keeps for backward when more
+(``TrainingSetup.stage3_keep``); in backward, a unit with the ones kept or
+prefetched ahead of it (at most the keep window, ``stage3_live_parameters`` in all),
 plus the gradient flow :func:`stage3_gradient_flow` replays: staging, autograd's
 gradient of the unit and the buckets on the wire.
 
@@ -289,10 +290,12 @@ def _unit_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, u
                                host_is_device=setup.profile.host_is_device, hpz=setup.hpz_partition_size)
     head = units.head_unit
     ahead = min(setup.stage3_prefetch, sum(units.units))
-    # Units zero.max_reuse_distance keeps gathered from forward into backward (beside the head's unit).
-    held = sum(units.units[i] for i in units.held_into_backward(setup.stage3_reuse) if i != units.head_index)
-    # Forward, at the loss: the head's unit, plus what was prefetched behind the last module and what is held.
-    forward = p * (head + min(ahead, units.largest_unit) + held)
+    # Units forward keeps gathered into backward (the keep window: the prefetch window, or
+    # zero.max_reuse_distance when larger), beside the head's unit. Kept and prefetched units share one window:
+    # what is gathered ahead of its use is the larger of the two, never their sum.
+    held = sum(units.units[i] for i in units.held_into_backward(setup.stage3_keep) if i != units.head_index)
+    # Forward, at the loss: the head's unit, plus what was prefetched behind the last module or is kept.
+    forward = p * (head + max(min(ahead, units.largest_unit), held))
     # Backward starts with the head's unit and everything prefetched ahead of the layers, within the live
     # limit; later each unit is gathered again with the next ones prefetched behind it. A tied head's unit stays
     # gathered through backward, beside the layer's; full recomputation replays a whole layer, gathering all of
@@ -300,7 +303,7 @@ def _unit_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, u
     live = setup.stage3_live_parameters
     layer = units.layer_units if candidate.recompute == "full" else units.largest_unit
     first = head + layer if config.tie_embeddings else max(head, layer)
-    backward = p * min(live, sum(units.units), first + ahead + held)
+    backward = p * min(live, sum(units.units), first + max(ahead, held))
     # A tied head's unit stays gathered through backward beside its waiting gradient (both about the unit's size).
     pinned = 2 * head if config.tie_embeddings else 0
     # The reductions land in the gradient partition itself on a step's only micro-step (consecutive units on the

@@ -215,11 +215,12 @@ class Stage3Layout:
             order.append(order.pop(len(self.units) - 1 - self.head_index))
         return tuple(order)
 
-    def held_into_backward(self, reuse: int) -> FrozenSet[int]:
+    def held_into_backward(self, keep: int) -> FrozenSet[int]:
         """Indices (into ``units``) of the units that stay gathered from forward into backward.
 
-        Forward keeps a unit used again within the next ``reuse`` elements
-        (``zero.max_reuse_distance``) of the recorded sequence
+        Forward keeps a unit used again within the next ``keep`` elements
+        (:func:`hybrid.zero.param_gather.keep_numel`: the prefetch window, or
+        ``zero.max_reuse_distance`` when larger) of the recorded sequence
         (:class:`hybrid.zero.param_gather.ParamGatherer`): at the end of
         forward that is the head of backward's gathers, the head's unit first,
         then the others in reverse module order, up to the first that does not fit.
@@ -228,10 +229,10 @@ class Stage3Layout:
         order = ([head] if head is not None else []) + [i for i in reversed(range(len(self.units))) if i != head]
         held = set()
         for i in order:
-            if self.units[i] > reuse:
+            if self.units[i] > keep:
                 break
             held.add(i)
-            reuse -= self.units[i]
+            keep -= self.units[i]
         return frozenset(held)
 
 

@@ -78,12 +78,12 @@ def predict(config: GPTConfig, candidate: Candidate, global_batch: int, setup: T
         comm = step_volume(config, layout, candidate, micro_batches=accumulation, reduce_once=setup.whole_gradients,
                            gradients=setup.gradient_quant, weights=setup.weight_quant,
                            node_split=placement.node_split if setup.two_level_reduce else None,
-                           hpz=setup.hpz_partition_size, momentum=setup.momentum_quant, reuse=setup.stage3_reuse,
+                           hpz=setup.hpz_partition_size, momentum=setup.momentum_quant, keep=setup.stage3_keep,
                            pp_rank=pp_rank)
         time = step_time(config, candidate, comm, global_batch=global_batch, micro_batches=accumulation,
                          layout=layout, placement=placement, link=link, flops_per_s=flops_per_s,
                          host=host, reduce_once=setup.whole_gradients, hpz=setup.hpz_partition_size,
-                         reuse=setup.stage3_reuse, pp_rank=pp_rank)
+                         keep=setup.stage3_keep, pp_rank=pp_rank)
         if slowest is None or time.total > slowest.time.total:
             slowest = Prediction(layout, accumulation, comm, time)
     return slowest

@@ -14,6 +14,7 @@ from hybrid.compression import (ONE_BIT_OPTIMIZERS, ONEBIT_ADAM, ONEBIT_BITS, Qu
                                 gradient_quantization, hpz_problem, onebit_problem, weight_quantization)
 from hybrid.config import CheckpointConfig, ZeroConfig
 from hybrid.plan.activations import CUDA, DeviceProfile
+from hybrid.zero.param_gather import keep_numel
 
 DEFAULT_FRAGMENTATION = 0.10
 
@@ -75,6 +76,12 @@ class TrainingSetup:
             raise ValueError(f"zero.hpz_partition_size: {problem}")
 
     @property
+    def stage3_keep(self) -> int:
+        """Elements of the recorded gather sequence within which stage 3's forward keeps a unit gathered
+        (:func:`hybrid.zero.param_gather.keep_numel` of the prefetch window and ``zero.max_reuse_distance``)."""
+        return keep_numel(self.stage3_prefetch, self.stage3_reuse)
+
+    @property
     def gradient_quant(self) -> Optional[Quantization]:
         """The format of the data-parallel gradient reduction (None: the gradients' own dtype)."""
         return gradient_quantization(self.quantized_gradients, self.quantization_block)
@@ -108,3 +115,6 @@ class TrainingSetup:
             if problem:
                 return problem[1]
         return hpz_problem(stage, self.hpz_partition_size)
+
+
+DEFAULT_SETUP = TrainingSetup()  # every knob at the training configuration's default

@@ -205,13 +205,13 @@ def exposed_seconds(times: Dict[str, float], candidate: Candidate, compute: floa
 
 
 def forward_gather_share(layout: Stage3Layout, micro_batches: int, tied_head: bool, hpz: int = 1,
-                         reuse: int = 0) -> float:
+                         keep: Optional[int] = None) -> float:
     """The part of a stage-3 step's bytes all-gathered over ``dp`` that forward gathers
-    (:func:`hybrid.plan.comm_volume.stage3_gathers`, ``reuse``: ``zero.max_reuse_distance``); under hpZ
+    (:func:`hybrid.plan.comm_volume.stage3_gathers`, ``keep``: its keep window); under hpZ
     (``hpz`` > 1) backward's gathers run over ``dp_node`` and are not among them."""
     phases = {phase: sum(b * calls for b, calls in gathers)
               for phase, gathers in stage3_gathers(layout, micro_batches, tied_head, hpz=hpz,
-                                                   reuse=reuse).items()
+                                                   keep=keep).items()
               if stage3_gather_axis(phase, hpz) == "dp"}
     total = sum(phases.values())
     return phases["forward"] / total if total else 0.0
@@ -230,14 +230,14 @@ def offload_seconds(candidate: Candidate, partition_numel: int, host: Optional[H
 def step_time(config: GPTConfig, candidate: Candidate, comm: Report, *, global_batch: int, micro_batches: int,
               layout: Union[FlatLayout, Stage3Layout], placement: Placement, link: LinkSpec, flops_per_s: float,
               host: Optional[HostLink] = None, reduce_once: bool = False, hpz: int = 1,
-              reuse: int = 0, pp_rank: int = 0) -> StepTime:
+              keep: Optional[int] = None, pp_rank: int = 0) -> StepTime:
     """Predicted seconds of one optimizer step (``global_batch`` sequences, ``micro_batches`` per rank) of
     ``candidate`` placed as ``placement``.
 
     ``comm``: the step's collectives (:func:`hybrid.plan.comm_volume.step_volume`) over ``layout`` (the
     candidate's ZeRO layout: its buckets, and the optimizer partition offload moves and the CPU steps);
-    ``flops_per_s``: the FLOP/s one rank achieves; ``reduce_once`` / ``hpz`` / ``reuse``: ``zero.reduce_once``
-    / ``zero.hpz_partition_size`` / ``zero.max_reuse_distance``, as ``comm`` was built with. With a pipeline,
+    ``flops_per_s``: the FLOP/s one rank achieves; ``reduce_once`` / ``hpz`` / ``keep``: ``zero.reduce_once``
+    / ``zero.hpz_partition_size`` / :attr:`TrainingSetup.stage3_keep`, as ``comm`` was built with. With a pipeline,
     ``layout`` and ``comm`` are pipeline rank ``pp_rank``'s, ``placement`` places one stage's ranks, and the step
     adds the rank's bubble and pipeline transfers (:mod:`hybrid.plan.pipeline_stages`).
     """
@@ -249,7 +249,7 @@ def step_time(config: GPTConfig, candidate: Candidate, comm: Report, *, global_b
     split: Dict[str, CollectiveLinks] = split_by_link(comm, placement)
     times = {name: link_seconds(c, link) for name, c in split.items()}
     if isinstance(layout, Stage3Layout):
-        launches, share = (), forward_gather_share(layout, micro_batches, config.tie_embeddings, hpz, reuse)
+        launches, share = (), forward_gather_share(layout, micro_batches, config.tie_embeddings, hpz, keep)
     else:
         launches, share = layout.launches, 0.0
     exposed = exposed_seconds(times, candidate, compute, micro_batches, launches, reduce_once, share)

@@ -26,16 +26,20 @@ When a unit is gathered and released:
   gradient (or when backward ends).
 * **prefetch**: the sequence of units each phase fetched in the first step is
   recorded; later, after each fetch, the next units of that sequence are
-  gathered asynchronously while the current module computes: the units
-  gathered ahead of the cursor and not yet used, those still in flight
-  included, hold at most ``prefetch_numel`` elements.
-* **reuse** (``reuse_numel`` > 0, ``zero.max_reuse_distance``): from the
-  second step on, forward does not release a unit that is used again within
-  the next ``reuse_numel`` elements of the recorded sequence (the rest of
-  forward, then backward's when autograd records): a tied embedding stays
-  gathered from the lookup to the LM head, and the last units of forward,
-  which backward starts with, stay gathered into backward instead of being
-  gathered again. A kept unit can still be evicted when a gather needs room.
+  gathered asynchronously while the current module computes.
+* **keep**: from the second step on, forward does not release a unit that
+  the recorded sequence (the rest of forward, then backward's when autograd
+  records) uses again within the next :func:`keep_numel` elements: the
+  prefetch window (``prefetch_numel``, whose units the prefetcher would
+  gather again before they are used) or ``reuse_numel``
+  (``zero.max_reuse_distance``) when larger. A tied embedding stays gathered
+  from the lookup to the LM head when the model fits the window, and the last
+  units of forward, which backward starts with, stay gathered into backward
+  instead of being released and gathered again. Kept units count against the
+  prefetch window like prefetched ones: the units gathered ahead of the
+  cursor and not yet used, kept, landed or still in flight, hold at most
+  ``keep_numel`` elements, so keeping adds no memory to what prefetching
+  would hold. A kept unit can still be evicted when a gather needs room.
 * **hpZ** (``secondary``, :mod:`hybrid.zero.secondary_partition`): every
   gather over ``dp`` leaves this rank's ``1/l`` slice of the unit in the
   secondary partition; a backward gather of a unit whose slice is fresh
@@ -69,6 +73,13 @@ from hybrid.compression import Quantization
 from hybrid.zero.order_check import OrderCheck
 from hybrid.zero.secondary_partition import SecondaryPartition
 from hybrid.zero.stage3_layout import Unit
+
+
+def keep_numel(prefetch_numel: int, reuse_numel: int) -> int:
+    """Elements of the recorded sequence ahead of use that gathered units may cover, kept or prefetched: a unit
+    forward is done with stays gathered when it is used again within them (``prefetch_numel``:
+    ``zero.prefetch_bucket_size``, ``reuse_numel``: ``zero.max_reuse_distance``)."""
+    return max(prefetch_numel, reuse_numel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +155,7 @@ class ParamGatherer:
         self.order = order
         self.max_live_numel = max_live_numel
         self.prefetch_numel = prefetch_numel
-        self.reuse_numel = reuse_numel
+        self.keep_numel = keep_numel(prefetch_numel, reuse_numel)
         self.unit_of_param: Dict[int, int] = {id(p): u.index for u in units if not u.persistent for p in u.params}
         self.live: Dict[int, torch.Tensor] = {}  # unit -> gathered buffer (persistent units included)
         self.inflight: Dict[int, Tuple[Handle, torch.Tensor, bool]] = {}  # unit -> (handle, buffer, over dp)
@@ -334,10 +345,10 @@ class ParamGatherer:
             self._cursor = len(trace)
 
     def _window(self, sequence: List[int]) -> List[int]:
-        """The distinct units at the head of ``sequence`` that fit ``reuse_numel`` elements (up to the first that
+        """The distinct units at the head of ``sequence`` that fit ``keep_numel`` elements (up to the first that
         does not): the units kept rather than released."""
         out: List[int] = []
-        budget = self.reuse_numel
+        budget = self.keep_numel
         for i in sequence:
             if i in out:
                 continue
@@ -349,18 +360,21 @@ class ParamGatherer:
         return out
 
     def _prefetch(self) -> None:
+        """Gather the next units of the recorded sequence while those ahead of the cursor (kept, landed or in
+        flight) fit ``prefetch_numel`` elements, each unit counted once."""
         trace = self.traces.get(self.phase)
         if trace is None or self.prefetch_numel <= 0:
             return
-        batch, budget, k = [], self.prefetch_numel, self._cursor
+        batch, seen, budget, k = [], set(), self.prefetch_numel, self._cursor
         pending = self.live_numel
         while k < len(trace) and budget > 0:
             i = trace[k]
             k += 1
-            if i in self.live or i in batch:
+            if i in seen:
                 continue
+            seen.add(i)
             n = self.units[i].numel
-            if i in self.inflight:  # gathered ahead already: it holds its share of the prefetch budget
+            if i in self.live or i in self.inflight:  # kept, or gathered ahead already: it holds its share
                 budget -= n
                 continue
             if n > budget or pending + n > self.max_live_numel:
@@ -445,7 +459,7 @@ class ParamGatherer:
     def exit_forward(self) -> None:
         """End of the root module's forward: release what it gathered, except the units backward starts with.
 
-        Those (the ``prefetch_numel`` window of backward's recorded sequence)
+        Those (the ``keep_numel`` window of backward's recorded sequence)
         stay gathered into backward when the forward ran with autograd on;
         the weights cannot change in between (an update resets the gatherer).
         """

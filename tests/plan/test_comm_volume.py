@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from hybrid.plan.comm_volume import axis_wire_bytes, dp_volume, stage3_gathers, tp_volume
 from hybrid.plan.model_memory import flat_layout, shard_shapes, stage3_layout
+from hybrid.plan.setup import DEFAULT_SETUP
+from hybrid.zero.param_gather import keep_numel
 from model_zoo import get_preset
 
 
@@ -17,17 +19,19 @@ def test_stages_1_and_2_move_what_stage_0_moves_and_stage_3_half_again():
     assert wire[1] == wire[0] == wire[2]
     psi_bytes = 2 * layout.numel
     assert wire[0] == 2 * psi_bytes * (layout.dp - 1) / layout.dp  # ring all-reduce of 2Ψ bytes
-    # Stage 3: gather forward, gather backward, reduce-scatter: 1.5x, within unit padding (untied head).
+    # Stage 3 with nothing kept from forward into backward (keep=0: no prefetch window, no reuse distance):
+    # gather forward, gather backward, reduce-scatter: 1.5x, within unit padding (untied head).
     llama = get_preset("llama-tiny")
     flat = flat_layout(shard_shapes(llama, 1), 8, "bf16", 5_000_000)
     units = stage3_layout(llama, 1, 8, "bf16", persistence_threshold=1000)
-    ratio = axis_wire_bytes(dp_volume(units, 3, tied_head=False), "dp") / axis_wire_bytes(dp_volume(flat, 0), "dp")
+    ratio = axis_wire_bytes(dp_volume(units, 3, tied_head=False, keep=0), "dp") / \
+        axis_wire_bytes(dp_volume(flat, 0), "dp")
     assert abs(ratio - 1.5) < 0.01
     # A tied head is gathered once more in forward, where the LM head uses the embedding outside its module.
     gpt = get_preset("gpt2-small")
     units = stage3_layout(gpt, 1, 8, "bf16")
-    extra = axis_wire_bytes(dp_volume(units, 3, tied_head=True), "dp") - \
-        axis_wire_bytes(dp_volume(units, 3, tied_head=False), "dp")
+    extra = axis_wire_bytes(dp_volume(units, 3, tied_head=True, keep=0), "dp") - \
+        axis_wire_bytes(dp_volume(units, 3, tied_head=False, keep=0), "dp")
     assert extra == 2 * units.head_unit * 7 / 8
 
 
@@ -37,11 +41,14 @@ def test_stage_3_units_kept_from_forward_are_not_gathered_again():
     units = stage3_layout(llama, 1, 8, "bf16", persistence_threshold=1000)
     stage0 = axis_wire_bytes(dp_volume(flat, 0), "dp")
 
-    def ratio(reuse):
-        return axis_wire_bytes(dp_volume(units, 3, tied_head=False, reuse=reuse), "dp") / stage0
+    def ratio(keep):
+        return axis_wire_bytes(dp_volume(units, 3, tied_head=False, keep=keep), "dp") / stage0
 
     assert units.held_into_backward(0) == frozenset()
-    assert ratio(0) == axis_wire_bytes(dp_volume(units, 3, tied_head=False), "dp") / stage0  # off by default
+    # The default window (the prefetch window, 5e7 elements) covers this small model: every unit kept.
+    assert DEFAULT_SETUP.stage3_keep == keep_numel(DEFAULT_SETUP.stage3_prefetch, DEFAULT_SETUP.stage3_reuse)
+    assert sum(units.units) <= DEFAULT_SETUP.stage3_keep
+    assert ratio(DEFAULT_SETUP.stage3_keep) == axis_wire_bytes(dp_volume(units, 3, tied_head=False), "dp") / stage0
     # Every unit kept: one gather per step and the reduce-scatter, stage 0's bytes (within unit padding).
     assert units.held_into_backward(sum(units.units)) == frozenset(range(len(units.units)))
     assert abs(ratio(sum(units.units)) - 1.0) < 0.01
@@ -53,8 +60,8 @@ def test_stage_3_units_kept_from_forward_are_not_gathered_again():
     # A tied head stays gathered from the lookup to the LM head only when every unit fits the window.
     gpt = get_preset("gpt2-small")
     tied = stage3_layout(gpt, 1, 8, "bf16")
-    gathers = {reuse: len(stage3_gathers(tied, 1, True, reuse=reuse)["forward"])
-               for reuse in (0, sum(tied.units) - 1, sum(tied.units))}
+    gathers = {keep: len(stage3_gathers(tied, 1, True, keep=keep)["forward"])
+               for keep in (0, sum(tied.units) - 1, sum(tied.units))}
     assert gathers == {0: len(tied.units) + 1, sum(tied.units) - 1: len(tied.units) + 1,
                        sum(tied.units): len(tied.units)}
 

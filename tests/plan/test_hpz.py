@@ -4,7 +4,10 @@ The runtime (``hybrid.zero.secondary_partition``) keeps a secondary copy of the 
 ``l`` dp ranks of each node and re-gathers every unit in backward from it, over ``dp_node``, unquantized. The
 figures below are for DP=4 on two nodes of two (``l = 2``): ``dp_node`` rings 0→1→0 and 2→3→2 never cross; the
 flat dp ring 0→1→2→3→0 crosses at 1→2 and 3→0 (one sender per node, ``3/4`` of each gathered buffer).
-``tests/zero/test_hpz.py`` checks the same figures against the communicator's.
+``tests/zero/test_hpz.py`` checks the same figures against the communicator's. The model is smaller than the
+default keep window (forward would keep every unit for backward, leaving hpZ nothing to re-gather), so these
+figures are for a keep window of 0: no prefetch window (``stage3_prefetch=0``, ``keep=0``), as for a model many
+times the window.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from tests.plan.test_compression import benchmark_cli_argv
 
 P = 4  # fp32
 SLOW = LinkSpec(math.inf, 6.25e6)  # 50 Mbit/s per node, NVLink never the bottleneck
-HPZ = TrainingSetup(hpz_partition_size=2)
+NO_KEEP = dict(stage3_prefetch=0)  # nothing kept from forward into backward
+HPZ = TrainingSetup(hpz_partition_size=2, **NO_KEEP)
 PLACEMENT = Placement(tp=1, dp=4, nodes=2, ranks_per_node=2)
 
 
@@ -59,7 +63,7 @@ def _per_collective(t):
 def test_off_is_the_default_and_predicts_what_it_did():
     assert zero_default("hpz_partition_size") == TrainingSetup().hpz_partition_size == 1
     layout = _units()
-    assert dp_volume(layout, 3, 2, hpz=1) == dp_volume(layout, 3, 2)
+    assert dp_volume(layout, 3, 2, hpz=1, keep=0) == dp_volume(layout, 3, 2, keep=0)
     assert _predict(TrainingSetup(hpz_partition_size=1)) == _predict(TrainingSetup())
 
 
@@ -67,8 +71,8 @@ def test_off_is_the_default_and_predicts_what_it_did():
 def test_backward_gathers_move_to_dp_node_and_forward_stays_on_dp(micro_batches):
     layout = _units()
     k, U = micro_batches, sum(layout.units)
-    off, on = dp_volume(layout, 3, k), dp_volume(layout, 3, k, hpz=2)
-    gathers = stage3_gathers(layout, k)
+    off, on = dp_volume(layout, 3, k, keep=0), dp_volume(layout, 3, k, hpz=2, keep=0)
+    gathers = stage3_gathers(layout, k, keep=0)
     forward = sum(b * c for b, c in gathers["forward"]) + sum(b * c for b, c in gathers["after_step"])
     assert on["all_gather/dp_node"] == {"calls": k * len(layout.units), "payload_bytes": k * U * P,
                                         "wire_bytes": k * U * P / 2}  # (l-1)/l of each unit
@@ -81,17 +85,17 @@ def test_backward_gathers_move_to_dp_node_and_forward_stays_on_dp(micro_batches)
 def test_quantized_weights_pack_forward_only():
     """The secondary slices hold the dequantized forward values: backward's gathers carry them whole."""
     layout, q = _units(), Quantization(8, 256)
-    on = dp_volume(layout, 3, 1, weights=q, hpz=2)
+    on = dp_volume(layout, 3, 1, weights=q, hpz=2, keep=0)
     assert on["all_gather/dp_node"]["payload_bytes"] == sum(layout.units) * P
     packed_backward = sum(packed_bytes(q, u, 4) for u in layout.units)
     assert on["all_gather/dp"]["payload_bytes"] == \
-        dp_volume(layout, 3, 1, weights=q)["all_gather/dp"]["payload_bytes"] - packed_backward
+        dp_volume(layout, 3, 1, weights=q, keep=0)["all_gather/dp"]["payload_bytes"] - packed_backward
 
 
 def test_only_the_forward_gathers_cross_nodes():
     layout = _units()
-    off = split_by_link(dp_volume(layout, 3, 1), PLACEMENT)
-    on = split_by_link(dp_volume(layout, 3, 1, hpz=2), PLACEMENT)
+    off = split_by_link(dp_volume(layout, 3, 1, keep=0), PLACEMENT)
+    on = split_by_link(dp_volume(layout, 3, 1, hpz=2, keep=0), PLACEMENT)
     assert on["all_gather/dp_node"].inter_bytes_by_node == (0.0, 0.0)
     assert on["all_gather/dp_node"].intra_bytes_per_rank == sum(layout.units) * P / 2
     backward = sum(layout.units) * P
@@ -102,7 +106,7 @@ def test_only_the_forward_gathers_cross_nodes():
 
 
 def test_hpz_shortens_the_step_over_a_slow_link():
-    off, on = _predict(TrainingSetup()), _predict(HPZ)
+    off, on = _predict(TrainingSetup(**NO_KEEP)), _predict(HPZ)
     assert on.compute == off.compute
     assert on.inter_node_bytes_per_node < off.inter_node_bytes_per_node
     assert on.total < off.total
@@ -110,7 +114,8 @@ def test_hpz_shortens_the_step_over_a_slow_link():
     assert node.link == "intra" and node.inter_node_bytes_per_node == 0
     # With int4 gradients and int8 weights as well (the benchmark's dp4-z3-q-hpz).
     both = dict(quantized_gradients="int4", quantized_weights="int8")
-    assert _predict(TrainingSetup(hpz_partition_size=2, **both)).total < _predict(TrainingSetup(**both)).total
+    assert _predict(TrainingSetup(hpz_partition_size=2, **both, **NO_KEEP)).total < \
+        _predict(TrainingSetup(**both, **NO_KEEP)).total
 
 
 def test_the_secondary_copy_is_a_node_share_of_the_gathered_units():
@@ -120,7 +125,7 @@ def test_the_secondary_copy_is_a_node_share_of_the_gathered_units():
     assert on.secondary_weights == P * sum(layout.units) // 2
     assert on.device_total == off.device_total + on.secondary_weights
     cand = Candidate(_layout(), micro_batch=4)
-    m_off, m_on = estimate_memory(_config(), cand), estimate_memory(_config(), cand, HPZ)
+    m_off, m_on = estimate_memory(_config(), cand, TrainingSetup(**NO_KEEP)), estimate_memory(_config(), cand, HPZ)
     assert m_on.weights == m_off.weights + on.secondary_weights
     assert m_on.persistent == m_off.persistent + on.secondary_weights
 
@@ -149,7 +154,7 @@ def test_sizes_the_runtime_refuses_are_refused_in_its_words():
 def _stage3_argv(tmp_path):
     argv = benchmark_cli_argv(tmp_path, tp=1)
     at = argv.index("--zero-stage")
-    return argv[:at + 1] + ["3"] + argv[at + 2:]
+    return argv[:at + 1] + ["3"] + argv[at + 2:] + ["--stage3-prefetch", "0"]
 
 
 def test_the_command_line_threads_the_flag(tmp_path, capsys):

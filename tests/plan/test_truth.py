@@ -69,7 +69,7 @@ def _predict(spec: Dict, compiled_adam: bool):
                           compiled_adam=compiled_adam, profile=CPU, **{k: v for k, v in knobs.items() if v is not None})
     memory = estimate_memory(cfg, candidate, setup, micro_batches=spec.get("gas", 1))
     comm = step_volume(cfg, zero_layout(cfg, candidate, setup), candidate, micro_batches=spec.get("gas", 1),
-                       reduce_once=setup.whole_gradients, momentum=setup.momentum_quant)
+                       reduce_once=setup.whole_gradients, momentum=setup.momentum_quant, keep=setup.stage3_keep)
     return memory, comm
 
 

@@ -18,6 +18,9 @@ from tests.zero.test_gpt_parity import BUCKET, LR, MICRO_PER_TP, STEPS, WD, _ref
 WORLD = 4
 PER_NODE = 2  # dp ranks per emulated node: the hpZ size
 LIVE = 40_000
+# No prefetch window, so no keep window: forward keeps nothing for backward, which re-gathers every unit (these
+# models fit any window, which would leave hpZ nothing to do)
+NO_KEEP = 0
 THRESHOLD = 100  # the GPT's norm weights stay whole (a persistent unit): hpZ leaves that unit alone
 BAD_SIZE = "zero.hpz_partition_size = 4 but each node holds 2 data-parallel ranks of this group; set it to 2 " \
            "(or 1 to turn hpZ off)"
@@ -32,7 +35,7 @@ def _gpt_run(topo, hpz, *, steps=STEPS, recompute="none"):
     model = GPTModel(cfg, topo)
     opt = make_zero(model, topo, stage=3, lr=LR, weight_decay=WD, no_weight_decay=lambda n, p: p.ndim < 2,
                     bucket_size=BUCKET, persistence_threshold=THRESHOLD, max_live_parameters=LIVE,
-                    prefetch_bucket_size=20_000, hpz_partition_size=hpz)
+                    prefetch_bucket_size=NO_KEEP, hpz_partition_size=hpz)
     out = train_zero(model, opt, topo, steps, micro=MICRO_PER_TP, gas=1, vocab=cfg.vocab_size, seq=cfg.seq_length)
     with opt.gathered_parameters():
         full = {n: t.float().numpy() for n, t in full_state(model, topo).items()}
@@ -52,7 +55,8 @@ def _quantized_run(topo, hpz):
     model = TiedMLP(hidden=32)
     opt = make_zero(model, topo, stage=3, lr=3e-3, weight_decay=0.0, no_weight_decay=no_decay, bucket_size=2000,
                     quantization_block=64, gradient_accumulation_steps=2, persistence_threshold=0,
-                    quantized_gradients="int4", quantized_weights="int8", hpz_partition_size=hpz)
+                    quantized_gradients="int4", quantized_weights="int8", hpz_partition_size=hpz,
+                    prefetch_bucket_size=NO_KEEP)
     out = train_zero(model, opt, topo, 5, micro=2, gas=2, copy=True)
     with opt.gathered_parameters():
         params = numpy_params(model)
@@ -196,7 +200,7 @@ def test_the_planner_predicts_the_gathers_bytes(results):
 
     cfg = gpt_config()
     layout = stage3_layout(cfg, 1, WORLD, "fp32", THRESHOLD)
-    predicted = dp_volume(layout, 3, 1, tied_head=cfg.tie_embeddings, hpz=PER_NODE)
+    predicted = dp_volume(layout, 3, 1, tied_head=cfg.tie_embeddings, hpz=PER_NODE, keep=NO_KEEP)
     links = split_by_link(predicted, Placement(tp=1, dp=WORLD, nodes=WORLD // PER_NODE, ranks_per_node=PER_NODE))
     key = ("gpt", PER_NODE)
     for name in ("all_gather/dp", "reduce_scatter/dp"):

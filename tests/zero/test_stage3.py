@@ -20,7 +20,7 @@ REUSE_STEPS = 2  # the first step records the gather order, the second keeps uni
 
 
 def _gpt_run(topo, stage, *, dtype=torch.float32, steps=STEPS, offload="none", threshold=100, live=LIVE, tie=True,
-             bucket=BUCKET, layers=None, gas=1, reuse=0):
+             bucket=BUCKET, layers=None, gas=1, reuse=0, prefetch=20_000):
     from hybrid.tensor_parallel.gather import full_state
     from tests.zero.common import make_zero
     from model_zoo import GPTModel
@@ -29,7 +29,7 @@ def _gpt_run(topo, stage, *, dtype=torch.float32, steps=STEPS, offload="none", t
     if layers is not None:
         cfg = cfg.replace(num_layers=layers)
     model = GPTModel(cfg, topo, dtype=dtype)
-    extra = dict(persistence_threshold=threshold, max_live_parameters=live, prefetch_bucket_size=20_000,
+    extra = dict(persistence_threshold=threshold, max_live_parameters=live, prefetch_bucket_size=prefetch,
                  max_reuse_distance=reuse) if stage == 3 else {}
     opt = make_zero(model, topo, stage=stage, lr=LR, weight_decay=WD, no_weight_decay=lambda n, p: p.ndim < 2,
                         bucket_size=bucket, offload_optimizer=offload, gradient_accumulation_steps=gas, **extra)
@@ -128,8 +128,9 @@ def _suite():
             res["comm3"] = _gpt_run(topo, 3, steps=2, threshold=0, tie=False)
             res["bf16"] = _gpt_run(topo, 3, dtype=torch.bfloat16, steps=2, threshold=0)
             res["deep"] = _gpt_run(topo, 3, steps=1, bucket=DEEP_BUCKET, layers=8)
-            res["plain"] = _gpt_run(topo, 3, steps=REUSE_STEPS, live=10**6)
+            res["plain"] = _gpt_run(topo, 3, steps=REUSE_STEPS, live=10**6, prefetch=0)  # keeps nothing
             res["reuse"] = _gpt_run(topo, 3, steps=REUSE_STEPS, live=10**6, reuse=10**6)
+            res["window"] = _gpt_run(topo, 3, steps=REUSE_STEPS, live=10**6, prefetch=10**6)
     return res
 
 
@@ -225,7 +226,7 @@ def test_reused_units_stay_gathered_and_train_the_same_model(results):
     # zero.max_reuse_distance above the model's size: forward keeps the tied embedding from the lookup to the
     # LM head and every unit into backward, so each unit is gathered once per step (after the first, which
     # records the order); the weights gathered are the same, so the losses are bit for bit those of a run
-    # that releases every unit after use.
+    # that releases every unit after use (no prefetch window, so no keep window).
     from hybrid.plan.comm_volume import dp_volume
     from hybrid.plan.model_memory import stage3_layout
 
@@ -239,10 +240,23 @@ def test_reused_units_stay_gathered_and_train_the_same_model(results):
         # step 1 as plain, then one gather of every unit per step (plain also gathers the head and backward)
         assert reuse["gathered"] == plain["gathered"] // REUSE_STEPS + (REUSE_STEPS - 1) * units
         assert plain["gathered"] > REUSE_STEPS * 2 * units
-        predicted = dp_volume(layout, 3, 1, tied_head=True, reuse=10**6)["all_gather/dp"]["payload_bytes"]
+        predicted = dp_volume(layout, 3, 1, tied_head=True, keep=10**6)["all_gather/dp"]["payload_bytes"]
         assert reuse["comm"]["all_gather/dp"]["payload_bytes"] == predicted
         assert reuse["memory"]["gathered"] == 0  # released after every step
         assert reuse["memory"]["peak_live_parameters"] <= 10**6
+
+
+def test_the_prefetch_window_keeps_what_it_would_gather_again(results):
+    # No reuse distance, a prefetch window above the model's size: forward keeps every unit the window covers
+    # (here all) instead of releasing it and prefetching it again for backward, so the traffic is the reuse
+    # run's, and the losses are bit for bit those of the run that keeps nothing.
+    for r in results:
+        plain, window, reuse = r["plain"], r["window"], r["reuse"]
+        assert window["losses"] == plain["losses"]
+        assert window["gathered"] == reuse["gathered"] < plain["gathered"]
+        assert window["comm"]["all_gather/dp"] == reuse["comm"]["all_gather/dp"]
+        assert window["memory"]["peak_live_parameters"] <= sum(n for _, n, p in window["units"] if not p)
+        assert window["memory"]["gathered"] == 0  # released after every step
 
 
 def test_diverging_module_order_raises_instead_of_hanging(results):
