@@ -3,7 +3,8 @@
 The contenders train the same small GPT as ``benchmarks/zero_vs_peers.py``
 (its model, batches and parameter groups are imported from there) on 4 gloo
 ranks; hybrid runs through ``hybrid.initialize`` with stage 3 and its default
-ZeRO settings (``--reuse N``: also with ``zero.max_reuse_distance = N``). All
+ZeRO settings (``--reuse N``: also with ``zero.max_reuse_distance = N``, which matters above the prefetch
+window: the defaults already keep every unit it covers, this whole model). All
 contenders live in the same 4 processes and take their steps in turn
 (rotating order), so a busy spell of this shared machine hits them alike;
 each round starts fresh processes, and gives paired per-step ratios (stage 3
@@ -21,9 +22,9 @@ elements gathered per step. Medians over ranks and steps, then over rounds.
 
 Reproduce (from the repository root)::
 
-    python benchmarks/zero3_profile.py --steps 8 --reuse 50000000   # 3 rounds, about 9 minutes on 2 cores
+    python benchmarks/zero3_profile.py --steps 8 --with-zero0       # 3 rounds, about 3 minutes on 2 cores
     python benchmarks/zero3_profile.py --rounds 1 --steps 4         # a quick look
-    python benchmarks/zero3_profile.py --steps 8 --reuse 50000000 --stage3-bucket 1500000   # stage 3 in buckets
+    python benchmarks/zero3_profile.py --steps 8 --stage3-bucket 1500000   # stage 3 in buckets
 """
 
 from __future__ import annotations

@@ -101,6 +101,7 @@ class MemoryEstimate:
     held_activations: int = 0  # activation bytes held at the schedule's worst moment (pipeline_stages)
     in_flight: int = 1  # micro-batch chunks whose activations are held then
     posted_receives: int = 0  # pipeline receive buffers posted ahead of their use (DeviceProfile.receives_ahead)
+    next_forward: int = 0  # stage 3: bytes of the next forward's first units, gathered between steps
 
     @property
     def weights(self) -> int:
@@ -123,8 +124,9 @@ class MemoryEstimate:
 
     @property
     def persistent(self) -> int:
-        """Bytes held between steps."""
-        return self.state.device_total
+        """Bytes held between steps: the state, and under stage 3 the next forward's first units (which the
+        peaks count where they are used)."""
+        return self.state.device_total + self.next_forward
 
     @property
     def peak(self) -> int:
@@ -315,6 +317,14 @@ def _unit_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, u
     return state, forward, backward, flow.scaled(p), 0, 0, 0
 
 
+def _next_forward(config: GPTConfig, candidate: Candidate, setup: TrainingSetup) -> int:
+    """:attr:`MemoryEstimate.next_forward`: stage 3's gathers started at the end of a step (0 for stages 0-2)."""
+    if not candidate.traits.parameters:
+        return 0
+    units = zero_layout(config, candidate, setup)
+    return units.element_bytes * units.next_forward(setup.stage3_prefetch, setup.stage3_live_parameters)
+
+
 def _flat_state(candidate: Candidate, setup: TrainingSetup, flat: FlatLayout):
     """:func:`_model_state` when every rank holds the parameters whole, in flat buffers."""
     traits = candidate.traits
@@ -455,7 +465,8 @@ def _estimate(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, act
         untracked = max([0] + [tensors + copies - peak for tensors, copies in moments])
     return MemoryEstimate(candidate, state, act, peak_comm, forward, backward, step,
                           int(setup.fragmentation * transient), untracked,
-                          _snapshot(config, candidate, setup, pp_rank), pp_rank, held, in_flight, posted_receives)
+                          _snapshot(config, candidate, setup, pp_rank), pp_rank, held, in_flight, posted_receives,
+                          _next_forward(config, candidate, setup))
 
 
 def _snapshot(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, pp_rank: int = 0) -> int:

@@ -215,6 +215,17 @@ class Stage3Layout:
             order.append(order.pop(len(self.units) - 1 - self.head_index))
         return tuple(order)
 
+    def next_forward(self, prefetch: int, live: int) -> int:
+        """Elements gathered between steps: the next forward's first units, whose gathers start once the update
+        has written the partitions (:meth:`hybrid.zero.param_gather.ParamGatherer.prefetch_next_forward`), in
+        module order while they fit ``prefetch`` elements (``zero.prefetch_bucket_size``) and ``live``."""
+        total = 0
+        for size in self.units:
+            if size > prefetch - total or total + size > live:
+                break
+            total += size
+        return total
+
     def held_into_backward(self, keep: int) -> FrozenSet[int]:
         """Indices (into ``units``) of the units that stay gathered from forward into backward.
 

@@ -40,6 +40,10 @@ When a unit is gathered and released:
   cursor and not yet used, kept, landed or still in flight, hold at most
   ``keep_numel`` elements, so keeping adds no memory to what prefetching
   would hold. A kept unit can still be evicted when a gather needs room.
+* **across the step**: once an update has written the partitions, the next
+  forward's first units (the prefetch window of its recorded sequence) start
+  moving (:meth:`ParamGatherer.prefetch_next_forward`), so between steps at
+  most ``prefetch_numel`` elements are gathered or in flight.
 * **hpZ** (``secondary``, :mod:`hybrid.zero.secondary_partition`): every
   gather over ``dp`` leaves this rank's ``1/l`` slice of the unit in the
   secondary partition; a backward gather of a unit whose slice is fresh
@@ -68,7 +72,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from hybrid.comm import Communicator, Handle
+from hybrid.comm import CollectiveError, Communicator, Handle
 from hybrid.compression import Quantization
 from hybrid.zero.order_check import OrderCheck
 from hybrid.zero.secondary_partition import SecondaryPartition
@@ -315,6 +319,18 @@ class ParamGatherer:
         for i in list(self.live):
             self.release(i)
 
+    def detach(self) -> None:
+        """Release every unit, landing the gathers still in flight (those started for a next forward that will
+        not run); gathers a failed peer will not complete are given up (the communicator stops tracking them)
+        instead of raising, since nothing reads them any more."""
+        try:
+            self.release_all()
+        except CollectiveError:
+            self.comm.abandon([handle for handle, _, _ in self.inflight.values()])
+            self.inflight.clear()
+            self.live.clear()
+            self.live_numel = 0
+
     def _make_room(self, numel: int, protect: int) -> None:
         if self.live_numel + numel <= self.max_live_numel:
             return
@@ -385,6 +401,23 @@ class ParamGatherer:
         if batch:
             self._issue(batch, "prefetch")
             self.prefetch_issued += len(batch)
+
+    def prefetch_next_forward(self) -> None:
+        """Start gathering the next forward's first units (its recorded sequence, within the prefetch window).
+
+        Called once the update has written the partitions: the gathers travel
+        while the step ends and the next batch is prepared, and the forward's
+        first fetches find them in flight or landed instead of waiting for
+        the first unit from scratch. A write to the weights before that
+        forward (a load) resets the gatherer, which drops them.
+        """
+        if "forward" not in self.traces:
+            return
+        self.phase, self._cursor = "forward", 0
+        try:
+            self._prefetch()
+        finally:
+            self.phase = "idle"
 
     # ---- phases ------------------------------------------------------------------------------------------
     def begin_phase(self, phase: str) -> None:

@@ -12,8 +12,9 @@ host memory (``offload_optimizer="cpu"``).
 Communication per step over ``dp``: an all-gather of the weights in forward,
 another in backward and a reduce-scatter of the gradients, 1.5x the all-reduce
 of stage 0 (less for persistent units, which are all-gathered once per step
-after the update instead, and for units ``zero.max_reuse_distance`` keeps
-gathered from forward into backward: 1x when it covers the model). With hpZ (``zero.hpz_partition_size = l`` > 1,
+after the update instead, and for units forward keeps gathered for
+backward, those within the prefetch window or ``zero.max_reuse_distance``:
+1x when the window covers the model). With hpZ (``zero.hpz_partition_size = l`` > 1,
 :mod:`hybrid.zero.secondary_partition`) the backward gather runs over
 ``dp_node`` instead, inside the node, from a secondary copy of the weights
 sharded over the node's ``l`` ranks (``1/l`` of the gathered units per rank).
@@ -222,6 +223,7 @@ class Stage3Optimizer(ZeroOptimizer):
         if self.lowp is not None:
             self.lowp.to_device()
         self.gatherer.refresh_persistent()
+        self.gatherer.prefetch_next_forward()  # the next forward's first units travel while the step ends
 
     def _global_sq(self) -> float:
         if self._norm_views:
@@ -260,8 +262,9 @@ class Stage3Optimizer(ZeroOptimizer):
         stage-3 extras.
 
         ``params``: the parameter partition, whole persistent units and frozen
-        parameters. ``gathered``: whole-unit buffers gathered right now (0
-        between steps). ``master`` / ``optimizer_states``: fp32 masters (0
+        parameters. ``gathered``: whole-unit buffers gathered (or in flight)
+        right now; between steps, the next forward's first units, at most
+        ``prefetch_bucket_size`` elements. ``master`` / ``optimizer_states``: fp32 masters (0
         when they are the parameters) and Adam moments, in host memory when
         offloaded. ``host_bytes``: what of ``total`` lives in host memory
         because of offload; ``device_bytes``: the rest. ``peak_live_parameters``
@@ -433,6 +436,7 @@ class Stage3Optimizer(ZeroOptimizer):
                 for key, t in self.model.state_dict(keep_vars=True).items()}
 
     def remove_hooks(self) -> None:
+        self.gatherer.detach()  # the next forward's gathers, started at the end of the last step
         self.reducer.remove_hooks()
         for h in self._hooks:
             h.remove()

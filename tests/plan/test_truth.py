@@ -89,6 +89,10 @@ def _check(specs: List[Dict], results: List[List[Dict]]) -> List[str]:
                 off_by = max(off_by, abs(got - want))
                 if not _close(got, want, 0.05):
                     problems.append(f"{where}: memory_report {reported} = {got}, predicted {want}")
+            # Stage 3: the next forward's first units, whose gathers start at the end of the step.
+            if r["report"].get("gathered", 0) != memory.next_forward:
+                problems.append(f"{where}: gathered after the step {r['report'].get('gathered', 0)}, predicted "
+                                f"{memory.next_forward}")
             if not _close(r["state"], memory.persistent, 0.05):
                 problems.append(f"{where}: tensors held between steps {r['state']}, predicted {memory.persistent}")
             act = memory.activations.total - memory.activations.by_reference
