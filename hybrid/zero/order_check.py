@@ -41,14 +41,22 @@ class OrderCheck:
         self.count = 0
         self.recent: Deque[str] = collections.deque(maxlen=RECENT)
 
-    def verify(self, kind: str, codes, describe: str) -> None:
-        """Fold ``(kind, codes)`` into the hash and check that every DP rank folded the same so far."""
+    def fold(self, kind: str, codes, describe: str) -> None:
+        """Fold ``(kind, codes)`` into the hash without comparing it yet: for requests every rank makes alike by
+        construction (the next forward's first gathers, read off a recorded sequence whose gathers were each
+        verified); the next :meth:`verify` compares them along with the rest."""
         if not self.enabled:
             return
         for c in (zlib.crc32(kind.encode()), *codes):  # crc32: stable across processes, unlike hash()
             self.hash = (self.hash * 1_000_003 + int(c) + 1) % _MOD
         self.count += 1
         self.recent.append(f"#{self.count} {kind}: {describe}")
+
+    def verify(self, kind: str, codes, describe: str) -> None:
+        """Fold ``(kind, codes)`` into the hash and check that every DP rank folded the same so far."""
+        if not self.enabled:
+            return
+        self.fold(kind, codes, describe)
         t = torch.tensor([self.hash, -self.hash], dtype=torch.int64)
         self.comm.all_reduce(t, "dp", op="max")
         if int(t[0]) != -int(t[1]):

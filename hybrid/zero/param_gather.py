@@ -234,9 +234,12 @@ class ParamGatherer:
             h.wait()
 
     # ---- gathering ----------------------------------------------------------------------------
-    def _issue(self, indices: List[int], why: str) -> None:
+    def _issue(self, indices: List[int], why: str, checked: bool = True) -> None:
+        """Gather units ``indices`` asynchronously over ``dp`` (or the node, hpZ); ``checked``: compare the
+        request with every DP rank's first (:meth:`OrderCheck.verify`), else only fold it in (``fold``)."""
         names = ", ".join(self.units[i].module_name for i in indices)
-        self.order.verify("gather-" + self.phase, indices, f"gather [{names}] ({why}, {self.phase})")
+        check = self.order.verify if checked else self.order.fold
+        check("gather-" + self.phase, indices, f"gather [{names}] ({why}, {self.phase})")
         for i in indices:
             u = self.units[i]
             buf = torch.empty(u.numel, dtype=self.chunks[i].dtype, device=self.chunks[i].device)
@@ -375,9 +378,9 @@ class ParamGatherer:
             budget -= n
         return out
 
-    def _prefetch(self) -> None:
+    def _prefetch(self, checked: bool = True) -> None:
         """Gather the next units of the recorded sequence while those ahead of the cursor (kept, landed or in
-        flight) fit ``prefetch_numel`` elements, each unit counted once."""
+        flight) fit ``prefetch_numel`` elements, each unit counted once (``checked``: see :meth:`_issue`)."""
         trace = self.traces.get(self.phase)
         if trace is None or self.prefetch_numel <= 0:
             return
@@ -399,7 +402,7 @@ class ParamGatherer:
             budget -= n
             pending += n
         if batch:
-            self._issue(batch, "prefetch")
+            self._issue(batch, "prefetch", checked)
             self.prefetch_issued += len(batch)
 
     def prefetch_next_forward(self) -> None:
@@ -409,13 +412,17 @@ class ParamGatherer:
         while the step ends and the next batch is prepared, and the forward's
         first fetches find them in flight or landed instead of waiting for
         the first unit from scratch. A write to the weights before that
-        forward (a load) resets the gatherer, which drops them.
+        forward (a load) resets the gatherer, which drops them. The request
+        is folded into the order check, not compared: every rank takes the
+        same units off the head of the same recorded sequence (recorded in
+        the first step, whose every gather was compared), and the next
+        comparison covers it -- one synchronisation of the ranks less a step.
         """
         if "forward" not in self.traces:
             return
         self.phase, self._cursor = "forward", 0
         try:
-            self._prefetch()
+            self._prefetch(checked=False)
         finally:
             self.phase = "idle"
 
