@@ -225,11 +225,14 @@ class ParamGatherer:
         self.live[u.index] = buf
         self._bind(u, buf)
 
-    def refresh_persistent(self) -> None:
-        """All-gather every persistent unit's updated chunk into its buffer (after an optimizer step)."""
+    def refresh_persistent(self, while_waiting=None) -> None:
+        """All-gather every persistent unit's updated chunk into its buffer (after an optimizer step), running
+        ``while_waiting()`` (if given) while the gathers travel."""
         handles = [self.comm.all_gather_into_tensor(self.live[u.index], self.chunks[u.index], "dp", async_op=True,
                                                  quant=self.quant)
                    for u in self.units if u.persistent]
+        if while_waiting is not None:
+            while_waiting()
         for h in handles:
             h.wait()
 

@@ -222,8 +222,8 @@ class Stage3Optimizer(ZeroOptimizer):
         self.inner.step(self._group_grads, factor)
         if self.lowp is not None:
             self.lowp.to_device()
-        self.gatherer.refresh_persistent()
-        self.gatherer.prefetch_next_forward()  # the next forward's first units travel while the step ends
+        # the next forward's first units start to travel while the persistent pool's gathers do
+        self.gatherer.refresh_persistent(while_waiting=self.gatherer.prefetch_next_forward)
 
     def _global_sq(self) -> float:
         if self._norm_views:
