@@ -36,8 +36,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.paired import paired_ratio  # noqa: E402
 from tests.multiproc import run_distributed  # noqa: E402
 
-CONTENDERS = {"reduce_scatter": ("gloo", "ring", "direct"), "all_gather": ("gloo", "direct")}
-
 
 def _calls(topo, numel: int) -> Dict[str, object]:
     """One callable per (op, contender) over ``numel``-element buffers of this rank."""
@@ -111,21 +109,19 @@ def main() -> None:
           f"per round, {args.rounds} rounds; medians over calls then rounds; ratio: hybrid / gloo, paired per round "
           f"(min-max)\n")
     print(f"{'op':15s} {'elements':>9s} {'contender':9s} {'wall ms':>8s} {'CPU ms':>7s}   {'wall ratio':18s} CPU ratio")
-    for numel in sizes:
-        for op, contenders in CONTENDERS.items():
-            for name in contenders:
-                key = (numel, op, name)
-                wall = statistics.median(f[key][0] for f in rounds) * 1e3
-                cpu = statistics.median(f[key][1] for f in rounds) * 1e3
-                line = f"{op:15s} {numel:9d} {name:9s} {wall:8.2f} {cpu:7.2f}"
-                if name != "gloo":
-                    base = (numel, op, "gloo")
-                    w = paired_ratio({i: f[key][0] for i, f in enumerate(rounds)},
-                                     {i: f[base][0] for i, f in enumerate(rounds)})
-                    c = paired_ratio({i: f[key][1] for i, f in enumerate(rounds)},
-                                     {i: f[base][1] for i, f in enumerate(rounds)})
-                    line += f"   {w.format():18s} {c.format()}"
-                print(line)
+    for key in rounds[0]:  # (elements, op, contender), in the order _calls lists them, size by size
+        numel, op, name = key
+        wall = statistics.median(f[key][0] for f in rounds) * 1e3
+        cpu = statistics.median(f[key][1] for f in rounds) * 1e3
+        line = f"{op:15s} {numel:9d} {name:9s} {wall:8.2f} {cpu:7.2f}"
+        if name != "gloo":
+            base = (numel, op, "gloo")
+            w = paired_ratio({i: f[key][0] for i, f in enumerate(rounds)},
+                             {i: f[base][0] for i, f in enumerate(rounds)})
+            c = paired_ratio({i: f[key][1] for i, f in enumerate(rounds)},
+                             {i: f[base][1] for i, f in enumerate(rounds)})
+            line += f"   {w.format():18s} {c.format()}"
+        print(line)
 
 
 if __name__ == "__main__":
