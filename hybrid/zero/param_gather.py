@@ -329,10 +329,11 @@ class ParamGatherer:
         """Release every unit, landing the gathers still in flight (those started for a next forward that will
         not run); gathers a failed peer will not complete are given up (the communicator stops tracking them)
         instead of raising, since nothing reads them any more."""
+        handles = [handle for handle, _, _ in self.inflight.values()]
         try:
             self.release_all()
-        except CollectiveError:
-            self.comm.abandon([handle for handle, _, _ in self.inflight.values()])
+        except CollectiveError:  # the failed one among them too: landing took it out of ``inflight``
+            self.comm.abandon(handles)
             self.inflight.clear()
             self.live.clear()
             self.live_numel = 0

@@ -319,3 +319,46 @@ def test_single_process_stage3_keeps_no_whole_parameters_between_steps():
     assert sizes["frozen.weight"] == 24 * 24  # frozen parameters are left alone
     with pytest.raises(ValueError, match="max_live_parameters"):
         make_zero(TiedMLP(), Topology.local(), stage=3, max_live_parameters=100, persistence_threshold=0)
+
+
+class _StuckComm:
+    """A communicator whose gathers never complete: waiting raises, as after a peer died."""
+
+    def __init__(self):
+        from hybrid.comm import Handle
+
+        self.abandoned = []
+        self._handle = Handle
+
+    def size(self, axis):
+        return 2
+
+    def all_gather_into_tensor(self, output, input, axis, async_op=False, quant=None):
+        from hybrid.comm import CollectiveError
+
+        def fail():
+            raise CollectiveError("all_gather over dp: no answer from rank 1")
+        return self._handle(finish=fail)
+
+    def abandon(self, handles):
+        self.abandoned += handles
+
+
+def test_detaching_gives_up_gathers_a_failed_peer_will_not_complete():
+    # remove_hooks() (engine.close(), which also runs on failing paths) lands the next forward's gathers; a peer
+    # that died will not complete them, and the detach must neither raise nor leave them tracked.
+    from hybrid.zero.order_check import OrderCheck
+    from hybrid.zero.param_gather import ParamGatherer
+    from hybrid.zero.stage3_layout import build_units
+
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
+    units, _ = build_units(model, 2, 0, False, None)
+    chunks = [torch.zeros(u.chunk_numel) for u in units]
+    comm = _StuckComm()
+    gatherer = ParamGatherer(units, chunks, comm, OrderCheck(comm, enabled=False), 10**6, 10**6)
+    gatherer.traces["forward"] = [u.index for u in units]  # a recorded first step
+    gatherer.prefetch_next_forward()
+    assert set(gatherer.inflight) == {u.index for u in units} and gatherer.live_numel > 0
+    gatherer.detach()
+    assert len(comm.abandoned) == len(units)  # the first wait raised: it and the rest were given up
+    assert not gatherer.inflight and not gatherer.live and gatherer.live_numel == 0
