@@ -150,8 +150,9 @@ class MemoryEstimate:
 
     @property
     def transient(self) -> int:
-        """What the peak adds to the persistent state besides communication buffers: activations, workspaces."""
-        return self.peak - self.persistent - self.gather_buffers
+        """What the peak adds to the state besides communication buffers: activations, workspaces (stage 3's
+        units gathered between steps are not among them: at the peak they are gathered units, or gone)."""
+        return self.peak - self.state.device_total - self.gather_buffers
 
 
 @dataclasses.dataclass(frozen=True)
