@@ -4,7 +4,9 @@ A post-accumulate-grad hook copies each fresh ``param.grad`` into its unit's
 ``[unit.numel]`` staging buffer and drops it (the full gradient never stays
 on a rank). The buffer is not zero-filled: a parameter's first gradient is
 copied in, and only the padding and the parameters that got no gradient are
-zeroed (the latter when the unit is reduced). When every parameter of a unit
+zeroed (the latter when the unit is reduced). A unit that is one parameter
+without padding (most units: a linear layer's unit is its weight alone, its
+bias being in the persistent pool) takes that parameter's fresh gradient as its staging buffer, with no copy. When every parameter of a unit
 has its gradient the unit is *ready*: its gathered weights are released and it
 joins the open bucket (the bucket is launched first if the unit would take it
 past ``bucket_numel`` elements). A bucket holding ``bucket_numel`` elements or
@@ -124,6 +126,20 @@ class Stage3GradReducer:
                 buf[rec.offset: rec.offset + rec.numel].zero_()
         return buf
 
+    def _adopt(self, i: int, grad: torch.Tensor) -> bool:
+        """Take ``grad`` itself as unit ``i``'s staging buffer when it is the whole unit: one parameter, no
+        padding, a contiguous tensor of the reduction's dtype and device that owns all of its memory (no view
+        keeping a larger buffer alive). Saves copying the gradient, and allocating the buffer."""
+        u = self.units[i]
+        if (len(u.params) != 1 or u.used != u.numel or grad.numel() != u.numel or grad.dtype != self.dtype
+                or grad.device != self.device or grad.layout != torch.strided or not grad.is_contiguous()
+                or grad._base is not None or grad.storage_offset() != 0
+                or grad.untyped_storage().nbytes() != u.numel * grad.element_size()):
+            return False
+        self._staging[i] = grad.detach().view(-1)
+        self._note_peak()
+        return True
+
     def _note_peak(self, extra: int = 0) -> None:
         held = sum(b.numel() * b.element_size() for b in self._staging.values()) + self._wire_bytes + extra
         self.transient_peak_bytes = max(self.transient_peak_bytes, held)
@@ -141,13 +157,16 @@ class Stage3GradReducer:
                                f"unit was reduced in this backward (is it used in several re-entrant "
                                f"checkpointed regions?)")
         rec = self.units[i].records[r]
-        dst = self._stage_buffer(i)[rec.offset: rec.offset + rec.numel].view(rec.shape)
         arrived = self._arrived.setdefault(i, set())
-        if r in arrived:
-            dst.add_(param.grad)
-        else:
-            dst.copy_(param.grad)
+        if not arrived and self._adopt(i, param.grad):
             arrived.add(r)
+        else:
+            dst = self._stage_buffer(i)[rec.offset: rec.offset + rec.numel].view(rec.shape)
+            if r in arrived:
+                dst.add_(param.grad)
+            else:
+                dst.copy_(param.grad)
+                arrived.add(r)
         param.grad = None
         self._unshape(param)
         if len(arrived) == len(self.units[i].params):
