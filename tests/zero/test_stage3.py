@@ -370,3 +370,47 @@ def test_detaching_gives_up_gathers_a_failed_peer_will_not_complete():
     gatherer.detach()
     assert len(comm.abandoned) == len(units)  # the first wait raised: it and the rest were given up
     assert not gatherer.inflight and not gatherer.live and gatherer.live_numel == 0
+
+
+def test_a_unit_that_is_one_parameter_reduces_its_gradient_without_copying_it():
+    """fc2 (its bias in the persistent pool) and the tied embedding are one parameter each: their staging buffer
+    is the gradient autograd made. fc1 (weight and bias) is copied into one. Either way the reduced gradients
+    are autograd's, for the tied weight the sum of both uses."""
+    import copy
+
+    from hybrid import Topology
+    from tests.zero.common import make_zero, token_batch
+
+    torch.manual_seed(0)
+    model = TiedMLP()
+    ref = copy.deepcopy(model)
+    opt = make_zero(model, Topology.local(), stage=3, lr=1e-3, persistence_threshold=30, no_weight_decay=no_decay)
+    red = opt.reducer
+    unit_of = {u.module_name: u for u in opt.units}
+    assert len(unit_of["fc2"].params) == 1 and len(unit_of["fc1"].params) == 2 and len(unit_of["embed"].params) == 1
+    fresh, staged = {}, {}
+    on_grad = red._on_grad
+
+    def spy(param):
+        i, _ = red._slot[id(param)]
+        fresh.setdefault(i, []).append(param.grad.data_ptr())
+        on_grad(param)
+        if i in red._staging:
+            staged[i] = red._staging[i].data_ptr()
+
+    red.remove_hooks()  # the autograd hooks hold the bound method: replace it, then attach again
+    red._on_grad = spy
+    red.attach_hooks()
+    x, y = token_batch(0, 4)
+    opt.backward(model(x, y))
+    red.wait()
+    ref(x, y).backward()
+    for name in ("fc2", "embed"):
+        i = unit_of[name].index
+        assert staged[i] == fresh[i][0], name  # the first gradient became the buffer
+    assert staged[unit_of["fc1"].index] not in fresh[unit_of["fc1"].index]
+    grads = dict(ref.named_parameters())
+    for u in opt.units:
+        for rec in u.records:
+            got = red.chunk(u.index)[rec.offset: rec.offset + rec.numel].view(rec.shape)
+            torch.testing.assert_close(got, grads[rec.name].grad, rtol=0, atol=0, msg=rec.name)
