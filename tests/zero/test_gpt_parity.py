@@ -74,12 +74,12 @@ def results():
     return run_distributed(_suite, WORLD, timeout=300)
 
 
-def _reference(clip=0.0, copy=False):
+def _reference(clip=0.0, copy=False, cfg=None):
     from hybrid import Topology
     from hybrid.tensor_parallel.gather import full_state
     from model_zoo import GPTModel
 
-    cfg = gpt_config()
+    cfg = cfg or gpt_config()
     local = Topology.local()
     return reference_adamw(GPTModel(cfg, local), STEPS, GLOBAL, lr=LR, weight_decay=WD, clip=clip,
                            vocab=cfg.vocab_size, seq=cfg.seq_length, export=lambda m: full_state(m, local),
