@@ -10,10 +10,11 @@ passes three high points, and the peak is the largest:
 * **backward**: the saved activations minus what has been consumed, plus
   gradients in flight. At its start the loss gradient (``4*N*V'`` fp32 plus
   its cast) sits beside everything saved; then the head's matmuls (logits
-  gradient, ``V'*h`` weight gradient); then the last layer's largest weight
+  gradient, ``V'*h`` weight gradient); then each layer's largest weight
   gradient and input gradient, beside a tied head's gradient that waits for
-  the embedding's. With full recomputation one layer's activations are
-  rebuilt (``layer_full``) while the others' inputs wait;
+  the embedding's and the activations of the layers not passed yet. With full
+  recomputation one layer's activations are rebuilt (``layer_full``) while
+  the others' inputs wait. Without stage 3 the last layer's is the worst;
 * **optimizer step**: activations are gone; what remains is the step's
   workspace (fp32 copies of low-precision gradients when the optimizer cannot
   read them directly) and, on gloo, the temporary an all-gather lands in.
@@ -25,7 +26,11 @@ prefetched behind it, or the units forward keeps for backward when more
 (``TrainingSetup.stage3_keep``); in backward, a unit with the ones kept or
 prefetched ahead of it (at most the keep window, ``stage3_live_parameters`` in all),
 plus the gradient flow :func:`stage3_gradient_flow` replays: staging, autograd's
-gradient of the unit and the buckets on the wire.
+gradient of the unit and the buckets on the wire. A layer's backward also holds
+the gradients of the units done before it (the replay's
+:attr:`GradientFlow.layers`: the open bucket's and the persistent pool's
+staging buffers, the buckets on the wire), while the activations of the
+layers passed are gone.
 
 The fragmentation allowance is ``fragmentation`` (default 10%) of the
 transient part (activations, workspaces, gathered units), which a caching
@@ -66,7 +71,7 @@ buckets of :func:`stage3_gradient_flow`, which replays the unquantized path.
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 from hybrid.layout import partition_count
 from hybrid.plan.activations import DTYPE_BYTES, ActivationBytes, activation_bytes
@@ -159,15 +164,20 @@ class MemoryEstimate:
 class GradientFlow:
     """ZeRO-3 bytes beyond the partition during backward: gathered units, gradient staging, autograd's gradient and
     buckets on the wire, at the worst moment and at the final flush, each with the reduce-scatter inputs then in
-    flight (the copies gloo keeps)."""
+    flight (the copies gloo keeps). ``layers``: the gradients of the units already done, in staging buffers
+    (the open bucket's and the persistent pool's) and on the wire, as each transformer layer's backward
+    begins, from the last layer to the first."""
 
     worst: int
     worst_on_wire: int
     final: int
     final_on_wire: int
+    layers: Tuple[int, ...] = ()
 
     def scaled(self, element_bytes: int) -> "GradientFlow":
-        return GradientFlow(*(element_bytes * v for v in dataclasses.astuple(self)))
+        return GradientFlow(element_bytes * self.worst, element_bytes * self.worst_on_wire,
+                            element_bytes * self.final, element_bytes * self.final_on_wire,
+                            tuple(element_bytes * v for v in self.layers))
 
 
 def _prefetched(order, k: int, prefetch: int) -> int:
@@ -181,7 +191,8 @@ def _prefetched(order, k: int, prefetch: int) -> int:
 
 
 def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, prefetch: int, live: int,
-                         pinned: int = 0, p2p: bool = False, direct: bool = False) -> GradientFlow:
+                         pinned: int = 0, p2p: bool = False, direct: bool = False,
+                         layer_starts: Sequence[int] = ()) -> GradientFlow:
     """Replay a ZeRO-3 backward over unit sizes (elements; ``order``: gathered units in backward order).
 
     While a unit's gradient is staged (:class:`hybrid.zero.stage3_grads.Stage3GradReducer`) a rank holds
@@ -199,7 +210,11 @@ def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, pref
     ``p2p``: each reduce-scatter in flight holds the point-to-point scratch tensors of ``[numel / dp]``
     elements (:func:`hybrid.p2p_collectives.scratch_chunks`). ``direct``: every bucket is
     reduced straight into the gradient partition (the first micro-step of a step with one), so none holds a
-    reduced output of its own.
+    reduced output of its own. ``layer_starts``: positions in ``order`` where the transformer layers' backwards
+    begin (:meth:`hybrid.plan.model_memory.Stage3Layout.backward_layer_starts`); for each, ``layers`` has the
+    open bucket's staging buffers and the buckets on the wire then, plus the persistent pool's staging buffer,
+    which the first gradient of a small parameter allocates (the final norm's, before any layer's) and which
+    joins a bucket only at the end of backward.
     """
     limit = inflight_limit(bucket_size)
     flights, open_units = [], []
@@ -236,7 +251,10 @@ def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, pref
         if sum(open_units) >= bucket_size:
             launch(ahead)
 
+    layers, starts = [], set(layer_starts)
     for k, x in enumerate(order):
+        if k in starts:
+            layers.append(persistent + sum(open_units) + wire())
         gathered = min(live, x + _prefetched(order, k, prefetch))
         held = pinned if k < len(order) - 1 else 0
         note(held + gathered + sum(open_units) + 2 * x + wire())
@@ -250,7 +268,7 @@ def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, pref
             extras.pop(0)
         final_wire = sum(flights) + sum(open_units)
         final = launch(0)
-    return GradientFlow(worst, worst_wire, final, final_wire)
+    return GradientFlow(worst, worst_wire, final, final_wire, tuple(layers))
 
 
 def largest_layer_weight(config: GPTConfig) -> int:
@@ -314,7 +332,8 @@ def _unit_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, u
     direct = micro_batches == 1 and (candidate.offload == "none" or setup.profile.host_is_device)
     flow = stage3_gradient_flow(units.backward_order(config.tie_embeddings), units.persistent,
                                 setup.bucket_size, units.dp, setup.stage3_prefetch, live, pinned,
-                                setup.profile.p2p_reduce_scatter, direct)
+                                setup.profile.p2p_reduce_scatter, direct,
+                                units.backward_layer_starts(config.tie_embeddings))
     return state, forward, backward, flow.scaled(p), 0, 0, 0
 
 
@@ -426,15 +445,22 @@ def _estimate(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, act
     else:  # a pipeline rank without the head: its forward ends with its output, kept for its backward
         before_loss, final_norm = held, 0
         forward = backward = base + gathered + held
-    # The last layer's backward: its largest weight gradient and input gradient in flight, the residual
-    # gradient (received from the next pipeline part, in a pipeline), a recomputed layer's activations, and a
-    # tied head's gradient waiting for the embedding's (in one process; pipeline copies are separate weights).
+    # A layer's backward: its largest weight gradient and input gradient in flight, the residual gradient
+    # (received from the next pipeline part, in a pipeline), a recomputed layer's activations, and a tied head's
+    # gradient waiting for the embedding's (in one process; pipeline copies are separate weights).
     tied = head_grad if config.tie_embeddings and first and last else 0
     rebuilt = act.layer_full if candidate.recompute == "full" else 0
     weight_grad = p * max(largest_layer_weight(config) // t, 1)
-    backward = max(backward, base + before_loss - final_norm + rebuilt + tied + weight_grad
-                   + p * n * config.ffn_size // t + p * n * h) + gathered_backward
-    backward_comm = gathered_backward
+    layer = before_loss - final_norm + rebuilt + tied + weight_grad + p * n * config.ffn_size // t + p * n * h
+    # Each layer from the last down: the saved activations of the layers backward has passed are gone, and under
+    # stage 3 their units' gradients wait in staging buffers or are on the wire (the replay's figure as the
+    # layer begins). Those grow by a layer's units while the activations shrink by what a layer saves, so with
+    # large buckets and full recomputation the first layer is the worst.
+    staged = staging3.layers if staging3 and staging3.layers else (0,)
+    # (bytes, the communication buffers among them) at the worst moment so far
+    backward, backward_comm = max([(backward, 0)] + [(base + layer - i * act.per_layer + gradients, gradients)
+                                                     for i, gradients in enumerate(staged)])
+    backward, backward_comm = backward + gathered_backward, backward_comm + gathered_backward
     forward, backward = forward + posted_receives, backward + posted_receives
     # Stage 3 on point-to-point messages keeps no library copy (the module docstring); stages 0-2 count one
     # as an upper bound.

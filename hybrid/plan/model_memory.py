@@ -199,21 +199,32 @@ class Stage3Layout:
     head_unit: int  # the unit of the output projection's weight (the word embeddings when tied)
     head_index: int = -1  # its position in ``units``
     layer_units: int = 0  # elements of the gathered units of the largest transformer layer, all together
+    unit_layers: Tuple[int, ...] = ()  # the transformer layer of each of ``units`` (-1: outside the layers)
 
     @property
     def largest_unit(self) -> int:
         return max(self.units, default=0)
 
-    def backward_order(self, tied: bool) -> Tuple[int, ...]:
-        """Sizes of the gathered units in the order backward completes their gradients.
+    def _backward_indices(self, tied: bool) -> List[int]:
+        """Indices into ``units`` in the order backward completes their gradients.
 
         Backward runs the modules in reverse; a tied word embedding gets its
         last contribution (the lookup at the very start of forward) last.
         """
-        order = list(reversed(self.units))
+        order = list(reversed(range(len(self.units))))
         if tied and 0 <= self.head_index < len(self.units):
             order.append(order.pop(len(self.units) - 1 - self.head_index))
-        return tuple(order)
+        return order
+
+    def backward_order(self, tied: bool) -> Tuple[int, ...]:
+        """Sizes of the gathered units in the order backward completes their gradients."""
+        return tuple(self.units[i] for i in self._backward_indices(tied))
+
+    def backward_layer_starts(self, tied: bool) -> Tuple[int, ...]:
+        """Positions in :meth:`backward_order` where each transformer layer's backward begins (its first unit
+        there), from the last layer to the first."""
+        layers = [self.unit_layers[i] for i in self._backward_indices(tied)] if self.unit_layers else []
+        return tuple(k for k, layer in enumerate(layers) if layer >= 0 and (k == 0 or layers[k - 1] != layer))
 
     def next_forward(self, prefetch: int, live: int) -> int:
         """Elements gathered between steps: the next forward's first units, whose gathers start once the update
@@ -249,7 +260,7 @@ class Stage3Layout:
 
 @functools.lru_cache(maxsize=64)
 def _stage3_units(config_json: str, tp: int, dp: int, precision: str, persistence_threshold: int,
-                  weight_decay: bool) -> Tuple[Tuple[int, ...], int, int, int, int, int]:
+                  weight_decay: bool) -> Tuple[Tuple[int, ...], int, int, int, int, int, Tuple[int, ...]]:
     from hybrid.topology import Topology
     from hybrid.zero.stage3_layout import build_units
     from model_zoo.gpt import GPTModel
@@ -263,13 +274,15 @@ def _stage3_units(config_json: str, tp: int, dp: int, precision: str, persistenc
     head = id(model.head_weight())
     gathered = [u for u in units if not u.persistent]
     head_index = next((k for k, u in enumerate(gathered) if any(id(q) == head for q in u.params)), -1)
-    per_layer: Dict[str, int] = collections.defaultdict(int)
-    for u in gathered:
-        if u.module_name.startswith("layers."):
-            per_layer[".".join(u.module_name.split(".")[:2])] += u.numel
+    layer_of = tuple(int(u.module_name.split(".")[1]) if u.module_name.startswith("layers.") else -1
+                     for u in gathered)
+    per_layer: Dict[int, int] = collections.defaultdict(int)
+    for u, layer in zip(gathered, layer_of):
+        if layer >= 0:
+            per_layer[layer] += u.numel
     return (tuple(u.numel for u in gathered), sum(u.numel for u in units if u.persistent),
             sum(u.chunk_numel for u in units), gathered[head_index].numel if head_index >= 0 else 0, head_index,
-            max(per_layer.values(), default=0))
+            max(per_layer.values(), default=0), layer_of)
 
 
 def stage3_layout(config: GPTConfig, tp: int, dp: int, precision: str,
@@ -277,10 +290,10 @@ def stage3_layout(config: GPTConfig, tp: int, dp: int, precision: str,
                   weight_decay: bool = True) -> Stage3Layout:
     """The stage-3 units of ``config`` at TP ``tp`` over ``dp`` ranks (the optimizer's own function, on meta)."""
     config.validate(tp)
-    units, persistent, partition, head, head_index, layer = _stage3_units(
+    units, persistent, partition, head, head_index, layer, layer_of = _stage3_units(
         json.dumps(config.to_dict(), sort_keys=True), tp, dp, precision, persistence_threshold, weight_decay)
     return Stage3Layout(units, persistent, partition, torch.empty((), dtype=DTYPES[precision]).element_size(), dp,
-                        head, head_index, layer)
+                        head, head_index, layer, layer_of)
 
 
 @dataclasses.dataclass(frozen=True)

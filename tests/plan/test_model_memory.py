@@ -111,6 +111,35 @@ def test_stage3_gradient_flow_replays_the_reducer():
     assert capped.worst == deep.worst - 30
 
 
+def test_stage3_gradient_flow_holds_the_passed_layers_gradients():
+    from hybrid.plan.estimate import stage3_gradient_flow
+
+    # Two layers of two units (10 and 20 elements), a persistent pool of 3, dp 2, reduced outputs of their own.
+    # A bucket larger than the model launches nothing before the end of backward: the first layer (backward's
+    # second) begins beside the persistent pool's buffer and both units of the layer above, 3 + 30.
+    order, starts = [10, 20, 10, 20], (0, 2)
+    big = stage3_gradient_flow(order, 3, bucket_size=100, dp=2, prefetch=0, live=10**9, layer_starts=starts)
+    assert big.layers == (3, 3 + 30)
+    # Buckets of 25: the 20-element unit launches the open bucket (10 in, 5 out) and waits in the next one.
+    small = stage3_gradient_flow(order, 3, bucket_size=25, dp=2, prefetch=0, live=10**9, layer_starts=starts)
+    assert small.layers == (3, 3 + 20 + (10 + 5))
+    assert small.scaled(2).layers == (6, 76)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_stage3_layer_starts_follow_the_backward_order(preset):
+    config = get_preset(preset, num_layers=2)
+    units = stage3_layout(config, 1, 4, "bf16", 2000)
+    model = GPTModel(config, Topology.local(), device="meta")
+    per_layer = sum(p.numel() > 2000 for p in model.layers[0].parameters())
+    starts = units.backward_layer_starts(config.tie_embeddings)
+    # A tied head's unit is done last, an untied head's first: the last layer begins after it.
+    first = 0 if config.tie_embeddings else 1
+    assert starts == (first, first + per_layer)
+    order = units.backward_order(config.tie_embeddings)
+    assert sum(order[starts[0]:starts[1]]) == units.layer_units
+
+
 def test_stage3_on_gloo_point_to_point_counts_no_library_copies():
     # hybrid's point-to-point reduce-scatter sends from the bucket itself: the CPU profile's stage 3 has no
     # untracked copies, its receive buffers are tensors in the peak; a backend that copied inputs would add them.
