@@ -13,8 +13,9 @@ passes three high points, and the peak is the largest:
   gradient, ``V'*h`` weight gradient); then each layer's largest weight
   gradient and input gradient, beside a tied head's gradient that waits for
   the embedding's and the activations of the layers not passed yet. With full
-  recomputation one layer's activations are rebuilt (``layer_full``) while
-  the others' inputs wait. Without stage 3 the last layer's is the worst;
+  recomputation one layer's activations are rebuilt (``layer_full`` less the
+  layer's input, which is the saved one) while the others' inputs wait.
+  Without stage 3 the last layer's is the worst;
 * **optimizer step**: activations are gone; what remains is the step's
   workspace (fp32 copies of low-precision gradients when the optimizer cannot
   read them directly) and, on gloo, the temporary an all-gather lands in.
@@ -447,9 +448,11 @@ def _estimate(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, act
         forward = backward = base + gathered + held
     # A layer's backward: its largest weight gradient and input gradient in flight, the residual gradient
     # (received from the next pipeline part, in a pipeline), a recomputed layer's activations, and a tied head's
-    # gradient waiting for the embedding's (in one process; pipeline copies are separate weights).
+    # gradient waiting for the embedding's (in one process; pipeline copies are separate weights). The rebuilt
+    # layer's first norm saves the layer's input, which is the tensor the recomputation kept: already among
+    # the saved activations (``per_layer``), so it is not counted twice.
     tied = head_grad if config.tie_embeddings and first and last else 0
-    rebuilt = act.layer_full if candidate.recompute == "full" else 0
+    rebuilt = act.layer_full - act.per_layer if candidate.recompute == "full" else 0
     weight_grad = p * max(largest_layer_weight(config) // t, 1)
     layer = before_loss - final_norm + rebuilt + tied + weight_grad + p * n * config.ffn_size // t + p * n * h
     # Each layer from the last down: the saved activations of the layers backward has passed are gone, and under
