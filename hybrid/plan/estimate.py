@@ -318,22 +318,24 @@ def _unit_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, u
     held = sum(units.units[i] for i in units.held_into_backward(setup.stage3_keep) if i != units.head_index)
     # Forward, at the loss: the head's unit, plus what was prefetched behind the last module or is kept.
     forward = p * (head + max(min(ahead, units.largest_unit), held))
-    # Backward starts with the head's unit and everything prefetched ahead of the layers, within the live
-    # limit; later each unit is gathered again with the next ones prefetched behind it. A tied head's unit stays
-    # gathered through backward, beside the layer's; full recomputation replays a whole layer, gathering all of
-    # its units, which stay gathered until their gradients arrive.
+    # Backward starts with the head's unit and the units prefetched ahead of the layers, within the live
+    # limit; later each unit is gathered again with the next ones prefetched behind it: whole units while they
+    # fit the prefetch window (ParamGatherer._prefetch), at most. A tied head's unit stays gathered through
+    # backward, beside the layer's; full recomputation replays a whole layer, gathering all of its units, which
+    # stay gathered until their gradients arrive.
     live = setup.stage3_live_parameters
+    order = units.backward_order(config.tie_embeddings)
+    prefetched = max((_prefetched(order, k, setup.stage3_prefetch) for k in range(len(order))), default=0)
     layer = units.layer_units if candidate.recompute == "full" else units.largest_unit
     first = head + layer if config.tie_embeddings else max(head, layer)
-    backward = p * min(live, sum(units.units), first + max(ahead, held))
+    backward = p * min(live, sum(units.units), first + max(prefetched, held))
     # A tied head's unit stays gathered through backward beside its waiting gradient (both about the unit's size).
     pinned = 2 * head if config.tie_embeddings else 0
     # The reductions land in the gradient partition itself on a step's only micro-step (consecutive units on the
     # partition's device: the CPU profile, or no offload); later micro-steps add through a reduced output.
     direct = micro_batches == 1 and (candidate.offload == "none" or setup.profile.host_is_device)
-    flow = stage3_gradient_flow(units.backward_order(config.tie_embeddings), units.persistent,
-                                setup.bucket_size, units.dp, setup.stage3_prefetch, live, pinned,
-                                setup.profile.p2p_reduce_scatter, direct,
+    flow = stage3_gradient_flow(order, units.persistent, setup.bucket_size, units.dp, setup.stage3_prefetch, live,
+                                pinned, setup.profile.p2p_reduce_scatter, direct,
                                 units.backward_layer_starts(config.tie_embeddings))
     return state, forward, backward, flow.scaled(p), 0, 0, 0
 
