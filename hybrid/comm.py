@@ -315,6 +315,7 @@ class Communicator:
         n = self.size(axis)
         if n == 1:
             return Handle() if async_op else None
+        tensor = _untracked(tensor)
         if two_level and self._splits_over_nodes(axis):
             return self._two_level_all_reduce(tensor, op, quant, async_op)
         if quant is not None:
@@ -342,6 +343,7 @@ class Communicator:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input.view_as(output))
             return Handle() if async_op else None
+        output, input = _untracked(output), _untracked(input)
         if quant is not None:
             return self._quantized_all_gather(output, input, axis, quant, async_op)
         self._record("all_gather", axis, _nbytes(output), (n - 1) / n)
@@ -403,8 +405,9 @@ class Communicator:
         node, then across nodes (:meth:`_two_level_reduce_scatter`).
         """
         n = self.size(axis)
+        output = _untracked(output)
         if not isinstance(input, torch.Tensor):
-            segments = [s.view(-1) for s in input]
+            segments = [_untracked(s).view(-1) for s in input]
             total = sum(s.numel() for s in segments)
             if total != n * output.numel() or any(s.numel() % n for s in segments):
                 raise ValueError(f"reduce_scatter_tensor over {axis}: segments of {[s.numel() for s in segments]} "
@@ -414,6 +417,7 @@ class Communicator:
                 self._record("reduce_scatter", axis, total * segments[0].element_size(), (n - 1) / n)
                 return self._p2p_reduce_scatter(output, segments, axis, op, async_op)
             input = segments[0] if len(segments) == 1 else torch.cat([s.view(n, -1) for s in segments], 1).view(-1)
+        input = _untracked(input)
         if two_level and self._splits_over_nodes(axis):
             return self._two_level_reduce_scatter(output, input, op, quant, async_op)
         if input.numel() != n * output.numel():
@@ -490,7 +494,7 @@ class Communicator:
         if n == 1:
             output.copy_(input)
             return Handle() if async_op else None
-        return self._all_to_all("all_to_all", output, input, axis, async_op, None)
+        return self._all_to_all("all_to_all", _untracked(output), _untracked(input), axis, async_op, None)
 
     def _all_to_all(self, op: str, output: torch.Tensor, input: torch.Tensor, axis: str, async_op: bool,
                     finish: Optional[Callable[[], None]]) -> Optional[Handle]:
@@ -606,7 +610,7 @@ class Communicator:
             return
         self._record("all_gather", axis, _nbytes(input) * n, (n - 1) / n)
         with self._guard(self._name("all_gather", axis)):
-            dist.all_gather(tensors, input, group=self._group(axis))
+            dist.all_gather([_untracked(t) for t in tensors], _untracked(input), group=self._group(axis))
 
     def broadcast(self, tensor: torch.Tensor, axis: str, src: int = 0) -> None:
         """Broadcast ``tensor`` from group rank ``src`` of ``axis`` to the rest of the group."""
@@ -619,7 +623,7 @@ class Communicator:
         self._record("broadcast", axis, _nbytes(tensor), 1.0,
                      fan_out=[r for r in ranks if r != src_global] if self._topology.rank == src_global else [])
         with self._guard(self._name("broadcast", axis)):
-            dist.broadcast(tensor, src=src_global, group=self._group(axis))
+            dist.broadcast(_untracked(tensor), src=src_global, group=self._group(axis))
 
     def all_gather_object(self, obj, axis: str = "world") -> list:
         """Gather a picklable Python object from every rank of ``axis`` (small metadata only)."""
@@ -664,7 +668,7 @@ class Communicator:
                       tuple(self._topology.group_ranks(axis)))
         self._advance_rings()
         with self._guard(name):
-            work = issue(tensor, peer, group=self._group(axis), tag=tag)
+            work = issue(_untracked(tensor), peer, group=self._group(axis), tag=tag)
         handle = Handle(work, None, self._timeout, lambda: self._guard(name), self._untrack)
         if async_op:
             return self._track(handle)
@@ -689,6 +693,17 @@ def _padded(flat: torch.Tensor, parts: int) -> Tuple[torch.Tensor, int]:
     padded = torch.zeros(k * parts, dtype=flat.dtype, device=flat.device)
     padded[:flat.numel()].copy_(flat)
     return padded, k
+
+
+def _untracked(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory without its autograd identity, for the backend to hold.
+
+    A backend can let go of its reference after the call returned (gloo's worker thread, NCCL's watchdog). A
+    tensor that becomes an autograd output (a tensor-parallel mapping's result: its ``grad_fn`` is attached
+    after the collective) or a view of one would keep the graph behind it, saved tensors and all, alive
+    until then; under full recomputation that moved the measured peak. The alias shares the storage and
+    offset, so results land in ``t`` as before."""
+    return t.detach()
 
 
 def _nbytes(t: torch.Tensor) -> int:
