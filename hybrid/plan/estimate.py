@@ -193,12 +193,14 @@ def _prefetched(order, k: int, prefetch: int) -> int:
 
 def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, prefetch: int, live: int,
                          pinned: int = 0, p2p: bool = False, direct: bool = False,
-                         layer_starts: Sequence[int] = ()) -> GradientFlow:
+                         layer_starts: Sequence[int] = (), copied: Sequence[bool] = ()) -> GradientFlow:
     """Replay a ZeRO-3 backward over unit sizes (elements; ``order``: gathered units in backward order).
 
     While a unit's gradient is staged (:class:`hybrid.zero.stage3_grads.Stage3GradReducer`) a rank holds
     the unit gathered with the next ones prefetched (:class:`hybrid.zero.param_gather.ParamGatherer`), the
-    open bucket's staging buffers, the unit's staging buffer and autograd's gradient, and the buckets on the
+    open bucket's staging buffers, the unit's staging buffer and autograd's gradient (one tensor when the unit
+    takes the gradient as its buffer: ``copied[k]`` False; :meth:`~hybrid.plan.model_memory.Stage3Layout.
+    backward_copied`; every unit copies when ``copied`` is empty), and the buckets on the
     wire (input, and reduced output unless it lands in the partition itself). A ready unit is released, and
     joins the open bucket after launching it if it would take it past ``bucket_size``
     (:func:`hybrid.zero.inflight.closes_before`); launching lands the oldest buckets until the new one fits
@@ -258,7 +260,7 @@ def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, pref
             layers.append(persistent + sum(open_units) + wire())
         gathered = min(live, x + _prefetched(order, k, prefetch))
         held = pinned if k < len(order) - 1 else 0
-        note(held + gathered + sum(open_units) + 2 * x + wire())
+        note(held + gathered + sum(open_units) + (2 if not copied or copied[k] else 1) * x + wire())
         ready(x, held + gathered - x)
     final, final_wire = 0, 0
     if persistent:
@@ -336,7 +338,8 @@ def _unit_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, u
     direct = micro_batches == 1 and (candidate.offload == "none" or setup.profile.host_is_device)
     flow = stage3_gradient_flow(order, units.persistent, setup.bucket_size, units.dp, setup.stage3_prefetch, live,
                                 pinned, setup.profile.p2p_reduce_scatter, direct,
-                                units.backward_layer_starts(config.tie_embeddings))
+                                units.backward_layer_starts(config.tie_embeddings),
+                                units.backward_copied(config.tie_embeddings))
     return state, forward, backward, flow.scaled(p), 0, 0, 0
 
 

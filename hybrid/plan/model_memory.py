@@ -200,6 +200,7 @@ class Stage3Layout:
     head_index: int = -1  # its position in ``units``
     layer_units: int = 0  # elements of the gathered units of the largest transformer layer, all together
     unit_layers: Tuple[int, ...] = ()  # the transformer layer of each of ``units`` (-1: outside the layers)
+    whole_parameter: Tuple[bool, ...] = ()  # per unit, :attr:`hybrid.zero.stage3_layout.Unit.whole_parameter`
 
     @property
     def largest_unit(self) -> int:
@@ -219,6 +220,12 @@ class Stage3Layout:
     def backward_order(self, tied: bool) -> Tuple[int, ...]:
         """Sizes of the gathered units in the order backward completes their gradients."""
         return tuple(self.units[i] for i in self._backward_indices(tied))
+
+    def backward_copied(self, tied: bool) -> Tuple[bool, ...]:
+        """Per unit of :meth:`backward_order`, whether its gradient is copied into a staging buffer (held twice
+        for a moment); a unit that is one whole parameter takes autograd's gradient as it is."""
+        return tuple(not self.whole_parameter[i] if self.whole_parameter else True
+                     for i in self._backward_indices(tied))
 
     def backward_layer_starts(self, tied: bool) -> Tuple[int, ...]:
         """Positions in :meth:`backward_order` where each transformer layer's backward begins (its first unit
@@ -260,7 +267,8 @@ class Stage3Layout:
 
 @functools.lru_cache(maxsize=64)
 def _stage3_units(config_json: str, tp: int, dp: int, precision: str, persistence_threshold: int,
-                  weight_decay: bool) -> Tuple[Tuple[int, ...], int, int, int, int, int, Tuple[int, ...]]:
+                  weight_decay: bool) -> Tuple[Tuple[int, ...], int, int, int, int, int, Tuple[int, ...],
+                                               Tuple[bool, ...]]:
     from hybrid.topology import Topology
     from hybrid.zero.stage3_layout import build_units
     from model_zoo.gpt import GPTModel
@@ -282,7 +290,7 @@ def _stage3_units(config_json: str, tp: int, dp: int, precision: str, persistenc
             per_layer[layer] += u.numel
     return (tuple(u.numel for u in gathered), sum(u.numel for u in units if u.persistent),
             sum(u.chunk_numel for u in units), gathered[head_index].numel if head_index >= 0 else 0, head_index,
-            max(per_layer.values(), default=0), layer_of)
+            max(per_layer.values(), default=0), layer_of, tuple(u.whole_parameter for u in gathered))
 
 
 def stage3_layout(config: GPTConfig, tp: int, dp: int, precision: str,
@@ -290,10 +298,10 @@ def stage3_layout(config: GPTConfig, tp: int, dp: int, precision: str,
                   weight_decay: bool = True) -> Stage3Layout:
     """The stage-3 units of ``config`` at TP ``tp`` over ``dp`` ranks (the optimizer's own function, on meta)."""
     config.validate(tp)
-    units, persistent, partition, head, head_index, layer, layer_of = _stage3_units(
+    units, persistent, partition, head, head_index, layer, layer_of, whole = _stage3_units(
         json.dumps(config.to_dict(), sort_keys=True), tp, dp, precision, persistence_threshold, weight_decay)
     return Stage3Layout(units, persistent, partition, torch.empty((), dtype=DTYPES[precision]).element_size(), dp,
-                        head, head_index, layer, layer_of)
+                        head, head_index, layer, layer_of, whole)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -131,7 +131,7 @@ class Stage3GradReducer:
         padding, a contiguous tensor of the reduction's dtype and device that owns all of its memory (no view
         keeping a larger buffer alive). Saves copying the gradient, and allocating the buffer."""
         u = self.units[i]
-        if (len(u.params) != 1 or u.used != u.numel or grad.numel() != u.numel or grad.dtype != self.dtype
+        if (not u.whole_parameter or grad.numel() != u.numel or grad.dtype != self.dtype
                 or grad.device != self.device or grad.layout != torch.strided or not grad.is_contiguous()
                 or grad._base is not None or grad.storage_offset() != 0
                 or grad.untyped_storage().nbytes() != u.numel * grad.element_size()):

@@ -73,6 +73,12 @@ class Unit:
     def chunk_numel(self) -> int:
         return self.numel // self.dp
 
+    @property
+    def whole_parameter(self) -> bool:
+        """One parameter filling the unit, no padding: its gradient can be the unit's staging buffer as autograd
+        made it (:mod:`hybrid.zero.stage3_grads`), which the planner's replay of backward counts once."""
+        return len(self.records) == 1 and self.used == self.numel
+
     def chunk_range(self, dp_rank: int) -> Tuple[int, int]:
         return dp_rank * self.chunk_numel, (dp_rank + 1) * self.chunk_numel
 

@@ -98,6 +98,10 @@ def test_stage3_gradient_flow_replays_the_reducer():
     # on the wire (15 + 15, the cap of 2 x 15 input elements), unit 2's 10 in and 5 out = 45.
     flow = stage3_gradient_flow([10, 10, 10], 0, bucket_size=15, dp=2, prefetch=0, live=10**9)
     assert flow == GradientFlow(worst=55, worst_on_wire=10, final=45, final_on_wire=30)
+    # Units that take autograd's gradient as their staging buffer hold it once: 10 less at the worst moment.
+    adopted = stage3_gradient_flow([10, 10, 10], 0, bucket_size=15, dp=2, prefetch=0, live=10**9,
+                                   copied=[False] * 3)
+    assert adopted == GradientFlow(worst=45, worst_on_wire=10, final=45, final_on_wire=30)
     # Older buckets land before a new one launches: with units larger than the cap (2 x 1 element), one bucket
     # is on the wire at a time, so a deeper model holds no more.
     short = stage3_gradient_flow([20] * 10, 7, bucket_size=1, dp=4, prefetch=40, live=10**9)
@@ -124,6 +128,20 @@ def test_stage3_gradient_flow_holds_the_passed_layers_gradients():
     small = stage3_gradient_flow(order, 3, bucket_size=25, dp=2, prefetch=0, live=10**9, layer_starts=starts)
     assert small.layers == (3, 3 + 20 + (10 + 5))
     assert small.scaled(2).layers == (6, 76)
+
+
+def test_stage3_units_that_are_one_parameter_are_not_copied():
+    """With the small parameters pooled, every gathered unit is one weight, unpadded at DP 4: none is copied.
+    Padding makes a copy (at DP 3 only the qkv weights fill their units), and so does a second parameter (with
+    nothing pooled, GPT-2's linear layers share their units with their biases)."""
+    llama = get_preset("llama-tiny", num_layers=2)
+    assert not any(stage3_layout(llama, 1, 4, "bf16", 2000).backward_copied(llama.tie_embeddings))
+    padded = stage3_layout(llama, 1, 3, "bf16", 0)
+    assert padded.whole_parameter.count(True) == 2
+    assert sum(padded.backward_copied(llama.tie_embeddings)) == len(padded.units) - 2
+    gpt2 = get_preset("tiny", num_layers=2)
+    with_bias = stage3_layout(gpt2, 1, 4, "bf16", 0)
+    assert with_bias.whole_parameter.count(True) == 2  # the word and position embeddings alone
 
 
 @pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
