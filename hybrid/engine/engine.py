@@ -198,6 +198,10 @@ class Engine:
     def _forward_part(self, chunk: int, part: int, hidden: Optional[torch.Tensor],
                       microbatch: Mapping[str, Any]) -> torch.Tensor:
         with self._autocast():
+            if self.pipeline.num_parts == 1:
+                # The whole model: through its __call__, so that hooks on the model itself run. ZeRO-3's do (the
+                # root's pre-hook installs its saved-tensor hooks and watches reads of a tied head's weight).
+                return self.module(**microbatch)
             return self.module.forward_part(part, hidden, **microbatch)
 
     def _pipeline_loss(self, losses: List[float]) -> torch.Tensor:

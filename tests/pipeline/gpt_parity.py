@@ -31,12 +31,14 @@ def gpt_config(num_layers: int, tie: bool = True, sequence_parallel: bool = Fals
 
 def engine_config(case: dict) -> dict:
     """The engine config of a test case: ``stage``, ``micro`` and optionally ``schedule``, ``per_virtual``,
-    ``layers_per_stage``, ``optimizer``, ``offload``, ``precision``, ``async_save``."""
+    ``layers_per_stage``, ``optimizer``, ``offload``, ``precision``, ``async_save``, ``persist`` (ZeRO-3's
+    persistence threshold)."""
     optimizer = case.get("optimizer", "adamw")
     extra = {"freeze_step": 3} if optimizer == "onebit_adam" else {}
     return {"checkpoint": {"async_save": case.get("async_save", False)}, "precision": case.get("precision", "fp32"),
             "optimizer": {"type": optimizer, "lr": LR, "weight_decay": WD, "eps": EPS, **extra}, "clip_grad": CLIP,
-            "zero": {"stage": case["stage"], "bucket_size": BUCKET, "offload_optimizer": case.get("offload", "none")},
+            "zero": {"stage": case["stage"], "bucket_size": BUCKET, "offload_optimizer": case.get("offload", "none"),
+                     **({"persistence_threshold": case["persist"]} if "persist" in case else {})},
             "micro_batch_size": case["micro"], "global_batch_size": GLOBAL, "steps_per_print": 0,
             "pipeline": {"schedule": case.get("schedule", "1f1b"), "layers_per_virtual_stage": case.get("per_virtual"),
                          "layers_per_stage": case.get("layers_per_stage")}}
@@ -47,7 +49,9 @@ def train_layout(case: dict) -> dict:
     topo, cfg, model, engine = _build(case)
     losses, norms = _steps(engine, topo, cfg, case["micro"], range(STEPS))
     stats = engine.last_pipeline_stats
-    out = {"losses": losses, "norms": norms, "params": _whole_params(model, topo), "pp_rank": topo.pp_rank,
+    with engine.gathered_parameters():  # whole under ZeRO-3 (a no-op below it)
+        params = _whole_params(model, topo)
+    out = {"losses": losses, "norms": norms, "params": params, "pp_rank": topo.pp_rank,
            "dp_rank": topo.dp_rank, "max_in_flight": stats.max_in_flight,
            "inter_node": {op: v["inter_node_bytes"] for op, v in engine.comm_report().items()}}
     engine.close()

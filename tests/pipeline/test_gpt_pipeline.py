@@ -26,6 +26,9 @@ CASES = {
     "pp2-tp2-mqa-z1": dict(tp=2, pp=2, stage=1, micro=2, layers=2, query_groups=1, layers_per_stage=[0, 2]),
     # interleaved: two chunks of one layer per rank
     "pp2-dp2-interleaved-z2": dict(tp=1, pp=2, stage=2, micro=2, layers=4, schedule="interleaved", per_virtual=1),
+    # no pipeline, ZeRO-3, two micro-batches: train_batch as the trainer runs it, the tied head's weight (a unit
+    # of its own below the persistence threshold of 100) read outside its module
+    "dp4-z3": dict(tp=1, pp=1, stage=3, micro=1, layers=3, persist=100),
 }
 # No one-process fp32 reference for these. 1-bit Adam compresses: its compressed steps must keep the tied copies
 # equal. bf16 with CPU offload, its host copies poisoned between steps (HYBRID_DEBUG_POISON_HOST; in bf16 the
