@@ -168,6 +168,12 @@ CONTENDERS = [
     Contender("dp4-z3-hpz", 1, 3, 4, ("--zero-hpz-partition-size", "2"), True),
     Contender("dp4-z3-q-hpz", 1, 3, 4, ("--zero-quantized-gradients", "int4", "--zero-quantized-weights", "int8",
                                         "--zero-hpz-partition-size", "2"), True),
+    # a prefetch window smaller than this model (3.1M gathered elements): forward keeps only the last window's
+    # worth into backward, which gathers the rest again (across nodes, or with hpZ inside the node), as for a
+    # model larger than the default window
+    Contender("dp4-z3-w500k", 1, 3, 4, ("--zero-prefetch-bucket-size", "500000"), True),
+    Contender("dp4-z3-hpz-w500k", 1, 3, 4, ("--zero-prefetch-bucket-size", "500000", "--zero-hpz-partition-size", "2"),
+              True),
     # 1-bit Adam: the momentum crosses as signs (beside megatron-tp2-dp2, the same stage 0), measured after 8
     # AdamW steps (fewer leave a variance too noisy to freeze: with 1 the loss diverges by the 4th step)
     Contender("hybrid-tp2-z0-1bit", 2, 0, 4, ("--optimizer", "onebit_adam", "--optimizer-freeze-step", "8"), True,

@@ -278,7 +278,7 @@ def calibrate(data: dict) -> Dict[str, float]:
 # trainer flags of a contender -> the TrainingSetup field they set (valued flags; --zero-reduce-once is read apart)
 _SETUP_FLAGS = {"--zero-quantized-gradients": "quantized_gradients", "--zero-quantized-weights": "quantized_weights",
                 "--zero-quantization-block": "quantization_block", "--zero-hpz-partition-size": "hpz_partition_size",
-                "--optimizer": "optimizer"}
+                "--zero-prefetch-bucket-size": "stage3_prefetch", "--optimizer": "optimizer"}
 
 
 def contender_setup(data: dict, row: dict) -> TrainingSetup:
