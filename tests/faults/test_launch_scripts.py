@@ -73,8 +73,12 @@ def test_single_node_scripts_rendezvous_on_loopback_only():
         assert '--rdzv-endpoint "127.0.0.1:$MASTER_PORT"' in text, script
 
 
-def test_gpt2_1_5b_script(tmp_path):
-    env = _env(tmp_path, **SMALL, GPUS_PER_NODE="1", ZERO_STAGE="2")
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_gpt2_1_5b_script(tmp_path, stage):
+    # stage 3: the trainer's train_batch must run the model through its hooks (the tied head's weight, a unit of
+    # its own under a persistence threshold of 100 elements, is read outside its module)
+    extra = {"EXTRA_ARGS": "--zero-persistence-threshold 100"} if stage == "3" else {}
+    env = _env(tmp_path, **SMALL, GPUS_PER_NODE="1", ZERO_STAGE=stage, **extra)
     proc = _run(["bash", str(SCRIPTS / "pretrain_gpt2_1.5b.sh")], env)
     _trained(proc, tmp_path / "checkpoints")
 
