@@ -6,7 +6,8 @@ on a rank). The buffer is not zero-filled: a parameter's first gradient is
 copied in, and only the padding and the parameters that got no gradient are
 zeroed (the latter when the unit is reduced). A unit that is one parameter
 without padding (most units: a linear layer's unit is its weight alone, its
-bias being in the persistent pool) takes that parameter's fresh gradient as its staging buffer, with no copy. When every parameter of a unit
+bias being in the persistent pool) takes that parameter's fresh gradient as
+its staging buffer, with no copy. When every parameter of a unit
 has its gradient the unit is *ready*: its gathered weights are released and it
 joins the open bucket (the bucket is launched first if the unit would take it
 past ``bucket_numel`` elements). A bucket holding ``bucket_numel`` elements or
