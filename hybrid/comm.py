@@ -20,6 +20,8 @@ never to move training data:
 
 * :mod:`hybrid.p2p_collectives` is part of this module: the reduce-scatters
   and all-gathers it runs on gloo as point-to-point messages;
+* :mod:`hybrid.comm_handle` holds what an operation returns and raises (its
+  handle, its name in errors), which this module re-exports;
 * :mod:`hybrid.distributed` creates and destroys the default (world) group;
 * :mod:`hybrid.topology` reads the world's rank, size and backend and creates
   the per-axis groups (``new_group`` is itself collective over the world);
@@ -37,11 +39,12 @@ import contextlib
 import dataclasses
 import datetime
 import time
-from typing import TYPE_CHECKING, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from hybrid.comm_handle import CollectiveError, Handle, OpName, naming_errors  # importers read them here too
 from hybrid.compression import Quantization
 from hybrid.kernels import quantize as _quant
 from hybrid.p2p_collectives import DirectReduceScatter, RingReduceScatter, direct_all_gather, direct_tags, ring_tag
@@ -59,78 +62,6 @@ _REDUCE_OPS = {
     "min": dist.ReduceOp.MIN,
     "avg": dist.ReduceOp.SUM,  # divided afterwards: gloo has no AVG
 }
-
-
-class CollectiveError(RuntimeError):
-    """A collective or transfer that failed or timed out, named by operation, axis and group ranks."""
-
-
-@dataclasses.dataclass(frozen=True)
-class OpName:
-    """What a failed operation was, for its error: ``all_reduce over 'dp' (global ranks [0, 2])``."""
-
-    op: str
-    axis: str
-    ranks: Tuple[int, ...]
-
-    def describe(self) -> str:
-        return f"{self.op} over '{self.axis}' (global ranks {list(self.ranks)})"
-
-
-@contextlib.contextmanager
-def _named(name: OpName, timeout: Optional[datetime.timedelta]) -> Iterator[None]:
-    """Re-raise a backend error (a timeout, a peer that closed its connection) naming the operation."""
-    try:
-        yield
-    except CollectiveError:
-        raise
-    except RuntimeError as e:  # torch.distributed's errors (DistBackendError, gloo's timeouts) are RuntimeErrors
-        cause = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        waited = f"within the timeout of {timeout.total_seconds():g} s" if timeout else "within the group's timeout"
-        raise CollectiveError(f"{name.describe()} did not complete {waited}: a peer has stopped, died or is "
-                              f"unreachable (backend: {cause})") from e
-
-
-class Handle:
-    """Result of an async collective. :meth:`wait` blocks until it is done (at most the communicator's timeout).
-
-    ``work``: the backend's work object, waited for inside ``guard()`` (which
-    names the operation in errors and counts the time blocked); ``finish``:
-    what completes the operation after that (a division, the remaining steps
-    of a ring).
-    """
-
-    def __init__(self, work=None, finish: Optional[Callable[[], None]] = None,
-                 timeout: Optional[datetime.timedelta] = None,
-                 guard: Optional[Callable[[], ContextManager[None]]] = None,
-                 on_done: Optional[Callable[["Handle"], None]] = None):
-        self._work = work
-        self._finish = finish
-        self._timeout = timeout
-        self._guard = guard or contextlib.nullcontext
-        self._on_done = on_done
-        self._done = work is None and finish is None
-
-    def wait(self) -> None:
-        if self._done:
-            return
-        if self._work is not None:
-            with self._guard():
-                if self._timeout is not None:
-                    self._work.wait(self._timeout)
-                else:
-                    self._work.wait()
-        if self._finish is not None:
-            self._finish()
-        self._done = True
-        # drop the work and the closure: they hold the operation's buffers (a quantized one's packed copies)
-        self._work = self._finish = None
-        if self._on_done is not None:
-            self._on_done(self)
-
-    @property
-    def done(self) -> bool:
-        return self._done
 
 
 @dataclasses.dataclass
@@ -252,7 +183,7 @@ class Communicator:
         """Around every wait: count the time blocked, and name the operation in a backend error."""
         start = time.perf_counter()
         try:
-            with _named(name, self._timeout):
+            with naming_errors(name, self._timeout):
                 yield
         finally:
             self._blocked_s += time.perf_counter() - start

@@ -78,8 +78,8 @@ from hybrid.layout import partition_count
 from hybrid.plan.activations import DTYPE_BYTES, ActivationBytes, activation_bytes
 from hybrid.plan.candidate import Candidate
 from hybrid.plan.compressed import FP32, chunk, gather_buffers, reduction_buffers
-from hybrid.plan.model_memory import (FlatLayout, Stage3Layout, StateBytes, flat_layout, shard_shapes, snapshot_bytes,
-                                      stage3_layout, stage3_state_bytes, state_bytes)
+from hybrid.plan.model_memory import (FlatLayout, Stage3Layout, StateBytes, fitting_prefix, flat_layout, shard_shapes,
+                                      snapshot_bytes, stage3_layout, stage3_state_bytes, state_bytes)
 from hybrid.plan.pipeline_stages import stage_share, transfers
 from hybrid.plan.setup import TrainingSetup
 from hybrid.plan.zero_collectives import gathers_after_step, reduces_by_scatter, reduces_every_micro_batch
@@ -181,16 +181,6 @@ class GradientFlow:
                             tuple(element_bytes * v for v in self.layers))
 
 
-def _prefetched(order, k: int, prefetch: int) -> int:
-    """Elements gathered ahead of unit ``k``: the next units while they fit the prefetch budget."""
-    ahead = 0
-    for n in order[k + 1:]:
-        if ahead + n > prefetch:
-            break
-        ahead += n
-    return ahead
-
-
 def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, prefetch: int, live: int,
                          pinned: int = 0, p2p: bool = False, direct: bool = False,
                          layer_starts: Sequence[int] = (), copied: Sequence[bool] = ()) -> GradientFlow:
@@ -258,7 +248,7 @@ def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, pref
     for k, x in enumerate(order):
         if k in starts:
             layers.append(persistent + sum(open_units) + wire())
-        gathered = min(live, x + _prefetched(order, k, prefetch))
+        gathered = min(live, x + fitting_prefix(order[k + 1:], prefetch))
         held = pinned if k < len(order) - 1 else 0
         note(held + gathered + sum(open_units) + (2 if not copied or copied[k] else 1) * x + wire())
         ready(x, held + gathered - x)
@@ -322,12 +312,12 @@ def _unit_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, u
     forward = p * (head + max(min(ahead, units.largest_unit), held))
     # Backward starts with the head's unit and the units prefetched ahead of the layers, within the live
     # limit; later each unit is gathered again with the next ones prefetched behind it: whole units while they
-    # fit the prefetch window (ParamGatherer._prefetch), at most. A tied head's unit stays gathered through
+    # fit the prefetch window (fitting_prefix), at most. A tied head's unit stays gathered through
     # backward, beside the layer's; full recomputation replays a whole layer, gathering all of its units, which
     # stay gathered until their gradients arrive.
     live = setup.stage3_live_parameters
     order = units.backward_order(config.tie_embeddings)
-    prefetched = max((_prefetched(order, k, setup.stage3_prefetch) for k in range(len(order))), default=0)
+    prefetched = max((fitting_prefix(order[k + 1:], setup.stage3_prefetch) for k in range(len(order))), default=0)
     layer = units.layer_units if candidate.recompute == "full" else units.largest_unit
     first = head + layer if config.tie_embeddings else max(head, layer)
     backward = p * min(live, sum(units.units), first + max(prefetched, held))

@@ -181,6 +181,17 @@ def flat_layout(params: Sequence[ParamShape], dp: int, precision: str, bucket_si
                       len(tied) if tied_head else 0)
 
 
+def fitting_prefix(sizes: Sequence[int], budget: int) -> int:
+    """Elements of the whole units at the head of ``sizes`` that fit ``budget``, up to the first that does not:
+    what :class:`hybrid.zero.param_gather.ParamGatherer` gathers ahead within its prefetch window."""
+    total = 0
+    for size in sizes:
+        if total + size > budget:
+            break
+        total += size
+    return total
+
+
 @dataclasses.dataclass(frozen=True)
 class Stage3Layout:
     """The ZeRO-3 units of one rank's shard, as :func:`hybrid.zero.stage3_layout.build_units` cuts them.
@@ -237,12 +248,7 @@ class Stage3Layout:
         """Elements gathered between steps: the next forward's first units, whose gathers start once the update
         has written the partitions (:meth:`hybrid.zero.param_gather.ParamGatherer.prefetch_next_forward`), in
         module order while they fit ``prefetch`` elements (``zero.prefetch_bucket_size``) and ``live``."""
-        total = 0
-        for size in self.units:
-            if size > prefetch - total or total + size > live:
-                break
-            total += size
-        return total
+        return fitting_prefix(self.units, min(prefetch, live))
 
     def held_into_backward(self, keep: int) -> FrozenSet[int]:
         """Indices (into ``units``) of the units that stay gathered from forward into backward.

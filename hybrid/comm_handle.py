@@ -1,0 +1,84 @@
+"""What a communication operation returns and raises: its :class:`Handle` and, when it fails or times out, a
+:class:`CollectiveError` naming the operation, its axis and its group's ranks.
+
+:mod:`hybrid.comm` creates them (and re-exports them: import them from there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+from typing import Callable, ContextManager, Iterator, Optional, Tuple
+
+
+class CollectiveError(RuntimeError):
+    """A collective or transfer that failed or timed out, named by operation, axis and group ranks."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OpName:
+    """What a failed operation was, for its error: ``all_reduce over 'dp' (global ranks [0, 2])``."""
+
+    op: str
+    axis: str
+    ranks: Tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"{self.op} over '{self.axis}' (global ranks {list(self.ranks)})"
+
+
+@contextlib.contextmanager
+def naming_errors(name: OpName, timeout: Optional[datetime.timedelta]) -> Iterator[None]:
+    """Re-raise a backend error (a timeout, a peer that closed its connection) naming the operation."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:  # torch.distributed's errors (DistBackendError, gloo's timeouts) are RuntimeErrors
+        cause = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        waited = f"within the timeout of {timeout.total_seconds():g} s" if timeout else "within the group's timeout"
+        raise CollectiveError(f"{name.describe()} did not complete {waited}: a peer has stopped, died or is "
+                              f"unreachable (backend: {cause})") from e
+
+
+class Handle:
+    """Result of an async collective. :meth:`wait` blocks until it is done (at most the communicator's timeout).
+
+    ``work``: the backend's work object, waited for inside ``guard()`` (which
+    names the operation in errors and counts the time blocked); ``finish``:
+    what completes the operation after that (a division, the remaining steps
+    of a ring).
+    """
+
+    def __init__(self, work=None, finish: Optional[Callable[[], None]] = None,
+                 timeout: Optional[datetime.timedelta] = None,
+                 guard: Optional[Callable[[], ContextManager[None]]] = None,
+                 on_done: Optional[Callable[["Handle"], None]] = None):
+        self._work = work
+        self._finish = finish
+        self._timeout = timeout
+        self._guard = guard or contextlib.nullcontext
+        self._on_done = on_done
+        self._done = work is None and finish is None
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._work is not None:
+            with self._guard():
+                if self._timeout is not None:
+                    self._work.wait(self._timeout)
+                else:
+                    self._work.wait()
+        if self._finish is not None:
+            self._finish()
+        self._done = True
+        # drop the work and the closure: they hold the operation's buffers (a quantized one's packed copies)
+        self._work = self._finish = None
+        if self._on_done is not None:
+            self._on_done(self)
+
+    @property
+    def done(self) -> bool:
+        return self._done
