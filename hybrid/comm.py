@@ -35,16 +35,14 @@ never to move training data:
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import datetime
-import time
-from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from hybrid.comm_handle import CollectiveError, Handle, OpName, naming_errors  # importers read them here too
+from hybrid.comm_handle import CollectiveError, Guard, Handle, OpName  # importers read them here too
 from hybrid.compression import Quantization
 from hybrid.kernels import quantize as _quant
 from hybrid.p2p_collectives import DirectReduceScatter, RingReduceScatter, direct_all_gather, direct_tags, ring_tag
@@ -97,6 +95,9 @@ class Communicator:
         # never take each other's messages.
         self._p2p_sequence: Dict[str, int] = collections.defaultdict(int)
         self._p2p_shape: Dict[str, Optional[str]] = {}  # _p2p's answer per axis
+        self._names: Dict[Tuple[str, str], OpName] = {}
+        # (op, axis, group rank) -> (global rank of the peer, the transfer's name), checked once per peer
+        self._peers: Dict[Tuple[str, str, int], Tuple[int, OpName]] = {}
 
     @property
     def timeout(self) -> Optional[datetime.timedelta]:
@@ -176,17 +177,18 @@ class Communicator:
         return self._topology.group(axis)
 
     def _name(self, op: str, axis: str) -> OpName:
-        return OpName(op, axis, tuple(self._topology.group_ranks(axis)))
+        key = (op, axis)
+        name = self._names.get(key)
+        if name is None:  # the same few names on every step: made once
+            name = self._names[key] = OpName(op, axis, tuple(self._topology.group_ranks(axis)))
+        return name
 
-    @contextlib.contextmanager
-    def _guard(self, name: OpName) -> Iterator[None]:
+    def _guard(self, name: OpName) -> Guard:
         """Around every wait: count the time blocked, and name the operation in a backend error."""
-        start = time.perf_counter()
-        try:
-            with naming_errors(name, self._timeout):
-                yield
-        finally:
-            self._blocked_s += time.perf_counter() - start
+        return Guard(name, self._timeout, self._add_blocked)
+
+    def _add_blocked(self, seconds: float) -> None:
+        self._blocked_s += seconds
 
     def _launch(self, op: str, axis: str, fn, async_op: bool, finish: Optional[Callable[[], None]] = None):
         self._advance_rings()
@@ -591,12 +593,15 @@ class Communicator:
     def _point_to_point(self, op: str, issue, tensor: torch.Tensor, axis: str, rank: int,
                         async_op: bool, tag: int) -> Optional[Handle]:
         # Always issued as isend/irecv: the blocking forms cannot take this communicator's timeout.
-        verb = "send to" if op == "send" else "receive from"
-        peer = self._peer(axis, rank, verb)
+        key = (op, axis, rank)
+        known = self._peers.get(key)
+        if known is None:  # a pipeline stage talks to the same one or two peers all along
+            peer = self._peer(axis, rank, "send to" if op == "send" else "receive from")
+            known = self._peers[key] = (peer, OpName(f"{op} {'to' if op == 'send' else 'from'} rank {rank}", axis,
+                                                     tuple(self._topology.group_ranks(axis))))
+        peer, name = known
         # The sender counts the wire bytes, so summing over ranks counts each byte once.
         self._record(op, axis, _nbytes(tensor), 1.0 if op == "send" else 0.0, peer=peer)
-        name = OpName(f"{op} {'to' if op == 'send' else 'from'} rank {rank}", axis,
-                      tuple(self._topology.group_ranks(axis)))
         self._advance_rings()
         with self._guard(name):
             work = issue(_untracked(tensor), peer, group=self._group(axis), tag=tag)

@@ -28,7 +28,7 @@ import atexit
 import dataclasses
 import os
 import warnings
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -284,6 +284,7 @@ class Topology:
         self.nodes = Nodes.build(world_size, ranks_per_node)
         self.nodes.check_tp_groups(self.grid, allow_tp_across_nodes, warn=rank == 0)
         self._groups: Dict[str, object] = {}
+        self._own_groups: Dict[str, Tuple[int, ...]] = {}  # axis -> this rank's group (_own_group)
         self._node_axes = False  # dp_node / dp_cross groups created (enable_node_axes)
         self.comm = Communicator(self, timeout_s=timeout_s)
         if world_size > 1:
@@ -311,6 +312,7 @@ class Topology:
         topo.coord = Coord(0, 0, pp_rank)
         topo.nodes = Nodes(ranks_per_node=1)
         topo._groups = {}
+        topo._own_groups = {}
         topo._node_axes = False
         topo.comm = Communicator(topo, timeout_s=None)
         return topo
@@ -347,8 +349,6 @@ class Topology:
                     if self.rank in ranks:
                         self._groups[axis] = group
         self._node_axes = True
-        # this rank's own groups are asked for on every collective: kept, not worked out each time
-        self._own_node_axes = {axis: next(g for g in groups[axis] if self.rank in g) for axis in NODE_AXES}
 
     def enable_tp_subgroups(self, size: int) -> str:
         """Create the process groups of axis ``tp/size`` (``size`` consecutive ranks of each TP group) and
@@ -403,22 +403,29 @@ class Topology:
         return self._groups.get(axis)
 
     def size(self, axis: str) -> int:
-        if axis in NODE_AXES or axis == "embed":  # groups whose size depends on the rank
-            return len(self.group_ranks(axis))
-        return self.grid.size(axis)
+        return len(self._own_group(axis))
 
     def rank_in(self, axis: str) -> int:
-        if axis in NODE_AXES:
-            return self.group_ranks(axis).index(self.rank)
-        return self.grid.rank_in(axis, self.rank)
+        return self._own_group(axis).index(self.rank)
 
     def group_ranks(self, axis: str, rank: Optional[int] = None) -> List[int]:
+        """Global ranks of the ``axis`` group that holds ``rank`` (default: this rank), in group-rank order."""
+        if rank is None or rank == self.rank:
+            return list(self._own_group(axis))
         if axis in NODE_AXES:
-            if (rank is None or rank == self.rank) and self._node_axes:
-                return self._own_node_axes[axis]
-            return self._node_axis_ranks(axis, self.rank if rank is None else rank)
-        rank = self.rank if rank is None else rank
+            return self._node_axis_ranks(axis, rank)
         return self.grid.group_ranks(axis, rank)
+
+    def _own_group(self, axis: str) -> Tuple[int, ...]:
+        """This rank's group along ``axis``, worked out once: the communicator asks on every operation."""
+        ranks = self._own_groups.get(axis)
+        if ranks is None:
+            if axis in NODE_AXES:
+                found = self._node_axis_ranks(axis, self.rank)
+            else:
+                found = self.grid.group_ranks(axis, self.rank)
+            ranks = self._own_groups[axis] = tuple(found)
+        return ranks
 
     def coord_of(self, rank: int) -> Coord:
         return self.grid.coord_of(rank)
