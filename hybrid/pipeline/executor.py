@@ -65,6 +65,9 @@ class StepStats:
     step_s: float = 0.0            # wall time of the whole step
     wait_s: float = 0.0            # time blocked in receives (the bubble, plus any transfer time)
     max_in_flight: int = 0         # most micro-batch chunks forwarded and not yet backwarded
+    # per action, in schedule order: its wall time less its wait (compute, posting transfers); replayed by
+    # hybrid.pipeline.simulate(durations=...), it gives the idle time these very durations imply
+    action_s: List[float] = dataclasses.field(default_factory=list)
 
 
 # Backends whose point-to-point transfers progress independently of each other, so a receive can be posted
@@ -174,12 +177,14 @@ class PipelineExecutor:
         start = time.perf_counter()
         try:
             for action in actions:
+                begin, waited = time.perf_counter(), stats.wait_s
                 if action.kind == FORWARD:
                     self._forward(action, microbatches, forward_fn, train, inputs, outputs, losses, pending,
                                   receives, stats)
                     stats.max_in_flight = max(stats.max_in_flight, len(outputs))
                 else:
                     self._backward(action, backward_fn, inputs, outputs, pending, receives, stats)
+                stats.action_s.append(time.perf_counter() - begin - (stats.wait_s - waited))
             for handle in pending:
                 handle.wait()
         except BaseException:

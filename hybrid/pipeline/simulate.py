@@ -8,8 +8,10 @@ or the next part's backward, of the same micro-batch). Costs are in arbitrary
 units per action of one chunk (forward 1, backward 2 by default, divided by
 the chunk count so that a rank's work per micro-batch is the same for any
 ``v``), times ``stage_speed[r]`` on rank ``r`` when given (stages of unequal
-speed: 1.02 is a rank whose every action takes 2% longer). Transfers take no
-time.
+speed: 1.02 is a rank whose every action takes 2% longer), or each action's
+own duration when ``durations`` is given (a replay of measured action times,
+:attr:`~hybrid.pipeline.executor.StepStats.action_s`: the idle time those
+very durations imply, their spread included). Transfers take no time.
 
 Besides the timings it checks that the transfers from one rank to another
 -- activations and gradients together, as one stream -- are sent in the order
@@ -52,10 +54,15 @@ def bubble_fraction(pp: int, microbatches: int, chunks: int = 1) -> float:
 
 
 def simulate(lists: Sequence[Sequence[Action]], chunks: int = 1, forward_cost: float = 1.0,
-             backward_cost: float = 2.0, stage_speed: Optional[Sequence[float]] = None) -> Simulation:
+             backward_cost: float = 2.0, stage_speed: Optional[Sequence[float]] = None,
+             durations: Optional[Sequence[Sequence[float]]] = None) -> Simulation:
     """Play ``lists[r]`` (rank ``r``'s actions) to the end; raise :class:`ScheduleError` on a deadlock or a
-    transfer stream whose send and receive orders differ."""
+    transfer stream whose send and receive orders differ. ``durations[r][i]``, when given, is the time of
+    ``lists[r][i]`` (and the cost model is not used)."""
     pp = len(lists)
+    if durations is not None and [len(d) for d in durations] != [len(a) for a in lists]:
+        raise ValueError(f"durations give {[len(d) for d in durations]} actions per rank, the schedules "
+                         f"{[len(a) for a in lists]}")
     parts = pp * chunks
     scale = list(stage_speed) if stage_speed is not None else [1.0] * pp
     done: Dict[Tuple[str, int, int], float] = {}  # (kind, micro-batch, part) -> finish time
@@ -105,7 +112,10 @@ def simulate(lists: Sequence[Sequence[Action]], chunks: int = 1, forward_cost: f
                 if needs is not None and needs not in done:
                     break
                 start = max(free[rank], done[needs] if needs else 0.0)
-                cost = (forward_cost if a.kind == FORWARD else backward_cost) / chunks * scale[rank]
+                if durations is not None:
+                    cost = durations[rank][cursor[rank]]
+                else:
+                    cost = (forward_cost if a.kind == FORWARD else backward_cost) / chunks * scale[rank]
                 free[rank] = start + cost
                 busy[rank] += cost
                 done[(a.kind, a.microbatch, k)] = free[rank]

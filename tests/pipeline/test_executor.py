@@ -43,6 +43,10 @@ def test_pipeline_step_equals_one_process(results, name):
     assert seen == set(ref_grads)
     if case["schedule"] == "1f1b":
         assert [r["max_in_flight"] for r in ranks] == [min(pp - s, m) for s in range(pp)]
+    for r in ranks:  # one duration per action, and with the waits they fit inside the step
+        assert len(r["action_s"]) == 2 * m * case["chunks"]
+        assert min(r["action_s"]) > 0
+        assert sum(r["action_s"]) + r["wait_s"] <= r["step_s"]
 
 
 def test_forward_only_pass_gives_the_losses(results):

@@ -49,6 +49,25 @@ def test_a_slower_last_stage_sets_the_pace_and_the_faster_one_waits_for_it():
                 assert sim.idle_fraction[1] < bubble_fraction(2, m) < sim.idle_fraction[0]
 
 
+def test_replaying_durations_follows_each_action_own_time():
+    # The cost model's own durations replay to the same step; a measured set is played exactly.
+    for name, pp, m, v in (("1f1b", 2, 8, 1), ("gpipe", 3, 4, 1), ("interleaved", 2, 8, 2)):
+        lists = _lists(name, pp, m, v)
+        modeled = simulate(lists, v, stage_speed=[1.0, 1.03] + [1.0] * (pp - 2))
+        speeds = [1.0, 1.03] + [1.0] * (pp - 2)
+        durations = [[(1.0 if a.kind == "F" else 2.0) / v * speeds[r] for a in acts] for r, acts in enumerate(lists)]
+        replayed = simulate(lists, v, durations=durations)
+        assert replayed.makespan == pytest.approx(modeled.makespan, rel=1e-12)
+        assert replayed.idle_fraction == pytest.approx(modeled.idle_fraction, rel=1e-12)
+    # 1F1B, p = 2, m = 2, rank 1's first backward 5 long. Rank 0: F0 [0, 1], F1 [1, 2], B0 waits for rank 1's
+    # B0 [2, 7] and runs [7, 9], B1 waits for rank 1's B1 [8, 10] and runs [10, 12]; rank 1's F1 runs [7, 8].
+    sim = simulate(_lists("1f1b", 2, 2), durations=[[1, 1, 2, 2], [1, 5, 1, 2]])
+    assert sim.makespan == 12
+    assert sim.idle_fraction == [0.5, 0.25]
+    with pytest.raises(ValueError, match=r"durations give \[4, 3\] actions per rank, the schedules \[4, 4\]"):
+        simulate(_lists("1f1b", 2, 2), durations=[[1, 1, 2, 2], [1, 5, 1]])
+
+
 def test_every_action_runs_once():
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
         for r in range(4):

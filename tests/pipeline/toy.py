@@ -101,6 +101,7 @@ def run_pipeline(num_layers: int, count: int, schedule: str, chunks: int = 1, tr
             if p.grad is not None:
                 grads[name] = p.grad.numpy().copy()
     out = {"losses": stats.losses, "grads": grads, "max_in_flight": stats.max_in_flight,
+           "action_s": stats.action_s, "wait_s": stats.wait_s, "step_s": stats.step_s,
            "layers": split.layers_of_rank(topo.pp_rank), "pp_rank": topo.pp_rank,
            "dp_rank": topo.dp_rank}
     topo.close()
