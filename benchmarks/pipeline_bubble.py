@@ -10,10 +10,13 @@ transfers. The parts here do equal work by construction (the first part also
 computes its input's gradient), each rank's process is pinned to a core of
 its own before gloo starts its threads (``--no-pin`` leaves them to the
 scheduler), and the executor posts its receives ahead, so each 512 KB
-transfer moves while the receiver computes. What remains beyond the formula is the difference in speed between
-the two cores, which on this virtual machine drifts by a few per cent: in
-1F1B's steady state the faster stage waits for the slower one at every
-micro-batch.
+transfer moves while the receiver computes. What remains beyond the formula is
+how unevenly the machine runs equal work: the two cores' speeds, which on this
+virtual machine differ by a few per cent, and the spread of one action's time
+to the next. In the steady state a stage waits for the other's last output, so
+every late action shows as idle on the other stage. The ``replayed`` column
+plays each step with its actions' measured durations
+(``StepStats.action_s``): the idle those very durations imply.
 
 Rounds interleave the schedules and the micro-batch counts; the table gives
 medians over rounds (each round's figure is a median over steps), the
