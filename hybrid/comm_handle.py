@@ -1,5 +1,6 @@
 """What a communication operation returns and raises: its :class:`Handle` and, when it fails or times out, a
-:class:`CollectiveError` naming the operation, its axis and its group's ranks.
+:class:`CollectiveError` naming the operation, its axis and its group's ranks, raised by the :class:`Guard`
+around every wait.
 
 :mod:`hybrid.comm` creates them (and re-exports them: import them from there).
 """
