@@ -80,6 +80,21 @@ def test_single_process_topology_needs_no_process_group():
         Topology(tp=2)
 
 
+def test_a_topology_answers_its_own_groups_like_the_grid_and_hands_out_copies():
+    # This rank's groups are kept after the first question: the answers must stay the grid's, and a caller
+    # changing the list it got must not change the next answer.
+    for pp_rank in range(3):
+        topo = Topology.local(pp=3, pp_rank=pp_rank)
+        for axis in ("tp", "dp", "pp", "mp", "embed", "world"):
+            expected = topo.grid.group_ranks(axis, pp_rank)
+            got = topo.group_ranks(axis)
+            assert got == expected and topo.size(axis) == len(expected), axis
+            assert topo.rank_in(axis) == expected.index(pp_rank), axis
+            got.append(99)
+            assert topo.group_ranks(axis) == expected, axis
+        assert topo.group_ranks("pp", rank=(pp_rank + 1) % 3) == [0, 1, 2]
+
+
 def _check_groups_all_tp():
     return {tp: _check_groups(Topology(tp=tp)) for tp in (1, 2, 4)}
 
