@@ -182,6 +182,19 @@ class GPTModel(nn.Module):
         """The ``[V_p/tp, h]`` output projection (the word embeddings when tied); last stage only."""
         return self.embedding.word_embeddings.weight if self.lm_head is None else self.lm_head.weight
 
+    def parameters_of_part(self, part: int) -> Iterator[nn.Parameter]:
+        """The parameters pipeline part ``part`` (one of this stage's) computes with, which its backward gives
+        gradients to: the embedding on the first part, the part's layers, the final norm and head on the last
+        (the tied word embeddings there). The ZeRO optimizer reduces a part's gradients alone after its pass."""
+        first, end = self.split.ranges[part]
+        if part == 0:
+            yield from self.embedding.parameters()
+        for i in range(first, end):
+            yield from self.layers.by_index(i).parameters()
+        if part == self.split.num_parts - 1:
+            yield from self.final_norm.parameters()
+            yield self.head_weight()
+
     def activation_shape(self, batch: int, seq: int) -> torch.Size:
         """The ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism) tensor passed between pipeline parts."""
         cfg = self.config

@@ -173,11 +173,11 @@ class Engine:
         if self._awaiting_step or self.micro_steps % gas:
             raise RuntimeError("train_batch was called in the middle of a global batch of backward()/step() calls")
 
-        def backward(output, grad):
+        def backward(output, grad, chunk):
             if grad is None:
-                self.optimizer.backward(output)
+                self.optimizer.backward(output, chunk=chunk)
             else:
-                self.optimizer.backward_from(output, grad)
+                self.optimizer.backward_from(output, grad, chunk=chunk)
 
         stats = self.pipeline.step(microbatches, self._forward_part, backward)
         self.last_pipeline_stats = stats
@@ -223,7 +223,10 @@ class Engine:
                                   f"model (one with a stage split and forward_part, such as model_zoo.GPTModel); "
                                   f"{type(model).__name__} is not")
             return None
-        self.optimizer.set_chunks(split.chunks)
+        # the parameters each chunk's backward reaches (a model without parameters_of_part: all of them)
+        of_part, stage = getattr(model, "parameters_of_part", None), self.topology.pp_rank
+        self.optimizer.set_chunks(split.chunks, None if of_part is None else
+                                  [list(of_part(split.part(stage, c))) for c in range(split.chunks)])
         return PipelineExecutor(self.topology, list(range(split.chunks)), self.config.pipeline.schedule,
                                 activation_shape=lambda mb: model.activation_shape(*mb["input_ids"].shape),
                                 activation_dtype=model.activation_dtype)

@@ -49,11 +49,12 @@ GRADIENT_TAG = 2
 # forward_fn(chunk, part, input, microbatch) -> output: input is None on the first part (the chunk reads
 # the micro-batch); the last part returns the micro-batch's scalar loss.
 ForwardFn = Callable[[Any, int, Optional[torch.Tensor], Any], torch.Tensor]
-# backward_fn(output, grad): grad is None for the last part's loss, else the gradient of output received.
-BackwardFn = Callable[[torch.Tensor, Optional[torch.Tensor]], None]
+# backward_fn(output, grad, chunk): grad is None for the last part's loss, else the gradient of output received;
+# chunk is this rank's model chunk the pass runs through (0 .. v-1).
+BackwardFn = Callable[[torch.Tensor, Optional[torch.Tensor], int], None]
 
 
-def plain_backward(output: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+def plain_backward(output: torch.Tensor, grad: Optional[torch.Tensor], chunk: int = 0) -> None:
     torch.autograd.backward(output, grad)
 
 
@@ -159,9 +160,10 @@ class PipelineExecutor:
              backward_fn: BackwardFn = plain_backward, train: bool = True) -> StepStats:
         """Forward (and, when ``train``, backward) every micro-batch through the pipeline.
 
-        ``backward_fn(output, grad)`` backpropagates one part: the last part's loss with ``grad=None`` (the engine
-        scales it by the loss scale and the micro-batch count there), any other part's output with the gradient
-        received from the next part. Gradients accumulate in the parameters as in plain gradient accumulation.
+        ``backward_fn(output, grad, chunk)`` backpropagates one part of model chunk ``chunk``: the last part's loss
+        with ``grad=None`` (the engine scales it by the loss scale and the micro-batch count there), any other
+        part's output with the gradient received from the next part. Gradients accumulate in the parameters as in
+        plain gradient accumulation.
         """
         m, v = len(microbatches), len(self.chunks)
         if train:
@@ -222,9 +224,9 @@ class PipelineExecutor:
         mb, k = action.microbatch, self.part(action.chunk)
         x, y = inputs.pop((mb, action.chunk)), outputs.pop((mb, action.chunk))
         if k == self.num_parts - 1:
-            backward_fn(y, None)
+            backward_fn(y, None, action.chunk)
         else:
-            backward_fn(y, receives.take(k + 1, GRADIENT_TAG, stats))
+            backward_fn(y, receives.take(k + 1, GRADIENT_TAG, stats), action.chunk)
         if k > 0:
             pending.append(self._send(x.grad, k - 1, GRADIENT_TAG))
 

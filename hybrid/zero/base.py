@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import math
-from typing import Callable, ContextManager, Dict, List, Optional, Tuple
+from typing import Callable, ContextManager, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -93,6 +94,15 @@ def _check_runtime(topology, loss_scaler, clip_grad, gradient_accumulation_steps
         raise ZeroConfigError(f"clip_grad must be >= 0 (0 disables clipping), got {clip_grad}")
     if not (isinstance(master_dtype, torch.dtype) and master_dtype.is_floating_point):
         raise ZeroConfigError(f"master_dtype must be a floating-point torch.dtype, got {master_dtype!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPass:
+    """One backward pass of a global batch on this rank, as :meth:`ZeroOptimizer._backward_phase` sees it."""
+
+    last: bool                                   # the batch's last pass on this rank
+    chunk: Optional[int] = None                  # the model chunk it runs through (interleaved pipeline stages)
+    chunks_done: FrozenSet[int] = frozenset()    # chunks whose last pass of the batch this is, or was
 
 
 class ZeroOptimizer(abc.ABC):
@@ -148,6 +158,7 @@ class ZeroOptimizer(abc.ABC):
         self.skipped_steps = 0
         self._micro = 0  # backward() calls since the last step()
         self._chunks = 1  # backward passes per micro-batch (model chunks of an interleaved pipeline stage)
+        self._chunk_passes = [0]  # backward passes through each chunk since the last step()
         self._last_grad_norm = math.nan
         self._last_comm: Dict[str, Dict[str, float]] = {}
         self.param_index: List[ParamRecord] = []
@@ -169,22 +180,23 @@ class ZeroOptimizer(abc.ABC):
     def lr(self) -> float:
         return self.inner.lr
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, chunk: Optional[int] = None) -> None:
         """Backward of one micro-batch's mean loss, scaled by ``loss_scale / accumulation``.
 
         Gradients are reduced over ``dp`` during backward, as the sibling's
-        reducer decides (see :meth:`_backward_phase`).
+        reducer decides (see :meth:`_backward_phase`). ``chunk``: the model chunk the pass runs through, on an
+        interleaved pipeline stage (:meth:`set_chunks`).
         """
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("backward() expects the scalar (mean) loss of one micro-batch, got "
                              f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else list(loss.shape)}")
         factor = self.loss_scale / self.gradient_accumulation_steps
-        self._run_backward(lambda: (loss * factor if factor != 1.0 else loss).backward())
+        self._run_backward(lambda: (loss * factor if factor != 1.0 else loss).backward(), chunk)
 
-    def backward_from(self, output: torch.Tensor, grad: torch.Tensor) -> None:
+    def backward_from(self, output: torch.Tensor, grad: torch.Tensor, chunk: Optional[int] = None) -> None:
         """Backward of a pipeline part from the gradient ``grad`` of its ``output`` (same shape), received from
         the next part: it already carries the loss scale and the accumulation factor."""
-        self._run_backward(lambda: torch.autograd.backward(output, grad))
+        self._run_backward(lambda: torch.autograd.backward(output, grad), chunk)
 
     @property
     def backward_calls_per_step(self) -> int:
@@ -192,17 +204,27 @@ class ZeroOptimizer(abc.ABC):
         rank of an interleaved pipeline holds (:meth:`set_chunks`)."""
         return self.gradient_accumulation_steps * self._chunks
 
-    def set_chunks(self, chunks: int) -> None:
-        """This rank runs ``chunks`` backward passes per micro-batch (interleaved pipeline stages)."""
-        self._chunks = int(chunks)
+    def set_chunks(self, chunks: int, chunk_params: Optional[Sequence[Sequence[torch.nn.Parameter]]] = None) -> None:
+        """This rank runs ``chunks`` backward passes per micro-batch (interleaved pipeline stages).
 
-    def _run_backward(self, run: Callable[[], None]) -> None:
-        calls = self.backward_calls_per_step
+        ``chunk_params[c]``: the parameters a backward pass through chunk ``c`` can give gradients to; a sibling
+        may then reduce only those in such a pass (passes name their chunk: :meth:`backward`)."""
+        self._chunks = int(chunks)
+        self._chunk_passes = [0] * self._chunks
+
+    def _run_backward(self, run: Callable[[], None], chunk: Optional[int] = None) -> None:
+        calls, gas = self.backward_calls_per_step, self.gradient_accumulation_steps
         if self._micro >= calls:
             raise RuntimeError(f"backward() was called {self._micro + 1} times since the last step(), but "
-                               f"gradient_accumulation_steps={self.gradient_accumulation_steps}; call step() once "
-                               f"every {self.gradient_accumulation_steps} micro-batches")
-        with self._backward_phase(last_micro_step=self._micro == calls - 1):
+                               f"gradient_accumulation_steps={gas}; call step() once every {gas} micro-batches")
+        done: FrozenSet[int] = frozenset()
+        if chunk is not None:
+            if not 0 <= chunk < self._chunks or self._chunk_passes[chunk] >= gas:
+                raise RuntimeError(f"a backward pass through model chunk {chunk!r}, which this rank does not hold "
+                                   f"or has already run {gas} (gradient_accumulation_steps) times since step()")
+            self._chunk_passes[chunk] += 1
+            done = frozenset(c for c, n in enumerate(self._chunk_passes) if n == gas)
+        with self._backward_phase(BackwardPass(self._micro == calls - 1, chunk, done)):
             run()
         self._micro += 1
 
@@ -231,6 +253,7 @@ class ZeroOptimizer(abc.ABC):
             self.loss_scaler.update(overflow)
         self.global_steps += 1
         self._micro = 0
+        self._chunk_passes = [0] * self._chunks
         if overflow:
             self.skipped_steps += 1
         else:
@@ -280,8 +303,8 @@ class ZeroOptimizer(abc.ABC):
 
     # ---- what each sibling provides -------------------------------------------------------------------
     @abc.abstractmethod
-    def _backward_phase(self, last_micro_step: bool) -> ContextManager[None]:
-        """Context around one micro-batch's ``loss.backward()``: arm and drain the gradient reducer."""
+    def _backward_phase(self, backward_pass: BackwardPass) -> ContextManager[None]:
+        """Context around one backward pass: arm and drain the gradient reducer."""
 
     def _wait_for_gradients(self) -> None:
         """Wait for the reductions launched during the last backward (before the norm reads them)."""

@@ -22,6 +22,11 @@ Two reducers:
   gradients ([partition_numel] per group, in the parameter dtype). Hooks copy
   each fresh ``param.grad`` into a staging bucket and drop it; a full bucket
   is reduce-scattered (every micro-step) into the partition, accumulating.
+  A backward pass through one model chunk of an interleaved pipeline stage
+  reaches only that chunk's parameters: it gets a *scope*, the segments that
+  can receive gradients, and the others are neither waited for nor sent (as
+  zeros) in that pass. A segment's gradient is final after the last pass of
+  the batch through the chunks it holds (``final``).
 
 Both sum over DP; the 1/dp of the average is folded into the optimizer's
 single unscale-and-clip factor.
@@ -31,7 +36,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import AbstractSet, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
@@ -51,19 +56,24 @@ class _LaunchQueue:
         self._launch = launch
         self.reset()
 
-    def reset(self) -> None:
-        self.pending = list(self.sizes)
+    def reset(self, scope: Optional[AbstractSet[int]] = None) -> None:
+        """Start a backward pass; ``scope``: the only segments it launches (None: all)."""
+        self.skip = [scope is not None and sid not in scope for sid in range(len(self.order))]
+        self.pending = [0 if skipped else n for skipped, n in zip(self.skip, self.sizes)]
         self.cursor = 0
 
     def mark(self, sid: int) -> None:
         self.pending[sid] -= 1
         while self.cursor < len(self.order) and self.pending[self.cursor] <= 0:
-            self.cursor += 1
-            self._launch(self.cursor - 1)
+            self._advance()
 
     def flush(self) -> None:
         while self.cursor < len(self.order):
-            self.cursor += 1
+            self._advance()
+
+    def _advance(self) -> None:
+        self.cursor += 1
+        if not self.skip[self.cursor - 1]:
             self._launch(self.cursor - 1)
 
 
@@ -92,7 +102,8 @@ class _ReducerBase:
         # Called as (group, segment) once this rank's reduced chunk of a segment holds the step's gradient
         # (on the last micro-step of the batch), so offload can stream it to the host during backward.
         self.on_final: Optional[Callable[[int, int], None]] = None
-        self._final_micro = False
+        self._scope: Optional[AbstractSet[int]] = None  # this pass's segments (None: every one)
+        self._final: AbstractSet[int] = frozenset()     # segments whose gradient this pass completes
 
     def attach_hooks(self) -> None:
         for g in self.groups:
@@ -106,12 +117,19 @@ class _ReducerBase:
             h.remove()
         self._hooks = []
 
-    def begin_backward(self, reduce_now: bool) -> None:
-        """Called before ``loss.backward()``; ``reduce_now`` says whether this micro-step communicates."""
-        self.queue.reset()
+    def begin_backward(self, reduce_now: bool, scope: Optional[AbstractSet[int]] = None,
+                       final: Optional[AbstractSet[int]] = None) -> None:
+        """Called before ``loss.backward()``; ``reduce_now`` says whether this micro-step communicates.
+
+        ``scope``: the segment ids this pass can give gradients to, the only ones it launches (None: all).
+        ``final``: the segment ids whose gradient for the batch is complete after this pass (None: all of them
+        when ``reduce_now``, else none)."""
+        self.queue.reset(scope)
         self._active = True
         self._reduce_now = reduce_now
-        self._final_micro = reduce_now
+        self._scope = scope
+        every = frozenset(range(len(self.order)))
+        self._final = final if final is not None else (every if reduce_now else frozenset())
         for flags in self._arrived:
             flags[:] = bytes(len(flags))
 
@@ -127,8 +145,8 @@ class _ReducerBase:
             self._wait_oldest()
 
     def _then_final(self, g: int, s: int, finish: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:
-        """``finish``, followed on the batch's last micro-step by ``on_final(g, s)``."""
-        if self.on_final is None or not self._final_micro:
+        """``finish``, followed by ``on_final(g, s)`` when this pass completes the segment's gradient."""
+        if self.on_final is None or self.sid_of[(g, s)] not in self._final:
             return finish
 
         def done() -> None:
@@ -150,6 +168,7 @@ class _ReducerBase:
         checkpointed regions) is fine until its bucket is on the wire, and an
         error after, when it could no longer be included.
         """
+        self._check_scope(g, r, sid)
         if not self._arrived[g][r]:
             self._arrived[g][r] = 1
             return True
@@ -159,6 +178,13 @@ class _ReducerBase:
                                f"in this backward (is it used in several re-entrant checkpointed regions?); "
                                f"build the optimizer with overlap_comm=False to reduce after backward")
         return False
+
+    def _check_scope(self, g: int, r: int, sid: int) -> None:
+        """A gradient outside the pass's scope would never be sent: a wrong scope is a bug, not bad input."""
+        if self._scope is not None and sid not in self._scope:
+            name = self.groups[g].records[r].name
+            raise RuntimeError(f"parameter {name!r} received a gradient in a backward pass through a model chunk "
+                               f"that does not hold it (the model's parameters_of_part left it out)")
 
     def _on_grad(self, g: int, r: int, sid: int, param: torch.nn.Parameter) -> None:
         raise NotImplementedError
@@ -193,6 +219,11 @@ class FullGradReducer(_ReducerBase):
         for buf in self.grads:
             buf.zero_()
         self._bind()
+
+    def begin_backward(self, reduce_now: bool, scope: Optional[AbstractSet[int]] = None,
+                       final: Optional[AbstractSet[int]] = None) -> None:
+        # the whole gradient is reduced once, on the batch's last pass, whichever model chunk that runs through
+        super().begin_backward(reduce_now)
 
     def _on_grad(self, g: int, r: int, sid: int, param: torch.nn.Parameter) -> None:
         view = self.views[g][r]
@@ -255,9 +286,11 @@ class PartitionedGradReducer(_ReducerBase):
             for p in g.params:
                 p.grad = None
 
-    def begin_backward(self, reduce_now: bool) -> None:
-        super().begin_backward(True)  # stage 2 communicates every micro-step
-        self._final_micro = reduce_now
+    def begin_backward(self, reduce_now: bool, scope: Optional[AbstractSet[int]] = None,
+                       final: Optional[AbstractSet[int]] = None) -> None:
+        # stage 2 communicates every micro-step; its gradients are final on the last one
+        every = frozenset(range(len(self.order)))
+        super().begin_backward(True, scope, final if final is not None else (every if reduce_now else frozenset()))
 
     def _acquire(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         while not self._free[dtype]:
@@ -299,6 +332,7 @@ class PartitionedGradReducer(_ReducerBase):
                 group = self.groups[gi]
                 for r in group.segments[s].records:
                     if group.params[r].grad is not None:
+                        self._check_scope(gi, r, sid)
                         self._arrived[gi][r] = 1
                         self._stage(gi, r, sid, group.params[r], first=True)
         super().end_backward()

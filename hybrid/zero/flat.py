@@ -23,13 +23,14 @@ The shared step, the loss scale and the counters are in :mod:`hybrid.zero.base`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
-from typing import Dict, Iterator, Optional
+from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence
 
 import torch
 
-from hybrid.zero.base import ZeroOptimizer
+from hybrid.zero.base import BackwardPass, ZeroOptimizer
 from hybrid.zero.buckets import FullGradReducer, PartitionedGradReducer
 from hybrid.zero.flat_buffer import build_flat_groups, collect_trainable, dtype_name
 from hybrid.zero.grad_norm import GradNorm
@@ -76,6 +77,8 @@ class FlatZeroOptimizer(ZeroOptimizer):
             self.reducer = PartitionedGradReducer(self.groups, self.comm, topology.dp_rank, zero.overlap_comm,
                                                   quant=self.grad_quant, two_level=self.two_level)
         self.reducer.attach_hooks()
+        # per segment id, the model chunks whose backward passes reach it (set_chunks); None: one chunk
+        self._segment_chunks: Optional[List[FrozenSet[int]]] = None
         self._grad_chunks = [self.reducer.grad_chunks(g.index, self.part) for g in self.groups]
         # offload: host twins of the reduced gradients and rounded weights (the same tensors on a CPU model)
         poison = poison_requested()
@@ -128,11 +131,43 @@ class FlatZeroOptimizer(ZeroOptimizer):
             self.comm.broadcast(p.data, "dp", src=0)
 
     # ---- the training step ---------------------------------------------------------------
+    def set_chunks(self, chunks: int, chunk_params: Optional[Sequence[Sequence[torch.nn.Parameter]]] = None) -> None:
+        """Also work out each chunk's segments: a pass through one chunk reduces those alone (stage 2), and a
+        segment's gradient is final once every chunk it holds has had its last pass. A parameter in no chunk's
+        list counts as in all of them."""
+        super().set_chunks(chunks, chunk_params)
+        self._segment_chunks = None
+        if chunk_params is None or self._chunks == 1:
+            return
+        chunks_of: Dict[int, set] = collections.defaultdict(set)
+        for c, params in enumerate(chunk_params):
+            for p in params:
+                chunks_of[id(p)].add(c)
+        every = set(range(self._chunks))
+        held: List[set] = [set() for _ in self.reducer.order]
+        for g in self.groups:
+            for r, p in enumerate(g.params):
+                held[self.reducer.sid_of[(g.index, g.records[r].segment)]] |= chunks_of.get(id(p)) or every
+        self._segment_chunks = [frozenset(cs) for cs in held]
+
+    @property
+    def segment_chunks(self) -> Optional[List[FrozenSet[int]]]:
+        """Per gradient segment (the reducer's launch order): the model chunks whose backward passes reduce it
+        under stage 2; None with one chunk per rank."""
+        return self._segment_chunks
+
     @contextlib.contextmanager
-    def _backward_phase(self, last_micro_step: bool) -> Iterator[None]:
+    def _backward_phase(self, backward_pass: BackwardPass) -> Iterator[None]:
         """Buckets are reduced over ``dp`` as they fill: on the last micro-step of the global batch when
-        the gradients are kept whole, on every micro-step when only the partition is kept."""
-        self.reducer.begin_backward(reduce_now=last_micro_step and not self._local_gradients())
+        the gradients are kept whole, on every micro-step when only the partition is kept. A pass through one
+        model chunk of an interleaved stage reduces that chunk's segments only."""
+        scope = final = None
+        chunks = self._segment_chunks
+        if backward_pass.chunk is not None and chunks is not None:
+            scope = frozenset(sid for sid, cs in enumerate(chunks) if backward_pass.chunk in cs)
+            final = frozenset(sid for sid in scope if chunks[sid] <= backward_pass.chunks_done)
+        self.reducer.begin_backward(reduce_now=backward_pass.last and not self._local_gradients(), scope=scope,
+                                    final=final)
         yield
         self.reducer.end_backward()
 

@@ -29,7 +29,7 @@ import torch
 
 from hybrid import param_meta
 from hybrid.zero.assembled import AssembledTensor, assembled_or_copy
-from hybrid.zero.base import ZeroOptimizer
+from hybrid.zero.base import BackwardPass, ZeroOptimizer
 from hybrid.zero.flat_buffer import ZeroConfigError, dtype_name
 from hybrid.zero.offload import HostCopy, host_device
 from hybrid.zero.order_check import OrderCheck
@@ -204,7 +204,7 @@ class Stage3Optimizer(ZeroOptimizer):
 
     # ---- the training step ----------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _backward_phase(self, last_micro_step: bool) -> Iterator[None]:
+    def _backward_phase(self, backward_pass: BackwardPass) -> Iterator[None]:
         """Every unit is re-gathered and reduce-scattered over ``dp`` on every micro-step (the partition
         holds no whole gradient to accumulate into)."""
         self.gatherer.exit_forward()  # in case the model's forward post-hook did not run

@@ -53,9 +53,22 @@ def train_layout(case: dict) -> dict:
         params = _whole_params(model, topo)
     out = {"losses": losses, "norms": norms, "params": params, "pp_rank": topo.pp_rank,
            "dp_rank": topo.dp_rank, "max_in_flight": stats.max_in_flight,
-           "inter_node": {op: v["inter_node_bytes"] for op, v in engine.comm_report().items()}}
+           "inter_node": {op: v["inter_node_bytes"] for op, v in engine.comm_report().items()},
+           "reduce_scatter_bytes": engine.comm_report().get("reduce_scatter/dp", {}).get("payload_bytes", 0),
+           "segments": _segment_passes(engine.optimizer)}
     engine.close()
     topo.close()
+    return out
+
+
+def _segment_passes(opt) -> list:
+    """(bytes, chunks whose passes reduce it) of every gradient segment, in launch order (stages 1-2)."""
+    if not hasattr(opt, "segment_chunks"):  # stage 3 reduces units, not segments
+        return []
+    chunks, out = opt.segment_chunks, []
+    for sid, (g, s) in enumerate(opt.reducer.order):
+        group = opt.groups[g]
+        out.append((group.segments[s].size * group.buffer.element_size(), 1 if chunks is None else len(chunks[sid])))
     return out
 
 

@@ -36,7 +36,10 @@ CASES = {
 OTHERS = {"pp2-dp2-onebit-z1": dict(tp=1, pp=2, stage=1, micro=2, layers=3, optimizer="onebit_adam"),
           "pp2-dp2-bf16-z1": dict(tp=1, pp=2, stage=1, micro=2, layers=3, precision="bf16"),
           "pp2-dp2-bf16-offload-z1": dict(tp=1, pp=2, stage=1, micro=2, layers=3, precision="bf16",
-                                          offload="cpu")}
+                                          offload="cpu"),
+          # each segment's gradient streams to the host after the last pass through the chunks that hold it
+          "pp2-dp2-interleaved-offload-z2": dict(tp=1, pp=2, stage=2, micro=2, layers=4, schedule="interleaved",
+                                                 per_virtual=1, offload="cpu")}
 
 
 @pytest.fixture(scope="module")
@@ -98,11 +101,26 @@ def test_onebit_adam_keeps_the_tied_copies_equal_through_compressed_steps(result
     assert np.mean([x[-1] for x in losses]) < np.mean([x[0] for x in losses])
 
 
-def test_offload_trains_like_the_device_step_with_tied_copies_equal(results):
-    plain, offloaded = _merge(results["pp2-dp2-bf16-z1"]), _merge(results["pp2-dp2-bf16-offload-z1"])
+@pytest.mark.parametrize("plain_name,offload_name", [("pp2-dp2-bf16-z1", "pp2-dp2-bf16-offload-z1"),
+                                                      ("pp2-dp2-interleaved-z2", "pp2-dp2-interleaved-offload-z2")])
+def test_offload_trains_like_the_device_step_with_tied_copies_equal(results, plain_name, offload_name):
+    plain, offloaded = _merge(results[plain_name]), _merge(results[offload_name])
     assert plain.keys() == offloaded.keys()
     for name, value in plain.items():
         np.testing.assert_array_equal(offloaded[name], value, err_msg=name)
+
+
+def test_interleaved_zero2_reduces_each_segment_in_its_own_chunks_passes_only(results):
+    # A backward pass through one chunk reaches that chunk's parameters alone: stage 2 reduce-scatters the
+    # segments holding them and not, as zeros, every other one. Per step that is m passes per chunk, so a
+    # segment goes out m times per chunk it holds (one straddling the chunks' boundary in both), not m * v times.
+    m, v = gp.GLOBAL // 2 // 2, 2  # micro-batches per step on each of the 2 DP ranks; chunks per rank
+    for r in results["pp2-dp2-interleaved-z2"]:
+        segments = r["segments"]
+        assert segments and all(1 <= n <= v for _, n in segments)
+        assert any(n == 1 for _, n in segments)  # most segments belong to one chunk
+        assert r["reduce_scatter_bytes"] == m * sum(nbytes * n for nbytes, n in segments)
+        assert r["reduce_scatter_bytes"] < m * v * sum(nbytes for nbytes, _ in segments)
 
 
 @pytest.mark.parametrize("name", ["pp2-dp2-z1", "pp2-tp2-sp-z2"])
