@@ -23,10 +23,10 @@ Two reducers:
   each fresh ``param.grad`` into a staging bucket and drop it; a full bucket
   is reduce-scattered (every micro-step) into the partition, accumulating.
   A backward pass through one model chunk of an interleaved pipeline stage
-  reaches only that chunk's parameters: it gets a *scope*, the segments that
-  can receive gradients, and the others are neither waited for nor sent (as
-  zeros) in that pass. A segment's gradient is final after the last pass of
-  the batch through the chunks it holds (``final``).
+  reaches only that chunk's parameters (its *reach*): a segment waits for
+  those of its parameters alone, and one holding none of them is neither
+  waited for nor sent (as zeros) in that pass. A segment's gradient is final
+  after the last pass of the batch through the chunks it holds (``final``).
 
 Both sum over DP; the 1/dp of the average is folded into the optimizer's
 single unscale-and-clip factor.
@@ -56,10 +56,14 @@ class _LaunchQueue:
         self._launch = launch
         self.reset()
 
-    def reset(self, scope: Optional[AbstractSet[int]] = None) -> None:
-        """Start a backward pass; ``scope``: the only segments it launches (None: all)."""
-        self.skip = [scope is not None and sid not in scope for sid in range(len(self.order))]
-        self.pending = [0 if skipped else n for skipped, n in zip(self.skip, self.sizes)]
+    def reset(self, expected: Optional[Dict[int, int]] = None) -> None:
+        """Start a backward pass; ``expected``: the only segments it launches, each with the number of its
+        records the pass reaches (None: every segment, all its records)."""
+        if expected is None:
+            self.skip, self.pending = [False] * len(self.order), list(self.sizes)
+        else:
+            self.skip = [sid not in expected for sid in range(len(self.order))]
+            self.pending = [expected.get(sid, 0) for sid in range(len(self.order))]
         self.cursor = 0
 
     def mark(self, sid: int) -> None:
@@ -102,7 +106,8 @@ class _ReducerBase:
         # Called as (group, segment) once this rank's reduced chunk of a segment holds the step's gradient
         # (on the last micro-step of the batch), so offload can stream it to the host during backward.
         self.on_final: Optional[Callable[[int, int], None]] = None
-        self._scope: Optional[AbstractSet[int]] = None  # this pass's segments (None: every one)
+        self._reach: Optional[AbstractSet[Tuple[int, int]]] = None  # (group, record) this pass reaches; None: all
+        self._expected: Dict[AbstractSet[Tuple[int, int]], Dict[int, int]] = {}  # reach -> records per segment
         self._final: AbstractSet[int] = frozenset()     # segments whose gradient this pass completes
 
     def attach_hooks(self) -> None:
@@ -117,17 +122,17 @@ class _ReducerBase:
             h.remove()
         self._hooks = []
 
-    def begin_backward(self, reduce_now: bool, scope: Optional[AbstractSet[int]] = None,
+    def begin_backward(self, reduce_now: bool, reach: Optional[AbstractSet[Tuple[int, int]]] = None,
                        final: Optional[AbstractSet[int]] = None) -> None:
         """Called before ``loss.backward()``; ``reduce_now`` says whether this micro-step communicates.
 
-        ``scope``: the segment ids this pass can give gradients to, the only ones it launches (None: all).
-        ``final``: the segment ids whose gradient for the batch is complete after this pass (None: all of them
-        when ``reduce_now``, else none)."""
-        self.queue.reset(scope)
+        ``reach``: the (group, record) pairs this pass can give gradients to (None: all); only the segments
+        holding one are launched, each once those have arrived. ``final``: the segment ids whose gradient for the
+        batch is complete after this pass (None: all of them when ``reduce_now``, else none)."""
+        self.queue.reset(None if reach is None else self._expected_in(reach))
         self._active = True
         self._reduce_now = reduce_now
-        self._scope = scope
+        self._reach = reach
         every = frozenset(range(len(self.order)))
         self._final = final if final is not None else (every if reduce_now else frozenset())
         for flags in self._arrived:
@@ -179,9 +184,17 @@ class _ReducerBase:
                                f"build the optimizer with overlap_comm=False to reduce after backward")
         return False
 
+    def _expected_in(self, reach: AbstractSet[Tuple[int, int]]) -> Dict[int, int]:
+        """Records per segment id that a pass with ``reach`` gives gradients to (worked out once per reach)."""
+        expected = self._expected.get(reach)
+        if expected is None:
+            expected = self._expected[reach] = dict(collections.Counter(
+                self.sid_of[(g, self.groups[g].records[r].segment)] for g, r in reach))
+        return expected
+
     def _check_scope(self, g: int, r: int, sid: int) -> None:
-        """A gradient outside the pass's scope would never be sent: a wrong scope is a bug, not bad input."""
-        if self._scope is not None and sid not in self._scope:
+        """A gradient outside the pass's reach would never be sent: a wrong reach is a bug, not bad input."""
+        if self._reach is not None and (g, r) not in self._reach:
             name = self.groups[g].records[r].name
             raise RuntimeError(f"parameter {name!r} received a gradient in a backward pass through a model chunk "
                                f"that does not hold it (the model's parameters_of_part left it out)")
@@ -220,7 +233,7 @@ class FullGradReducer(_ReducerBase):
             buf.zero_()
         self._bind()
 
-    def begin_backward(self, reduce_now: bool, scope: Optional[AbstractSet[int]] = None,
+    def begin_backward(self, reduce_now: bool, reach: Optional[AbstractSet[Tuple[int, int]]] = None,
                        final: Optional[AbstractSet[int]] = None) -> None:
         # the whole gradient is reduced once, on the batch's last pass, whichever model chunk that runs through
         super().begin_backward(reduce_now)
@@ -286,11 +299,11 @@ class PartitionedGradReducer(_ReducerBase):
             for p in g.params:
                 p.grad = None
 
-    def begin_backward(self, reduce_now: bool, scope: Optional[AbstractSet[int]] = None,
+    def begin_backward(self, reduce_now: bool, reach: Optional[AbstractSet[Tuple[int, int]]] = None,
                        final: Optional[AbstractSet[int]] = None) -> None:
         # stage 2 communicates every micro-step; its gradients are final on the last one
         every = frozenset(range(len(self.order)))
-        super().begin_backward(True, scope, final if final is not None else (every if reduce_now else frozenset()))
+        super().begin_backward(True, reach, final if final is not None else (every if reduce_now else frozenset()))
 
     def _acquire(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         while not self._free[dtype]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence
+from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -77,8 +77,10 @@ class FlatZeroOptimizer(ZeroOptimizer):
             self.reducer = PartitionedGradReducer(self.groups, self.comm, topology.dp_rank, zero.overlap_comm,
                                                   quant=self.grad_quant, two_level=self.two_level)
         self.reducer.attach_hooks()
-        # per segment id, the model chunks whose backward passes reach it (set_chunks); None: one chunk
+        # per segment id, the model chunks whose backward passes reach it, and per chunk the (group, record)
+        # pairs its passes reach (set_chunks); None: one chunk
         self._segment_chunks: Optional[List[FrozenSet[int]]] = None
+        self._chunk_reach: Optional[List[FrozenSet[Tuple[int, int]]]] = None
         self._grad_chunks = [self.reducer.grad_chunks(g.index, self.part) for g in self.groups]
         # offload: host twins of the reduced gradients and rounded weights (the same tensors on a CPU model)
         poison = poison_requested()
@@ -132,11 +134,11 @@ class FlatZeroOptimizer(ZeroOptimizer):
 
     # ---- the training step ---------------------------------------------------------------
     def set_chunks(self, chunks: int, chunk_params: Optional[Sequence[Sequence[torch.nn.Parameter]]] = None) -> None:
-        """Also work out each chunk's segments: a pass through one chunk reduces those alone (stage 2), and a
-        segment's gradient is final once every chunk it holds has had its last pass. A parameter in no chunk's
-        list counts as in all of them."""
+        """Also work out what a pass through each chunk reaches: under stage 2 it reduces those parameters'
+        segments alone, and a segment's gradient is final once every chunk it holds has had its last pass. A
+        parameter in no chunk's list counts as in all of them."""
         super().set_chunks(chunks, chunk_params)
-        self._segment_chunks = None
+        self._segment_chunks, self._chunk_reach = None, None
         if chunk_params is None or self._chunks == 1:
             return
         chunks_of: Dict[int, set] = collections.defaultdict(set)
@@ -145,10 +147,15 @@ class FlatZeroOptimizer(ZeroOptimizer):
                 chunks_of[id(p)].add(c)
         every = set(range(self._chunks))
         held: List[set] = [set() for _ in self.reducer.order]
+        reach: List[set] = [set() for _ in range(self._chunks)]
         for g in self.groups:
             for r, p in enumerate(g.params):
-                held[self.reducer.sid_of[(g.index, g.records[r].segment)]] |= chunks_of.get(id(p)) or every
+                cs = chunks_of.get(id(p)) or every
+                held[self.reducer.sid_of[(g.index, g.records[r].segment)]] |= cs
+                for c in cs:
+                    reach[c].add((g.index, r))
         self._segment_chunks = [frozenset(cs) for cs in held]
+        self._chunk_reach = [frozenset(pairs) for pairs in reach]
 
     @property
     def segment_chunks(self) -> Optional[List[FrozenSet[int]]]:
@@ -161,12 +168,12 @@ class FlatZeroOptimizer(ZeroOptimizer):
         """Buckets are reduced over ``dp`` as they fill: on the last micro-step of the global batch when
         the gradients are kept whole, on every micro-step when only the partition is kept. A pass through one
         model chunk of an interleaved stage reduces that chunk's segments only."""
-        scope = final = None
-        chunks = self._segment_chunks
-        if backward_pass.chunk is not None and chunks is not None:
-            scope = frozenset(sid for sid, cs in enumerate(chunks) if backward_pass.chunk in cs)
-            final = frozenset(sid for sid in scope if chunks[sid] <= backward_pass.chunks_done)
-        self.reducer.begin_backward(reduce_now=backward_pass.last and not self._local_gradients(), scope=scope,
+        reach = final = None
+        chunk, held = backward_pass.chunk, self._segment_chunks
+        if chunk is not None and held is not None:
+            reach = self._chunk_reach[chunk]
+            final = frozenset(sid for sid, cs in enumerate(held) if chunk in cs and cs <= backward_pass.chunks_done)
+        self.reducer.begin_backward(reduce_now=backward_pass.last and not self._local_gradients(), reach=reach,
                                     final=final)
         yield
         self.reducer.end_backward()

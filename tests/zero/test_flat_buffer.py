@@ -83,3 +83,27 @@ def test_bad_models_get_clear_errors():
         build_flat_groups(meta, 1, 1, 100, False, None)
     with pytest.raises(ZeroConfigError, match="bucket_numel"):
         plan_segments([1], 1, 0, 1)
+
+
+def test_a_pass_through_one_chunk_launches_its_segments_as_they_fill():
+    # The launch queue of the gradient reducers, as a backward pass through one model chunk of an interleaved
+    # pipeline stage sees it: segment 1 holds two records of which the pass reaches one, segments 0 and 2
+    # belong to the other chunk. Segment 1 launches as soon as its reached record arrives, without waiting for
+    # segment 0 ahead of it; segments 0 and 2 never launch.
+    from hybrid.zero.buckets import _LaunchQueue
+
+    launched = []
+    queue = _LaunchQueue([(0, s) for s in range(4)], [1, 2, 1, 1], launched.append)
+    queue.reset({1: 1, 3: 1})
+    queue.mark(1)
+    assert launched == [1]
+    queue.mark(3)
+    queue.flush()
+    assert launched == [1, 3]
+    # a pass through the whole model waits for every record in order
+    launched.clear()
+    queue.reset()
+    queue.mark(1)
+    assert launched == []
+    queue.flush()
+    assert launched == [0, 1, 2, 3]
