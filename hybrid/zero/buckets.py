@@ -104,11 +104,12 @@ class _ReducerBase:
         self._hooks = []
         self._arrived = [bytearray(len(g.records)) for g in groups]  # gradient seen in this backward
         # Called as (group, segment) once this rank's reduced chunk of a segment holds the step's gradient
-        # (on the last micro-step of the batch), so offload can stream it to the host during backward.
+        # (after the batch's last pass that reaches the segment), so offload can stream it during backward.
         self.on_final: Optional[Callable[[int, int], None]] = None
         self._reach: Optional[AbstractSet[Tuple[int, int]]] = None  # (group, record) this pass reaches; None: all
         self._expected: Dict[AbstractSet[Tuple[int, int]], Dict[int, int]] = {}  # reach -> records per segment
         self._final: AbstractSet[int] = frozenset()     # segments whose gradient this pass completes
+        self._every = frozenset(range(len(keys)))
 
     def attach_hooks(self) -> None:
         for g in self.groups:
@@ -133,8 +134,7 @@ class _ReducerBase:
         self._active = True
         self._reduce_now = reduce_now
         self._reach = reach
-        every = frozenset(range(len(self.order)))
-        self._final = final if final is not None else (every if reduce_now else frozenset())
+        self._final = self._finals(final, reduce_now)
         for flags in self._arrived:
             flags[:] = bytes(len(flags))
 
@@ -173,7 +173,7 @@ class _ReducerBase:
         checkpointed regions) is fine until its bucket is on the wire, and an
         error after, when it could no longer be included.
         """
-        self._check_scope(g, r, sid)
+        self._check_reach(g, r, sid)
         if not self._arrived[g][r]:
             self._arrived[g][r] = 1
             return True
@@ -184,6 +184,12 @@ class _ReducerBase:
                                f"build the optimizer with overlap_comm=False to reduce after backward")
         return False
 
+    def _finals(self, final: Optional[AbstractSet[int]], last: bool) -> AbstractSet[int]:
+        """``final`` as given, or by default every segment on the batch's last pass and none before it."""
+        if final is not None:
+            return final
+        return self._every if last else frozenset()
+
     def _expected_in(self, reach: AbstractSet[Tuple[int, int]]) -> Dict[int, int]:
         """Records per segment id that a pass with ``reach`` gives gradients to (worked out once per reach)."""
         expected = self._expected.get(reach)
@@ -192,7 +198,7 @@ class _ReducerBase:
                 self.sid_of[(g, self.groups[g].records[r].segment)] for g, r in reach))
         return expected
 
-    def _check_scope(self, g: int, r: int, sid: int) -> None:
+    def _check_reach(self, g: int, r: int, sid: int) -> None:
         """A gradient outside the pass's reach would never be sent: a wrong reach is a bug, not bad input."""
         if self._reach is not None and (g, r) not in self._reach:
             name = self.groups[g].records[r].name
@@ -302,8 +308,7 @@ class PartitionedGradReducer(_ReducerBase):
     def begin_backward(self, reduce_now: bool, reach: Optional[AbstractSet[Tuple[int, int]]] = None,
                        final: Optional[AbstractSet[int]] = None) -> None:
         # stage 2 communicates every micro-step; its gradients are final on the last one
-        every = frozenset(range(len(self.order)))
-        super().begin_backward(True, reach, final if final is not None else (every if reduce_now else frozenset()))
+        super().begin_backward(True, reach, self._finals(final, reduce_now))
 
     def _acquire(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         while not self._free[dtype]:
@@ -345,7 +350,7 @@ class PartitionedGradReducer(_ReducerBase):
                 group = self.groups[gi]
                 for r in group.segments[s].records:
                     if group.params[r].grad is not None:
-                        self._check_scope(gi, r, sid)
+                        self._check_reach(gi, r, sid)
                         self._arrived[gi][r] = 1
                         self._stage(gi, r, sid, group.params[r], first=True)
         super().end_backward()
