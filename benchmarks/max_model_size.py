@@ -40,7 +40,9 @@ the smallest failure: two attempts when the prediction is right. The planner's
 prediction for a contender is the largest size whose predicted resident
 peak per rank (``hybrid.plan.estimate_memory`` with the CPU device profile:
 tensors plus gloo's private copies, and host memory for offload), plus the
-measured resident size of an idle rank, times 4 fits the budget; every
+measured resident size of an idle rank and what a training rank holds beyond
+its tensors (the calibration run's summed peak over the planner's figure for
+it, on the smallest model), times 4 fits the budget; every
 attempt and the final table print the planner's summed figure beside the
 measured one. torch's trainers are predicted with the hybrid stage holding
 the same state (DDP as stage 0 plus DDP's separate gradient buckets, FSDP2
@@ -484,11 +486,18 @@ def main(argv=None) -> None:
     chosen = [c for c in CONTENDERS if not args.only or any(s.strip() in c.name for s in args.only.split(","))]
     t0 = time.time()
     log = lambda s: print(f"[{time.time() - t0:6.0f}s] {s}", flush=True)  # noqa: E731
-    calib = run_attempt(Contender("calibration", "hybrid", 0), args.step, args)
+    calibration = Contender("calibration", "hybrid", 0)
+    calib = run_attempt(calibration, args.step, args)
     if not calib["ok"]:
         raise SystemExit(f"the calibration run (hybrid zero-0, {args.vary} {args.step}) failed: {calib['why']}")
-    base = calib["base_mib"] * 2**20
-    log(f"an idle rank holds {calib['base_mib']:.0f} MiB resident (torch, gloo); the planner adds that per rank")
+    idle = calib["base_mib"] * 2**20
+    # What a training rank holds beyond its tensors and the idle process (allocator slack, the autograd
+    # engine's and gloo's own buffers), as the monitor sums it: the calibration run's summed peak over what the
+    # planner puts there. Measured once, on the smallest model, and added to every prediction.
+    slack = max(0.0, calib["peak_sum"] / WORLD - idle - predicted_rank_bytes(calibration, args.step, args))
+    base = idle + slack
+    log(f"an idle rank holds {idle / 2**20:.0f} MiB resident (torch, gloo), a training one {slack / 2**20:.1f} MiB "
+        f"more than its tensors; the planner adds both per rank")
     if args.predict:
         for c in chosen:
             sizes = [int(h) for h in args.predict.split(",")]
