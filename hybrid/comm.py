@@ -96,8 +96,7 @@ class Communicator:
         self._p2p_sequence: Dict[str, int] = collections.defaultdict(int)
         self._p2p_shape: Dict[str, Optional[str]] = {}  # _p2p's answer per axis
         self._names: Dict[Tuple[str, str], OpName] = {}
-        # (op, axis, group rank) -> (global rank of the peer, the transfer's name), checked once per peer
-        self._peers: Dict[Tuple[str, str, int], Tuple[int, OpName]] = {}
+        self._peers: Dict[Tuple[str, int], int] = {}  # (axis, group rank) -> global rank, checked once per peer
 
     @property
     def timeout(self) -> Optional[datetime.timedelta]:
@@ -593,13 +592,10 @@ class Communicator:
     def _point_to_point(self, op: str, issue, tensor: torch.Tensor, axis: str, rank: int,
                         async_op: bool, tag: int) -> Optional[Handle]:
         # Always issued as isend/irecv: the blocking forms cannot take this communicator's timeout.
-        key = (op, axis, rank)
-        known = self._peers.get(key)
-        if known is None:  # a pipeline stage talks to the same one or two peers all along
-            peer = self._peer(axis, rank, "send to" if op == "send" else "receive from")
-            known = self._peers[key] = (peer, OpName(f"{op} {'to' if op == 'send' else 'from'} rank {rank}", axis,
-                                                     tuple(self._topology.group_ranks(axis))))
-        peer, name = known
+        peer = self._peers.get((axis, rank))
+        if peer is None:  # a pipeline stage talks to the same one or two peers all along
+            peer = self._peers[(axis, rank)] = self._peer(axis, rank, "send to" if op == "send" else "receive from")
+        name = self._name(f"{op} {'to' if op == 'send' else 'from'} rank {rank}", axis)
         # The sender counts the wire bytes, so summing over ranks counts each byte once.
         self._record(op, axis, _nbytes(tensor), 1.0 if op == "send" else 0.0, peer=peer)
         self._advance_rings()

@@ -209,13 +209,21 @@ class Stage3Layout:
     dp: int
     head_unit: int  # the unit of the output projection's weight (the word embeddings when tied)
     head_index: int = -1  # its position in ``units``
-    layer_units: int = 0  # elements of the gathered units of the largest transformer layer, all together
     unit_layers: Tuple[int, ...] = ()  # the transformer layer of each of ``units`` (-1: outside the layers)
     whole_parameter: Tuple[bool, ...] = ()  # per unit, :attr:`hybrid.zero.stage3_layout.Unit.whole_parameter`
 
     @property
     def largest_unit(self) -> int:
         return max(self.units, default=0)
+
+    @property
+    def layer_units(self) -> int:
+        """Elements of the gathered units of the largest transformer layer, all together."""
+        per_layer: Dict[int, int] = collections.defaultdict(int)
+        for size, layer in zip(self.units, self.unit_layers):
+            if layer >= 0:
+                per_layer[layer] += size
+        return max(per_layer.values(), default=0)
 
     def _backward_indices(self, tied: bool) -> List[int]:
         """Indices into ``units`` in the order backward completes their gradients.
@@ -273,8 +281,7 @@ class Stage3Layout:
 
 @functools.lru_cache(maxsize=64)
 def _stage3_units(config_json: str, tp: int, dp: int, precision: str, persistence_threshold: int,
-                  weight_decay: bool) -> Tuple[Tuple[int, ...], int, int, int, int, int, Tuple[int, ...],
-                                               Tuple[bool, ...]]:
+                  weight_decay: bool) -> Tuple[Tuple[int, ...], int, int, int, int, Tuple[int, ...], Tuple[bool, ...]]:
     from hybrid.topology import Topology
     from hybrid.zero.stage3_layout import build_units
     from model_zoo.gpt import GPTModel
@@ -290,13 +297,9 @@ def _stage3_units(config_json: str, tp: int, dp: int, precision: str, persistenc
     head_index = next((k for k, u in enumerate(gathered) if any(id(q) == head for q in u.params)), -1)
     layer_of = tuple(int(u.module_name.split(".")[1]) if u.module_name.startswith("layers.") else -1
                      for u in gathered)
-    per_layer: Dict[int, int] = collections.defaultdict(int)
-    for u, layer in zip(gathered, layer_of):
-        if layer >= 0:
-            per_layer[layer] += u.numel
     return (tuple(u.numel for u in gathered), sum(u.numel for u in units if u.persistent),
             sum(u.chunk_numel for u in units), gathered[head_index].numel if head_index >= 0 else 0, head_index,
-            max(per_layer.values(), default=0), layer_of, tuple(u.whole_parameter for u in gathered))
+            layer_of, tuple(u.whole_parameter for u in gathered))
 
 
 def stage3_layout(config: GPTConfig, tp: int, dp: int, precision: str,
@@ -304,10 +307,10 @@ def stage3_layout(config: GPTConfig, tp: int, dp: int, precision: str,
                   weight_decay: bool = True) -> Stage3Layout:
     """The stage-3 units of ``config`` at TP ``tp`` over ``dp`` ranks (the optimizer's own function, on meta)."""
     config.validate(tp)
-    units, persistent, partition, head, head_index, layer, layer_of, whole = _stage3_units(
+    units, persistent, partition, head, head_index, layer_of, whole = _stage3_units(
         json.dumps(config.to_dict(), sort_keys=True), tp, dp, precision, persistence_threshold, weight_decay)
     return Stage3Layout(units, persistent, partition, torch.empty((), dtype=DTYPES[precision]).element_size(), dp,
-                        head, head_index, layer, layer_of, whole)
+                        head, head_index, layer_of, whole)
 
 
 @dataclasses.dataclass(frozen=True)
