@@ -3,8 +3,8 @@
 For every contender -- torch DDP, hybrid ZeRO stages 0/1/2/3, stage 3 with
 CPU offload, torch FSDP2 (and DeepSpeed ZeRO-3 when importable) -- the search
 looks for the largest model (sequence ``--seq``, micro batch 1, fp32 AdamW)
-at which 4 gloo ranks train 3 steps while the resident memory summed over the
-ranks stays under ``--budget``. The model grows one of two ways:
+at which 4 gloo ranks train 3 steps while their resident peaks, summed, stay
+under ``--budget``. The model grows one of two ways:
 
 * ``--vary hidden`` (wide, the default): ``--layers`` layers, the hidden size
   in steps of ``--step`` (128);
@@ -29,27 +29,33 @@ the bucket bounds the gradient reductions in flight
 (:mod:`hybrid.zero.inflight`) and the prefetch the weights gathered ahead.
 
 Each attempt starts 4 fresh rank processes (gloo on loopback); a monitor
-samples their RSS every 50 ms and kills them the moment the sum crosses the
-budget (the kernel's OOM killer counts as a failure too). glibc's adaptive
-mmap threshold is fixed (``MALLOC_MMAP_THRESHOLD_``) so that freed tensors
-return to the system and RSS follows the live bytes.
+reads each rank's resident peak (``VmHWM``) every 50 ms and kills them the
+moment the peaks' sum crosses the budget (the kernel's OOM killer counts as a
+failure too). A rank's peak is what the planner predicts, and a high-water
+mark misses nothing between two readings, so an attempt measures the same to
+about a MiB from run to run (a sampled sum of RSS varied by 0.3%). glibc's
+adaptive mmap threshold is fixed (``MALLOC_MMAP_THRESHOLD_``) so that freed
+tensors return to the system and RSS follows the live bytes.
 
 The search starts at the planner's prediction and walks up or down from it
 one step, then in doubling strides, then bisects between the largest fit and
-the smallest failure: two attempts when the prediction is right. The planner's
-prediction for a contender is the largest size whose predicted resident
-peak per rank (``hybrid.plan.estimate_memory`` with the CPU device profile:
-tensors plus gloo's private copies, and host memory for offload), plus the
-measured resident size of an idle rank and what a training rank holds beyond
-its tensors (the calibration run's summed peak over the planner's figure for
-it, on the smallest model), times 4 fits the budget; every
-attempt and the final table print the planner's summed figure beside the
-measured one. torch's trainers are predicted with the hybrid stage holding
-the same state (DDP as stage 0 plus DDP's separate gradient buckets, FSDP2
-and DeepSpeed as stage 3): the planner models hybrid, so those rows are
-rough. Stages 0-2 build the model whole before flattening it, which the
-prediction adds as a construction peak (two copies of the fp32 weights);
-stage 3 and FSDP2 build on ``meta`` and materialise only each rank's shard.
+the smallest failure: two attempts when the prediction is right, and the
+table says whether the planner's largest is the one found ('exact') or how
+many steps it missed. The planner's prediction for a contender is the largest
+size whose predicted peak per rank (``hybrid.plan.estimate_memory`` with the
+CPU device profile: tensors plus gloo's private copies, and host memory for
+offload), plus what a rank holds beyond those tensors, times 4 fits the
+budget. That last part is measured once, on the smallest model (see
+``calibrate``): for the hybrid stages on stage 0, which is not judged, and for
+each of torch's trainers on itself. Every attempt and the final table print
+the planner's summed figure beside the measured one. torch's trainers are
+predicted with the hybrid stage holding the same state (DDP as stage 0 plus
+DDP's separate gradient buckets, with no gradient beside the activations;
+FSDP2 and DeepSpeed as stage 3): the planner models hybrid, so those rows are
+rougher. Stages 0-2 build the model whole
+before flattening it, which the prediction adds as a construction peak (two
+copies of the fp32 weights); stage 3 and FSDP2 build on ``meta`` and
+materialise only each rank's shard.
 
 Reproduce (from the repository root; hold ``flock /work/bench.lock`` on a shared machine)::
 
@@ -269,14 +275,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rss(procs) -> int:
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except Exception:  # noqa: BLE001 - a rank that just exited
-            pass
-    return total
+def _peak_kib(pid: int, last: int) -> int:
+    """Rank ``pid``'s resident peak (VmHWM, KiB) so far; ``last`` once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:  # the rank just exited: its peak is the last one read
+        pass
+    return last
 
 
 def run_attempt(c: Contender, size: int, args) -> Dict:
@@ -292,8 +300,6 @@ def run_attempt(c: Contender, size: int, args) -> Dict:
 
 
 def _run_attempt_once(c: Contender, size: int, args) -> Dict:
-    import psutil
-
     spec = json.dumps({"contender": dataclasses.asdict(c), "size": size, "args": vars(args)})
     port = _free_port()
     t0 = time.time()
@@ -306,13 +312,14 @@ def _run_attempt_once(c: Contender, size: int, args) -> Dict:
         procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", spec], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       start_new_session=True))
-    watched = [psutil.Process(p.pid) for p in procs]
-    peak, why = 0, ""
+    peaks, peak, why = [0] * WORLD, 0, ""
     while any(p.poll() is None for p in procs):
-        rss = _rss(watched)
-        peak = max(peak, rss)
-        if rss > args.budget:
-            why = f"over budget ({rss / 2**30:.1f} GiB)"
+        # Each rank's own high-water mark, summed: what the planner predicts (a rank's peak, times the ranks), and
+        # unlike a sampled sum of RSS it misses no short peak, so the same attempt measures the same to a MiB.
+        peaks = [_peak_kib(p.pid, last) for p, last in zip(procs, peaks)]
+        peak = sum(peaks) * 1024
+        if peak > args.budget:
+            why = f"over budget ({peak / 2**30:.2f} GiB)"
         elif time.time() - t0 > args.attempt_timeout:
             why = "timed out"
         elif any(p.returncode not in (None, 0) for p in procs):
@@ -336,8 +343,11 @@ def _run_attempt_once(c: Contender, size: int, args) -> Dict:
             else:
                 why = "killed by the system (out of memory)"
         return {"ok": False, "why": why, "peak_sum": peak, "seconds": seconds}
+    # Each rank's own last reading is its final peak; one reached after the monitor's last look still counts.
+    peak = sum(r["peak_mib"] for r in results) * 2**20
+    if peak > args.budget:
+        return {"ok": False, "why": f"over budget ({peak / 2**30:.2f} GiB)", "peak_sum": peak, "seconds": seconds}
     return {"ok": True, "why": "", "peak_sum": peak, "seconds": seconds,
-            "hwm_sum": sum(r["peak_mib"] for r in results) * 2**20,
             "base_mib": max(r["base_mib"] for r in results), "train_s": max(r["train_s"] for r in results)}
 
 
@@ -358,7 +368,11 @@ def predicted_rank_bytes(c: Contender, size: int, args) -> int:
     peak = est.resident_peak + est.host
     whole = not candidate.traits.parameters
     if c.kind == "ddp":
-        peak += weights  # DDP's gradient buckets are a second copy of the gradients
+        # DDP's gradients are freed every step (zero_grad(set_to_none=True)) and come back in backward as the
+        # activations go, so where hybrid keeps its gradient buffer beside the activations DDP holds neither at
+        # once; its buckets are a second copy of the gradients, held throughout.
+        peak = max(est.step_peak, est.forward_peak - est.grads, est.backward_peak - est.grads) + est.untracked
+        peak += est.host + weights
     if c.kind == "hybrid" and whole:
         peak = max(peak, 2 * weights)  # the model is built whole, then copied into the flat buffer
     if c.kind == "hybrid" and not whole and not importlib.util.find_spec("hybrid.zero.sharded_init"):
@@ -412,12 +426,12 @@ def search(c: Contender, args, base_bytes: float, log) -> Dict:
     return {"size": fit, "exact": exact, "predicted": guess, "fail": fail, "attempts": tried}
 
 
-def print_table(rows: Dict[str, Dict], args, base_bytes: float) -> None:
+def print_table(rows: Dict[str, Dict], args, bases: Dict[str, float]) -> None:
     ddp = rows.get("torch DDP", {})
     ddp_params = n_params(ddp["size"], args) if ddp.get("size") else None
     name = "layers" if args.vary == "layers" else "hidden"
     head = (f"{'contender':26s} {'max ' + name:>10s} {'params':>10s} {'vs DDP':>7s} {'peak RSS sum':>12s} "
-            f"{'planner RSS':>11s} {'planner ' + name:>14s} {'planner params':>14s}")
+            f"{'planner RSS':>11s} {'planner ' + name:>14s} {'planner params':>14s} {'planner vs search':>17s}")
     print(head)
     print("-" * len(head))
     for c in CONTENDERS:
@@ -432,17 +446,52 @@ def print_table(rows: Dict[str, Dict], args, base_bytes: float) -> None:
         bound = "" if r["exact"] else (">=" if h else "<")
         ratio = f"{params / ddp_params:.2f}x" if ddp_params and h else ""
         peak = r["attempts"][h]["peak_sum"] / 2**30 if h else 0
-        planned = predicted_sum(c, h, args, base_bytes) / 2**30 if h else 0
+        planned = predicted_sum(c, h, args, bases[c.name]) / 2**30 if h else 0
         print(f"{c.name:26s} {bound + str(h or args.step):>10s} {params / 1e6:9.1f}M {ratio:>7s} {peak:8.2f} GiB "
-              f"{planned:7.2f} GiB {r['predicted']:14d} {n_params(r['predicted'], args) / 1e6:13.1f}M")
+              f"{planned:7.2f} GiB {r['predicted']:14d} {n_params(r['predicted'], args) / 1e6:13.1f}M "
+              f"{verdict(r, args):>17s}")
     shape = (f"{args.layers} layers, hidden in steps of {args.step}" if args.vary == "hidden"
              else f"hidden {args.hidden}, layers in steps of {args.step}")
     knobs = f"gradient bucket {args.bucket} elements" + (
         "" if args.prefetch is None else f", stage-3 prefetch {args.prefetch} elements")
-    print(f"\nbudget {args.budget / 2**30:.1f} GiB of RSS summed over {WORLD} gloo ranks; GPT with {shape}, vocab "
-          f"{VOCAB}, seq {args.seq}, micro batch 1, fp32 AdamW, {args.steps} steps; {knobs}. '>=': the largest size "
-          f"tried fit (search capped); 'vs DDP' = parameters over DDP's; 'planner RSS': the planner's summed RSS at "
-          f"the size found.")
+    print(f"\nbudget {args.budget / 2**30:.1f} GiB: the {WORLD} gloo ranks' resident peaks, summed; GPT with {shape}, "
+          f"vocab {VOCAB}, seq {args.seq}, micro batch 1, fp32 AdamW, {args.steps} steps; {knobs}. '>=': the largest "
+          f"size tried fit (search capped); 'vs DDP' = parameters over DDP's; 'planner RSS': the planner's summed "
+          f"peak at the size found; 'planner vs search': 'exact' when the planner's largest is the largest that fit, "
+          f"else by how many steps it missed (+: too large).")
+
+
+def verdict(row: Dict, args) -> str:
+    """Whether the planner's largest size is the one the search found, or how many steps away it is."""
+    if not row["exact"]:
+        return "search capped"
+    off = (row["predicted"] - row["size"]) // args.step
+    return "exact" if off == 0 else f"{off:+d} step" + ("s" if abs(off) > 1 else "")
+
+
+# ---- what a rank holds beyond the planner's tensors ------------------------------------------------------
+def calibrate(contenders, args, log) -> Dict[str, float]:
+    """Per contender, the bytes a rank holds beyond the planner's tensors, measured on the smallest model.
+
+    That is the idle process (torch, gloo) plus what training adds beyond its tensors: allocator slack, the
+    autograd engine's and gloo's own buffers. For the hybrid stages it is one run of stage 0, which is not being
+    judged, so no stage's prediction is fitted to its own measurement. torch's trainers are predicted as the
+    hybrid stage holding the same state, so each is measured once on its own (DDP, say, keeps some 70 MiB of
+    its own from construction on, whatever the model).
+    """
+    hybrid_calibration = Contender("hybrid zero-0 (calibration)", "hybrid", 0)
+    runs = {c.name: (c if c.kind != "hybrid" else hybrid_calibration) for c in contenders}
+    measured: Dict[str, float] = {}
+    for probe in {c.name: c for c in runs.values()}.values():
+        r = run_attempt(probe, args.step, args)
+        if not r["ok"]:
+            raise SystemExit(f"the calibration run ({probe.name}, {args.vary} {args.step}) failed: {r['why']}")
+        idle = r["base_mib"] * 2**20
+        beyond = max(0.0, r["peak_sum"] / WORLD - idle - predicted_rank_bytes(probe, args.step, args))
+        measured[probe.name] = idle + beyond
+        log(f"calibration, {probe.name}: an idle rank holds {idle / 2**20:.0f} MiB resident, a training one "
+            f"{beyond / 2**20:.1f} MiB more than the planner's tensors; both are added per rank")
+    return {name: measured[probe.name] for name, probe in runs.items()}
 
 
 def main(argv=None) -> None:
@@ -450,7 +499,8 @@ def main(argv=None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rank", help=argparse.SUPPRESS)
-    ap.add_argument("--budget", default="20GiB", help="RSS summed over the ranks that an attempt may use")
+    ap.add_argument("--budget", default="20GiB",
+                    help="what the ranks' resident peaks, summed, may reach; several, comma-separated, search at each")
     ap.add_argument("--vary", choices=("hidden", "layers"), default="hidden",
                     help="what the search grows: the hidden size of a --layers model (wide), or the number of "
                          "layers of a --hidden model (deep)")
@@ -472,6 +522,7 @@ def main(argv=None) -> None:
     ap.add_argument("--predict", default="",
                     help="comma-separated sizes (hidden or layers, see --vary): print the planner's summed RSS for "
                          "each and stop (no search)")
+    ap.add_argument("--json", help="also write every attempt, the calibration and the planner's figures here")
     args = ap.parse_args(argv)
     if args.rank:
         rank_main(args.rank)
@@ -482,40 +533,47 @@ def main(argv=None) -> None:
         ap.error("--step must be a multiple of 64 (the head dimension) with --vary hidden")
     if args.vary == "layers" and args.hidden % 64:
         ap.error("--hidden must be a multiple of 64 (the head dimension)")
-    args.budget = parse_size(args.budget, "--budget")
+    budgets = [parse_size(b.strip(), "--budget") for b in args.budget.split(",")]
+    args.budget = max(budgets)  # the calibration's limit
     chosen = [c for c in CONTENDERS if not args.only or any(s.strip() in c.name for s in args.only.split(","))]
     t0 = time.time()
     log = lambda s: print(f"[{time.time() - t0:6.0f}s] {s}", flush=True)  # noqa: E731
-    calibration = Contender("calibration", "hybrid", 0)
-    calib = run_attempt(calibration, args.step, args)
-    if not calib["ok"]:
-        raise SystemExit(f"the calibration run (hybrid zero-0, {args.vary} {args.step}) failed: {calib['why']}")
-    idle = calib["base_mib"] * 2**20
-    # What a training rank holds beyond its tensors and the idle process (allocator slack, the autograd
-    # engine's and gloo's own buffers), as the monitor sums it: the calibration run's summed peak over what the
-    # planner puts there. Measured once, on the smallest model, and added to every prediction.
-    slack = max(0.0, calib["peak_sum"] / WORLD - idle - predicted_rank_bytes(calibration, args.step, args))
-    base = idle + slack
-    log(f"an idle rank holds {idle / 2**20:.0f} MiB resident (torch, gloo), a training one {slack / 2**20:.1f} MiB "
-        f"more than its tensors; the planner adds both per rank")
-    if args.predict:
-        for c in chosen:
-            sizes = [int(h) for h in args.predict.split(",")]
-            print(f"{c.name:26s} planner: largest {args.vary} {predicted_size(c, args, base)}; summed RSS "
-                  + ", ".join(f"{h} ({n_params(h, args) / 1e6:.1f}M): {predicted_sum(c, h, args, base) / 2**30:.2f} GiB"
-                              for h in sizes))
-        return
-    rows: Dict[str, Dict] = {}
-    for c in chosen:
-        why = unavailable(c)
-        if why:
-            rows[c.name] = {"unavailable": why}
-            log(f"{c.name}: not available ({why})")
+    available = [c for c in chosen if not unavailable(c)]
+    bases = calibrate(available, args, log)
+    runs = []
+    for args.budget in budgets:
+        if args.predict:
+            print(f"budget {args.budget / 2**30:.2f} GiB")
+            for c in available:
+                sizes = [int(h) for h in args.predict.split(",")]
+                figures = ", ".join(f"{h} ({n_params(h, args) / 1e6:.1f}M): "
+                                    f"{predicted_sum(c, h, args, bases[c.name]) / 2**30:.2f} GiB" for h in sizes)
+                print(f"{c.name:26s} planner: largest {args.vary} {predicted_size(c, args, bases[c.name])}; "
+                      f"summed peaks {figures}")
             continue
-        rows[c.name] = search(c, args, base, log)
-    print()
-    print_table(rows, args, base)
-
+        rows: Dict[str, Dict] = {}
+        for c in chosen:
+            why = unavailable(c)
+            if why:
+                rows[c.name] = {"unavailable": why}
+                log(f"{c.name}: not available ({why})")
+                continue
+            rows[c.name] = search(c, args, bases[c.name], log)
+            rows[c.name]["planner_sum"] = {h: predicted_sum(c, h, args, bases[c.name])
+                                           for h in rows[c.name]["attempts"]}
+        print()
+        print_table(rows, args, bases)
+        print()
+        runs.append({"budget": args.budget, "rows": rows})
+    if len(runs) > 1:
+        print("the planner against the search, by budget: " + "; ".join(
+            f"{c.name}: " + ", ".join(f"{run['budget'] / 2**30:g} GiB {verdict(run['rows'][c.name], args)}"
+                                      for run in runs) for c in available))
+    if args.json and runs:
+        with open(args.json, "w") as f:
+            json.dump({"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)), "args": vars(args),
+                       "per_rank_beyond_tensors": bases, "budgets": runs}, f, indent=1)
+        print(f"wrote {args.json}")
 
 if __name__ == "__main__":
     main()
