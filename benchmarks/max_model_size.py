@@ -447,7 +447,8 @@ def print_table(rows: Dict[str, Dict], args, bases: Dict[str, float]) -> None:
         ratio = f"{params / ddp_params:.2f}x" if ddp_params and h else ""
         peak = r["attempts"][h]["peak_sum"] / 2**30 if h else 0
         planned = predicted_sum(c, h, args, bases[c.name]) / 2**30 if h else 0
-        print(f"{c.name:26s} {bound + str(h or args.step):>10s} {params / 1e6:9.1f}M {ratio:>7s} {peak:8.2f} GiB "
+        found = str(h) if h else (f"<{r['fail']}" if r["fail"] else "-")  # none fit: below the smallest failure
+        print(f"{c.name:26s} {bound + found if h else found:>10s} {params / 1e6:9.1f}M {ratio:>7s} {peak:8.2f} GiB "
               f"{planned:7.2f} GiB {r['predicted']:14d} {n_params(r['predicted'], args) / 1e6:13.1f}M "
               f"{verdict(r, args):>17s}")
     shape = (f"{args.layers} layers, hidden in steps of {args.step}" if args.vary == "hidden"
