@@ -61,8 +61,8 @@ Reproduce (from the repository root; hold ``flock /work/bench.lock`` on a shared
 
     python benchmarks/max_model_size.py                      # all contenders, 20 GiB budget, ~25 minutes
     python benchmarks/max_model_size.py --budget 16GiB --max-attempts 4   # the wide run in docs/planner.md
-    python benchmarks/max_model_size.py --vary layers --hidden 768 --budget 8GiB --bucket 2000000 \
-        --prefetch 2000000 --only "torch DDP,hybrid zero-3"                # the deep run in docs/planner.md
+    python benchmarks/max_model_size.py --vary layers --hidden 768 --budget 6GiB,7GiB,8GiB,10GiB,12GiB \
+        --bucket 2000000 --prefetch 2000000 --only "torch DDP,hybrid zero-3"   # the deep runs in docs/planner.md
     python benchmarks/max_model_size.py --only "zero-3" --budget 6GiB --max-attempts 3   # a quick look
     python benchmarks/max_model_size.py --only "zero-3" --predict 4224,4352   # the planner's figures only
 """
