@@ -443,12 +443,12 @@ def print_table(rows: Dict[str, Dict], args, bases: Dict[str, float]) -> None:
             continue
         h = r["size"]
         params = n_params(h, args) if h else 0
-        bound = "" if r["exact"] else (">=" if h else "<")
         ratio = f"{params / ddp_params:.2f}x" if ddp_params and h else ""
         peak = r["attempts"][h]["peak_sum"] / 2**30 if h else 0
         planned = predicted_sum(c, h, args, bases[c.name]) / 2**30 if h else 0
-        found = str(h) if h else (f"<{r['fail']}" if r["fail"] else "-")  # none fit: below the smallest failure
-        print(f"{c.name:26s} {bound + found if h else found:>10s} {params / 1e6:9.1f}M {ratio:>7s} {peak:8.2f} GiB "
+        # '>=': the largest tried fit; none fit: below the smallest failure
+        found = ("" if r["exact"] else ">=") + str(h) if h else (f"<{r['fail']}" if r["fail"] else "-")
+        print(f"{c.name:26s} {found:>10s} {params / 1e6:9.1f}M {ratio:>7s} {peak:8.2f} GiB "
               f"{planned:7.2f} GiB {r['predicted']:14d} {n_params(r['predicted'], args) / 1e6:13.1f}M "
               f"{verdict(r, args):>17s}")
     shape = (f"{args.layers} layers, hidden in steps of {args.step}" if args.vary == "hidden"
@@ -457,8 +457,8 @@ def print_table(rows: Dict[str, Dict], args, bases: Dict[str, float]) -> None:
         "" if args.prefetch is None else f", stage-3 prefetch {args.prefetch} elements")
     print(f"\nbudget {args.budget / 2**30:.1f} GiB: the {WORLD} gloo ranks' resident peaks, summed; GPT with {shape}, "
           f"vocab {VOCAB}, seq {args.seq}, micro batch 1, fp32 AdamW, {args.steps} steps; {knobs}. '>=': the largest "
-          f"size tried fit (search capped); 'vs DDP' = parameters over DDP's; 'planner RSS': the planner's summed "
-          f"peak at the size found; 'planner vs search': 'exact' when the planner's largest is the largest that fit, "
+          f"size tried fit (search capped); '<N': no size tried fit, N the smallest that failed; 'vs DDP' = "
+          f"parameters over DDP's; 'planner RSS': the planner's summed peak at the size found; 'planner vs search': 'exact' when the planner's largest is the largest that fit, "
           f"else by how many steps it missed (+: too large).")
 
 
@@ -575,6 +575,7 @@ def main(argv=None) -> None:
             json.dump({"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)), "args": vars(args),
                        "per_rank_beyond_tensors": bases, "budgets": runs}, f, indent=1)
         print(f"wrote {args.json}")
+
 
 if __name__ == "__main__":
     main()
