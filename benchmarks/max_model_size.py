@@ -458,8 +458,9 @@ def print_table(rows: Dict[str, Dict], args, bases: Dict[str, float]) -> None:
     print(f"\nbudget {args.budget / 2**30:.1f} GiB: the {WORLD} gloo ranks' resident peaks, summed; GPT with {shape}, "
           f"vocab {VOCAB}, seq {args.seq}, micro batch 1, fp32 AdamW, {args.steps} steps; {knobs}. '>=': the largest "
           f"size tried fit (search capped); '<N': no size tried fit, N the smallest that failed; 'vs DDP' = "
-          f"parameters over DDP's; 'planner RSS': the planner's summed peak at the size found; 'planner vs search': 'exact' when the planner's largest is the largest that fit, "
-          f"else by how many steps it missed (+: too large).")
+          f"parameters over DDP's; 'planner RSS': the planner's summed peak at the size found; 'planner vs search': "
+          f"'exact' when the planner's largest is the largest that fit, else by how many steps it missed (+: too "
+          f"large).")
 
 
 def verdict(row: Dict, args) -> str:
