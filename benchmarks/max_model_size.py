@@ -540,7 +540,8 @@ def main(argv=None) -> None:
     chosen = [c for c in CONTENDERS if not args.only or any(s.strip() in c.name for s in args.only.split(","))]
     t0 = time.time()
     log = lambda s: print(f"[{time.time() - t0:6.0f}s] {s}", flush=True)  # noqa: E731
-    available = [c for c in chosen if not unavailable(c)]
+    missing = {c.name: unavailable(c) for c in chosen}  # why a contender cannot run here, or None
+    available = [c for c in chosen if not missing[c.name]]
     bases = calibrate(available, args, log)
     runs = []
     for args.budget in budgets:
@@ -555,10 +556,9 @@ def main(argv=None) -> None:
             continue
         rows: Dict[str, Dict] = {}
         for c in chosen:
-            why = unavailable(c)
-            if why:
-                rows[c.name] = {"unavailable": why}
-                log(f"{c.name}: not available ({why})")
+            if missing[c.name]:
+                rows[c.name] = {"unavailable": missing[c.name]}
+                log(f"{c.name}: not available ({missing[c.name]})")
                 continue
             rows[c.name] = search(c, args, bases[c.name], log)
             rows[c.name]["planner_sum"] = {h: predicted_sum(c, h, args, bases[c.name])

@@ -412,19 +412,16 @@ class Topology:
         """Global ranks of the ``axis`` group that holds ``rank`` (default: this rank), in group-rank order."""
         if rank is None or rank == self.rank:
             return list(self._own_group(axis))
-        if axis in NODE_AXES:
-            return self._node_axis_ranks(axis, rank)
-        return self.grid.group_ranks(axis, rank)
+        return self._ranks_of(axis, rank)
+
+    def _ranks_of(self, axis: str, rank: int) -> List[int]:
+        return self._node_axis_ranks(axis, rank) if axis in NODE_AXES else self.grid.group_ranks(axis, rank)
 
     def _own_group(self, axis: str) -> Tuple[int, ...]:
         """This rank's group along ``axis``, worked out once: the communicator asks on every operation."""
         ranks = self._own_groups.get(axis)
         if ranks is None:
-            if axis in NODE_AXES:
-                found = self._node_axis_ranks(axis, self.rank)
-            else:
-                found = self.grid.group_ranks(axis, self.rank)
-            ranks = self._own_groups[axis] = tuple(found)
+            ranks = self._own_groups[axis] = tuple(self._ranks_of(axis, self.rank))
         return ranks
 
     def coord_of(self, rank: int) -> Coord:

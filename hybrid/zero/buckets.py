@@ -173,7 +173,7 @@ class _ReducerBase:
         checkpointed regions) is fine until its bucket is on the wire, and an
         error after, when it could no longer be included.
         """
-        self._check_reach(g, r, sid)
+        self._check_reach(g, r)
         if not self._arrived[g][r]:
             self._arrived[g][r] = 1
             return True
@@ -198,7 +198,7 @@ class _ReducerBase:
                 self.sid_of[(g, self.groups[g].records[r].segment)] for g, r in reach))
         return expected
 
-    def _check_reach(self, g: int, r: int, sid: int) -> None:
+    def _check_reach(self, g: int, r: int) -> None:
         """A gradient outside the pass's reach would never be sent: a wrong reach is a bug, not bad input."""
         if self._reach is not None and (g, r) not in self._reach:
             name = self.groups[g].records[r].name
@@ -350,7 +350,7 @@ class PartitionedGradReducer(_ReducerBase):
                 group = self.groups[gi]
                 for r in group.segments[s].records:
                     if group.params[r].grad is not None:
-                        self._check_reach(gi, r, sid)
+                        self._check_reach(gi, r)
                         self._arrived[gi][r] = 1
                         self._stage(gi, r, sid, group.params[r], first=True)
         super().end_backward()

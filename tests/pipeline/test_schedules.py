@@ -53,8 +53,8 @@ def test_replaying_durations_follows_each_action_own_time():
     # The cost model's own durations replay to the same step; a measured set is played exactly.
     for name, pp, m, v in (("1f1b", 2, 8, 1), ("gpipe", 3, 4, 1), ("interleaved", 2, 8, 2)):
         lists = _lists(name, pp, m, v)
-        modeled = simulate(lists, v, stage_speed=[1.0, 1.03] + [1.0] * (pp - 2))
         speeds = [1.0, 1.03] + [1.0] * (pp - 2)
+        modeled = simulate(lists, v, stage_speed=speeds)
         durations = [[(1.0 if a.kind == "F" else 2.0) / v * speeds[r] for a in acts] for r, acts in enumerate(lists)]
         replayed = simulate(lists, v, durations=durations)
         assert replayed.makespan == pytest.approx(modeled.makespan, rel=1e-12)

@@ -46,8 +46,8 @@ def test_the_planner_names_the_largest_stage3_model_that_trains_within_a_budget(
     assert not over["ok"] and over["why"].startswith("over budget"), over
 
 
-def test_an_attempt_counts_each_ranks_peak_even_after_the_monitor_last_looked():
-    # A budget below what one idle rank holds: every attempt must fail on memory, never pass unmeasured.
+def test_an_attempt_over_budget_fails_on_memory_with_the_peak_it_reached():
+    # A budget below what one idle rank holds: the attempt must fail on memory, never pass unmeasured.
     args = _args(budget=64 * 2**20)
     stage0 = next(c for c in bench.CONTENDERS if c.name == "hybrid zero-0")
     r = bench.run_attempt(stage0, 1, args)
