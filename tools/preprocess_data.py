@@ -24,7 +24,7 @@ if __package__ in (None, ""):
     if _REPO not in sys.path:
         sys.path.insert(0, _REPO)
 
-from hybrid.data.preprocess import BAD_LINE_POLICIES, INPUT_FORMATS, BadInputError, preprocess
+from hybrid.data.preprocess import BAD_LINE_POLICIES, INPUT_FORMATS, WORKER_TIMEOUT_S, BadInputError, preprocess
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--worker-timeout", type=float, default=WORKER_TIMEOUT_S, metavar="SECONDS",
+                   help=f"stop the run when a chunk's result is this late (default {WORKER_TIMEOUT_S:g})")
     p.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
     p.add_argument("--log-interval", type=int, default=1000, help="documents between docs/s refreshes")
     p.add_argument("--on-bad-line", choices=BAD_LINE_POLICIES, default="abort",
@@ -56,6 +58,7 @@ def main(argv=None) -> int:
             args.output_prefix,
             json_keys=args.json_keys,
             workers=args.workers,
+            worker_timeout_s=args.worker_timeout,
             append_eod=args.append_eod,
             on_bad_line=args.on_bad_line,
             input_format=args.input_format,

@@ -21,10 +21,8 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import multiprocessing
 import os
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -33,10 +31,14 @@ import numpy as np
 from .errors import DataError
 from .indexed import IndexedDatasetWriter, best_dtype
 from .tokenizer import SentencePieceTokenizer
+from .worker_pool import WorkerPoolError, ordered_map
 
 INPUT_FORMATS = ("auto", "jsonl", "text")
 BAD_LINE_POLICIES = ("abort", "skip")
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+# A chunk is at most ``chunk_docs`` documents or about ``chunk_bytes``: seconds of work. Ten minutes without its
+# result means a stuck worker, not a slow one (a single multi-gigabyte line is the exception: raise the limit).
+WORKER_TIMEOUT_S = 600.0
 
 
 class BadInputError(DataError):
@@ -236,26 +238,17 @@ def encode_chunk(task) -> _ChunkResult:
     return _ChunkResult(tokens, lengths, bad, docs, empty, sum(r[2] for r in records))
 
 
-def _ordered_results(tasks, workers: int, mp_context: str, window: int):
-    """Map ``encode_chunk`` over ``tasks`` in order with at most ``window`` chunks in flight.
-
-    ``Pool.imap`` would also keep order, but its feeder thread reads the whole
-    input ahead into memory; a bounded window keeps memory flat on large corpora.
-    """
+def _encoded_chunks(tasks, workers: int, start_method: str | None, timeout_s: float, input_path: str):
+    """``encode_chunk`` over ``tasks`` in order: in this process, or on ``workers`` processes."""
     if workers <= 1:
         yield from map(encode_chunk, tasks)
         return
-    if mp_context is None:
-        mp_context = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    ctx = multiprocessing.get_context(mp_context)
-    with ctx.Pool(workers) as pool:
-        pending: deque = deque()
-        for task in tasks:
-            pending.append(pool.apply_async(encode_chunk, (task,)))
-            if len(pending) >= window:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+    try:
+        yield from ordered_map(encode_chunk, tasks, workers, window=4 * workers, timeout_s=timeout_s,
+                               start_method=start_method)
+    except WorkerPoolError as e:
+        raise DataError(f"preprocessing {input_path} stopped: {e}. Nothing was written. A worker the OS "
+                        f"stopped for memory needs fewer --workers; a stuck one, a longer --worker-timeout") from e
 
 
 def preprocess(
@@ -271,15 +264,18 @@ def preprocess(
     progress: bool = True,
     chunk_docs: int = 256,
     chunk_bytes: int = 1 << 20,
-    mp_context: str | None = None,
+    start_method: str | None = None,
+    worker_timeout_s: float = WORKER_TIMEOUT_S,
 ) -> PreprocessResult:
     """Tokenize ``input_path`` into ``{output_prefix}_{key}_document`` per key.
 
     Raises :class:`BadInputError` on the first bad line when ``on_bad_line`` is
     ``"abort"`` (nothing is written). ``log_interval`` is how many documents
     pass between refreshes of the docs/s figure on the progress bar.
-    ``mp_context`` defaults to ``fork`` where available: workers then skip
-    re-importing the package (and torch), which costs seconds per worker.
+    ``start_method`` is the workers' multiprocessing start method (see
+    :mod:`hybrid.data.worker_pool` for the default). A worker that dies, or a
+    chunk not encoded ``worker_timeout_s`` after it is waited on, stops the run
+    with a :class:`DataError`; nothing is written.
     """
     if on_bad_line not in BAD_LINE_POLICIES:
         raise ValueError(f"on_bad_line must be one of {BAD_LINE_POLICIES}, got {on_bad_line!r}")
@@ -305,7 +301,7 @@ def preprocess(
     bar = _progress_bar(os.path.getsize(input_path), progress)
     start = time.perf_counter()
     writers = [IndexedDatasetWriter(result.output_prefixes[k], dtype) for k in keys]
-    results = _ordered_results(tasks, workers, mp_context, window=4 * workers)
+    results = _encoded_chunks(tasks, workers, start_method, worker_timeout_s, input_path)
     try:
         next_log = log_interval
         for res in results:

@@ -1,0 +1,117 @@
+"""hybrid.data.worker_pool: order and bounded waits; a dead or stuck worker ends the map instead of hanging it."""
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from hybrid.data.preprocess import preprocess
+from hybrid.data.worker_pool import WorkerPoolError, ordered_map
+from tests.data.testkit import synthetic_documents, train_tokenizer, write_jsonl
+
+
+def _square_slowly_when_odd(x):
+    # Odd tasks finish after even ones submitted later, so a map that yields in completion order would show it.
+    if x % 2:
+        time.sleep(0.01)
+    return x * x
+
+
+def _die_on_three(x):
+    if x == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x
+
+
+def _hang_on_two(x):
+    if x == 2:
+        time.sleep(3600)
+    return x
+
+
+def _raise_on_one(x):
+    if x == 1:
+        raise KeyError("task one")
+    return x
+
+
+class _TwoArgError(Exception):
+    def __init__(self, path, line):  # a custom __init__: unpickling would call it with one argument and fail
+        super().__init__(f"{path}:{line}")
+
+
+def _raise_unpicklable(x):
+    raise _TwoArgError("corpus.jsonl", x)
+
+
+def _pool_processes_left(before):
+    return [p for p in multiprocessing.active_children() if p not in before]
+
+
+def test_results_come_in_input_order():
+    assert list(ordered_map(_square_slowly_when_odd, range(40), workers=2, window=5, timeout_s=60)) == [
+        x * x for x in range(40)]
+
+
+def test_a_killed_worker_ends_the_map_with_its_signal_and_no_process_is_left():
+    before = set(multiprocessing.active_children())
+    start = time.monotonic()
+    with pytest.raises(WorkerPoolError, match=r"worker process \d+ was killed by SIGKILL"):
+        list(ordered_map(_die_on_three, range(10), workers=2, window=4, timeout_s=60))
+    assert time.monotonic() - start < 30  # found by the health check, long before the 60 s limit
+    assert _pool_processes_left(before) == []
+
+
+def test_a_stuck_worker_ends_the_map_at_the_time_limit_and_is_stopped():
+    before = set(multiprocessing.active_children())
+    start = time.monotonic()
+    got = []
+    with pytest.raises(WorkerPoolError, match=r"task 2 was not done 1 s after it was waited on"):
+        for value in ordered_map(_hang_on_two, range(6), workers=2, window=3, timeout_s=1.0):
+            got.append(value)
+    assert got == [0, 1]
+    assert 1.0 <= time.monotonic() - start < 30
+    assert _pool_processes_left(before) == []
+
+
+def test_an_exception_in_the_function_reaches_the_caller_unchanged():
+    with pytest.raises(KeyError, match="task one"):
+        list(ordered_map(_raise_on_one, range(4), workers=2, window=2, timeout_s=60))
+
+
+def test_an_exception_that_does_not_unpickle_arrives_as_its_description():
+    with pytest.raises(RuntimeError, match=r"_TwoArgError: corpus.jsonl:0"):
+        list(ordered_map(_raise_unpicklable, range(2), workers=1, window=1, timeout_s=60))
+
+
+def test_preprocess_with_a_worker_killed_stops_and_writes_nothing(tmp_path):
+    tok_model = train_tokenizer(tmp_path / "tok")
+    # Enough two-document chunks to keep the workers busy for seconds, well past the moment of the kill.
+    corpus = write_jsonl(tmp_path / "c.jsonl", synthetic_documents(20000, seed=5, max_words=30))
+    before = set(multiprocessing.active_children())
+    killed = []
+
+    def kill_a_worker():
+        # Kill a worker once the pool has been running a while, as the OS would for memory. A worker killed
+        # before any task is handed out loses nothing (the pool replaces it), so that would test nothing.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            workers = _pool_processes_left(before)
+            if workers and workers[0].pid is not None:
+                time.sleep(0.5)
+                os.kill(workers[0].pid, signal.SIGKILL)
+                killed.append(workers[0].pid)
+                return
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_a_worker, daemon=True)
+    killer.start()
+    with pytest.raises(ValueError, match=r"worker process \d+ was killed by SIGKILL.*fewer --workers"):
+        preprocess(str(corpus), tok_model, str(tmp_path / "out"), workers=2, chunk_docs=2, progress=False)
+    killer.join(timeout=60)
+    assert killed
+    assert not list(tmp_path.glob("out*"))
+    assert _pool_processes_left(before) == []
