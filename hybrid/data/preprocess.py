@@ -281,6 +281,8 @@ def preprocess(
         raise ValueError(f"on_bad_line must be one of {BAD_LINE_POLICIES}, got {on_bad_line!r}")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if not worker_timeout_s > 0:
+        raise ValueError(f"the worker timeout must be > 0 seconds (--worker-timeout), got {worker_timeout_s}")
     if not os.path.isfile(input_path):
         raise FileNotFoundError(f"input file {input_path} not found (--input)")
     keys = list(json_keys)

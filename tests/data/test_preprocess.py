@@ -129,3 +129,5 @@ def test_bad_arguments_are_reported(tmp_path, tok_model, capsys):
     corpus = write_jsonl(tmp_path / "c.jsonl", ["a"])
     assert tool.main(_args(corpus, tmp_path / "no.model", tmp_path / "o")) == 1
     assert "tokenizer model" in capsys.readouterr().err
+    assert tool.main(_args(corpus, tok_model, tmp_path / "o", "--workers", "2", "--worker-timeout", "0")) == 1
+    assert "worker timeout must be > 0 seconds (--worker-timeout)" in capsys.readouterr().err
