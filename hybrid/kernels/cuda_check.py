@@ -26,6 +26,9 @@ DEFAULT_ARCHS = ("80", "90")
 # rely on the implicit half/bfloat16 operators they disable.
 TORCH_STYLE_DEFINES = ("-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
                        "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__")
+# One source compiles in well under a minute for two architectures; ten means nvcc is stuck (on a stalled
+# file system, say), which is reported as that source's failure rather than waited on.
+COMMAND_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -48,7 +51,11 @@ def nvcc_command(nvcc: str, source: Path, obj: Path, archs, pic: bool = False) -
 
 def _run(cmd: list[str], label: str) -> CompileResult:
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return CompileResult(label, False, time.perf_counter() - start,
+                             f"{cmd[0]} was stopped after {COMMAND_TIMEOUT_S:g} s without finishing")
     return CompileResult(label, proc.returncode == 0, time.perf_counter() - start,
                          (proc.stdout + proc.stderr).strip())
 

@@ -33,3 +33,13 @@ def test_check_cuda_skips_cleanly_without_nvcc(monkeypatch):
     out = io.StringIO()
     assert check_cuda_sources(stream=out) == 0
     assert "SKIPPED - nvcc not found" in out.getvalue()
+
+
+def test_a_compiler_that_never_finishes_is_stopped_and_reported(monkeypatch):
+    import hybrid.kernels.cuda_check as cuda_check
+
+    monkeypatch.setattr(cuda_check, "COMMAND_TIMEOUT_S", 0.5)
+    result = cuda_check._run(["sleep", "30"], "stuck.cu")
+    assert not result.ok
+    assert result.seconds < 10
+    assert "sleep was stopped after 0.5 s without finishing" in result.output
