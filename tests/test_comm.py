@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from hybrid.comm import Communicator
 from hybrid.distributed import DistributedEnvError, init_distributed, parse_env
 from hybrid.topology import Topology
 from tests.multiproc import ChildFailed, run_distributed
@@ -136,7 +137,9 @@ def _pipeline_exchange():
     """TP=2 x PP=2: stage 0 sends activations forward, stage 1 sends gradients back, through the communicator."""
     import time
 
-    topo = Topology(tp=2, pp=2, timeout_s=2.0)
+    # Creating the groups connects every pair of their ranks: on a loaded machine that alone can take seconds,
+    # so the groups (and this communicator) get a minute; the lost receive below gets a 2 s communicator.
+    topo = Topology(tp=2, pp=2, timeout_s=60.0)
     comm, stage, r = topo.comm, topo.pp_rank, topo.rank
     out = {"pp_ranks": topo.group_ranks("pp")}
     comm.reset_stats()
@@ -155,11 +158,12 @@ def _pipeline_exchange():
         comm.send(torch.ones(1), "pp", stage)
     except ValueError as e:
         out["self_send"] = str(e)
-    # The last stage waits for a tensor that never comes: the communicator's timeout ends the wait.
+    # The last stage waits for a tensor that never comes: the communicator's timeout ends the wait, though the
+    # group's own is a minute.
     if stage == 1:
         start = time.monotonic()
         try:
-            comm.recv(torch.empty(1), "pp", 0)
+            Communicator(topo, timeout_s=2.0).recv(torch.empty(1), "pp", 0)
             out["lost"] = ("no-error", time.monotonic() - start)
         except RuntimeError:
             out["lost"] = ("error", time.monotonic() - start)
