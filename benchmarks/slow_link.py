@@ -20,7 +20,20 @@ dp4-z2                  1      4    2
 dp4-z3                  1      4    3
 ====================  =====  ====  =====  ====================================================
 
-Peers (DeepSpeed ZeRO-2, torch FSDP2) are not yet measured here.
+Peers (with ``--peers``, or named by ``--only``): each trains the same GPT at its own defaults through
+``benchmarks/peer_train.py`` under the same torchrun on the same cluster (DeepSpeed with ``DS_ACCELERATOR=cpu``):
+
+====================  =====  ====  =====  ====================================================
+name                   tp     dp   ZeRO   notes
+====================  =====  ====  =====  ====================================================
+deepspeed-dp4-z2        1      4    2     DeepSpeed ZeRO-2 (its 5e8-element buckets, no overlap on CPU)
+deepspeed-dp4-z3        1      4    3     DeepSpeed ZeRO-3
+fsdp2-dp4               1      4    3     torch FSDP2, ``reshard_after_forward=True`` (its default)
+fsdp2-dp4-noreshard     1      4    2     torch FSDP2, ``reshard_after_forward=False``
+====================  =====  ====  =====  ====================================================
+
+Peers count no communication of their own, so their ``exposed comm ms``, ``compute ms`` and
+``MB/step comm`` are ``n/a``; the link's bytes (``MB/step iface``) are measured as for hybrid.
 
 Sweep: for each bandwidth point (``--rates``, default ``none,1gbit,200mbit,50mbit``; ``none`` is
 the unshaped veth) the cluster is brought up once with that rate, then every contender runs
@@ -82,6 +95,9 @@ bytes-baseline) runs)::
 
     python benchmarks/slow_link.py                                   # the full sweep, 3 repeats
     python benchmarks/slow_link.py --markdown                        # + the tables as Markdown
+    python benchmarks/slow_link.py --peers --rates 200mbit,50mbit --only dp4-z2,dp4-z3,hybrid-tp2-z2,\
+        deepspeed-dp4-z2,deepspeed-dp4-z3,fsdp2-dp4,fsdp2-dp4-noreshard --json benchmarks/results/slow_link_peers.json
+                                                                     # hybrid beside DeepSpeed and FSDP2
     python benchmarks/slow_link.py --rates none,200mbit --repeat 1 --iters 3 --hidden 64 --layers 2 \\
         --only megatron-tp4,hybrid-tp2-z1 --json /tmp/sl.json         # a quick look
 
@@ -134,6 +150,8 @@ class Contender:
     # steps run before the measured ones besides the first (1-bit Adam's AdamW warm-up): every run is that much
     # longer, its timing and the bytes baseline leave them out
     warmup: int = 0
+    # a peer's trainer (benchmarks/peer_train.py --peer NAME) instead of hybrid.train; runs only with --peers
+    peer: Optional[str] = None
 
     @property
     def dp(self) -> int:
@@ -178,6 +196,11 @@ CONTENDERS = [
     # AdamW steps (fewer leave a variance too noisy to freeze: with 1 the loss diverges by the 4th step)
     Contender("hybrid-tp2-z0-1bit", 2, 0, 4, ("--optimizer", "onebit_adam", "--optimizer-freeze-step", "8"), True,
               warmup=7),
+    # peers at their own defaults (benchmarks/peer_train.py)
+    Contender("deepspeed-dp4-z2", 1, 2, 4, peer="deepspeed-z2"),
+    Contender("deepspeed-dp4-z3", 1, 3, 4, peer="deepspeed-z3"),
+    Contender("fsdp2-dp4", 1, 3, 4, peer="fsdp2"),
+    Contender("fsdp2-dp4-noreshard", 1, 2, 4, peer="fsdp2-noreshard"),
 ]
 
 
@@ -260,6 +283,10 @@ def failure_reason(result) -> str:
 
 # ---- running -------------------------------------------------------------------------------------
 def train_argv(c: Contender, args, iters: int) -> List[str]:
+    if c.peer is not None:
+        return [str(REPO / "benchmarks" / "peer_train.py"), "--peer", c.peer, *model_flags(args),
+                "--micro-batch-size", str(args.micro_batch or c.micro_batch),
+                "--global-batch-size", str(args.global_batch), "--train-iters", str(iters), "--lr", str(args.lr)]
     return ["-m", "hybrid.train", *model_flags(args),
             "--mock-data", "--precision", "fp32", "--optimizer", "adamw", "--lr", str(args.lr),
             "--micro-batch-size", str(args.micro_batch or c.micro_batch),
@@ -278,21 +305,25 @@ def model_flags(args) -> List[str]:
 def run_once(cluster, c: Contender, args, iters: int, purpose: str, round_: int, log_dir: Optional[str]) -> dict:
     """One ``hybrid.train`` run on every node; its raw figures."""
     t0 = time.monotonic()
-    result = cluster.run(train_argv(c, args, iters), timeout_s=args.timeout, cwd=str(REPO), log_dir=log_dir)
+    env = {"DS_ACCELERATOR": "cpu"} if c.peer is not None else None  # DeepSpeed would look for CUDA otherwise
+    result = cluster.run(train_argv(c, args, iters), timeout_s=args.timeout, cwd=str(REPO), log_dir=log_dir,
+                         env=env)
     wall = time.monotonic() - t0
     out0 = result.nodes[0].output
     iterations = parse_iterations(out0)
     profile = parse_profile(out0)
     traffic = parse_traffic(out0)
     skipped = skipped_steps(out0)
-    # a skipped step sends and computes less than a training step: such a run measures nothing
-    ok = result.ok and len(iterations) >= iters and traffic is not None and not skipped
+    # a skipped step sends and computes less than a training step: such a run measures nothing. A peer counts
+    # no traffic of its own.
+    counted = traffic is not None or c.peer is not None
+    ok = result.ok and len(iterations) >= iters and counted and not skipped
     reason = None
     if not result.ok:
         reason = failure_reason(result)
     elif len(iterations) < iters:
         reason = f"exit 0, but {len(iterations)} of {iters} iteration lines in node 0's output"
-    elif traffic is None:
+    elif not counted:
         reason = "exit 0, but no 'inter-node traffic' line in node 0's output"
     elif skipped:
         reason = f"{skipped} step(s) skipped for non-finite gradients (the run diverged)"
@@ -487,6 +518,8 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds over the contenders per point")
     ap.add_argument("--compressed", action="store_true",
                     help="also run the contenders with compressed communication (quantized gradients / weights)")
+    ap.add_argument("--peers", action="store_true",
+                    help="also run the peers (DeepSpeed ZeRO-2/3, torch FSDP2) at their own defaults")
     ap.add_argument("--only", default="", help="comma-separated contender names (default: all)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run before every node is killed")
     ap.add_argument("--bytes-method", choices=("diff", "total"), default="diff",
@@ -504,7 +537,8 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     unknown = [s for s in chosen if s not in names]
     if unknown:
         ap.error(f"--only: unknown contender(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-    args.contenders = [c for c in CONTENDERS if c.name in chosen or (not chosen and (args.compressed or not c.compressed))]
+    args.contenders = [c for c in CONTENDERS if c.name in chosen or (not chosen and (args.compressed or not c.compressed)
+                                                                    and (args.peers or c.peer is None))]
     for c in args.contenders:
         micro = args.micro_batch or c.micro_batch
         if args.global_batch % (micro * c.dp):
