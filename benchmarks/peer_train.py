@@ -35,10 +35,13 @@ if REPO not in sys.path:
 
 from benchmarks import zero_vs_peers as zvp  # noqa: E402
 
-# --peer name -> the zero_vs_peers contender (its defaults, not the bucket-matched variant)
+# --peer name -> the zero_vs_peers contender: its defaults, or "-matched": hybrid's bucket size (--zero-bucket-size)
+# and overlap setting, as zero_vs_peers' matched table sets them
 PEERS = {
     "deepspeed-z2": zvp.DEEPSPEED[2],
     "deepspeed-z3": zvp.DEEPSPEED[3],
+    "deepspeed-z2-matched": zvp._matched(zvp.DEEPSPEED[2]),
+    "deepspeed-z3-matched": zvp._matched(zvp.DEEPSPEED[3]),
     "fsdp2": zvp.FSDP2_R1,  # reshard_after_forward=True, FSDP2's default (ZeRO-3-like)
     "fsdp2-noreshard": zvp.FSDP2_R0,  # ZeRO-2-like
     "ddp": zvp.DDP,
@@ -59,9 +62,9 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--train-iters", dest="iters", type=int, required=True)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--weight-decay", dest="wd", type=float, default=0.0)
-    args = ap.parse_args(argv)
-    args.bucket = 0  # zero_vs_peers' builders read it for their bucket-matched variants only
-    return args
+    ap.add_argument("--zero-bucket-size", dest="bucket", type=int, default=0,
+                    help="the -matched peers' bucket size in elements (0: hybrid's default); the others ignore it")
+    return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:

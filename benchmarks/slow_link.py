@@ -27,7 +27,9 @@ Peers (with ``--peers``, or named by ``--only``): each trains the same GPT at it
 name                   tp     dp   ZeRO   notes
 ====================  =====  ====  =====  ====================================================
 deepspeed-dp4-z2        1      4    2     DeepSpeed ZeRO-2 (its 5e8-element buckets, no overlap on CPU)
+deepspeed-dp4-z2-mat    1      4    2     DeepSpeed ZeRO-2 with hybrid's bucket size and ``overlap_comm``
 deepspeed-dp4-z3        1      4    3     DeepSpeed ZeRO-3
+deepspeed-dp4-z3-mat    1      4    3     DeepSpeed ZeRO-3 with hybrid's bucket, prefetch and persistence sizes
 fsdp2-dp4               1      4    3     torch FSDP2, ``reshard_after_forward=True`` (its default)
 fsdp2-dp4-noreshard     1      4    2     torch FSDP2, ``reshard_after_forward=False``
 ====================  =====  ====  =====  ====================================================
@@ -199,6 +201,8 @@ CONTENDERS = [
     # peers at their own defaults (benchmarks/peer_train.py)
     Contender("deepspeed-dp4-z2", 1, 2, 4, peer="deepspeed-z2"),
     Contender("deepspeed-dp4-z3", 1, 3, 4, peer="deepspeed-z3"),
+    Contender("deepspeed-dp4-z2-mat", 1, 2, 4, peer="deepspeed-z2-matched"),
+    Contender("deepspeed-dp4-z3-mat", 1, 3, 4, peer="deepspeed-z3-matched"),
     Contender("fsdp2-dp4", 1, 3, 4, peer="fsdp2"),
     Contender("fsdp2-dp4-noreshard", 1, 2, 4, peer="fsdp2-noreshard"),
 ]
@@ -286,7 +290,8 @@ def train_argv(c: Contender, args, iters: int) -> List[str]:
     if c.peer is not None:
         return [str(REPO / "benchmarks" / "peer_train.py"), "--peer", c.peer, *model_flags(args),
                 "--micro-batch-size", str(args.micro_batch or c.micro_batch),
-                "--global-batch-size", str(args.global_batch), "--train-iters", str(iters), "--lr", str(args.lr)]
+                "--global-batch-size", str(args.global_batch), "--train-iters", str(iters), "--lr", str(args.lr),
+                *(["--zero-bucket-size", str(args.bucket_size)] if args.bucket_size else [])]
     return ["-m", "hybrid.train", *model_flags(args),
             "--mock-data", "--precision", "fp32", "--optimizer", "adamw", "--lr", str(args.lr),
             "--micro-batch-size", str(args.micro_batch or c.micro_batch),
