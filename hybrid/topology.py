@@ -441,7 +441,10 @@ class Topology:
 
     @property
     def device(self) -> torch.device:
-        if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        """Where this rank's tensors live: its GPU when it has one and its collectives take CUDA tensors (an
+        NCCL group, or one process with no group at all: ``torchrun --nproc-per-node 1`` creates none), else
+        the CPU (no GPU, or a gloo group)."""
+        if torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl"):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 

@@ -191,3 +191,20 @@ def test_tp_subaxis_groups_consecutive_tp_ranks():
         grid.size("tp/3")
     with pytest.raises(TopologyError, match="unknown axis 'tp/x'"):
         grid.size("tp/x")
+
+
+@pytest.mark.parametrize("cuda, group, want", [
+    (False, None, "cpu"),
+    (True, None, "cuda"),  # one process on a GPU (torchrun --nproc-per-node 1 makes no group): its GPU
+    (True, "nccl", "cuda"),
+    (True, "gloo", "cpu"),  # gloo's collectives take CPU tensors
+])
+def test_the_device_follows_the_gpu_and_what_the_collectives_take(monkeypatch, cuda, group, want):
+    import hybrid.topology as topology_module
+
+    topo = Topology.local()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(topology_module.dist, "is_initialized", lambda: group is not None)
+    monkeypatch.setattr(topology_module.dist, "get_backend", lambda *a: group)
+    assert topo.device == (torch.device("cuda", 0) if want == "cuda" else torch.device("cpu"))

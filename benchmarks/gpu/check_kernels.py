@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -39,6 +40,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.gpu.results import PartStopped, stop_on_sigterm  # noqa: E402
 
 GiB = 1024 ** 3
 
@@ -530,52 +533,62 @@ def main() -> int:
     started = time.perf_counter()
     report = Report()
     skipped: list[str] = []
-    if tgt.dry_run:
-        os.environ["HYBRID_KERNELS"] = "require"
-        info = dict(device="CPU (dry run)", torch=torch.__version__, cuda=torch.version.cuda, build_s={})
-    else:
-        _setup_env()
-        info = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, cuda=torch.version.cuda)
-        try:
-            info["build_s"] = build_ops(report)
-        except Exception as exc:  # keep going: later sections report what they can
-            report.error("build", exc)
-    if report.failed == 0:
-        try:
-            info["copy_bw"] = copy_bandwidth(tgt)
-            print(f"copy bandwidth {info['copy_bw'] / 1e12:.2f} TB/s", flush=True)
-        except Exception as exc:
-            report.error("copy bandwidth", exc)
-        for section, fn in (("adam check", check_adam), ("norm check", check_norms),
-                            ("quantize check", check_quantize)):
+    info: dict = dict(device="CPU (dry run)" if tgt.dry_run else torch.cuda.get_device_name(0),
+                      torch=torch.__version__, cuda=torch.version.cuda)
+    timed_out = False
+    # run_all.sh's `timeout` sends SIGTERM first: it ends the sections, and what they found is still written
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
+    try:
+        if tgt.dry_run:
+            os.environ["HYBRID_KERNELS"] = "require"
+            info["build_s"] = {}
+        else:
+            _setup_env()
             try:
-                fn(report, tgt)
+                info["build_s"] = build_ops(report)
+            except Exception as exc:  # keep going: later sections report what they can
+                report.error("build", exc)
+        if report.failed == 0:
+            try:
+                info["copy_bw"] = copy_bandwidth(tgt)
+                print(f"copy bandwidth {info['copy_bw'] / 1e12:.2f} TB/s", flush=True)
             except Exception as exc:
-                report.error(section, exc)
-        last_s = None
-        if not args.skip_timing and "copy_bw" in info:
-            for section, fn in (("norm timing", time_norms), ("adam timing", time_adam),
-                                ("quantize timing", time_quantize)):
-                elapsed = time.perf_counter() - started
-                # start a timing section only if one as long as the last (a tenth of the budget for the first)
-                # still fits
-                if args.budget is not None and elapsed + (last_s or 0.1 * args.budget) > args.budget:
-                    skipped.append(f"{section}: {args.budget - elapsed:.0f} s left of the {args.budget:.0f} s budget")
-                    print(f"skipped {section} (budget)", flush=True)
-                    continue
+                report.error("copy bandwidth", exc)
+            for section, fn in (("adam check", check_adam), ("norm check", check_norms),
+                                ("quantize check", check_quantize)):
                 try:
-                    fn(report, info["copy_bw"], tgt)
+                    fn(report, tgt)
                 except Exception as exc:
                     report.error(section, exc)
-                last_s = time.perf_counter() - started - elapsed
+            last_s = None
+            if not args.skip_timing and "copy_bw" in info:
+                for section, fn in (("norm timing", time_norms), ("adam timing", time_adam),
+                                    ("quantize timing", time_quantize)):
+                    elapsed = time.perf_counter() - started
+                    # start a timing section only if one as long as the last (a tenth of the budget for the first)
+                    # still fits
+                    if args.budget is not None and elapsed + (last_s or 0.1 * args.budget) > args.budget:
+                        skipped.append(f"{section}: {args.budget - elapsed:.0f} s left of the "
+                                       f"{args.budget:.0f} s budget")
+                        print(f"skipped {section} (budget)", flush=True)
+                        continue
+                    try:
+                        fn(report, info["copy_bw"], tgt)
+                    except Exception as exc:
+                        report.error(section, exc)
+                    last_s = time.perf_counter() - started - elapsed
+    except PartStopped as exc:
+        timed_out = True
+        report.error("time limit", exc)
     info["wall_s"] = time.perf_counter() - started
     path = args.json or (os.path.join(os.environ["OUT"], "check_kernels.json") if os.environ.get("OUT") else None)
     if path:
         failed = sum(not c["ok"] for c in report.checks)
         headline = (f"{len(report.checks) - failed}/{len(report.checks)} correctness cases pass; "
                     f"{len(report.timings)} timings" + (f"; {len(report.notes)} error(s)" if report.notes else ""))
+        status = "timeout" if timed_out else "ok" if report.failed == 0 else "failed"
         with open(path, "w") as fh:
-            json.dump(dict(part=2, name="kernels", status="ok" if report.failed == 0 else "failed", headline=headline,
+            json.dump(dict(part=2, name="kernels", status=status, headline=headline,
                            wall_s=info["wall_s"], budget_s=args.budget, dry_run=tgt.dry_run, skipped=skipped,
                            info=info, checks=report.checks, timings=report.timings, notes=report.notes),
                       fh, indent=1)

@@ -7,8 +7,9 @@ each part's time budget, the JSON every part writes, and the one summary table p
 
 Every part writes ``<out>/partN_<name>.json``: ``{"part", "name", "status", "headline", "wall_s",
 "budget_s", "dry_run", "rows", "skipped", "notes"}``. ``status`` is ``ok`` (every check passed),
-``failed`` (a check failed), ``error`` (the part raised), or ``timeout`` / ``crashed`` (written by
-``missing`` when the part's own ``timeout`` killed it or it died without writing its JSON).
+``failed`` (a check failed, or a required run did not fit its budget), ``error`` (the part raised),
+``timeout`` (the part's ``timeout`` stopped it: its SIGTERM ends the part, which still writes the rows
+it has), or ``crashed`` (written by ``missing`` when a part died without writing its JSON).
 ``<out>`` is ``$OUT`` when set, else a temporary folder whose path the script prints.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -28,9 +30,19 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-# The dense bf16 tensor-core peak of the lent H200, from the device page of the machines this run is
-# written for (hybrid.monitor.flops' table has 989.4 for an H200 SXM: both are printed, MFU uses this one).
-SPEC_PEAK_BF16_TFLOPS = 790.0
+# The spec sheet's dense bf16 tensor-core peak of the lent H200 (SXM), from hybrid's own GPU table: MFU "of spec"
+# is against it, as Megatron's published MFU figures are against the H100's same 989.4. The ~790 TFLOP/s a large
+# bf16 matmul reaches on that machine is not a spec figure: part 1 measures it, and MFU is also given against it.
+SPEC_GPU = "NVIDIA H200"
+
+
+def spec_peak_bf16_tflops() -> float:
+    """The spec peak above (a function: this module also runs before torch is installed, and the table's module
+    imports torch)."""
+    from hybrid.monitor.flops import table_peak_tflops
+
+    return table_peak_tflops(SPEC_GPU, "bf16")
+
 STATUSES = ("ok", "failed", "error", "timeout", "crashed")
 OUT_ENV = "OUT"
 FALLBACK_ENV = "HYBRID_GPU_RUN_OUT"  # run_all.sh's temporary folder when $OUT is unset
@@ -77,6 +89,7 @@ class PartResult:
         self.info: Dict = {}
         self.headline = ""
         self.error: Optional[str] = None
+        self.timed_out = False
 
     def check(self, what: str, ok: bool, detail: str = "") -> bool:
         """Record one pass/fail comparison; a failure is printed at once and fails the part."""
@@ -85,19 +98,24 @@ class PartResult:
             print(f"FAIL {what} {detail}", flush=True)
         return ok
 
-    def fits(self, what: str, needed_s: float) -> bool:
-        """Whether ``what`` (an optional size or run, expected to take ``needed_s``) fits in what is left of
-        the budget; when it does not, it is recorded as skipped."""
+    def fits(self, what: str, needed_s: float, required: bool = False) -> bool:
+        """Whether ``what`` (a size or run, expected to take ``needed_s``) fits in what is left of the budget;
+        when it does not, it is recorded as skipped, and a ``required`` one (a check the part exists for, not
+        an optional size) also fails the part."""
         left = self.budget.left()
         if left >= needed_s:
             return True
-        self.skipped.append(f"{what}: {left:.0f} s left of the {self.budget.seconds:.0f} s budget, "
-                            f"about {needed_s:.0f} s needed")
+        reason = f"{left:.0f} s left of the {self.budget.seconds:.0f} s budget, about {needed_s:.0f} s needed"
+        self.skipped.append(f"{what}: {reason}")
+        if required:
+            self.check(f"{what} run", False, f"not run: {reason}")
         print(f"skipped {what} (budget)", flush=True)
         return False
 
     @property
     def status(self) -> str:
+        if self.timed_out:
+            return "timeout"
         if self.error is not None:
             return "error"
         return "failed" if self.failures else "ok"
@@ -123,15 +141,32 @@ def part_arguments(description: str) -> argparse.Namespace:
     return parser.parse_args()
 
 
+class PartStopped(BaseException):
+    """The part's ``timeout`` sent SIGTERM: raised in the part so that its rows so far are still written. Not an
+    ``Exception``, so that a part's ``except Exception`` around one size or section does not swallow it."""
+
+
+def stop_on_sigterm(signum, frame) -> None:
+    raise PartStopped("stopped by its time limit (SIGTERM from run_all.sh's timeout)")
+
+
 def run_part(part: int, name: str, body: Callable[[PartResult], None], description: str) -> int:
-    """Parse the part's arguments, run ``body``, write its JSON whatever happens; exit 0 only when ok."""
+    """Parse the part's arguments, run ``body``, write its JSON whatever happens (its ``timeout``'s SIGTERM
+    included: run_all.sh sends SIGKILL only KILL_AFTER seconds later); exit 0 only when ok."""
     args = part_arguments(description)
     result = PartResult(part, name, Budget(args.budget), args.dry_run_cpu)
+    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
         body(result)
+    except PartStopped as exc:
+        result.timed_out = True
+        result.error = f"{exc} after {result.budget.elapsed():.1f} s; the rows measured before it are kept"
+        print(f"TIMEOUT in part {part} ({name}): {result.error}", flush=True)
     except Exception as exc:  # noqa: BLE001 - the JSON must say what broke; the next part still runs
         result.error = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         print(f"ERROR in part {part} ({name}):\n{result.error}", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     path = result.write()
     print(f"part {part} {name}: {result.status} in {result.budget.elapsed():.1f} s -> {path}", flush=True)
     return 0 if result.status == "ok" else 1

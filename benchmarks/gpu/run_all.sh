@@ -11,8 +11,8 @@
 # part  what it checks                                       compared against
 # ----  ---------------------------------------------------  ------------------------------------------------
 # 0     torch: the CUDA torch present, else installed        - (install time printed)
-# 1     environment: GPU, driver, CUDA, torch, NCCL; copy    the spec sheet's dense bf16 peak (790 TFLOP/s,
-#       bandwidth and bf16 matmul TFLOP/s measured           results.SPEC_PEAK_BF16_TFLOPS), printed beside it
+# 1     environment: GPU, driver, CUDA, torch, NCCL; copy    the H200 spec sheet's dense bf16 peak (989.4
+#       bandwidth and bf16 matmul TFLOP/s measured           TFLOP/s, results.spec_peak_bf16_tflops), beside it
 # 2     kernels (check_kernels.py): fused Adam, LayerNorm,   torch.optim.AdamW/Adam; float64 norm references
 #       RMSNorm, int8/int4/1-bit quantization, outputs       and torch's kernels; the quantization torch path
 #       poisoned with NaN; bandwidth as a fraction of copy   bit for bit; timings against the torch natives
@@ -29,7 +29,8 @@
 #       demo's data (made locally), 30 iterations            the last iteration with verified checksums
 #
 # Time budget on one H200 (seconds; a part's soft budget makes it skip its optional sizes, its hard limit
-# = soft + GRACE is the `timeout` that stops it):
+# = soft + GRACE is the `timeout` that stops it: its SIGTERM ends the part, which still writes the rows it has,
+# and KILL_AFTER seconds later a SIGKILL ends whatever has not):
 #
 #   step                soft  hard
 #   0 torch install       -    60   only when no CUDA torch is importable (PyPI, torch==2.13.0)
@@ -39,7 +40,8 @@
 #   4 memory truth       30    40
 #   5 MFU                70    80
 #   6 trainer            25    35
-#   total of hard limits      455   + ~10 s of summary and start-up: within the 480 s (8 min) limit
+#   total of hard limits      455   + 6 x 2 s KILL_AFTER + ~10 s of summary and start-up: within the
+#                                   480 s (8 min) limit
 #
 # The torch wheel: the lent H200 machine has no network and ships a CUDA build of torch (2.11.0+cu130 when
 # last seen), which this script uses as it is (install time 0). Where no CUDA torch is importable it runs
@@ -59,6 +61,7 @@ esac
 
 PY="${PYTHON:-python3}"
 GRACE=10
+KILL_AFTER=2  # a part writes its JSON within milliseconds of its SIGTERM
 TOTAL_LIMIT=480
 INSTALL_LIMIT=60
 if [ "$DRY" = 1 ]; then
@@ -73,7 +76,7 @@ else
   B_ENV=15; B_KERNELS=140; B_ENGINE=55; B_MEMORY=30; B_MFU=70; B_TRAINER=25
   DRY_FLAG=""
 fi
-HARD_TOTAL=$((INSTALL_LIMIT + B_ENV + B_KERNELS + B_ENGINE + B_MEMORY + B_MFU + B_TRAINER + 6 * GRACE))
+HARD_TOTAL=$((INSTALL_LIMIT + B_ENV + B_KERNELS + B_ENGINE + B_MEMORY + B_MFU + B_TRAINER + 6 * (GRACE + KILL_AFTER)))
 if [ "$DRY" = 0 ] && [ "$HARD_TOTAL" -gt "$((TOTAL_LIMIT - 10))" ]; then
   echo "run_all.sh: the parts' hard limits add up to ${HARD_TOTAL} s, over the ${TOTAL_LIMIT} s budget" >&2
   exit 2
@@ -136,7 +139,7 @@ run_part() {  # run_part N NAME SOFT_BUDGET COMMAND...
   echo "== part $n: $name (budget ${budget} s, stopped at $((budget + GRACE)) s)"
   local t
   t=$(date +%s.%N)
-  timeout --kill-after=5 "$((budget + GRACE))" "$@" --budget "$budget" $DRY_FLAG
+  timeout --kill-after="$KILL_AFTER" "$((budget + GRACE))" "$@" --budget "$budget" $DRY_FLAG
   local rc=$?
   "$PY" benchmarks/gpu/results.py missing "$n" "$name" "$rc" "$budget"
   echo "part $n $name: exit $rc after $(elapsed "$t") s"

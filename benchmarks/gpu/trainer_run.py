@@ -5,7 +5,9 @@ corpus of the standard library's docstrings, a SentencePiece tokenizer, an index
 downloaded), then ``python -m hybrid.train`` through torchrun with one process: the demo's ``tiny`` GPT,
 bf16, ZeRO stage 1, 30 iterations, TensorBoard logs and a checkpoint at the last iteration.
 
-What it checks: torchrun exits 0 within the part's budget; the TensorBoard folder holds an event file;
+What it checks: torchrun exits 0 within the part's budget; the trainer's "training ..." line names the
+GPU as its device (one process under torchrun makes no process group, and the trainer must still train on the
+GPU; the CPU in the dry run); the TensorBoard folder holds an event file;
 the save folder's ``latest`` names the last iteration, and every file of that checkpoint matches its
 recorded checksum (``hybrid.checkpoint.CheckpointReader.verify_all``). Dry run: the same on the CPU
 (gloo), 4 iterations.
@@ -22,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu.results import SPEC_PEAK_BF16_TFLOPS, PartResult, dry_run_choice, run_part  # noqa: E402
+from benchmarks.gpu.results import PartResult, dry_run_choice, run_part, spec_peak_bf16_tflops  # noqa: E402
 
 DOCUMENTS, VOCAB, SEQ, MICRO = 400, 512, 128, 4
 
@@ -55,7 +57,7 @@ def trainer_command(work: Path, iters: int, port: int) -> list:
             "--save-interval", iters, "--eval-interval", 0, "--log-interval", max(1, iters // 3),
             "--tensorboard-dir", work / "tensorboard", "--seed", 1234,
             # the trainer's MFU against the same spec peak as part 5 (and no matmul probe at start-up)
-            "--peak-tflops", SPEC_PEAK_BF16_TFLOPS]
+            "--peak-tflops", spec_peak_bf16_tflops()]
 
 
 def body(res: PartResult) -> None:
@@ -77,6 +79,10 @@ def body(res: PartResult) -> None:
         res.info["output_tail"] = tail
         if not res.check("torchrun -m hybrid.train exits 0", proc.returncode == 0, f"exit code {proc.returncode}"):
             return
+        device = "cpu" if res.dry_run else "cuda"
+        trained_on = [line for line in proc.stdout.splitlines() if line.startswith("training ")]
+        res.check(f"the trainer trained on {device}", any(f"device {device}," in line for line in trained_on),
+                  f"its line: {trained_on[:1]}")
         events = list((work / "tensorboard").rglob("events.out.tfevents.*"))
         res.check("TensorBoard event file written", bool(events), f"none under {work / 'tensorboard'}")
         reader = CheckpointReader(work / "checkpoints")

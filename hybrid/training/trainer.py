@@ -252,7 +252,8 @@ class Trainer:
         self.monitor.log_hparams(to_dotted(config))
         _log(topo, optimizer_line(config, *self._decay_exempt))
         _log(topo, f"training {self.model_config.num_layers}-layer GPT on {topo.describe().split(' rank=')[0]}, "
-                   f"ZeRO stage {config.zero.stage}, {config.precision}, from iteration {self.iteration}")
+                   f"device {topo.device.type}, ZeRO stage {config.zero.stage}, {config.precision}, "
+                   f"from iteration {self.iteration}")
         sampler = GlobalBatchSampler(len(self.data.train), self.consumed_samples, self.batch.micro_batch_size,
                                      self.batch.global_batch_size, topo.dp_rank, topo.dp_size)
         batches = iter_global_batches(self.data.train, sampler)

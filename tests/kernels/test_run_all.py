@@ -89,3 +89,47 @@ def test_a_part_without_its_json_is_reported_as_such(tmp_path):
     assert _part(tmp_path, 6, "trainer")["status"] == "crashed"
     assert proc.stdout.rstrip().splitlines()[-1] == "0/2 parts ok"
 
+
+
+_STOPPED_PART = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from benchmarks.gpu.results import run_part
+
+def body(res):
+    res.rows.append({{"size": 1}})
+    print("first row in", flush=True)
+    while True:
+        try:  # a part's own guard around one size must not swallow the time limit
+            time.sleep(0.05)
+        except Exception:
+            res.rows.append({{"swallowed": True}})
+
+sys.exit(run_part(7, "stopped", body, "a part that overruns"))
+"""
+
+
+def test_a_part_stopped_by_its_time_limit_keeps_its_rows(tmp_path):
+    script = tmp_path / "part.py"
+    script.write_text(_STOPPED_PART.format(repo=str(REPO)))
+    env = dict(os.environ, OUT=str(tmp_path))
+    # as run_all.sh runs a part: SIGTERM at the hard limit, SIGKILL 2 s later
+    proc = subprocess.run(["timeout", "--kill-after=2", "3", sys.executable, str(script), "--budget", "1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert "first row in" in proc.stdout
+    assert proc.returncode == 124  # stopped by the SIGTERM and ended on its own: 137 would mean the SIGKILL
+    data = _part(tmp_path, 7, "stopped")
+    assert data["status"] == "timeout" and data["rows"] == [{"size": 1}]
+    assert "stopped by its time limit" in data["error"]
+
+
+def test_a_required_run_that_does_not_fit_fails_the_part_and_an_optional_one_does_not():
+    sys.path.insert(0, str(REPO))
+    from benchmarks.gpu.results import Budget, PartResult
+
+    optional = PartResult(5, "mfu", Budget(0), dry_run=True)
+    assert not optional.fits("gpt2-xl micro 16", 10.0)
+    assert optional.status == "ok" and len(optional.skipped) == 1
+    required = PartResult(3, "engine", Budget(0), dry_run=True)
+    assert not required.fits("zero2_offload", 10.0, required=True)
+    assert required.status == "failed" and "zero2_offload run" in required.failures[0]
