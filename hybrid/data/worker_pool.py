@@ -147,6 +147,9 @@ def _run(pool: list, tasks: Iterator, window: int, timeout_s: float):
 
 def _serve(fn, conn: Connection) -> None:
     """A worker's loop: receive ``(task_no, task)``, send ``(task_no, ok, result or exception)``; stop at EOF."""
+    # Ctrl-C reaches the whole process group: the caller handles it and kills the workers, which would otherwise
+    # each print a KeyboardInterrupt traceback of their own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
         try:
             task_no, task = conn.recv()

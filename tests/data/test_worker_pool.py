@@ -115,3 +115,58 @@ def test_preprocess_with_a_worker_killed_stops_and_writes_nothing(tmp_path):
     assert killed
     assert not list(tmp_path.glob("out*"))
     assert _pool_processes_left(before) == []
+
+
+_INTERRUPTED_MAP = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from hybrid.data.worker_pool import ordered_map
+from tests.data.test_worker_pool import _sleep_then_return
+
+if __name__ == "__main__":
+    for value in ordered_map(_sleep_then_return, range(1000), workers=2, window=4, timeout_s=60):
+        print("got", value, flush=True)
+"""
+
+
+def _sleep_then_return(x):
+    time.sleep(0.2)
+    return x
+
+
+def _ignores_ctrl_c(_):
+    return signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
+def test_workers_ignore_ctrl_c():
+    assert list(ordered_map(_ignores_ctrl_c, range(4), workers=2, window=2, timeout_s=60)) == [True] * 4
+
+
+def test_ctrl_c_stops_the_caller_once_and_leaves_no_worker(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    script = tmp_path / "interrupted.py"
+    script.write_text(_INTERRUPTED_MAP.format(repo=str(repo)))
+    # a session of its own, so that the SIGINT goes to its process group as a terminal's Ctrl-C does
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().startswith("got 0")  # the workers are running
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    # the caller's alone: the workers ignore it and are killed ("Process ForkServerProcess-N:" heads a worker's)
+    assert err.count("KeyboardInterrupt") == 1 and "Process " not in err, err
+    deadline = time.monotonic() + 30  # the fork server notices its caller is gone and exits within moments
+    while True:
+        leftover = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        if not leftover or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert leftover == []
