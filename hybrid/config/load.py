@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping, Union
 
 from hybrid.config.deepspeed import from_deepspeed, known_top_level_keys
-from hybrid.config.errors import ConfigError, suggestion
+from hybrid.config.errors import ConfigError
 from hybrid.config.parse import parse_native
 from hybrid.config.schema import HybridConfig
 from hybrid.config.spellings import FLAT_NAMES
