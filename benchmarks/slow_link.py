@@ -97,8 +97,9 @@ bytes-baseline) runs)::
 
     python benchmarks/slow_link.py                                   # the full sweep, 3 repeats
     python benchmarks/slow_link.py --markdown                        # + the tables as Markdown
-    python benchmarks/slow_link.py --peers --rates 200mbit,50mbit --only dp4-z2,dp4-z3,hybrid-tp2-z2,\
-        deepspeed-dp4-z2,deepspeed-dp4-z3,fsdp2-dp4,fsdp2-dp4-noreshard --json benchmarks/results/slow_link_peers.json
+    python benchmarks/slow_link.py --peers --rates 200mbit,50mbit --delays '' --markdown \\
+        --only dp4-z2,dp4-z3,hybrid-tp2-z2,deepspeed-dp4-z2,deepspeed-dp4-z2-mat,deepspeed-dp4-z3,\\
+deepspeed-dp4-z3-mat,fsdp2-dp4,fsdp2-dp4-noreshard --json benchmarks/results/slow_link_peers.json
                                                                      # hybrid beside DeepSpeed and FSDP2
     python benchmarks/slow_link.py --rates none,200mbit --repeat 1 --iters 3 --hidden 64 --layers 2 \\
         --only megatron-tp4,hybrid-tp2-z1 --json /tmp/sl.json         # a quick look
@@ -524,7 +525,8 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap.add_argument("--compressed", action="store_true",
                     help="also run the contenders with compressed communication (quantized gradients / weights)")
     ap.add_argument("--peers", action="store_true",
-                    help="also run the peers (DeepSpeed ZeRO-2/3, torch FSDP2) at their own defaults")
+                    help="also run the peers: DeepSpeed ZeRO-2/3 (at its defaults, and at hybrid's bucket "
+                         "settings) and torch FSDP2")
     ap.add_argument("--only", default="", help="comma-separated contender names (default: all)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run before every node is killed")
     ap.add_argument("--bytes-method", choices=("diff", "total"), default="diff",
@@ -542,8 +544,8 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     unknown = [s for s in chosen if s not in names]
     if unknown:
         ap.error(f"--only: unknown contender(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-    args.contenders = [c for c in CONTENDERS if c.name in chosen or (not chosen and (args.compressed or not c.compressed)
-                                                                    and (args.peers or c.peer is None))]
+    default = [c for c in CONTENDERS if (args.compressed or not c.compressed) and (args.peers or c.peer is None)]
+    args.contenders = [c for c in CONTENDERS if c.name in chosen or (not chosen and c in default)]
     for c in args.contenders:
         micro = args.micro_batch or c.micro_batch
         if args.global_batch % (micro * c.dp):
