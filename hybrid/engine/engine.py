@@ -71,6 +71,9 @@ class Engine:
         self.module = model
         model.train()
         self._autocast_dtype = prepare_precision(model, config.precision, config.autocast)
+        # Autocast where the weights are, not where the topology's tensors go: a model built on the CPU of a GPU
+        # machine computes on the CPU, and CUDA autocast would leave its matmuls in fp32.
+        self._autocast_device = next(model.parameters()).device.type
         self.lr_schedule = build_lr_schedule(config)
         # The first step's learning rate is the schedule's, not the configured peak.
         optimizer_config = dataclasses.replace(config.optimizer, lr=self.lr_schedule.lr)
@@ -102,7 +105,7 @@ class Engine:
     def _autocast(self):
         if self._autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.topology.device.type, dtype=self._autocast_dtype)
+        return torch.autocast(device_type=self._autocast_device, dtype=self._autocast_dtype)
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)

@@ -143,6 +143,14 @@ def test_autocast_path_keeps_fp32_params_and_runs_matmuls_in_bf16():
     assert engine.memory_report()["master"] == 0  # the fp32 parameters are the master weights
 
 
+def test_autocast_follows_the_weights_device_not_the_topologys(monkeypatch):
+    model, _ = make_pair()
+    engine = hybrid.initialize(model, {"precision": "bf16", "autocast": True, "steps_per_print": 0})
+    # One process on a GPU machine puts the topology's tensors on CUDA; this model was built on the CPU.
+    monkeypatch.setattr(Topology, "device", property(lambda self: torch.device("cuda", 0)))
+    assert engine(torch.randn(4, 12)).dtype == torch.bfloat16  # CPU autocast: CUDA's would leave it fp32
+
+
 def test_fp16_overflow_skips_step_halves_scale_and_holds_the_schedule():
     model, _ = make_pair()
     engine = hybrid.initialize(model, {"precision": "fp16", "loss_scaling": {"initial_scale_power": 8,
