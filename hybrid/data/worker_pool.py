@@ -125,7 +125,7 @@ def _run(pool: list, tasks: Iterator, window: int, timeout_s: float):
         remaining = deadline - time.monotonic()
         busy = [w for w in pool if w.task_no is not None]
         ready = set(wait([w.conn for w in busy] + [w.process.sentinel for w in pool], max(0.0, remaining)))
-        # Results first: a worker may have sent its result and died after, and the result is good.
+        # Results first, so that a death reported below names only the task its worker really lost.
         for w in busy:
             if w.conn in ready:
                 try:
