@@ -134,6 +134,22 @@ def _sleep_then_return(x):
     return x
 
 
+def _processes_in_session(sid: int) -> list:
+    """Live process ids whose session is ``sid`` (``/proc/PID/stat``: the session is the 6th field)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        except OSError:
+            continue  # it ended meanwhile
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
 def _ignores_ctrl_c(_):
     return signal.getsignal(signal.SIGINT) == signal.SIG_IGN
 
@@ -165,7 +181,7 @@ def test_ctrl_c_stops_the_caller_once_and_leaves_no_worker(tmp_path):
     assert err.count("KeyboardInterrupt") == 1 and "Process " not in err, err
     deadline = time.monotonic() + 30  # the fork server notices its caller is gone and exits within moments
     while True:
-        leftover = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        leftover = _processes_in_session(proc.pid)
         if not leftover or time.monotonic() > deadline:
             break
         time.sleep(0.2)
