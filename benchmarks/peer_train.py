@@ -1,4 +1,4 @@
-"""A peer's trainer under torchrun: DeepSpeed ZeRO or torch FSDP2/DDP training the GPT of ``zero_vs_peers``.
+"""A peer's trainer under torchrun: DeepSpeed ZeRO or torch FSDP2 training the GPT of ``zero_vs_peers``.
 
 For benchmarks that run hybrid as ``python -m hybrid.train`` under torchrun
 (the emulated slow-link cluster, ``benchmarks/slow_link.py``) and want a peer
@@ -44,7 +44,6 @@ PEERS = {
     "deepspeed-z3-matched": zvp._matched(zvp.DEEPSPEED[3]),
     "fsdp2": zvp.FSDP2_R1,  # reshard_after_forward=True, FSDP2's default (ZeRO-3-like)
     "fsdp2-noreshard": zvp.FSDP2_R0,  # ZeRO-2-like
-    "ddp": zvp.DDP,
 }
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
@@ -41,6 +42,13 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def local_torchrun(argv: List[str], nproc: int) -> List[str]:
+    """The command that runs ``argv`` (as torchrun takes it after its options) as one node of ``nproc``
+    processes, rendezvousing on the loopback address only."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *argv]
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict,

@@ -9,9 +9,7 @@ bit. Skips, with the reason, where namespaces cannot be made (not root, no iprou
 
 import os
 import re
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ import torch
 from hybrid.checkpoint import CheckpointReader
 from hybrid.plan.model_memory import shard_shapes
 from model_zoo.config import GPTConfig
+from tests.multiproc import local_torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX = "hyt"  # not the tool's default, so a benchmark's cluster and this test never collide
@@ -91,13 +90,9 @@ def test_two_emulated_nodes_train_over_a_shaped_link(tool):
 
 def _one_node(argv, timeout_s: float = 180.0) -> subprocess.CompletedProcess:
     """``argv`` (after ``python``) as a 4-rank torchrun job on this machine's loopback, outside any namespace."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(NODES * RANKS_PER_NODE),
-           "--master-addr", "127.0.0.1", "--master-port", str(port), *argv]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(local_torchrun(argv, NODES * RANKS_PER_NODE), cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
 
 
 def _assert_same_state(a: Path, b: Path) -> None:

@@ -1,25 +1,20 @@
 """benchmarks/peer_train.py: a peer trains under torchrun and slow_link reads its output as it reads hybrid.train's."""
 
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 from benchmarks import slow_link
+from tests.multiproc import local_torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 4
 
 
 def _torchrun(argv, timeout_s: float = 240.0) -> subprocess.CompletedProcess:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(WORLD),
-           "--master-addr", "127.0.0.1", "--master-port", str(port), *argv]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(local_torchrun(argv, WORLD), cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
 
 
 def _args(**over):

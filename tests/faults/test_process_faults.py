@@ -15,14 +15,14 @@ import concurrent.futures
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import List, Optional
 
 import pytest
+
+from tests.multiproc import local_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -31,16 +31,8 @@ TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4"
 RUNS = int(os.environ.get("HYBRID_TEARDOWN_RUNS", "4"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(args: List[str], nproc: int = 2) -> List[str]:
-    # A single-node job rendezvous on the loopback address only.
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *args]
+    return local_torchrun(args, nproc)
 
 
 def _env() -> dict:
