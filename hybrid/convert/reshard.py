@@ -81,7 +81,9 @@ def plan_partitions(src: CheckpointSource, target: ParallelLayout, bucket_size: 
     """
     share = share or whole_model_share(src)
     # Positions count the parameters with optimizer state: the trainable ones the optimizer registered.
-    records = [src.tensors[n].record for n in share.trainable if src.has_state(n)]
+    kept = [i for i, n in enumerate(share.trainable) if src.has_state(n)]
+    records = [src.tensors[share.trainable[i]].record for i in kept]
+    chunk_sets = None if share.chunks is None else [share.chunks[i] for i in kept]
     classes = group_classes([(r["dtype"], bool(r["weight_decay"]), r["name"] in share.tied) for r in records])
     index, groups = [], []
     for g, ((dtype, decay, _), members) in enumerate(classes.items()):
@@ -89,7 +91,8 @@ def plan_partitions(src: CheckpointSource, target: ParallelLayout, bucket_size: 
             Target(TPMeta.from_json(records[m]["tp_meta"]), target.tp, 0)) for m in members]
         numels = [_numel(shape) for shape in shapes]
         segments, placements = place_group(numels, target.partition_count, target.dp, bucket_size,
-                                           align_elements(_torch_dtype(dtype)))
+                                           align_elements(_torch_dtype(dtype)),
+                                           None if chunk_sets is None else [chunk_sets[m] for m in members])
         for m, shape, numel, at in zip(members, shapes, numels, placements):
             rec = records[m]
             index.append({"name": rec["name"], "shape": list(shape), "dtype": dtype, "group": g,

@@ -10,7 +10,8 @@ rank's model is built here on the ``meta`` device (no memory, no
 initialisation) from a :meth:`hybrid.topology.Topology.local` that stands in
 for that rank, and read: its ``state_dict`` names (the model file) and its
 trainable parameters in the optimizer's order
-(:func:`hybrid.zero.flat_buffer.collect_trainable`).
+(:func:`hybrid.zero.flat_buffer.collect_trainable`), and which model chunks
+reach each of them (:func:`hybrid.pipeline.chunks.chunk_parameters`).
 
 Names and order do not depend on the TP size, so the models are built at TP 1.
 """
@@ -18,13 +19,14 @@ Names and order do not depend on the TP size, so the models are built at TP 1.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, FrozenSet, List, Mapping, Tuple
+from typing import Any, FrozenSet, List, Mapping, Optional, Tuple
 
 from hybrid.config.errors import ConfigError
 from hybrid.convert.consolidate import ConversionError
 from hybrid.param_meta import is_pipeline_tied
+from hybrid.pipeline.chunks import chunk_parameters
 from hybrid.pipeline.split import StageSplit, split_from_config
-from hybrid.zero.flat_buffer import collect_trainable
+from hybrid.zero.flat_buffer import collect_trainable, param_chunk_sets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,12 +35,15 @@ class StageShare:
 
     ``entries``: the names its model file holds (``model.state_dict()`` order);
     ``trainable``: its trainable parameters in registration order, a tied one once (the optimizer's order);
-    ``tied``: those of them tied across pipeline stages (each in a flat group of its own).
+    ``tied``: those of them tied across pipeline stages (each in a flat group of its own);
+    ``chunks``: per trainable parameter, the model chunks whose backward passes reach it, where the rank runs
+    more than one (:func:`hybrid.zero.flat_buffer.param_chunk_sets`: flat segments end where they change).
     """
 
     entries: Tuple[str, ...]
     trainable: Tuple[str, ...]
     tied: FrozenSet[str] = frozenset()
+    chunks: Optional[Tuple[FrozenSet[int], ...]] = None
 
 
 def pipeline_shares(model_config: Mapping[str, Any], pipeline, pp: int) -> Tuple[StageSplit, List[StageShare]]:
@@ -62,6 +67,9 @@ def pipeline_shares(model_config: Mapping[str, Any], pipeline, pp: int) -> Tuple
     for stage in range(pp):
         model = GPTModel(config, Topology.local(pp=pp, pp_rank=stage), device="meta", split=split)
         trainable, _ = collect_trainable(model)
+        chunks, chunk_params = chunk_parameters(model, stage)
+        chunk_sets = param_chunk_sets([p for _, p in trainable], chunk_params, chunks)
         shares.append(StageShare(entries=tuple(model.state_dict()), trainable=tuple(n for n, _ in trainable),
-                                 tied=frozenset(n for n, p in trainable if is_pipeline_tied(p))))
+                                 tied=frozenset(n for n, p in trainable if is_pipeline_tied(p)),
+                                 chunks=None if chunk_sets is None else tuple(chunk_sets)))
     return split, shares

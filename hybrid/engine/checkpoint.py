@@ -22,6 +22,8 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
+import torch
+
 from hybrid.checkpoint import BackgroundSaver, CheckpointError, CheckpointReader, save_checkpoint
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -108,7 +110,8 @@ def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True,
     _check_model_config(saved, _model_config(engine), reader.path)
     topo = engine.topology
     engine.optimizer.fence_writes()  # resharding writes module tensors directly: a background copy must be done
-    if reader.layout.to_json() != engine.layout.to_json():
+    if reader.layout.to_json() != engine.layout.to_json() or \
+            (load_optimizer and not _same_flat_partitions(engine, reader)):
         from hybrid.engine.reshard import load_resharded
 
         load_resharded(engine, reader, load_optimizer=load_optimizer)
@@ -129,6 +132,18 @@ def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True,
                                   f"new settings") from None
     return {"iteration": reader.iteration, "consumed_samples": reader.consumed_samples,
             "client_state": trainer_state.get("client", {}), "path": str(reader.path)}
+
+
+def _same_flat_partitions(engine: "Engine", reader: CheckpointReader) -> bool:
+    """Whether the saved optimizer partitions, in this engine's own layout, hold each parameter where this
+    engine's optimizer does, on every rank (one all-reduce over ``"world"``, so that all ranks take the same
+    path). They differ when the flat segments do: another ``zero.bucket_size``, or a checkpoint of an interleaved
+    pipeline saved before segments ended at its chunk boundaries. Such a state is loaded by resharding."""
+    saved = reader.stage_param_index(engine.topology.pp_rank)
+    differs = saved is not None and engine.optimizer.index_mismatch(saved) is not None
+    flag = torch.tensor([1.0 if differs else 0.0], dtype=torch.float32, device=engine.topology.device)
+    engine.topology.comm.all_reduce(flag, "world", op="max")
+    return flag.item() == 0.0
 
 
 def _check_model_config(saved: Optional[Mapping[str, Any]], current: Optional[Mapping[str, Any]], path) -> None:

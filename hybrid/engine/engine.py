@@ -34,6 +34,7 @@ from hybrid.engine.precision import prepare_precision
 from hybrid.engine.rng import RandomState
 from hybrid.engine.step_logger import StepLogger
 from hybrid.layout import ParallelLayout, pipeline_problem
+from hybrid.pipeline.chunks import chunk_parameters
 from hybrid.topology import Topology
 from hybrid.zero import build_zero_optimizer
 
@@ -77,11 +78,13 @@ class Engine:
         self.lr_schedule = build_lr_schedule(config)
         # The first step's learning rate is the schedule's, not the configured peak.
         optimizer_config = dataclasses.replace(config.optimizer, lr=self.lr_schedule.lr)
+        # an interleaved pipeline stage's chunks: the optimizer lays its segments out by them
+        chunks, chunk_params = chunk_parameters(model, topology.pp_rank)
         self.optimizer = build_zero_optimizer(
             model, topology, config.zero, optimizer_config,
             no_weight_decay=no_weight_decay_rule(config, no_weight_decay), loss_scaler=build_loss_scaler(config),
             clip_grad=config.clip_grad, gradient_accumulation_steps=self.batch.gradient_accumulation_steps,
-            use_fused_kernels=config.use_fused_kernels)
+            use_fused_kernels=config.use_fused_kernels, chunks=chunks, chunk_params=chunk_params)
         self.rng = RandomState(model)
         self.micro_steps = 0
         self.global_step = 0
@@ -226,10 +229,6 @@ class Engine:
                                   f"model (one with a stage split and forward_part, such as model_zoo.GPTModel); "
                                   f"{type(model).__name__} is not")
             return None
-        # the parameters each chunk's backward reaches (a model without parameters_of_part: all of them)
-        of_part, stage = getattr(model, "parameters_of_part", None), self.topology.pp_rank
-        self.optimizer.set_chunks(split.chunks, None if of_part is None else
-                                  [list(of_part(split.part(stage, c))) for c in range(split.chunks)])
         return PipelineExecutor(self.topology, list(range(split.chunks)), self.config.pipeline.schedule,
                                 activation_shape=lambda mb: model.activation_shape(*mb["input_ids"].shape),
                                 activation_dtype=model.activation_dtype)

@@ -44,10 +44,11 @@ from hybrid.compression import DEFAULT_BLOCK, ONEBIT_ADAM, ONEBIT_BITS, packed_b
 from hybrid.engine.precision import DTYPES
 from hybrid.layout import (StageTraits, ZeroStage, keeps_whole_gradients, offload_problem, partition_count,
                            stage_traits)
+from hybrid.pipeline.chunks import chunk_parameters
 from hybrid.pipeline.split import StageSplit
 from hybrid.plan.setup import zero_default
 from hybrid.zero.buckets import STAGING_BUFFERS_BEFORE_WAIT
-from hybrid.zero.flat_buffer import align_elements, group_classes, plan_segments
+from hybrid.zero.flat_buffer import align_elements, group_classes, param_chunk_sets, plan_segments
 from model_zoo.config import GPTConfig
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, ONEBIT_ADAM: 2}  # fp32 state tensors per master element
@@ -56,11 +57,14 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, ONEBIT_ADAM: 2}  # fp32 sta
 @dataclasses.dataclass(frozen=True)
 class ParamShape:
     """One parameter of one TP rank's shard, in registration order. ``tied``: the last pipeline stage's copy of
-    word embeddings tied across stages (:func:`hybrid.param_meta.is_pipeline_tied`), a flat group of its own."""
+    word embeddings tied across stages (:func:`hybrid.param_meta.is_pipeline_tied`), a flat group of its own;
+    ``chunks``: on a rank of several model chunks, those whose backward passes reach it (flat segments end where
+    they change: :func:`hybrid.zero.flat_buffer.param_chunk_sets`)."""
 
     name: str
     shape: Tuple[int, ...]
     tied: bool = False
+    chunks: Optional[FrozenSet[int]] = None
 
     @property
     def numel(self) -> int:
@@ -68,18 +72,21 @@ class ParamShape:
 
 
 @functools.lru_cache(maxsize=128)
-def _full_model_params(config_json: str, split: Optional[StageSplit] = None,
-                       pp_rank: int = 0) -> Tuple[Tuple[str, Tuple[int, ...], param_meta.TPMeta, bool], ...]:
-    """``(name, TP=1 shape, TP metadata, pipeline-tied)`` of every parameter of the model -- of pipeline stage
-    ``pp_rank`` when ``split`` is given -- built on ``meta``."""
+def _full_model_params(config_json: str, split: Optional[StageSplit] = None, pp_rank: int = 0
+                       ) -> Tuple[Tuple[str, Tuple[int, ...], param_meta.TPMeta, bool, Optional[FrozenSet[int]]], ...]:
+    """``(name, TP=1 shape, TP metadata, pipeline-tied, model chunks reaching it)`` of every parameter of the
+    model -- of pipeline stage ``pp_rank`` when ``split`` is given -- built on ``meta``."""
     from hybrid.topology import Topology
     from model_zoo.gpt import GPTModel
 
     config = GPTConfig.from_dict(json.loads(config_json))
     topology = Topology.local(split.pp, pp_rank) if split is not None else Topology.local()
     model = GPTModel(config, topology, device="meta", split=split)
-    return tuple((name, tuple(p.shape), param_meta.get_tp_meta(p), param_meta.is_pipeline_tied(p))
-                 for name, p in model.named_parameters())
+    named = list(model.named_parameters())
+    chunks, chunk_params = chunk_parameters(model, pp_rank)
+    chunk_sets = param_chunk_sets([p for _, p in named], chunk_params, chunks) or [None] * len(named)
+    return tuple((name, tuple(p.shape), param_meta.get_tp_meta(p), param_meta.is_pipeline_tied(p), cs)
+                 for (name, p), cs in zip(named, chunk_sets))
 
 
 def shard_shapes(config: GPTConfig, tp: int, split: Optional[StageSplit] = None,
@@ -92,11 +99,12 @@ def shard_shapes(config: GPTConfig, tp: int, split: Optional[StageSplit] = None,
     """
     config.validate(tp)
     out = []
-    for name, shape, meta, tied in _full_model_params(json.dumps(config.to_dict(), sort_keys=True), split, pp_rank):
+    for name, shape, meta, tied, chunks in _full_model_params(json.dumps(config.to_dict(), sort_keys=True), split,
+                                                              pp_rank):
         local = list(shape)
         if meta.partitioned:
             local[meta.dim] = param_meta.piece_size(meta, shape[meta.dim], tp)
-        out.append(ParamShape(name, tuple(local), tied))
+        out.append(ParamShape(name, tuple(local), tied, chunks))
     return out
 
 
@@ -162,13 +170,14 @@ def flat_layout(params: Sequence[ParamShape], dp: int, precision: str, bucket_si
     # class -> each member's place in registration order
     positions = group_classes([(weight_decay and not no_decay_1d(p), p.tied) for p in params])
     classes = {key: [params[i].numel for i in members] for key, members in positions.items()}
+    chunk_sets = {key: [params[i].chunks for i in members] for key, members in positions.items()}
     before = [0]
     for p in params:
         before.append(before[-1] + p.numel)  # elements registered before each parameter
     total = max(1, before[-1])
     groups, launches, tied = [], [], ()
     for key, numels in classes.items():  # dicts keep insertion order: first appearance
-        segments = plan_segments(numels, dp, bucket_size, align_elements(dtype))
+        segments = plan_segments(numels, dp, bucket_size, align_elements(dtype), chunk_sets[key])
         groups.append((sum(s.size for s in segments), tuple(s.size for s in segments)))
         if key[1]:
             tied = groups[-1][1]

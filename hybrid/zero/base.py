@@ -111,13 +111,16 @@ class ZeroOptimizer(abc.ABC):
     Build one with :func:`hybrid.zero.build_zero_optimizer`. ``zero`` and
     ``optimizer`` are the config sections; the keyword arguments are what the
     engine decides at run time (the loss scaler of fp16, the clip norm, the
-    accumulation count of this layout, the weight-decay exemption rule).
+    accumulation count of this layout, the weight-decay exemption rule, and on
+    an interleaved pipeline stage its ``chunks`` and the parameters each one's
+    backward reaches, ``chunk_params``: see :meth:`set_chunks`).
     """
 
     def __init__(self, model: torch.nn.Module, topology: Topology, zero: ZeroConfig, optimizer: OptimizerConfig,
                  *, no_weight_decay: Optional[NoDecayFn] = None, loss_scaler: Optional[LossScaler] = None,
                  clip_grad: float = 0.0, gradient_accumulation_steps: int = 1, use_fused_kernels: bool = True,
-                 master_dtype: torch.dtype = torch.float32):
+                 master_dtype: torch.dtype = torch.float32, chunks: int = 1,
+                 chunk_params: Optional[Sequence[Sequence[torch.nn.Parameter]]] = None):
         self.stage: ZeroStage = check_zero_config(zero)
         _check_runtime(topology, loss_scaler, clip_grad, gradient_accumulation_steps, master_dtype)
         self.traits: StageTraits = STAGE_TRAITS[self.stage]
@@ -159,6 +162,9 @@ class ZeroOptimizer(abc.ABC):
         self._micro = 0  # backward() calls since the last step()
         self._chunks = 1  # backward passes per micro-batch (model chunks of an interleaved pipeline stage)
         self._chunk_passes = [0]  # backward passes through each chunk since the last step()
+        # what set_chunks is given at the end of set-up; the flat siblings also lay their segments out by it
+        self.chunk_params = chunk_params
+        self._setup_chunks = int(chunks)
         self._last_grad_norm = math.nan
         self._last_comm: Dict[str, Dict[str, float]] = {}
         self.param_index: List[ParamRecord] = []
@@ -169,6 +175,8 @@ class ZeroOptimizer(abc.ABC):
 
     def _finish_setup(self) -> None:
         """Called by each sibling at the end of its constructor: set-up traffic is not the first step's."""
+        if self._setup_chunks != 1 or self.chunk_params is not None:
+            self.set_chunks(self._setup_chunks, self.chunk_params)
         self.comm.reset_stats()
 
     # ---- the training step (shared) -----------------------------------------------------------------
@@ -380,17 +388,25 @@ class ZeroOptimizer(abc.ABC):
             raise ValueError(f"state was saved as part {sd['part']} of {sd['partition_count']} (stage {sd['stage']}, "
                              f"dp={sd['dp_size']}) but this rank is part {self.part} of {self.partition_count} "
                              f"(stage {int(self.stage)}, dp={self.topology.dp_size}); reshard the checkpoint first")
+        problem = self.index_mismatch(sd["param_index"])
+        if problem is not None:
+            raise ValueError(problem)
+
+    def index_mismatch(self, saved: Sequence[dict]) -> Optional[str]:
+        """What differs between a saved parameter index (``ParamRecord.to_json`` entries, in position order) and
+        this optimizer's, or None: where each parameter sits in the flat partitions, not only what it is."""
         mine = [r.to_json() for r in self.param_index]
         # segment and parts too: a state written for other buckets holds other elements in each partition
         keys = ("name", "shape", "dtype", "offset", "numel", "group", "segment", "parts")
-        for a, b in zip(sd["param_index"], mine):
-            if any(a[k] != b[k] for k in keys):
-                raise ValueError(f"parameter index mismatch: checkpoint has {a['name']} {a['shape']} at offset "
-                                 f"{a['offset']} of group {a['group']} (segment {a.get('segment')}), this model has "
-                                 f"{b['name']} {b['shape']} at offset {b['offset']} of group {b['group']} (segment "
-                                 f"{b['segment']}); the model or zero.bucket_size differ")
-        if len(sd["param_index"]) != len(mine):
-            raise ValueError(f"checkpoint indexes {len(sd['param_index'])} parameters, this model has {len(mine)}")
+        for a, b in zip(saved, mine):
+            if any(a.get(k) != b[k] for k in keys):
+                return (f"parameter index mismatch: checkpoint has {a['name']} {a['shape']} at offset "
+                        f"{a['offset']} of group {a['group']} (segment {a.get('segment')}), this model has "
+                        f"{b['name']} {b['shape']} at offset {b['offset']} of group {b['group']} (segment "
+                        f"{b['segment']}); the model or zero.bucket_size differ")
+        if len(saved) != len(mine):
+            return f"checkpoint indexes {len(saved)} parameters, this model has {len(mine)}"
+        return None
 
     def _load_counters(self, sd: dict) -> None:
         self.global_steps = int(sd["global_steps"])

@@ -23,7 +23,6 @@ The shared step, the loss scale and the counters are in :mod:`hybrid.zero.base`.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
@@ -32,7 +31,7 @@ import torch
 
 from hybrid.zero.base import BackwardPass, ZeroOptimizer
 from hybrid.zero.buckets import FullGradReducer, PartitionedGradReducer
-from hybrid.zero.flat_buffer import build_flat_groups, collect_trainable, dtype_name
+from hybrid.zero.flat_buffer import build_flat_groups, collect_trainable, dtype_name, param_chunk_sets
 from hybrid.zero.grad_norm import GradNorm
 from hybrid.zero.offload import ChunkOffload, host_device, poison_requested
 from hybrid.zero.onebit import OneBitAdam
@@ -62,7 +61,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
         self.part = topology.dp_rank if traits.optimizer_states else 0
 
         self.groups = build_flat_groups(model, self.partition_count, dp, zero.bucket_size, self.decays,
-                                        self.no_weight_decay)
+                                        self.no_weight_decay, self.chunk_params)
         self.param_index = sorted((r for g in self.groups for r in g.records), key=lambda r: r.position)
         self._frozen = collect_trainable(model)[1]
         self._sync_replicas()
@@ -135,22 +134,17 @@ class FlatZeroOptimizer(ZeroOptimizer):
     # ---- the training step ---------------------------------------------------------------
     def set_chunks(self, chunks: int, chunk_params: Optional[Sequence[Sequence[torch.nn.Parameter]]] = None) -> None:
         """Also work out what a pass through each chunk reaches: under stage 2 it reduces those parameters'
-        segments alone, and a segment's gradient is final once every chunk it holds has had its last pass. A
-        parameter in no chunk's list counts as in all of them."""
+        segments alone, and a segment's gradient is final once every chunk it holds has had its last pass
+        (which chunks hold a parameter: :func:`~hybrid.zero.flat_buffer.param_chunk_sets`)."""
         super().set_chunks(chunks, chunk_params)
         self._segment_chunks, self._chunk_reach = None, None
-        if chunk_params is None or self._chunks == 1:
-            return
-        chunks_of: Dict[int, set] = collections.defaultdict(set)
-        for c, params in enumerate(chunk_params):
-            for p in params:
-                chunks_of[id(p)].add(c)
-        every = set(range(self._chunks))
         held: List[set] = [set() for _ in self.reducer.order]
         reach: List[set] = [set() for _ in range(self._chunks)]
         for g in self.groups:
-            for r, p in enumerate(g.params):
-                cs = chunks_of.get(id(p)) or every
+            chunk_sets = param_chunk_sets(g.params, chunk_params, self._chunks)
+            if chunk_sets is None:
+                return
+            for r, cs in enumerate(chunk_sets):
                 held[self.reducer.sid_of[(g.index, g.records[r].segment)]] |= cs
                 for c in cs:
                     reach[c].add((g.index, r))

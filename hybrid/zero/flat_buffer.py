@@ -8,7 +8,10 @@ into it, in module registration order (:func:`place_group`). Frozen parameters
 names (tied weights) is placed once, under its first name.
 
 A group buffer is cut into *segments* of about ``bucket_numel`` elements
-holding whole parameters. Each segment is padded so that it divides into
+holding whole parameters. On an interleaved pipeline stage a segment also
+ends where the model chunks whose backward passes reach the parameters
+change (:func:`param_chunk_sets`), so that each segment is reduced in its own
+chunks' passes only, never once more for a neighbour's. Each segment is padded so that it divides into
 ``parts`` equal chunks of a multiple of :data:`ALIGN_BYTES`::
 
     group buffer  | segment 0               | segment 1         |
@@ -26,8 +29,9 @@ chunk boundaries; :meth:`ParamRecord.parts` says which piece lives where.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -107,12 +111,14 @@ def align_elements(dtype: torch.dtype) -> int:
 
 
 def plan_segments(numels: Sequence[int], parts: int, bucket_numel: int,
-                  align: int) -> List[Segment]:
+                  align: int, keys: Optional[Sequence[Hashable]] = None) -> List[Segment]:
     """Cut parameters (given by size, in order) into padded segments. Pure arithmetic.
 
     A segment takes whole parameters until adding the next would pass
-    ``bucket_numel``; a parameter larger than that gets a segment of its own.
-    Each segment is padded to a multiple of ``parts * align`` elements.
+    ``bucket_numel``, or until the next one's key (``keys``, one per
+    parameter: the model chunks reaching it, :func:`param_chunk_sets`)
+    differs; a parameter larger than ``bucket_numel`` gets a segment of its
+    own. Each segment is padded to a multiple of ``parts * align`` elements.
     """
     if parts < 1 or bucket_numel < 1 or align < 1:
         raise ZeroConfigError(f"parts={parts}, bucket_numel={bucket_numel} and align={align} "
@@ -127,8 +133,10 @@ def plan_segments(numels: Sequence[int], parts: int, bucket_numel: int,
         segments.append(Segment(start=start, size=size, used=used, records=tuple(current)))
         start, current, used = start + size, [], 0
 
+    if keys is not None and len(keys) != len(numels):
+        raise ZeroConfigError(f"{len(keys)} segment keys for {len(numels)} parameters")
     for i, n in enumerate(numels):
-        if current and used + n > bucket_numel:
+        if current and (used + n > bucket_numel or (keys is not None and keys[i] != keys[current[-1]])):
             close()
         current.append(i)
         used += n
@@ -161,14 +169,14 @@ class Placement:
 
 
 def place_group(numels: Sequence[int], parts: int, pad_parts: int, bucket_numel: int,
-                align: int) -> Tuple[List[Segment], List[Placement]]:
+                align: int, keys: Optional[Sequence[Hashable]] = None) -> Tuple[List[Segment], List[Placement]]:
     """Lay out one group's parameters (given by size, in buffer order): its segments, and each parameter's
     :class:`Placement`. Pure arithmetic: the optimizer's layout, which offline tools reproduce by calling it.
 
-    Segments are padded for ``pad_parts``; the parameter pieces are cut for ``parts`` (see
-    :func:`build_flat_groups`).
+    Segments are padded for ``pad_parts`` and end where ``keys`` change (:func:`plan_segments`); the parameter
+    pieces are cut for ``parts`` (see :func:`build_flat_groups`).
     """
-    segments = plan_segments(numels, pad_parts, bucket_numel, align)
+    segments = plan_segments(numels, pad_parts, bucket_numel, align, keys)
     placements: List[Optional[Placement]] = [None] * len(numels)
     for s_idx, seg in enumerate(segments):
         offset = seg.start
@@ -176,6 +184,25 @@ def place_group(numels: Sequence[int], parts: int, pad_parts: int, bucket_numel:
             placements[r] = Placement(s_idx, offset, param_parts(offset, numels[r], seg, parts))
             offset += numels[r]
     return segments, placements  # type: ignore[return-value]
+
+
+def param_chunk_sets(params: Sequence[object], chunk_params: Optional[Sequence[Sequence[object]]],
+                     chunks: Optional[int] = None) -> Optional[List[FrozenSet[int]]]:
+    """Per parameter of ``params`` (in order), the model chunks whose backward passes give it gradients.
+
+    ``chunk_params[c]``: the parameters a pass through chunk ``c`` of an interleaved pipeline stage reaches
+    (parameters, which hash by identity, or their names). A parameter in no chunk's list counts as in all of
+    ``chunks`` (default: ``len(chunk_params)``). None for a rank of one chunk, or with no lists.
+    """
+    chunks = len(chunk_params) if chunks is None and chunk_params is not None else chunks
+    if chunk_params is None or not chunks or chunks == 1:
+        return None
+    held: Dict[Hashable, Set[int]] = collections.defaultdict(set)
+    for c, members in enumerate(chunk_params):
+        for p in members:
+            held[p].add(c)
+    every = frozenset(range(chunks))
+    return [frozenset(held[p]) if p in held else every for p in params]
 
 
 def group_classes(keys: Sequence[Hashable]) -> Dict[Hashable, List[int]]:
@@ -206,7 +233,7 @@ class FlatGroup:
 
     def __init__(self, index: int, dtype: torch.dtype, weight_decay: bool,
                  named: List[Tuple[str, torch.nn.Parameter, int]], parts: int, pad_parts: int,
-                 bucket_numel: int, tied: bool = False):
+                 bucket_numel: int, tied: bool = False, segment_keys: Optional[Sequence[Hashable]] = None):
         if pad_parts % parts != 0:
             raise ZeroConfigError(f"pad_parts={pad_parts} must be a multiple of parts={parts}")
         self.index = index
@@ -215,7 +242,7 @@ class FlatGroup:
         self.tied = tied
         self.parts = parts
         self.segments, placements = place_group([p.numel() for _, p, _ in named], parts, pad_parts, bucket_numel,
-                                                align_elements(dtype))
+                                                align_elements(dtype), segment_keys)
         self.numel = self.segments[-1].start + self.segments[-1].size
         self.device = named[0][1].device
         self.params: List[torch.nn.Parameter] = [p for _, p, _ in named]
@@ -273,14 +300,18 @@ def collect_trainable(model: torch.nn.Module) -> Tuple[List[Tuple[str, torch.nn.
 
 
 def build_flat_groups(model: torch.nn.Module, parts: int, pad_parts: int, bucket_numel: int,
-                      use_weight_decay: bool, no_weight_decay: Optional[NoDecayFn]) -> List[FlatGroup]:
+                      use_weight_decay: bool, no_weight_decay: Optional[NoDecayFn],
+                      chunk_params: Optional[Sequence[Sequence[torch.nn.Parameter]]] = None) -> List[FlatGroup]:
     """Rebind every trainable parameter of ``model`` to a view into a flat group buffer.
 
     ``parts`` is how many flat partitions the state is cut into; segments are
     padded for ``pad_parts`` (a multiple of ``parts``), so that stage 0 (one
     part) lays out and communicates exactly the same bytes as stages 1-2.
+    ``chunk_params``: the parameters each model chunk of an interleaved
+    pipeline stage reaches; segments end where those chunks change.
     """
     trainable, _ = collect_trainable(model)
+    chunk_sets = param_chunk_sets([p for _, p in trainable], chunk_params)
     devices = {p.device for _, p in trainable}
     if len(devices) > 1:
         raise ZeroConfigError(f"trainable parameters are spread over devices {sorted(map(str, devices))}; "
@@ -297,5 +328,5 @@ def build_flat_groups(model: torch.nn.Module, parts: int, pad_parts: int, bucket
         keys.append((p.dtype, decay, is_pipeline_tied(p)))
     classes = group_classes(keys)
     return [FlatGroup(i, dtype, decay, [(trainable[m][0], trainable[m][1], m) for m in members], parts, pad_parts,
-                      bucket_numel, tied)
+                      bucket_numel, tied, None if chunk_sets is None else [chunk_sets[m] for m in members])
             for i, ((dtype, decay, tied), members) in enumerate(classes.items())]

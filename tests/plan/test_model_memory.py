@@ -44,6 +44,30 @@ def test_flat_layout_equals_the_optimizers_flat_groups(bucket, dp, decay):
     assert layout.groups == tuple((g.numel, tuple(s.size for s in g.segments)) for g in groups)
 
 
+@pytest.mark.parametrize("pp_rank", [0, 1])
+def test_flat_layout_of_an_interleaved_stage_ends_segments_at_its_chunks(pp_rank):
+    # Two chunks of two layers per rank: the optimizer ends a segment where the chunks reaching its parameters
+    # change, and the planner lays the stage out the same way from a model built on meta.
+    from hybrid.pipeline.chunks import chunk_parameters
+    from hybrid.pipeline.split import split_layers
+
+    config, split, bucket, dp = get_preset("tiny", num_layers=8), split_layers(8, 2, 2), 10**8, 2
+    model = GPTModel(config, Topology.local(pp=2, pp_rank=pp_rank), split=split)
+    chunks, chunk_params = chunk_parameters(model, pp_rank)
+    assert chunks == 2 and [len(ps) for ps in chunk_params] != [0, 0]
+    groups = build_flat_groups(model, parts=dp, pad_parts=dp, bucket_numel=bucket, use_weight_decay=True,
+                               no_weight_decay=lambda name, p: p.ndim < 2, chunk_params=chunk_params)
+    reach = [{id(p) for p in ps} for ps in chunk_params]
+    for g in groups:
+        held = [frozenset(c for c in range(chunks) if id(p) in reach[c]) for p in g.params]
+        runs = 1 + sum(a != b for a, b in zip(held, held[1:]))
+        # one bucket would hold the whole group: each run of parameters reached by the same chunks is a segment
+        assert len(g.segments) == runs and all(len({held[r] for r in s.records}) == 1 for s in g.segments)
+    assert max(len(g.segments) for g in groups) >= 2
+    layout = flat_layout(shard_shapes(config, 1, split, pp_rank), dp, "fp32", bucket)
+    assert layout.groups == tuple((g.numel, tuple(s.size for s in g.segments)) for g in groups)
+
+
 def test_zero_formulas_per_stage():
     """16Ψ per replica in mixed precision with Adam; stage k partitions one more piece over N_d."""
     config = get_preset("gpt2-medium")

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from hybrid.param_meta import set_tp_meta
-from hybrid.zero.flat_buffer import (ALIGN_BYTES, ZeroConfigError, build_flat_groups, param_parts,
-                                     plan_segments)
+from hybrid.zero.flat_buffer import (ALIGN_BYTES, ZeroConfigError, build_flat_groups, param_chunk_sets,
+                                     param_parts, plan_segments)
 from tests.zero.common import TiedMLP, no_decay
 
 
@@ -21,6 +21,29 @@ def test_segments_are_padded_aligned_and_hold_whole_params():
         assert s.start == starts
         assert s.size % (4 * 32) == 0 and s.used <= s.size < s.used + 4 * 32
         starts += s.size
+
+
+def test_segments_end_where_the_keys_change_and_only_there():
+    numels = [10, 20, 30, 40, 50]
+    chunk_sets = [frozenset({0}), frozenset({0}), frozenset({1}), frozenset({1}), frozenset({0, 1})]
+    unkeyed = plan_segments(numels, parts=2, bucket_numel=1000, align=4)
+    keyed = plan_segments(numels, parts=2, bucket_numel=1000, align=4, keys=chunk_sets)
+    assert [s.records for s in unkeyed] == [(0, 1, 2, 3, 4)]
+    assert [s.records for s in keyed] == [(0, 1), (2, 3), (4,)]
+    # the bucket size still cuts inside a run of one key; equal keys never force a cut
+    assert [s.records for s in plan_segments(numels, 2, 45, 4, keys=chunk_sets)] == [(0, 1), (2,), (3,), (4,)]
+    assert plan_segments(numels, 2, 1000, 4, keys=[None] * 5) == unkeyed
+    with pytest.raises(ZeroConfigError, match="4 segment keys for 5 parameters"):
+        plan_segments(numels, 2, 1000, 4, keys=chunk_sets[:4])
+
+
+def test_chunk_sets_name_the_chunks_reaching_each_parameter():
+    a, b, c, d = (nn.Parameter(torch.zeros(2)) for _ in range(4))
+    # d is in no chunk's list: every pass reaches it; b is in both (a tied head, say)
+    assert param_chunk_sets([a, b, c, d], [[a, b], [b, c]]) == [frozenset({0}), frozenset({0, 1}),
+                                                                 frozenset({1}), frozenset({0, 1})]
+    assert param_chunk_sets(["x", "y"], [["x"], ["y"]]) == [frozenset({0}), frozenset({1})]  # names work too
+    assert param_chunk_sets([a], [[a]]) is None and param_chunk_sets([a], None, chunks=2) is None
 
 
 def test_param_parts_cover_a_straddling_parameter_exactly():
