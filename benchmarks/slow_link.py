@@ -20,6 +20,16 @@ dp4-z2                  1      4    2
 dp4-z3                  1      4    3
 ====================  =====  ====  =====  ====================================================
 
+Megatron's pipeline layouts (with ``--pipelines``, or named by ``--only``): pp = 2, one stage per node, so
+the pipeline crosses the link and TP stays inside each node (dp = 4 / (tp x pp) = 1):
+
+====================  =====  ====  =====  ====================================================
+name                   tp     pp   ZeRO   notes
+====================  =====  ====  =====  ====================================================
+megatron-tp2-pp2        2      2    0     1F1B, sequence parallel, micro batch 2 (8 per step)
+megatron-tp2-pp2-v2     2      2    0     the same, interleaved: two chunks of one layer per rank
+====================  =====  ====  =====  ====================================================
+
 Peers (with ``--peers``, or named by ``--only``): each trains the same GPT at its own defaults through
 ``benchmarks/peer_train.py`` under the same torchrun on the same cluster (DeepSpeed with ``DS_ACCELERATOR=cpu``):
 
@@ -103,6 +113,9 @@ deepspeed-dp4-z3-mat,fsdp2-dp4,fsdp2-dp4-noreshard --json benchmarks/results/slo
                                                                      # hybrid beside DeepSpeed and FSDP2
     python benchmarks/slow_link.py --rates none,200mbit --repeat 1 --iters 3 --hidden 64 --layers 2 \\
         --only megatron-tp4,hybrid-tp2-z1 --json /tmp/sl.json         # a quick look
+    python benchmarks/slow_link.py --pipelines --rates none,200mbit,50mbit --delays '' --markdown \
+        --only megatron-tp4,megatron-tp2-pp2,megatron-tp2-pp2-v2,hybrid-tp2-z1,hybrid-tp2-z2 \
+        --json benchmarks/results/slow_link_pipeline.json             # beside Megatron's pipelines
 
 Writes every figure, and each run's raw ones, to ``--json`` (default
 ``benchmarks/results/slow_link.json``). Exits non-zero when any run failed (shown as FAILED with
@@ -142,7 +155,7 @@ REFERENCE_CLUSTERS = (
 
 @dataclasses.dataclass(frozen=True)
 class Contender:
-    """One layout: ``dp`` is derived as ``world / tp``."""
+    """One layout: ``dp`` is derived as ``world / (tp x pp)``."""
 
     name: str
     tp: int
@@ -155,10 +168,13 @@ class Contender:
     warmup: int = 0
     # a peer's trainer (benchmarks/peer_train.py --peer NAME) instead of hybrid.train; runs only with --peers
     peer: Optional[str] = None
+    # pipeline stages (outermost: with tp 2, one stage per node, so only the stages' activations and their
+    # gradients cross the link); above 1 it runs only with --pipelines
+    pp: int = 1
 
     @property
     def dp(self) -> int:
-        return WORLD // self.tp
+        return WORLD // (self.tp * self.pp)
 
     @property
     def zero_reduce_once(self) -> bool:
@@ -199,6 +215,12 @@ CONTENDERS = [
     # AdamW steps (fewer leave a variance too noisy to freeze: with 1 the loss diverges by the 4th step)
     Contender("hybrid-tp2-z0-1bit", 2, 0, 4, ("--optimizer", "onebit_adam", "--optimizer-freeze-step", "8"), True,
               warmup=7),
+    # Megatron's answer to a slow link: TP inside the node, the pipeline across it. Sequence parallelism sends
+    # each TP rank's [s/t, b, h] share of the activation, the bytes of Megatron's scatter-gather optimisation;
+    # micro batch 2: 8 micro-batches a step, a 1F1B bubble of 1/9 (interleaved, 2 chunks of 1 layer: 1/17)
+    Contender("megatron-tp2-pp2", 2, 0, 2, ("--sequence-parallel",), pp=2),
+    Contender("megatron-tp2-pp2-v2", 2, 0, 2, ("--sequence-parallel", "--pipeline-schedule", "interleaved",
+                                               "--num-layers-per-virtual-pipeline-stage", "1"), pp=2),
     # peers at their own defaults (benchmarks/peer_train.py)
     Contender("deepspeed-dp4-z2", 1, 2, 4, peer="deepspeed-z2"),
     Contender("deepspeed-dp4-z3", 1, 3, 4, peer="deepspeed-z3"),
@@ -298,6 +320,7 @@ def train_argv(c: Contender, args, iters: int) -> List[str]:
             "--micro-batch-size", str(args.micro_batch or c.micro_batch),
             "--global-batch-size", str(args.global_batch),
             "--tensor-model-parallel-size", str(c.tp), "--zero-stage", str(c.zero_stage),
+            *(["--pipeline-model-parallel-size", str(c.pp)] if c.pp > 1 else []),
             "--train-iters", str(iters), "--log-interval", "1", "--eval-interval", "0", *c.extra,
             *(["--zero-bucket-size", str(args.bucket_size)] if args.bucket_size else [])]
 
@@ -386,7 +409,7 @@ def summarise(c: Contender, runs: List[dict], args, step_flops: float) -> dict:
         per_step[key] = value
     rss = [max(r["peak_rss_mib"]) for r in good if r["peak_rss_mib"]]
     tokens = args.global_batch * args.seq
-    row = {"name": c.name, "tp": c.tp, "dp": c.dp, "zero_stage": c.zero_stage,
+    row = {"name": c.name, "tp": c.tp, "dp": c.dp, "pp": c.pp, "zero_stage": c.zero_stage,
            "micro_batch": args.micro_batch or c.micro_batch, "zero_reduce_once": c.zero_reduce_once,
            "iteration_s_median": iteration_s, "exposed_comm_s_median": exposed,
            "inter_node_bytes_per_step_iface": per_step["iface"], "inter_node_bytes_per_step_comm": per_step["comm"],
@@ -418,8 +441,8 @@ def table_rows(point: dict) -> List[List[str]]:
     base = next((r for r in point["contenders"] if r["name"] == BASELINE and r["ok"]), None)
     rows = []
     for r in point["contenders"]:
-        layout = f"TP{r['tp']}xDP{r['dp']} Z{r['zero_stage']} mb{r['micro_batch']}" + (
-            " once" if r["zero_reduce_once"] else "")
+        layout = f"TP{r['tp']}x{'PP%dx' % r['pp'] if r.get('pp', 1) > 1 else ''}DP{r['dp']} Z{r['zero_stage']} " \
+                 f"mb{r['micro_batch']}" + (" once" if r["zero_reduce_once"] else "")
         if not r["ok"]:
             rows.append([r["name"], layout, "FAILED", r["failure"] or "", "", "", "", "", "", "", ""])
             continue
@@ -527,6 +550,9 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap.add_argument("--peers", action="store_true",
                     help="also run the peers: DeepSpeed ZeRO-2/3 (at its defaults, and at hybrid's bucket "
                          "settings) and torch FSDP2")
+    ap.add_argument("--pipelines", action="store_true",
+                    help="also run Megatron's pipeline layouts: TP inside each node, one pipeline stage per node "
+                         "(1F1B, and interleaved)")
     ap.add_argument("--only", default="", help="comma-separated contender names (default: all)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run before every node is killed")
     ap.add_argument("--bytes-method", choices=("diff", "total"), default="diff",
@@ -544,7 +570,8 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     unknown = [s for s in chosen if s not in names]
     if unknown:
         ap.error(f"--only: unknown contender(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-    default = [c for c in CONTENDERS if (args.compressed or not c.compressed) and (args.peers or c.peer is None)]
+    default = [c for c in CONTENDERS if (args.compressed or not c.compressed) and (args.peers or c.peer is None)
+               and (args.pipelines or c.pp == 1)]
     args.contenders = [c for c in CONTENDERS if c.name in chosen or (not chosen and c in default)]
     for c in args.contenders:
         micro = args.micro_batch or c.micro_batch

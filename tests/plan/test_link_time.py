@@ -244,8 +244,20 @@ def model_config(model: dict) -> GPTConfig:
 
 
 def _layout(data: dict, row: dict) -> ParallelLayout:
-    return ParallelLayout(tp=row["tp"], dp=row["dp"], zero_stage=row["zero_stage"],
+    return ParallelLayout(tp=row["tp"], dp=row["dp"], pp=row.get("pp", 1), zero_stage=row["zero_stage"],
                           precision=data["model"]["precision"])
+
+
+def _pipeline_options(data: dict, row: dict) -> dict:
+    """A contender's sequence parallelism, pipeline schedule and model chunks per rank, from its trainer flags."""
+    flags = row.get("flags", [])
+    schedule = flags[flags.index("--pipeline-schedule") + 1] if "--pipeline-schedule" in flags else "1f1b"
+    chunks = 1
+    if "--num-layers-per-virtual-pipeline-stage" in flags:
+        per_chunk = int(flags[flags.index("--num-layers-per-virtual-pipeline-stage") + 1])
+        chunks = data["model"]["num_layers"] // (row.get("pp", 1) * per_chunk)
+    return {"sequence_parallel": "--sequence-parallel" in flags, "pipeline_schedule": schedule,
+            "virtual_stages": chunks}
 
 
 def _unshaped(data: dict) -> dict:
@@ -305,9 +317,19 @@ def contender_setup(data: dict, row: dict) -> TrainingSetup:
 
 
 def predict_contender(data: dict, row: dict, link: LinkSpec, flops: float):
+    # with a pipeline the planner places one stage's ranks: here a node each
+    nodes = data["nodes"] // row.get("pp", 1)
     return predict_step_time(model_config(data["model"]), _layout(data, row), row["micro_batch"],
-                             data["model"]["global_batch_size"], data["nodes"], data["ranks_per_node"], link, flops,
-                             reduce_once=row.get("zero_reduce_once", False), setup=contender_setup(data, row))
+                             data["model"]["global_batch_size"], nodes, data["ranks_per_node"], link, flops,
+                             reduce_once=row.get("zero_reduce_once", False), setup=contender_setup(data, row),
+                             **_pipeline_options(data, row))
+
+
+def all_nodes_bytes(predicted, row: dict) -> float:
+    """The inter-node bytes per step of all nodes, as the benchmark sums them, from a prediction of ``row``. A
+    pipeline's prediction counts its slowest stage's nodes; every stage's nodes send as much (the activations
+    one way, their gradients, of the same size, the other)."""
+    return predicted.inter_node_bytes * row.get("pp", 1)
 
 
 def compare(data: dict, rates=CHECKED_RATES) -> List[str]:
@@ -332,10 +354,11 @@ def compare(data: dict, rates=CHECKED_RATES) -> List[str]:
                 problems.append(f"{where}: not measured at the unshaped point, so not calibrated")
                 continue
             t = predict_contender(data, row, link, flops[row["name"]])
+            predicted_bytes = all_nodes_bytes(t, row)
             measured_bytes: Optional[float] = row.get("inter_node_bytes_per_step_comm")
-            if measured_bytes is not None and abs(t.inter_node_bytes - measured_bytes) > \
+            if measured_bytes is not None and abs(predicted_bytes - measured_bytes) > \
                     BYTES_TOLERANCE * measured_bytes:
-                problems.append(f"{where}: predicted {t.inter_node_bytes:.4g} inter-node bytes per step (all nodes), "
+                problems.append(f"{where}: predicted {predicted_bytes:.4g} inter-node bytes per step (all nodes), "
                                 f"the communicator counted {measured_bytes:.4g}")
             if point["rate"] not in rates:
                 continue
@@ -395,13 +418,30 @@ def test_step_times_and_bytes_match_the_slow_link_benchmark():
     assert not problems, "the planner disagrees with the slow-link benchmark:\n  " + "\n  ".join(problems)
 
 
+PIPELINES = REPO / "benchmarks" / "results" / "slow_link_pipeline.json"
+
+
+def test_pipeline_layouts_match_the_slow_link_benchmark():
+    """Megatron's pipeline across the link (TP inside each node, one stage per node; 1F1B and interleaved) beside
+    hybrid's ZeRO across it, measured in one run (``--pipelines``): the planner's step times, bytes and ranking,
+    calibrated the same way."""
+    if not PIPELINES.exists():
+        pytest.skip(f"{PIPELINES.relative_to(REPO)} is absent: run the command in docs/performance.md")
+    data = load(PIPELINES)
+    assert any(row.get("pp", 1) > 1 for point in data["points"] for row in point["contenders"])
+    problems = compare(data)
+    assert not problems, "the planner disagrees with the slow-link benchmark:\n  " + "\n  ".join(problems)
+
+
 COMPRESSED = REPO / "benchmarks" / "results" / "slow_link_compressed.json"
 # hpZ and 1-bit Adam, each measured beside its uncompressed stage in a run of its own
 HPZ = REPO / "benchmarks" / "results" / "slow_link_hpz.json"
 ONEBIT = REPO / "benchmarks" / "results" / "slow_link_onebit.json"
+# int4/int8 ZeRO-2 and 1-bit Adam beside Megatron's pipeline across the link
+PIPELINE_COMPRESSED = REPO / "benchmarks" / "results" / "slow_link_pipeline_compressed.json"
 
 
-@pytest.mark.parametrize("path", [COMPRESSED, HPZ, ONEBIT], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [COMPRESSED, HPZ, ONEBIT, PIPELINE_COMPRESSED], ids=lambda p: p.stem)
 def test_compressed_bytes_match_the_slow_link_benchmark(capsys, path):
     """Every compressed contender's inter-node bytes per step (``--compressed`` rows: quantized gradients or
     weights, two levels, hpZ, 1-bit Adam) as the planner predicts them, against the communicator's count in that
@@ -416,13 +456,14 @@ def test_compressed_bytes_match_the_slow_link_benchmark(capsys, path):
             if not row["ok"] or measured is None:
                 problems.append(f"{point['rate']} {row['name']}: no measurement")
                 continue
-            predicted = predict_contender(data, row, LinkSpec(math.inf, point["link_bytes_per_s"]), 1e9)
+            predicted = all_nodes_bytes(predict_contender(data, row, LinkSpec(math.inf, point["link_bytes_per_s"]),
+                                                          1e9), row)
             rows += 1
             with capsys.disabled():
-                print(f"{point['rate']:>8} {row['name']:<20} predicted {predicted.inter_node_bytes / 1e6:7.2f} MB  "
-                      f"measured {measured / 1e6:7.2f} MB  ({predicted.inter_node_bytes / measured - 1:+.1%})")
-            if abs(predicted.inter_node_bytes - measured) > BYTES_TOLERANCE * measured:
-                problems.append(f"{point['rate']} {row['name']}: predicted {predicted.inter_node_bytes:.4g} "
+                print(f"{point['rate']:>8} {row['name']:<20} predicted {predicted / 1e6:7.2f} MB  "
+                      f"measured {measured / 1e6:7.2f} MB  ({predicted / measured - 1:+.1%})")
+            if abs(predicted - measured) > BYTES_TOLERANCE * measured:
+                problems.append(f"{point['rate']} {row['name']}: predicted {predicted:.4g} "
                                 f"inter-node bytes per step, the communicator counted {measured:.4g}")
     assert rows and not problems, "\n  ".join(problems)
 
