@@ -50,7 +50,7 @@ host = GiB of host memory per GPU (offload).
 DP/TP GB = wire bytes each GPU sends per step; node GB = bytes each node sends off the node per step.
 Step time (seconds) = comp (model FLOPs per GPU / achieved FLOP/s) + intra and inter (exposed time of
 the collectives whose rings stay inside nodes / cross them; a node's inter-node bytes share its one
-link) + offload + pipe (a pipeline's bubble and its transfers on the critical path); tok/s = tokens per
+link) + offload + pipe (a pipeline's bubble and its exposed transfers); tok/s = tokens per
 second of the job, by which fitting layouts are ranked. With a pipeline, memory is its busiest stage's and
 time its slowest stage's; gas is then the micro-batches per step.
 'tps' = tensor parallel with sequence parallelism; pp = pipeline stages ('4v2': 4 stages of 2 virtual

@@ -35,7 +35,9 @@
     pipeline  (pp > 1, :mod:`hybrid.plan.pipeline_stages`): compute is the rank's share
               (its layers, the head on the last rank); the bubble adds
               compute * b / (1 - b) idle seconds, b = (p - 1) / (v m + p - 1); the
-              transfers on the critical path and the tied gradients' sum: all of it
+              transfers: the longer of the critical path's, one message at a time, and
+              what the node's link must carry (:func:`pipeline_seconds`); the tied
+              gradients' sum: all of it
     step      = compute + exposed intra-node + exposed inter-node + offload [+ bubble + pipeline]
 
 Model FLOPs come from :func:`model_zoo.flops.flops_per_token`; a rank does
@@ -101,7 +103,7 @@ class StepTime:
     intra_node_bytes_per_rank: float
     collectives: Tuple[CollectiveTime, ...] = ()
     bubble: float = 0.0  # a pipeline rank's idle seconds while the pipeline fills and drains
-    pipeline: float = 0.0  # seconds of pipeline transfers on the critical path (and the tied gradients' sum)
+    pipeline: float = 0.0  # seconds of pipeline transfers left exposed (and the tied gradients' sum)
     pp_rank: int = 0  # the pipeline rank these figures are for (the slowest, for a whole pipeline layout)
 
     @property
@@ -258,7 +260,7 @@ def step_time(config: GPTConfig, candidate: Candidate, comm: Report, *, global_b
     by_node = tuple(map(sum, zip(*(c.inter_bytes_by_node for c in split.values())))) or (0.0,) * placement.nodes
     pipeline, idle = 0.0, 0.0
     if candidate.pp > 1:
-        pipeline, crossing = pipeline_seconds(pipeline_entries, candidate, micro_batches, placement, link)
+        pipeline, crossing = pipeline_seconds(pipeline_entries, candidate, micro_batches, placement, link, compute)
         by_node = tuple(b + crossing for b in by_node)
         idle = compute * bubble(candidate, micro_batches) / (1.0 - bubble(candidate, micro_batches))
     return StepTime(compute=compute,
@@ -272,19 +274,29 @@ def step_time(config: GPTConfig, candidate: Candidate, comm: Report, *, global_b
 
 
 def pipeline_seconds(entries: Report, candidate: Candidate, micro_batches: int, placement: Placement,
-                     link: LinkSpec) -> Tuple[float, float]:
+                     link: LinkSpec, compute: float = 0.0) -> Tuple[float, float]:
     """``(seconds, bytes each node sends off it)`` of a pipeline rank's traffic (``entries``: its ``send/pp``,
-    ``all_reduce/embed``... of :func:`hybrid.plan.comm_volume.pipeline_volume`). Transfers: both directions'
-    :func:`~hybrid.plan.pipeline_stages.critical_transfers`, one message at a time, over the inter-node link
-    when pipeline neighbours sit on different nodes (``placement``: one stage's ranks). The tied gradients'
-    sum and the loss broadcast: whole, on the same link."""
+    ``all_reduce/embed``... of :func:`hybrid.plan.comm_volume.pipeline_volume`), over the inter-node link when
+    pipeline neighbours sit on different nodes (``placement``: one stage's ranks). ``compute``: the rank's compute
+    seconds in the step.
+
+    Transfers: the longer of two counts. Both directions'
+    :func:`~hybrid.plan.pipeline_stages.critical_transfers`, one rank's message at a time; and what the link
+    must carry, since a node's ranks send their pieces at once over its one link: the ``2 (p - 1)`` transfers
+    that fill and drain the pipeline wait, the others overlap the other micro-batches' compute, and whatever
+    of the step's sends the link cannot carry within that compute waits too. The first is the larger while the
+    link keeps up (the measured case, ``tests/plan/test_link_time.py``); the second once it does not. The tied
+    gradients' sum and the loss broadcast: whole, on the same link."""
     crosses = placement_crosses_stages(placement)
     bandwidth = link.inter_bytes_per_s_per_node if crosses else link.intra_bytes_per_s
     seconds, crossing = 0.0, 0.0
     send = entries.get("send/pp")
     if send:
         each = send["payload_bytes"] / send["calls"]
-        seconds += 2 * critical_transfers(candidate, micro_batches) * (each / bandwidth + link.latency_s)
+        serial = 2 * critical_transfers(candidate, micro_batches) * (each / bandwidth + link.latency_s)
+        together = (placement.ranks_per_node if crosses else 1) * each / bandwidth + link.latency_s
+        carried = 2 * (candidate.pp - 1) * together + max(0.0, send["calls"] * together - compute)
+        seconds += max(serial, carried)
     for name, entry in entries.items():
         if name.split("/")[0] in ("send", "recv"):
             continue

@@ -80,6 +80,30 @@ def test_the_step_pays_the_bubble():
         assert t.pipeline == 0.0  # transfers over infinitely fast links take no time
 
 
+def test_a_slow_link_carries_every_rank_of_the_nodes_pipeline_sends():
+    # GPT-2 1.5B on 2 nodes of 8, one stage per node: all 8 ranks of a node send their activations (or their
+    # gradients) at once over the node's one link. Once the link cannot keep up, the step is at least the time
+    # it takes to carry them; while it does, the critical path's transfers, one message at a time, decide.
+    cfg = get_preset("gpt2-xl")
+    layout = ParallelLayout(tp=1, dp=8, pp=2, zero_stage=1, precision="bf16")
+    m = 512 // 8  # micro-batches per step of each DP rank (micro batch 1)
+    calls, nbytes = transfers(cfg, Candidate(layout, micro_batch=1), m, 0)  # rank 0: m activations forward
+    assert calls == m
+    for gbytes_per_s in (0.125, 1.25, 12.5):
+        bandwidth = gbytes_per_s * 1e9
+        link = LinkSpec(intra_bytes_per_s=150e9, inter_bytes_per_s_per_node=bandwidth)
+        t = predict_step_time(cfg, layout, 1, 512, 1, 8, link, 0.4 * 989e12)
+        busy = 8 * calls * nbytes / bandwidth  # the node's link carrying its 8 ranks' sends, seconds
+        one_at_a_time = 2 * (m + 1) * nbytes / bandwidth  # the critical path's transfers, each way
+        assert t.total >= busy
+        assert t.pipeline >= one_at_a_time
+        if busy > t.compute:
+            assert t.pipeline >= busy - t.compute + 2 * 8 * nbytes / bandwidth > one_at_a_time
+        else:
+            # the link keeps up: the critical path decides (the tied embedding's gradient sum is the rest)
+            assert t.pipeline == pytest.approx(one_at_a_time, rel=0.05)
+
+
 def test_pipelines_are_enumerated_and_ranked():
     config = get_preset("turing-nlg-17b")
     cluster = Cluster(gpus=256, gpus_per_node=16, gpu_memory=32 * 2**30, inter_node_gbps=12.5)
