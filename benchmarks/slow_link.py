@@ -113,8 +113,8 @@ deepspeed-dp4-z3-mat,fsdp2-dp4,fsdp2-dp4-noreshard --json benchmarks/results/slo
                                                                      # hybrid beside DeepSpeed and FSDP2
     python benchmarks/slow_link.py --rates none,200mbit --repeat 1 --iters 3 --hidden 64 --layers 2 \\
         --only megatron-tp4,hybrid-tp2-z1 --json /tmp/sl.json         # a quick look
-    python benchmarks/slow_link.py --pipelines --rates none,200mbit,50mbit --delays '' --markdown \
-        --only megatron-tp4,megatron-tp2-pp2,megatron-tp2-pp2-v2,hybrid-tp2-z1,hybrid-tp2-z2 \
+    python benchmarks/slow_link.py --pipelines --rates none,200mbit,50mbit --delays '' --markdown \\
+        --only megatron-tp4,megatron-tp2-pp2,megatron-tp2-pp2-v2,hybrid-tp2-z1,hybrid-tp2-z2 \\
         --json benchmarks/results/slow_link_pipeline.json             # beside Megatron's pipelines
 
 Writes every figure, and each run's raw ones, to ``--json`` (default
