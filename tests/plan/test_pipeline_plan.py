@@ -101,7 +101,7 @@ def test_a_slow_link_carries_every_rank_of_the_nodes_pipeline_sends():
             assert t.pipeline >= busy - t.compute + 2 * 8 * nbytes / bandwidth > one_at_a_time
         else:
             # the link keeps up: the critical path decides (the tied embedding's gradient sum is the rest)
-            assert t.pipeline == pytest.approx(one_at_a_time, rel=0.05)
+            assert t.pipeline == pytest.approx(one_at_a_time, rel=0.1)
 
 
 def test_pipelines_are_enumerated_and_ranked():
