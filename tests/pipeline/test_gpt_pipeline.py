@@ -2,17 +2,21 @@
 
 Each layout trains 10 steps through ``Engine.train_batch`` with AdamW, weight decay and gradient clipping;
 one process trains the whole model with ``torch.optim.AdamW`` on the same global batches. Losses must agree
-within 1e-6 relative and every parameter within 1e-5 (``max|got - ref| / max|ref|``), the standard of the
-ZeRO parity suite: the pipeline only reorders when each micro-batch's gradient is added, and the reductions
-over TP and DP are those of that suite.
+within 1e-6 relative, the standard of the ZeRO parity suite: the pipeline only reorders when each
+micro-batch's gradient is added, and the reductions over TP and DP are those of that suite. The parameters
+are held to the same training in float64: within twice the one fp32 process's own distance from it, and
+never less than 1e-5 (``max|got - ref| / max|ref|``), since that distance depends on the CPU's kernels.
 """
 
 import numpy as np
 import pytest
+import torch
 
 from tests.multiproc import run_distributed
 from tests.pipeline import gpt_parity as gp
 from tests.zero.common import dp_mean, max_rel_diff, reference_adamw, rel_diff_list
+
+PARITY = 1e-5  # the ZeRO parity suite's bound on parameters, max|got - ref| / max|ref|
 
 CASES = {
     # uneven split (1 + 2 layers), tied embeddings across the two stages, ZeRO-1
@@ -61,13 +65,13 @@ def _merge(ranks) -> dict:
     return merged
 
 
-def _reference(case):
+def _reference(case, dtype=torch.float32):
     from hybrid import Topology
     from hybrid.tensor_parallel.gather import full_state
     from model_zoo import GPTModel
 
     cfg = gp.gpt_config(case["layers"], case.get("tie", True), query_groups=case.get("query_groups"))
-    model = GPTModel(cfg, Topology.local())
+    model = GPTModel(cfg, Topology.local()).to(dtype)
     losses, norms, params = reference_adamw(model, gp.STEPS, gp.GLOBAL, lr=gp.LR, weight_decay=gp.WD,
                                             clip=gp.CLIP, eps=gp.EPS, vocab=cfg.vocab_size, seq=cfg.seq_length,
                                             export=lambda m: full_state(m, Topology.local()))
@@ -86,7 +90,13 @@ def test_pipeline_layout_trains_like_one_process(results, name):
     assert rel_diff_list(ranks[0]["norms"], ref_norms) <= 1e-5
     merged = _merge(ranks)
     assert set(merged) == set(ref_params)
-    assert max_rel_diff(merged, ref_params) <= 1e-5
+    # The parameters against the same training in float64. One fp32 process drifts from it by its own roundings,
+    # which Adam's g / sqrt(v) amplifies over the 10 steps: 3.6e-6 to 1.8e-5 here, depending on the CPU's kernels
+    # (ATEN_CPU_CAPABILITY). The layout rounds as often, in another order, so it may drift as far: twice that
+    # one-process drift, and never less than the parity bound.
+    exact = _reference(case, torch.float64)[2]
+    own = max_rel_diff(ref_params, exact)
+    assert max_rel_diff(merged, exact) <= max(PARITY, 2 * own), (max_rel_diff(merged, exact), own)
     if case.get("tie", True):
         holders = [r for r in ranks if r["params"] and "embedding.word_embeddings.weight" in r["params"]]
         assert {r["pp_rank"] for r in holders} == {0, case["pp"] - 1}
