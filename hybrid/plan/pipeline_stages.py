@@ -33,9 +33,9 @@ from the last rank (``broadcast/pp``).
 
 **Time.** A rank is idle for the bubble, ``(p - 1) / (v m + p - 1)`` of the
 step (:func:`hybrid.pipeline.simulate.bubble_fraction`), so the step takes
-its busiest rank's compute divided by ``1 - bubble``. Its transfers are
-charged in full: ``(v m + p - 1)`` sends each way cross the pipeline's
-critical path, one after the other (the receiver waits for each).
+its busiest rank's compute divided by ``1 - bubble``. Of its transfers, those
+that fill and drain the pipeline wait, and the others overlap compute as far as
+the node's link can carry them (:func:`hybrid.plan.timing.pipeline_seconds`).
 """
 
 from __future__ import annotations
@@ -147,11 +147,6 @@ def p2p_volume(config: GPTConfig, candidate: Candidate, micro_batches: int, pp_r
             entry["payload_bytes"] += calls * nbytes
             entry["wire_bytes"] += wire * calls * nbytes
     return report
-
-
-def critical_transfers(candidate: Candidate, micro_batches: int) -> int:
-    """Transfers each way on the pipeline's critical path in one step: ``v m + p - 1``."""
-    return candidate.virtual_stages * micro_batches + candidate.pp - 1
 
 
 def bubble(candidate: Candidate, micro_batches: int) -> float:

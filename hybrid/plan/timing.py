@@ -35,9 +35,9 @@
     pipeline  (pp > 1, :mod:`hybrid.plan.pipeline_stages`): compute is the rank's share
               (its layers, the head on the last rank); the bubble adds
               compute * b / (1 - b) idle seconds, b = (p - 1) / (v m + p - 1); the
-              transfers: the longer of the critical path's, one message at a time, and
-              what the node's link must carry (:func:`pipeline_seconds`); the tied
-              gradients' sum: all of it
+              transfers that fill and drain the pipeline, and what the node's link cannot
+              carry within the compute (:func:`pipeline_seconds`); the tied gradients'
+              sum: all of it
     step      = compute + exposed intra-node + exposed inter-node + offload [+ bubble + pipeline]
 
 Model FLOPs come from :func:`model_zoo.flops.flops_per_token`; a rank does
@@ -61,7 +61,7 @@ from hybrid.plan.candidate import Candidate
 from hybrid.plan.comm_volume import Report, stage3_gather_axis, stage3_gathers
 from hybrid.plan.links import CollectiveLinks, HostLink, LinkSpec, Placement, link_seconds, split_by_link
 from hybrid.plan.model_memory import FlatLayout, Stage3Layout
-from hybrid.plan.pipeline_stages import bubble, critical_transfers, stage_layers
+from hybrid.plan.pipeline_stages import bubble, stage_layers
 from hybrid.plan.zero_collectives import reduces_every_micro_batch
 from model_zoo.config import GPTConfig
 from model_zoo.flops import flops_per_token, matmul_parameters
@@ -274,33 +274,30 @@ def step_time(config: GPTConfig, candidate: Candidate, comm: Report, *, global_b
 
 
 def pipeline_seconds(entries: Report, candidate: Candidate, micro_batches: int, placement: Placement,
-                     link: LinkSpec, compute: float = 0.0) -> Tuple[float, float]:
+                     link: LinkSpec, compute: float) -> Tuple[float, float]:
     """``(seconds, bytes each node sends off it)`` of a pipeline rank's traffic (``entries``: its ``send/pp``,
     ``all_reduce/embed``... of :func:`hybrid.plan.comm_volume.pipeline_volume`), over the inter-node link when
     pipeline neighbours sit on different nodes (``placement``: one stage's ranks). ``compute``: the rank's compute
     seconds in the step.
 
-    Transfers: the longer of two counts. Both directions'
-    :func:`~hybrid.plan.pipeline_stages.critical_transfers`, one rank's message at a time; and what the link
-    must carry, since a node's ranks send their pieces at once over its one link: the ``2 (p - 1)`` transfers
-    that fill and drain the pipeline wait, the others overlap the other micro-batches' compute, and whatever
-    of the step's sends the link cannot carry within that compute waits too. The first is the larger while the
-    link keeps up (the measured case, ``tests/plan/test_link_time.py``); the second once it does not. The tied
-    gradients' sum and the loss broadcast: whole, on the same link."""
+    A node's ranks send their pieces at once over its one link (``sharing`` of them when a stage fills whole
+    nodes), so one transfer takes ``sharing x message / bandwidth``. The ``2 (p - 1)`` transfers that fill and
+    drain the pipeline wait; the others overlap the other micro-batches' compute, and whatever of the step's
+    sends the link cannot carry within that compute waits too. The tied gradients' sum and the loss broadcast:
+    whole, every rank of the node at once, on the same link. ``tests/plan/test_link_time.py`` holds this to the
+    steps measured over the emulated slow link."""
     crosses = placement_crosses_stages(placement)
     bandwidth = link.inter_bytes_per_s_per_node if crosses else link.intra_bytes_per_s
+    sharing = placement.ranks_per_node if crosses else 1
     seconds, crossing = 0.0, 0.0
     send = entries.get("send/pp")
     if send:
-        each = send["payload_bytes"] / send["calls"]
-        serial = 2 * critical_transfers(candidate, micro_batches) * (each / bandwidth + link.latency_s)
-        together = (placement.ranks_per_node if crosses else 1) * each / bandwidth + link.latency_s
-        carried = 2 * (candidate.pp - 1) * together + max(0.0, send["calls"] * together - compute)
-        seconds += max(serial, carried)
+        transfer = sharing * send["payload_bytes"] / send["calls"] / bandwidth + link.latency_s
+        seconds += 2 * (candidate.pp - 1) * transfer + max(0.0, send["calls"] * transfer - compute)
     for name, entry in entries.items():
         if name.split("/")[0] in ("send", "recv"):
             continue
-        seconds += entry["wire_bytes"] / bandwidth + link.latency_s * entry["calls"]
+        seconds += sharing * entry["wire_bytes"] / bandwidth + link.latency_s * entry["calls"]
     if crosses:
         # every rank of a node at a stage boundary sends to the next stage's rank on another node
         crossing = placement.ranks_per_node * sum(e["wire_bytes"] for e in entries.values())

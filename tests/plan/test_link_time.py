@@ -32,6 +32,7 @@ from hybrid.plan.comm_volume import ring_steps, step_volume
 from hybrid.plan.estimate import zero_layout
 from hybrid.plan.layouts import evaluate
 from hybrid.plan.links import split_by_link
+from hybrid.plan.pipeline_stages import bubble
 from hybrid.plan.timing import flops_per_rank, forward_gather_share, reductions_left
 from model_zoo.config import GPTConfig
 
@@ -280,10 +281,23 @@ def calibrate(data: dict) -> Dict[str, float]:
     rates = {}
     for row in _unshaped(data)["contenders"]:
         if row["ok"]:
-            candidate = Candidate(_layout(data, row), micro_batch=row["micro_batch"])
-            exposed = row["iteration_s_median"] - (row.get("compute_s_median") or row["iteration_s_median"])
-            seconds = row["iteration_s_median"] - link_share * exposed
-            rates[row["name"]] = flops_per_rank(config, candidate, batch) / seconds
+            options = _pipeline_options(data, row)
+            candidate = Candidate(_layout(data, row), micro_batch=row["micro_batch"],
+                                  sequence_parallel=options["sequence_parallel"],
+                                  pipeline_schedule=options["pipeline_schedule"],
+                                  virtual_stages=options["virtual_stages"])
+            if candidate.pp > 1:
+                # A pipeline rank blocked in a receive waits out the bubble and the other stage, whose compute
+                # shares these cores: the whole unshaped iteration is the layout's cost here, the slowest rank's
+                # compute over (1 - bubble), as the planner adds it up.
+                m = data["model"]["global_batch_size"] // (row["micro_batch"] * row["dp"])
+                seconds = row["iteration_s_median"] * (1 - bubble(candidate, m))
+                work = max(flops_per_rank(config, candidate, batch, r) for r in range(candidate.pp))
+            else:
+                exposed = row["iteration_s_median"] - (row.get("compute_s_median") or row["iteration_s_median"])
+                seconds = row["iteration_s_median"] - link_share * exposed
+                work = flops_per_rank(config, candidate, batch)
+            rates[row["name"]] = work / seconds
     return rates
 
 
