@@ -300,7 +300,7 @@ def pipeline_seconds(entries: Report, candidate: Candidate, micro_batches: int, 
         seconds += sharing * entry["wire_bytes"] / bandwidth + link.latency_s * entry["calls"]
     if crosses:
         # every rank of a node at a stage boundary sends to the next stage's rank on another node
-        crossing = placement.ranks_per_node * sum(e["wire_bytes"] for e in entries.values())
+        crossing = sharing * sum(e["wire_bytes"] for e in entries.values())
     return seconds, crossing
 
 

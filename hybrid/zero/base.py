@@ -175,8 +175,7 @@ class ZeroOptimizer(abc.ABC):
 
     def _finish_setup(self) -> None:
         """Called by each sibling at the end of its constructor: set-up traffic is not the first step's."""
-        if self._setup_chunks != 1 or self.chunk_params is not None:
-            self.set_chunks(self._setup_chunks, self.chunk_params)
+        self.set_chunks(self._setup_chunks, self.chunk_params)
         self.comm.reset_stats()
 
     # ---- the training step (shared) -----------------------------------------------------------------
