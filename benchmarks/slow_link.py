@@ -437,12 +437,22 @@ def _fmt(value: Optional[float], spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def schedule_label(row: dict) -> str:
+    """`` <schedule>`` for a pipeline run whose flags pick a schedule other than the default, else empty."""
+    from hybrid.config.schema import PipelineConfig
+
+    flags = row.get("flags", [])
+    i = flags.index("--pipeline-schedule") if "--pipeline-schedule" in flags else -1
+    chosen = flags[i + 1] if 0 <= i < len(flags) - 1 else PipelineConfig().schedule
+    return "" if chosen == PipelineConfig().schedule else f" {chosen}"
+
+
 def table_rows(point: dict) -> List[List[str]]:
     base = next((r for r in point["contenders"] if r["name"] == BASELINE and r["ok"]), None)
     rows = []
     for r in point["contenders"]:
         layout = f"TP{r['tp']}x{'PP%dx' % r['pp'] if r.get('pp', 1) > 1 else ''}DP{r['dp']} Z{r['zero_stage']} " \
-                 f"mb{r['micro_batch']}" + (" once" if r["zero_reduce_once"] else "")
+                 f"mb{r['micro_batch']}" + (" once" if r["zero_reduce_once"] else "") + schedule_label(r)
         if not r["ok"]:
             rows.append([r["name"], layout, "FAILED", r["failure"] or "", "", "", "", "", "", "", ""])
             continue

@@ -41,3 +41,17 @@ def test_the_interleaved_pipeline_trains_under_torchrun_as_slow_link_runs_it():
     assert [i for i, _, _ in slow_link.parse_iterations(done.stdout)] == [1, 2, 3]
     # one node here: the inter-node traffic line is printed on several nodes only
     assert slow_link.parse_profile(done.stdout)["iterations_measured"] == 2
+
+
+def test_the_layout_column_names_the_interleaved_schedule_only():
+    def label(c):
+        row = {"tp": c.tp, "dp": c.dp, "pp": c.pp, "zero_stage": c.zero_stage, "micro_batch": c.micro_batch,
+               "zero_reduce_once": c.zero_reduce_once, "flags": list(c.extra), "ok": False, "failure": "x",
+               "name": c.name}
+        (cells,) = slow_link.table_rows({"contenders": [row]})
+        return cells[1]
+
+    by_name = {c.name: c for c in slow_link.CONTENDERS}
+    assert label(by_name["megatron-tp2-pp2-v2"]).endswith(" interleaved")
+    assert "interleaved" not in label(by_name["megatron-tp2-pp2"])
+    assert label(by_name["megatron-tp2-pp2"]) != label(by_name["megatron-tp2-pp2-v2"])

@@ -106,6 +106,8 @@ def read_ahead(tensors: Mapping[str, TensorSource]) -> Iterator[Dict[str, Tensor
             nxt = position[name] + 1
             if nxt < len(order) and order[nxt] not in pending:
                 pending[order[nxt]] = pool.submit(tensors[order[nxt]].produce)
+            # No deadline of its own: the worker only does the read this thread would otherwise do itself (the
+            # offline tools have no peer to time out against), and a failed read raises here.
             return future.result()
         return TensorSource(tensors[name].shape, tensors[name].dtype, produce)
 

@@ -90,7 +90,9 @@ class StepTime:
 
     ``intra``/``inter``: exposed seconds of the collectives whose rings stay
     inside nodes / cross them. ``tokens``: tokens of the whole step (all
-    ranks). ``inter_bytes_by_node``: what each node sends off it in one step.
+    ranks). ``inter_bytes_by_node``: what each node sends off it in one step;
+    with a pipeline, each node of pipeline rank ``pp_rank``'s stage (the
+    placement places one stage), its pipeline sends included.
     ``intra_node_bytes_per_rank``: what a rank sends to GPUs of its own node.
     """
 
@@ -121,7 +123,8 @@ class StepTime:
 
     @property
     def inter_node_bytes(self) -> float:
-        """Bytes all nodes together send off their nodes per step."""
+        """Bytes all nodes together send off their nodes per step (with a pipeline: the nodes of ``pp_rank``'s
+        stage; each stage sends about as much, its activations one way and their gradients the other)."""
         return sum(self.inter_bytes_by_node)
 
 
