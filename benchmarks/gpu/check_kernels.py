@@ -142,18 +142,27 @@ class Report:
 
 # ----------------------------------------------------------------- build --
 
+# The op each section runs: a section whose op did not build is skipped (and the build's failure already fails
+# the part), so one op's build error still leaves the others checked.
+SECTION_OPS = {"adam": "cuda_adam", "norm": "cuda_norm", "quantize": "cuda_quantize"}
+
+
 def build_ops(report: Report) -> dict:
+    """Build (or load, from run_all.sh's background builds) each CUDA op; ``{op: seconds}`` for those built."""
     import hybrid.kernels as hk
 
     timings = {}
-    for name in ("cuda_adam", "cuda_norm", "cuda_quantize"):
+    for name in SECTION_OPS.values():
         start = time.perf_counter()
-        outcome = hk.build([name])[name]
+        # no retry: run_all.sh's background build already tried, and compiling a failed op again would spend the
+        # part's budget on the same error
+        outcome = hk.build([name], retry_failed=False)[name]
         timings[name] = time.perf_counter() - start
         print(f"build {name}: {outcome.splitlines()[0]} ({timings[name]:.1f} s)", flush=True)
         if outcome != "built":
             report.failed += 1
             report.notes.append(f"build {name}: {outcome}")
+            del timings[name]
     return timings
 
 
@@ -525,6 +534,9 @@ def main() -> int:
                         help="exercise this script on CPU (small sizes, torch stand-in for the norm op)")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds: run the timing sections only while this budget has room")
+    parser.add_argument("--grace", type=float, default=0.0,
+                        help="run_all.sh's seconds between the budget and its hard stop (unused: the sections "
+                             "plan within the budget)")
     args = parser.parse_args()
     tgt = Target(args.dry_run_cpu)
     if not tgt.dry_run and not torch.cuda.is_available():
@@ -542,41 +554,48 @@ def main() -> int:
         if tgt.dry_run:
             os.environ["HYBRID_KERNELS"] = "require"
             info["build_s"] = {}
+            built = set(SECTION_OPS.values())  # the dry run's stand-ins
         else:
             _setup_env()
             try:
                 info["build_s"] = build_ops(report)
             except Exception as exc:  # keep going: later sections report what they can
                 report.error("build", exc)
-        if report.failed == 0:
+                info["build_s"] = {}
+            built = set(info["build_s"])
+        runnable = {section for section, op in SECTION_OPS.items() if op in built}
+        skipped += [f"{section} check and timing: {op} did not build" for section, op in SECTION_OPS.items()
+                    if section not in runnable]
+        try:
+            info["copy_bw"] = copy_bandwidth(tgt)
+            print(f"copy bandwidth {info['copy_bw'] / 1e12:.2f} TB/s", flush=True)
+        except Exception as exc:
+            report.error("copy bandwidth", exc)
+        for section, fn in (("adam", check_adam), ("norm", check_norms), ("quantize", check_quantize)):
+            if section not in runnable:
+                continue
             try:
-                info["copy_bw"] = copy_bandwidth(tgt)
-                print(f"copy bandwidth {info['copy_bw'] / 1e12:.2f} TB/s", flush=True)
+                fn(report, tgt)
             except Exception as exc:
-                report.error("copy bandwidth", exc)
-            for section, fn in (("adam check", check_adam), ("norm check", check_norms),
-                                ("quantize check", check_quantize)):
+                report.error(f"{section} check", exc)
+        last_s = None
+        if not args.skip_timing and "copy_bw" in info:
+            for section, fn in (("norm", time_norms), ("adam", time_adam), ("quantize", time_quantize)):
+                if section not in runnable:
+                    continue
+                elapsed = time.perf_counter() - started
+                # start a timing section only if one as long as the last (a tenth of the budget for the first)
+                # still fits
+                if args.budget is not None and elapsed + (last_s or 0.1 * args.budget) > args.budget:
+                    skipped.append(f"{section} timing: {args.budget - elapsed:.0f} s left of the "
+                                   f"{args.budget:.0f} s budget")
+                    print(f"skipped {section} timing (budget)", flush=True)
+                    continue
                 try:
-                    fn(report, tgt)
+                    fn(report, info["copy_bw"], tgt)
                 except Exception as exc:
-                    report.error(section, exc)
-            last_s = None
-            if not args.skip_timing and "copy_bw" in info:
-                for section, fn in (("norm timing", time_norms), ("adam timing", time_adam),
-                                    ("quantize timing", time_quantize)):
-                    elapsed = time.perf_counter() - started
-                    # start a timing section only if one as long as the last (a tenth of the budget for the first)
-                    # still fits
-                    if args.budget is not None and elapsed + (last_s or 0.1 * args.budget) > args.budget:
-                        skipped.append(f"{section}: {args.budget - elapsed:.0f} s left of the "
-                                       f"{args.budget:.0f} s budget")
-                        print(f"skipped {section} (budget)", flush=True)
-                        continue
-                    try:
-                        fn(report, info["copy_bw"], tgt)
-                    except Exception as exc:
-                        report.error(section, exc)
-                    last_s = time.perf_counter() - started - elapsed
+                    report.error(f"{section} timing", exc)
+                last_s = time.perf_counter() - started - elapsed
     except PartStopped as exc:
         timed_out = True
         report.error("time limit", exc)

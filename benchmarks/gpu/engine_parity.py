@@ -22,7 +22,19 @@ can add at most one bf16 rounding of relative divergence, and in the worst case 
     size of the reference's total update, so it does not vanish into the size of the weights).
 A real mistake (a missing or stale gradient, a wrong sign or scale, a lost update or bias correction,
 an unsynchronised copy) gives errors of order one, or NaN. The reference's loss must also fall, or the
-comparison would prove little. The dry run: a two-layer tiny GPT, 4 steps, gloo, CPU.
+comparison would prove little.
+
+The premise "the same forward and backward" needs deterministic kernels, and on a GPU some are not
+(flash attention's backward may accumulate in another order from run to run). So the reference runs
+twice, and its own run-to-run difference (``noise``: the same two measures, the second run against the
+first) widens each bound: an engine that is another run of the same arithmetic lies within about
+``noise`` of the reference, so the bound is the rounding bound above plus ``NOISE_FACTOR * noise``. On
+the CPU the reference repeats bit for bit (noise 0) and the rounding bound stands alone.
+
+The compiled ops must really run: on a GPU each run records the ops this process loaded
+(``hybrid.kernels.loaded_ops``) and whether the optimizer stepped with the compiled Adam (the CUDA one,
+or the CPU one for the offloaded run), and a torch fallback fails the part (the parity is still
+reported). The dry run: a two-layer tiny GPT, 4 steps, gloo, CPU.
 """
 
 from __future__ import annotations
@@ -41,6 +53,12 @@ from benchmarks.gpu import engine_setup as es  # noqa: E402
 from benchmarks.gpu.results import PartResult, dry_run_choice, run_part  # noqa: E402
 
 BF16_EPS = 2.0 ** -8
+# A run of the same arithmetic differs from the reference by about the reference's own run-to-run difference
+# (the two are alike draws); 3x leaves room for one draw being larger than the other without hiding a real
+# mistake, which is of order one.
+NOISE_FACTOR = 3.0
+# The compiled ops a GPU run must load: the norms of every run, and Adam on the device or on the host.
+GPU_OPS = ("cuda_norm", "cuda_adam")
 
 
 def loss_rtol(step: int) -> float:
@@ -86,7 +104,8 @@ def reference_adamw(factory: es.ModelFactory, micro: int, steps: int):
 
 
 def engine_run(factory: es.ModelFactory, run: Dict, micro: int, steps: int):
-    """The same training through hybrid.initialize; returns (losses, steps that updated, final weights)."""
+    """The same training through hybrid.initialize; returns (losses, steps that updated, final weights, whether
+    the optimizer stepped with the compiled Adam)."""
     cfg, device = factory.cfg, factory.device
     engine = es.build_engine(factory, run, micro)
     losses, updated = [], 0
@@ -98,8 +117,14 @@ def engine_run(factory: es.ModelFactory, run: Dict, micro: int, steps: int):
         losses.append(loss.item())
     with engine.optimizer.gathered_parameters():
         final = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    compiled = bool(getattr(engine.optimizer.inner, "compiled", False))
     es.close_engine(engine)
-    return losses, updated, final
+    return losses, updated, final, compiled
+
+
+def loss_errors(losses: List[float], ref: List[float]) -> List[float]:
+    """``|loss - ref| / |ref|`` per step; inf for a non-finite loss."""
+    return [abs(a - b) / abs(b) if math.isfinite(a) else math.inf for a, b in zip(losses, ref)]
 
 
 def param_error(final: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor], initial: Dict[str, torch.Tensor]):
@@ -115,6 +140,7 @@ def param_error(final: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor], in
 
 
 def body(res: PartResult) -> None:
+    from hybrid.kernels import loaded_ops
     from hybrid.zero.offload import POISON_ENV
 
     dry = res.dry_run
@@ -128,8 +154,19 @@ def body(res: PartResult) -> None:
     factory = es.ModelFactory(cfg, topo, device)
     (ref_losses, initial, ref_final), ref_s = es.timed(lambda: reference_adamw(factory, micro, steps), device)
     print(f"reference AdamW: loss {ref_losses[0]:.4f} -> {ref_losses[-1]:.4f} in {ref_s:.1f} s", flush=True)
-    res.rows.append(dict(run="torch AdamW", losses=ref_losses, seconds=ref_s))
     res.check("the reference's loss falls", ref_losses[-1] < ref_losses[0], f"{ref_losses[0]} -> {ref_losses[-1]}")
+    # the reference again: its own run-to-run difference (0 where every kernel is deterministic)
+    again_losses, _, again_final = reference_adamw(factory, micro, steps)
+    # the loss noise up to step k (a difference, once there, does not shrink back), and the parameters'
+    noise_losses = [max(loss_errors(again_losses, ref_losses)[:k + 1]) for k in range(steps)]
+    noise_params = param_error(again_final, ref_final, initial)
+    del again_final
+    res.info.update(noise_factor=NOISE_FACTOR, reference_noise_loss=noise_losses[-1],
+                    reference_noise_param=noise_params)
+    res.rows.append(dict(run="torch AdamW", losses=ref_losses, seconds=ref_s, noise_loss_rel=noise_losses,
+                         noise_param_rel=noise_params))
+    print(f"reference run to run: loss rel diff {noise_losses[-1]:.2e}, param rel diff {noise_params:.2e}",
+          flush=True)
     last_s = ref_s
     worst: List[str] = []
     for name, run in es.ZERO_RUNS.items():
@@ -141,22 +178,32 @@ def body(res: PartResult) -> None:
         if poison:
             os.environ[POISON_ENV] = "1"
         try:
-            (losses, updated, final), last_s = es.timed(lambda: engine_run(factory, run, micro, steps), device)
+            (losses, updated, final, compiled), last_s = es.timed(lambda: engine_run(factory, run, micro, steps),
+                                                                   device)
         finally:
             os.environ.pop(POISON_ENV, None)
-        loss_errs = [abs(a - b) / abs(b) if math.isfinite(a) else math.inf for a, b in zip(losses, ref_losses)]
-        bad_steps = [k for k, e in enumerate(loss_errs) if not e <= loss_rtol(k)]
+        loss_errs = loss_errors(losses, ref_losses)
+        loss_tols = [loss_rtol(k) + NOISE_FACTOR * noise_losses[k] for k in range(steps)]
+        bad_steps = [k for k, e in enumerate(loss_errs) if not e <= loss_tols[k]]
         p_err = param_error(final, ref_final, initial)
+        p_tol = param_rtol(steps) + NOISE_FACTOR * noise_params
+        ops = loaded_ops()
         res.rows.append(dict(run=name, poisoned_host=poison, losses=losses, loss_rel_err=loss_errs,
-                             max_loss_rel_err=max(loss_errs), param_rel_err=p_err, updated_steps=updated,
+                             loss_tol=loss_tols, max_loss_rel_err=max(loss_errs), param_rel_err=p_err,
+                             param_tol=p_tol, updated_steps=updated, compiled_adam=compiled, ops_loaded=ops,
                              seconds=last_s))
         res.check(f"{name}: every step updated", updated == steps, f"{updated}/{steps}")
-        res.check(f"{name}: loss within (k+1)*2^-8 of the reference", not bad_steps,
+        res.check(f"{name}: loss within (k+1)*2^-8 + {NOISE_FACTOR:g} x noise of the reference", not bad_steps,
                   f"steps {bad_steps}, errors {[f'{loss_errs[k]:.2e}' for k in bad_steps]}")
-        res.check(f"{name}: parameters within {param_rtol(steps):.3f}", p_err <= param_rtol(steps), f"{p_err:.3e}")
+        res.check(f"{name}: parameters within {p_tol:.3f}", p_err <= p_tol, f"{p_err:.3e}")
+        if not dry:  # the dry run may use the torch paths (no compiler needed in CI)
+            res.check(f"{name}: the compiled Adam stepped", compiled, "the optimizer fell back to torch's Adam")
+            missing = [op for op in GPU_OPS + (("cpu_adam",) if poison else ()) if op not in ops]
+            res.check(f"{name}: compiled ops loaded", not missing, f"not loaded: {missing}; loaded: {ops}")
         worst.append(f"{name} {max(loss_errs):.1e}/{p_err:.1e}")
         print(f"{name}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, worst loss rel err {max(loss_errs):.2e}, "
-              f"param rel err {p_err:.2e} (tol {param_rtol(steps):.3f}) in {last_s:.1f} s", flush=True)
+              f"param rel err {p_err:.2e} (tol {p_tol:.3f}), compiled Adam {compiled}, ops {ops} in {last_s:.1f} s",
+              flush=True)
     res.headline = (f"{res.info['model']} {steps} steps bf16 vs torch AdamW, loss/param rel err: "
                     + ", ".join(worst))
 

@@ -138,7 +138,7 @@ def body(res: PartResult) -> None:
     micro = 2
     res.info.update(model="tiny (dry run)" if dry else "gpt2-medium", micro_batch=micro, seq_length=cfg.seq_length,
                     instrument=(LiveTensorCounter if dry else CudaCounter).name)
-    factory = es.ModelFactory(cfg, topo, device)  # its copy of the initial weights is part of every baseline
+    factory = es.ModelFactory(cfg, topo, device)  # before every baseline: its weights are in none of the steps
     heads, last_s = [], 0.0
     for name, run in es.ZERO_RUNS.items():
         if not res.fits(name, 1.5 * last_s, required=True):  # each run is a check the part exists for

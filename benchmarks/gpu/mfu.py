@@ -1,11 +1,14 @@
 """Part 5 of the GPU verification run: model FLOPs utilisation of gpt2-xl (1.5B) and gpt2-large.
 
 What runs: full training steps (forward, backward, AdamW step; ZeRO stage 1 at world 1, bf16 with fp32
-masters, the presets' dropout 0.1) at sequence 1024, for each model (gpt2-xl first), each recompute
-setting (none, selective), each kernel setting (fused: hybrid's compiled norms and Adam, required to
+masters, the presets' dropout 0.1) at sequence 1024, for each recompute setting (none first: with flash
+attention selective recompute saves little and costs time, so it comes after both models without it),
+each model (gpt2-xl first), each kernel setting (fused: hybrid's compiled norms and Adam, required to
 load, HYBRID_KERNELS=require; torch native: HYBRID_KERNELS=off, --no-fused-kernels) and micro batch
-4, 8, 16. Attention runs under ``torch.nn.attention.sdpa_kernel(FLASH_ATTENTION)``, so only torch's
-flash kernel may run, and a dispatch trace of one step records which SDPA kernel actually ran.
+4, 8, 16. A setting that raises (an op that would not load, an attention kernel flash-only forbids) fails
+the part and the next setting still runs; out of memory skips that size and the larger ones. Attention
+runs under ``torch.nn.attention.sdpa_kernel(FLASH_ATTENTION)``, so only torch's flash kernel may run,
+and a dispatch trace of one step records which SDPA kernel actually ran.
 
 What it reports and compares against, per setting: tokens/s (median of the timed steps after warm-up),
 achieved model TFLOP/s (model_zoo.flops.flops_per_token: 6 N + 12 L s h per token, recomputation not
@@ -28,6 +31,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+# Before torch's first CUDA allocation: gpt2-xl at micro batch 16 comes within a few GiB of an H100's memory, and
+# growable segments keep the cache from fragmenting there (the alloc_retries column shows when it still does).
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 
@@ -104,11 +110,14 @@ def measure(engine, cfg, device, micro: int, warmup: int, timed_steps: int, peak
     step_s = statistics.median(times)
     tokens_per_s = micro * cfg.seq_length / step_s
     tflops = flops_per_token(cfg) * tokens_per_s / 1e12
+    cuda = device.type == "cuda"
     return dict(micro_batch=micro, step_s=step_s, tokens_per_s=tokens_per_s, model_tflops=tflops,
                 mfu_spec=tflops / peaks["spec"],
                 mfu_measured=None if peaks["measured"] is None else tflops / peaks["measured"],
                 sdpa_kernels=sorted(trace.kernels),
-                max_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)
+                max_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                # the allocator freeing its cache to satisfy a request: a step near the memory limit, slower
+                alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None)
 
 
 def run_setting(res: PartResult, factory: "es.ModelFactory", model: str, recompute: str, kernels: str, micros,
@@ -120,13 +129,22 @@ def run_setting(res: PartResult, factory: "es.ModelFactory", model: str, recompu
     cfg = factory.cfg.replace(recompute=recompute)
     os.environ[MODE_ENV] = kernel_mode(kernels, dry)
     warmup, timed_steps = dry_run_choice(dry, 2, 1), dry_run_choice(dry, 3, 1)
-    engine = es.build_engine(factory, MFU_RUN, micro=max(micros), fused=kernels == "fused", cfg=cfg)
-    rows = []
     model = f"tiny[{model}]" if dry else model  # the dry run's tiny GPT stands in for the preset
+    setting = f"{model} recompute={recompute} kernels={kernels}"
+    rows = []
+    engine = None
     last = None  # (micro batch, seconds) of the last size measured
     try:
+        try:
+            engine = es.build_engine(factory, MFU_RUN, micro=max(micros), fused=kernels == "fused", cfg=cfg)
+        except torch.cuda.OutOfMemoryError as exc:
+            res.skipped.append(f"{setting}: out of memory building the engine ({str(exc).splitlines()[0]})")
+            return rows
+        except Exception as exc:  # noqa: BLE001 - this setting fails the part; the next one still runs
+            res.check(f"{setting}: engine built", False, _first_line(exc))
+            return rows
         for micro in micros:
-            label = f"{model} recompute={recompute} kernels={kernels} micro={micro}"
+            label = f"{setting} micro={micro}"
             # a size costs about its share of the last one's time (tokens scale the step)
             if last is not None and not res.fits(label, 1.2 * last[1] * micro / last[0]):
                 continue
@@ -135,6 +153,9 @@ def run_setting(res: PartResult, factory: "es.ModelFactory", model: str, recompu
                                         device)
             except torch.cuda.OutOfMemoryError as exc:  # the larger sizes would not fit either
                 res.skipped.append(f"{label} and larger: out of memory ({str(exc).splitlines()[0]})")
+                break
+            except Exception as exc:  # noqa: BLE001 - a failed check; the next setting still runs
+                res.check(f"{label}: ran", False, _first_line(exc))
                 break
             last = (micro, seconds)
             row.update(setting=label, model=model, recompute=recompute, kernels=kernels)
@@ -146,7 +167,8 @@ def run_setting(res: PartResult, factory: "es.ModelFactory", model: str, recompu
                   f"{100 * row['mfu_spec']:.1f}% of spec {spec_peak_bf16_tflops():.0f}, {measured} of measured; "
                   f"SDPA {row['sdpa_kernels']}", flush=True)
     finally:
-        es.close_engine(engine)
+        if engine is not None:
+            es.close_engine(engine)
         os.environ.pop(MODE_ENV, None)
     return rows
 
@@ -165,19 +187,20 @@ def body(res: PartResult) -> None:
     last_s: Optional[float] = None
     init_s = 0.0  # the last model's initialisation (gpt2-xl's bounds gpt2-large's)
     overrides = {} if dry else {"hidden_dropout": 0.1, "attention_dropout": 0.1}
-    for model in models:
-        factory = None  # one initialisation per model (the slow part); every setting loads its weights
-        for recompute in RECOMPUTE:
+    factories: Dict[str, "es.ModelFactory"] = {}  # one initialisation per model (the slow part), in host memory
+    for recompute in RECOMPUTE:
+        for model in models:
             for kernels in KERNELS:
                 name = f"{model} recompute={recompute} kernels={kernels} micro={'/'.join(map(str, micros))}"
                 # the next setting takes about as long as the last, plus an initialisation for a new model
-                if last_s is not None and not res.fits(name, 1.2 * (last_s + (init_s if factory is None else 0.0))):
+                new_model = model not in factories
+                if last_s is not None and not res.fits(name, 1.2 * (last_s + (init_s if new_model else 0.0))):
                     continue
-                if factory is None:
-                    factory, init_s = es.timed(lambda: es.ModelFactory(es.model_config(dry, model, **overrides),
-                                                                       topo, device), device)
-                rows, last_s = es.timed(lambda: run_setting(res, factory, model, recompute, kernels, micros, peaks),
-                                        device)
+                if new_model:
+                    factories[model], init_s = es.timed(
+                        lambda: es.ModelFactory(es.model_config(dry, model, **overrides), topo, device), device)
+                rows, last_s = es.timed(
+                    lambda: run_setting(res, factories[model], model, recompute, kernels, micros, peaks), device)
                 res.rows.extend(rows)
     best = max(res.rows, key=lambda r: r["mfu_spec"], default=None)
     if best is not None:
@@ -185,6 +208,11 @@ def body(res: PartResult) -> None:
                         f"{best['tokens_per_s']:,.0f} tokens/s); goal {100 * MFU_GOAL:.0f}%; "
                         f"{len(res.rows)} sizes measured")
     print_table(res.rows)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def print_table(rows: List[Dict]) -> None:

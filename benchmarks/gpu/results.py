@@ -44,6 +44,8 @@ def spec_peak_bf16_tflops() -> float:
     return table_peak_tflops(SPEC_GPU, "bf16")
 
 STATUSES = ("ok", "failed", "error", "timeout", "crashed")
+# The device tool brings back at most 8 files from $OUT: the 7 part JSONs and summary.txt, nothing else there.
+MAX_OUT_FILES = 8
 OUT_ENV = "OUT"
 FALLBACK_ENV = "HYBRID_GPU_RUN_OUT"  # run_all.sh's temporary folder when $OUT is unset
 
@@ -64,10 +66,11 @@ def result_path(part: int, name: str) -> Path:
 
 class Budget:
     """A part's time budget in seconds, counted from construction. Parts check :meth:`left` before each
-    optional size and record what they skip; the part's ``timeout`` in run_all.sh is the hard stop."""
+    optional size and record what they skip; the part's ``timeout`` in run_all.sh is the hard stop, ``grace``
+    seconds after the budget."""
 
-    def __init__(self, seconds: float):
-        self.seconds = float(seconds)
+    def __init__(self, seconds: float, grace: float = 0.0):
+        self.seconds, self.grace = float(seconds), float(grace)
         self.start = time.perf_counter()
 
     def elapsed(self) -> float:
@@ -75,6 +78,10 @@ class Budget:
 
     def left(self) -> float:
         return self.seconds - self.elapsed()
+
+    def left_before_stop(self) -> float:
+        """Seconds until run_all.sh's ``timeout`` stops the part: what a child process may be given at most."""
+        return self.left() + self.grace
 
 
 class PartResult:
@@ -133,11 +140,13 @@ class PartResult:
 
 
 def part_arguments(description: str) -> argparse.Namespace:
-    """The command line every part takes: ``--dry-run-cpu`` and ``--budget SECONDS``."""
+    """The command line every part takes: ``--dry-run-cpu``, ``--budget SECONDS`` and ``--grace SECONDS``."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run-cpu", action="store_true",
                         help="the same code on CPU with tiny sizes and gloo (what CI runs)")
     parser.add_argument("--budget", type=float, required=True, help="this part's time budget in seconds")
+    parser.add_argument("--grace", type=float, default=0.0,
+                        help="seconds after the budget at which run_all.sh's timeout stops the part")
     return parser.parse_args()
 
 
@@ -154,7 +163,7 @@ def run_part(part: int, name: str, body: Callable[[PartResult], None], descripti
     """Parse the part's arguments, run ``body``, write its JSON whatever happens (its ``timeout``'s SIGTERM
     included: run_all.sh sends SIGKILL only KILL_AFTER seconds later); exit 0 only when ok."""
     args = part_arguments(description)
-    result = PartResult(part, name, Budget(args.budget), args.dry_run_cpu)
+    result = PartResult(part, name, Budget(args.budget, args.grace), args.dry_run_cpu)
     previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
         body(result)
@@ -220,6 +229,10 @@ def print_summary() -> int:
     results = load_results()
     table = summary_table(results)
     (out_dir() / "summary.txt").write_text(table + "\n")
+    files = sorted(p.name for p in out_dir().rglob("*") if p.is_file())
+    if len(files) > MAX_OUT_FILES:
+        print(f"WARNING: {out_dir()} holds {len(files)} files, over the {MAX_OUT_FILES} the device tool brings "
+              f"back: {', '.join(files)}", flush=True)
     bad = [r for r in results if r.get("status") != "ok"]
     print("\n" + "=" * 100)
     print(f"hybrid GPU verification run: results in {out_dir()}")

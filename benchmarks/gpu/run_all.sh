@@ -5,8 +5,10 @@
 #     bash benchmarks/gpu/run_all.sh --dry-run-cpu   # the same orchestration on the CPU (tiny sizes, gloo): CI
 #
 # Every part writes $OUT/partN_<name>.json (a temporary folder, printed, when $OUT is unset); the summary
-# table (also $OUT/summary.txt) is printed last. Each part runs under its own `timeout`, so a part that
-# fails or overruns still lets the others report; exit status 0 only when every part is ok.
+# table (also $OUT/summary.txt) is printed last. $OUT holds those 8 files and nothing else (results.py's
+# MAX_OUT_FILES: what the device tool brings back); the kernel build logs go beside the kernel cache.
+# Each part runs under its own `timeout`, so a part that fails or overruns still lets the others report;
+# exit status 0 only when every part is ok.
 #
 # part  what it checks                                       compared against
 # ----  ---------------------------------------------------  ------------------------------------------------
@@ -33,7 +35,8 @@
 # and KILL_AFTER seconds later a SIGKILL ends whatever has not):
 #
 #   step                soft  hard
-#   0 torch install       -    60   only when no CUDA torch is importable (PyPI, torch==2.13.0)
+#   0 torch install       -    60   only when no CUDA torch is importable (pip's configured index,
+#                                   torch==2.13.0); when CUDA torch is present, its 60 s go to parts 5 and 6
 #   1 environment        15    25
 #   2 kernels           140   150   the CUDA ops (and cpu_adam) start building in the background before part 1
 #   3 engine parity      55    65
@@ -45,10 +48,10 @@
 #
 # The torch wheel: the lent H200 machine has no network and ships a CUDA build of torch (2.11.0+cu130 when
 # last seen), which this script uses as it is (install time 0). Where no CUDA torch is importable it runs
-#   pip install torch==2.13.0 --index-url https://pypi.org/simple
-# i.e. PyPI's default index, which serves the CUDA build of torch for Linux x86_64 (CUDA 12.x, its CUDA
-# libraries as nvidia-* wheels; not checked from here: part 1 prints torch.version.cuda), and prints how
-# long that took.
+#   pip install torch==2.13.0
+# from pip's configured index (PyPI's Linux x86_64 wheel is the CUDA build, its CUDA libraries as nvidia-*
+# wheels, some GB: on a slow or absent network the 60 s run out, and part 0 says so; part 1 prints
+# torch.version.cuda), and prints how long that took.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -102,15 +105,17 @@ if [ "$DRY" = 1 ]; then
 elif "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   version="$("$PY" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')"
   "$PY" benchmarks/gpu/results.py note 0 install ok 0 "$INSTALL_LIMIT" \
-    "CUDA torch already present: $version; install skipped (0 s)"
+    "CUDA torch already present: $version; install skipped (0 s; its ${INSTALL_LIMIT} s go to parts 5 and 6)"
+  # the install's unused limit: the two parts whose optional sizes and iterations can use it
+  B_MFU=$((B_MFU + INSTALL_LIMIT * 2 / 3)); B_TRAINER=$((B_TRAINER + INSTALL_LIMIT / 3))
 else
-  echo "== part 0: pip install torch==2.13.0 from https://pypi.org/simple (limit ${INSTALL_LIMIT} s)"
-  timeout "$INSTALL_LIMIT" "$PY" -m pip install --quiet --index-url https://pypi.org/simple torch==2.13.0
+  echo "== part 0: pip install torch==2.13.0 from pip's configured index (limit ${INSTALL_LIMIT} s)"
+  timeout "$INSTALL_LIMIT" "$PY" -m pip install --quiet torch==2.13.0
   rc=$?
   took=$(elapsed "$T0")
   if [ "$rc" = 0 ]; then
     "$PY" benchmarks/gpu/results.py note 0 install ok "$took" "$INSTALL_LIMIT" \
-      "pip install torch==2.13.0 (PyPI default index, CUDA build): ${took} s"
+      "pip install torch==2.13.0 (pip's configured index): ${took} s"
   else
     "$PY" benchmarks/gpu/results.py note 0 install "$([ "$rc" = 124 ] && echo timeout || echo crashed)" \
       "$took" "$INSTALL_LIMIT" "pip install torch==2.13.0 failed (exit $rc) after ${took} s"
@@ -124,10 +129,14 @@ if [ "$DRY" = 0 ]; then
   TORCH_CUDA_ARCH_LIST="$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability(0))' 2>/dev/null)"
   export TORCH_CUDA_ARCH_LIST MAX_JOBS="${MAX_JOBS:-$(nproc)}"
   # Compile the ops while part 1 runs (CPU work; the parts that use them wait through the build lock):
-  # the three CUDA ops of part 2, and the CPU Adam that steps part 3's offloaded optimizer.
+  # the three CUDA ops of part 2, and the CPU Adam that steps part 3's offloaded optimizer. Their logs stay
+  # out of $OUT (its file count is limited); a failed build's error is also in part 2's JSON.
+  BUILD_LOGS="$HYBRID_KERNELS_CACHE/build-logs"
+  mkdir -p "$BUILD_LOGS"
+  echo "kernel build logs in $BUILD_LOGS"
   for op in cuda_adam cuda_norm cuda_quantize cpu_adam; do
     HYBRID_KERNELS=require timeout $((B_ENV + B_KERNELS)) "$PY" -m hybrid.kernels build --op "$op" \
-      >"$OUTDIR/build_$op.log" 2>&1 &
+      >"$BUILD_LOGS/build_$op.log" 2>&1 &
   done
 fi
 
@@ -139,7 +148,7 @@ run_part() {  # run_part N NAME SOFT_BUDGET COMMAND...
   echo "== part $n: $name (budget ${budget} s, stopped at $((budget + GRACE)) s)"
   local t
   t=$(date +%s.%N)
-  timeout --kill-after="$KILL_AFTER" "$((budget + GRACE))" "$@" --budget "$budget" $DRY_FLAG
+  timeout --kill-after="$KILL_AFTER" "$((budget + GRACE))" "$@" --budget "$budget" --grace "$GRACE" $DRY_FLAG
   local rc=$?
   "$PY" benchmarks/gpu/results.py missing "$n" "$name" "$rc" "$budget"
   echo "part $n $name: exit $rc after $(elapsed "$t") s"

@@ -15,6 +15,8 @@ recorded checksum (``hybrid.checkpoint.CheckpointReader.verify_all``). Dry run: 
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -60,6 +62,23 @@ def trainer_command(work: Path, iters: int, port: int) -> list:
             "--peak-tflops", spec_peak_bf16_tflops()]
 
 
+def run_with_deadline(cmd: list, timeout: float):
+    """``(exit code or None when it overran, stdout and stderr)`` of ``cmd`` run in its own process group; the
+    whole group (torchrun and its worker) is killed when it overruns or when this part is stopped."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=30)
+        return None, output
+    finally:
+        if proc.poll() is None:  # this part stopped by its own timeout meanwhile
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def body(res: PartResult) -> None:
     from hybrid.checkpoint import CheckpointReader
 
@@ -72,15 +91,17 @@ def body(res: PartResult) -> None:
         make_demo_data(work)
         cmd = [str(c) for c in trainer_command(work, iters, port)]
         res.info.update(iterations=iters, command=" ".join(cmd))
-        timeout = max(10.0, res.budget.left() - 5)
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-        tail = (proc.stdout + proc.stderr)[-3000:]
+        # up to a few seconds before run_all.sh's own stop, so that this part, not its timeout, reports it
+        timeout = max(10.0, res.budget.left_before_stop() - 3)
+        returncode, output = run_with_deadline(cmd, timeout)
+        tail = output[-3000:]
         print(tail, flush=True)
         res.info["output_tail"] = tail
-        if not res.check("torchrun -m hybrid.train exits 0", proc.returncode == 0, f"exit code {proc.returncode}"):
+        ended = f"exit code {returncode}" if returncode is not None else f"still running after {timeout:.0f} s"
+        if not res.check("torchrun -m hybrid.train exits 0", returncode == 0, ended):
             return
         device = "cpu" if res.dry_run else "cuda"
-        trained_on = [line for line in proc.stdout.splitlines() if line.startswith("training ")]
+        trained_on = [line for line in output.splitlines() if line.startswith("training ")]
         res.check(f"the trainer trained on {device}", any(f"device {device}," in line for line in trained_on),
                   f"its line: {trained_on[:1]}")
         events = list((work / "tensorboard").rglob("events.out.tfevents.*"))

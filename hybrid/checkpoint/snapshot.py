@@ -17,7 +17,7 @@ and reuses at the next save while the tensor keeps its shape and dtype:
   (This path is written for GPUs; the project's tests run the CPU path only.)
 
 The buffers are one copy of the rank's state, held from the first
-background save on (what the planner counts, ``hybrid-plan --async-save``).
+background save on (what the planner counts, ``python -m hybrid.plan --async-save``).
 
 A :class:`~hybrid.checkpoint.safetensors_stream.TensorSource` is produced at
 snapshot time: it reads the live state. A lazily assembled tensor (anything

@@ -19,7 +19,8 @@ The engine (:func:`hybrid.initialize`) reads the engine keys; the trainer
 (``hybrid-train``) reads the tree as a whole, including the sections only it
 uses (``model``, ``data``, ``checkpoint``, ``run``, ``eval``, ``logging``,
 ``distributed``), which the engine ignores (but ``checkpoint.async_save``
-and ``checkpoint.async_save_chunk_mb``, which its ``save_checkpoint`` reads).
+and ``checkpoint.async_save_chunk_mb``, which its ``save_checkpoint`` reads,
+and ``distributed`` when it starts the process group itself).
 """
 
 from __future__ import annotations
@@ -444,7 +445,8 @@ class HybridConfig:
     steps_per_print: int = _field(10, ge=0, help="the engine logs a progress line (logger 'hybrid.engine', rank 0) "
                                                 "every this many optimizer steps; 0 disables")
     use_fused_kernels: bool = _field(True, flag="--fused-kernels",
-                                     help="use hybrid's fused optimizer kernels when they are built")
+                                     help="use hybrid's fused optimizer (Adam) kernels when they are built; the other compiled ops "
+                                          "follow HYBRID_KERNELS (off: none)")
     # trainer sections
     model: ModelConfig = _section(ModelConfig, "model (trainer)")
     data: DataConfig = _section(DataConfig, "data (trainer)")

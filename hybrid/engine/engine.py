@@ -420,8 +420,10 @@ def initialize(model: torch.nn.Module, config: ConfigSource = None, topology: Op
     (``**{"optimizer.lr": 1e-4}``).
 
     ``topology``: the parallel layout. Without one, the process group is
-    started from torchrun's environment (single process otherwise) and a
-    topology with ``tensor_parallel_size`` is built. A TP model must be
+    started from torchrun's environment (single process otherwise) with the
+    ``distributed`` section's collective timeout, and a topology with
+    ``tensor_parallel_size``, ``pipeline.size`` and
+    ``distributed.allow_tp_across_nodes`` is built. A TP model must be
     built on the same topology that is passed here.
 
     ``no_weight_decay(name, param) -> bool`` picks parameters exempt from
@@ -434,7 +436,7 @@ def initialize(model: torch.nn.Module, config: ConfigSource = None, topology: Op
     if topology is None:
         from hybrid.distributed import init_distributed
 
-        init_distributed()
+        init_distributed(timeout_s=cfg.distributed.timeout_minutes * 60)
         topology = Topology(tp=cfg.tensor_parallel_size or 1, pp=cfg.pipeline.size or 1,
                             allow_tp_across_nodes=cfg.distributed.allow_tp_across_nodes)
     elif cfg.pipeline.size is not None and cfg.pipeline.size != topology.pp_size:

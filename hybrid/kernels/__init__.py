@@ -19,8 +19,16 @@ def status() -> list[OpStatus]:
     return default_registry().status()
 
 
-def build(names=None, *, verbose: bool = False) -> dict[str, str]:
-    """Build the named ops (default: every op whose requirements are met); returns name -> outcome."""
+def loaded_ops() -> list[str]:
+    """The compiled ops this process has loaded so far under the current ``HYBRID_KERNELS`` mode."""
+    return default_registry().loaded()
+
+
+def build(names=None, *, verbose: bool = False, retry_failed: bool = True) -> dict[str, str]:
+    """Build the named ops (default: every op whose requirements are met); returns name -> outcome.
+
+    ``retry_failed=False`` reports an op whose last build failed (the cache's failure record) without compiling
+    it again."""
     from hybrid.kernels.ops import ALL_OPS, requirement_problem
 
     registry = default_registry()
@@ -31,7 +39,7 @@ def build(names=None, *, verbose: bool = False) -> dict[str, str]:
             outcome[name] = f"skipped: {problem}"
             continue
         try:
-            registry.load(name, retry_failed=True, verbose=verbose)
+            registry.load(name, retry_failed=retry_failed, verbose=verbose)
             outcome[name] = "built"
         except (KernelBuildError, KernelUnavailableError, OSError) as exc:
             outcome[name] = f"FAILED: {exc}"
@@ -40,6 +48,6 @@ def build(names=None, *, verbose: bool = False) -> dict[str, str]:
 
 __all__ = [
     "adam_step", "multi_tensor_adam", "torch_adam_step", "layer_norm", "rms_norm", "rms_norm_reference", "status",
-    "build", "KernelMode", "kernel_mode", "KernelUnavailableError", "KernelBuildError", "KernelRegistry", "OpStatus",
-    "default_registry",
+    "build", "loaded_ops", "KernelMode", "kernel_mode", "KernelUnavailableError", "KernelBuildError",
+    "KernelRegistry", "OpStatus", "default_registry",
 ]

@@ -6,7 +6,8 @@
   warn once per op and use the pure-torch implementation.
 * ``require``: the same, except that a missing or failed op raises
   :class:`KernelUnavailableError` instead of falling back.
-* ``off``: never build or load a compiled op, and never warn (``--no-fused-kernels``).
+* ``off``: never build or load a compiled op, and never warn. (The trainer's
+  ``--no-fused-kernels`` is narrower: it switches off the optimizer's fused Adam only.)
 """
 
 from __future__ import annotations

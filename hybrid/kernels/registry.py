@@ -94,7 +94,7 @@ class KernelRegistry:
             raise KernelUnavailableError(
                 f"hybrid.kernels op '{name}' is unavailable: {reason}\n"
                 f"{MODE_ENV}=require forbids the pure-torch fallback; set {MODE_ENV}=auto to allow it "
-                f"or {MODE_ENV}=off (--no-fused-kernels) to disable the compiled kernels."
+                f"or {MODE_ENV}=off to disable every compiled kernel."
             )
         if name not in self._warned:
             self._warned.add(name)
@@ -107,6 +107,11 @@ class KernelRegistry:
         return None
 
     # -------------------------------------------------------------- report --
+    def loaded(self) -> list[str]:
+        """The ops this registry has loaded in this process (what the callers asking for them then ran)."""
+        with self._lock:
+            return sorted(self._modules)
+
     def status(self) -> list[OpStatus]:
         rows = []
         for name, spec in ops.ALL_OPS.items():

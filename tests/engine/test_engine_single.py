@@ -296,3 +296,19 @@ def _count_changed_lines(before, after):
         if tag != "equal":
             changed += max(i2 - i1, j2 - j1)
     return changed
+
+
+def test_initialize_without_a_topology_starts_the_group_with_the_configs_timeout(monkeypatch):
+    import hybrid.distributed
+
+    seen = {}
+    real = hybrid.distributed.init_distributed
+
+    def recording(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)  # one process here: no group is created
+
+    monkeypatch.setattr(hybrid.distributed, "init_distributed", recording)
+    engine = hybrid.initialize(MLP(), {"distributed": {"timeout_minutes": 0.5}})
+    assert seen == {"timeout_s": 30.0}
+    assert engine.topology.world_size == 1

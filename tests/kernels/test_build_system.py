@@ -235,3 +235,12 @@ def test_report_lists_every_op_with_a_reason(cpu_adam_op, kernel_env, capsys):
     assert rows["cpu_adam"].available and rows["cpu_adam"].built
     if torch.version.cuda is None:
         assert "CPU-only build" in rows["cuda_norm"].reason and not rows["cuda_norm"].available
+
+
+def test_loaded_lists_the_ops_this_registry_loaded(cpu_adam_op):
+    from hybrid.kernels.builder import default_cache_root, default_csrc_dir
+
+    registry = KernelRegistry(KernelMode.REQUIRE, default_cache_root(), default_csrc_dir())
+    assert registry.loaded() == []
+    assert registry.get("cpu_adam") is not None  # from the session's cache
+    assert registry.loaded() == ["cpu_adam"]
