@@ -4,8 +4,8 @@ Records the GPU's name, driver, CUDA, torch and NCCL versions, then measures
   * copy bandwidth: a 2 GiB device-to-device copy (bytes read + written per second; part 2's own
     measurement, check_kernels.copy_bandwidth, which part 2 divides each kernel's bandwidth by);
   * bf16 matmul TFLOP/s: square bf16 matmuls (hybrid.monitor.flops.MatmulProbe), printed beside the
-    spec sheet's dense bf16 peak of the H200 (results.spec_peak_bf16_tflops(), from hybrid's GPU table) and
-    that table's entry for the GPU found (the same figure on an H200).
+    spec sheet's dense bf16 peak of the GPU found (results.spec_peak_bf16_tflops(), from hybrid's GPU
+    table; the H200's where the table lacks the GPU, which info's spec_gpu names).
 Part 5 reports MFU against both the spec peak and this measured peak (read from part1_env.json).
 Checks: a CUDA device is visible, and both measurements are positive and finite. Dry run: CPU, small
 sizes, bf16 matmul on the CPU.
@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from benchmarks.gpu.results import PartResult, dry_run_choice, run_part, spec_peak_bf16_tflops  # noqa: E402
+from benchmarks.gpu.results import (  # noqa: E402
+    PartResult, dry_run_choice, run_part, spec_gpu_name, spec_peak_bf16_tflops)
 
 
 def driver_version() -> str:
@@ -55,7 +56,7 @@ def body(res: PartResult) -> None:
     spec = spec_peak_bf16_tflops()
     res.info.update(device=name, driver="n/a on CPU" if dry else driver_version(), cuda=torch.version.cuda,
                     torch=torch.__version__, nccl=nccl_version(),
-                    spec_peak_bf16_tflops=spec,
+                    spec_gpu=spec_gpu_name(), spec_peak_bf16_tflops=spec,
                     hybrid_table_bf16_tflops=None if dry else table_peak_tflops(name, "bf16"))
     if not dry:
         props = torch.cuda.get_device_properties(0)
@@ -72,7 +73,7 @@ def body(res: PartResult) -> None:
     for key in ("device", "driver", "cuda", "torch", "nccl"):
         print(f"{key:<8}{res.info[key]}")
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s (read + write); bf16 matmul {tflops:.1f} TFLOP/s measured, "
-          f"spec peak {spec:.0f} ({100 * tflops / spec:.1f}% of it)", flush=True)
+          f"spec peak {spec:.0f} of {res.info['spec_gpu']} ({100 * tflops / spec:.1f}% of it)", flush=True)
     res.headline = (f"{name}; torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {res.info['nccl']}; "
                     f"copy {bw / 1e12:.2f} TB/s; bf16 mm {tflops:.0f} TFLOP/s (spec {spec:.0f})")
 

@@ -30,18 +30,32 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-# The spec sheet's dense bf16 tensor-core peak of the lent H200 (SXM), from hybrid's own GPU table: MFU "of spec"
-# is against it, as Megatron's published MFU figures are against the H100's same 989.4. The ~790 TFLOP/s a large
-# bf16 matmul reaches on that machine is not a spec figure: part 1 measures it, and MFU is also given against it.
+# MFU "of spec" is against the spec sheet's dense bf16 tensor-core peak of the GPU present, from hybrid's own GPU
+# table (989.4 TFLOP/s for an H200 or H100 SXM, the figure Megatron's published MFU is against); a GPU missing from
+# the table, and the CPU dry run, use the lent H200's. What a large bf16 matmul reaches is not a spec figure: part
+# 1 measures it, and MFU is also given against it.
 SPEC_GPU = "NVIDIA H200"
 
 
-def spec_peak_bf16_tflops() -> float:
-    """The spec peak above (a function: this module also runs before torch is installed, and the table's module
-    imports torch)."""
+def spec_gpu_name() -> str:
+    """The GPU whose spec peak MFU is against: the one present when hybrid's table knows it, else SPEC_GPU."""
+    import torch
+
     from hybrid.monitor.flops import table_peak_tflops
 
-    return table_peak_tflops(SPEC_GPU, "bf16")
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        if table_peak_tflops(name, "bf16") is not None:
+            return name
+    return SPEC_GPU
+
+
+def spec_peak_bf16_tflops() -> float:
+    """The spec peak of :func:`spec_gpu_name` (a function: this module also runs before torch is installed, and
+    the table's module imports torch)."""
+    from hybrid.monitor.flops import table_peak_tflops
+
+    return table_peak_tflops(spec_gpu_name(), "bf16")
 
 STATUSES = ("ok", "failed", "error", "timeout", "crashed")
 # The device tool brings back at most 8 files from $OUT: the 7 part JSONs and summary.txt, nothing else there.

@@ -13,8 +13,8 @@
 # part  what it checks                                       compared against
 # ----  ---------------------------------------------------  ------------------------------------------------
 # 0     torch: the CUDA torch present, else installed        - (install time printed)
-# 1     environment: GPU, driver, CUDA, torch, NCCL; copy    the H200 spec sheet's dense bf16 peak (989.4
-#       bandwidth and bf16 matmul TFLOP/s measured           TFLOP/s, results.spec_peak_bf16_tflops), beside it
+# 1     environment: GPU, driver, CUDA, torch, NCCL; copy    the GPU's spec-sheet dense bf16 peak (989.4
+#       bandwidth and bf16 matmul TFLOP/s measured           TFLOP/s on H200/H100 SXM; spec_peak_bf16_tflops)
 # 2     kernels (check_kernels.py): fused Adam, LayerNorm,   torch.optim.AdamW/Adam; float64 norm references
 #       RMSNorm, int8/int4/1-bit quantization, outputs       and torch's kernels; the quantization torch path
 #       poisoned with NaN; bandwidth as a fraction of copy   bit for bit; timings against the torch natives
