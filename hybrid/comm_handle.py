@@ -55,8 +55,10 @@ class Guard:
             text = str(error).strip()
             cause = text.splitlines()[0][:300] if text else type(error).__name__
             t = self._timeout
-            waited = f"within the timeout of {t.total_seconds():g} s" if t else "within the group's timeout"
-            raise CollectiveError(f"{self._name.describe()} did not complete {waited}: a peer has stopped, died or "
+            # The backend fails the wait at the timeout, or earlier when a peer closes its connection: the
+            # message gives the limit, not a claim that it was reached.
+            limit = f"timeout {t.total_seconds():g} s" if t else "the group's timeout"
+            raise CollectiveError(f"{self._name.describe()} did not complete ({limit}): a peer has stopped, died or "
                                   f"is unreachable (backend: {cause})") from error
         return False
 

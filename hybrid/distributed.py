@@ -89,8 +89,17 @@ def init_distributed(timeout_s: float = 600.0, backend: Optional[str] = None,
                 f"LOCAL_RANK={parsed['local_rank']} but only {torch.cuda.device_count()} CUDA devices "
                 f"are visible; start at most that many processes per node")
         torch.cuda.set_device(parsed["local_rank"])
-    dist.init_process_group(backend=backend, rank=parsed["rank"], world_size=parsed["world_size"],
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        dist.init_process_group(backend=backend, rank=parsed["rank"], world_size=parsed["world_size"],
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    except (dist.DistStoreError, dist.DistNetworkError) as e:  # the rendezvous, not a bug: say which and why
+        text = str(e).strip()
+        cause = text.splitlines()[0][:300] if text else type(e).__name__
+        where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+        raise DistributedEnvError(
+            f"rank {parsed['rank']} of {parsed['world_size']} could not rendezvous at {where} within {timeout_s:g} s "
+            f"({cause}); start all {parsed['world_size']} processes with the same MASTER_ADDR and MASTER_PORT "
+            f"(torchrun does), or allow longer with --distributed-timeout-minutes") from None
     # Scripts that never call destroy_distributed() still destroy the default group before the
     # interpreter's own teardown (unregister first: registering twice would run it twice).
     atexit.unregister(destroy_distributed)

@@ -1,3 +1,9 @@
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -104,6 +110,33 @@ def test_single_process_without_torchrun():
     info = init_distributed(env={})
     assert (info.rank, info.world_size, info.backend) == (0, 1, None)
     assert parse_env({}) is None
+
+
+_LONELY_RANK = """
+import os, socket, sys
+from hybrid.distributed import DistributedEnvError, init_distributed
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")
+try:
+    init_distributed(timeout_s=2.0, backend="gloo")
+except DistributedEnvError as e:
+    print("ERROR", e)
+    sys.exit(1)
+"""
+
+
+def test_a_rank_whose_peers_never_come_gets_one_line_naming_the_rendezvous():
+    root = Path(__file__).resolve().parents[1]
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _LONELY_RANK], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("ERROR rank 0 of 2 could not rendezvous at 127.0.0.1:"), proc.stdout
+    assert "--distributed-timeout-minutes" in proc.stdout and "\n" not in proc.stdout.strip()
+    assert time.monotonic() - start < 60  # the 2 s timeout, not the default 600 s
 
 
 def _timeout_child():

@@ -141,3 +141,28 @@ def test_checkpoints_move_between_two_nodes_and_one_both_ways(tool, tmp_path):
     _assert_same_state(two / "iter_0000002", one / "iter_0000002")  # the same first half on either cluster
     _assert_same_state(two / "iter_0000004", one_resumed / "iter_0000004")  # 2 nodes -> 1 node
     _assert_same_state(two / "iter_0000004", two_resumed / "iter_0000004")  # 1 node -> 2 nodes
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["up", "--nodes", "0"], "--nodes 0: an emulated cluster has 2 to 64 nodes"),
+    (["up", "--nodes", "1"], "--nodes 1: an emulated cluster has 2 to 64 nodes"),
+    (["up", "--nodes", "65"], "--nodes 65: an emulated cluster has 2 to 64 nodes"),
+    (["run", "--nodes", "0", "--", "-c", "pass"], "--nodes 0: an emulated cluster has 2 to 64 nodes"),
+    (["run", "--timeout", "0", "--", "-c", "pass"], "--timeout 0: give a positive number of seconds"),
+    (["run", "--timeout", "-5", "--", "-c", "pass"], "--timeout -5: give a positive number of seconds"),
+    (["run", "--ranks-per-node", "0", "--", "-c", "pass"], "--ranks-per-node 0: give at least 1"),
+])
+def test_bad_flags_are_refused_before_anything_is_built(argv, message, monkeypatch, capsys):
+    """Runs anywhere (no root needed): nothing may be looked up, locked or built for a bad flag."""
+    from tools import emulated_cluster as module
+
+    def never(*_args, **_kwargs):
+        raise AssertionError("a cluster was looked up or built for a bad flag")
+
+    for name in ("is_up", "check_available", "remove_stale"):
+        monkeypatch.setattr(module, name, never)
+    monkeypatch.setattr(module.EmulatedCluster, "up", never)
+    monkeypatch.setattr(module.EmulatedCluster, "attach", never)
+    assert module.main(["--prefix", "hyq", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err == f"emulated_cluster: {message}\n", err

@@ -50,7 +50,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 if __package__ in (None, ""):  # run as a script: make the repository's `tools` package importable
     _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,6 +63,7 @@ from tools.netns import (KILL_GRACE_S, MARKER_ENV, ClusterError, ClusterUnavaila
 SUBNET = "10.77.0"  # a /24 that exists only inside this tool's namespaces
 DEFAULT_PREFIX = "hyb"
 DEFAULT_PORT = 29500
+MIN_NODES, MAX_NODES = 2, 64  # one namespace each, with an address on SUBNET
 FAILED_NODE_GRACE_S = 30.0  # how long the other nodes may run on after one node failed
 
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")  # interface names must stay under 16 bytes
@@ -231,10 +232,7 @@ class EmulatedCluster:
                  keep: bool = False):
         _check_prefix(prefix)
         _check_shape(rate, burst, queue_latency, delay)
-        if not 2 <= nodes <= 64:
-            raise ClusterError(f"nodes={nodes}: an emulated cluster has 2 to 64 nodes")
-        if ranks_per_node < 1:
-            raise ClusterError(f"ranks_per_node={ranks_per_node}: give at least 1")
+        _check_counts(nodes, ranks_per_node)
         if rendezvous not in ("static", "c10d"):
             raise ClusterError(f"rendezvous={rendezvous!r}: use 'static' or 'c10d'")
         self.prefix, self.ranks_per_node, self.rendezvous = prefix, ranks_per_node, rendezvous
@@ -405,7 +403,7 @@ class EmulatedCluster:
         options, e.g. ``["-m", "hybrid.train", ...]``); past ``timeout_s`` every node is killed."""
         if self._net is None:
             raise ClusterError("the cluster is not up: use it as a context manager or call up() first")
-        if timeout_s <= 0:
+        if not timeout_s > 0:  # nan too
             raise ClusterError(f"timeout_s={timeout_s}: give a positive number of seconds")
         ranks = ranks_per_node or self.ranks_per_node
         port = DEFAULT_PORT + self._runs  # a fresh port per run: the last run's sockets may linger
@@ -533,9 +531,27 @@ def _shape_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--delay", default=None, help="one-way link delay (needs netem, absent on these machines)")
 
 
+def _check_counts(nodes: int, ranks_per_node: int, names: Tuple[str, str] = ("nodes=", "ranks_per_node=")) -> None:
+    """The cluster's size (``names``: how the two are spelled in the error, arguments or flags)."""
+    if not MIN_NODES <= nodes <= MAX_NODES:
+        raise ClusterError(f"{names[0]}{nodes}: an emulated cluster has {MIN_NODES} to {MAX_NODES} nodes")
+    if ranks_per_node < 1:
+        raise ClusterError(f"{names[1]}{ranks_per_node}: give at least 1")
+
+
+def _check_args(args) -> None:
+    """Refuse bad numeric flags before anything is looked up or built (ClusterError naming the flag)."""
+    if args.command not in ("up", "run"):
+        return
+    ranks_per_node = args.ranks_per_node if args.command == "run" else 1
+    _check_counts(2 if args.nodes is None else args.nodes, ranks_per_node, ("--nodes ", "--ranks-per-node "))
+    if args.command == "run" and not args.timeout > 0:
+        raise ClusterError(f"--timeout {args.timeout:g}: give a positive number of seconds")
+
+
 def _cluster_kwargs(args) -> dict:
-    return dict(nodes=args.nodes or 2, rate=None if args.rate == "none" else args.rate, burst=args.burst,
-                queue_latency=args.queue_latency, delay=args.delay, prefix=args.prefix)
+    return dict(nodes=2 if args.nodes is None else args.nodes, rate=None if args.rate == "none" else args.rate,
+                burst=args.burst, queue_latency=args.queue_latency, delay=args.delay, prefix=args.prefix)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -588,6 +604,7 @@ def _cmd_run(args) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        _check_args(args)
         if args.command == "up":
             with EmulatedCluster(keep=True, **_cluster_kwargs(args)) as cluster:
                 for node in cluster.nodes:

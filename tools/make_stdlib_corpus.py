@@ -27,6 +27,13 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
+if __package__ in (None, ""):
+    _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if _REPO not in sys.path:
+        sys.path.insert(0, _REPO)
+
+from tools.outputs import make_output_dir  # noqa: E402
+
 # Test suites and their data: large, repetitive, and partly not valid Python 3.
 EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3"}
 
@@ -92,6 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _why_empty(root: Path, args, first_size) -> str:
+    """Why no document was written, naming the flag to change."""
+    if first_size is not None:
+        return (f"--max-bytes {args.max_bytes} is smaller than the first document's line ({first_size} bytes); "
+                f"no document fits, nothing was written: raise --max-bytes (0: no cap)")
+    if not stdlib_sources(root):
+        return f"--stdlib {root} holds no .py files (test suites are left out); nothing was written"
+    return (f"no docstring in the .py files under --stdlib {root} has --min-chars {args.min_chars} characters; "
+            f"nothing was written: lower --min-chars or point --stdlib at another directory")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_documents < 0 or args.max_bytes < 0 or args.min_chars < 0:
@@ -102,21 +120,40 @@ def main(argv=None) -> int:
         print(f"error: standard library directory {root} not found (--stdlib)", file=sys.stderr)
         return 1
     out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        print(f"error: --output {out} is a directory; give the jsonl file to write, e.g. {out / 'stdlib.jsonl'}",
+              file=sys.stderr)
+        return 1
+    try:
+        make_output_dir(out, "--output")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     tmp = out.with_name(out.name + ".partial")
     docs = size = 0
-    with open(tmp, "w", encoding="utf-8") as f:
-        for text in iter_corpus(root, args.unit, args.min_chars, dedupe=not args.no_dedupe):
-            line = json.dumps({"text": text}, ensure_ascii=False) + "\n"
-            nbytes = len(line.encode("utf-8"))
-            if args.max_bytes and size + nbytes > args.max_bytes:
-                break
-            f.write(line)
-            docs += 1
-            size += nbytes
-            if args.max_documents and docs >= args.max_documents:
-                break
-    os.replace(tmp, out)
+    first_size = None  # the first document's size: what --max-bytes must allow for one document
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for text in iter_corpus(root, args.unit, args.min_chars, dedupe=not args.no_dedupe):
+                line = json.dumps({"text": text}, ensure_ascii=False) + "\n"
+                nbytes = len(line.encode("utf-8"))
+                if first_size is None:
+                    first_size = nbytes
+                if args.max_bytes and size + nbytes > args.max_bytes:
+                    break
+                f.write(line)
+                docs += 1
+                size += nbytes
+                if args.max_documents and docs >= args.max_documents:
+                    break
+        if docs == 0:
+            raise ValueError(_why_empty(root, args, first_size))
+        os.replace(tmp, out)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        tmp.unlink(missing_ok=True)  # left only by a failed run: os.replace moved a good one
     print(f"wrote {docs} documents ({size / 1e6:.2f} MB) from {root} to {out}")
     return 0
 

@@ -25,6 +25,7 @@ if __package__ in (None, ""):
         sys.path.insert(0, _REPO)
 
 from hybrid.data.preprocess import BAD_LINE_POLICIES, INPUT_FORMATS, WORKER_TIMEOUT_S, BadInputError, preprocess
+from tools.outputs import make_output_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,9 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
     try:
+        if args.log_interval < 1:
+            raise ValueError(f"--log-interval must be >= 1 (documents between docs/s refreshes), "
+                             f"got {args.log_interval}")
+        make_output_dir(args.output_prefix, "--output-prefix")
         result = preprocess(
             args.input,
             args.tokenizer_model,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import re
 import sys
 import time
 
@@ -27,6 +28,7 @@ from tqdm import tqdm
 
 from hybrid.data.preprocess import BAD_LINE_POLICIES, INPUT_FORMATS, BadInputError, BadLine, iter_texts
 from hybrid.data.tokenizer import MODEL_TYPES, train_sentencepiece
+from tools.outputs import make_output_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,19 +43,81 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--byte-fallback", action="store_true", help="encode unknown characters as byte pieces")
     p.add_argument("--input-sentence-size", type=int, default=0, help="sample this many lines (0: all)")
     p.add_argument("--max-sentence-length", type=int, default=16384, help="longer lines (bytes) are skipped")
-    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=None, help="training threads, 1 to 1024 (default: all cores)")
     p.add_argument("--on-bad-line", choices=BAD_LINE_POLICIES, default="abort")
     p.add_argument("--verbose", action="store_true", help="show SentencePiece's own log")
     p.add_argument("--no-progress", action="store_true")
     return p
 
 
+# SentencePiece's own bounds (trainer_interface.cc); checked here so that the message names the flag.
+MAX_THREADS = 1024
+MIN_SENTENCE_LENGTH, MAX_SENTENCE_LENGTH = 10, 1 << 30
+MIN_CHARACTER_COVERAGE = 0.98
+MIN_SAMPLED_SENTENCES = 101
+
+
+def check_args(args) -> None:
+    """Refuse out-of-range numeric flags before any input is read (ValueError naming the flag)."""
+    if args.num_threads is not None and not 1 <= args.num_threads <= MAX_THREADS:
+        raise ValueError(f"--num-threads must be 1 to {MAX_THREADS}, got {args.num_threads} "
+                         f"(leave it out to use every core)")
+    if not MIN_SENTENCE_LENGTH <= args.max_sentence_length <= MAX_SENTENCE_LENGTH:
+        raise ValueError(f"--max-sentence-length must be {MIN_SENTENCE_LENGTH} to {MAX_SENTENCE_LENGTH} bytes, "
+                         f"got {args.max_sentence_length}")
+    if args.input_sentence_size != 0 and args.input_sentence_size < MIN_SAMPLED_SENTENCES:
+        raise ValueError(f"--input-sentence-size must be 0 (use every line) or at least {MIN_SAMPLED_SENTENCES}, "
+                         f"got {args.input_sentence_size}")
+    if not MIN_CHARACTER_COVERAGE <= args.character_coverage <= 1.0:
+        raise ValueError(f"--character-coverage must be {MIN_CHARACTER_COVERAGE} to 1.0 (SentencePiece's range), "
+                         f"got {args.character_coverage}")
+
+
+def explain(error: Exception, args) -> str:
+    """One line for an error: SentencePiece's known refusals in terms of the flags, others as they are."""
+    text = str(error).strip()
+    too_many = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", text)
+    if too_many:
+        return (f"--vocab-size {too_many[1]} is too large for this corpus: SentencePiece can make at most "
+                f"{too_many[2]} pieces from it; pass --vocab-size {too_many[2]} or less, or give more text")
+    if "[!sentences_.empty()]" in text:
+        return (f"no line of the input is at most --max-sentence-length {args.max_sentence_length} bytes long "
+                f"(longer lines are skipped); raise --max-sentence-length")
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+class _Reader:
+    """The input documents, for SentencePiece to pull from native code.
+
+    An error raised inside the iterator reaches Python again as a RuntimeError
+    ("INTERNAL: ...", with a stack excerpt): the original is kept here, so that
+    it can be reported as it was raised.
+    """
+
+    def __init__(self, items):
+        self._items = items
+        self.error: Exception | None = None
+
+    def __iter__(self):
+        try:
+            yield from self._items
+        except Exception as e:  # noqa: BLE001 - re-raised as is by main()
+            self.error = e
+            raise
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        check_args(args)
+        make_output_dir(args.output_prefix, "--output-prefix")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     bad: list[BadLine] = []
-    texts = itertools.chain.from_iterable(
+    texts = _Reader(itertools.chain.from_iterable(
         iter_texts(path, args.json_keys, args.input_format, args.on_bad_line, bad) for path in args.input
-    )
+    ))
     bar = tqdm(desc="reading documents", unit=" docs", disable=args.no_progress)
 
     def counted(items):
@@ -79,10 +143,14 @@ def main(argv=None) -> int:
                 num_threads=args.num_threads,
                 verbose=args.verbose,
             )
+        except Exception as e:
+            if texts.error is not None and texts.error is not e:  # wrapped by SentencePiece: report the original
+                raise texts.error from None
+            raise
         finally:
             bar.close()  # before any message, so that the error is a line of its own
-    except (BadInputError, FileNotFoundError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (BadInputError, OSError, ValueError, RuntimeError) as e:
+        print(f"error: {explain(e, args)}", file=sys.stderr)
         return 1
     if bad:
         print(f"skipped {len(bad)} bad line(s): " + ", ".join(f"line {b.line} ({b.reason})" for b in bad[:20]))

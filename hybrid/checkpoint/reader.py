@@ -21,6 +21,7 @@ from hybrid.checkpoint.directory import resolve_checkpoint_dir
 from hybrid.checkpoint.errors import ChecksumMismatchError, CheckpointError, MissingShardError
 from hybrid.checkpoint.layout import METADATA_FILE, model_file, optimizer_file, rank_state_file
 from hybrid.checkpoint.manifest import Manifest, read_manifest
+from hybrid.checkpoint.unreadable import damaged, load_checkpoint_torch_file, open_checkpoint_safetensors
 from hybrid.layout import ParallelLayout
 
 
@@ -113,20 +114,21 @@ class CheckpointReader:
                          device: str = "cpu") -> Dict[str, torch.Tensor]:
         """Every tensor of TP rank ``tp_rank``'s model file, by name (saved local shapes)."""
         path = self.verify(self.model_file(tp_rank, pp_rank))
-        return safetensors.torch.load_file(str(path), device=device)
+        try:
+            return safetensors.torch.load_file(str(path), device=device)
+        except Exception as e:  # noqa: BLE001 - the library raises its own error types
+            raise damaged(path, e) from None
 
     def open_model_shard(self, tp_rank: int, pp_rank: int = 0):
         """A verified ``safetensors.safe_open`` handle, to read one tensor at a time.
 
         Use as ``with reader.open_model_shard(0) as f: f.get_tensor(name)``.
         """
-        path = self.verify(self.model_file(tp_rank, pp_rank))
-        return safetensors.safe_open(str(path), framework="pt")
+        return open_checkpoint_safetensors(self.verify(self.model_file(tp_rank, pp_rank)))
 
     def model_shard_header(self, tp_rank: int, pp_rank: int = 0) -> Dict[str, Tuple[Tuple[int, ...], str]]:
         """Name -> (shape, safetensors dtype code) of one model file, from its header only."""
-        path = self.verify(self.model_file(tp_rank, pp_rank))
-        with safetensors.safe_open(str(path), framework="pt") as f:
+        with open_checkpoint_safetensors(self.verify(self.model_file(tp_rank, pp_rank))) as f:
             out = {}
             for name in f.keys():
                 sl = f.get_slice(name)
@@ -147,5 +149,4 @@ class CheckpointReader:
         return self._load_weights_only(rank_state_file(self.layout, tp_rank, dp_rank, pp_rank), "cpu")
 
     def _load_weights_only(self, name: str, map_location: Optional[str]) -> Any:
-        path = self.verify(name)
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return load_checkpoint_torch_file(self.verify(name), map_location=map_location)

@@ -183,5 +183,5 @@ def tree_from_mapping(data: Mapping[str, Any]) -> Dict[str, Any]:
                 flat.append(Given(FLAT_NAMES[key], value))
         else:
             raise ConfigError(f"unknown config key '{raw}'.{suggestion(key, set(_ROOT_KEYS) | set(FLAT_NAMES))}")
-    apply_given(tree, flat)
+    apply_given(tree, flat, overriding=False)  # one file: its flat and nested keys must agree
     return tree

@@ -237,13 +237,20 @@ def _whole_value(g: Given) -> Tuple[bool, Any]:
     return (True, s.alias.const) if _switch_given(g) else (False, None)
 
 
-def apply_given(tree: Dict[str, Any], given: Sequence[Given]) -> None:
+def _plain(value: Any) -> Any:
+    """``value`` with tuples as lists: a file's list and a flag's tuple of the same items agree."""
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def apply_given(tree: Dict[str, Any], given: Sequence[Given], overriding: bool = True) -> None:
     """Set the keys that ``given`` spells in ``tree`` (a partial nested dict), in place.
 
     Per key: spellings that set the whole key must agree (``--bf16 --fp16`` is
     an error); element flags (``--adam-beta2``) then set their element; a weak
     switch (``--recompute-activations``) applies only when nothing set the key,
-    neither in ``tree`` nor in ``given``.
+    neither in ``tree`` nor in ``given``. ``overriding``: ``given`` may replace
+    what ``tree`` holds (flags over a file); else ``tree`` and ``given`` come
+    from one source (one file's nested and flat keys) and must agree too.
     """
     by_key: Dict[str, List[Given]] = {}
     for g in given:
@@ -265,6 +272,10 @@ def apply_given(tree: Dict[str, Any], given: Sequence[Given]) -> None:
             raise leaf.error(f"{flags} are mutually exclusive: they set '{key}' to different values ({values}); "
                              f"give one")
         if chosen:
+            if not overriding and has_key(tree, key) and _plain(get_path(tree, key)) != _plain(chosen[-1][1]):
+                name = next(g.spelling.flat_name for g in whole if g.spelling.flag == chosen[-1][0])
+                raise leaf.error(f"config keys '{name}' and '{key}' both set '{key}', to different values "
+                                 f"({chosen[-1][1]!r}, {get_path(tree, key)!r}); give one")
             put(tree, key, chosen[-1][1])
         for g in elements:
             current = get_path(tree, key, leaf.default)

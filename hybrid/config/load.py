@@ -59,9 +59,17 @@ def read_config_file(path: Union[str, os.PathLike]) -> Any:
     suffix = path.suffix.lower()
     if suffix not in (".json", ".yaml", ".yml"):
         raise ConfigError(f"config file {path} must end in .json, .yaml or .yml (got {suffix or 'no suffix'!r})")
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; give the JSON or YAML file")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({err.reason} at byte {err.start}); give the "
+                          f"JSON or YAML file") from None
+    except OSError as err:
+        raise ConfigError(f"config file {path} cannot be read: {err.strerror or err}") from None
     if suffix == ".json":
         try:
             return json.loads(text)

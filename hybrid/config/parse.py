@@ -10,6 +10,7 @@ Numbers given as strings are accepted for numeric keys because YAML 1.1 reads
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import typing
 from typing import Any, Mapping
@@ -124,6 +125,9 @@ def _to_int(value: Any, key: str, metadata: Mapping) -> int:
         raise meta_error(f"config key '{key}' must be an integer, got {value!r}", key, metadata)
     if isinstance(value, int):
         return value
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return int(value.strip())  # exactly, where float() would round past 2**53
     number = None
     if isinstance(value, float):
         number = value

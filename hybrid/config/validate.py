@@ -198,6 +198,17 @@ def _training_requirements(cfg: "HybridConfig") -> None:
     if not cfg.data.mock and not cfg.data.path:
         raise error("config key 'data.path' is required (a preprocessed prefix from tools/preprocess_data.py), "
                     "or set 'data.mock' for random tokens", "data.path", "data.mock")
+    if cfg.data.mock and cfg.data.path:
+        raise error("'data.mock' trains on random tokens and would ignore 'data.path'; give one of them",
+                    "data.mock", "data.path")
+    ckpt = cfg.checkpoint
+    for key in ("finetune", "override_opt_param_scheduler"):
+        if getattr(ckpt, key) and ckpt.load is None:
+            raise error(f"config key 'checkpoint.{key}' changes how a checkpoint is loaded; it needs "
+                        f"'checkpoint.load'", f"checkpoint.{key}", "checkpoint.load")
+    if ckpt.async_save and ckpt.save is None:
+        raise error("config key 'checkpoint.async_save' writes the trainer's checkpoints in the background; it "
+                    "needs 'checkpoint.save' (a directory to save in)", "checkpoint.async_save", "checkpoint.save")
     if cfg.micro_batch_size is None and cfg.global_batch_size is None:
         raise error("give a batch size: 'micro_batch_size' (the global batch is then micro batch x "
                     "accumulation x data-parallel size) and/or 'global_batch_size'",

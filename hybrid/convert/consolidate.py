@@ -37,10 +37,10 @@ import dataclasses
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import safetensors
 import torch
 
 from hybrid.checkpoint import CheckpointError, CheckpointFormatError, CheckpointReader, model_file, optimizer_file
+from hybrid.checkpoint.unreadable import load_checkpoint_torch_file, open_checkpoint_safetensors
 from hybrid.param_meta import REPLICATED, TPMeta, full_size_of
 from hybrid.convert.ranges import assemble, check_same_layout, copy_rows, piece_size
 
@@ -135,7 +135,7 @@ class _PartitionFiles:
         if key not in self._open:
             name = optimizer_file(self.reader.layout, tp_rank, dp_rank, pp_rank)
             path = self.reader.verify(name)
-            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            sd = load_checkpoint_torch_file(path, mmap=True)
             if not isinstance(sd, dict) or sd.get("format") != ZERO_STATE_FORMAT:
                 raise CheckpointFormatError(f"{path} is not a ZeRO optimizer state (format "
                                             f"{sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r}, "
@@ -333,8 +333,8 @@ class CheckpointSource:
 
     def _handle(self, tp_rank: int, stage: int):
         if (tp_rank, stage) not in self._handles:
-            self._handles[(tp_rank, stage)] = safetensors.safe_open(
-                str(self.reader.verify(model_file(self.layout, tp_rank, stage))), framework="pt")
+            self._handles[(tp_rank, stage)] = open_checkpoint_safetensors(
+                self.reader.verify(model_file(self.layout, tp_rank, stage)))
         return self._handles[(tp_rank, stage)]
 
     def _weight_pieces(self, t: SavedTensor):

@@ -16,6 +16,7 @@ every tensor to its file.
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 from typing import Dict, List, Mapping, Sequence, Tuple
 
@@ -24,6 +25,7 @@ import torch
 
 from hybrid.checkpoint import TensorSource
 from hybrid.checkpoint.atomic import write_bytes_atomic
+from hybrid.checkpoint.unreadable import read_error_detail
 from hybrid.convert.consolidate import SAFETENSORS_DTYPES, ConversionError
 from hybrid.convert.output import nbytes_of, read_ahead, write_safetensors_file
 
@@ -103,15 +105,28 @@ class HFDirectory:
 
     def _handle(self, file: Path):
         if file not in self._handles:
-            self._handles[file] = safetensors.safe_open(str(file), framework="pt")
+            try:
+                self._handles[file] = safetensors.safe_open(str(file), framework="pt")
+            except Exception as e:  # noqa: BLE001 - the library raises its own error types
+                raise ConversionError(f"{file} is not a readable safetensors file ({read_error_detail(e)}); it is "
+                                      f"truncated or damaged: download or save it again") from None
         return self._handles[file]
 
     def _bin(self, file: Path) -> dict:
         if file not in self._bins:
             try:
-                sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
-                sd = torch.load(file, map_location="cpu", weights_only=True)
+                try:
+                    sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+                    sd = torch.load(file, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as e:
+                raise ConversionError(f"{file} holds pickled objects other than tensors ({read_error_detail(e)}); "
+                                      f"refused: it is read with weights_only=True, which never unpickles code. "
+                                      f"Use the model's safetensors weights, or save a plain state dict of "
+                                      f"tensors") from None
+            except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, EOFError, ...
+                raise ConversionError(f"{file} is not a readable PyTorch weights file ({read_error_detail(e)}); it "
+                                      f"is truncated or damaged: download or save it again") from None
             if not isinstance(sd, dict):
                 raise ConversionError(f"{file} does not hold a state dict (got {type(sd).__name__})")
             self._bins[file] = sd

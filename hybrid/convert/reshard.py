@@ -141,7 +141,8 @@ def reshard_checkpoint(load, save, *, target_tp: int, target_dp: Optional[int] =
     args = reader.trainer_state.get("client", {}).get("args", {}) or {}
     pipe = _target_pipeline(saved, args, pipeline or {})
     target = _target_layout(saved, target_tp, target_dp, target_zero_stage, pipe.size)
-    bucket_size = bucket_size or saved_setting(args, "zero.bucket_size") or DEFAULT_BUCKET_SIZE
+    if bucket_size is None:  # 0 is refused by _check_target, not taken for "unset"
+        bucket_size = saved_setting(args, "zero.bucket_size") or DEFAULT_BUCKET_SIZE
     _check_target(target, bucket_size, reader, Path(save))
     with CheckpointSource(reader) as src:
         shares = pipeline_shares(reader.model_config, pipe, target.pp)[1] if target.pp > 1 \

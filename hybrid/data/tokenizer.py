@@ -12,7 +12,7 @@ from typing import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 
-from .errors import DataError
+from .errors import DataError, DataFileNotFoundError
 
 MODEL_TYPES = ("bpe", "unigram")
 
@@ -26,12 +26,19 @@ class SentencePieceTokenizer:
 
     def __init__(self, model_path: str | os.PathLike):
         self.model_path = os.fspath(model_path)
+        if os.path.isdir(self.model_path):
+            raise DataError(f"tokenizer model {self.model_path} is a directory; pass the .model file that "
+                            f"tools/train_tokenizer.py wrote (--tokenizer-model)")
         if not os.path.isfile(self.model_path):
-            raise FileNotFoundError(
+            raise DataFileNotFoundError(
                 f"tokenizer model {self.model_path} not found; train one with tools/train_tokenizer.py "
                 f"and pass the .model file (--tokenizer-model)"
             )
-        self._sp = spm.SentencePieceProcessor(model_file=self.model_path)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=self.model_path)
+        except (RuntimeError, OSError) as e:  # sentencepiece's parse failure is a RuntimeError naming ModelProto
+            raise DataError(f"tokenizer model {self.model_path} is not a SentencePiece model ({str(e).strip()}); "
+                            f"pass the .model file that tools/train_tokenizer.py wrote (--tokenizer-model)") from None
 
     @property
     def vocab_size(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from hybrid.config.schema import PIPELINE_SCHEDULES
 from hybrid.layout import OFFLOAD_DEVICES, PRECISIONS, ZERO_STAGES, LayoutError
@@ -32,14 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
     src = model.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help=f"a model_zoo preset: {', '.join(list_presets())}")
     src.add_argument("--config", help="a GPTConfig as a YAML or JSON file (keys of model_zoo.GPTConfig)")
-    model.add_argument("--seq-length", type=int, help="training sequence length (default: the model's)")
+    _int_flag(model, "--seq-length", 1, help="training sequence length (default: the model's)")
     model.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
     model.add_argument("--precision", choices=sorted(PRECISIONS), default=DEFAULT_PRECISION)
     model.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES), default=DEFAULT_SETUP.optimizer)
     model.add_argument("--no-weight-decay", action="store_true",
                        help="weight decay 0 (one flat group instead of two)")
-    model.add_argument("--bucket-size", type=int, default=DEFAULT_SETUP.bucket_size,
-                       help="ZeRO bucket size, elements")
+    _int_flag(model, "--bucket-size", "zero.bucket_size", default=DEFAULT_SETUP.bucket_size,
+              help="ZeRO bucket size, elements")
     model.add_argument("--zero-reduce-once", action="store_true",
                        help="zero.reduce_once: ZeRO-2 keeps whole gradients and reduces them once per step under "
                             "accumulation (stage 1's collectives and gradient memory); stage 3 cannot, and is "
@@ -54,16 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "their secondary weight shard; skips stages 0-2 and layouts "
                                                 "whose nodes hold another number of a dp group's ranks")):
         _zero_flag(model, key, counted)
-    model.add_argument("--stage3-live-parameters", type=int, default=DEFAULT_SETUP.stage3_live_parameters,
-                       help="ZeRO-3: most parameter elements gathered at once (zero.max_live_parameters)")
-    model.add_argument("--stage3-prefetch", type=int, default=DEFAULT_SETUP.stage3_prefetch,
-                       help="ZeRO-3: elements gathered ahead of use (zero.prefetch_bucket_size)")
-    model.add_argument("--stage3-reuse", type=int, default=DEFAULT_SETUP.stage3_reuse,
-                       help="ZeRO-3: forward keeps units used again within this many elements gathered, into "
-                            "backward too (zero.max_reuse_distance)")
-    model.add_argument("--stage3-persistence-threshold", type=int,
-                       default=DEFAULT_SETUP.stage3_persistence_threshold,
-                       help="ZeRO-3: parameters this small stay whole on every rank (zero.persistence_threshold)")
+    _int_flag(model, "--stage3-live-parameters", "zero.max_live_parameters",
+              default=DEFAULT_SETUP.stage3_live_parameters,
+              help="ZeRO-3: most parameter elements gathered at once (zero.max_live_parameters)")
+    _int_flag(model, "--stage3-prefetch", "zero.prefetch_bucket_size", default=DEFAULT_SETUP.stage3_prefetch,
+              help="ZeRO-3: elements gathered ahead of use (zero.prefetch_bucket_size; 0: no prefetch, and "
+                   "forward keeps nothing for reuse within the window)")
+    _int_flag(model, "--stage3-reuse", "zero.max_reuse_distance", default=DEFAULT_SETUP.stage3_reuse,
+              help="ZeRO-3: forward keeps units used again within this many elements gathered, into "
+                   "backward too (zero.max_reuse_distance; 0: only the prefetch window decides)")
+    _int_flag(model, "--stage3-persistence-threshold", "zero.persistence_threshold",
+              default=DEFAULT_SETUP.stage3_persistence_threshold,
+              help="ZeRO-3: parameters this small stay whole on every rank (zero.persistence_threshold; 0: "
+                   "every parameter is partitioned)")
     cl = ap.add_argument_group("cluster")
     cl.add_argument("--gpus", type=int, required=True)
     cl.add_argument("--gpus-per-node", type=int, required=True)
@@ -71,8 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--cpu-memory", help="host memory per node, e.g. 1.5TiB (checked for offload layouts)")
     cl.add_argument("--reserved-memory", default="1GiB", help="per GPU, unusable by training (context, NCCL)")
     tm = ap.add_argument_group("step-time assumptions")
-    tm.add_argument("--peak-tflops", type=float, default=125.0, help="peak dense TFLOP/s per GPU")
-    tm.add_argument("--mfu", type=float, default=0.35, help="fraction of peak the model's matmuls reach")
+    tm.add_argument("--peak-tflops", type=float, default=125.0,
+                    help="peak dense TFLOP/s per GPU (not used when --achieved-tflops is given)")
+    tm.add_argument("--mfu", type=float, default=0.35,
+                    help="fraction of peak the model's matmuls reach (not used when --achieved-tflops is given: "
+                         "it wins over --peak-tflops x --mfu)")
     tm.add_argument("--achieved-tflops", type=float,
                     help="model TFLOP/s one GPU achieves (measured or known); overrides --peak-tflops x --mfu. "
                          "Compute = the step's model FLOPs per GPU (TP splits each matmul, DP the tokens) / this")
@@ -93,18 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="whose kernels and collectives to count: cuda (GPUs, NCCL) or cpu (what the tests "
                          "measure)")
     ly = ap.add_argument_group("layouts to consider (default: all valid ones)")
-    ly.add_argument("--tp", type=int, nargs="+", help="tensor-parallel sizes")
-    ly.add_argument("--pp", type=int, nargs="+", default=[1],
-                    help="pipeline sizes (default 1: no pipeline; e.g. --pp 1 2 4 8)")
+    _int_flag(ly, "--tp", 1, nargs="+", help="tensor-parallel sizes")
+    _int_flag(ly, "--pp", 1, nargs="+", default=[1], help="pipeline sizes (default 1: no pipeline; e.g. --pp 1 2 4 8)")
     ly.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
                     help="the schedule of layouts with a pipeline")
-    ly.add_argument("--virtual-stages", type=int, nargs="+", default=[1],
-                    help="model chunks per pipeline stage to consider (above 1: the interleaved schedule)")
+    _int_flag(ly, "--virtual-stages", 1, nargs="+", default=[1],
+              help="model chunks per pipeline stage to consider (above 1: the interleaved schedule)")
     ly.add_argument("--zero-stage", type=int, nargs="+", choices=ZERO_STAGES, default=list(ZERO_STAGES))
     ly.add_argument("--offload", nargs="+", choices=OFFLOAD_DEVICES, default=list(OFFLOAD_DEVICES))
     ly.add_argument("--recompute", nargs="+", choices=RECOMPUTES, default=list(RECOMPUTES))
-    ly.add_argument("--micro-batch", type=int, nargs="+", help="micro batch sizes")
-    ly.add_argument("--max-micro-batch", type=int, default=16)
+    _int_flag(ly, "--micro-batch", 1, nargs="+", help="micro batch sizes")
+    _int_flag(ly, "--max-micro-batch", 1, default=16, help="largest micro batch tried when --micro-batch is not given")
     ly.add_argument("--sequence-parallel", action="store_true", help="use sequence parallelism when tp > 1")
     ck = ap.add_argument_group("checkpoints")
     for key in ("async_save", "async_save_chunk_mb"):
@@ -113,11 +118,40 @@ def build_parser() -> argparse.ArgumentParser:
         if isinstance(field.default, bool):
             ck.add_argument(field.metadata["flag"], action="store_true", help=text)
         else:
-            ck.add_argument(field.metadata["flag"], type=int, metavar="MIB", default=None, help=text)
+            _int_flag(ck, field.metadata["flag"], f"checkpoint.{key}", metavar="MIB", default=None, help=text)
     out = ap.add_argument_group("output")
-    out.add_argument("--top", type=int, default=15, help="rows of the table")
+    _int_flag(out, "--top", 1, default=15, help="rows of the table")
     out.add_argument("--json", action="store_true", help="print every layout as JSON instead of the table")
     return ap
+
+
+def _int_flag(group: argparse._ArgumentGroup, flag: str, minimum: Union[int, str], **kwargs) -> argparse.Action:
+    """An integer flag whose values (each, with ``nargs``) must be at least ``minimum``: a number, or a key of
+    the training configuration (``"zero.bucket_size"``) whose lower bound (its field's ``ge``/``gt``) the flag
+    shares. :func:`check_int_flags` refuses the values below it, in one line naming the flag."""
+    rule = ""
+    if isinstance(minimum, str):
+        section, name = minimum.split(".")
+        meta = {"zero": zero_field, "checkpoint": checkpoint_field}[section](name).metadata
+        minimum, rule = (meta["ge"] if "ge" in meta else meta["gt"] + 1), f" (as config key {minimum})"
+    action = group.add_argument(flag, type=int, **kwargs)
+    action.minimum, action.rule = minimum, rule
+    return action
+
+
+def check_int_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """ValueError naming the first integer flag of ``parser`` (:func:`_int_flag`) given a value below its
+    minimum."""
+    for action in parser._actions:
+        minimum = getattr(action, "minimum", None)
+        value = getattr(args, action.dest, None)
+        if minimum is None or value is None:
+            continue
+        for number in value if isinstance(value, list) else [value]:
+            if number < minimum:
+                flag = action.option_strings[0]
+                raise ValueError(f"{flag} {number}: must be an integer >= {minimum}{action.rule}; give {flag} "
+                                 f"{minimum} or more")
 
 
 def _zero_flag(group: argparse._ArgumentGroup, key: str, counted: str) -> None:
@@ -131,6 +165,9 @@ def _zero_flag(group: argparse._ArgumentGroup, key: str, counted: str) -> None:
         group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
         return
     choices = field.metadata.get("choices")
+    if isinstance(field.default, int) and not choices:
+        _int_flag(group, flag, f"zero.{key}", metavar="N", default=default, help=text)
+        return
     group.add_argument(flag, type=type(field.default), choices=tuple(choices) if choices else None,
                        metavar=None if choices else "N", default=default, help=text)
 
@@ -178,8 +215,10 @@ def _compression(setup: TrainingSetup) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        check_int_flags(parser, args)
         config = load_model_config(args)
         cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node,
                           gpu_memory=parse_size(args.gpu_memory, "--gpu-memory"),

@@ -70,8 +70,12 @@ def _check_paths(config: HybridConfig) -> None:
                 if not os.path.isfile(prefix + ext):
                     raise _error(f"'data.path': {prefix + ext} does not exist; run tools/preprocess_data.py to "
                                  f"create it", "data.path")
-    if data.tokenizer_model is not None and not os.path.isfile(data.tokenizer_model):
-        raise _error(f"'data.tokenizer_model' {data.tokenizer_model}: no such file", "data.tokenizer_model")
+    if data.tokenizer_model is not None:
+        _check_tokenizer(config)
+    board = config.logging.tensorboard_dir
+    if board and os.path.exists(board) and not os.path.isdir(board):
+        raise _error(f"'logging.tensorboard_dir' {board} is a file; give a directory for the event files",
+                     "logging.tensorboard_dir")
     # A --load folder that does not exist yet is the first launch of a job that saves and resumes in one
     # place (--save DIR --load DIR); anywhere else it is a typo, refused rather than silently starting over.
     load, save = config.checkpoint.load, config.checkpoint.save
@@ -80,6 +84,25 @@ def _check_paths(config: HybridConfig) -> None:
         raise _error(f"'checkpoint.load' {load}: no such directory (a folder that does not exist yet is only "
                      f"accepted when --save names the same folder, to start a run that will resume there)",
                      "checkpoint.load")
+
+
+def _check_tokenizer(config: HybridConfig) -> None:
+    """The tokenizer model loads, and every id it makes fits the model's vocabulary."""
+    from hybrid.data import SentencePieceTokenizer
+    from hybrid.data.errors import DataError
+
+    path = config.data.tokenizer_model
+    if not os.path.exists(path):
+        raise _error(f"'data.tokenizer_model' {path}: no such file", "data.tokenizer_model")
+    try:  # a directory or another file is the tokenizer's to name
+        pieces = SentencePieceTokenizer(path).vocab_size
+    except DataError as e:
+        raise _error(f"'data.tokenizer_model': {e}", "data.tokenizer_model") from None
+    vocab = config.model.vocab_size
+    if vocab is not None and vocab < pieces:
+        raise _error(f"'model.vocab_size' {vocab} is smaller than the {pieces} tokens of {path}: its ids would "
+                     f"fall outside the embedding; set it to at least {pieces}, or leave it unset to take the "
+                     f"tokenizer's", "model.vocab_size", "data.tokenizer_model")
 
 
 def _check_model(config: HybridConfig) -> None:

@@ -7,9 +7,10 @@ whole world (one tiny all-reduce per iteration).
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -28,6 +29,21 @@ class ExitConditions:
     def _on_signal(self, signum, frame) -> None:
         # Only note it: the loop saves at the end of the current iteration, when the state is consistent.
         self.signalled = signum
+
+    @contextlib.contextmanager
+    def signals_end_the_process(self) -> Iterator[None]:
+        """Inside, SIGTERM and SIGINT act as they did before training (SIGTERM ends the process at once).
+
+        For the rendezvous: a rank waiting there has nothing to save and no peer to tell, and the wait is
+        one blocking call that a noting handler would only run after, so a stopped job would wait out the
+        whole rendezvous timeout.
+        """
+        noting = {sig: signal.signal(sig, previous) for sig, previous in self._previous.items()}
+        try:
+            yield
+        finally:
+            for sig, handler in noting.items():
+                signal.signal(sig, handler)
 
     def check(self, iteration: int, topology) -> Optional[str]:
         """The reason to stop after ``iteration``, agreed by every rank, or None to go on."""

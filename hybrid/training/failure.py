@@ -22,11 +22,17 @@ the other ranks are then waiting for it in a collective. So a failing rank:
 
 A peer whose collective failed looks for a record (:func:`peer_failure`) and,
 finding one, ends the same way without a traceback: rank 0 prints the
-recorded line, the others nothing, all with the recorded exit code. SIGTERM
-does not cut this short: the trainer only notes signals from its first line
-on, and a rank that is ending ignores them, so torchrun stopping the job when
-the first rank exits changes neither who prints nor the exit status. (torchrun
-itself then reports the failed job, with a traceback of its own.)
+recorded line, the others nothing, all with the recorded exit code. A record
+says whether it is a *cause* or a *consequence* (a broken collective, recorded
+when no cause was found in time); a rank that failed with a bug of its own
+takes no consequence for its reason (its own failure broke that collective)
+and keeps its traceback, and records itself as the cause so that rank 0 names
+it when rank 0 is not the one that failed. SIGTERM does not cut this short:
+the trainer only notes signals from its first line on (but during the
+rendezvous, where no rank has anything to record yet), and a rank that is
+ending ignores them, so torchrun stopping the job when the first rank exits
+changes neither who prints nor the exit status. (torchrun itself then reports
+the failed job, with a traceback of its own.)
 """
 
 from __future__ import annotations
@@ -132,35 +138,39 @@ def _store():
     return None
 
 
-def record(store, rank: int, code: int, line: str) -> None:
-    """Leave this rank's user error for its peers (best effort: the store's host may have exited first)."""
+def record(store, rank: int, code: int, line: str, consequence: bool = False) -> None:
+    """Leave this rank's failure for its peers (best effort: the store's host may have exited first).
+
+    ``consequence``: the failure is a broken collective, likely the effect of another rank's."""
     def write() -> None:
-        store.set(f"{_KEY}{rank}", f"{code}\n{line}")
+        store.set(f"{_KEY}{rank}", f"{code}\n{int(consequence)}\n{line}")
         # add() waits for the store's answer: once it returns, the record is there for every peer.
         store.add(f"{_KEY}count", 1)
 
     _within(_STORE_S, write)
 
 
-def peer_failure(store, world_size: int, grace_s: float = _PEER_GRACE_S) -> Optional[Tuple[int, str]]:
-    """(exit code, line) of the lowest rank that recorded a user error, or None.
+def peer_failure(store, world_size: int, grace_s: float = _PEER_GRACE_S) -> Optional[Tuple[int, str, bool]]:
+    """(exit code, line, whether it is a consequence) of the lowest rank that recorded a cause, else of the
+    lowest that recorded a consequence, or None.
 
     Waits up to ``grace_s`` for a record to appear: a collective can fail a
     moment before the failing peer's record is visible. None too when the
     store cannot be read.
     """
-    def read() -> Optional[Tuple[int, str]]:
+    def read() -> Optional[Tuple[int, str, bool]]:
         deadline = time.monotonic() + grace_s
         while store.add(f"{_KEY}count", 0) == 0:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
+        found = []
         for rank in range(world_size):
             key = f"{_KEY}{rank}"
             if store.check([key]):
-                code, line = store.get(key).decode("utf-8").split("\n", 1)
-                return int(code), line
-        return None
+                code, consequence, line = store.get(key).decode("utf-8").split("\n", 2)
+                found.append((int(code), line, consequence == "1"))
+        return min(found, key=lambda f: f[2], default=None)  # a cause first; among equals the lowest rank
 
     return _within(grace_s + _STORE_S, read)
 
@@ -237,16 +247,23 @@ def run_main(body: Callable[[], int]) -> int:
     except Exception as exc:  # noqa: BLE001 - sorted below: user errors end quietly, the rest re-raise
         store = _store()
         found = None
-        if store is not None and (not is_user_error(exc) or isinstance(exc, CollectiveError)):
+        own_bug = not is_user_error(exc)
+        if store is not None and (own_bug or isinstance(exc, CollectiveError)):
             # A broken collective is usually the consequence of a peer's failure, whose record says why.
             found = peer_failure(store, world)
+            if found is not None and found[2] and own_bug:
+                found = None  # a peer's broken collective: this rank's own failure broke it
         if found is not None:
-            code, line = found
-        elif is_user_error(exc):
+            code, line, _ = found
+        elif not own_bug:
             code, line = exit_code(exc), error_line(exc)
             if store is not None:
-                record(store, rank, code, line)
+                record(store, rank, code, line, consequence=isinstance(exc, CollectiveError))
         else:
+            if store is not None:  # rank 0 names the failed rank (its traceback follows on that rank's output)
+                text = " ".join(str(exc).split())[:300]
+                record(store, rank, USER_ERROR_EXIT,
+                       f"{PREFIX}rank {rank} failed with {type(exc).__name__}: {text} (its traceback is in its output)")
             raise
         if store is not None:
             # torchrun sends SIGTERM to the other ranks as soon as one exits: this rank is ending anyway, and

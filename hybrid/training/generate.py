@@ -10,13 +10,16 @@ or sampling with temperature, top-k and top-p.
 from __future__ import annotations
 
 import argparse
+import math
+import sys
 from typing import List, Optional
 
 import torch
 
 from hybrid import param_meta
-from hybrid.checkpoint import CheckpointReader
+from hybrid.checkpoint import CheckpointError, CheckpointReader
 from hybrid.convert.consolidate import CheckpointSource, Target
+from hybrid.data.errors import DataError
 from hybrid.topology import Topology
 
 
@@ -54,10 +57,11 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 @torch.no_grad()
 def generate(model, prompt_ids: List[int], max_new_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, greedy: bool = False, eod_id: Optional[int] = None,
-             generator: Optional[torch.Generator] = None) -> List[int]:
+             generator: Optional[torch.Generator] = None, vocab_size: Optional[int] = None) -> List[int]:
     """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens (stops early at ``eod_id``).
 
     ``model`` is a TP=1 GPTModel; the context is cut to its last ``seq_length`` tokens.
+    ``vocab_size`` (the tokenizer's) keeps ids the tokenizer cannot decode out of the choice.
     """
     if not prompt_ids:
         raise ValueError("the prompt is empty; give at least one token")
@@ -65,9 +69,10 @@ def generate(model, prompt_ids: List[int], max_new_tokens: int, *, temperature: 
         raise ValueError(f"temperature must be > 0 for sampling, got {temperature}; use greedy decoding instead")
     ids = list(prompt_ids)
     window = model.config.seq_length
+    vocab = min(model.config.vocab_size, vocab_size or model.config.vocab_size)
     for _ in range(max_new_tokens):
         context = torch.tensor([ids[-window:]], dtype=torch.int64)
-        logits = model(context)[0, -1, :model.config.vocab_size].float()
+        logits = model(context)[0, -1, :vocab].float()
         if greedy:
             nxt = int(torch.argmax(logits))
         else:
@@ -79,33 +84,63 @@ def generate(model, prompt_ids: List[int], max_new_tokens: int, *, temperature: 
     return ids[len(prompt_ids):]
 
 
+def _check_args(args) -> None:
+    """Refuse out-of-range sampling flags before anything is loaded (ValueError naming the flag)."""
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.greedy and not (args.temperature > 0 and math.isfinite(args.temperature)):
+        raise ValueError(f"--temperature must be > 0 for sampling, got {args.temperature:g}; "
+                         f"pass --greedy to always take the most likely token")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k must be >= 0 (0 disables it), got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1] (1 disables it), got {args.top_p:g}")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Generate text from a hybrid checkpoint.")
+    parser = argparse.ArgumentParser(prog="generate", description="Generate text from a hybrid checkpoint.")
     parser.add_argument("--load", required=True, help="checkpoint directory (its 'latest') or DIR/iter_N")
     parser.add_argument("--tokenizer-model", required=True, help="the SentencePiece model used for training")
     parser.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="at most this many tokens (>= 1)")
     parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--temperature", type=float, default=0.8, help="> 0; ignored with --greedy")
     parser.add_argument("--top-k", type=int, default=40, help="0 disables")
-    parser.add_argument("--top-p", type=float, default=0.95, help="1 disables")
+    parser.add_argument("--top-p", type=float, default=0.95, help="in (0, 1]; 1 disables")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
+    try:
+        _check_args(args)
+        out = _run(args)
+    except CheckpointError as e:
+        print(f"generate: error: {e} (--load)", file=sys.stderr)
+        return 1
+    except (DataError, ValueError, OSError) as e:  # the tokenizer's errors name --tokenizer-model
+        print(f"generate: error: {e}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+def _run(args) -> str:
     from hybrid.data import SentencePieceTokenizer
 
     tokenizer = SentencePieceTokenizer(args.tokenizer_model)
     model = load_model(args.load)
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise SystemExit(f"--tokenizer-model has {tokenizer.vocab_size} tokens but the checkpoint's model has "
+        raise ValueError(f"--tokenizer-model has {tokenizer.vocab_size} tokens but the checkpoint's model has "
                          f"{model.config.vocab_size}; use the tokenizer the model was trained with")
     prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.eod_id]
+    if not prompt:
+        raise ValueError(f"--prompt {args.prompt!r} holds no token; give some text, or leave --prompt out to "
+                         f"start a document")
     generator = torch.Generator().manual_seed(args.seed)
     out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, greedy=args.greedy, eod_id=tokenizer.eod_id, generator=generator)
+                   top_p=args.top_p, greedy=args.greedy, eod_id=tokenizer.eod_id, generator=generator,
+                   vocab_size=tokenizer.vocab_size)
     # Decode prompt and continuation together so that word boundaries between them survive.
     ids = (prompt if args.prompt else []) + out
-    print(tokenizer.decode([t for t in ids if t != tokenizer.eod_id]))
-    return 0
+    return tokenizer.decode([t for t in ids if t != tokenizer.eod_id])
 
 
 if __name__ == "__main__":

@@ -83,7 +83,8 @@ class Trainer:
 
     def _build(self, config: HybridConfig) -> None:
         timeout_s = config.distributed.timeout_minutes * 60
-        hybrid.init_distributed(timeout_s=timeout_s)
+        with self.exit.signals_end_the_process():
+            hybrid.init_distributed(timeout_s=timeout_s)
         # Unset tensor_parallel_size means 1 when hybrid builds the topology (as hybrid.initialize does).
         # The timeout reaches every TP/DP/PP group, not just the default one.
         self.topology = Topology(tp=config.tensor_parallel_size or 1, pp=config.pipeline.size or 1,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file
 
 from hybrid.checkpoint import CheckpointReader
 from hybrid.engine.checkpoint import save_engine
@@ -131,3 +131,97 @@ def test_a_save_folder_in_use_by_a_job_is_refused_in_one_line(tmp_path):
                            str(busy), "--target-tp", "1"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert (busy / "latest").exists() and not (busy / "save.lock").exists()
+
+
+def _reseal(iter_dir: Path, name: str, data: bytes) -> None:
+    """Replace a checkpoint file and record its new size and sha256: damage no checksum can see."""
+    import hashlib
+    import json
+
+    from hybrid.checkpoint.manifest import DIGEST_KEY, document_digest
+
+    (iter_dir / name).write_bytes(data)
+    doc = json.loads((iter_dir / "metadata.json").read_text())
+    doc["files"][name].update(sha256=hashlib.sha256(data).hexdigest(), nbytes=len(data))
+    doc[DIGEST_KEY] = document_digest(doc)
+    (iter_dir / "metadata.json").write_text(json.dumps(doc))
+
+
+def _one_error_line(capsys, command: str) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith(f"convert_checkpoint {command}: error: ") and err.count("\n") == 1, err
+    return err
+
+
+class _NotATensor:
+    """Stands for any pickled object in a pytorch_model.bin (code could hide in its class)."""
+
+
+def test_damaged_hf_weight_files_are_refused_in_one_line(tool, tmp_path, capsys):
+    write_weights_checkpoint(tmp_path / "ck", GPT2_CFG, randomized_state(GPT2_CFG), tp=1)
+    assert tool.main(["to-hf", "--load", str(tmp_path / "ck"), "--output", str(tmp_path / "hf"),
+                      "--no-progress"]) == 0
+    capsys.readouterr()
+    weights = tmp_path / "hf" / "model.safetensors"
+    good = weights.read_bytes()
+
+    def from_hf(save):
+        assert tool.main(["from-hf", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / save),
+                          "--no-progress"]) == 1
+        assert not (tmp_path / save).exists()
+        return _one_error_line(capsys, "from-hf")
+
+    for k, damaged in enumerate((good[:4], good[: len(good) // 2], b"garbage" * 100)):
+        weights.write_bytes(damaged)
+        err = from_hf(f"st{k}")
+        assert f"{weights} is not a readable safetensors file (Error while deserializing header" in err, err
+    # the older pytorch_model.bin: an object that is not a tensor is refused without unpickling it
+    weights.unlink()
+    tensors = load(good)
+    torch.save({**tensors, "extra": _NotATensor()}, tmp_path / "hf" / "pytorch_model.bin")
+    err = from_hf("bin")
+    assert f"{tmp_path / 'hf' / 'pytorch_model.bin'} holds pickled objects other than tensors" in err, err
+    assert "_NotATensor" in err and "never unpickles code" in err and "weights_only=False" not in err, err
+    (tmp_path / "hf" / "pytorch_model.bin").write_bytes(b"garbage" * 100)
+    assert "pytorch_model.bin holds pickled objects other than tensors" in from_hf("bin2")
+    torch.save(tensors, tmp_path / "hf" / "pytorch_model.bin")
+    data = (tmp_path / "hf" / "pytorch_model.bin").read_bytes()
+    (tmp_path / "hf" / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+    assert "pytorch_model.bin is not a readable PyTorch weights file" in from_hf("bin3")
+
+
+def test_a_damaged_optimizer_file_whose_checksum_matches_is_one_line(tool, tmp_path, capsys):
+    engine = make_engine(GPT2_CFG, precision="bf16", stage=1)  # to-fp32 reads the fp32 masters
+    train(engine, 1)
+    save_engine(engine, tmp_path / "ck", 1)
+    iter_dir = CheckpointReader(tmp_path / "ck").path
+    _reseal(iter_dir, "optim_tp00_dp00.pt", b"garbage" * 100)
+    for command, extra in (("to-fp32", ["--output", str(tmp_path / "x.safetensors")]),
+                           ("reshard", ["--save", str(tmp_path / "rs"), "--target-tp", "1"])):
+        assert tool.main([command, "--load", str(tmp_path / "ck"), *extra, "--no-progress"]) == 1
+        err = _one_error_line(capsys, command)
+        assert f"checkpoint file {iter_dir / 'optim_tp00_dp00.pt'} cannot be read (not a PyTorch zip archive)" \
+            in err and "load another iteration" in err, err
+    assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "rs").exists()
+
+
+def test_zero_bucket_size_is_refused_like_a_negative_one(tool, tmp_path, capsys):
+    save_engine(make_engine(GPT2_CFG, stage=1), tmp_path / "ck", 0)
+    for size in ("0", "-7"):
+        assert tool.main(["reshard", "--load", str(tmp_path / "ck"), "--save", str(tmp_path / f"out{size}"),
+                          "--target-tp", "1", "--zero-bucket-size", size, "--no-progress"]) == 1
+        err = _one_error_line(capsys, "reshard")
+        assert f"--zero-bucket-size must be an integer >= 1, got {size}" in err, err
+        assert not (tmp_path / f"out{size}").exists()
+
+
+@pytest.mark.parametrize("name,command", [("model_tp00.safetensors", "to-fp32"), ("rank_tp00_dp00.pt", "reshard")])
+def test_a_damaged_model_or_rank_file_whose_checksum_matches_is_one_line(tool, tmp_path, capsys, name, command):
+    engine = make_engine(GPT2_CFG, stage=1)
+    train(engine, 1)
+    save_engine(engine, tmp_path / "ck", 1)
+    _reseal(CheckpointReader(tmp_path / "ck").path, name, b"garbage" * 100)
+    extra = {"to-fp32": ["--output", str(tmp_path / "x.safetensors")],
+             "reshard": ["--save", str(tmp_path / "rs"), "--target-tp", "1", "--target-dp", "2"]}[command]
+    assert tool.main([command, "--load", str(tmp_path / "ck"), *extra, "--no-progress"]) == 1
+    assert name in _one_error_line(capsys, command)

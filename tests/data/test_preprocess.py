@@ -131,3 +131,23 @@ def test_bad_arguments_are_reported(tmp_path, tok_model, capsys):
     assert "tokenizer model" in capsys.readouterr().err
     assert tool.main(_args(corpus, tok_model, tmp_path / "o", "--workers", "2", "--worker-timeout", "0")) == 1
     assert "worker timeout must be > 0 seconds (--worker-timeout)" in capsys.readouterr().err
+
+
+def test_an_output_prefix_under_a_file_is_one_line(tmp_path, tok_model, capsys):
+    corpus = write_jsonl(tmp_path / "c.jsonl", synthetic_documents(5, seed=8))
+    (tmp_path / "FILE").write_text("in the way\n")
+    for prefix in (tmp_path / "FILE" / "x", tmp_path / "FILE" / "a" / "x"):
+        assert tool.main(_args(corpus, tok_model, prefix)) == 1
+        err = capsys.readouterr().err
+        assert err == f"error: --output-prefix {prefix}: {tmp_path / 'FILE'} is a file, not a directory; choose " \
+                      f"another --output-prefix\n", err
+    assert (tmp_path / "FILE").read_text() == "in the way\n"
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_log_interval_below_one_is_refused(tmp_path, tok_model, capsys, value):
+    corpus = write_jsonl(tmp_path / "c.jsonl", synthetic_documents(5, seed=8))
+    assert tool.main(_args(corpus, tok_model, tmp_path / "o", "--log-interval", value)) == 1
+    assert capsys.readouterr().err == f"error: --log-interval must be >= 1 (documents between docs/s refreshes), " \
+                                      f"got {value}\n"
+    assert not list(tmp_path.glob("o_*"))

@@ -65,3 +65,42 @@ def test_real_stdlib_is_deterministic_and_capped(tmp_path):
     assert tool.main(["--output", str(capped), "--max-bytes", "5000"]) == 0
     assert 0 < capped.stat().st_size <= 5000
     assert _read(capped) == docs[: len(_read(capped))]
+
+
+def _fails(capsys, argv, message, out):
+    assert tool.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert not out.exists() and not out.with_name(out.name + ".partial").exists()
+
+
+def test_an_output_under_a_file_or_that_is_a_directory_is_one_line(tmp_path, capsys):
+    root = _fake_stdlib(tmp_path / "lib")
+    (tmp_path / "FILE").write_text("in the way\n")
+    out = tmp_path / "FILE" / "m.jsonl"
+    _fails(capsys, ["--stdlib", str(root), "--output", str(out)],
+           f"--output {out}: {tmp_path / 'FILE'} is a file, not a directory; choose another --output", out)
+    (tmp_path / "DIR").mkdir()
+    assert tool.main(["--stdlib", str(root), "--output", str(tmp_path / "DIR")]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: --output {tmp_path / 'DIR'} is a directory; give the jsonl file to write, e.g. " \
+                  f"{tmp_path / 'DIR' / 'stdlib.jsonl'}\n", err
+    assert (tmp_path / "DIR").is_dir() and not list((tmp_path / "DIR").iterdir())
+    assert not (tmp_path / "DIR.partial").exists()
+
+
+def test_writing_no_document_is_an_error_naming_the_flag(tmp_path, capsys):
+    out = tmp_path / "c.jsonl"
+    (tmp_path / "empty").mkdir()
+    _fails(capsys, ["--stdlib", str(tmp_path / "empty"), "--output", str(out)],
+           f"--stdlib {tmp_path / 'empty'} holds no .py files", out)
+    root = _fake_stdlib(tmp_path / "lib")
+    _fails(capsys, ["--stdlib", str(root), "--output", str(out), "--max-bytes", "10"],
+           "--max-bytes 10 is smaller than the first document's line (", out)
+    _fails(capsys, ["--stdlib", str(root), "--output", str(out), "--min-chars", "1000"],
+           f"no docstring in the .py files under --stdlib {root} has --min-chars 1000 characters", out)
+    # an earlier good output is left as it was
+    assert tool.main(["--stdlib", str(root), "--output", str(out)]) == 0
+    before = out.read_bytes()
+    assert tool.main(["--stdlib", str(root), "--output", str(out), "--max-bytes", "10"]) == 1
+    assert out.read_bytes() == before and not (tmp_path / "c.jsonl.partial").exists()

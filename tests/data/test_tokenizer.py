@@ -60,6 +60,17 @@ def test_missing_model_file_is_named(tmp_path):
         SentencePieceTokenizer(tmp_path / "nope.model")
 
 
+def test_a_file_that_is_no_tokenizer_model_is_a_data_error(tmp_path):
+    from hybrid.data.errors import DataError
+
+    text = tmp_path / "corpus.jsonl"
+    text.write_text('{"text": "not a model"}\n')
+    with pytest.raises(DataError, match=r"corpus\.jsonl is not a SentencePiece model.*--tokenizer-model"):
+        SentencePieceTokenizer(text)
+    with pytest.raises(DataError, match=r"is a directory.*--tokenizer-model"):
+        SentencePieceTokenizer(tmp_path)
+
+
 def test_invalid_training_options():
     with pytest.raises(ValueError, match="model_type"):
         train_sentencepiece(["a"], "/tmp/never", 100, model_type="wordpiece")

@@ -175,3 +175,54 @@ def test_killed_rank_ends_the_job_and_the_last_checkpoint_resumes(tmp_path):
     print(f"\nkilled rank: job ended {ended_at:.1f} s after SIGKILL; resumed from {latest}")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"loaded {save / latest}" in resumed.stdout + resumed.stderr
+
+
+def test_sigterm_ends_a_rank_waiting_at_the_rendezvous_at_once():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # rank 0 of 2 whose peer never comes: it waits at the rendezvous, for a minute at most
+    env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")
+    cmd = ["python", "-m", "hybrid.train", *TINY, "--train-iters", "2", "--distributed-timeout-minutes", "1"]
+    # SIGTERM's default action, whatever this test process inherited
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and port not in _listening_ports(proc.pid):
+            time.sleep(0.2)  # until it listens: the rendezvous' store is up and waiting for rank 1
+        assert proc.poll() is None, proc.communicate()[0]
+        proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        proc.wait(timeout=30)
+        assert time.monotonic() - start < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGTERM
+
+
+def _listening_ports(pid: int) -> List[int]:
+    """The TCP ports ``pid`` listens on (its sockets' inodes matched against /proc's tables)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[9] in inodes and fields[3] == "0A":  # LISTEN
+                out.append(int(fields[1].split(":")[1], 16))
+    return out

@@ -10,7 +10,7 @@ import pytest
 
 from hybrid.layout import LayoutError, ParallelLayout, ZeroStage
 from hybrid.plan.candidate import Candidate
-from hybrid.plan.cli import main
+from hybrid.plan.cli import build_parser, main
 from hybrid.plan.cluster import Cluster, ClusterError, parse_size
 from hybrid.plan.layouts import Choices, enumerate_layouts, plan
 from hybrid.plan.setup import TrainingSetup
@@ -131,6 +131,69 @@ def test_bad_flags_exit_with_a_message(capsys):
     assert "--gpu-memory" in capsys.readouterr().err
     assert main(TNLG + ["--tp", "3"]) == 2
     assert "tensor-parallel" in capsys.readouterr().err
+
+
+SMALL = ["--model", "gpt2-small", "--gpus", "8", "--gpus-per-node", "8", "--gpu-memory", "80GiB",
+         "--global-batch-size", "64"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pp", "0"], "--pp 0: must be an integer >= 1; give --pp 1 or more"),
+    (["--pp", "1", "2", "-4"], "--pp -4: must be an integer >= 1"),
+    (["--micro-batch", "0"], "--micro-batch 0: must be an integer >= 1"),
+    (["--max-micro-batch", "0"], "--max-micro-batch 0: must be an integer >= 1"),
+    (["--tp", "0"], "--tp 0: must be an integer >= 1"),
+    (["--virtual-stages", "0"], "--virtual-stages 0: must be an integer >= 1"),
+    (["--seq-length", "0"], "--seq-length 0: must be an integer >= 1"),
+    (["--top", "0"], "--top 0: must be an integer >= 1"),
+    (["--top=-1"], "--top -1: must be an integer >= 1"),
+    (["--bucket-size", "0"], "--bucket-size 0: must be an integer >= 1 (as config key zero.bucket_size)"),
+    (["--stage3-live-parameters=-1"], "--stage3-live-parameters -1: must be an integer >= 1 (as config key "
+                                      "zero.max_live_parameters)"),
+    (["--stage3-prefetch=-1"], "--stage3-prefetch -1: must be an integer >= 0"),
+    (["--stage3-reuse=-1"], "--stage3-reuse -1: must be an integer >= 0"),
+    (["--stage3-persistence-threshold=-1"], "--stage3-persistence-threshold -1: must be an integer >= 0"),
+    (["--async-save-chunk-mb", "0"], "--async-save-chunk-mb 0: must be an integer >= 1 (as config key "
+                                     "checkpoint.async_save_chunk_mb)"),
+    (["--zero-quantization-block", "0"], "--zero-quantization-block 0: must be an integer >= 8"),
+    (["--zero-hpz-partition-size", "0"], "--zero-hpz-partition-size 0: must be an integer >= 1"),
+])
+def test_integer_flags_below_their_minimum_exit_with_one_line(flags, message, capsys):
+    assert main(SMALL + flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_integer_flag_minimums_are_the_training_configs():
+    """The flags that set a config key refuse what the config refuses, read from its field."""
+    from hybrid.plan.setup import checkpoint_field, zero_field
+
+    for flag, field in (("--async-save-chunk-mb", checkpoint_field("async_save_chunk_mb")),
+                        ("--bucket-size", zero_field("bucket_size")),
+                        ("--stage3-prefetch", zero_field("prefetch_bucket_size"))):
+        action = next(a for a in build_parser()._actions if flag in a.option_strings)
+        assert action.minimum == field.metadata["ge"]
+
+
+def test_zero_means_off_for_the_stage3_window_flags(capsys):
+    assert main(SMALL + ["--zero-stage", "3", "--stage3-prefetch", "0", "--stage3-reuse", "0",
+                         "--stage3-persistence-threshold", "0", "--top", "1"]) == 0
+    assert "layouts fit" in capsys.readouterr().out
+
+
+def test_help_says_achieved_tflops_wins_over_peak_and_mfu():
+    helps = {a.option_strings[0]: a.help for a in build_parser()._actions if a.option_strings}
+    assert "not used when --achieved-tflops is given" in helps["--mfu"]
+    assert "not used when --achieved-tflops is given" in helps["--peak-tflops"]
+
+
+def test_config_file_of_random_bytes_names_the_file(tmp_path):
+    path = tmp_path / "noise.yaml"
+    path.write_bytes(bytes(range(128, 256)) * 4)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(path)] + SMALL[2:])
+    message = str(exit_.value.code)
+    assert message.startswith("--config") and str(path) in message and "\n" not in message, message
 
 
 def test_module_entry_point_runs():

@@ -51,6 +51,15 @@ def _fails(argv, world, match, monkeypatch, capsys):
               "3"], 3, "num_heads=8 must be divisible by the tensor-parallel size tp=3"),
     (["--model", "gpt2-smal", "--mock-data", "--train-iters", "2", "--micro-batch-size", "1"], 1,
      ("did you mean 'gpt2-small'", "(set by --model)")),
+    (MODEL + ["--mock-data", "--train-iters", "2", "--data-path", "corpus_text_document"], 1,
+     ("'data.mock' trains on random tokens and would ignore 'data.path'", "(set by --mock-data, --data-path)")),
+    (MODEL + ["--mock-data", "--train-iters", "2", "--finetune"], 1,
+     ("'checkpoint.finetune' changes how a checkpoint is loaded; it needs 'checkpoint.load'", "--finetune")),
+    (MODEL + ["--mock-data", "--train-iters", "2", "--override-opt-param-scheduler"], 1,
+     ("'checkpoint.override_opt_param_scheduler'", "needs 'checkpoint.load'")),
+    (MODEL + ["--mock-data", "--train-iters", "2", "--async-save"], 1,
+     ("'checkpoint.async_save' writes the trainer's checkpoints in the background; it needs 'checkpoint.save'",
+      "(set by --async-save, --save)")),
     (MODEL + ["--mock-data", "--train-iters", "2", "--save-interval", "5"], 1,
      ("'checkpoint.save_interval' needs 'checkpoint.save'", "(set by --save-interval, --save)")),
     (MODEL + ["--mock-data", "--train-iters", "2", "--sequence-parallel"], 1,
@@ -71,6 +80,24 @@ def _fails(argv, world, match, monkeypatch, capsys):
 ])
 def test_bad_settings_exit_before_training(argv, world, match, monkeypatch, capsys):
     _fails(argv, world, match, monkeypatch, capsys)
+
+
+def test_tokenizer_and_output_paths_are_checked_before_training(tmp_path, monkeypatch, capsys):
+    from hybrid.data.tokenizer import train_sentencepiece
+    from tests.data.testkit import synthetic_documents
+
+    train_sentencepiece(synthetic_documents(200, seed=3), tmp_path / "tok", 256)
+    model = [a for a in MODEL if a not in ("--vocab-size", "512")]
+    run = model + ["--mock-data", "--train-iters", "2"]
+    _fails(run + ["--tokenizer-model", str(tmp_path / "tok.model"), "--vocab-size", "200"], 1,
+           ("'model.vocab_size' 200 is smaller than the 256 tokens of", "set it to at least 256",
+            "(set by --vocab-size, --tokenizer-model)"), monkeypatch, capsys)
+    (tmp_path / "notes.txt").write_text("not a model")
+    _fails(run + ["--tokenizer-model", str(tmp_path / "notes.txt")], 1,
+           ("notes.txt is not a SentencePiece model", "--tokenizer-model"), monkeypatch, capsys)
+    _fails(run + ["--tokenizer-model", str(tmp_path)], 1, ("is a directory", "--tokenizer-model"), monkeypatch, capsys)
+    _fails(run + ["--vocab-size", "512", "--tensorboard-dir", str(tmp_path / "notes.txt")], 1,
+           ("'logging.tensorboard_dir'", "notes.txt is a file", "(set by --tensorboard-dir)"), monkeypatch, capsys)
 
 
 def test_config_file_with_flat_keys_and_flag_override(tmp_path):
@@ -105,13 +132,32 @@ def test_config_file_with_the_nested_tree(tmp_path):
     ('{"bf16": "yes"}', r"'bf16' is a switch \(--bf16\): give true or false, got 'yes'"),
     ('{"lr": "fast"}', r"'optimizer\.lr' must be a number, got 'fast' .*\(set by --lr\)"),
     ('[1, 2]', r"expected a mapping of settings at the top level"),
+    ('{"zero_stage": 1, "zero": {"stage": 2}}',
+     r"config keys 'zero_stage' and 'zero\.stage' both set 'zero\.stage', to different values \(1, 2\); give one"),
+    ('{"tensor_parallel_size": 1, "tensor_model_parallel_size": 2}',
+     r"'tensor_model_parallel_size' and 'tensor_parallel_size' both set 'tensor_parallel_size'"),
+    (b"\xff\xfe\x00garbage", r"is not UTF-8 text \(invalid start byte at byte 0\); give the JSON or YAML file"),
 ])
 def test_config_file_errors_name_the_key(tmp_path, text, match):
     cfg = tmp_path / "run.json"
-    cfg.write_text(text)
+    cfg.write_bytes(text) if isinstance(text, bytes) else cfg.write_text(text)
     with pytest.raises(ConfigError, match=match) as info:
         parse_args(["--config", str(cfg)])
     assert str(info.value).startswith(f"--config {cfg}: ")
+
+
+def test_a_files_nested_and_flat_keys_may_agree_and_flags_still_override_both(tmp_path):
+    cfg = tmp_path / "run.json"
+    cfg.write_text('{"zero_stage": 2, "zero": {"stage": 2}, "optimizer": {"betas": [0.9, 0.95]}, "adam_beta1": 0.9}')
+    config = parse_args(["--config", str(cfg)])
+    assert config.zero.stage == 2 and config.optimizer.betas == (0.9, 0.95)
+    assert parse_args(["--config", str(cfg), "--zero-stage", "1"]).zero.stage == 1
+
+
+def test_integers_are_read_exactly_not_through_a_float():
+    assert parse_args(["--train-iters", "9007199254740993"]).run.train_iters == 2 ** 53 + 1
+    with pytest.raises(ConfigError, match=r"'seed' must be <= 4294967295, got 12345678901234567 "):
+        parse_args(["--seed", "12345678901234567"])
 
 
 def test_unknown_flag_is_rejected_with_the_nearest_flag():

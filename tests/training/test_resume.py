@@ -23,9 +23,12 @@ def _train(argv):
 
 
 def _straight_then_resumed(save_dir, zero_stage, k, extra=()):
-    layout = ["--tensor-model-parallel-size", "2", "--zero-stage", str(zero_stage), *extra]
-    straight = _train(SMALL_MODEL + layout + ["--train-iters", str(2 * k), "--save", save_dir,
-                                              "--save-interval", str(k)])
+    # --async-save is how the saving run saves; the resumed run saves nothing (and may not ask for it)
+    saving = [a for a in extra if a in ASYNC]
+    layout = ["--tensor-model-parallel-size", "2", "--zero-stage", str(zero_stage),
+              *(a for a in extra if a not in saving)]
+    straight = _train(SMALL_MODEL + layout + saving + ["--train-iters", str(2 * k), "--save", save_dir,
+                                                       "--save-interval", str(k)])
     resumed = _train(SMALL_MODEL + layout + ["--train-iters", str(2 * k),
                                              "--load", os.path.join(save_dir, f"iter_{k:07d}")])
     return straight, resumed
