@@ -15,7 +15,7 @@ import functools
 import os
 from typing import Optional, Sequence
 
-from hybrid.config import ConfigError, HybridConfig, config_from_command_line, validate_for_training
+from hybrid.config import HybridConfig, config_from_command_line, validate_for_training
 from hybrid.config.flags import key_error
 
 # Errors about keys of the tree name their flags too.
@@ -106,9 +106,9 @@ def _check_tokenizer(config: HybridConfig) -> None:
 
 
 def _check_model(config: HybridConfig) -> None:
-    from hybrid.training.model import model_config
+    from hybrid.training.model import keys_named_in, model_config
 
     try:
         model_config(config, vocab_size=config.model.vocab_size or 1).validate(config.tensor_parallel_size or 1)
     except ValueError as e:
-        raise ConfigError(f"model settings: {e}") from None
+        raise _error(f"model settings: {e}", *keys_named_in(str(e))) from None

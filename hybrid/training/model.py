@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+import re
+from typing import Any, Dict, List
 
 from hybrid.config import HybridConfig
 
@@ -17,6 +18,19 @@ _SHAPE_KEYS = (("num_layers", "num_layers"), ("hidden_size", "hidden_size"), ("n
                ("rope_scaling_factor", "rope_scaling_factor"), ("rope_low_freq_factor", "rope_low_freq_factor"),
                ("rope_high_freq_factor", "rope_high_freq_factor"),
                ("rope_original_max_positions", "rope_original_max_positions"))
+
+
+def keys_named_in(message: str) -> List[str]:
+    """The config keys whose GPTConfig fields ``message`` (a GPTConfig.validate error) names, in the order it
+    names them (``tp``: validate's tensor-parallel size): so that the trainer's error can end with their flags."""
+    by_gpt_name = {gpt_key: f"model.{key}" for key, gpt_key in _SHAPE_KEYS + (("vocab_size", "vocab_size"),)}
+    by_gpt_name["tp"] = "tensor_parallel_size"
+    named = []
+    for word in re.findall(r"[a-z_]+", message):
+        key = by_gpt_name.get(word)
+        if key is not None and key not in named:
+            named.append(key)
+    return named
 
 
 def model_config(config: HybridConfig, vocab_size: int):
