@@ -81,11 +81,14 @@ class ModelFactory:
         from model_zoo import GPTModel
 
         self.cfg, self.topo, self.device, self.seed = cfg, topo, device, seed
-        first = GPTModel(cfg, topo, device="cpu", seed=seed)
+        # built where the engines' models live (the topology's device: the path the engines take), then moved out
+        first = GPTModel(cfg, topo, device=device, seed=seed)
         pin = device.type == "cuda"
-        self.initial = {k: v.detach().pin_memory() if pin else v.detach().clone()
+        self.initial = {k: v.detach().to("cpu").pin_memory() if pin else v.detach().clone()
                         for k, v in first.state_dict().items()}
         del first
+        if pin:
+            torch.cuda.empty_cache()
 
     def build(self, cfg=None):
         """A fresh model with the initial weights; ``cfg``: another config of the same shapes (say, another
