@@ -347,9 +347,12 @@ class Engine:
         if not ckpt.async_save:
             return None
         if self._saver is None:
+            # The writer's waits are bounded like a collective: by the topology's timeout, else (a Topology built
+            # without one) by the config's, so that a hung disk ends in an error, never a hang
             timeout = self.topology.comm.timeout
+            timeout_s = timeout.total_seconds() if timeout else self.config.distributed.timeout_minutes * 60
             chunk = ckpt.async_save_chunk_mb << 20 if ckpt.async_save_chunk_mb is not None else None
-            self._saver = BackgroundSaver(timeout.total_seconds() if timeout else None, chunk)
+            self._saver = BackgroundSaver(timeout_s, chunk)
             self.optimizer.write_fence = self._saver.fence  # the update waits for the writer's copy of its state
         return self._saver
 
@@ -436,8 +439,10 @@ def initialize(model: torch.nn.Module, config: ConfigSource = None, topology: Op
     if topology is None:
         from hybrid.distributed import init_distributed
 
-        init_distributed(timeout_s=cfg.distributed.timeout_minutes * 60)
-        topology = Topology(tp=cfg.tensor_parallel_size or 1, pp=cfg.pipeline.size or 1,
+        timeout_s = cfg.distributed.timeout_minutes * 60
+        init_distributed(timeout_s=timeout_s)
+        # the timeout reaches every TP/DP/PP group too, not only the default one
+        topology = Topology(tp=cfg.tensor_parallel_size or 1, pp=cfg.pipeline.size or 1, timeout_s=timeout_s,
                             allow_tp_across_nodes=cfg.distributed.allow_tp_across_nodes)
     elif cfg.pipeline.size is not None and cfg.pipeline.size != topology.pp_size:
         raise ConfigError(f"config key 'pipeline.size' is {cfg.pipeline.size} but the topology has "

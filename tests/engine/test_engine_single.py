@@ -309,6 +309,16 @@ def test_initialize_without_a_topology_starts_the_group_with_the_configs_timeout
         return real(*args, **kwargs)  # one process here: no group is created
 
     monkeypatch.setattr(hybrid.distributed, "init_distributed", recording)
-    engine = hybrid.initialize(MLP(), {"distributed": {"timeout_minutes": 0.5}})
+    engine = hybrid.initialize(MLP(), {"distributed": {"timeout_minutes": 0.5}, "checkpoint": {"async_save": True}})
     assert seen == {"timeout_s": 30.0}
     assert engine.topology.world_size == 1
+    # every group, and the background writer's waits, are bounded by the same timeout
+    assert engine.topology.comm.timeout.total_seconds() == 30.0
+    assert engine._background_saver().timeout_s == 30.0
+
+
+def test_the_background_writer_is_bounded_by_the_config_when_the_topology_has_no_timeout():
+    engine = hybrid.initialize(MLP(), {"distributed": {"timeout_minutes": 0.25}, "checkpoint": {"async_save": True}},
+                               topology=Topology())
+    assert engine.topology.comm.timeout is None
+    assert engine._background_saver().timeout_s == 15.0
