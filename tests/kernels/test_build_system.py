@@ -160,6 +160,29 @@ def test_failed_build_is_reported_and_remembered(tmp_path):
     assert time.perf_counter() - started < 1.0  # no second compile
 
 
+def test_a_compiler_that_never_finishes_is_killed_at_the_deadline(tmp_path, monkeypatch):
+    spec, csrc = _tiny_op(tmp_path)
+    source = csrc / "tiny" / "tiny.cpp"
+    # the compiler blocks reading this pipe, which no one writes (not a source suffix: the build key skips it)
+    source.write_text('#include "stuck.inc"\n' + source.read_text())
+    os.mkfifo(csrc / "tiny" / "stuck.inc")
+    monkeypatch.setenv("HYBRID_KERNELS_LOCK_STALE_S", "20")
+    plan = plan_build(spec, csrc, tmp_path / "cache")
+    started = time.perf_counter()
+    with pytest.raises(KernelBuildError, match=r"did not finish within 20 s \(HYBRID_KERNELS_LOCK_STALE_S"):
+        build_and_load(plan)
+    assert time.perf_counter() - started < 90
+    assert plan.failed_marker.is_file() and not plan.lock_path.exists()
+    left = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(source) in (entry / "cmdline").read_text():
+                left.append(entry.name)
+        except OSError:
+            continue
+    assert not left, f"compiler processes outlived the build: {left}"
+
+
 def test_missing_source_is_named(tmp_path):
     spec = OpSpec(name="ghost", sources=("ghost/ghost.cpp",), device="cpu")
     with pytest.raises(FileNotFoundError, match="ghost/ghost.cpp.*HYBRID_CSRC_DIR"):
