@@ -14,6 +14,7 @@ exchanges on the training thread.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any, Callable, List, Mapping, Optional, Tuple
 
@@ -25,6 +26,9 @@ from hybrid.checkpoint.writer import CheckpointWriter, check_keep_last, check_la
 from hybrid.layout import ParallelLayout
 
 GatherFn = Callable[[Any], List[Any]]
+# The share of the collective timeout a rank's writes may take: its peers, waiting for it in the exchange of
+# digests since they finished their own writes, must still be waiting when its failure arrives.
+WRITE_SHARE = 0.8
 
 
 def gather_single_process(obj: Any) -> List[Any]:
@@ -38,7 +42,8 @@ def save_checkpoint(save_dir, iteration: int, layout: ParallelLayout, coord, *,
                     consumed_samples: int = 0, model_config: Optional[Mapping[str, Any]] = None,
                     param_index: Any = None, trainer_state: Optional[Mapping[str, Any]] = None,
                     keep_last: Optional[int] = None, healthy: bool = True,
-                    all_gather_object: GatherFn = gather_single_process) -> Path:
+                    all_gather_object: GatherFn = gather_single_process,
+                    collective_timeout_s: Optional[float] = None) -> Path:
     """Save one iteration; call on every rank with that rank's state.
 
     Args:
@@ -59,6 +64,11 @@ def save_checkpoint(save_dir, iteration: int, layout: ParallelLayout, coord, *,
             diverging); recorded in ``metadata.json`` for pruning.
         all_gather_object: gathers one picklable object from every rank of the
             world, in rank order (``topology.comm.all_gather_object``).
+        collective_timeout_s: how long ``all_gather_object`` waits for a peer.
+            This rank's writes then get :data:`WRITE_SHARE` of it: writes stuck
+            on a hung file system are reported in the exchange as this rank's
+            failure (every rank raises it, naming this rank) while the peers
+            still wait there. None: the writes are not bounded.
 
     The coordinator holds the save directory's lock (:mod:`hybrid.checkpoint.lock`)
     during the save, unless this process already holds it for the whole run
@@ -70,7 +80,8 @@ def save_checkpoint(save_dir, iteration: int, layout: ParallelLayout, coord, *,
     save = PhasedSave(save_dir, iteration, layout, coord, all_gather_object, keep_last)
     try:
         save.prepare()
-        save.finish_writes(save.write(model_state, optimizer_state, rank_state))
+        write_s = None if collective_timeout_s is None else WRITE_SHARE * collective_timeout_s
+        save.finish_writes(save.write_within(write_s, model_state, optimizer_state, rank_state))
         return save.commit(consumed_samples=consumed_samples, model_config=model_config, param_index=param_index,
                            trainer_state=trainer_state, healthy=healthy)
     finally:
@@ -154,6 +165,23 @@ class PhasedSave:
             return {"records": [r.to_json() for r in records]}, None
         except Exception as e:  # noqa: BLE001
             return self._failed(e), e
+
+    def write_within(self, timeout_s: Optional[float], *args) -> Tuple[dict, Optional[BaseException]]:
+        """:meth:`write` on a daemon thread joined for at most ``timeout_s`` (None: on this thread): a write
+        still blocked then (a hung file system) is this rank's failure. The thread is left blocked: nothing
+        can interrupt a stuck write, but the error no longer waits for it."""
+        if timeout_s is None:
+            return self.write(*args)
+        result: List[Tuple[dict, Optional[BaseException]]] = []
+        thread = threading.Thread(target=lambda: result.append(self.write(*args)), daemon=True,
+                                  name="hybrid-checkpoint-write")
+        thread.start()
+        thread.join(timeout_s)
+        if result:
+            return result[0]
+        e = CheckpointError(f"writing this rank's files into {self.iter_dir} did not finish within {timeout_s:g} s "
+                            f"(a share of distributed.timeout_minutes): the file system is stuck or far too slow")
+        return self._failed(e), e
 
     def _write_part(self, name: str, value: Any) -> FileRecord:
         c, w = self.coord, self.writer

@@ -78,7 +78,8 @@ def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples:
                 trainer_state=trainer_state, keep_last=keep_last, healthy=healthy)
     if background is None:
         return save_checkpoint(save_dir, iteration, engine.layout, engine.topology.coord,
-                               all_gather_object=engine.topology.comm.all_gather_object, **args)
+                               all_gather_object=engine.topology.comm.all_gather_object,
+                               collective_timeout_s=engine.checkpoint_timeout_s, **args)
     # The weights and the optimizer partition change only in the optimizer's update and in loads, behind its
     # write fence: the writer copies them. Module buffers may change in forward: copied now.
     if engine.optimizer.model_state_is_copy:

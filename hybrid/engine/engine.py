@@ -342,17 +342,20 @@ class Engine:
         return save_engine(self, directory, step, consumed_samples=consumed_samples, client_state=client_state,
                            keep_last=keep_last, healthy=healthy, background=self._background_saver())
 
+    @property
+    def checkpoint_timeout_s(self) -> float:
+        """The bound of a save's waits, a collective's: the topology's timeout, else (a Topology built without
+        one) the config's ``distributed.timeout_minutes``, so that a hung disk ends in an error, never a hang."""
+        timeout = self.topology.comm.timeout
+        return timeout.total_seconds() if timeout else self.config.distributed.timeout_minutes * 60
+
     def _background_saver(self) -> Optional[BackgroundSaver]:
         ckpt = self.config.checkpoint
         if not ckpt.async_save:
             return None
         if self._saver is None:
-            # The writer's waits are bounded like a collective: by the topology's timeout, else (a Topology built
-            # without one) by the config's, so that a hung disk ends in an error, never a hang
-            timeout = self.topology.comm.timeout
-            timeout_s = timeout.total_seconds() if timeout else self.config.distributed.timeout_minutes * 60
             chunk = ckpt.async_save_chunk_mb << 20 if ckpt.async_save_chunk_mb is not None else None
-            self._saver = BackgroundSaver(timeout_s, chunk)
+            self._saver = BackgroundSaver(self.checkpoint_timeout_s, chunk)
             self.optimizer.write_fence = self._saver.fence  # the update waits for the writer's copy of its state
         return self._saver
 

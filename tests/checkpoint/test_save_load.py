@@ -236,3 +236,25 @@ def test_manifest_cannot_point_outside_its_directory(tmp_path):
     (iter_dir / "metadata.json").write_text(json.dumps(doc))
     with pytest.raises(CheckpointFormatError, match="plain name inside the iteration directory"):
         CheckpointReader(tmp_path)
+
+
+def test_a_write_stuck_on_the_file_system_fails_the_save_in_time_and_keeps_the_previous_checkpoint(
+        tmp_path, monkeypatch):
+    import threading
+    import time
+
+    layout, coord = ParallelLayout(tp=1, dp=1), Coord(0, 0, 0)
+    save_checkpoint(tmp_path, 1, layout, coord, model_state=model_shard(0), **manifest_fields(1))
+    stuck = threading.Event()  # a write that never returns, as on a hung file system, until the test ends
+    monkeypatch.setattr(CheckpointWriter, "write_model_shard", lambda *a, **k: stuck.wait())
+    started = time.perf_counter()
+    try:
+        with pytest.raises(CheckpointError, match=r"saving .*iter_0000002 failed while writing shards: rank \(tp=0, "
+                                                  r"dp=0, pp=0\): CheckpointError: writing this rank's files .* did "
+                                                  r"not finish within 1\.6 s"):
+            save_checkpoint(tmp_path, 2, layout, coord, model_state=model_shard(0), collective_timeout_s=2.0,
+                            **manifest_fields(2))
+        assert time.perf_counter() - started < 2.0  # within the share, before the peers' exchange times out
+    finally:
+        stuck.set()
+    assert CheckpointReader(tmp_path).iteration == 1  # latest stays on the last complete checkpoint

@@ -317,8 +317,22 @@ def test_initialize_without_a_topology_starts_the_group_with_the_configs_timeout
     assert engine._background_saver().timeout_s == 30.0
 
 
-def test_the_background_writer_is_bounded_by_the_config_when_the_topology_has_no_timeout():
+def test_saves_are_bounded_by_the_config_when_the_topology_has_no_timeout(tmp_path, monkeypatch):
+    import hybrid.engine.checkpoint as engine_checkpoint
+
     engine = hybrid.initialize(MLP(), {"distributed": {"timeout_minutes": 0.25}, "checkpoint": {"async_save": True}},
                                topology=Topology())
     assert engine.topology.comm.timeout is None
     assert engine._background_saver().timeout_s == 15.0
+    # and a synchronous save's writes
+    engine.config.checkpoint.async_save = False
+    seen = {}
+    real = engine_checkpoint.save_checkpoint
+
+    def recording(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_checkpoint, "save_checkpoint", recording)
+    engine.save_checkpoint(tmp_path)
+    assert seen["collective_timeout_s"] == 15.0
