@@ -207,7 +207,9 @@ class BackgroundSaver:
         if self.in_flight:
             self.wait()  # its failure is raised here when no step has collected it yet
         start = time.perf_counter()
-        save = PhasedSave(save_dir, iteration, layout, coord, all_gather_object, keep_last)
+        # its writes are the writer thread's, bounded by wait(); the coordinator's preparation and commit run
+        # here, on the training thread, bounded like a synchronous save's
+        save = PhasedSave(save_dir, iteration, layout, coord, all_gather_object, keep_last, self.timeout_s)
         try:
             save.prepare()
             prepared = time.perf_counter()

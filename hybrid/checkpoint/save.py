@@ -65,10 +65,11 @@ def save_checkpoint(save_dir, iteration: int, layout: ParallelLayout, coord, *,
         all_gather_object: gathers one picklable object from every rank of the
             world, in rank order (``topology.comm.all_gather_object``).
         collective_timeout_s: how long ``all_gather_object`` waits for a peer.
-            This rank's writes then get :data:`WRITE_SHARE` of it: writes stuck
-            on a hung file system are reported in the exchange as this rank's
-            failure (every rank raises it, naming this rank) while the peers
-            still wait there. None: the writes are not bounded.
+            Each phase's file work (the coordinator's preparation and commit,
+            every rank's writes) then gets :data:`WRITE_SHARE` of it: work stuck
+            on a hung file system is reported in the phase's exchange as this
+            rank's failure (every rank raises it, naming this rank) while the
+            peers still wait there. None: the file work is not bounded.
 
     The coordinator holds the save directory's lock (:mod:`hybrid.checkpoint.lock`)
     during the save, unless this process already holds it for the whole run
@@ -77,11 +78,10 @@ def save_checkpoint(save_dir, iteration: int, layout: ParallelLayout, coord, *,
 
     Returns the new iteration directory.
     """
-    save = PhasedSave(save_dir, iteration, layout, coord, all_gather_object, keep_last)
+    save = PhasedSave(save_dir, iteration, layout, coord, all_gather_object, keep_last, collective_timeout_s)
     try:
         save.prepare()
-        write_s = None if collective_timeout_s is None else WRITE_SHARE * collective_timeout_s
-        save.finish_writes(save.write_within(write_s, model_state, optimizer_state, rank_state))
+        save.finish_writes(save.write_within(model_state, optimizer_state, rank_state))
         return save.commit(consumed_samples=consumed_samples, model_config=model_config, param_index=param_index,
                            trainer_state=trainer_state, healthy=healthy)
     finally:
@@ -98,10 +98,12 @@ class PhasedSave:
     hands the outcome of :meth:`write` to the exchange of digests. Call
     :meth:`release` last, whatever happened (it lets go of the save
     directory's lock the coordinator took in :meth:`prepare`).
+    ``collective_timeout_s``: see :func:`save_checkpoint` (None: file work unbounded).
     """
 
     def __init__(self, save_dir, iteration: int, layout: ParallelLayout, coord,
-                 all_gather_object: GatherFn = gather_single_process, keep_last: Optional[int] = None):
+                 all_gather_object: GatherFn = gather_single_process, keep_last: Optional[int] = None,
+                 collective_timeout_s: Optional[float] = None):
         check_layout(layout)
         _check_coord(layout, coord)
         check_keep_last(keep_last)
@@ -112,6 +114,32 @@ class PhasedSave:
         self.coordinator = (coord.tp, coord.dp, coord.pp) == (0, 0, 0)
         self._lock = SaveDirLock(save_dir)  # taken by the coordinator in phase 1
         self._outcomes: List[dict] = []
+        self.file_work_s = None if collective_timeout_s is None else WRITE_SHARE * collective_timeout_s
+
+    def _bounded(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, on a daemon thread joined for at most :attr:`file_work_s` (None: on this thread); a
+        CheckpointError when it is still running then (a hung file system). The thread is left blocked:
+        nothing can interrupt a stuck write, but the error no longer waits for it."""
+        if self.file_work_s is None:
+            return fn()
+        result: List[Tuple[bool, Any]] = []
+
+        def run() -> None:
+            try:
+                result.append((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - raised again on the calling thread
+                result.append((False, e))
+
+        thread = threading.Thread(target=run, daemon=True, name="hybrid-checkpoint-files")
+        thread.start()
+        thread.join(self.file_work_s)
+        if not result:
+            raise CheckpointError(f"{what} in {self.iter_dir} did not finish within {self.file_work_s:g} s (a share "
+                                  f"of distributed.timeout_minutes): the file system is stuck or far too slow")
+        ok, value = result[0]
+        if not ok:
+            raise value
+        return value
 
     @property
     def iter_dir(self) -> Path:
@@ -138,8 +166,7 @@ class PhasedSave:
         outcome, error = {}, None
         if self.coordinator:
             try:
-                self._lock.acquire()
-                self.writer.prepare()
+                self._bounded("preparing the directory", lambda: (self._lock.acquire(), self.writer.prepare()))
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 outcome, error = self._failed(e), e
         self._gather_and_check(outcome, "preparing the directory", error)
@@ -166,22 +193,12 @@ class PhasedSave:
         except Exception as e:  # noqa: BLE001
             return self._failed(e), e
 
-    def write_within(self, timeout_s: Optional[float], *args) -> Tuple[dict, Optional[BaseException]]:
-        """:meth:`write` on a daemon thread joined for at most ``timeout_s`` (None: on this thread): a write
-        still blocked then (a hung file system) is this rank's failure. The thread is left blocked: nothing
-        can interrupt a stuck write, but the error no longer waits for it."""
-        if timeout_s is None:
-            return self.write(*args)
-        result: List[Tuple[dict, Optional[BaseException]]] = []
-        thread = threading.Thread(target=lambda: result.append(self.write(*args)), daemon=True,
-                                  name="hybrid-checkpoint-write")
-        thread.start()
-        thread.join(timeout_s)
-        if result:
-            return result[0]
-        e = CheckpointError(f"writing this rank's files into {self.iter_dir} did not finish within {timeout_s:g} s "
-                            f"(a share of distributed.timeout_minutes): the file system is stuck or far too slow")
-        return self._failed(e), e
+    def write_within(self, *args) -> Tuple[dict, Optional[BaseException]]:
+        """:meth:`write` bounded by :attr:`file_work_s`: writes still blocked then are this rank's failure."""
+        try:
+            return self._bounded("writing this rank's files", lambda: self.write(*args))
+        except CheckpointError as e:
+            return self._failed(e), e
 
     def _write_part(self, name: str, value: Any) -> FileRecord:
         c, w = self.coord, self.writer
@@ -204,9 +221,10 @@ class PhasedSave:
         if self.coordinator:
             try:
                 all_records = [FileRecord.from_json(r) for o in self._outcomes for r in o["records"]]
-                self.writer.commit(all_records, consumed_samples=consumed_samples, model_config=model_config,
-                                   param_index=param_index, trainer_state=trainer_state,
-                                   keep_last=self.keep_last, healthy=healthy)
+                self._bounded("writing metadata.json and latest", lambda: self.writer.commit(
+                    all_records, consumed_samples=consumed_samples, model_config=model_config,
+                    param_index=param_index, trainer_state=trainer_state, keep_last=self.keep_last,
+                    healthy=healthy))
             except Exception as e:  # noqa: BLE001
                 outcome, error = self._failed(e), e
         self._gather_and_check(outcome, "writing metadata.json and latest", error)

@@ -238,20 +238,25 @@ def test_manifest_cannot_point_outside_its_directory(tmp_path):
         CheckpointReader(tmp_path)
 
 
+@pytest.mark.parametrize("stuck_call,phase,work", [
+    ("write_model_shard", "writing shards", "writing this rank's files"),
+    ("prepare", "preparing the directory", "preparing the directory"),
+    ("commit", "writing metadata.json and latest", "writing metadata.json and latest"),
+])
 def test_a_write_stuck_on_the_file_system_fails_the_save_in_time_and_keeps_the_previous_checkpoint(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, stuck_call, phase, work):
     import threading
     import time
 
     layout, coord = ParallelLayout(tp=1, dp=1), Coord(0, 0, 0)
     save_checkpoint(tmp_path, 1, layout, coord, model_state=model_shard(0), **manifest_fields(1))
-    stuck = threading.Event()  # a write that never returns, as on a hung file system, until the test ends
-    monkeypatch.setattr(CheckpointWriter, "write_model_shard", lambda *a, **k: stuck.wait())
+    stuck = threading.Event()  # file work that never returns, as on a hung file system, until the test ends
+    monkeypatch.setattr(CheckpointWriter, stuck_call, lambda *a, **k: stuck.wait())
     started = time.perf_counter()
     try:
-        with pytest.raises(CheckpointError, match=r"saving .*iter_0000002 failed while writing shards: rank \(tp=0, "
-                                                  r"dp=0, pp=0\): CheckpointError: writing this rank's files .* did "
-                                                  r"not finish within 1\.6 s"):
+        with pytest.raises(CheckpointError, match=rf"saving .*iter_0000002 failed while {phase}: rank \(tp=0, dp=0, "
+                                                  rf"pp=0\): CheckpointError: {work} in .* did not finish within "
+                                                  rf"1\.6 s"):
             save_checkpoint(tmp_path, 2, layout, coord, model_state=model_shard(0), collective_timeout_s=2.0,
                             **manifest_fields(2))
         assert time.perf_counter() - started < 2.0  # within the share, before the peers' exchange times out
