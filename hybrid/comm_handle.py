@@ -18,6 +18,13 @@ class CollectiveError(RuntimeError):
     """A collective or transfer that failed or timed out, named by operation, axis and group ranks."""
 
 
+def backend_cause(error: BaseException) -> str:
+    """What a torch.distributed error says, in one line: its first line (at most 300 characters), else the
+    name of its type."""
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
+
+
 @dataclasses.dataclass(frozen=True)
 class OpName:
     """What a failed operation was, for its error: ``all_reduce over 'dp' (global ranks [0, 2])``."""
@@ -52,8 +59,7 @@ class Guard:
         self._blocked(time.perf_counter() - self._start)
         # torch.distributed's errors (DistBackendError, gloo's timeouts) are RuntimeErrors
         if isinstance(error, RuntimeError) and not isinstance(error, CollectiveError):
-            text = str(error).strip()
-            cause = text.splitlines()[0][:300] if text else type(error).__name__
+            cause = backend_cause(error)
             t = self._timeout
             # The backend fails the wait at the timeout, or earlier when a peer closes its connection: the
             # message gives the limit, not a claim that it was reached.

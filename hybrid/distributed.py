@@ -11,6 +11,8 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from hybrid.comm_handle import backend_cause
+
 _REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -93,12 +95,10 @@ def init_distributed(timeout_s: float = 600.0, backend: Optional[str] = None,
         dist.init_process_group(backend=backend, rank=parsed["rank"], world_size=parsed["world_size"],
                                 timeout=datetime.timedelta(seconds=timeout_s))
     except (dist.DistStoreError, dist.DistNetworkError) as e:  # the rendezvous, not a bug: say which and why
-        text = str(e).strip()
-        cause = text.splitlines()[0][:300] if text else type(e).__name__
         where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
         raise DistributedEnvError(
             f"rank {parsed['rank']} of {parsed['world_size']} could not rendezvous at {where} within {timeout_s:g} s "
-            f"({cause}); start all {parsed['world_size']} processes with the same MASTER_ADDR and MASTER_PORT "
+            f"({backend_cause(e)}); start all {parsed['world_size']} processes with the same MASTER_ADDR and MASTER_PORT "
             f"(torchrun does), or allow longer with --distributed-timeout-minutes") from None
     # Scripts that never call destroy_distributed() still destroy the default group before the
     # interpreter's own teardown (unregister first: registering twice would run it twice).

@@ -39,6 +39,7 @@ reported). The dry run: a two-layer tiny GPT, 4 steps, gloo, CPU.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import sys
@@ -158,7 +159,7 @@ def body(res: PartResult) -> None:
     # the reference again: its own run-to-run difference (0 where every kernel is deterministic)
     again_losses, _, again_final = reference_adamw(factory, micro, steps)
     # the loss noise up to step k (a difference, once there, does not shrink back), and the parameters'
-    noise_losses = [max(loss_errors(again_losses, ref_losses)[:k + 1]) for k in range(steps)]
+    noise_losses = list(itertools.accumulate(loss_errors(again_losses, ref_losses), max))
     noise_params = param_error(again_final, ref_final, initial)
     del again_final
     res.info.update(noise_factor=NOISE_FACTOR, reference_noise_loss=noise_losses[-1],

@@ -15,8 +15,6 @@ recorded checksum (``hybrid.checkpoint.CheckpointReader.verify_all``). Dry run: 
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -62,21 +60,27 @@ def trainer_command(work: Path, iters: int, port: int) -> list:
             "--peak-tflops", spec_peak_bf16_tflops()]
 
 
+# An overrunning torchrun gets this long to stop its worker on SIGTERM before both are killed.
+STOP_GRACE_S = 3.0
+
+
 def run_with_deadline(cmd: list, timeout: float):
-    """``(exit code or None when it overran, stdout and stderr)`` of ``cmd`` run in its own process group; the
-    whole group (torchrun and its worker) is killed when it overruns or when this part is stopped."""
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    """``(exit code or None when it overran, stdout and stderr)`` of ``cmd``; torchrun and its worker (in a
+    session of its own) are stopped together (:func:`hybrid.processes.stop_tree`) when it overruns or when
+    this part is stopped."""
+    from hybrid.processes import stop_tree
+
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
         return proc.returncode, output
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        stop_tree(proc.pid, STOP_GRACE_S)
         output, _ = proc.communicate(timeout=30)
         return None, output
     finally:
         if proc.poll() is None:  # this part stopped by its own timeout meanwhile
-            os.killpg(proc.pid, signal.SIGKILL)
+            stop_tree(proc.pid, STOP_GRACE_S)
 
 
 def body(res: PartResult) -> None:
@@ -91,8 +95,9 @@ def body(res: PartResult) -> None:
         make_demo_data(work)
         cmd = [str(c) for c in trainer_command(work, iters, port)]
         res.info.update(iterations=iters, command=" ".join(cmd))
-        # up to a few seconds before run_all.sh's own stop, so that this part, not its timeout, reports it
-        timeout = max(10.0, res.budget.left_before_stop() - 3)
+        # ending (with the grace to stop it) a few seconds before run_all.sh's own stop, so that this part, not
+        # its timeout, reports it
+        timeout = max(10.0, res.budget.left_before_stop() - STOP_GRACE_S - 3)
         returncode, output = run_with_deadline(cmd, timeout)
         tail = output[-3000:]
         print(tail, flush=True)

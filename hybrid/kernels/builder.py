@@ -11,13 +11,12 @@ clears it and retries.
 
 The compiler runs in a child process (``python -m hybrid.kernels.builder PLAN``) with a
 deadline, the lock's staleness age (``HYBRID_KERNELS_LOCK_STALE_S``): a compiler stuck on
-a hung file system is killed with its process group and reported as a failed build, not
+a hung file system is killed with everything below it and reported as a failed build, not
 waited on for ever. The parent imports the finished library.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -25,7 +24,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -36,6 +34,7 @@ from types import ModuleType
 
 from hybrid.kernels.build_lock import DEFAULT_STALE_AFTER_S, BuildLock
 from hybrid.kernels.modes import CACHE_ENV, CSRC_ENV, LOCK_STALE_ENV, KernelBuildError
+from hybrid.processes import stop_tree
 
 SOURCE_SUFFIXES = (".cpp", ".cc", ".h", ".hpp", ".cu", ".cuh")
 OK_MARKER = "build_ok.json"
@@ -229,63 +228,33 @@ def _compile(plan: BuildPlan, verbose: bool) -> ModuleType:
     )
 
 
+_STOP_GRACE_S = 5.0  # a build past its deadline gets this long to end on SIGTERM before everything is killed
+
+
 def _compile_in_child(plan: BuildPlan, verbose: bool, timeout_s: float) -> None:
-    """:func:`_compile` in a child process in its own process group, killed with its compilers after
-    ``timeout_s``; a RuntimeError holding its output when it fails or overruns."""
+    """:func:`_compile` in a child process, stopped with every compiler below it after ``timeout_s``
+    (:func:`hybrid.processes.stop_tree`); a RuntimeError holding its output when it fails or overruns."""
     payload = json.dumps({"spec": dataclasses.asdict(plan.spec), "csrc": str(plan.csrc),
                           "directory": str(plan.directory), "module_name": plan.module_name, "verbose": verbose})
     # the child imports this package from where this process found it, whatever put it on sys.path here
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.Popen([sys.executable, "-m", "hybrid.kernels.builder", payload], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, env=env)
     try:
         output, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _end_session(proc.pid)
+        stop_tree(proc.pid, _STOP_GRACE_S)
         output, _ = proc.communicate(timeout=60)
         raise RuntimeError(f"the build did not finish within {timeout_s:g} s ({LOCK_STALE_ENV}; a compiler stuck "
                            f"on a hung file system?) and was killed:\n{output}") from None
     finally:
         if proc.poll() is None:  # this process interrupted meanwhile: no compiler outlives it
-            _end_session(proc.pid)
+            stop_tree(proc.pid, _STOP_GRACE_S)
     if verbose and output:
         print(output, end="", flush=True)
     if proc.returncode != 0:
         raise RuntimeError(output.strip() or f"the build process exited with {proc.returncode}")
-
-
-_SESSION_GRACE_S = 5.0  # ninja, sent SIGTERM, stops the compilers it started within this
-
-
-def _end_session(sid: int) -> None:
-    """Stop every process of session ``sid``: SIGTERM to its leader's group (ninja then stops the compilers,
-    each of which it put in a process group of its own), then SIGKILL to whatever of the session is left."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(sid, signal.SIGTERM)
-    deadline = time.monotonic() + _SESSION_GRACE_S
-    while _session_members(sid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for pid in _session_members(sid):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _session_members(sid: int) -> list[int]:
-    """The live (not zombie) processes of session ``sid``, from /proc (none where there is no /proc)."""
-    members = []
-    if not Path("/proc").is_dir():
-        return members
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[3]) == sid:  # state, ppid, pgrp, session
-            members.append(int(entry.name))
-    return members
 
 
 def _compile_plan_from_json(payload: str) -> None:

@@ -147,25 +147,19 @@ def test_a_required_run_that_does_not_fit_fails_the_part_and_an_optional_one_doe
 
 def test_the_trainer_part_kills_an_overrunning_torchrun_with_its_worker(tmp_path):
     from benchmarks.gpu.trainer_run import run_with_deadline
+    from hybrid.processes import alive
 
     pid_file = tmp_path / "worker.pid"
-    # a launcher that starts a worker and waits on it, as torchrun does
-    launcher = ("import subprocess, sys, time; "
-                "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+    # a launcher that starts a worker in a session of its own and waits on it, as torchrun does; the worker
+    # ignores SIGTERM, so only the SIGKILL that follows the grace ends it
+    worker = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    launcher = ("import subprocess, sys; "
+                f"w = subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True); "
                 f"open({str(pid_file)!r}, 'w').write(str(w.pid)); print('launched', flush=True); w.wait()")
     returncode, output = run_with_deadline([sys.executable, "-c", launcher], timeout=3)
     assert returncode is None and "launched" in output
-    worker = int(pid_file.read_text())
+    worker_pid = int(pid_file.read_text())
     deadline = time.monotonic() + 5
-    while _running(worker) and time.monotonic() < deadline:
+    while alive(worker_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _running(worker), "the worker outlived its launcher's kill"
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` exists and is no zombie (a killed process waits as one until someone reaps it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    assert not alive(worker_pid), "the worker outlived its launcher's stop"
