@@ -29,7 +29,6 @@ the absolute times are noisy; the ratio of interleaved medians is the figure.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -42,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hybrid.argument_parser import ArgumentParser  # noqa: E402
 from tests.multiproc import run_distributed  # noqa: E402
 
 WIDTH = 2048  # hidden width of the linear stack: layers of WIDTH x WIDTH (+ bias)
@@ -112,7 +112,7 @@ def _bench(layers: int, rounds: int, steps: int, root: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=250e6, help="model parameters (default 250e6)")
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)

@@ -68,6 +68,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from hybrid.argument_parser import ArgumentParser  # noqa: E402
 
 NODES, RANKS_PER_NODE, TP = 2, 2, 2
 BASELINE = "z2"
@@ -277,7 +278,7 @@ def plot(options: Dict[str, dict], path: Path, title: str, tolerance: float) -> 
 
 # ---- driver ---------------------------------------------------------------------------------------
 def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=300, help="optimizer steps per run")
     ap.add_argument("--only", default="", help=f"comma-separated options (default: all): {', '.join(OPTIONS)}")
     ap.add_argument("--link", default="none",

@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from hybrid.argument_parser import ArgumentParser
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -103,7 +105,7 @@ def measure(cmd: list) -> tuple:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work-dir", required=True, help="scratch directory (~12 GB at the default size)")
     p.add_argument("--layers", type=int, default=18)
     p.add_argument("--hidden", type=int, default=2048)

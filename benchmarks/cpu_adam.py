@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from hybrid.argument_parser import ArgumentParser  # noqa: E402
 import hybrid.kernels as hk  # noqa: E402
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
@@ -217,7 +218,7 @@ def rebind(bind: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=int, default=50_000_000)
     parser.add_argument("--tensors", type=int, default=1, help="split the params into this many tensors")
     parser.add_argument("--rounds", type=int, default=5)

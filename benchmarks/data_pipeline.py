@@ -29,7 +29,6 @@ round-robin so that they share whatever load the machine has.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -44,6 +43,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from hybrid.argument_parser import ArgumentParser  # noqa: E402
 from hybrid.data.gpt_dataset import GPTDataset, build_gpt_indices  # noqa: E402
 from hybrid.data.indexed import IndexedDataset, IndexedDatasetWriter  # noqa: E402
 from hybrid.data.preprocess import preprocess  # noqa: E402
@@ -209,7 +209,7 @@ def print_table(rows: list[tuple]) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", default=None, help="temporary directory (needs ~2 bytes per token)")
     p.add_argument("--docs", type=int, default=1_000_000)
     p.add_argument("--tokens", type=int, default=500_000_000)

@@ -80,6 +80,7 @@ import time
 from typing import Dict, Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from hybrid.argument_parser import ArgumentParser  # noqa: E402
 
 WORLD = 4
 VOCAB = 1024
@@ -499,7 +500,7 @@ def calibrate(contenders, args, log) -> Dict[str, float]:
 def main(argv=None) -> None:
     from hybrid.plan import parse_size
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rank", help=argparse.SUPPRESS)
     ap.add_argument("--budget", default="20GiB",
                     help="what the ranks' resident peaks, summed, may reach; several, comma-separated, search at each")

@@ -21,7 +21,6 @@ are paired per round: the median over rounds and the min-max (``benchmarks/paire
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import statistics
@@ -34,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.paired import paired_ratio  # noqa: E402
+from hybrid.argument_parser import ArgumentParser  # noqa: E402
 from tests.multiproc import run_distributed  # noqa: E402
 
 
@@ -88,7 +88,7 @@ def child(sizes: List[int], calls: int) -> Dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--sizes", default="786432,2097152,8388608", help="elements per buffer, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)

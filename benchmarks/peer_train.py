@@ -34,6 +34,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from benchmarks import zero_vs_peers as zvp  # noqa: E402
+from hybrid.argument_parser import ArgumentParser  # noqa: E402
 
 # --peer name -> the zero_vs_peers contender: its defaults, or "-matched": hybrid's bucket size (--zero-bucket-size)
 # and overlap setting, as zero_vs_peers' matched table sets them
@@ -49,7 +50,7 @@ PEERS = {
 
 def parse(argv=None) -> argparse.Namespace:
     """The flags share ``hybrid.train``'s names, so a benchmark passes both the same model flags."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--peer", required=True, choices=sorted(PEERS))
     ap.add_argument("--num-layers", dest="layers", type=int, required=True)
     ap.add_argument("--hidden-size", dest="hidden", type=int, required=True)

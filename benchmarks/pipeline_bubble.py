@@ -33,7 +33,6 @@ Reproduce (from the repository root, on a quiet machine)::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -45,6 +44,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from hybrid.argument_parser import ArgumentParser  # noqa: E402
 from tests.multiproc import run_distributed  # noqa: E402  (the repository's gloo process harness)
 
 PP = 2
@@ -131,7 +131,7 @@ def _replay(lists, chunks: int, action_s) -> tuple:
 def main(argv=None) -> None:
     from hybrid.pipeline import bubble_fraction, schedule, simulate
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per cell and round")
     ap.add_argument("--hidden", type=int, default=1024)

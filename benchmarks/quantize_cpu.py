@@ -16,7 +16,6 @@ hybrid.kernels.quantize sends a CPU operation to the compiled op when it was fas
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -29,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.cpu_adam import cpu_name, timed_rounds  # noqa: E402  (the CPU model; interleaved timing)
+from hybrid.argument_parser import ArgumentParser  # noqa: E402
 from hybrid.kernels import quantize as Q  # noqa: E402
 from hybrid.kernels.builder import default_cache_root, default_csrc_dir  # noqa: E402
 from hybrid.kernels.modes import KernelMode  # noqa: E402
@@ -93,7 +93,7 @@ def run_case(op, name: str, bits: int, size: int, rows: int, block: int, repeats
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["1M", "16M"], help="fp32 elements per call (K/M suffixes)")
     parser.add_argument("--rows", type=int, default=4, help="rows (ranks) the elements are split into")
     parser.add_argument("--block", type=int, default=256)

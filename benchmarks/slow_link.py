@@ -139,6 +139,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from hybrid.argument_parser import ArgumentParser  # noqa: E402
 
 NODES, RANKS_PER_NODE = 2, 2
 WORLD = NODES * RANKS_PER_NODE
@@ -437,14 +438,29 @@ def _fmt(value: Optional[float], spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def schedule_label(row: dict) -> str:
-    """`` <schedule>`` for a pipeline run whose flags pick a schedule other than the default, else empty."""
+# What a contender's flags change besides the layout, as the layout column names it (the flag's value where "{}"
+# stands), in this order. The pipeline schedule is named only when it is not the schema's default.
+FLAG_LABELS = (("--zero-quantized-gradients", "grads {}"), ("--zero-quantized-weights", "weights {}"),
+               ("--zero-two-level-reduce", "2-level"), ("--zero-hpz-partition-size", "hpZ {}"),
+               ("--zero-prefetch-bucket-size", "prefetch {}"), ("--optimizer", "{}"),
+               ("--pipeline-schedule", "{}"))
+
+
+def settings_label(row: dict) -> str:
+    """`` <label> ...`` for the settings of :data:`FLAG_LABELS` the row's flags set, else empty."""
     from hybrid.config.schema import PipelineConfig
 
     flags = row.get("flags", [])
-    i = flags.index("--pipeline-schedule") if "--pipeline-schedule" in flags else -1
-    chosen = flags[i + 1] if 0 <= i < len(flags) - 1 else PipelineConfig().schedule
-    return "" if chosen == PipelineConfig().schedule else f" {chosen}"
+    labels = []
+    for flag, label in FLAG_LABELS:
+        if flag not in flags:
+            continue
+        i = flags.index(flag)
+        value = flags[i + 1] if "{}" in label and i + 1 < len(flags) else ""
+        if flag == "--pipeline-schedule" and value == PipelineConfig().schedule:
+            continue
+        labels.append(label.format(value))
+    return "".join(f" {label}" for label in labels)
 
 
 def table_rows(point: dict) -> List[List[str]]:
@@ -452,7 +468,7 @@ def table_rows(point: dict) -> List[List[str]]:
     rows = []
     for r in point["contenders"]:
         layout = f"TP{r['tp']}x{'PP%dx' % r['pp'] if r.get('pp', 1) > 1 else ''}DP{r['dp']} Z{r['zero_stage']} " \
-                 f"mb{r['micro_batch']}" + (" once" if r["zero_reduce_once"] else "") + schedule_label(r)
+                 f"mb{r['micro_batch']}" + (" once" if r["zero_reduce_once"] else "") + settings_label(r)
         if not r["ok"]:
             rows.append([r["name"], layout, "FAILED", r["failure"] or "", "", "", "", "", "", "", ""])
             continue
@@ -535,7 +551,7 @@ def machine_flops(points: List[dict], step_flops: float) -> Optional[Tuple[float
 
 # ---- driver --------------------------------------------------------------------------------------
 def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)

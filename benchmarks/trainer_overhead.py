@@ -13,12 +13,13 @@ median per-iteration time of each is compared; the target is >= 0.95x.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 
 import torch
+
+from hybrid.argument_parser import ArgumentParser
 
 ARGS = ["--model", "tiny", "--mock-data", "--micro-batch-size", "8", "--lr", "1e-3", "--eval-interval", "0",
         "--weight-decay", "0.0", "--clip-grad", "1.0", "--zero-stage", "1", "--peak-tflops", "1"]
@@ -66,7 +67,7 @@ def hand_loop_times(iters: int) -> list:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3)
     opts = parser.parse_args()

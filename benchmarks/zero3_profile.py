@@ -29,7 +29,6 @@ Reproduce (from the repository root)::
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import os
@@ -43,6 +42,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.zero_vs_peers import PlainGPT, batch, gpt_config, param_groups  # noqa: E402
+from hybrid.argument_parser import ArgumentParser  # noqa: E402
 from tests.multiproc import run_distributed  # noqa: E402
 
 WORLD = 4
@@ -241,7 +241,7 @@ def _breakdown(per_rank: List[Dict], kind: str) -> Dict[str, float]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=10, help="measured steps (after --warmup)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--bucket", type=int, default=25_000_000, help="DDP gradient bucket, elements (hybrid's default)")

@@ -4,14 +4,20 @@
   of every ``.py`` file) has no strongly connected component of more than one
   module and no module importing itself.
 * ``hybrid.config`` stands alone: it imports only ``hybrid.config.*`` and the
-  plain-data modules ``hybrid.layout`` and ``hybrid.compression`` from hybrid
-  (which import only each other), and never torch, so configuration files can
-  be checked without the training stack.
+  plain-data modules ``hybrid.layout``, ``hybrid.compression`` and
+  ``hybrid.argument_parser`` from hybrid (which import only each other), and
+  never torch, so configuration files can be checked without the training
+  stack.
 * ZeRO stages are defined once: the tuple ``(0, 1, 2, 3)`` appears nowhere (the
   :class:`hybrid.layout.ZeroStage` enum defines it), the offload rule
   (``offload_problem``) is written once, and the packages that reason about
   stages read :data:`hybrid.layout.STAGE_TRAITS` instead of comparing stage
   numbers.
+* Every command line parses with :class:`hybrid.argument_parser.ArgumentParser`,
+  whose usage errors are one line: no ``argparse.ArgumentParser(`` in
+  ``hybrid/``, ``tools/`` or ``benchmarks/`` outside that module, except
+  ``benchmarks/gpu/`` (its scripts run before the project is importable, with
+  arguments ``run_all.sh`` writes).
 
 Nothing is imported or executed: the rules hold for the files as written.
 
@@ -260,7 +266,7 @@ def test_no_import_cycles():
 
 
 # Modules of plain data and rules (no torch): what configuration code may read besides itself.
-PLAIN_DATA = ("hybrid.layout", "hybrid.compression")
+PLAIN_DATA = ("hybrid.layout", "hybrid.compression", "hybrid.argument_parser")
 
 
 def _imports_outside(prefixes, allowed):
@@ -359,4 +365,23 @@ def test_no_literal_stage_comparisons(package):
             if STAGE_COMPARISON.search(line):
                 bad.append(f"{path.relative_to(ROOT)}:{lineno}: {line.strip()}")
     assert not bad, "literal ZeRO stage comparisons (use hybrid.layout.STAGE_TRAITS / ZeroStage):\n  " \
+                    + "\n  ".join(bad)
+
+
+# The command-line folders, and the one folder whose scripts run before the project is importable.
+COMMAND_DIRS = ("hybrid", "tools", "benchmarks")
+BEFORE_INSTALL_DIR = "benchmarks/gpu"
+PARSER_MODULE = "hybrid/argument_parser.py"
+
+
+def test_every_command_line_uses_the_one_line_parser():
+    bad = []
+    for folder in COMMAND_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel == PARSER_MODULE or rel.startswith(BEFORE_INSTALL_DIR + "/"):
+                continue
+            code = code_without_strings_and_comments(path.read_text(encoding="utf-8"))
+            bad += [f"{rel}:{n}" for n, line in enumerate(code.splitlines(), 1) if "argparse.ArgumentParser(" in line]
+    assert not bad, "use hybrid.argument_parser.ArgumentParser (usage errors in one line), not argparse's:\n  " \
                     + "\n  ".join(bad)

@@ -28,6 +28,7 @@ if __package__ in (None, ""):
     if _REPO not in sys.path:
         sys.path.insert(0, _REPO)
 
+from hybrid.argument_parser import ArgumentParser  # noqa: E402
 from hybrid.checkpoint import CheckpointError  # noqa: E402
 from hybrid.layout import PRECISIONS  # noqa: E402
 
@@ -43,7 +44,7 @@ def _size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("reshard", help="rewrite a checkpoint in another TP / DP / PP / ZeRO-stage layout")

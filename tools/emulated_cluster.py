@@ -57,6 +57,7 @@ if __package__ in (None, ""):  # run as a script: make the repository's `tools` 
     if _REPO not in sys.path:
         sys.path.insert(0, _REPO)
 
+from hybrid.argument_parser import ArgumentParser  # noqa: E402
 from tools.netns import (KILL_GRACE_S, MARKER_ENV, ClusterError, ClusterUnavailable,  # noqa: E402
                          LinkDelayUnavailable, Net, kill_netns_processes, kill_pids, marked_processes, signals_blocked, wait_gone)
 
@@ -555,7 +556,7 @@ def _cluster_kwargs(args) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="name prefix of the namespaces and links")
     sub = parser.add_subparsers(dest="command", required=True)
     _shape_flags(sub.add_parser("up", help="build the namespaces and shaped links, and leave them up"))

@@ -32,6 +32,7 @@ if __package__ in (None, ""):
     if _REPO not in sys.path:
         sys.path.insert(0, _REPO)
 
+from hybrid.argument_parser import ArgumentParser  # noqa: E402
 from tools.outputs import make_output_dir  # noqa: E402
 
 # Test suites and their data: large, repetitive, and partly not valid Python 3.
@@ -88,7 +89,7 @@ def iter_corpus(root: Path, unit: str = "docstring", min_chars: int = 40, dedupe
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", required=True, help="jsonl file to write")
     p.add_argument("--unit", choices=("docstring", "module"), default="docstring")
     p.add_argument("--min-chars", type=int, default=40, help="drop docstrings shorter than this")

@@ -24,12 +24,13 @@ if __package__ in (None, ""):
     if _REPO not in sys.path:
         sys.path.insert(0, _REPO)
 
+from hybrid.argument_parser import ArgumentParser
 from hybrid.data.preprocess import BAD_LINE_POLICIES, INPUT_FORMATS, WORKER_TIMEOUT_S, BadInputError, preprocess
 from tools.outputs import make_output_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", required=True, help="jsonl, or plain text with blank-line-separated documents")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize (default: text)")
     p.add_argument("--input-format", choices=INPUT_FORMATS, default="auto")

@@ -26,13 +26,14 @@ if __package__ in (None, ""):
 
 from tqdm import tqdm
 
+from hybrid.argument_parser import ArgumentParser
 from hybrid.data.preprocess import BAD_LINE_POLICIES, INPUT_FORMATS, BadInputError, BadLine, iter_texts
-from hybrid.data.tokenizer import MODEL_TYPES, train_sentencepiece
+from hybrid.data.tokenizer import MODEL_TYPES, check_training_options, train_sentencepiece
 from tools.outputs import make_output_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True, help="text or jsonl files")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="jsonl keys holding text (default: text)")
     p.add_argument("--input-format", choices=INPUT_FORMATS, default="auto", help="auto: .jsonl/.json -> jsonl")
@@ -50,27 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# SentencePiece's own bounds (trainer_interface.cc); checked here so that the message names the flag.
-MAX_THREADS = 1024
-MIN_SENTENCE_LENGTH, MAX_SENTENCE_LENGTH = 10, 1 << 30
-MIN_CHARACTER_COVERAGE = 0.98
-MIN_SAMPLED_SENTENCES = 101
-
-
 def check_args(args) -> None:
     """Refuse out-of-range numeric flags before any input is read (ValueError naming the flag)."""
-    if args.num_threads is not None and not 1 <= args.num_threads <= MAX_THREADS:
-        raise ValueError(f"--num-threads must be 1 to {MAX_THREADS}, got {args.num_threads} "
-                         f"(leave it out to use every core)")
-    if not MIN_SENTENCE_LENGTH <= args.max_sentence_length <= MAX_SENTENCE_LENGTH:
-        raise ValueError(f"--max-sentence-length must be {MIN_SENTENCE_LENGTH} to {MAX_SENTENCE_LENGTH} bytes, "
-                         f"got {args.max_sentence_length}")
-    if args.input_sentence_size != 0 and args.input_sentence_size < MIN_SAMPLED_SENTENCES:
-        raise ValueError(f"--input-sentence-size must be 0 (use every line) or at least {MIN_SAMPLED_SENTENCES}, "
-                         f"got {args.input_sentence_size}")
-    if not MIN_CHARACTER_COVERAGE <= args.character_coverage <= 1.0:
-        raise ValueError(f"--character-coverage must be {MIN_CHARACTER_COVERAGE} to 1.0 (SentencePiece's range), "
-                         f"got {args.character_coverage}")
+    check_training_options(vocab_size=args.vocab_size, model_type=args.model_type,
+                           character_coverage=args.character_coverage, max_sentence_length=args.max_sentence_length,
+                           input_sentence_size=args.input_sentence_size, num_threads=args.num_threads,
+                           flag_of=lambda name: "--" + name.replace("_", "-"))
 
 
 def explain(error: Exception, args) -> str:

@@ -23,6 +23,7 @@ import difflib
 import typing
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from hybrid.argument_parser import ArgumentParser
 from hybrid.config.deepspeed import deepspeed_settings, from_deepspeed
 from hybrid.config.derive import derive_for_training
 from hybrid.config.errors import ConfigError, suggestion
@@ -70,7 +71,7 @@ def build_parser(prog: str = "hybrid-train", description: str = "") -> Tuple[arg
     override ``--config`` nor count as given); abbreviations are off, so a
     flag added later cannot make an abbreviation in a launch script ambiguous.
     """
-    parser = argparse.ArgumentParser(prog=prog, description=description, argument_default=argparse.SUPPRESS,
+    parser = ArgumentParser(prog=prog, description=description, argument_default=argparse.SUPPRESS,
                                      allow_abbrev=False)
     parser.add_argument(CONFIG_FLAG, metavar="FILE", help="YAML or JSON file: the nested tree, flat trainer keys "
                                                          "or a DeepSpeed config; flags override it")

@@ -11,6 +11,7 @@ import argparse
 import platform
 import sys
 
+from hybrid.argument_parser import ArgumentParser
 from hybrid.kernels.builder import compiler_identity, cxx_compiler, default_cache_root, default_csrc_dir, host_isa
 from hybrid.kernels.ops import ALL_OPS, find_nvcc, nvcc_version
 
@@ -60,7 +61,7 @@ def print_report(stream=sys.stdout) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hybrid.kernels", description=__doc__,
+    parser = ArgumentParser(prog="python -m hybrid.kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p_build = sub.add_parser("build", help="prebuild the ops")

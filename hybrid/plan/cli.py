@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import List, Optional, Union
 
+from hybrid.argument_parser import ArgumentParser
 from hybrid.config.schema import PIPELINE_SCHEDULES
 from hybrid.layout import OFFLOAD_DEVICES, PRECISIONS, ZERO_STAGES, LayoutError
 from hybrid.plan.activations import PROFILES
@@ -24,7 +25,7 @@ EXAMPLE = ("python -m hybrid.plan --model turing-nlg-17b --gpus 256 --gpus-per-n
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m hybrid.plan", description=(
+    ap = ArgumentParser(prog="python -m hybrid.plan", description=(
         "Predict per-GPU memory, communication (split by intra- and inter-node link) and step time of every "
         f"parallel layout of a model, and rank the layouts that fit by predicted tokens/s. Example: {EXAMPLE}"),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -9,7 +9,6 @@ or sampling with temperature, top-k and top-p.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from typing import List, Optional
@@ -17,6 +16,7 @@ from typing import List, Optional
 import torch
 
 from hybrid import param_meta
+from hybrid.argument_parser import ArgumentParser
 from hybrid.checkpoint import CheckpointError, CheckpointReader
 from hybrid.convert.consolidate import CheckpointSource, Target
 from hybrid.data.errors import DataError
@@ -98,7 +98,7 @@ def _check_args(args) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="generate", description="Generate text from a hybrid checkpoint.")
+    parser = ArgumentParser(prog="generate", description="Generate text from a hybrid checkpoint.")
     parser.add_argument("--load", required=True, help="checkpoint directory (its 'latest') or DIR/iter_N")
     parser.add_argument("--tokenizer-model", required=True, help="the SentencePiece model used for training")
     parser.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
