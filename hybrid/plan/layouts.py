@@ -79,6 +79,16 @@ class Choices:
     # One precision, not a choice: the step-time model does not price it, so it could not rank precisions.
     precision: str = DEFAULT_PRECISION
 
+    def __post_init__(self):
+        # The enumeration divides by these sizes; the command line's flags refuse them on their own, but a
+        # Choices built in code would otherwise end in a ZeroDivisionError far from its cause.
+        sizes = {"tp": self.tp, "pp": self.pp, "virtual_stages": self.virtual_stages,
+                 "micro_batches": self.micro_batches, "max_micro_batch": (self.max_micro_batch,)}
+        for name, values in sizes.items():
+            bad = [v for v in values or () if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+            if bad:
+                raise LayoutError(f"Choices.{name} must hold positive integers, got {bad[0]!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class Evaluation:

@@ -55,6 +55,14 @@ def test_enumeration_rules():
         enumerate_layouts(config, cluster, 100)
 
 
+
+@pytest.mark.parametrize("field, value", [("pp", [0]), ("tp", [2, -1]), ("micro_batches", [0]),
+                                          ("virtual_stages", [1.5]), ("max_micro_batch", 0)])
+def test_choices_built_in_code_refuse_sizes_below_one(field, value):
+    # the command line's flags refuse these themselves; in code, pp=[0] used to end in a ZeroDivisionError
+    with pytest.raises(LayoutError, match=f"Choices.{field} must hold positive integers"):
+        Choices(**{field: value})
+
 def test_ranking_puts_fitting_then_faster_layouts_first():
     config = get_preset("gpt2-xl")
     cluster = Cluster(gpus=16, gpus_per_node=8, gpu_memory=16 * 2**30)
