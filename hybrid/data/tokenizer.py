@@ -8,13 +8,21 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import sentencepiece as spm
 
 from .errors import DataError, DataFileNotFoundError
 
 MODEL_TYPES = ("bpe", "unigram")
+
+# SentencePiece's own bounds on its trainer's options (trainer_interface.cc), checked before any input is read so
+# that a refusal names the option, not a C++ assertion after the corpus was loaded.
+MIN_VOCAB_SIZE = 8
+MAX_THREADS = 1024
+MIN_SENTENCE_LENGTH, MAX_SENTENCE_LENGTH = 10, 1 << 30
+MIN_CHARACTER_COVERAGE = 0.98
+MIN_SAMPLED_SENTENCES = 101
 
 
 class SentencePieceTokenizer:
@@ -91,6 +99,31 @@ def _lines_of(documents: Iterable[str]) -> Iterator[str]:
                 yield line
 
 
+def check_training_options(*, vocab_size: int, model_type: str, character_coverage: float, max_sentence_length: int,
+                           input_sentence_size: int, num_threads: Optional[int],
+                           flag_of: Callable[[str], str] = lambda name: name) -> None:
+    """ValueError naming the first option of :func:`train_sentencepiece` outside SentencePiece's bounds.
+
+    ``flag_of`` turns an option's name into what the message calls it (a command line's flag).
+    """
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"{flag_of('model_type')} must be one of {MODEL_TYPES}, got {model_type!r}")
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"{flag_of('vocab_size')} must be at least {MIN_VOCAB_SIZE}, got {vocab_size}")
+    if num_threads is not None and not 1 <= num_threads <= MAX_THREADS:
+        raise ValueError(f"{flag_of('num_threads')} must be 1 to {MAX_THREADS}, got {num_threads} "
+                         f"(leave it out to use every core)")
+    if not MIN_SENTENCE_LENGTH <= max_sentence_length <= MAX_SENTENCE_LENGTH:
+        raise ValueError(f"{flag_of('max_sentence_length')} must be {MIN_SENTENCE_LENGTH} to {MAX_SENTENCE_LENGTH} "
+                         f"bytes, got {max_sentence_length}")
+    if input_sentence_size != 0 and input_sentence_size < MIN_SAMPLED_SENTENCES:
+        raise ValueError(f"{flag_of('input_sentence_size')} must be 0 (use every line) or at least "
+                         f"{MIN_SAMPLED_SENTENCES}, got {input_sentence_size}")
+    if not MIN_CHARACTER_COVERAGE <= character_coverage <= 1.0:
+        raise ValueError(f"{flag_of('character_coverage')} must be {MIN_CHARACTER_COVERAGE} to 1.0 (SentencePiece's "
+                         f"range), got {character_coverage}")
+
+
 def train_sentencepiece(
     documents: Iterable[str],
     model_prefix: str | os.PathLike,
@@ -108,12 +141,9 @@ def train_sentencepiece(
     ``input_sentence_size`` > 0 samples that many lines (0 uses all). Lines
     longer than ``max_sentence_length`` bytes are skipped by SentencePiece.
     """
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
-    if vocab_size < 8:
-        raise ValueError(f"vocab_size must be at least 8, got {vocab_size}")
-    if not 0.0 < character_coverage <= 1.0:
-        raise ValueError(f"character_coverage must be in (0, 1], got {character_coverage}")
+    check_training_options(vocab_size=vocab_size, model_type=model_type, character_coverage=character_coverage,
+                           max_sentence_length=max_sentence_length, input_sentence_size=input_sentence_size,
+                           num_threads=num_threads)
     lines = _lines_of(documents)
     first = next(lines, None)
     if first is None:

@@ -1,6 +1,7 @@
 """Tokenizer training (tool) and the SentencePiece wrapper."""
 
 import json
+import re
 
 import pytest
 
@@ -76,3 +77,19 @@ def test_invalid_training_options():
         train_sentencepiece(["a"], "/tmp/never", 100, model_type="wordpiece")
     with pytest.raises(ValueError, match="character_coverage"):
         train_sentencepiece(["a"], "/tmp/never", 100, character_coverage=0)
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("character_coverage", 0.5, "character_coverage must be 0.98 to 1.0"),  # in (0, 1] but below SentencePiece's
+    ("num_threads", 0, "num_threads must be 1 to 1024"),
+    ("max_sentence_length", 5, "max_sentence_length must be 10 to"),
+    ("input_sentence_size", 50, "input_sentence_size must be 0 (use every line) or at least 101"),
+])
+def test_options_outside_sentencepiece_bounds_are_refused_before_the_input_is_read(tmp_path, option, value, message):
+    def corpus():
+        raise AssertionError("the corpus was read before the options were checked")
+        yield  # a generator: raises only when iterated
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train_sentencepiece(corpus(), tmp_path / "t", 100, **{option: value})
+    assert not list(tmp_path.iterdir())
