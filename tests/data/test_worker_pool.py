@@ -2,6 +2,7 @@
 
 import multiprocessing
 import os
+import re
 import signal
 import threading
 import time
@@ -186,3 +187,133 @@ def test_ctrl_c_stops_the_caller_once_and_leaves_no_worker(tmp_path):
             break
         time.sleep(0.2)
     assert leftover == []
+
+
+# A worker that is alive but frozen (stopped, stuck in the kernel, swapped out) reads and writes nothing. Tasks
+# and results larger than the buffer between caller and worker (64 KiB for a pipe, some 200 KiB for a socket
+# pair) then cannot be handed over in one go, so the caller's side of the transfer must have a deadline too.
+_BIG_TASK_BYTES = 1 << 20
+_BIG_RESULT_BYTES = 50 << 20
+_HUNG = object()  # what _map_in_thread returns for a map that did not end in time
+
+
+def _map_in_thread(limit_s, *args, **kwargs):
+    """``list(ordered_map(*args, **kwargs))`` in a thread, so that a map that hangs fails the test instead of
+    hanging it. Returns the results or the exception raised (``_HUNG`` if it ran past ``limit_s``) and the
+    seconds it took."""
+    outcome = [_HUNG]
+
+    def run():
+        try:
+            outcome[0] = list(ordered_map(*args, **kwargs))
+        except BaseException as e:
+            outcome[0] = e
+
+    start = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    return outcome[0], time.monotonic() - start
+
+
+def _state(pid: int):
+    """The state letter of process ``pid`` (``T``: stopped, ``Z``: not yet reaped), None if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def _kill_stopped(pids) -> None:
+    """SIGKILL whichever of ``pids`` is still stopped, so that a failed test (a hung map) ends its thread."""
+    for pid in pids:
+        if _state(pid) == "T":
+            os.kill(pid, signal.SIGKILL)
+
+
+def _length(data):
+    return len(data)
+
+
+def _stop_the_workers_first(before, stopped, tasks):
+    """``tasks``, after SIGSTOP-ing the pool's workers: the map takes its first task once they have started."""
+    for p in _pool_processes_left(before):
+        os.kill(p.pid, signal.SIGSTOP)
+        stopped.append(p.pid)
+    yield from tasks
+
+
+def test_a_frozen_worker_that_does_not_take_a_large_task_ends_the_map_at_the_time_limit():
+    before = set(multiprocessing.active_children())
+    stopped = []
+    tasks = _stop_the_workers_first(before, stopped, [bytes(_BIG_TASK_BYTES)])
+    try:
+        outcome, took = _map_in_thread(20, _length, tasks, workers=1, window=1, timeout_s=1.0)
+        assert outcome is not _HUNG, "the map hung handing a task to a stopped worker"
+        assert len(stopped) == 1
+        assert isinstance(outcome, WorkerPoolError), outcome
+        assert str(outcome) == (f"worker process {stopped[0]} did not take task 0 within 1 s "
+                                f"(it is alive but not reading: frozen or stopped)")
+        assert 1.0 <= took < 10
+        assert _pool_processes_left(before) == []
+        assert _state(stopped[0]) is None  # killed and reaped, not left stopped
+    finally:
+        _kill_stopped(stopped)
+
+
+def _bytes_written() -> int:
+    """What this process has written so far, pipes and sockets included (``wchar`` of ``/proc/self/io``)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+
+
+def _large_result_then_freeze_midway_through_sending_it(x):
+    """For task 1, return a large result, and stop the worker once part of it, more than a frame header, is sent.
+
+    Task 0 only lets the worker start (import this module and its imports), which may take longer than the time
+    limit on a busy machine: task 1's time starts when task 0's result is back.
+    """
+    if x == 0:
+        return None
+    result = bytes(_BIG_RESULT_BYTES)
+    written_before = _bytes_written()
+
+    def stop_if_sending(signum, frame):
+        if _bytes_written() - written_before > 1024:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    # The timer's signal cuts the worker's blocking write short when it waits for the caller to read (the write
+    # returns what it has sent so far), and the handler then runs between two writes: with part of the result
+    # sent and the rest not. The write of 50 MiB waits many times, so its first cut comes long before its end.
+    signal.signal(signal.SIGALRM, stop_if_sending)
+    signal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)
+    return result
+
+
+def test_a_worker_frozen_midway_through_sending_a_large_result_ends_the_map_at_the_time_limit():
+    before = set(multiprocessing.active_children())
+    try:
+        outcome, took = _map_in_thread(20, _large_result_then_freeze_midway_through_sending_it, range(2),
+                                       workers=1, window=1, timeout_s=1.0)
+        assert outcome is not _HUNG, "the map hung reading the result of a worker stopped while sending it"
+        assert isinstance(outcome, WorkerPoolError), type(outcome)
+        sent = re.fullmatch(r"task 1 was not done 1 s after it was waited on: worker process (\d+) sent "
+                            r"(?:[\d.]+ MiB|\d+ bytes) of its 50\.0 MiB result and then stopped \(it is alive but not writing: "
+                            r"frozen or stopped\)", str(outcome))
+        assert sent, outcome
+        assert 1.0 <= took < 10
+        assert _pool_processes_left(before) == []
+        assert _state(int(sent[1])) is None  # killed and reaped, not left stopped
+    finally:
+        _kill_stopped([p.pid for p in _pool_processes_left(before)])
+
+
+def _doubled(data):
+    return data + data
+
+
+def test_large_tasks_and_results_arrive_whole_and_in_order():
+    # Several MiB each way, far over the buffer between caller and worker; sizes differ so a mix-up shows.
+    tasks = [bytes([i]) * ((3 << 20) + i) for i in range(6)]
+    assert list(ordered_map(_doubled, tasks, workers=2, window=3, timeout_s=60)) == [t + t for t in tasks]
