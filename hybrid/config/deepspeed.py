@@ -5,16 +5,23 @@ Every DeepSpeed key falls in one of four kinds:
 * mapped: translated to a hybrid key (see ``docs/config.md`` for the table);
 * fixed: a setting hybrid always has, accepted only at that value
   (``zero_optimization.contiguous_gradients: true``);
-* known but unsupported: an error that names the key and says what to do;
+* no effect: a tuning knob of DeepSpeed's own implementation with nothing to
+  tune in hybrid's (``zero_optimization.allgather_bucket_size``), accepted
+  when its value has the right type;
+* known but unsupported: an error that names the key and says what to do. A
+  feature section switched off (``"flops_profiler": {"enabled": false}``) is
+  accepted: hybrid runs without the feature too;
 * unknown: an error with the nearest known key.
 
-Nothing is silently ignored. Values DeepSpeed's Hugging Face integration
+Every key of the config is checked before anything is translated, and all the
+keys that need changing are named in one error, each with its fix. Nothing is
+silently ignored. Values DeepSpeed's Hugging Face integration
 fills in (``"auto"``) must be given as numbers.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, List, Mapping
 
 from hybrid.compression import OFF, ONEBIT_ADAM, ZERO_ONE_ADAM, formats_for_deepspeed
 from hybrid.config.deepspeed_schedules import DEEPSPEED_SCHEDULER_PARAMS, deepspeed_schedule_kwargs
@@ -50,8 +57,12 @@ _HANDLED = {"": {"zero_optimization", "fp16", "bf16", "optimizer", "scheduler", 
 # Settings hybrid always has: accepted at exactly this value.
 _FIXED = {
     "": {"wall_clock_breakdown": False, "prescale_gradients": False, "sparse_gradients": False,
-         "gradient_predivide_factor": 1.0, "memory_breakdown": False, "dump_state": False},
-    "zero_optimization": {"contiguous_gradients": True, "reduce_scatter": True, "allgather_partitions": True},
+         "gradient_predivide_factor": 1.0, "memory_breakdown": False, "dump_state": False,
+         "zero_allow_untested_optimizer": False},
+    "zero_optimization": {"contiguous_gradients": True, "reduce_scatter": True, "allgather_partitions": True,
+                          # the off values of features listed in _UNSUPPORTED, whose hint the other values get
+                          "cpu_offload": False, "round_robin_gradients": False, "elastic_checkpoint": False,
+                          "stage3_gather_16bit_weights_on_model_save": False},
     # hybrid pins host buffers whenever the model is on a CUDA device
     "zero_optimization.offload_optimizer": {"pin_memory": True},
     "fp16": {"auto_cast": False, "consecutive_hysteresis": False},
@@ -59,11 +70,13 @@ _FIXED = {
 }
 
 _ISSUE_8 = "hybrid does not implement it (parameter offload, NVMe and sub-groups are out of scope); remove it"
+_CONSOLIDATE = ("hybrid saves sharded checkpoints and consolidates them offline (tools/convert_checkpoint.py to-fp32 "
+                "or to-hf); remove it")
 # Known DeepSpeed keys hybrid does not support, with what to do instead.
 _UNSUPPORTED = {
     "": {
         "amp": "use bf16.enabled or fp16.enabled", "activation_checkpointing":
-        "set hybrid's 'recompute' (none|full|selective) instead", "flops_profiler": "remove it",
+        "set hybrid's 'recompute' (--recompute-granularity none|full|selective) instead", "flops_profiler": "remove it",
         "zero_allow_untested_optimizer": "remove it; hybrid builds the optimizer from 'optimizer'",
         "zero_force_ds_cpu_optimizer": _ISSUE_8, "sparse_attention": "remove it", "wandb": "remove it",
         "csv_monitor": "remove it", "comet": "remove it", "comms_logger": "use engine.comm_report()",
@@ -80,11 +93,10 @@ _UNSUPPORTED = {
         "bfloat16": "write it as 'bf16'", "train_batch_size_per_gpu": "use train_micro_batch_size_per_gpu",
     },
     "zero_optimization": {
-        "allgather_bucket_size": "hybrid gathers whole partitions; remove it",
         "offload_param": _ISSUE_8, "cpu_offload": "write it as offload_optimizer: {device: cpu}",
         "cpu_offload_params": _ISSUE_8, "cpu_offload_use_pin_memory": "remove it; host buffers are pinned on GPUs",
-        "stage3_model_persistence_threshold": _ISSUE_8, "stage3_gather_16bit_weights_on_model_save": _ISSUE_8,
-        "stage3_gather_fp16_weights_on_model_save": _ISSUE_8, "sub_group_size": _ISSUE_8,
+        "stage3_model_persistence_threshold": _ISSUE_8, "stage3_gather_16bit_weights_on_model_save": _CONSOLIDATE,
+        "stage3_gather_fp16_weights_on_model_save": _CONSOLIDATE, "sub_group_size": _ISSUE_8,
         "elastic_checkpoint": "remove it", "load_from_fp32_weights": "remove it",
         "round_robin_gradients": "remove it",
         "mics_shard_size": "remove it", "mics_hierarchical_params_gather": "remove it",
@@ -95,7 +107,18 @@ _UNSUPPORTED = {
     "bf16": {"immediate_grad_update": "remove it", "check_grad_overflow": "remove it",
              "bf16_master_weights_and_grads": "hybrid keeps fp32 master weights; remove it",
              "bf16_optimizer_states": "hybrid keeps fp32 optimizer states; remove it"},
-    "optimizer.params": {"torch_adam": "remove it; hybrid picks its Adam implementation itself"},
+    "optimizer.params": {"torch_adam": "remove it; hybrid picks its Adam implementation itself",
+                         "max_grad_norm": "clip with the top-level gradient_clipping instead"},
+}
+
+# Accepted with no effect when the value has this type (section -> {key: type}): knobs of DeepSpeed's own
+# implementation that hybrid's has no counterpart of. allgather_bucket_size caps DeepSpeed's staging buffer for
+# the parameter all-gather; hybrid gathers each partition in place into the flat buffer, with no staging copy.
+# The 1-bit optimizers' transport switches: hybrid's communicator picks the backend of the device itself.
+# ZeroOneAdam's bias_correction: its update, like DeepSpeed's, applies none either way.
+_NO_EFFECT = {
+    "zero_optimization": {"allgather_bucket_size": (int, float)},
+    "optimizer.params": {"cuda_aware": bool, "comm_backend_name": str, "bias_correction": bool},
 }
 
 _OPTIMIZER_PARAMS = {"adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode"},
@@ -110,9 +133,6 @@ _SUPPORTED_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "onebit
                          "zerooneadam": "ZeroOneAdam"}
 # DeepSpeed names -> hybrid's optimizer.type where they differ
 _OPTIMIZER_TYPES = {"onebitadam": ONEBIT_ADAM, "zerooneadam": ZERO_ONE_ADAM}
-# Accepted with no effect: the 1-bit optimizers' transport switches (hybrid's communicator picks the backend of the
-# device itself), and ZeroOneAdam's bias_correction (its update, like DeepSpeed's, applies none either way)
-_NO_EFFECT_PARAMS = {"cuda_aware": bool, "comm_backend_name": str, "bias_correction": bool}
 _UNSUPPORTED_OPTIMIZERS = ("lamb", "onebitlamb", "adagrad", "lion", "muadam",
                            "muadamw", "musgd", "muon", "adafactor")
 
@@ -153,19 +173,16 @@ def _translate(ds: Mapping[str, Any]):
         native[native_key] = value
         origin[native_key] = ds_key
 
-    _check_keys(ds, "")
+    _check_every_key(ds)
     _map_section(ds, "", put)
     for section in ("zero_optimization", "fp16", "bf16", "tensorboard"):
         if section in ds:
             sub = _section(ds, section)
-            _check_keys(sub, section)
             _map_section(sub, section, put)
             if section == "zero_optimization":
                 _map_quantization(sub, put)
             if section == "zero_optimization" and "offload_optimizer" in sub:
-                off = _section(sub, "offload_optimizer")
-                _check_keys(off, "zero_optimization.offload_optimizer")
-                _map_section(off, "zero_optimization.offload_optimizer", put)
+                _map_section(_section(sub, "offload_optimizer"), "zero_optimization.offload_optimizer", put)
     _map_precision(ds, put)
     if "optimizer" in ds:
         _map_optimizer(_section(ds, "optimizer"), put)
@@ -190,24 +207,70 @@ def _reject_auto(node: Any, path: str) -> None:
                           f"fills in; give the value explicitly")
 
 
-def _check_keys(section: Mapping, name: str, allowed=None) -> None:
-    """Raise for fixed keys at other values, unsupported keys and unknown keys of one section."""
-    mapped = set(_MAPPED.get(name, {})) | _HANDLED.get(name, set()) | set(allowed or ())
+def _check_every_key(ds: Mapping) -> None:
+    """Check the keys of every section :func:`_translate` reads; one ConfigError naming all that need changing."""
+    problems: List[str] = []
+    _check_keys(ds, "", problems)
+    for name in ("zero_optimization", "fp16", "bf16", "tensorboard", "optimizer", "scheduler"):
+        if name in ds:
+            _check_keys(_section(ds, name), name, problems)
+    if isinstance(ds.get("zero_optimization", {}).get("offload_optimizer"), Mapping):
+        _check_keys(ds["zero_optimization"]["offload_optimizer"], "zero_optimization.offload_optimizer", problems)
+    optimizer = ds.get("optimizer", {})
+    kind = optimizer.get("type").lower() if isinstance(optimizer.get("type"), str) else None
+    if kind in _OPTIMIZER_PARAMS and isinstance(optimizer.get("params"), Mapping):
+        # an unsupported type or params of the wrong type are the optimizer's own errors, raised when it is mapped
+        _check_keys(optimizer["params"], "optimizer.params", problems, allowed=_OPTIMIZER_PARAMS[kind])
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} DeepSpeed keys need changing: "
+                          + " ".join(f"({i}) {problem}" for i, problem in enumerate(problems, 1)))
+
+
+def _check_keys(section: Mapping, name: str, problems: List[str], allowed=None) -> None:
+    """Add to ``problems`` the fixed keys of one section at other values, its unsupported keys (unless switched
+    off), its no-effect keys of the wrong type and its unknown keys. ``allowed``: the keys a section admits besides
+    its mapped ones (an optimizer's parameters); given, it also decides which no-effect keys are admitted."""
+    accepted = set(_MAPPED.get(name, {})) | _HANDLED.get(name, set()) | set(allowed or ())
+    no_effect = _NO_EFFECT.get(name, {})
+    if allowed is None:
+        accepted |= set(no_effect)
     fixed = _FIXED.get(name, {})
     unsupported = _UNSUPPORTED.get(name, {})
     prefix = f"{name}." if name else ""
     for key, value in section.items():
-        if key in mapped:
+        if key in accepted:
+            kind = no_effect.get(key)
+            if kind is not None and not _is_a(value, kind):
+                problems.append(f"DeepSpeed key '{prefix}{key}' must be {_type_name(kind)}, got {value!r}")
             continue
-        if key in fixed:
-            if value != fixed[key] or isinstance(value, bool) != isinstance(fixed[key], bool):
-                raise ConfigError(f"DeepSpeed key '{prefix}{key}' = {value!r} is not supported: hybrid always "
-                                  f"behaves as {key}={fixed[key]!r}; set that value or remove the key")
+        if key in fixed and value == fixed[key] and isinstance(value, bool) == isinstance(fixed[key], bool):
             continue
         if key in unsupported:
-            raise ConfigError(f"DeepSpeed key '{prefix}{key}' is not supported by hybrid: {unsupported[key]}")
-        known = mapped | set(fixed) | set(unsupported)
-        raise ConfigError(f"unknown DeepSpeed key '{prefix}{key}'.{suggestion(key, known, prefix)}")
+            if not _switched_off(value):
+                problems.append(f"DeepSpeed key '{prefix}{key}' is not supported by hybrid: {unsupported[key]}")
+            continue
+        if key in fixed:
+            problems.append(f"DeepSpeed key '{prefix}{key}' = {value!r} is not supported: hybrid always behaves as "
+                            f"{key}={fixed[key]!r}; set that value or remove the key")
+            continue
+        known = accepted | set(fixed) | set(unsupported)
+        problems.append(f"unknown DeepSpeed key '{prefix}{key}'.{suggestion(key, known, prefix)}")
+
+
+def _switched_off(value: Any) -> bool:
+    """A feature section with ``"enabled": false``: the feature is off, as it is in hybrid."""
+    return isinstance(value, Mapping) and value.get("enabled") is False
+
+
+def _is_a(value: Any, kind) -> bool:
+    # JSON's true is no number here: bool is a subclass of int
+    return isinstance(value, kind) and (not isinstance(value, bool) or kind is bool)
+
+
+def _type_name(kind) -> str:
+    return "a number" if kind == (int, float) else f"a {kind.__name__}"
 
 
 def _map_section(section: Mapping, name: str, put) -> None:
@@ -252,7 +315,6 @@ def _map_precision(ds: Mapping, put) -> None:
 
 
 def _map_optimizer(opt: Mapping, put) -> None:
-    _check_keys(opt, "optimizer")
     type_name = opt.get("type")
     if not isinstance(type_name, str):
         raise ConfigError(f"DeepSpeed key 'optimizer.type' must be one of "
@@ -266,7 +328,6 @@ def _map_optimizer(opt: Mapping, put) -> None:
     params = opt.get("params", {})
     if not isinstance(params, Mapping):
         raise ConfigError(f"DeepSpeed key 'optimizer.params' must be an object, got {params!r}")
-    _check_keys(params, "optimizer.params", allowed=_OPTIMIZER_PARAMS[kind])
     # DeepSpeed's "Adam" is AdamW (decoupled decay) unless adam_w_mode is false.
     if kind in ("adam", "adamw"):
         adam_w_mode = params.get("adam_w_mode", True)
@@ -277,10 +338,6 @@ def _map_optimizer(opt: Mapping, put) -> None:
             raise ConfigError("DeepSpeed optimizer.type 'AdamW' with optimizer.params.adam_w_mode false is "
                               "contradictory; use type 'Adam' with adam_w_mode false for L2-style Adam")
         kind = "adamw" if adam_w_mode else "adam"
-    for key, kind_of in _NO_EFFECT_PARAMS.items():
-        if key in params and not isinstance(params[key], kind_of):
-            raise ConfigError(f"DeepSpeed key 'optimizer.params.{key}' must be a {kind_of.__name__}, "
-                              f"got {params[key]!r}")
     put("optimizer.type", _OPTIMIZER_TYPES.get(kind, kind), "optimizer.type")
     for key in ("lr", "betas", "eps", "weight_decay", "momentum", "freeze_step", "var_freeze_step",
                 "var_update_scaler", "local_step_scaler", "local_step_clipper"):
@@ -289,7 +346,6 @@ def _map_optimizer(opt: Mapping, put) -> None:
 
 
 def _map_scheduler(sched: Mapping, native: dict, put) -> None:
-    _check_keys(sched, "scheduler")
     type_name = sched.get("type")
     if type_name not in DEEPSPEED_SCHEDULER_PARAMS:
         others = "LRRangeTest", "OneCycle"

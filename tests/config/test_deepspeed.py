@@ -173,8 +173,21 @@ def test_detection():
      r"'zero_optimization\.offload_param' is not supported by hybrid"),
     ({"zero_optimization": {"stage3_max_live_parameters": 0}}, r"'zero\.max_live_parameters' must be >= 1.*"
                                                                 r"\[from DeepSpeed key 'zero_optimization\.stage3_max_live"),
-    ({"zero_optimization": {"allgather_bucket_size": 5e8}}, r"'zero_optimization\.allgather_bucket_size' is not "
-                                                            r"supported"),
+    ({"zero_optimization": {"allgather_bucket_size": "big"}}, r"'zero_optimization\.allgather_bucket_size' must "
+                                                              r"be a number, got 'big'"),
+    ({"zero_optimization": {"cpu_offload": True}}, r"'zero_optimization\.cpu_offload' is not supported by hybrid: "
+                                                   r"write it as offload_optimizer"),
+    ({"train_batch_size": 8, "zero_allow_untested_optimizer": True}, r"'zero_allow_untested_optimizer' is not "
+                                                                     r"supported by hybrid"),
+    ({"train_batch_size": 8, "flops_profiler": {"enabled": True}}, r"'flops_profiler' is not supported"),
+    ({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}},
+     r"'zero_optimization\.stage3_gather_16bit_weights_on_model_save' is not supported by hybrid: hybrid saves "
+     r"sharded checkpoints and consolidates them offline \(tools/convert_checkpoint\.py to-fp32 or to-hf\)"),
+    ({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, r"'optimizer\.params\.max_grad_norm' is "
+                                                                        r"not supported by hybrid: clip with the "
+                                                                        r"top-level gradient_clipping"),
+    ({"optimizer": {"type": "OneBitAdam", "params": {"cuda_aware": 1}}}, r"'optimizer\.params\.cuda_aware' must be "
+                                                                         r"a bool, got 1"),
     ({"zero_optimization": {"stage": 4}}, r"'zero\.stage' must be one of 0, 1, 2, 3, got 4.*\[from DeepSpeed key "
                                           r"'zero_optimization\.stage'\]"),
     ({"zero_optimization": {"contiguous_gradients": False}},
@@ -229,3 +242,42 @@ def test_detection():
 def test_deepspeed_errors_name_the_key(data, match):
     with pytest.raises(ConfigError, match=match):
         load_config(data)
+
+
+# A DeepSpeed ZeRO-2 config as such configs are commonly written: tuning knobs of DeepSpeed's own, feature
+# sections switched off, and the off values of features hybrid does not have.
+COMMON_ZERO2 = {
+    "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10, "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 2, "allgather_partitions": True, "reduce_scatter": True,
+                          "allgather_bucket_size": 5e8, "reduce_bucket_size": 50000000, "overlap_comm": True,
+                          "contiguous_gradients": True, "cpu_offload": False, "round_robin_gradients": False,
+                          "stage3_gather_16bit_weights_on_model_save": False},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1.5e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                                              "weight_decay": 0.01}},
+    "bf16": {"enabled": True}, "wall_clock_breakdown": False, "zero_allow_untested_optimizer": False,
+    "flops_profiler": {"enabled": False, "profile_step": 1, "module_depth": -1, "top_modules": 3},
+    "comms_logger": {"enabled": False, "verbose": False},
+}
+
+
+def test_a_common_zero2_config_loads_with_its_switched_off_features_and_knobs():
+    cfg = load_config(COMMON_ZERO2)
+    assert (cfg.zero.stage, cfg.zero.bucket_size, cfg.zero.offload_optimizer) == (2, 50000000, "none")
+    assert (cfg.precision, cfg.global_batch_size, cfg.micro_batch_size, cfg.clip_grad) == ("bf16", 16, 4, 1.0)
+
+
+def test_every_key_that_needs_changing_is_named_in_one_error():
+    data = {**COMMON_ZERO2, "activation_checkpointing": {"partition_activations": False},
+            "data_types": {"grad_accum_dtype": "fp32"},
+            "zero_optimization": {**COMMON_ZERO2["zero_optimization"], "cpu_offload": True, "reduce_bucket_sise": 1},
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "max_grad_norm": 1.0}}}
+    with pytest.raises(ConfigError) as raised:
+        load_config(data)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("5 DeepSpeed keys need changing: (1) ")
+    for part in ("'activation_checkpointing' is not supported by hybrid: set hybrid's 'recompute'",
+                 "'data_types' is not supported", "'zero_optimization.cpu_offload' is not supported",
+                 "unknown DeepSpeed key 'zero_optimization.reduce_bucket_sise'. Did you mean "
+                 "'zero_optimization.reduce_bucket_size'?",
+                 "'optimizer.params.max_grad_norm' is not supported"):
+        assert part in message, (part, message)
