@@ -43,15 +43,32 @@ def test_the_interleaved_pipeline_trains_under_torchrun_as_slow_link_runs_it():
     assert slow_link.parse_profile(done.stdout)["iterations_measured"] == 2
 
 
-def test_the_layout_column_names_the_interleaved_schedule_only():
-    def label(c):
-        row = {"tp": c.tp, "dp": c.dp, "pp": c.pp, "zero_stage": c.zero_stage, "micro_batch": c.micro_batch,
-               "zero_reduce_once": c.zero_reduce_once, "flags": list(c.extra), "ok": False, "failure": "x",
-               "name": c.name}
-        (cells,) = slow_link.table_rows({"contenders": [row]})
-        return cells[1]
+def _layout_label(c) -> str:
+    """The layout column of contender ``c``'s row."""
+    row = {"tp": c.tp, "dp": c.dp, "pp": c.pp, "zero_stage": c.zero_stage, "micro_batch": c.micro_batch,
+           "zero_reduce_once": c.zero_reduce_once, "flags": list(c.extra), "ok": False, "failure": "x",
+           "name": c.name}
+    (cells,) = slow_link.table_rows({"contenders": [row]})
+    return cells[1]
 
+
+def test_the_layout_column_names_the_interleaved_schedule_only():
+    label = _layout_label
     by_name = {c.name: c for c in slow_link.CONTENDERS}
     assert label(by_name["megatron-tp2-pp2-v2"]).endswith(" interleaved")
     assert "interleaved" not in label(by_name["megatron-tp2-pp2"])
     assert label(by_name["megatron-tp2-pp2"]) != label(by_name["megatron-tp2-pp2-v2"])
+
+
+def test_the_layout_column_names_compression_and_the_other_settings_flags_change():
+    by_name = {c.name: c for c in slow_link.CONTENDERS}
+    labels = {name: _layout_label(by_name[name]) for name in
+              ("hybrid-tp2-z2", "hybrid-tp2-z2-q", "dp4-z3-q-hpz", "dp4-z2-2l", "hybrid-tp2-z0-1bit")}
+    assert labels["hybrid-tp2-z2"] == "TP2xDP2 Z2 mb4 once"
+    assert labels["hybrid-tp2-z2-q"] == "TP2xDP2 Z2 mb4 once grads int4 weights int8"
+    assert labels["dp4-z3-q-hpz"] == "TP1xDP4 Z3 mb4 grads int4 weights int8 hpZ 2"
+    assert labels["dp4-z2-2l"] == "TP1xDP4 Z2 mb4 2-level"
+    assert labels["hybrid-tp2-z0-1bit"] == "TP2xDP2 Z0 mb4 onebit_adam"
+    # every contender of the same layout and zero settings but other flags reads differently
+    hybrid = [c for c in slow_link.CONTENDERS if c.peer is None]
+    assert len({_layout_label(c) for c in hybrid}) == len(hybrid)
