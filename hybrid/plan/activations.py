@@ -78,9 +78,8 @@ class DeviceProfile:
     :func:`hybrid.p2p_collectives.scratch_chunks` tensors of its output's size
     until it is waited on -- the direct shape's, as the ranks of one node run
     it (across nodes the ring holds fewer, so the count is an upper bound there
-    but at dp 2) -- and sending from its input (no library copy: stage 3's
-    estimate counts none; stages 0-2 keep counting ``reduce_scatter_copies_input``
-    as an upper bound).
+    but at dp 2) -- and sending from its input: no library copy, at any stage
+    (``reduce_scatter_copies_input`` then counts nothing).
     ``receives_ahead``: a pipeline rank posts this many receives ahead of their
     use (:data:`hybrid.pipeline.executor.RECEIVES_AHEAD` on gloo, 0 on NCCL),
     each an activation-sized buffer from its posting on.

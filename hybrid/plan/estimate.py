@@ -39,18 +39,21 @@ allocator cannot always pack; the persistent state is allocated once, in
 large blocks, and gets none. The measured peak on the CPU (live tensor bytes)
 is compared with the peak *without* the allowance.
 
-On gloo an asynchronous reduce-scatter also keeps a private copy of its input
-until it is waited on; those bytes are not tensors, so they are kept apart as
-``untracked`` (what they add to the tensor peak: at the end of backward stage 1
-has every bucket in flight, stage 2 the last ones it launched -- up to its
-staging pool plus one, the first buckets of the buffer --). Stage 3 counts
-none on the CPU profile: its reduce-scatters run as hybrid's point-to-point
-messages (:mod:`hybrid.p2p_collectives`), which send from the bucket itself,
-and their receive buffers are tensors, in :func:`stage3_gradient_flow`
-(measured: the summed RSS of 4 ranks of a 2-layer model with 35M-element units
-within 1% of the prediction without copies). Stages 0-2 still count the
-copies, an upper bound for the same receive buffers (``(N_d-1)/N_d`` of each
-input in flight). NCCL reduces in place, so the CUDA profile has none.
+A reduce-scatter in flight holds buffers until it is waited on: at the end
+of backward stage 1 has every bucket in flight, stage 2 the last ones it
+launched (up to its staging pool plus one, the first buckets of the buffer),
+stage 3 what :func:`stage3_gradient_flow` replays. On gloo they run as
+hybrid's point-to-point messages (:mod:`hybrid.p2p_collectives`), which send
+from the bucket itself and receive into tensors, ``(N_d-1)/N_d`` of each input
+(:func:`reduce_scatters_in_flight`; stage 3's in its replay): those are in the
+tensor peak, and the CPU profile counts no library copy. Measured: the summed
+RSS of 4 ranks of a 2-layer model within 1% for stage 3 (35M-element units)
+and 0.1-1.2% for stage 1 (``benchmarks/max_model_size.py``; a whole copy of
+each input, counted before, put stage 1 7% high). A backend that kept a
+private copy of each input (``DeviceProfile.reduce_scatter_copies_input``
+without ``p2p_reduce_scatter``) would hold bytes that are not tensors: they
+are kept apart as ``untracked`` (what they add to the tensor peak). NCCL
+reduces in place, so the CUDA profile has none.
 
 Compressed communication (:mod:`hybrid.plan.compressed`) allocates real
 tensors instead, on every device. With ``zero.quantized_gradients`` each
@@ -58,8 +61,7 @@ reduction in flight holds its packed send and receive buffers (and at stage
 0 its fp32 summed chunk) until it is waited on: at the end of backward that
 is every bucket when the stage reduces once per step (stages 0-1, stage 2
 with ``reduce_once``), the staging pool plus one otherwise; these replace
-gloo's copies of the reduce-scatter's input (the quantized path is an
-all-to-all, not the ring). Stage 0 waits on each bucket in the step by
+the point-to-point receive buffers (the quantized path is an all-to-all). Stage 0 waits on each bucket in the step by
 all-gathering its summed chunks, quantized, into an fp32 buffer. With
 ``zero.quantized_weights`` the all-gathers after a stage 1-2 step hold every
 segment's packed chunk and gather, and dequantize one segment at a time
@@ -75,7 +77,7 @@ import dataclasses
 from typing import List, Optional, Sequence, Tuple, Union
 
 from hybrid.layout import partition_count
-from hybrid.plan.activations import DTYPE_BYTES, ActivationBytes, activation_bytes
+from hybrid.plan.activations import DTYPE_BYTES, ActivationBytes, DeviceProfile, activation_bytes
 from hybrid.plan.candidate import Candidate
 from hybrid.plan.compressed import FP32, chunk, gather_buffers, reduction_buffers
 from hybrid.plan.model_memory import (FlatLayout, Stage3Layout, StateBytes, fitting_prefix, flat_layout, shard_shapes,
@@ -285,9 +287,9 @@ def zero_layout(config: GPTConfig, candidate: Candidate, setup: TrainingSetup = 
 def _model_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, pp_rank: int = 0,
                  micro_batches: Optional[int] = None):
     """``(state, stage-3 bytes gathered at the forward peak, gathered during backward, the stage-3 gradient flow
-    (:class:`GradientFlow`, bytes; None with whole parameters), the step's gather temporary, reduce-scatter
-    payload in flight at the end of backward with whole parameters (gloo's copies), packed buffers of the
-    quantized reductions in flight then)``."""
+    (:class:`GradientFlow`, bytes; None with whole parameters), the step's gather temporary, then with whole
+    parameters the library's copies of the reductions in flight at the end of backward and the tensors they
+    hold then: receive buffers, or the quantized reductions' packed buffers)``."""
     layout = zero_layout(config, candidate, setup, pp_rank)
     if candidate.traits.parameters:
         return _unit_state(config, candidate, setup, layout, micro_batches)
@@ -351,27 +353,40 @@ def _flat_state(candidate: Candidate, setup: TrainingSetup, flat: FlatLayout):
     gather_temp = 0
     if setup.profile.gather_copies_output and gathers_after_step(traits):
         gather_temp = flat.largest_segment * flat.element_bytes  # gloo lands each all-gather in a temporary
-    # Reduce-scatters in flight at the end of backward (the copies counted are a reduce-scatter's, see the
-    # module docstring). Reducing once per step launches every bucket and waits in the step; reducing every
-    # micro-batch waits whenever it needs a staging buffer beyond its pool, so the last buckets launched -- the
-    # first ones in the buffer, as backward runs the model in reverse -- are the ones still in flight.
+    # Reduce-scatters in flight at the end of backward (what each holds: the module docstring). Reducing once per
+    # step launches every bucket and waits in the step; reducing every micro-batch waits whenever it needs a
+    # staging buffer beyond its pool, so the last buckets launched -- the first ones in the buffer, as backward
+    # runs the model in reverse -- are the ones still in flight.
     segments = [size for _, sizes in flat.groups for size in sizes]
     if reduces_every_micro_batch(traits, setup.whole_gradients):
         launched = list(flat.groups[0][1][:STAGING_BUFFERS_BEFORE_WAIT + 1])
     else:
         launched = segments
     scatter = reduces_by_scatter(traits)
-    in_flight = sum(launched) if scatter else 0
-    packed, n, copies = 0, flat.dp, setup.profile.gather_copies_output
+    n, copies = flat.dp, setup.profile.gather_copies_output
+    in_flight, packed = (flat.element_bytes * e for e in reduce_scatters_in_flight(launched if scatter else [], n,
+                                                                                    setup.profile))
     grads, weights = setup.gradient_quant, setup.weight_quant
-    if grads is not None:  # the module docstring: packed buffers instead of gloo's copies
+    if grads is not None:  # the module docstring: packed buffers instead of the receive buffers or gloo's copies
         in_flight, packed = 0, reduction_buffers(grads, launched, n, all_reduce=not scatter)
         if not scatter:  # stage 0 waits on a bucket by gathering its summed chunks, the others still in flight
             largest = flat.largest_segment
             gather_temp = packed + FP32 * n * chunk(largest, n) + gather_buffers(grads, [largest], n, largest, copies)
     if weights is not None and gathers_after_step(traits):
         gather_temp = gather_buffers(weights, segments, n, flat.largest_segment, copies)
-    return state, 0, 0, None, gather_temp, flat.element_bytes * in_flight, packed
+    return state, 0, 0, None, gather_temp, in_flight, packed
+
+
+def reduce_scatters_in_flight(inputs: Sequence[int], n: int, profile: DeviceProfile) -> Tuple[int, int]:
+    """``(library copies, tensors)``, in elements, that reduce-scatters of ``inputs`` (elements each) over ``n``
+    ranks hold while in flight, whole parameters (stages 1-2). As hybrid's point-to-point messages
+    (``profile.p2p_reduce_scatter``, gloo) each sends from its input and receives into
+    :func:`hybrid.p2p_collectives.scratch_chunks` tensors of its output's size, the ``n - 1`` chunks of
+    :class:`hybrid.p2p_collectives.DirectReduceScatter` (``(n-1)/n`` of the input); a backend that copies its
+    input (``profile.reduce_scatter_copies_input``) holds the whole input outside tensors; NCCL holds neither."""
+    if profile.p2p_reduce_scatter:
+        return 0, sum(scratch_chunks(n) * chunk(numel, n) for numel in inputs)
+    return (sum(inputs) if profile.reduce_scatter_copies_input else 0), 0
 
 
 def estimate_memory(config: GPTConfig, candidate: Candidate, setup: TrainingSetup = TrainingSetup(),
@@ -460,9 +475,8 @@ def _estimate(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, act
                                                      for i, gradients in enumerate(staged)])
     backward, backward_comm = backward + gathered_backward, backward_comm + gathered_backward
     forward, backward = forward + posted_receives, backward + posted_receives
-    # Stage 3 on point-to-point messages keeps no library copy (the module docstring); stages 0-2 count one
-    # as an upper bound.
-    gloo_copies = setup.profile.reduce_scatter_copies_input and not (staging3 and setup.profile.p2p_reduce_scatter)
+    # Reduce-scatters on point-to-point messages keep no library copy (the module docstring), at every stage.
+    gloo_copies = setup.profile.reduce_scatter_copies_input and not setup.profile.p2p_reduce_scatter
     # (tensor bytes, library copies beyond them) at the moments where reduce-scatters are in flight
     moments = [(base + act.embedding + staging3.final, staging3.final_on_wire)] if staging3 else []
     if staging3:
@@ -474,7 +488,8 @@ def _estimate(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, act
             if tensors > backward:
                 backward, backward_comm = tensors, tensors - base - act.embedding
     elif in_flight_bytes or packed:
-        # Whole parameters: the end of backward, with the quantized reductions' packed buffers.
+        # Whole parameters: the end of backward, with the tensors its reductions in flight hold (point-to-point
+        # receive buffers, or the quantized reductions' packed buffers).
         end = base + act.embedding + packed + posted_receives
         moments.append((end, in_flight_bytes))
         if end > backward:

@@ -200,6 +200,39 @@ def test_stage3_on_gloo_point_to_point_counts_no_library_copies():
     assert p2p.peak > plain.peak  # the receive buffers ([numel / 4] x 3 per bucket in flight)
 
 
+@pytest.mark.parametrize("dp", [2, 4])
+def test_stage1_on_gloo_holds_the_receive_buffers_of_every_bucket_until_the_step(dp):
+    """Stage 1 launches every bucket's reduce-scatter in backward and waits in the step. On gloo each runs as
+    hybrid's direct point-to-point messages (:class:`hybrid.p2p_collectives.DirectReduceScatter`), which send
+    from the gradient buffer itself and receive into ``n - 1`` chunk tensors: at the end of backward a rank
+    holds ``(N_d-1)/N_d`` of its gradient beside the state, as tensors, and no library copy of the inputs.
+    (The rule before counted the whole gradient as untracked copies: 1.08 GiB a rank at hidden 3456, where
+    max_model_size measured 0.27 GiB less.) A backend that copied its inputs would hold all of them."""
+    import dataclasses
+
+    from hybrid.layout import ParallelLayout
+    from hybrid.plan import CPU, Candidate, TrainingSetup, estimate_memory, zero_layout
+    from model_zoo import GPTConfig
+
+    cfg = GPTConfig(vocab_size=1024, hidden_size=1024, num_layers=2, num_heads=16, seq_length=32)
+    candidate = Candidate(ParallelLayout(tp=1, dp=dp, zero_stage=1, precision="fp32"), micro_batch=1)
+    setup = TrainingSetup(bucket_size=4_000_000, profile=CPU)
+    est = estimate_memory(cfg, candidate, setup)
+    layout = zero_layout(cfg, candidate, setup)
+    segments = [size for _, sizes in layout.groups for size in sizes]
+    assert len(segments) > 1 and all(size % dp == 0 for size in segments)
+    received = 4 * sum((dp - 1) * size // dp for size in segments)
+    assert received == (dp - 1) * est.grads // dp  # the whole gradient is in flight
+    end_of_backward = est.state.device_total + est.activations.embedding + received
+    assert est.untracked == 0
+    assert est.peak == est.backward_peak == end_of_backward  # the peak of this shape, in tensors
+    assert est.resident_peak == end_of_backward and est.gather_buffers == received
+    copying = estimate_memory(cfg, candidate, dataclasses.replace(setup, profile=dataclasses.replace(
+        CPU, p2p_reduce_scatter=False)))
+    assert copying.resident_peak == est.state.device_total + est.activations.embedding + est.grads
+    assert copying.peak < est.peak and copying.untracked > 0
+
+
 @pytest.mark.parametrize("stage,dp", [(1, 1), (1, 4), (3, 4)])
 def test_a_background_save_counts_one_host_copy_of_the_ranks_state(stage, dp):
     """``checkpoint.async_save``: host memory grows by what DP rank 0 copies (its model shard, master and
