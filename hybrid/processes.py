@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 _POLL_S = 0.1
 # How long killed processes get to end: a SIGKILL cannot be ignored, so this is only the scheduler's latency
 # (a process in an uninterruptible wait, on a hung mount, may outlast it; it is not waited for longer).
-_KILL_LATENCY_S = 10.0
+KILL_LATENCY_S = 10.0
 
 
 def _stat_fields(pid: int) -> Optional[List[str]]:
@@ -64,7 +64,7 @@ def stop_tree(pid: int, grace_s: float) -> None:
     """SIGTERM to ``pid`` (a launcher then stops what it started: torchrun its workers), and after at most
     ``grace_s``, SIGKILL to it and to every descendant still alive: those found before and while it ended,
     since an orphan loses its link to ``pid`` once ``pid`` is gone. Returns once the killed ones have ended
-    (or after at most ``_KILL_LATENCY_S`` more)."""
+    (or after at most ``KILL_LATENCY_S`` more)."""
     tree = set(descendants(pid))
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
@@ -81,6 +81,6 @@ def stop_tree(pid: int, grace_s: float) -> None:
                 killed.append(p)
     # A SIGKILL is delivered when the process next runs, which on a loaded machine is not at once: wait until
     # they are gone, so that a caller that goes on (to rebuild, to report) no longer shares the machine with them.
-    deadline = time.monotonic() + _KILL_LATENCY_S
+    deadline = time.monotonic() + KILL_LATENCY_S
     while any(alive(p) for p in killed) and time.monotonic() < deadline:
         time.sleep(_POLL_S)

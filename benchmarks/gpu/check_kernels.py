@@ -42,6 +42,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.gpu.results import PartStopped, stop_on_sigterm  # noqa: E402
+from hybrid.argument_parser import ArgumentParser  # noqa: E402
 
 GiB = 1024 ** 3
 
@@ -527,7 +528,7 @@ def print_summary(report: Report, info: dict) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write full results here (default: $OUT/check_kernels.json if $OUT is set)")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--dry-run-cpu", action="store_true",

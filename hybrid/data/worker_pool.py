@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
+from hybrid.processes import KILL_LATENCY_S
+
 from .errors import DataError
 
 T = TypeVar("T")
@@ -55,8 +57,6 @@ R = TypeVar("R")
 
 _END = object()  # marks the end of the task stream
 
-# How long the workers get to exit once killed; a kill cannot be ignored, so this is only the kernel's latency.
-_REAP_S = 10.0
 
 # A frame: the length of the body, then the body, one pickled message. Eight bytes, so no message is too long.
 _HEADER = struct.Struct("!Q")
@@ -278,7 +278,7 @@ def _take_in(w: _Worker, done: dict) -> None:
 
 
 def _died(w: _Worker, wanted: int) -> WorkerPoolError:
-    w.process.join(_REAP_S)
+    w.process.join(KILL_LATENCY_S)
     held = f"task {w.task_no}" if w.task_no is not None else "no task"
     return WorkerPoolError(f"worker process {w.process.pid} {_how_it_ended(w.process.exitcode)} while "
                            f"task {wanted} was waited on; it held {held}")
@@ -347,7 +347,7 @@ def _stop(pool: list) -> None:
         if w.process.is_alive():
             w.process.kill()
     for w in pool:
-        w.process.join(_REAP_S)
+        w.process.join(KILL_LATENCY_S)
         w.conn.close()
 
 
