@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Mapping
 
 from hybrid.compression import OFF, ONEBIT_ADAM, ZERO_ONE_ADAM, formats_for_deepspeed
 from hybrid.config.deepspeed_schedules import DEEPSPEED_SCHEDULER_PARAMS, deepspeed_schedule_kwargs
-from hybrid.config.errors import ConfigError, suggestion, value_suggestion
+from hybrid.config.errors import ConfigError, one_error_for_all, suggestion, value_suggestion
 from hybrid.config.parse import apply_overrides
 from hybrid.config.schema import HybridConfig
 
@@ -150,10 +150,16 @@ def from_deepspeed(ds: Mapping[str, Any]) -> HybridConfig:
     try:
         return apply_overrides(HybridConfig(), settings)
     except ConfigError as err:
-        source = next((origin[k.split("[")[0]] for k in err.keys if k.split("[")[0] in origin), None)
-        if source is None:
-            raise
-        raise ConfigError(f"{err.message} [from DeepSpeed key '{source}']", keys=err.keys) from None
+        problems = [_naming_the_source(problem, origin) for problem in getattr(err, "problems", (err,))]
+        raise one_error_for_all(problems, "config keys") from None
+
+
+def _naming_the_source(err: ConfigError, origin: Mapping[str, str]) -> ConfigError:
+    """``err`` about a hybrid key, naming the DeepSpeed key it came from (``origin``: hybrid key -> DeepSpeed key)."""
+    source = next((origin[k.split("[")[0]] for k in err.keys if k.split("[")[0] in origin), None)
+    if source is None:
+        return err
+    return ConfigError(f"{err.message} [from DeepSpeed key '{source}']", keys=err.keys)
 
 
 def deepspeed_settings(ds: Mapping[str, Any]) -> Dict[str, Any]:
@@ -221,11 +227,8 @@ def _check_every_key(ds: Mapping) -> None:
     if kind in _OPTIMIZER_PARAMS and isinstance(optimizer.get("params"), Mapping):
         # an unsupported type or params of the wrong type are the optimizer's own errors, raised when it is mapped
         _check_keys(optimizer["params"], "optimizer.params", problems, allowed=_OPTIMIZER_PARAMS[kind])
-    if len(problems) == 1:
-        raise ConfigError(problems[0])
     if problems:
-        raise ConfigError(f"{len(problems)} DeepSpeed keys need changing: "
-                          + " ".join(f"({i}) {problem}" for i, problem in enumerate(problems, 1)))
+        raise one_error_for_all([ConfigError(problem) for problem in problems], "DeepSpeed keys")
 
 
 def _check_keys(section: Mapping, name: str, problems: List[str], allowed=None) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from typing import Iterable, Tuple
+from typing import Iterable, Sequence, Tuple
 
 
 class ConfigError(ValueError):
@@ -18,6 +18,24 @@ class ConfigError(ValueError):
         super().__init__(text)
         self.keys: Tuple[str, ...] = tuple(keys)
         self.message = text if message is None else message
+
+
+def one_error_for_all(problems: Sequence[ConfigError], what: str) -> ConfigError:
+    """One ConfigError for every problem found in one pass, so that a file is fixed in one edit, not one run each.
+
+    ``what`` names the items (``"config keys"``); a single problem is returned
+    as it is, several become ``"N <what> need changing: (1) ... (2) ..."``.
+    A problem that is itself such a list is spread into it.
+    """
+    flat = [item for problem in problems for item in getattr(problem, "problems", (problem,))]
+    if len(flat) == 1:
+        return flat[0]
+    error = ConfigError(f"{len(flat)} {what} need changing: " + " ".join(f"({i}) {p}" for i, p in enumerate(flat, 1)),
+                        keys=[key for p in flat for key in p.keys],
+                        message=f"{len(flat)} {what} need changing: "
+                                + " ".join(f"({i}) {p.message}" for i, p in enumerate(flat, 1)))
+    error.problems = tuple(flat)
+    return error
 
 
 def suggestion(key: str, candidates: Iterable[str], prefix: str = "") -> str:
@@ -37,4 +55,5 @@ def value_suggestion(value: str, choices: Iterable[str]) -> str:
 
 def unknown_key_error(path: str, key: str, candidates: Iterable[str], what: str = "config key") -> ConfigError:
     full = f"{path}.{key}" if path else key
-    return ConfigError(f"unknown {what} '{full}'.{suggestion(key, candidates, f'{path}.' if path else '')}")
+    return ConfigError(f"unknown {what} '{full}'.{suggestion(key, candidates, f'{path}.' if path else '')}",
+                       keys=(full,))

@@ -1,8 +1,9 @@
 """Nested mappings <-> typed config dataclasses, and dotted-path overrides.
 
 Parsing converts types (with the same rules for dicts, JSON and YAML) and
-rejects unknown keys with the nearest valid one; every range and cross-key
-rule is checked afterwards by :func:`hybrid.config.validate.validate`.
+rejects unknown keys with the nearest valid one, all of a tree's in one error;
+every range and cross-key rule is checked afterwards by
+:func:`hybrid.config.validate.validate`.
 
 Numbers given as strings are accepted for numeric keys because YAML 1.1 reads
 ``1e-3`` (no dot) as a string; anything that does not parse is an error.
@@ -13,11 +14,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import typing
-from typing import Any, Mapping
+from typing import Any, List, Mapping
 
-from hybrid.config.errors import ConfigError, unknown_key_error
+from hybrid.config.errors import ConfigError, one_error_for_all, unknown_key_error
 from hybrid.config.flags import meta_error, sections
-from hybrid.config.validate import validate
+from hybrid.config.validate import field_problem, validate
 
 # The schema's methods call this module, so it takes the root class as an argument instead of importing it.
 
@@ -39,17 +40,23 @@ def parse_section(cls, data: Any, path: str):
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
+    problems: List[ConfigError] = []  # every key of the tree is read before any error is raised
     for key, value in data.items():
-        if not isinstance(key, str):
-            raise ConfigError(f"config keys must be strings, got {key!r} in '{path or 'the config'}'")
-        if key not in fields:
-            raise _unknown(path, key, fields)
-        kwargs[key] = convert(value, hints[key], _join(path, key), fields[key].metadata)
+        try:
+            if not isinstance(key, str):
+                raise ConfigError(f"config keys must be strings, got {key!r} in '{path or 'the config'}'")
+            if key not in fields:
+                raise unknown_key_error(path, key, fields)
+            kwargs[key] = leaf = convert(value, hints[key], _join(path, key), fields[key].metadata)
+            problem = None if dataclasses.is_dataclass(leaf) else field_problem(_join(path, key), leaf,
+                                                                                fields[key].metadata)
+            if problem is not None:
+                raise problem
+        except ConfigError as err:  # a nested section's error already lists all of that section's problems
+            problems.append(err)
+    if problems:
+        raise one_error_for_all(problems, "config keys")
     return cls(**kwargs)
-
-
-def _unknown(path: str, key: str, fields) -> ConfigError:
-    return unknown_key_error(path, key, fields)
 
 
 def convert(value: Any, annotation, key: str, metadata: Mapping = None):

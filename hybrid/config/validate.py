@@ -22,10 +22,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, List, Mapping, Optional
 
 from hybrid.config.batch import BatchSizes
-from hybrid.config.errors import value_suggestion
+from hybrid.config.errors import ConfigError, one_error_for_all, value_suggestion
 from hybrid.config.flags import key_error, meta_error
 from hybrid.compression import ONE_BIT_OPTIMIZERS, compression_problem, hpz_problem, onebit_problem
 from hybrid.layout import offload_problem, pipeline_problem, reduce_once_problem
@@ -35,8 +35,12 @@ if TYPE_CHECKING:  # the schema's methods call this module through parse: no run
 
 
 def validate(cfg: "HybridConfig") -> None:
-    """Raise :class:`~hybrid.config.ConfigError` naming the first key that breaks a rule."""
-    _check_fields(cfg, "")
+    """Raise :class:`~hybrid.config.ConfigError` naming every key that breaks its own rule (a choice, a bound),
+    else the first pair of keys that break a rule together (those are checked on sound values only)."""
+    problems: List[ConfigError] = []
+    _check_fields(cfg, "", problems)
+    if problems:
+        raise one_error_for_all(problems, "config keys")
     _cross_key_rules(cfg)
 
 
@@ -65,16 +69,26 @@ def _errors(cfg):
     return functools.partial(key_error, type(cfg))
 
 
-def _check_fields(section, path: str) -> None:
+def _check_fields(section, path: str, problems: List[ConfigError]) -> None:
+    """Add to ``problems`` an error for each key of ``section`` (and its sub-sections) outside its choices or
+    bounds."""
     for f in dataclasses.fields(section):
         key = f"{path}.{f.name}" if path else f.name
         value = getattr(section, f.name)
         if dataclasses.is_dataclass(value):
-            _check_fields(value, key)
+            _check_fields(value, key, problems)
             continue
-        if value is None or isinstance(value, list):
-            continue
-        meta = f.metadata
+        problem = field_problem(key, value, f.metadata)
+        if problem is not None:
+            problems.append(problem)
+
+
+def field_problem(key: str, value, meta: Mapping) -> Optional[ConfigError]:
+    """The error for a typed leaf ``value`` of config key ``key`` outside the choices or bounds in its field
+    metadata ``meta``, or None. Parsing asks it for each key as it reads it, so that one error lists them all."""
+    if value is None or isinstance(value, list):
+        return None
+    try:
         if "choices" in meta and value not in meta["choices"]:
             choices = [str(c) for c in meta["choices"]]
             hint = value_suggestion(str(value), choices)
@@ -82,6 +96,9 @@ def _check_fields(section, path: str) -> None:
                              f"{'.' + hint if hint else ''}", key, meta)
         for number in (value if isinstance(value, tuple) else (value,)):
             _check_bounds(key, number, meta)
+    except ConfigError as err:
+        return err
+    return None
 
 
 def _check_bounds(key: str, value, meta) -> None:

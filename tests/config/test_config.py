@@ -214,6 +214,38 @@ def test_bad_native_config_names_the_key(data, match):
         load_config(data)
 
 
+def test_every_bad_key_of_a_config_is_named_in_one_error():
+    data = {"zero": {"stgae": 2, "overlap_comm": "maybe"}, "optimizer": {"lr": -1, "type": "adamx"},
+            "micro_batch_size": 0, "model": {"num_layers": 2}}
+    with pytest.raises(ConfigError) as raised:
+        load_config(data)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("5 config keys need changing: (1) "), message
+    parts = ["unknown config key 'zero.stgae'. Did you mean 'zero.stage'?",
+             "'zero.overlap_comm' must be true or false, got 'maybe'", "'optimizer.lr' must be > 0.0, got -1.0",
+             "'optimizer.type' must be one of adamw", "'micro_batch_size' must be >= 1, got 0"]
+    positions = [message.index(f"({i}) ") for i in range(1, 6)]
+    for part, start, end in zip(parts, positions, positions[1:] + [len(message)]):
+        assert part in message[start:end], (part, message)  # numbered in the order of the file
+    assert set(raised.value.keys) == {"zero.stgae", "zero.overlap_comm", "optimizer.lr", "optimizer.type",
+                                      "micro_batch_size"}
+
+
+def test_a_config_object_with_several_bad_values_names_them_all():
+    cfg = HybridConfig()
+    cfg.zero.bucket_size, cfg.clip_grad = 0, -1.0
+    with pytest.raises(ConfigError, match=r"^2 config keys need changing: \(1\) config key 'zero\.bucket_size' "
+                                          r"must be >= 1.* \(2\) config key 'clip_grad' must be >= 0\.0"):
+        load_config(cfg)
+
+
+def test_rules_that_tie_keys_together_wait_until_every_key_is_sound():
+    bad_key_and_bad_pair = {"autocast": True, "precision": "fp32", "zero": {"bucket_size": 0}}
+    with pytest.raises(ConfigError, match=r"^config key 'zero\.bucket_size' must be >= 1") as raised:
+        load_config(bad_key_and_bad_pair)
+    assert "autocast" not in str(raised.value)
+
+
 @pytest.mark.parametrize("overrides,match", [
     ({"optimizer.learning_rate": 1}, r"unknown config key 'optimizer\.learning_rate'"),
     ({"optimiser.lr": 1}, r"unknown config section 'optimiser'\. Did you mean 'optimizer'\?"),

@@ -281,3 +281,15 @@ def test_every_key_that_needs_changing_is_named_in_one_error():
                  "'zero_optimization.reduce_bucket_size'?",
                  "'optimizer.params.max_grad_norm' is not supported"):
         assert part in message, (part, message)
+
+
+def test_every_value_hybrid_refuses_is_named_in_one_error_with_its_deepspeed_key():
+    data = {**COMMON_ZERO2, "train_micro_batch_size_per_gpu": 0,
+            "zero_optimization": {**COMMON_ZERO2["zero_optimization"], "stage": 9}}
+    with pytest.raises(ConfigError) as raised:
+        load_config(data)
+    message = str(raised.value)
+    assert message.startswith("2 config keys need changing: (1) "), message
+    for part in ("'zero.stage' must be one of 0, 1, 2, 3, got 9 [from DeepSpeed key 'zero_optimization.stage']",
+                 "'micro_batch_size' must be >= 1, got 0 [from DeepSpeed key 'train_micro_batch_size_per_gpu']"):
+        assert part in message, (part, message)
