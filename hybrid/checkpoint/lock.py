@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from hybrid import lockfile
+from hybrid.bounded_call import StillRunning, call_within
 from hybrid.checkpoint.errors import CheckpointError, CheckpointLockedError
 from hybrid.checkpoint.layout import SAVE_LOCK_FILE
 
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 # (pid, real path of the save dir) -> [our LockOwner record, how many holders in this process]
 _HELD: Dict[Tuple[int, str], list] = {}
 _atexit_registered = False
+# The guard's own wait, then a read and an unlink: past this the file system is hung, not busy.
+RELEASE_TIMEOUT_S = lockfile.GUARD_TIMEOUT_S + 15.0
 
 
 def _stale_reason(owner: Optional[lockfile.LockOwner]) -> Optional[str]:
@@ -109,9 +112,15 @@ class SaveDirLock:
 
 
 def _remove(save_dir: Path, owner: lockfile.LockOwner) -> None:
+    """Remove the lock file, waiting at most :data:`RELEASE_TIMEOUT_S`: on a hung mount the run (which may be
+    ending on a failed save, its error not yet printed) goes on to exit, and the stale lock is broken later."""
     path = save_dir / SAVE_LOCK_FILE
     try:
-        lockfile.release(path, owner, guard=save_dir)
+        call_within(RELEASE_TIMEOUT_S, lambda: lockfile.release(path, owner, guard=save_dir),
+                    name="hybrid-save-lock-release")
+    except StillRunning:
+        log.warning("gave up removing the lock %s after %g s: the file system does not answer; the next job "
+                    "breaks the lock if this host can check its holder, else delete it", path, RELEASE_TIMEOUT_S)
     except (OSError, TimeoutError) as e:  # the run is over either way; a stale lock is broken later
         log.warning("could not remove the lock %s: %s", path, e)
 

@@ -14,10 +14,10 @@ exchanges on the training thread.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any, Callable, List, Mapping, Optional, Tuple
 
+from hybrid.bounded_call import StillRunning, call_within
 from hybrid.checkpoint.errors import CheckpointError
 from hybrid.checkpoint.lock import SaveDirLock
 from hybrid.checkpoint.manifest import FileRecord
@@ -122,24 +122,11 @@ class PhasedSave:
         nothing can interrupt a stuck write, but the error no longer waits for it."""
         if self.file_work_s is None:
             return fn()
-        result: List[Tuple[bool, Any]] = []
-
-        def run() -> None:
-            try:
-                result.append((True, fn()))
-            except BaseException as e:  # noqa: BLE001 - raised again on the calling thread
-                result.append((False, e))
-
-        thread = threading.Thread(target=run, daemon=True, name="hybrid-checkpoint-files")
-        thread.start()
-        thread.join(self.file_work_s)
-        if not result:
+        try:
+            return call_within(self.file_work_s, fn, name="hybrid-checkpoint-files")
+        except StillRunning:
             raise CheckpointError(f"{what} in {self.iter_dir} did not finish within {self.file_work_s:g} s (a share "
-                                  f"of distributed.timeout_minutes): the file system is stuck or far too slow")
-        ok, value = result[0]
-        if not ok:
-            raise value
-        return value
+                                  f"of distributed.timeout_minutes): the file system is stuck or far too slow") from None
 
     @property
     def iter_dir(self) -> Path:

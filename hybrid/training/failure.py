@@ -42,10 +42,10 @@ import io
 import os
 import signal
 import sys
-import threading
 import time
 from typing import Any, Callable, Iterator, Optional, Tuple
 
+from hybrid.bounded_call import call_within
 from hybrid.checkpoint.errors import CheckpointError
 from hybrid.comm import CollectiveError
 from hybrid.config.errors import ConfigError
@@ -114,16 +114,10 @@ def report(line: str, rank: int) -> None:
 
 def _within(seconds: float, fn: Callable[..., Any], *args: Any, default: Any = None) -> Any:
     """``fn(*args)``, or ``default`` when it raises or has not returned after ``seconds``."""
-    result = [default]
-
-    def run() -> None:
-        with contextlib.suppress(Exception):
-            result[0] = fn(*args)
-
-    worker = threading.Thread(target=run, name="hybrid-failure-store", daemon=True)
-    worker.start()
-    worker.join(seconds)
-    return result[0]
+    try:
+        return call_within(seconds, lambda: fn(*args), name="hybrid-failure-store")
+    except Exception:  # noqa: BLE001 - a store that failed or froze leaves nothing to record or read
+        return default
 
 
 def _store():

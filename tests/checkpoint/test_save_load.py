@@ -263,3 +263,25 @@ def test_a_write_stuck_on_the_file_system_fails_the_save_in_time_and_keeps_the_p
     finally:
         stuck.set()
     assert CheckpointReader(tmp_path).iteration == 1  # latest stays on the last complete checkpoint
+
+
+def test_releasing_the_save_lock_on_a_stuck_file_system_gives_up_in_time(tmp_path, monkeypatch, caplog):
+    import threading
+    import time
+
+    from hybrid import lockfile
+    from hybrid.checkpoint import lock as save_lock
+
+    held = save_lock.SaveDirLock(tmp_path).acquire()
+    stuck = threading.Event()  # the guard's open never returns, as on a hung mount, until the test ends
+    monkeypatch.setattr(lockfile, "release", lambda *a, **k: stuck.wait())
+    monkeypatch.setattr(save_lock, "RELEASE_TIMEOUT_S", 0.5)
+    started = time.perf_counter()
+    try:
+        with caplog.at_level("WARNING", logger=save_lock.__name__):
+            held.release()
+        assert time.perf_counter() - started < 1.5  # the run goes on to exit and report
+    finally:
+        stuck.set()
+    assert "gave up removing the lock" in caplog.text and "after 0.5 s" in caplog.text
+    assert not held.held and (tmp_path / "save.lock").exists()  # left for the next job to break
