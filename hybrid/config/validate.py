@@ -12,6 +12,9 @@ Three kinds, three functions:
   a model, data, a batch size), then :func:`validate_world`.
 
 Errors name the key and end with the flags that set it (``(set by --zero-stage)``).
+:func:`validate` and :func:`validate_for_training` raise one error listing every
+rule broken (:func:`hybrid.config.errors.one_error_for_all`), so a config is
+fixed in one edit.
 What only the filesystem or model_zoo can answer (do the data files exist, is
 the model shape valid at this TP size) is checked by
 :func:`hybrid.training.validate`, by asking them.
@@ -35,13 +38,23 @@ if TYPE_CHECKING:  # the schema's methods call this module through parse: no run
 
 
 def validate(cfg: "HybridConfig") -> None:
-    """Raise :class:`~hybrid.config.ConfigError` naming every key that breaks its own rule (a choice, a bound),
-    else the first pair of keys that break a rule together (those are checked on sound values only)."""
+    """Raise one :class:`~hybrid.config.ConfigError` naming every rule ``cfg`` breaks (see :func:`_problems`)."""
+    _raise_all(_problems(cfg))
+
+
+def _problems(cfg: "HybridConfig") -> List[ConfigError]:
+    """An error for every key outside its own rule (a choice, a bound), else for every rule that ties keys
+    together: those read the values, so they run on sound ones only."""
     problems: List[ConfigError] = []
     _check_fields(cfg, "", problems)
+    if not problems:
+        _cross_key_rules(cfg, problems)
+    return problems
+
+
+def _raise_all(problems: List[ConfigError]) -> None:
     if problems:
         raise one_error_for_all(problems, "config keys")
-    _cross_key_rules(cfg)
 
 
 def validate_world(cfg: "HybridConfig", world_size: int) -> BatchSizes:
@@ -59,14 +72,23 @@ def validate_world(cfg: "HybridConfig", world_size: int) -> BatchSizes:
 
 def validate_for_training(cfg: "HybridConfig", world_size: int) -> BatchSizes:
     """Every config rule for a trainer run on ``world_size`` processes; returns the resolved batch sizes."""
-    validate(cfg)
-    _training_requirements(cfg)
+    problems = _problems(cfg)
+    _training_requirements(cfg, problems)
+    _raise_all(problems)
     return validate_world(cfg, world_size)
 
 
 def _errors(cfg):
     """``key_error`` for the tree of ``cfg``: errors name the keys and end with their flags."""
     return functools.partial(key_error, type(cfg))
+
+
+def _adder(cfg, problems: List[ConfigError]):
+    """``error(message, *keys)`` adding to ``problems`` a ConfigError about ``keys`` of the tree of ``cfg``,
+    its text ending with the flags that set them."""
+    def error(message: str, *keys: str) -> None:
+        problems.append(key_error(type(cfg), message, *keys))
+    return error
 
 
 def _check_fields(section, path: str, problems: List[ConfigError]) -> None:
@@ -110,126 +132,128 @@ def _check_bounds(key: str, value, meta) -> None:
             raise meta_error(f"config key '{key}' must be {word} {meta[bound]}, got {value!r}", key, meta)
 
 
-def _cross_key_rules(cfg: "HybridConfig") -> None:
-    error = _errors(cfg)
+def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
+    """Add to ``problems`` an error for each rule that ties keys together and ``cfg`` breaks."""
+    error = _adder(cfg, problems)
     pipe = cfg.pipeline
     if (pipe.schedule == "interleaved") != (pipe.layers_per_virtual_stage is not None):
-        raise error("the interleaved pipeline schedule and 'pipeline.layers_per_virtual_stage' go together: set "
-                    "both (virtual stages) or neither", "pipeline.schedule", "pipeline.layers_per_virtual_stage")
+        error("the interleaved pipeline schedule and 'pipeline.layers_per_virtual_stage' go together: set "
+              "both (virtual stages) or neither", "pipeline.schedule", "pipeline.layers_per_virtual_stage")
     problem = pipeline_problem(cfg.zero.stage, pipe.size or 1)
     if problem:
-        raise error(f"'zero.stage' {cfg.zero.stage} with 'pipeline.size' {pipe.size}: {problem}", "zero.stage",
-                    "pipeline.size")
+        error(f"'zero.stage' {cfg.zero.stage} with 'pipeline.size' {pipe.size}: {problem}", "zero.stage",
+              "pipeline.size")
     problem = offload_problem(cfg.zero.stage, cfg.zero.offload_optimizer)
     if problem:
-        raise error(f"config key 'zero.offload_optimizer' is {cfg.zero.offload_optimizer!r} but 'zero.stage' "
-                    f"is {cfg.zero.stage}: {problem}", "zero.offload_optimizer", "zero.stage")
+        error(f"config key 'zero.offload_optimizer' is {cfg.zero.offload_optimizer!r} but 'zero.stage' "
+              f"is {cfg.zero.stage}: {problem}", "zero.offload_optimizer", "zero.stage")
     problem = reduce_once_problem(cfg.zero.stage, cfg.zero.reduce_once)
     if problem:
-        raise error(f"config key 'zero.reduce_once' is true but 'zero.stage' is {cfg.zero.stage}: {problem}",
-                    "zero.reduce_once", "zero.stage")
+        error(f"config key 'zero.reduce_once' is true but 'zero.stage' is {cfg.zero.stage}: {problem}",
+              "zero.reduce_once", "zero.stage")
     z = cfg.zero
     problem = compression_problem(z.stage, z.quantized_gradients, z.quantized_weights, z.quantization_block)
     if problem:
         key, why = problem
         value = getattr(z, key.split(".")[1])
-        raise error(f"config key '{key}' is {value!r} but 'zero.stage' is {z.stage}: {why}", key, "zero.stage")
+        error(f"config key '{key}' is {value!r} but 'zero.stage' is {z.stage}: {why}", key, "zero.stage")
     problem = hpz_problem(z.stage, z.hpz_partition_size)
     if problem:
-        raise error(f"config key 'zero.hpz_partition_size' is {z.hpz_partition_size!r} but 'zero.stage' is "
-                    f"{z.stage}: {problem}", "zero.hpz_partition_size", "zero.stage")
+        error(f"config key 'zero.hpz_partition_size' is {z.hpz_partition_size!r} but 'zero.stage' is "
+              f"{z.stage}: {problem}", "zero.hpz_partition_size", "zero.stage")
     if cfg.optimizer.type in ONE_BIT_OPTIMIZERS:
         problem = onebit_problem(z.stage, z.offload_optimizer, z.two_level_reduce, cfg.optimizer.type)
         if problem:
             key, why = problem
-            raise error(f"config key 'optimizer.type' is {cfg.optimizer.type!r} but '{key}' is "
-                        f"{getattr(z, key.split('.')[1])!r}: {why}", "optimizer.type", key)
+            error(f"config key 'optimizer.type' is {cfg.optimizer.type!r} but '{key}' is "
+                  f"{getattr(z, key.split('.')[1])!r}: {why}", "optimizer.type", key)
     if cfg.autocast and cfg.precision == "fp32":
-        raise error("config key 'autocast' is true but 'precision' is fp32; autocast runs the forward in bf16 "
-                    "or fp16: set precision to bf16 or fp16, or autocast to false", "autocast", "precision")
+        error("config key 'autocast' is true but 'precision' is fp32; autocast runs the forward in bf16 "
+              "or fp16: set precision to bf16 or fp16, or autocast to false", "autocast", "precision")
 
     opt = cfg.optimizer
     for i, beta in enumerate(opt.betas):
         if not 0.0 <= beta < 1.0:
-            raise error(f"config key 'optimizer.betas[{i}]' must be in [0, 1), got {beta!r}",
-                        f"optimizer.betas[{i}]")
+            error(f"config key 'optimizer.betas[{i}]' must be in [0, 1), got {beta!r}",
+                  f"optimizer.betas[{i}]")
     if opt.momentum != 0.0 and opt.type != "sgd":
-        raise error(f"config key 'optimizer.momentum' applies to sgd only, but optimizer.type is "
-                    f"{opt.type!r}; remove it or set optimizer.type to sgd", "optimizer.momentum", "optimizer.type")
+        error(f"config key 'optimizer.momentum' applies to sgd only, but optimizer.type is "
+              f"{opt.type!r}; remove it or set optimizer.type to sgd", "optimizer.momentum", "optimizer.type")
 
     sched = cfg.scheduler
     if sched.decays:
         if sched.decay_iters is None:
-            raise error(f"scheduler.type {sched.type!r} needs 'scheduler.decay_iters' (the step at which the "
-                        f"learning rate reaches scheduler.min_lr, warmup included)", "scheduler.decay_iters")
-        if sched.decay_iters <= sched.warmup_iters:
-            raise error(f"config key 'scheduler.decay_iters' ({sched.decay_iters}) must be greater than "
-                        f"'scheduler.warmup_iters' ({sched.warmup_iters}): decay starts after warmup",
-                        "scheduler.decay_iters", "scheduler.warmup_iters")
+            error(f"scheduler.type {sched.type!r} needs 'scheduler.decay_iters' (the step at which the "
+                  f"learning rate reaches scheduler.min_lr, warmup included)", "scheduler.decay_iters")
+        elif sched.decay_iters <= sched.warmup_iters:
+            error(f"config key 'scheduler.decay_iters' ({sched.decay_iters}) must be greater than "
+                  f"'scheduler.warmup_iters' ({sched.warmup_iters}): decay starts after warmup",
+                  "scheduler.decay_iters", "scheduler.warmup_iters")
     if sched.warmup_style == "log" and 0 < sched.warmup_iters < 2:
-        raise error(f"scheduler.warmup_style 'log' needs scheduler.warmup_iters >= 2, got {sched.warmup_iters} "
-                    f"(log(1) = 0 leaves nothing to warm up over)", "scheduler.warmup_iters")
+        error(f"scheduler.warmup_style 'log' needs scheduler.warmup_iters >= 2, got {sched.warmup_iters} "
+              f"(log(1) = 0 leaves nothing to warm up over)", "scheduler.warmup_iters")
     if sched.min_lr > opt.lr:
-        raise error(f"config key 'scheduler.min_lr' ({sched.min_lr}) exceeds the peak 'optimizer.lr' "
-                    f"({opt.lr})", "scheduler.min_lr", "optimizer.lr")
+        error(f"config key 'scheduler.min_lr' ({sched.min_lr}) exceeds the peak 'optimizer.lr' "
+              f"({opt.lr})", "scheduler.min_lr", "optimizer.lr")
     if sched.warmup_start_lr > opt.lr:
-        raise error(f"config key 'scheduler.warmup_start_lr' ({sched.warmup_start_lr}) exceeds the peak "
-                    f"'optimizer.lr' ({opt.lr})", "scheduler.warmup_start_lr", "optimizer.lr")
+        error(f"config key 'scheduler.warmup_start_lr' ({sched.warmup_start_lr}) exceeds the peak "
+              f"'optimizer.lr' ({opt.lr})", "scheduler.warmup_start_lr", "optimizer.lr")
 
     if cfg.tensorboard.enabled and not cfg.tensorboard.output_path:
-        raise error("tensorboard.enabled is true but 'tensorboard.output_path' is empty; give a directory",
-                    "tensorboard.output_path")
+        error("tensorboard.enabled is true but 'tensorboard.output_path' is empty; give a directory",
+              "tensorboard.output_path")
 
     micro, accum, glob = cfg.micro_batch_size, cfg.gradient_accumulation_steps, cfg.global_batch_size
     if micro is not None and accum is not None and glob is not None and glob % (micro * accum) != 0:
-        raise error(f"global_batch_size {glob} is not divisible by micro_batch_size {micro} x "
-                    f"gradient_accumulation_steps {accum} = {micro * accum}; global batch = micro batch x "
-                    f"accumulation x data-parallel size", "global_batch_size", "micro_batch_size",
-                    "gradient_accumulation_steps")
+        error(f"global_batch_size {glob} is not divisible by micro_batch_size {micro} x "
+              f"gradient_accumulation_steps {accum} = {micro * accum}; global batch = micro batch x "
+              f"accumulation x data-parallel size", "global_batch_size", "micro_batch_size",
+              "gradient_accumulation_steps")
 
     ckpt = cfg.checkpoint
     for key, value in (("save_interval", ckpt.save_interval), ("keep_last", ckpt.keep_last)):
         if value is not None and ckpt.save is None:
-            raise error(f"config key 'checkpoint.{key}' needs 'checkpoint.save' (a directory to save in)",
-                        f"checkpoint.{key}", "checkpoint.save")
+            error(f"config key 'checkpoint.{key}' needs 'checkpoint.save' (a directory to save in)",
+                  f"checkpoint.{key}", "checkpoint.save")
     if ckpt.async_save_chunk_mb is not None and not ckpt.async_save:
-        raise error("config key 'checkpoint.async_save_chunk_mb' bounds the host copy of a background save; it "
-                    "needs 'checkpoint.async_save'", "checkpoint.async_save_chunk_mb", "checkpoint.async_save")
+        error("config key 'checkpoint.async_save_chunk_mb' bounds the host copy of a background save; it "
+              "needs 'checkpoint.async_save'", "checkpoint.async_save_chunk_mb", "checkpoint.async_save")
 
 
-def _training_requirements(cfg: "HybridConfig") -> None:
-    """Settings the trainer cannot run without (the engine alone needs none of them)."""
-    error = _errors(cfg)
+def _training_requirements(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
+    """Add to ``problems`` an error for each setting the trainer cannot run without (the engine alone needs
+    none of them)."""
+    error = _adder(cfg, problems)
     if cfg.run.train_iters is None:
-        raise error("config key 'run.train_iters' is required: the number of optimizer steps to train for",
-                    "run.train_iters")
+        error("config key 'run.train_iters' is required: the number of optimizer steps to train for",
+              "run.train_iters")
     model = cfg.model
     shape = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
     if model.preset is None and any(getattr(model, k) is None for k in shape):
         keys = [f"model.{k}" for k in ("preset",) + shape]
-        raise error("give a model: 'model.preset', or all of 'model.num_layers', 'model.hidden_size', "
-                    "'model.num_attention_heads' and 'model.seq_length'", *keys)
+        error("give a model: 'model.preset', or all of 'model.num_layers', 'model.hidden_size', "
+              "'model.num_attention_heads' and 'model.seq_length'", *keys)
     if model.vocab_size is None and cfg.data.tokenizer_model is None and model.preset is None:
-        raise error("the vocabulary size is unknown: give 'data.tokenizer_model', 'model.vocab_size' or "
-                    "'model.preset'", "data.tokenizer_model", "model.vocab_size", "model.preset")
+        error("the vocabulary size is unknown: give 'data.tokenizer_model', 'model.vocab_size' or "
+              "'model.preset'", "data.tokenizer_model", "model.vocab_size", "model.preset")
     if not cfg.data.mock and not cfg.data.path:
-        raise error("config key 'data.path' is required (a preprocessed prefix from tools/preprocess_data.py), "
-                    "or set 'data.mock' for random tokens", "data.path", "data.mock")
+        error("config key 'data.path' is required (a preprocessed prefix from tools/preprocess_data.py), "
+              "or set 'data.mock' for random tokens", "data.path", "data.mock")
     if cfg.data.mock and cfg.data.path:
-        raise error("'data.mock' trains on random tokens and would ignore 'data.path'; give one of them",
-                    "data.mock", "data.path")
+        error("'data.mock' trains on random tokens and would ignore 'data.path'; give one of them",
+              "data.mock", "data.path")
     ckpt = cfg.checkpoint
     for key in ("finetune", "override_opt_param_scheduler"):
         if getattr(ckpt, key) and ckpt.load is None:
-            raise error(f"config key 'checkpoint.{key}' changes how a checkpoint is loaded; it needs "
-                        f"'checkpoint.load'", f"checkpoint.{key}", "checkpoint.load")
+            error(f"config key 'checkpoint.{key}' changes how a checkpoint is loaded; it needs "
+                  f"'checkpoint.load'", f"checkpoint.{key}", "checkpoint.load")
     if ckpt.async_save and ckpt.save is None:
-        raise error("config key 'checkpoint.async_save' writes the trainer's checkpoints in the background; it "
-                    "needs 'checkpoint.save' (a directory to save in)", "checkpoint.async_save", "checkpoint.save")
+        error("config key 'checkpoint.async_save' writes the trainer's checkpoints in the background; it "
+              "needs 'checkpoint.save' (a directory to save in)", "checkpoint.async_save", "checkpoint.save")
     if cfg.micro_batch_size is None and cfg.global_batch_size is None:
-        raise error("give a batch size: 'micro_batch_size' (the global batch is then micro batch x "
-                    "accumulation x data-parallel size) and/or 'global_batch_size'",
-                    "micro_batch_size", "global_batch_size")
+        error("give a batch size: 'micro_batch_size' (the global batch is then micro batch x "
+              "accumulation x data-parallel size) and/or 'global_batch_size'",
+              "micro_batch_size", "global_batch_size")
     if model.sequence_parallel and (cfg.tensor_parallel_size or 1) == 1:
-        raise error("config key 'model.sequence_parallel' needs 'tensor_parallel_size' > 1",
-                    "model.sequence_parallel", "tensor_parallel_size")
+        error("config key 'model.sequence_parallel' needs 'tensor_parallel_size' > 1",
+              "model.sequence_parallel", "tensor_parallel_size")

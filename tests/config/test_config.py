@@ -246,6 +246,26 @@ def test_rules_that_tie_keys_together_wait_until_every_key_is_sound():
     assert "autocast" not in str(raised.value)
 
 
+def test_every_rule_that_ties_keys_together_and_every_training_requirement_is_named_in_one_error():
+    from hybrid.config.validate import validate_for_training
+
+    with pytest.raises(ConfigError) as raised:
+        load_config({"autocast": True, "precision": "fp32", "zero": {"stage": 0, "offload_optimizer": "cpu"},
+                     "checkpoint": {"keep_last": 2}})
+    message = str(raised.value)
+    assert message.startswith("3 config keys need changing: (1) "), message
+    for part in ("'zero.offload_optimizer' is 'cpu' but 'zero.stage' is 0", "'autocast' is true but 'precision' "
+                 "is fp32", "'checkpoint.keep_last' needs 'checkpoint.save'"):
+        assert part in message, (part, message)
+    with pytest.raises(ConfigError) as raised:
+        validate_for_training(HybridConfig(), world_size=1)  # the defaults set no run, model, data or batch
+    message = str(raised.value)
+    assert message.startswith("5 config keys need changing: (1) "), message
+    for part in ("'run.train_iters' is required", "give a model", "the vocabulary size is unknown",
+                 "'data.path' is required", "give a batch size"):
+        assert part in message, (part, message)
+
+
 @pytest.mark.parametrize("overrides,match", [
     ({"optimizer.learning_rate": 1}, r"unknown config key 'optimizer\.learning_rate'"),
     ({"optimiser.lr": 1}, r"unknown config section 'optimiser'\. Did you mean 'optimizer'\?"),
