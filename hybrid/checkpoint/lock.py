@@ -36,8 +36,9 @@ log = logging.getLogger(__name__)
 # (pid, real path of the save dir) -> [our LockOwner record, how many holders in this process]
 _HELD: Dict[Tuple[int, str], list] = {}
 _atexit_registered = False
-# The guard's own wait, then a read and an unlink: past this the file system is hung, not busy.
-RELEASE_TIMEOUT_S = lockfile.GUARD_TIMEOUT_S + 15.0
+# Taking or removing the lock: the guard's own wait, then a few small file operations (mkdir, read, create
+# and fsync, unlink). Past this the file system is hung, not busy.
+LOCK_FILE_TIMEOUT_S = lockfile.GUARD_TIMEOUT_S + 15.0
 
 
 def _stale_reason(owner: Optional[lockfile.LockOwner]) -> Optional[str]:
@@ -71,18 +72,16 @@ class SaveDirLock:
         if self._key is not None:
             return self
         try:
-            self.save_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(f"cannot create the save directory {self.save_dir} (--save): {e}") from None
-        key = (os.getpid(), os.path.realpath(self.save_dir))
-        entry = _HELD.get(key)
-        if entry is None:
-            try:
-                # The directory itself is the flock guard: no extra file in the save folder.
-                attempt = lockfile.try_take(self.path, _stale_reason, guard=self.save_dir)
-            except (OSError, TimeoutError) as e:
-                raise CheckpointError(f"cannot lock the save directory {self.save_dir} (--save) through "
-                                      f"{self.path}: {e}") from None
+            key, attempt = call_within(LOCK_FILE_TIMEOUT_S, self._take, name="hybrid-save-lock-take")
+        except StillRunning:
+            raise CheckpointError(f"cannot lock the save directory {self.save_dir} (--save): the file system did "
+                                  f"not answer within {LOCK_FILE_TIMEOUT_S:g} s (a hung mount?)") from None
+        except (OSError, TimeoutError) as e:
+            raise CheckpointError(f"cannot lock the save directory {self.save_dir} (--save) through "
+                                  f"{self.path}: {e}") from None
+        if attempt is None:  # this process holds it: one more holder
+            entry = _HELD[key]
+        else:
             if attempt.broken is not None:
                 log.warning("removed the stale lock %s (%s)", self.path, attempt.broken[1])
             if attempt.mine is None:
@@ -92,6 +91,19 @@ class SaveDirLock:
         entry[1] += 1
         self._key = key
         return self
+
+    def _take(self) -> Tuple[Tuple[int, str], Optional[lockfile.Attempt]]:
+        """Create the save directory and, unless this process holds it already, try to take its lock file:
+        the directory's key in :data:`_HELD` (this process, its real path) and the attempt (None when held)."""
+        try:
+            self.save_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"cannot create the save directory {self.save_dir} (--save): {e}") from None
+        key = (os.getpid(), os.path.realpath(self.save_dir))
+        if key in _HELD:
+            return key, None
+        # The directory itself is the flock guard: no extra file in the save folder.
+        return key, lockfile.try_take(self.path, _stale_reason, guard=self.save_dir)
 
     def release(self) -> None:
         """Let go (the file goes when this process's last holder of it lets go); a no-op when not held."""
@@ -112,15 +124,15 @@ class SaveDirLock:
 
 
 def _remove(save_dir: Path, owner: lockfile.LockOwner) -> None:
-    """Remove the lock file, waiting at most :data:`RELEASE_TIMEOUT_S`: on a hung mount the run (which may be
+    """Remove the lock file, waiting at most :data:`LOCK_FILE_TIMEOUT_S`: on a hung mount the run (which may be
     ending on a failed save, its error not yet printed) goes on to exit, and the stale lock is broken later."""
     path = save_dir / SAVE_LOCK_FILE
     try:
-        call_within(RELEASE_TIMEOUT_S, lambda: lockfile.release(path, owner, guard=save_dir),
+        call_within(LOCK_FILE_TIMEOUT_S, lambda: lockfile.release(path, owner, guard=save_dir),
                     name="hybrid-save-lock-release")
     except StillRunning:
         log.warning("gave up removing the lock %s after %g s: the file system does not answer; the next job "
-                    "breaks the lock if this host can check its holder, else delete it", path, RELEASE_TIMEOUT_S)
+                    "breaks the lock if this host can check its holder, else delete it", path, LOCK_FILE_TIMEOUT_S)
     except (OSError, TimeoutError) as e:  # the run is over either way; a stale lock is broken later
         log.warning("could not remove the lock %s: %s", path, e)
 

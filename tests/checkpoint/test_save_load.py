@@ -275,7 +275,7 @@ def test_releasing_the_save_lock_on_a_stuck_file_system_gives_up_in_time(tmp_pat
     held = save_lock.SaveDirLock(tmp_path).acquire()
     stuck = threading.Event()  # the guard's open never returns, as on a hung mount, until the test ends
     monkeypatch.setattr(lockfile, "release", lambda *a, **k: stuck.wait())
-    monkeypatch.setattr(save_lock, "RELEASE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(save_lock, "LOCK_FILE_TIMEOUT_S", 0.5)
     started = time.perf_counter()
     try:
         with caplog.at_level("WARNING", logger=save_lock.__name__):
@@ -285,3 +285,27 @@ def test_releasing_the_save_lock_on_a_stuck_file_system_gives_up_in_time(tmp_pat
         stuck.set()
     assert "gave up removing the lock" in caplog.text and "after 0.5 s" in caplog.text
     assert not held.held and (tmp_path / "save.lock").exists()  # left for the next job to break
+
+
+def test_taking_the_save_lock_on_a_stuck_file_system_fails_in_time_naming_the_folder(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from hybrid import lockfile
+    from hybrid.checkpoint import lock as save_lock
+
+    stuck = threading.Event()
+    monkeypatch.setattr(lockfile, "try_take", lambda *a, **k: stuck.wait())
+    monkeypatch.setattr(save_lock, "LOCK_FILE_TIMEOUT_S", 0.5)
+    started = time.perf_counter()
+    try:
+        with pytest.raises(CheckpointError, match=rf"cannot lock the save directory {tmp_path} \(--save\): the file "
+                                                  rf"system did not answer within 0\.5 s"):
+            save_lock.SaveDirLock(tmp_path).acquire()
+        assert time.perf_counter() - started < 1.5
+    finally:
+        stuck.set()
+    monkeypatch.undo()
+    with save_lock.SaveDirLock(tmp_path) as held:  # nothing was left held: the folder can be locked again
+        assert held.held and (tmp_path / "save.lock").exists()
+    assert not (tmp_path / "save.lock").exists()
