@@ -4,7 +4,8 @@ These are derivations, not second defaults: a key keeps its one default in
 :mod:`hybrid.config.schema`, and only an unset key is filled in here.
 
 * ``scheduler.decay_iters``: a decaying schedule (linear, cosine) decays over
-  the whole run, ``run.train_iters``.
+  the whole run, ``run.train_iters``; a warmup given as a fraction
+  (``scheduler.warmup_fraction``) is a fraction of the same.
 
 The batch sizes are derived where the data-parallel size is known, by
 :func:`hybrid.config.batch.resolve_batch` (global batch = micro batch x
@@ -24,6 +25,6 @@ def derive_for_training(cfg: "HybridConfig") -> "HybridConfig":
     """``cfg`` with the trainer's derived values filled in (a new object; ``cfg`` is unchanged)."""
     out = copy.deepcopy(cfg)
     sched = out.scheduler
-    if sched.decays and sched.decay_iters is None and out.run.train_iters is not None:
+    if sched.needs_decay_iters and sched.decay_iters is None and out.run.train_iters is not None:
         sched.decay_iters = out.run.train_iters
     return out

@@ -204,6 +204,9 @@ class SchedulerConfig:
     type: str = _field("constant", choices=DECAY_STYLES, flag="--lr-decay-style", help="decay style after warmup")
     warmup_iters: int = _field(0, ge=0, flag="--lr-warmup-iters",
                                help="optimizer steps of warmup from warmup_start_lr to optimizer.lr")
+    warmup_fraction: Optional[float] = _field(None, gt=0.0, lt=1.0, flag="--lr-warmup-fraction",
+                                              help="warm up over this fraction of decay_iters instead of "
+                                                   "warmup_iters, rounded to whole steps")
     warmup_style: str = _field("linear", choices=WARMUP_STYLES, flag="--lr-warmup-style",
                                help="linear, or log (the warmup of DeepSpeed's default warmup_type)")
     warmup_start_lr: float = _field(0.0, ge=0.0, flag="--lr-warmup-init", help="learning rate at the first warmup "
@@ -218,6 +221,19 @@ class SchedulerConfig:
     def decays(self) -> bool:
         """Whether the rate decays after warmup (and so needs ``decay_iters``)."""
         return self.type != "constant"
+
+    @property
+    def needs_decay_iters(self) -> bool:
+        """Whether ``decay_iters`` must be known: a decaying schedule, or a warmup given as its fraction."""
+        return self.decays or self.warmup_fraction is not None
+
+    @property
+    def warmup_steps(self) -> int:
+        """The warmup's length in optimizer steps: ``warmup_iters``, or ``warmup_fraction`` of ``decay_iters``
+        rounded to the nearest step (validation makes sure ``decay_iters`` is set then)."""
+        if self.warmup_fraction is None:
+            return self.warmup_iters
+        return round(self.warmup_fraction * self.decay_iters)
 
 
 @dataclasses.dataclass

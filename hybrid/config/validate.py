@@ -181,17 +181,26 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
               f"{opt.type!r}; remove it or set optimizer.type to sgd", "optimizer.momentum", "optimizer.type")
 
     sched = cfg.scheduler
-    if sched.decays:
-        if sched.decay_iters is None:
-            error(f"scheduler.type {sched.type!r} needs 'scheduler.decay_iters' (the step at which the "
-                  f"learning rate reaches scheduler.min_lr, warmup included)", "scheduler.decay_iters")
-        elif sched.decay_iters <= sched.warmup_iters:
-            error(f"config key 'scheduler.decay_iters' ({sched.decay_iters}) must be greater than "
-                  f"'scheduler.warmup_iters' ({sched.warmup_iters}): decay starts after warmup",
-                  "scheduler.decay_iters", "scheduler.warmup_iters")
-    if sched.warmup_style == "log" and 0 < sched.warmup_iters < 2:
-        error(f"scheduler.warmup_style 'log' needs scheduler.warmup_iters >= 2, got {sched.warmup_iters} "
-              f"(log(1) = 0 leaves nothing to warm up over)", "scheduler.warmup_iters")
+    if sched.warmup_fraction is not None and sched.warmup_iters != 0:
+        error(f"give the warmup as 'scheduler.warmup_iters' ({sched.warmup_iters}) or as "
+              f"'scheduler.warmup_fraction' ({sched.warmup_fraction}), not both", "scheduler.warmup_iters",
+              "scheduler.warmup_fraction")
+    elif sched.needs_decay_iters and sched.decay_iters is None:
+        needs = f"scheduler.type {sched.type!r}" if sched.decays else "'scheduler.warmup_fraction'"
+        error(f"{needs} needs 'scheduler.decay_iters' (the step at which the learning rate reaches "
+              f"scheduler.min_lr, warmup included; the trainer derives it from run.train_iters)",
+              "scheduler.decay_iters")
+    elif sched.warmup_fraction is not None and sched.warmup_steps == 0:
+        error(f"'scheduler.warmup_fraction' {sched.warmup_fraction} of 'scheduler.decay_iters' "
+              f"{sched.decay_iters} rounds to no warmup step; raise it, or set scheduler.warmup_iters",
+              "scheduler.warmup_fraction", "scheduler.decay_iters")
+    elif sched.decays and sched.decay_iters <= sched.warmup_steps:
+        error(f"config key 'scheduler.decay_iters' ({sched.decay_iters}) must be greater than {_warmup(sched)}: "
+              f"decay starts after warmup", "scheduler.decay_iters", *_warmup_keys(sched))
+    warmup_known = sched.warmup_fraction is None or sched.decay_iters is not None
+    if sched.warmup_style == "log" and warmup_known and 0 < sched.warmup_steps < 2:
+        error(f"scheduler.warmup_style 'log' needs at least 2 warmup steps, got {_warmup(sched)} (log(1) = 0 "
+              f"leaves nothing to warm up over)", *_warmup_keys(sched))
     if sched.min_lr > opt.lr:
         error(f"config key 'scheduler.min_lr' ({sched.min_lr}) exceeds the peak 'optimizer.lr' "
               f"({opt.lr})", "scheduler.min_lr", "optimizer.lr")
@@ -218,6 +227,17 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
     if ckpt.async_save_chunk_mb is not None and not ckpt.async_save:
         error("config key 'checkpoint.async_save_chunk_mb' bounds the host copy of a background save; it "
               "needs 'checkpoint.async_save'", "checkpoint.async_save_chunk_mb", "checkpoint.async_save")
+
+
+def _warmup(sched) -> str:
+    """The warmup as the config gave it, for an error: ``'scheduler.warmup_iters' (N)`` or its fraction."""
+    if sched.warmup_fraction is None:
+        return f"'scheduler.warmup_iters' ({sched.warmup_iters})"
+    return f"the {sched.warmup_steps} warmup steps of 'scheduler.warmup_fraction' ({sched.warmup_fraction})"
+
+
+def _warmup_keys(sched) -> tuple:
+    return ("scheduler.warmup_iters",) if sched.warmup_fraction is None else ("scheduler.warmup_fraction",)
 
 
 def _training_requirements(cfg: "HybridConfig", problems: List[ConfigError]) -> None:

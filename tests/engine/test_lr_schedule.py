@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from hybrid.config import load_config
+from hybrid.config import ConfigError, load_config
 from hybrid.engine.builders import build_lr_schedule
 from hybrid.optim import LRSchedule, deepspeed_schedule_kwargs
 
@@ -92,6 +92,40 @@ def test_built_from_native_config():
     assert s.lr_at(5) == pytest.approx(6e-4 * 5 / 10)
     assert s.lr_at(60) == pytest.approx(6e-5 + 5.4e-4 * 0.5)
     assert s.lr_at(110) == pytest.approx(6e-5)
+
+
+def test_a_warmup_given_as_a_fraction_of_decay_iters_is_that_many_steps():
+    cfg = load_config({"optimizer": {"lr": 6e-4}, "scheduler": {"type": "cosine", "warmup_fraction": 0.0466,
+                                                               "decay_iters": 300, "min_lr": 6e-5}})
+    assert cfg.scheduler.warmup_steps == 14  # 13.98 rounded to the nearest step
+    s = build_lr_schedule(cfg)
+    assert s.lr_at(7) == pytest.approx(6e-4 * 7 / 14)
+    assert s.lr_at(14) == pytest.approx(6e-4)
+    assert s.lr_at(157) == pytest.approx(6e-5 + 5.4e-4 * 0.5)  # halfway from step 14 to 300
+
+
+def test_the_trainer_derives_decay_iters_for_a_warmup_fraction_also_under_the_constant_schedule():
+    from hybrid.config import config_from_command_line
+
+    cfg = config_from_command_line(["--train-iters", "200", "--lr-warmup-fraction", "0.1", "--lr", "1e-3"])
+    assert (cfg.scheduler.decay_iters, cfg.scheduler.warmup_steps) == (200, 20)
+    s = build_lr_schedule(cfg)
+    assert s.lr_at(10) == pytest.approx(5e-4) and s.lr_at(150) == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("scheduler,match", [
+    ({"warmup_fraction": 0.1, "warmup_iters": 5, "decay_iters": 100},
+     r"give the warmup as 'scheduler\.warmup_iters' \(5\) or as 'scheduler\.warmup_fraction' \(0\.1\), not both"),
+    ({"warmup_fraction": 0.1}, r"'scheduler\.warmup_fraction' needs 'scheduler\.decay_iters'"),
+    ({"warmup_fraction": 0.01, "decay_iters": 40}, r"'scheduler\.warmup_fraction' 0\.01 of 'scheduler\.decay_iters' "
+                                                   r"40 rounds to no warmup step"),
+    ({"warmup_fraction": 0.025, "decay_iters": 40, "warmup_style": "log"},
+     r"'log' needs at least 2 warmup steps, got the 1 warmup steps of 'scheduler\.warmup_fraction' \(0\.025\)"),
+    ({"warmup_fraction": 1.0, "decay_iters": 40}, r"'scheduler\.warmup_fraction' must be < 1\.0"),
+])
+def test_a_warmup_fraction_that_cannot_be_used_is_refused(scheduler, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config({"scheduler": scheduler})
 
 
 # DeepSpeed's formulas, written out by hand from its documentation: with i = the
