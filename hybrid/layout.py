@@ -5,6 +5,8 @@ optimizers, configuration validation, checkpoints, resharding, the planner)
 instead of comparing stage numbers; everything that describes a run's layout
 uses :class:`ParallelLayout`, which :meth:`hybrid.topology.Topology.layout`
 builds for a live job and checkpoints store in ``metadata.json``.
+:func:`precision_traits` says which precision a run keeps its parameters,
+gradients and buffers in (the DeepSpeed intake checks ``data_types`` with it).
 
 This module is plain data: it imports neither torch nor any other part of
 hybrid, so configuration code and offline tools can use it.
@@ -54,6 +56,34 @@ STAGE_TRAITS: Dict[ZeroStage, StageTraits] = {
 ZERO_STAGES: Tuple[int, ...] = tuple(int(s) for s in ZeroStage)
 OFFLOAD_DEVICES: Tuple[str, ...] = ("none", "cpu")
 PRECISIONS: Tuple[str, ...] = ("fp32", "bf16", "fp16")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionTraits:
+    """Which precision (one of :data:`PRECISIONS`) a run keeps each kind of tensor in."""
+
+    params: str  # the trained parameters, as forward and backward see them
+    grads: str  # the gradients, accumulated over the micro-steps of a global batch
+    buffers: Optional[str]  # what floating-point buffers are cast to; None: they keep the dtype the model gave them
+
+
+def precision_traits(precision: str, autocast: bool = False) -> PrecisionTraits:
+    """What a run at ``precision`` (with ``autocast``) keeps in which precision: the one statement of the rule.
+
+    Without autocast the engine casts the model, parameters and floating-point
+    buffers alike, to a low ``precision`` (``hybrid.engine.precision``); with
+    autocast, or at fp32, nothing is cast and the parameters are fp32. The
+    gradients are accumulated in the parameters' own dtype at every ZeRO stage:
+    each stage allocates its gradient store in the dtype of the parameters it
+    holds (the whole flat buffers of stages 0-1 and of ``zero.reduce_once``,
+    stage 2's partition that every micro-step's reduced bucket is added into,
+    stage 3's partition, and their host copies under ``offload_optimizer``).
+    """
+    if precision not in PRECISIONS:
+        raise LayoutError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if autocast or precision == "fp32":
+        return PrecisionTraits(params="fp32", grads="fp32", buffers=None)
+    return PrecisionTraits(params=precision, grads=precision, buffers=precision)
 
 
 def _stage_list(stages) -> str:

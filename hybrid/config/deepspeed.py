@@ -4,7 +4,10 @@ Every DeepSpeed key falls in one of four kinds:
 
 * mapped: translated to a hybrid key (see ``docs/config.md`` for the table);
 * fixed: a setting hybrid always has, accepted only at that value
-  (``zero_optimization.contiguous_gradients: true``);
+  (``zero_optimization.contiguous_gradients: true``); the dtypes of
+  ``data_types`` are such settings at the value the config's precision gives
+  (``grad_accum_dtype`` is what hybrid accumulates gradients in: the
+  parameters' dtype, see :func:`hybrid.layout.precision_traits`);
 * no effect: a tuning knob of DeepSpeed's own implementation with nothing to
   tune in hybrid's (``zero_optimization.allgather_bucket_size``), accepted
   when its value has the right type;
@@ -21,13 +24,14 @@ fills in (``"auto"``) must be given as numbers.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, List, Mapping, Optional
 
 from hybrid.compression import OFF, ONEBIT_ADAM, ZERO_ONE_ADAM, formats_for_deepspeed
 from hybrid.config.deepspeed_schedules import DEEPSPEED_SCHEDULER_PARAMS, deepspeed_schedule_kwargs
 from hybrid.config.errors import ConfigError, one_error_for_all, suggestion, value_suggestion
 from hybrid.config.parse import apply_overrides
 from hybrid.config.schema import HybridConfig
+from hybrid.layout import precision_traits
 
 # section -> {DeepSpeed key: hybrid dotted key}
 _MAPPED = {
@@ -49,10 +53,10 @@ _MAPPED = {
                     "job_name": "tensorboard.job_name"},
 }
 # Sections whose keys are handled by dedicated code below (besides those in _MAPPED).
-_HANDLED = {"": {"zero_optimization", "fp16", "bf16", "optimizer", "scheduler", "tensorboard"},
+_HANDLED = {"": {"zero_optimization", "fp16", "bf16", "optimizer", "scheduler", "tensorboard", "data_types"},
             "zero_optimization": {"offload_optimizer", "zero_quantized_gradients", "zero_quantized_weights"},
             "fp16": {"enabled"}, "bf16": {"enabled"}, "optimizer": {"type", "params"},
-            "scheduler": {"type", "params"}}
+            "scheduler": {"type", "params"}, "data_types": {"grad_accum_dtype", "param_dtype", "buffer_dtype"}}
 
 # Settings hybrid always has: accepted at exactly this value.
 _FIXED = {
@@ -80,7 +84,7 @@ _UNSUPPORTED = {
         "zero_allow_untested_optimizer": "remove it; hybrid builds the optimizer from 'optimizer'",
         "zero_force_ds_cpu_optimizer": _ISSUE_8, "sparse_attention": "remove it", "wandb": "remove it",
         "csv_monitor": "remove it", "comet": "remove it", "comms_logger": "use engine.comm_report()",
-        "elasticity": "remove it", "pipeline": "remove it", "data_types": "remove it",
+        "elasticity": "remove it", "pipeline": "remove it",
         "communication_data_type": "remove it; hybrid reduces in the parameters' dtype",
         "seq_parallel_communication_data_type": "remove it", "checkpoint": "remove it",
         "aio": _ISSUE_8, "autotuning": "remove it", "compression_training": "remove it",
@@ -120,6 +124,16 @@ _NO_EFFECT = {
     "zero_optimization": {"allgather_bucket_size": (int, float)},
     "optimizer.params": {"cuda_aware": bool, "comm_backend_name": str, "bias_correction": bool},
 }
+
+# DeepSpeed's data_types: the precision of one kind of tensor each, accepted when it is the one hybrid keeps at
+# the config's precision (that is, the field of hybrid.layout.precision_traits named here); null is DeepSpeed's
+# default, which leaves the choice to the precision as well.
+_DATA_TYPES = {"grad_accum_dtype": "grads", "param_dtype": "params", "buffer_dtype": "buffers"}
+# the spellings DeepSpeed reads for each precision (its DtypeEnum)
+_DTYPE_SPELLINGS = {spelling: precision for precision, spellings in (
+    ("fp32", ("fp32", "float32", "float", "torch.float32")),
+    ("fp16", ("fp16", "float16", "half", "torch.float16")),
+    ("bf16", ("bf16", "bfloat16", "bfloat", "torch.bfloat16"))) for spelling in spellings}
 
 _OPTIMIZER_PARAMS = {"adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode"},
                      "adamw": {"lr", "betas", "eps", "weight_decay", "adam_w_mode"},
@@ -217,7 +231,7 @@ def _check_every_key(ds: Mapping) -> None:
     """Check the keys of every section :func:`_translate` reads; one ConfigError naming all that need changing."""
     problems: List[str] = []
     _check_keys(ds, "", problems)
-    for name in ("zero_optimization", "fp16", "bf16", "tensorboard", "optimizer", "scheduler"):
+    for name in ("zero_optimization", "fp16", "bf16", "tensorboard", "optimizer", "scheduler", "data_types"):
         if name in ds:
             _check_keys(_section(ds, name), name, problems)
     if isinstance(ds.get("zero_optimization", {}).get("offload_optimizer"), Mapping):
@@ -227,6 +241,7 @@ def _check_every_key(ds: Mapping) -> None:
     if kind in _OPTIMIZER_PARAMS and isinstance(optimizer.get("params"), Mapping):
         # an unsupported type or params of the wrong type are the optimizer's own errors, raised when it is mapped
         _check_keys(optimizer["params"], "optimizer.params", problems, allowed=_OPTIMIZER_PARAMS[kind])
+    _check_data_types(ds, problems)
     if problems:
         raise one_error_for_all([ConfigError(problem) for problem in problems], "DeepSpeed keys")
 
@@ -260,6 +275,41 @@ def _check_keys(section: Mapping, name: str, problems: List[str], allowed=None) 
             continue
         known = accepted | set(fixed) | set(unsupported)
         problems.append(f"unknown DeepSpeed key '{prefix}{key}'.{suggestion(key, known, prefix)}")
+
+
+def _check_data_types(ds: Mapping, problems: List[str]) -> None:
+    """Add to ``problems`` each dtype of ``data_types`` that is not the one hybrid keeps at the config's precision."""
+    section = ds.get("data_types")
+    if not section:
+        return
+    try:
+        precision = _precision(ds) or HybridConfig().precision
+    except ConfigError:
+        return  # fp16/bf16 'enabled' are wrong: their own error, raised when they are mapped
+    traits = precision_traits(precision)
+    for key, kind in _DATA_TYPES.items():
+        value = section.get(key)
+        if value is None:
+            continue
+        named = _DTYPE_SPELLINGS.get(value) if isinstance(value, str) else None
+        if named is None:
+            problems.append(f"DeepSpeed key 'data_types.{key}' must be one of fp32, fp16, bf16, got {value!r}")
+            continue
+        want = getattr(traits, kind)
+        if named == want:
+            continue
+        where = f"with {precision} enabled" if precision != "fp32" else "in fp32 (fp16 and bf16 off)"
+        does = {"grads": f"accumulates gradients in {want}, the parameters' dtype, at every ZeRO stage",
+                "params": f"trains the parameters in {want}",
+                "buffers": (f"casts floating-point buffers to {want} with the model" if want else
+                            "casts no buffers: they keep the dtype the model has them in")}[kind]
+        fix = "remove it" + (f", or set it to {want}" if want else "")
+        if kind == "grads" and named == "fp32":
+            fix += "; for fp32 gradients, keep fp32 parameters with hybrid's 'autocast: true' instead"
+        elif kind == "params" and named != "fp32":
+            fix += f" (to train in {named}, set {named}.enabled)"
+        problems.append(f"DeepSpeed key 'data_types.{key}' = {value!r} is not supported: {where}, hybrid {does}; "
+                        f"{fix}")
 
 
 def _switched_off(value: Any) -> bool:
@@ -307,14 +357,18 @@ def _enabled(ds: Mapping, name: str) -> bool:
     return value
 
 
-def _map_precision(ds: Mapping, put) -> None:
+def _precision(ds: Mapping) -> Optional[str]:
+    """The precision ``fp16.enabled`` or ``bf16.enabled`` selects (None: neither)."""
     fp16, bf16 = _enabled(ds, "fp16"), _enabled(ds, "bf16")
     if fp16 and bf16:
         raise ConfigError("DeepSpeed keys 'fp16.enabled' and 'bf16.enabled' are both true; enable one of them")
-    if fp16:
-        put("precision", "fp16", "fp16.enabled")
-    elif bf16:
-        put("precision", "bf16", "bf16.enabled")
+    return "fp16" if fp16 else "bf16" if bf16 else None
+
+
+def _map_precision(ds: Mapping, put) -> None:
+    precision = _precision(ds)
+    if precision is not None:
+        put("precision", precision, f"{precision}.enabled")
 
 
 def _map_optimizer(opt: Mapping, put) -> None:

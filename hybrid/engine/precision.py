@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from hybrid.config.errors import ConfigError
+from hybrid.layout import precision_traits
 
 # the torch dtype of each of hybrid.layout.PRECISIONS: the one map, which the planner and the converters read too
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -40,9 +41,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def prepare_precision(model: torch.nn.Module, precision: str, autocast: bool) -> Optional[torch.dtype]:
-    """Cast ``model`` in place if the config asks for it; return the autocast dtype (None: no autocast)."""
+    """Cast ``model`` in place if the config asks for it; return the autocast dtype (None: no autocast).
+
+    What is cast to what is :func:`hybrid.layout.precision_traits`'s rule (the ZeRO stages then allocate their
+    gradient stores in the parameters' dtype, the traits' ``grads``)."""
     target = DTYPES[precision]
-    if precision == "fp32" or autocast:
+    traits = precision_traits(precision, autocast)
+    if traits.params == "fp32":
         bad = _first_param_not(model, (torch.float32,))
         if bad is not None:
             name, dtype = bad
@@ -56,5 +61,7 @@ def prepare_precision(model: torch.nn.Module, precision: str, autocast: bool) ->
         name, dtype = bad
         raise ConfigError(f"parameter '{name}' is {_dtype_name(dtype)} but 'precision' is {precision}; pass an "
                           f"fp32 or {precision} model, or set precision to {_dtype_name(dtype)}")
-    model.to(dtype=target)  # Parameter objects (and their TP metadata) are kept; only their data changes
+    # Parameters and floating-point buffers alike (traits.params, traits.buffers); the Parameter objects (and
+    # their TP metadata) are kept, only their data changes.
+    model.to(dtype=DTYPES[traits.params])
     return None

@@ -268,7 +268,7 @@ def test_a_common_zero2_config_loads_with_its_switched_off_features_and_knobs():
 
 def test_every_key_that_needs_changing_is_named_in_one_error():
     data = {**COMMON_ZERO2, "activation_checkpointing": {"partition_activations": False},
-            "data_types": {"grad_accum_dtype": "fp32"},
+            "sparse_attention": {"mode": "fixed", "block": 16},
             "zero_optimization": {**COMMON_ZERO2["zero_optimization"], "cpu_offload": True, "reduce_bucket_sise": 1},
             "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "max_grad_norm": 1.0}}}
     with pytest.raises(ConfigError) as raised:
@@ -276,7 +276,7 @@ def test_every_key_that_needs_changing_is_named_in_one_error():
     message = str(raised.value)
     assert "\n" not in message and message.startswith("5 DeepSpeed keys need changing: (1) ")
     for part in ("'activation_checkpointing' is not supported by hybrid: set hybrid's 'recompute'",
-                 "'data_types' is not supported", "'zero_optimization.cpu_offload' is not supported",
+                 "'sparse_attention' is not supported", "'zero_optimization.cpu_offload' is not supported",
                  "unknown DeepSpeed key 'zero_optimization.reduce_bucket_sise'. Did you mean "
                  "'zero_optimization.reduce_bucket_size'?",
                  "'optimizer.params.max_grad_norm' is not supported"):
@@ -293,3 +293,173 @@ def test_every_value_hybrid_refuses_is_named_in_one_error_with_its_deepspeed_key
     for part in ("'zero.stage' must be one of 0, 1, 2, 3, got 9 [from DeepSpeed key 'zero_optimization.stage']",
                  "'micro_batch_size' must be >= 1, got 0 [from DeepSpeed key 'train_micro_batch_size_per_gpu']"):
         assert part in message, (part, message)
+
+
+# ---- data_types: accepted where it names the dtype hybrid keeps at the config's precision ---------------------
+
+PRECISION_SECTIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}
+# What hybrid keeps at each precision, written out here: parameters and the gradients accumulated over micro-steps
+# in the precision itself at every ZeRO stage, floating-point buffers cast with the model except at fp32.
+KEPT = {"fp32": {"grad_accum_dtype": "fp32", "param_dtype": "fp32", "buffer_dtype": None},
+        "bf16": {"grad_accum_dtype": "bf16", "param_dtype": "bf16", "buffer_dtype": "bf16"},
+        "fp16": {"grad_accum_dtype": "fp16", "param_dtype": "fp16", "buffer_dtype": "fp16"}}
+STAGES = [0, 1, 2, 3]
+
+
+def ds_with(precision, stage, data_types, **more):
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+            "zero_optimization": {"stage": stage, **more}, **PRECISION_SECTIONS[precision], "data_types": data_types}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_data_types_naming_what_hybrid_keeps_are_accepted_at_every_stage(precision, stage):
+    cfg = load_config(ds_with(precision, stage, KEPT[precision]))
+    assert (cfg.precision, cfg.zero.stage) == (precision, stage)
+    assert load_config(ds_with(precision, stage, {"grad_accum_dtype": precision})).precision == precision
+    if stage > 0:
+        offloaded = ds_with(precision, stage, {"grad_accum_dtype": precision}, offload_optimizer={"device": "cpu"})
+        assert load_config(offloaded).zero.offload_optimizer == "cpu"
+
+
+def test_data_types_take_deepspeeds_spellings_and_null():
+    for precision, spellings in {"fp32": ("float32", "float", "torch.float32"),
+                                 "fp16": ("float16", "half", "torch.float16"),
+                                 "bf16": ("bfloat16", "bfloat", "torch.bfloat16")}.items():
+        for spelling in spellings:
+            load_config(ds_with(precision, 2, {"grad_accum_dtype": spelling, "param_dtype": spelling}))
+    # null is DeepSpeed's default: the dtype the precision gives
+    assert load_config(ds_with("bf16", 1, {"grad_accum_dtype": None, "param_dtype": None,
+                                           "buffer_dtype": None})).precision == "bf16"
+    assert load_config({"train_batch_size": 8, "data_types": {}}).precision == "fp32"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("precision,value", [("bf16", "fp32"), ("fp16", "fp32"), ("fp32", "bf16"), ("fp32", "fp16"),
+                                             ("bf16", "fp16"), ("fp16", "bfloat16")])
+def test_a_grad_accum_dtype_hybrid_does_not_use_is_refused_naming_what_it_accumulates_in(precision, value, stage):
+    with pytest.raises(ConfigError) as raised:
+        load_config(ds_with(precision, stage, {"grad_accum_dtype": value}))
+    message = str(raised.value)
+    assert message.startswith(f"DeepSpeed key 'data_types.grad_accum_dtype' = '{value}' is not supported: "), message
+    assert f"hybrid accumulates gradients in {precision}, the parameters' dtype, at every ZeRO stage; remove it, " \
+           f"or set it to {precision}" in message, message
+    # fp32 accumulation of a low precision is what autocast gives
+    assert ("'autocast: true'" in message) == (value == "fp32"), message
+
+
+@pytest.mark.parametrize("data_types,precision,match", [
+    ({"param_dtype": "fp32"}, "bf16", r"'data_types\.param_dtype' = 'fp32' is not supported: with bf16 enabled, "
+                                      r"hybrid trains the parameters in bf16; remove it, or set it to bf16$"),
+    ({"param_dtype": "bf16"}, "fp32", r"'data_types\.param_dtype' = 'bf16' is not supported: in fp32 \(fp16 and bf16 "
+                                      r"off\), hybrid trains the parameters in fp32; remove it, or set it to fp32 "
+                                      r"\(to train in bf16, set bf16\.enabled\)"),
+    ({"buffer_dtype": "fp32"}, "fp16", r"'data_types\.buffer_dtype' = 'fp32' is not supported: with fp16 enabled, "
+                                       r"hybrid casts floating-point buffers to fp16 with the model; remove it, or set "
+                                       r"it to fp16$"),
+    ({"buffer_dtype": "fp32"}, "fp32", r"'data_types\.buffer_dtype' = 'fp32' is not supported: in fp32 \(fp16 and "
+                                       r"bf16 off\), hybrid casts no buffers: they keep the dtype the model has them "
+                                       r"in; remove it$"),
+    ({"grad_accum_dtype": "int8"}, "bf16", r"'data_types\.grad_accum_dtype' must be one of fp32, fp16, bf16, got "
+                                           r"'int8'"),
+    ({"param_dtype": 16}, "fp16", r"'data_types\.param_dtype' must be one of fp32, fp16, bf16, got 16"),
+    ({"grad_acum_dtype": "fp32"}, "fp32", r"unknown DeepSpeed key 'data_types\.grad_acum_dtype'\. Did you mean "
+                                          r"'data_types\.grad_accum_dtype'\?"),
+    ("fp32", "fp32", r"DeepSpeed key 'data_types' must be an object, got 'fp32'"),
+])
+def test_the_other_data_types_keys_and_bad_values(data_types, precision, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(ds_with(precision, 2, data_types))
+
+
+def test_data_types_problems_join_the_other_keys_in_one_error():
+    data = {**COMMON_ZERO2, "data_types": {"grad_accum_dtype": "fp32", "param_dtype": "bf16", "buffer_dtyp": "bf16"},
+            "zero_optimization": {**COMMON_ZERO2["zero_optimization"], "reduce_bucket_sise": 1}}
+    with pytest.raises(ConfigError) as raised:
+        load_config(data)
+    message = str(raised.value)
+    assert message.startswith("3 DeepSpeed keys need changing: (1) "), message
+    for part in ("unknown DeepSpeed key 'zero_optimization.reduce_bucket_sise'",
+                 "unknown DeepSpeed key 'data_types.buffer_dtyp'. Did you mean 'data_types.buffer_dtype'?",
+                 "'data_types.grad_accum_dtype' = 'fp32' is not supported: with bf16 enabled, hybrid accumulates "
+                 "gradients in bf16"):
+        assert part in message, (part, message)
+    # fp16/bf16 'enabled' given wrongly is its own error; the dtypes are checked once the precision is known
+    with pytest.raises(ConfigError, match=r"^DeepSpeed key 'bf16\.enabled' must be true or false, got 'yes'$"):
+        load_config({"train_batch_size": 8, "bf16": {"enabled": "yes"}, "data_types": {"grad_accum_dtype": "fp16"}})
+
+
+def test_the_dtype_rule_has_one_statement_that_the_intake_reads(monkeypatch):
+    """The intake asks hybrid.layout.precision_traits, rather than restating which dtype each precision keeps."""
+    import hybrid.config.deepspeed as intake
+    from hybrid.layout import PrecisionTraits
+
+    monkeypatch.setattr(intake, "precision_traits", lambda precision: PrecisionTraits("fp16", "fp16", "fp16"))
+    load_config(ds_with("bf16", 2, {"grad_accum_dtype": "fp16"}))
+    with pytest.raises(ConfigError, match=r"accumulates gradients in fp16"):
+        load_config(ds_with("bf16", 2, {"grad_accum_dtype": "bf16"}))
+
+
+# ---- ... and what the engine keeps: a world-1 engine of each stage, precision and gradient path --------------
+
+def _engine_dtypes(ds, overrides=None):
+    """Dtypes of one world-1 run of ``ds`` over two micro-steps: the parameters, the gradient store the micro-steps
+    accumulate into (and stage 2's staging buckets, offload's host copies), and a floating-point buffer."""
+    torch = pytest.importorskip("torch")
+    import hybrid
+    from hybrid.topology import Topology
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+            self.register_buffer("scale", torch.ones(4))
+
+        def forward(self, x):
+            return self.fc2(torch.nn.functional.gelu(self.fc1(x))) * self.scale
+
+    torch.manual_seed(0)
+    model = Net()
+    engine = hybrid.initialize(model, ds, topology=Topology(), **(overrides or {}))
+    opt, seen = engine.optimizer, set()
+    try:
+        for _ in range(2):
+            x = torch.randn(2, 8, dtype=model.fc1.weight.dtype)
+            engine.backward(model(x).float().square().mean())
+            grads = opt.reducer.grads if isinstance(opt.reducer.grads, list) else [opt.reducer.grads]
+            seen |= {g.dtype for g in grads}
+            seen |= {b.dtype for bufs in getattr(opt.reducer, "_allocated", {}).values() for b in bufs}
+            seen |= {g.dtype for off in getattr(opt, "_offload", []) for g in off.grads}
+            engine.step()
+    finally:
+        opt.remove_hooks()
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return ({names[p.dtype] for p in model.parameters()}, {names[d] for d in seen}, names[model.scale.dtype])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_the_accepted_data_types_are_the_dtypes_the_engine_keeps(precision, stage):
+    kept = KEPT[precision]
+    variants = [({}, None)]
+    if stage > 0:
+        variants.append(({"offload_optimizer": {"device": "cpu"}}, None))
+    if stage in (1, 2):
+        variants.append(({}, {"zero.reduce_once": True}))
+    for more, overrides in variants:
+        params, grads, buffer = _engine_dtypes(ds_with(precision, stage, kept, **more), overrides)
+        assert params == {kept["param_dtype"]} and grads == {kept["grad_accum_dtype"]}, (more, overrides)
+        assert buffer == (kept["buffer_dtype"] or "fp32"), (more, overrides)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("precision,autocast", [("fp32", False), ("bf16", False), ("fp16", False), ("bf16", True),
+                                                ("fp16", True)])
+def test_precision_traits_are_the_dtypes_the_engine_keeps(precision, autocast, stage):
+    from hybrid.layout import precision_traits
+
+    traits = precision_traits(precision, autocast)
+    native = {"precision": precision, "autocast": autocast, "zero": {"stage": stage}, "micro_batch_size": 2,
+              "gradient_accumulation_steps": 2, "steps_per_print": 0}
+    params, grads, buffer = _engine_dtypes(native)
+    assert (params, grads, buffer) == ({traits.params}, {traits.grads}, traits.buffers or "fp32")
