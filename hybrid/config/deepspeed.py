@@ -53,7 +53,8 @@ _MAPPED = {
                     "job_name": "tensorboard.job_name"},
 }
 # Sections whose keys are handled by dedicated code below (besides those in _MAPPED).
-_HANDLED = {"": {"zero_optimization", "fp16", "bf16", "optimizer", "scheduler", "tensorboard", "data_types"},
+_HANDLED = {"": {"zero_optimization", "fp16", "bf16", "optimizer", "scheduler", "tensorboard", "data_types",
+                 "communication_data_type"},
             "zero_optimization": {"offload_optimizer", "zero_quantized_gradients", "zero_quantized_weights"},
             "fp16": {"enabled"}, "bf16": {"enabled"}, "optimizer": {"type", "params"},
             "scheduler": {"type", "params"}, "data_types": {"grad_accum_dtype", "param_dtype", "buffer_dtype"}}
@@ -85,7 +86,6 @@ _UNSUPPORTED = {
         "zero_force_ds_cpu_optimizer": _ISSUE_8, "sparse_attention": "remove it", "wandb": "remove it",
         "csv_monitor": "remove it", "comet": "remove it", "comms_logger": "use engine.comm_report()",
         "elasticity": "remove it", "pipeline": "remove it",
-        "communication_data_type": "remove it; hybrid reduces in the parameters' dtype",
         "seq_parallel_communication_data_type": "remove it", "checkpoint": "remove it",
         "aio": _ISSUE_8, "autotuning": "remove it", "compression_training": "remove it",
         "data_efficiency": "remove it", "curriculum_learning": "remove it", "quantize_training": "remove it",
@@ -125,10 +125,12 @@ _NO_EFFECT = {
     "optimizer.params": {"cuda_aware": bool, "comm_backend_name": str, "bias_correction": bool},
 }
 
-# DeepSpeed's data_types: the precision of one kind of tensor each, accepted when it is the one hybrid keeps at
-# the config's precision (that is, the field of hybrid.layout.precision_traits named here); null is DeepSpeed's
-# default, which leaves the choice to the precision as well.
-_DATA_TYPES = {"grad_accum_dtype": "grads", "param_dtype": "params", "buffer_dtype": "buffers"}
+# DeepSpeed's dtype keys: the precision of one kind of tensor each, accepted when it is the one hybrid keeps at
+# the config's precision (that is, the field of hybrid.layout.precision_traits named here: the gradients are
+# reduced in the dtype they accumulate in); null is DeepSpeed's default, which leaves the choice to the precision
+# as well.
+_DATA_TYPES = {"data_types.grad_accum_dtype": "grads", "data_types.param_dtype": "params",
+               "data_types.buffer_dtype": "buffers", "communication_data_type": "grads"}
 # the spellings DeepSpeed reads for each precision (its DtypeEnum)
 _DTYPE_SPELLINGS = {spelling: precision for precision, spellings in (
     ("fp32", ("fp32", "float32", "float", "torch.float32")),
@@ -278,38 +280,61 @@ def _check_keys(section: Mapping, name: str, problems: List[str], allowed=None) 
 
 
 def _check_data_types(ds: Mapping, problems: List[str]) -> None:
-    """Add to ``problems`` each dtype of ``data_types`` that is not the one hybrid keeps at the config's precision."""
-    section = ds.get("data_types")
-    if not section:
+    """Add to ``problems`` each dtype key (:data:`_DATA_TYPES`) that is not the one hybrid keeps at the config's
+    precision."""
+    given = {key: _value_at(ds, key) for key in _DATA_TYPES}
+    if all(value is None for value in given.values()):
         return
     try:
         precision = _precision(ds) or HybridConfig().precision
     except ConfigError:
         return  # fp16/bf16 'enabled' are wrong: their own error, raised when they are mapped
     traits = precision_traits(precision)
-    for key, kind in _DATA_TYPES.items():
-        value = section.get(key)
+    quantized = _enabled_flag(ds.get("zero_optimization"), "zero_quantized_gradients")
+    for key, value in given.items():
         if value is None:
             continue
         named = _DTYPE_SPELLINGS.get(value) if isinstance(value, str) else None
         if named is None:
-            problems.append(f"DeepSpeed key 'data_types.{key}' must be one of fp32, fp16, bf16, got {value!r}")
+            problems.append(f"DeepSpeed key '{key}' must be one of fp32, fp16, bf16, got {value!r}")
             continue
+        kind = _DATA_TYPES[key]
         want = getattr(traits, kind)
+        if key == "communication_data_type" and quantized:
+            problems.append(f"DeepSpeed key '{key}' = {value!r} is not supported: with "
+                            f"'zero_optimization.zero_quantized_gradients', hybrid sends gradients blockwise-"
+                            f"quantized; remove it")
+            continue
         if named == want:
             continue
         where = f"with {precision} enabled" if precision != "fp32" else "in fp32 (fp16 and bf16 off)"
-        does = {"grads": f"accumulates gradients in {want}, the parameters' dtype, at every ZeRO stage",
-                "params": f"trains the parameters in {want}",
-                "buffers": (f"casts floating-point buffers to {want} with the model" if want else
-                            "casts no buffers: they keep the dtype the model has them in")}[kind]
+        does = {"data_types.grad_accum_dtype": f"accumulates gradients in {want}, the parameters' dtype, at every "
+                                               f"ZeRO stage",
+                "communication_data_type": f"reduces gradients in {want}, the dtype they accumulate in",
+                "data_types.param_dtype": f"trains the parameters in {want}",
+                "data_types.buffer_dtype": (f"casts floating-point buffers to {want} with the model" if want else
+                                            "casts no buffers: they keep the dtype the model has them in")}[key]
         fix = "remove it" + (f", or set it to {want}" if want else "")
         if kind == "grads" and named == "fp32":
             fix += "; for fp32 gradients, keep fp32 parameters with hybrid's 'autocast: true' instead"
         elif kind == "params" and named != "fp32":
             fix += f" (to train in {named}, set {named}.enabled)"
-        problems.append(f"DeepSpeed key 'data_types.{key}' = {value!r} is not supported: {where}, hybrid {does}; "
-                        f"{fix}")
+        problems.append(f"DeepSpeed key '{key}' = {value!r} is not supported: {where}, hybrid {does}; {fix}")
+
+
+def _value_at(ds: Mapping, dotted: str) -> Any:
+    """The value at a dotted DeepSpeed key, None where a section on the way is missing or not an object (those
+    are their own errors)."""
+    node: Any = ds
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping):
+            return None
+        node = node.get(part)
+    return node
+
+
+def _enabled_flag(section: Any, key: str) -> bool:
+    return isinstance(section, Mapping) and section.get(key) is True
 
 
 def _switched_off(value: Any) -> bool:

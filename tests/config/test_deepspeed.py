@@ -389,6 +389,21 @@ def test_data_types_problems_join_the_other_keys_in_one_error():
         load_config({"train_batch_size": 8, "bf16": {"enabled": "yes"}, "data_types": {"grad_accum_dtype": "fp16"}})
 
 
+def test_communication_data_type_is_accepted_where_it_is_the_dtype_gradients_are_reduced_in():
+    for precision in ("fp32", "bf16", "fp16"):
+        data = {**ds_with(precision, 2, {}), "communication_data_type": KEPT[precision]["grad_accum_dtype"]}
+        assert load_config(data).precision == precision
+    with pytest.raises(ConfigError, match=r"^DeepSpeed key 'communication_data_type' = 'fp32' is not supported: with "
+                                          r"bf16 enabled, hybrid reduces gradients in bf16, the dtype they accumulate "
+                                          r"in; remove it, or set it to bf16"):
+        load_config({**ds_with("bf16", 2, {}), "communication_data_type": "fp32"})
+    quantized = ds_with("bf16", 2, {}, zero_quantized_gradients=True)
+    with pytest.raises(ConfigError, match=r"'communication_data_type' = 'bf16' is not supported: with "
+                                          r"'zero_optimization\.zero_quantized_gradients', hybrid sends gradients "
+                                          r"blockwise-quantized; remove it"):
+        load_config({**quantized, "communication_data_type": "bf16"})
+
+
 def test_the_dtype_rule_has_one_statement_that_the_intake_reads(monkeypatch):
     """The intake asks hybrid.layout.precision_traits, rather than restating which dtype each precision keeps."""
     import hybrid.config.deepspeed as intake
