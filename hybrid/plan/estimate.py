@@ -15,7 +15,11 @@ passes three high points, and the peak is the largest:
   the embedding's and the activations of the layers not passed yet. With full
   recomputation one layer's activations are rebuilt (``layer_full`` less the
   layer's input, which is the saved one) while the others' inputs wait.
-  Without stage 3 the last layer's is the worst;
+  Each layer's gradients also sit beside the reductions launched before
+  them and not yet waited on: for whole parameters (stages 0-2) the replay
+  :func:`flat_gradient_flow` of the reducer, for stage 3 :func:`stage3_gradient_flow`.
+  With whole parameters and nothing held in flight (NCCL, or stage 0's
+  all-reduce) the last layer's is the worst;
 * **optimizer step**: activations are gone; what remains is the step's
   workspace (fp32 copies of low-precision gradients when the optimizer cannot
   read them directly) and, on gloo, the temporary an all-gather lands in.
@@ -39,10 +43,12 @@ allocator cannot always pack; the persistent state is allocated once, in
 large blocks, and gets none. The measured peak on the CPU (live tensor bytes)
 is compared with the peak *without* the allowance.
 
-A reduce-scatter in flight holds buffers until it is waited on: at the end
-of backward stage 1 has every bucket in flight, stage 2 the last ones it
-launched (up to its staging pool plus one, the first buckets of the buffer),
-stage 3 what :func:`stage3_gradient_flow` replays. On gloo they run as
+A reduce-scatter in flight holds buffers until it is waited on: stage 1
+waits on none before the step, so each layer's gradients sit beside the
+buckets of the layers passed and at the end of backward every bucket is in
+flight; stage 2 waits whenever a bucket needs a staging buffer beyond its
+pool, so at most the pool's buckets are (:func:`flat_gradient_flow`); stage 3
+what :func:`stage3_gradient_flow` replays. On gloo they run as
 hybrid's point-to-point messages (:mod:`hybrid.p2p_collectives`), which send
 from the bucket itself and receive into tensors, ``(N_d-1)/N_d`` of each input
 (:func:`reduce_scatters_in_flight`; stage 3's in its replay): those are in the
@@ -74,7 +80,7 @@ buckets of :func:`stage3_gradient_flow`, which replays the unquantized path.
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from hybrid.layout import partition_count
 from hybrid.plan.activations import DTYPE_BYTES, ActivationBytes, DeviceProfile, activation_bytes
@@ -266,6 +272,87 @@ def stage3_gradient_flow(order, persistent: int, bucket_size: int, dp: int, pref
     return GradientFlow(worst, worst_wire, final, final_wire, tuple(layers))
 
 
+@dataclasses.dataclass(frozen=True)
+class FlatGradientFlow:
+    """What the reductions of whole parameters (stages 0-2) hold during backward, from
+    :func:`flat_gradient_flow`. ``layers``: per transformer layer, from the last to the first, the bytes the
+    reductions in flight add to the layer's moment, which counts the gradients of its largest module alone
+    (its most fresh gradients with the reductions then in flight, less those); ``final``: the segments
+    (elements each) still in flight when backward returns."""
+
+    layers: Tuple[int, ...]
+    final: Tuple[int, ...]
+
+
+def flat_gradient_flow(layout: FlatLayout, pool: Optional[int], held: Callable[[Sequence[int]], int]
+                       ) -> FlatGradientFlow:
+    """Replay one backward of the gradient reducer of whole parameters (:mod:`hybrid.zero.buckets`) over
+    ``layout.arrivals``: the modules in the order backward reaches them, each producing its parameters'
+    gradients together, and the segments those complete.
+
+    A module's gradients are fresh tensors (``element_bytes * numel`` each) beside the reductions launched
+    before them. Then each parameter's post-accumulate hook runs: its fresh tensor is gone once the hook
+    launches anything (stage 1's autograd has added it into the flat gradient buffer and freed it before the
+    hook; stage 2's hook copies it into its segment's staging buffer, part of the state, and drops it), while
+    the module's later parameters' are still there. The hook marks the parameter's segment and launches, in
+    :attr:`FlatLayout.launches` order, every segment that is complete. ``pool``: stage 2's staging buffers
+    (``STAGING_BUFFERS_BEFORE_WAIT``): a segment takes one at its first gradient, a free one or a new one
+    while fewer are allocated or none is in flight, else the oldest reduction in flight is waited on and its
+    buffer reused; None: buckets are views of the flat buffer (stages 0-1, ``zero.reduce_once``), and nothing
+    is waited on before the step. ``held``: the bytes the reductions of some segments (elements each) hold
+    while in flight. The segments no gradient completed launch when backward returns.
+    """
+    sizes = [size for _, size in layout.launches]
+    pending = [0] * len(sizes)  # gradients each segment still waits for
+    for _, params in layout.arrivals:
+        for _, segment in params:
+            pending[segment] += 1
+    flights: List[int] = []  # segments in flight, oldest first
+    staged, cursor, free, allocated = set(), 0, 0, 0
+    worst = {}  # layer -> (most bytes of fresh gradients with the reductions in flight, its largest module's)
+
+    def wire() -> int:
+        return held([sizes[k] for k in flights])
+
+    def acquire() -> None:
+        nonlocal free, allocated
+        while not free:
+            if allocated < pool or not flights:
+                allocated += 1
+                return
+            flights.pop(0)  # the oldest reduction lands, and its staging buffer is free again
+            free += 1
+        free -= 1
+
+    def launch() -> None:
+        nonlocal cursor
+        while cursor < len(sizes) and pending[cursor] <= 0:
+            if pool is not None and cursor not in staged:
+                acquire()
+            staged.discard(cursor)
+            flights.append(cursor)
+            cursor += 1
+
+    for layer, params in layout.arrivals:
+        fresh = layout.element_bytes * sum(numel for numel, _ in params)
+        most = fresh + wire()
+        for numel, segment in params:  # the hooks, one parameter at a time
+            fresh -= layout.element_bytes * numel
+            if pool is not None and segment not in staged:
+                acquire()
+                staged.add(segment)
+            pending[segment] -= 1
+            launch()
+            most = max(most, fresh + wire())
+        if layer >= 0:
+            moment, largest = worst.get(layer, (0, 0))
+            worst[layer] = (max(moment, most), max(largest, layout.element_bytes * sum(n for n, _ in params)))
+    pending[:] = [0] * len(sizes)
+    launch()
+    return FlatGradientFlow(tuple(moment - largest for moment, largest in worst.values()),
+                            tuple(sizes[k] for k in flights))
+
+
 def largest_layer_weight(config: GPTConfig) -> int:
     """Elements of the largest weight matrix of one layer at TP=1."""
     h, f = config.hidden_size, config.ffn_size
@@ -289,7 +376,9 @@ def _model_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, 
     """``(state, stage-3 bytes gathered at the forward peak, gathered during backward, the stage-3 gradient flow
     (:class:`GradientFlow`, bytes; None with whole parameters), the step's gather temporary, then with whole
     parameters the library's copies of the reductions in flight at the end of backward and the tensors they
-    hold then: receive buffers, or the quantized reductions' packed buffers)``."""
+    hold then: receive buffers, or the quantized reductions' packed buffers; last, per transformer layer from
+    the last, the communication bytes beside the layer's moment in backward: :attr:`GradientFlow.layers`, or
+    :attr:`FlatGradientFlow.layers`)``."""
     layout = zero_layout(config, candidate, setup, pp_rank)
     if candidate.traits.parameters:
         return _unit_state(config, candidate, setup, layout, micro_batches)
@@ -332,7 +421,8 @@ def _unit_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, u
                                 pinned, setup.profile.p2p_reduce_scatter, direct,
                                 units.backward_layer_starts(config.tie_embeddings),
                                 units.backward_copied(config.tie_embeddings))
-    return state, forward, backward, flow.scaled(p), 0, 0, 0
+    flow = flow.scaled(p)
+    return state, forward, backward, flow, 0, 0, 0, flow.layers
 
 
 def _next_forward(config: GPTConfig, candidate: Candidate, setup: TrainingSetup) -> int:
@@ -353,28 +443,32 @@ def _flat_state(candidate: Candidate, setup: TrainingSetup, flat: FlatLayout):
     gather_temp = 0
     if setup.profile.gather_copies_output and gathers_after_step(traits):
         gather_temp = flat.largest_segment * flat.element_bytes  # gloo lands each all-gather in a temporary
-    # Reduce-scatters in flight at the end of backward (what each holds: the module docstring). Reducing once per
-    # step launches every bucket and waits in the step; reducing every micro-batch waits whenever it needs a
-    # staging buffer beyond its pool, so the last buckets launched -- the first ones in the buffer, as backward
-    # runs the model in reverse -- are the ones still in flight.
-    segments = [size for _, sizes in flat.groups for size in sizes]
-    if reduces_every_micro_batch(traits, setup.whole_gradients):
-        launched = list(flat.groups[0][1][:STAGING_BUFFERS_BEFORE_WAIT + 1])
-    else:
-        launched = segments
     scatter = reduces_by_scatter(traits)
     n, copies = flat.dp, setup.profile.gather_copies_output
-    in_flight, packed = (flat.element_bytes * e for e in reduce_scatters_in_flight(launched if scatter else [], n,
-                                                                                    setup.profile))
     grads, weights = setup.gradient_quant, setup.weight_quant
-    if grads is not None:  # the module docstring: packed buffers instead of the receive buffers or gloo's copies
-        in_flight, packed = 0, reduction_buffers(grads, launched, n, all_reduce=not scatter)
+
+    def held(inputs: Sequence[int]) -> int:
+        """Tensor bytes the reductions of ``inputs`` (elements each) hold in flight (the module docstring)."""
+        if grads is not None:  # packed buffers instead of the receive buffers or gloo's copies
+            return reduction_buffers(grads, inputs, n, all_reduce=not scatter)
+        return flat.element_bytes * reduce_scatters_in_flight(inputs if scatter else [], n, setup.profile)[1]
+
+    # Reduce-scatters in flight during backward and at its end: reducing once per step launches every bucket and
+    # waits in the step; reducing every micro-batch waits whenever it needs a staging buffer beyond its pool.
+    pool = STAGING_BUFFERS_BEFORE_WAIT if reduces_every_micro_batch(traits, setup.whole_gradients) else None
+    flow = flat_gradient_flow(flat, pool, held)
+    launched = list(flow.final)
+    in_flight = flat.element_bytes * reduce_scatters_in_flight(launched if scatter else [], n, setup.profile)[0]
+    packed = held(launched)
+    if grads is not None:
+        in_flight = 0
         if not scatter:  # stage 0 waits on a bucket by gathering its summed chunks, the others still in flight
             largest = flat.largest_segment
             gather_temp = packed + FP32 * n * chunk(largest, n) + gather_buffers(grads, [largest], n, largest, copies)
     if weights is not None and gathers_after_step(traits):
+        segments = [size for _, sizes in flat.groups for size in sizes]
         gather_temp = gather_buffers(weights, segments, n, flat.largest_segment, copies)
-    return state, 0, 0, None, gather_temp, in_flight, packed
+    return state, 0, 0, None, gather_temp, in_flight, packed, flow.layers
 
 
 def reduce_scatters_in_flight(inputs: Sequence[int], n: int, profile: DeviceProfile) -> Tuple[int, int]:
@@ -433,7 +527,7 @@ def _estimate(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, act
     worst moment of its schedule (``act.total`` without a pipeline); ``first``/``last``: it holds the
     embedding / the head and loss; ``posted_receives``: the pipeline receive buffers it has posted ahead of
     their use, there through forward and backward."""
-    state, gathered, gathered_backward, staging3, gather_temp, in_flight_bytes, packed = _model_state(
+    state, gathered, gathered_backward, staging3, gather_temp, in_flight_bytes, packed, layer_flight = _model_state(
         config, candidate, setup, pp_rank, micro_batches)
     p = DTYPE_BYTES[candidate.precision]
     base = state.device_total
@@ -465,11 +559,13 @@ def _estimate(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, act
     rebuilt = act.layer_full - act.per_layer if candidate.recompute == "full" else 0
     weight_grad = p * max(largest_layer_weight(config) // t, 1)
     layer = before_loss - final_norm + rebuilt + tied + weight_grad + p * n * config.ffn_size // t + p * n * h
-    # Each layer from the last down: the saved activations of the layers backward has passed are gone, and under
-    # stage 3 their units' gradients wait in staging buffers or are on the wire (the replay's figure as the
-    # layer begins). Those grow by a layer's units while the activations shrink by what a layer saves, so with
-    # large buckets and full recomputation the first layer is the worst.
-    staged = staging3.layers if staging3 and staging3.layers else (0,)
+    # Each layer from the last down: the saved activations of the layers backward has passed are gone, and the
+    # gradients of the layers passed are on the wire (stages 1-2: the receive buffers of the reductions in flight
+    # beside the layer's worst gradient, flat_gradient_flow) or, under stage 3, also wait in staging buffers (the
+    # replay's figure as the layer begins). Those grow by a layer's gradients while the activations shrink by
+    # what a layer saves, so with large buckets (and for stage 1, which waits on none before the step) the first
+    # layer can be the worst.
+    staged = layer_flight or (0,)
     # (bytes, the communication buffers among them) at the worst moment so far
     backward, backward_comm = max([(backward, 0)] + [(base + layer - i * act.per_layer + gradients, gradients)
                                                      for i, gradients in enumerate(staged)])

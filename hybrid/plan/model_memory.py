@@ -124,7 +124,11 @@ class FlatLayout:
     first), where ``ready`` is the share of the shard's parameter elements
     whose gradients backward has produced when the segment's first parameter
     gets its own (backward runs in reverse registration order), the moment the
-    segment can be reduced.
+    segment can be reduced. ``arrivals``: the gradients in the order backward
+    produces them (:func:`backward_arrivals`), one entry per module, whose
+    backward produces its parameters' gradients together: ``(its transformer
+    layer or -1, ((elements, the index in launches of the parameter's segment),
+    ...))``, its parameters in the order their hooks run.
     """
 
     groups: Tuple[Tuple[int, Tuple[int, ...]], ...]
@@ -136,6 +140,7 @@ class FlatLayout:
     # Stage 2's staging buckets kept open through backward: the last pipeline rank's tied copy of the word
     # embeddings is registered first, so reduced last, yet its gradient (the head's) arrives first.
     held_open: int = 0
+    arrivals: Tuple[Tuple[int, Tuple[Tuple[int, int], ...]], ...] = ()
 
     @property
     def numel(self) -> int:
@@ -182,12 +187,40 @@ def flat_layout(params: Sequence[ParamShape], dp: int, precision: str, bucket_si
         if key[1]:
             tied = groups[-1][1]
         for seg in segments:
-            first = positions[key][seg.records[0]]
-            launches.append((first, 1.0 - before[first] / total, seg.size))
+            members = [positions[key][r] for r in seg.records]  # registration positions of its parameters
+            launches.append((members[0], 1.0 - before[members[0]] / total, seg.size, members))
     launches.sort(key=lambda launch: -launch[0])
+    segment_of = {i: k for k, launch in enumerate(launches) for i in launch[3]}
+    arrivals = tuple((layer_index(params[module[0]].name), tuple((params[i].numel, segment_of[i]) for i in module))
+                     for module in backward_arrivals(params, tied_head))
     return FlatLayout(tuple(groups), torch.empty((), dtype=dtype).element_size(), dp,
-                      sum(p.numel for p in params), tuple((ready, size) for _, ready, size in launches), tied,
-                      len(tied) if tied_head else 0)
+                      sum(p.numel for p in params), tuple((ready, size) for _, ready, size, _ in launches), tied,
+                      len(tied) if tied_head else 0, arrivals)
+
+
+def layer_index(name: str) -> int:
+    """The transformer layer of a parameter or module named ``name`` (``layers.<i>...``); -1 outside the layers."""
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) > 1 and parts[0] == "layers" else -1
+
+
+def backward_arrivals(params: Sequence[ParamShape], tied_head: bool = False) -> List[List[int]]:
+    """Indices into ``params`` (registration order) in the order backward produces their gradients, grouped by
+    module: a module's backward produces the gradients of all its parameters (a linear layer's weight and bias)
+    before their hooks run. Modules come in the reverse of registration (a tied word embedding's lookup,
+    registered first, is the last contribution), except that the last pipeline rank's tied copy of the word
+    embeddings (``tied_head``) is its head, whose gradient comes first; within a module, the reverse too."""
+    order = list(reversed(range(len(params))))
+    if tied_head:
+        order.sort(key=lambda i: not params[i].tied)  # stable: the others keep their order
+    modules: List[List[int]] = []
+    for i in order:
+        module = params[i].name.rpartition(".")[0]
+        if modules and params[modules[-1][0]].name.rpartition(".")[0] == module:
+            modules[-1].append(i)
+        else:
+            modules.append([i])
+    return modules
 
 
 def fitting_prefix(sizes: Sequence[int], budget: int) -> int:
@@ -304,8 +337,7 @@ def _stage3_units(config_json: str, tp: int, dp: int, precision: str, persistenc
     head = id(model.head_weight())
     gathered = [u for u in units if not u.persistent]
     head_index = next((k for k, u in enumerate(gathered) if any(id(q) == head for q in u.params)), -1)
-    layer_of = tuple(int(u.module_name.split(".")[1]) if u.module_name.startswith("layers.") else -1
-                     for u in gathered)
+    layer_of = tuple(layer_index(u.module_name) for u in gathered)
     return (tuple(u.numel for u in gathered), sum(u.numel for u in units if u.persistent),
             sum(u.chunk_numel for u in units), gathered[head_index].numel if head_index >= 0 else 0, head_index,
             layer_of, tuple(u.whole_parameter for u in gathered))

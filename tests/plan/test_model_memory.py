@@ -212,6 +212,7 @@ def test_stage1_on_gloo_holds_the_receive_buffers_of_every_bucket_until_the_step
 
     from hybrid.layout import ParallelLayout
     from hybrid.plan import CPU, Candidate, TrainingSetup, estimate_memory, zero_layout
+    from hybrid.plan.estimate import flat_gradient_flow
     from model_zoo import GPTConfig
 
     cfg = GPTConfig(vocab_size=1024, hidden_size=1024, num_layers=2, num_heads=16, seq_length=32)
@@ -224,13 +225,48 @@ def test_stage1_on_gloo_holds_the_receive_buffers_of_every_bucket_until_the_step
     received = 4 * sum((dp - 1) * size // dp for size in segments)
     assert received == (dp - 1) * est.grads // dp  # the whole gradient is in flight
     end_of_backward = est.state.device_total + est.activations.embedding + received
-    assert est.untracked == 0
-    assert est.peak == est.backward_peak == end_of_backward  # the peak of this shape, in tensors
-    assert est.resident_peak == end_of_backward and est.gather_buffers == received
+    assert est.untracked == 0 and est.resident_peak == est.peak == est.backward_peak
+    # The end of backward holds them all; before it, the first layer's largest gradient sat beside the receive
+    # buffers of every bucket launched before it (flat_gradient_flow), at least as much here.
+    flow = flat_gradient_flow(layout, None, lambda inputs: 4 * sum((dp - 1) * size // dp for size in inputs))
+    assert flow.final == tuple(size for _, size in layout.launches)
+    assert est.backward_peak >= end_of_backward and est.gather_buffers == max(flow.layers)
     copying = estimate_memory(cfg, candidate, dataclasses.replace(setup, profile=dataclasses.replace(
         CPU, p2p_reduce_scatter=False)))
     assert copying.resident_peak == est.state.device_total + est.activations.embedding + est.grads
     assert copying.peak < est.peak and copying.untracked > 0
+
+
+def test_a_layers_gradients_wait_beside_the_reductions_launched_before_them():
+    """``flat_gradient_flow`` replays the reducer of whole parameters over the modules in backward order. Stage 1
+    waits on nothing before the step: every layer passed adds its buckets to those in flight, and at the end all
+    are. Stage 2 waits whenever a segment needs a staging buffer beyond its pool, so no more than the pool is in
+    flight beside a gradient. Without buffers in flight (stage 0, NCCL) a layer's moment gains nothing."""
+    from hybrid.plan.estimate import flat_gradient_flow
+    from hybrid.zero.buckets import STAGING_BUFFERS_BEFORE_WAIT
+    from model_zoo import GPTConfig
+
+    h, dp = 256, 4
+    cfg = GPTConfig(vocab_size=128, hidden_size=h, num_layers=4, num_heads=4, seq_length=16)
+    params = shard_shapes(cfg, 1)
+    layout = flat_layout(params, dp, "fp32", 4 * h * h)  # every MLP weight a bucket of its own
+    arrived = [numel for _, module in layout.arrivals for numel, _ in module]
+    assert arrived == [p.numel for p in reversed(params)]  # backward runs the model in reverse
+    launches = [size for _, size in layout.launches]
+    assert {segment for _, module in layout.arrivals for _, segment in module} == set(range(len(launches)))
+
+    def received(inputs):  # the receive buffers of direct reduce-scatters, bytes
+        return 4 * sum((dp - 1) * size // dp for size in inputs)
+
+    whole = flat_gradient_flow(layout, None, received)
+    assert len(whole.layers) == cfg.num_layers and whole.final == tuple(launches)
+    assert list(whole.layers) == sorted(whole.layers) and whole.layers[-1] > whole.layers[0] > 0
+    assert whole.layers[-1] < received(launches)  # the first layer's own buckets launch after its gradients
+    pool = STAGING_BUFFERS_BEFORE_WAIT
+    partitioned = flat_gradient_flow(layout, pool, received)
+    assert len(partitioned.final) <= pool
+    assert 0 < max(partitioned.layers) <= received(sorted(launches)[-pool:])
+    assert flat_gradient_flow(layout, pool, lambda inputs: 0).layers == (0,) * cfg.num_layers
 
 
 @pytest.mark.parametrize("stage,dp", [(1, 1), (1, 4), (3, 4)])
