@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from hybrid.argument_parser import ArgumentParser
 from hybrid.config.deepspeed import deepspeed_settings, from_deepspeed
 from hybrid.config.derive import derive_for_training
-from hybrid.config.errors import ConfigError, suggestion
+from hybrid.config.errors import ConfigError, one_error_for_all, suggestion
 from hybrid.config.flags import Given, Leaf, Spelling, apply_given, put
 from hybrid.config.load import is_deepspeed_style, read_config_file
 from hybrid.config.parse import parse_section
@@ -155,9 +155,7 @@ def tree_from_file(path: str) -> Dict[str, Any]:
             for key, value in deepspeed_settings(data).items():
                 put(tree, key, value)
             return tree
-        tree = tree_from_mapping(data)
-        parse_section(HybridConfig, tree, "")  # unknown keys and types now, so that the error names the file
-        return tree
+        return tree_from_mapping(data)
     except ConfigError as err:
         raise ConfigError(f"{CONFIG_FLAG} {path}: {err}", keys=err.keys,
                           message=f"{CONFIG_FLAG} {path}: {err.message}") from None
@@ -169,9 +167,12 @@ def tree_from_mapping(data: Mapping[str, Any]) -> Dict[str, Any]:
     A top-level key is read as a key of the tree when it is one (a section
     given a mapping), else as a flat trainer key, where ``null`` leaves the
     setting unset; anything else is an error naming the nearest valid name.
+    One error names every problem of the mapping: its unknown top-level keys, and
+    the unknown keys, types, choices and bounds of the rest.
     """
     tree: Dict[str, Any] = {}
     flat: List[Given] = []
+    problems: List[ConfigError] = []
     for raw, value in data.items():
         if not isinstance(raw, str):
             raise ConfigError(f"config keys must be strings, got {raw!r}")
@@ -183,6 +184,13 @@ def tree_from_mapping(data: Mapping[str, Any]) -> Dict[str, Any]:
             if value is not None:
                 flat.append(Given(FLAT_NAMES[key], value))
         else:
-            raise ConfigError(f"unknown config key '{raw}'.{suggestion(key, set(_ROOT_KEYS) | set(FLAT_NAMES))}")
+            problems.append(ConfigError(f"unknown config key '{raw}'."
+                                        f"{suggestion(key, set(_ROOT_KEYS) | set(FLAT_NAMES))}", keys=(raw,)))
     apply_given(tree, flat, overriding=False)  # one file: its flat and nested keys must agree
+    try:  # the keys and types of the rest now, so that one error names every problem of the file
+        parse_section(HybridConfig, tree, "")
+    except ConfigError as err:
+        problems.append(err)
+    if problems:
+        raise one_error_for_all(problems, "config keys")
     return tree

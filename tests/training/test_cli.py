@@ -138,6 +138,9 @@ def test_config_file_with_the_nested_tree(tmp_path):
     ('{"bf16": "yes"}', r"'bf16' is a switch \(--bf16\): give true or false, got 'yes'"),
     ('{"lr": "fast"}', r"'optimizer\.lr' must be a number, got 'fast' .*\(set by --lr\)"),
     ('[1, 2]', r"expected a mapping of settings at the top level"),
+    ('{"micro_batch_sise": 2, "zero": {"stgae": 1}, "lr": -1}',
+     r"3 config keys need changing: \(1\) unknown config key 'micro_batch_sise'\. Did you mean 'micro_batch_size'\? "
+     r"\(2\) unknown config key 'zero\.stgae'.* \(3\) config key 'optimizer\.lr' must be > 0\.0, got -1"),
     ('{"zero_stage": 1, "zero": {"stage": 2}}',
      r"config keys 'zero_stage' and 'zero\.stage' both set 'zero\.stage', to different values \(1, 2\); give one"),
     ('{"tensor_parallel_size": 1, "tensor_model_parallel_size": 2}',
