@@ -48,10 +48,8 @@ def parse_section(cls, data: Any, path: str):
             if key not in fields:
                 raise unknown_key_error(path, key, fields)
             kwargs[key] = leaf = convert(value, hints[key], _join(path, key), fields[key].metadata)
-            problem = None if dataclasses.is_dataclass(leaf) else field_problem(_join(path, key), leaf,
-                                                                                fields[key].metadata)
-            if problem is not None:
-                raise problem
+            if not dataclasses.is_dataclass(leaf):
+                problems += filter(None, [field_problem(_join(path, key), leaf, fields[key].metadata)])
         except ConfigError as err:  # a nested section's error already lists all of that section's problems
             problems.append(err)
     if problems:
