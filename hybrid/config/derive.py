@@ -3,9 +3,11 @@
 These are derivations, not second defaults: a key keeps its one default in
 :mod:`hybrid.config.schema`, and only an unset key is filled in here.
 
-* ``scheduler.decay_iters``: a decaying schedule (linear, cosine) decays over
-  the whole run, ``run.train_iters``; a warmup given as a fraction
-  (``scheduler.warmup_fraction``) is a fraction of the same.
+* the decay length of the schedule: a decaying schedule (linear, cosine)
+  decays over the whole run, and a warmup given as a fraction
+  (``scheduler.warmup_fraction``) is a fraction of the same. A run given in
+  samples (``run.train_samples``) gets ``scheduler.decay_samples``, unless the
+  schedule is given in steps; a run given in steps gets ``scheduler.decay_iters``.
 
 The batch sizes are derived where the data-parallel size is known, by
 :func:`hybrid.config.batch.resolve_batch` (global batch = micro batch x
@@ -25,6 +27,10 @@ def derive_for_training(cfg: "HybridConfig") -> "HybridConfig":
     """``cfg`` with the trainer's derived values filled in (a new object; ``cfg`` is unchanged)."""
     out = copy.deepcopy(cfg)
     sched = out.scheduler
-    if sched.needs_decay_iters and sched.decay_iters is None and out.run.train_iters is not None:
-        sched.decay_iters = out.run.train_iters
+    if sched.needs_decay_length and sched.decay_length is None:
+        steps_given = sched.warmup_iters != 0 or sched.decay_iters is not None
+        if out.run.train_samples is not None and not steps_given:
+            sched.decay_samples = out.run.train_samples
+        elif out.run.train_iters is not None and not sched.in_samples:
+            sched.decay_iters = out.run.train_iters
     return out

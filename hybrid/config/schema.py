@@ -199,14 +199,20 @@ class OptimizerConfig:
 
 @dataclasses.dataclass
 class SchedulerConfig:
-    """The learning-rate schedule: optional warmup, then constant, linear or cosine decay to ``min_lr``."""
+    """The learning-rate schedule: optional warmup, then constant, linear or cosine decay to ``min_lr``.
+
+    It counts optimizer steps, or samples when ``warmup_samples`` or ``decay_samples`` is set (each
+    step then advances it by its global batch, so that a batch ramp-up warms up over the same data).
+    """
 
     type: str = _field("constant", choices=DECAY_STYLES, flag="--lr-decay-style", help="decay style after warmup")
     warmup_iters: int = _field(0, ge=0, flag="--lr-warmup-iters",
                                help="optimizer steps of warmup from warmup_start_lr to optimizer.lr")
+    warmup_samples: Optional[int] = _field(None, ge=0, flag="--lr-warmup-samples",
+                                           help="samples of warmup instead of warmup_iters (a schedule in samples)")
     warmup_fraction: Optional[float] = _field(None, gt=0.0, lt=1.0, flag="--lr-warmup-fraction",
-                                              help="warm up over this fraction of decay_iters instead of "
-                                                   "warmup_iters, rounded to whole steps")
+                                              help="warm up over this fraction of the decay length (decay_iters "
+                                                   "or decay_samples) instead, rounded to whole steps or samples")
     warmup_style: str = _field("linear", choices=WARMUP_STYLES, flag="--lr-warmup-style",
                                help="linear, or log (the warmup of DeepSpeed's default warmup_type)")
     warmup_start_lr: float = _field(0.0, ge=0.0, flag="--lr-warmup-init", help="learning rate at the first warmup "
@@ -215,25 +221,44 @@ class SchedulerConfig:
                                         help="optimizer step at which decay reaches min_lr, counted from the start "
                                              "(warmup included); needed by linear and cosine (the trainer "
                                              "derives it from run.train_iters when unset)")
+    decay_samples: Optional[int] = _field(None, ge=1, flag="--lr-decay-samples",
+                                          help="consumed samples at which decay reaches min_lr, instead of "
+                                               "decay_iters (the trainer derives it from run.train_samples when "
+                                               "unset)")
     min_lr: float = _field(0.0, ge=0.0, flag="--min-lr", help="learning rate at and after decay_iters")
 
     @property
     def decays(self) -> bool:
-        """Whether the rate decays after warmup (and so needs ``decay_iters``)."""
+        """Whether the rate decays after warmup (and so needs a decay length)."""
         return self.type != "constant"
 
     @property
-    def needs_decay_iters(self) -> bool:
-        """Whether ``decay_iters`` must be known: a decaying schedule, or a warmup given as its fraction."""
+    def in_samples(self) -> bool:
+        """Whether the schedule counts samples rather than optimizer steps."""
+        return self.warmup_samples is not None or self.decay_samples is not None
+
+    @property
+    def unit(self) -> str:
+        """What the schedule counts: ``"samples"`` or ``"steps"``."""
+        return "samples" if self.in_samples else "steps"
+
+    @property
+    def needs_decay_length(self) -> bool:
+        """Whether the decay length must be known: a decaying schedule, or a warmup given as its fraction."""
         return self.decays or self.warmup_fraction is not None
 
     @property
-    def warmup_steps(self) -> int:
-        """The warmup's length in optimizer steps: ``warmup_iters``, or ``warmup_fraction`` of ``decay_iters``
-        rounded to the nearest step (validation makes sure ``decay_iters`` is set then)."""
-        if self.warmup_fraction is None:
-            return self.warmup_iters
-        return round(self.warmup_fraction * self.decay_iters)
+    def decay_length(self) -> Optional[int]:
+        """Where decay reaches ``min_lr``, in :attr:`unit`: ``decay_samples`` or ``decay_iters``."""
+        return self.decay_samples if self.in_samples else self.decay_iters
+
+    @property
+    def warmup_length(self) -> int:
+        """The warmup's length in :attr:`unit`: ``warmup_samples`` or ``warmup_iters``, or ``warmup_fraction`` of
+        :attr:`decay_length` rounded to the nearest whole one (validation makes sure that is set then)."""
+        if self.warmup_fraction is not None:
+            return round(self.warmup_fraction * self.decay_length)
+        return (self.warmup_samples or 0) if self.in_samples else self.warmup_iters
 
 
 @dataclasses.dataclass
@@ -374,7 +399,11 @@ class RunConfig:
     """How long the trainer runs, and when it stops early."""
 
     train_iters: Optional[int] = _field(None, ge=1, flag="--train-iters",
-                                        help="optimizer steps to train for (required by the trainer)")
+                                        help="optimizer steps to train for (the trainer needs it or train_samples)")
+    train_samples: Optional[int] = _field(None, ge=1, flag="--train-samples",
+                                          help="samples to train on instead of train_iters: every whole global "
+                                               "batch that fits (a batch ramp-up included); the learning-rate "
+                                               "schedule then counts samples too")
     exit_interval: Optional[int] = _field(None, ge=1, flag="--exit-interval",
                                           help="save and exit once the step count is a multiple of this")
     exit_duration_in_mins: Optional[float] = _field(None, gt=0.0, flag="--exit-duration-in-mins",
@@ -444,6 +473,10 @@ class HybridConfig:
     gradient_accumulation_steps: Optional[int] = _field(None, ge=1, help="micro-steps per optimizer step")
     global_batch_size: Optional[int] = _field(None, ge=1, help="samples per optimizer step over all "
                                                               "data-parallel ranks")
+    rampup_batch_size: Optional[Tuple[int, int, int]] = _field(
+        None, ge=1, help="START INCREMENT SAMPLES: ramp the global batch up from START by INCREMENT to "
+                         "global_batch_size, in equal steps over the first SAMPLES samples (the micro batch stays; "
+                         "the accumulation count follows)")
     tensor_parallel_size: Optional[int] = _field(None, ge=1, flag="--tensor-model-parallel-size",
                                                  help="TP ranks per model replica (adjacent ranks); unset: the "
                                                       "topology's, 1 when hybrid builds it")
@@ -503,6 +536,6 @@ class HybridConfig:
 
         try:
             return resolve_batch(self.micro_batch_size, self.gradient_accumulation_steps,
-                                 self.global_batch_size, dp_size)
+                                 self.global_batch_size, dp_size, self.rampup_batch_size)
         except ConfigError as err:
             raise key_error(type(self), err.message, *err.keys) from None

@@ -27,7 +27,7 @@ import functools
 import math
 from typing import TYPE_CHECKING, List, Mapping, Optional
 
-from hybrid.config.batch import BatchSizes
+from hybrid.config.batch import BatchSizes, rampup_problem
 from hybrid.config.errors import ConfigError, one_error_for_all, value_suggestion
 from hybrid.config.flags import key_error, meta_error
 from hybrid.compression import ONE_BIT_OPTIMIZERS, compression_problem, hpz_problem, onebit_problem
@@ -75,7 +75,13 @@ def validate_for_training(cfg: "HybridConfig", world_size: int) -> BatchSizes:
     problems = _problems(cfg)
     _training_requirements(cfg, problems)
     _raise_all(problems)
-    return validate_world(cfg, world_size)
+    batch = validate_world(cfg, world_size)
+    samples = cfg.run.train_samples
+    if samples is not None and batch.schedule.steps_within(samples) == 0:
+        raise _errors(cfg)(f"config key 'run.train_samples' ({samples}) is less than the first global batch "
+                           f"({batch.schedule.size_at(0)} samples): the run would not take a step; raise it",
+                           "run.train_samples")
+    return batch
 
 
 def _errors(cfg):
@@ -181,26 +187,33 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
               f"{opt.type!r}; remove it or set optimizer.type to sgd", "optimizer.momentum", "optimizer.type")
 
     sched = cfg.scheduler
-    if sched.warmup_fraction is not None and sched.warmup_iters != 0:
-        error(f"give the warmup as 'scheduler.warmup_iters' ({sched.warmup_iters}) or as "
-              f"'scheduler.warmup_fraction' ({sched.warmup_fraction}), not both", "scheduler.warmup_iters",
+    decay_key = "scheduler.decay_samples" if sched.in_samples else "scheduler.decay_iters"
+    if sched.in_samples and (sched.warmup_iters != 0 or sched.decay_iters is not None):
+        error("give the learning-rate schedule in optimizer steps ('scheduler.warmup_iters', "
+              "'scheduler.decay_iters') or in samples ('scheduler.warmup_samples', 'scheduler.decay_samples'), "
+              "not both", "scheduler.warmup_iters", "scheduler.decay_iters", "scheduler.warmup_samples",
+              "scheduler.decay_samples")
+    elif sched.warmup_fraction is not None and (sched.warmup_iters != 0 or sched.warmup_samples is not None):
+        given = "warmup_samples" if sched.in_samples else "warmup_iters"
+        error(f"give the warmup as 'scheduler.{given}' ({getattr(sched, given)}) or as "
+              f"'scheduler.warmup_fraction' ({sched.warmup_fraction}), not both", f"scheduler.{given}",
               "scheduler.warmup_fraction")
-    elif sched.needs_decay_iters and sched.decay_iters is None:
+    elif sched.needs_decay_length and sched.decay_length is None:
         needs = f"scheduler.type {sched.type!r}" if sched.decays else "'scheduler.warmup_fraction'"
-        error(f"{needs} needs 'scheduler.decay_iters' (the step at which the learning rate reaches "
-              f"scheduler.min_lr, warmup included; the trainer derives it from run.train_iters)",
-              "scheduler.decay_iters")
-    elif sched.warmup_fraction is not None and sched.warmup_steps == 0:
-        error(f"'scheduler.warmup_fraction' {sched.warmup_fraction} of 'scheduler.decay_iters' "
-              f"{sched.decay_iters} rounds to no warmup step; raise it, or set scheduler.warmup_iters",
-              "scheduler.warmup_fraction", "scheduler.decay_iters")
-    elif sched.decays and sched.decay_iters <= sched.warmup_steps:
-        error(f"config key 'scheduler.decay_iters' ({sched.decay_iters}) must be greater than {_warmup(sched)}: "
-              f"decay starts after warmup", "scheduler.decay_iters", *_warmup_keys(sched))
-    warmup_known = sched.warmup_fraction is None or sched.decay_iters is not None
-    if sched.warmup_style == "log" and warmup_known and 0 < sched.warmup_steps < 2:
-        error(f"scheduler.warmup_style 'log' needs at least 2 warmup steps, got {_warmup(sched)} (log(1) = 0 "
-              f"leaves nothing to warm up over)", *_warmup_keys(sched))
+        run = "run.train_samples" if sched.in_samples else "run.train_iters"
+        error(f"{needs} needs '{decay_key}' (where the learning rate reaches scheduler.min_lr, warmup "
+              f"included; the trainer derives it from {run})", decay_key)
+    elif sched.warmup_fraction is not None and sched.warmup_length == 0:
+        error(f"'scheduler.warmup_fraction' {sched.warmup_fraction} of '{decay_key}' {sched.decay_length} "
+              f"rounds to no warmup {sched.unit}; raise it, or give the warmup itself", "scheduler.warmup_fraction",
+              decay_key)
+    elif sched.decays and sched.decay_length <= sched.warmup_length:
+        error(f"config key '{decay_key}' ({sched.decay_length}) must be greater than {_warmup(sched)}: "
+              f"decay starts after warmup", decay_key, _warmup_key(sched))
+    warmup_known = sched.warmup_fraction is None or sched.decay_length is not None
+    if sched.warmup_style == "log" and warmup_known and 0 < sched.warmup_length < 2:
+        error(f"scheduler.warmup_style 'log' needs at least 2 warmup {sched.unit}, got {_warmup(sched)} "
+              f"(log(1) = 0 leaves nothing to warm up over)", _warmup_key(sched))
     if sched.min_lr > opt.lr:
         error(f"config key 'scheduler.min_lr' ({sched.min_lr}) exceeds the peak 'optimizer.lr' "
               f"({opt.lr})", "scheduler.min_lr", "optimizer.lr")
@@ -212,7 +225,14 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
         error("tensorboard.enabled is true but 'tensorboard.output_path' is empty; give a directory",
               "tensorboard.output_path")
 
+    if cfg.run.train_iters is not None and cfg.run.train_samples is not None:
+        error(f"give the run's length as 'run.train_iters' ({cfg.run.train_iters}) or as 'run.train_samples' "
+              f"({cfg.run.train_samples}), not both", "run.train_iters", "run.train_samples")
     micro, accum, glob = cfg.micro_batch_size, cfg.gradient_accumulation_steps, cfg.global_batch_size
+    if cfg.rampup_batch_size is not None:
+        problem = rampup_problem(tuple(cfg.rampup_batch_size), glob)
+        if problem:
+            error(problem, "rampup_batch_size", "global_batch_size")
     if micro is not None and accum is not None and glob is not None and glob % (micro * accum) != 0:
         error(f"global_batch_size {glob} is not divisible by micro_batch_size {micro} x "
               f"gradient_accumulation_steps {accum} = {micro * accum}; global batch = micro batch x "
@@ -232,21 +252,24 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
 def _warmup(sched) -> str:
     """The warmup as the config gave it, for an error: ``'scheduler.warmup_iters' (N)`` or its fraction."""
     if sched.warmup_fraction is None:
-        return f"'scheduler.warmup_iters' ({sched.warmup_iters})"
-    return f"the {sched.warmup_steps} warmup steps of 'scheduler.warmup_fraction' ({sched.warmup_fraction})"
+        return f"'{_warmup_key(sched)}' ({sched.warmup_length})"
+    return (f"the {sched.warmup_length} warmup {sched.unit} of 'scheduler.warmup_fraction' "
+            f"({sched.warmup_fraction})")
 
 
-def _warmup_keys(sched) -> tuple:
-    return ("scheduler.warmup_iters",) if sched.warmup_fraction is None else ("scheduler.warmup_fraction",)
+def _warmup_key(sched) -> str:
+    if sched.warmup_fraction is not None:
+        return "scheduler.warmup_fraction"
+    return "scheduler.warmup_samples" if sched.in_samples else "scheduler.warmup_iters"
 
 
 def _training_requirements(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
     """Add to ``problems`` an error for each setting the trainer cannot run without (the engine alone needs
     none of them)."""
     error = _adder(cfg, problems)
-    if cfg.run.train_iters is None:
-        error("config key 'run.train_iters' is required: the number of optimizer steps to train for",
-              "run.train_iters")
+    if cfg.run.train_iters is None and cfg.run.train_samples is None:
+        error("give the run's length: 'run.train_iters' (optimizer steps) or 'run.train_samples'",
+              "run.train_iters", "run.train_samples")
     model = cfg.model
     shape = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
     if model.preset is None and any(getattr(model, k) is None for k in shape):

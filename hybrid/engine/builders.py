@@ -26,9 +26,9 @@ def build_loss_scaler(cfg: HybridConfig) -> Optional[LossScaler]:
 
 def build_lr_schedule(cfg: HybridConfig) -> LRSchedule:
     s = cfg.scheduler
-    return LRSchedule(cfg.optimizer.lr, decay_style=s.type, warmup_iters=s.warmup_steps,
+    return LRSchedule(cfg.optimizer.lr, decay_style=s.type, warmup_iters=s.warmup_length,
                       warmup_style=s.warmup_style, warmup_start_lr=s.warmup_start_lr,
-                      decay_iters=s.decay_iters, min_lr=s.min_lr)
+                      decay_iters=s.decay_length, min_lr=s.min_lr, unit=s.unit)
 
 
 def exclude_1d_params(name: str, param: torch.nn.Parameter) -> bool:

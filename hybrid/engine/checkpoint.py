@@ -44,7 +44,7 @@ def _model_defaults(engine: "Engine") -> Dict[str, Any]:
     return {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
 
 
-def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples: int = 0,
+def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples: Optional[int] = None,
                 client_state: Optional[Mapping[str, Any]] = None, keep_last: Optional[int] = None,
                 healthy: bool = True, background: Optional[BackgroundSaver] = None):
     """Write ``save_dir/iter_{iteration:07d}`` from every rank; returns the directory.
@@ -72,7 +72,11 @@ def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples:
     if engine.topology.pp_size > 1:
         # every stage indexes its own parameters: metadata.json keeps one index per stage, in stage order
         param_index = engine.topology.comm.all_gather_object(param_index, "pp")
-    trainer_state = {"engine": state["progress"], "client": dict(client_state or {})}
+    if consumed_samples is None:
+        consumed_samples = engine.consumed_samples
+    # metadata.json's count and the engine's agree: a resumed engine takes its batch sizes from it
+    trainer_state = {"engine": dict(state["progress"], consumed_samples=consumed_samples),
+                     "client": dict(client_state or {})}
     args = dict(model_state=state["model"], optimizer_state=optimizer_state, rank_state=state["rng"],
                 consumed_samples=consumed_samples, model_config=_model_config(engine), param_index=param_index,
                 trainer_state=trainer_state, keep_last=keep_last, healthy=healthy)
@@ -126,8 +130,9 @@ def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True,
     trainer_state = reader.trainer_state
     if load_optimizer:
         try:
-            engine.load_state_dict({"progress": trainer_state["engine"]},
-                                   strict_schedule=not keep_configured_schedule)
+            # checkpoints of earlier releases keep the count in metadata.json alone
+            progress = {"consumed_samples": reader.consumed_samples, **trainer_state["engine"]}
+            engine.load_state_dict({"progress": progress}, strict_schedule=not keep_configured_schedule)
         except ValueError as e:
             raise CheckpointError(f"{reader.path}: {e}. The trainer's --override-opt-param-scheduler keeps the "
                                   f"new settings") from None

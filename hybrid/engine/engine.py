@@ -13,6 +13,11 @@ Call :meth:`Engine.backward` then :meth:`Engine.step` once per micro-batch.
 (the accumulation boundary) it clips, steps the optimizer at the scheduled
 learning rate, advances the schedule (only when the step was not skipped for
 non-finite gradients) and zeroes the gradients.
+
+The engine counts the samples its global batches consumed. With a batch
+ramp-up (``rampup_batch_size``) the next global batch, and so the accumulation
+count, follow from that count (:class:`~hybrid.config.batch.GlobalBatchSchedule`);
+a schedule in samples advances by each step's global batch.
 """
 
 from __future__ import annotations
@@ -65,6 +70,11 @@ class Engine:
         self.config = config
         self.topology = topology
         self.batch = config.resolve_batch(topology.dp_size)
+        if self.batch.schedule is None and config.scheduler.in_samples:
+            raise ConfigError("a learning-rate schedule in samples ('scheduler.warmup_samples', "
+                              "'scheduler.decay_samples') needs the global batch: set micro_batch_size or "
+                              "global_batch_size")
+        self.consumed_samples = 0  # by the global batches of this run and the one it resumed
         problem = pipeline_problem(config.zero.stage, topology.pp_size)
         if problem:
             raise ConfigError(f"zero.stage {config.zero.stage} with pp={topology.pp_size}: {problem}")
@@ -83,10 +93,11 @@ class Engine:
         self.optimizer = build_zero_optimizer(
             model, topology, config.zero, optimizer_config,
             no_weight_decay=no_weight_decay_rule(config, no_weight_decay), loss_scaler=build_loss_scaler(config),
-            clip_grad=config.clip_grad, gradient_accumulation_steps=self.batch.gradient_accumulation_steps,
+            clip_grad=config.clip_grad, gradient_accumulation_steps=self.gradient_accumulation_steps,
             use_fused_kernels=config.use_fused_kernels, chunks=chunks, chunk_params=chunk_params)
         self.rng = RandomState(model)
         self.micro_steps = 0
+        self._micro_in_batch = 0  # micro-steps of the global batch under way
         self.global_step = 0
         self.last_lr: Optional[float] = None
         self._awaiting_step = False
@@ -139,9 +150,20 @@ class Engine:
             self._losses.append(loss.detach().float())
 
     @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-steps per DP rank of the global batch under way (a ramp-up changes it between batches)."""
+        return self.batch.accumulation_at(self.consumed_samples)
+
+    @property
+    def global_batch_size(self) -> Optional[int]:
+        """Samples of the global batch under way, over all DP ranks; None when the batch sizes are unknown."""
+        schedule = self.batch.schedule
+        return schedule.size_at(self.consumed_samples) if schedule is not None else None
+
+    @property
     def is_accumulation_boundary(self) -> bool:
         """Whether the next :meth:`step` call ends a global batch (and steps the optimizer)."""
-        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+        return self._micro_in_batch + 1 == self.gradient_accumulation_steps
 
     def step(self) -> bool:
         """End one micro-step; at the accumulation boundary clip, step, schedule and zero the gradients.
@@ -154,6 +176,7 @@ class Engine:
         self._awaiting_step = False
         boundary = self.is_accumulation_boundary
         self.micro_steps += 1
+        self._micro_in_batch += 1
         if not boundary:
             return False
         return self._end_global_batch()
@@ -161,7 +184,7 @@ class Engine:
     def train_batch(self, microbatches: Sequence[Mapping[str, Any]]) -> Tuple[bool, float]:
         """One global batch through the pipeline (:mod:`hybrid.pipeline`), then the optimizer step.
 
-        ``microbatches``: this DP rank's ``gradient_accumulation_steps`` micro-batches, each the keyword
+        ``microbatches``: this DP rank's :attr:`gradient_accumulation_steps` micro-batches, each the keyword
         arguments of the model's ``forward_part`` (``input_ids`` ``[b, s]``, ``labels``, optionally ``loss_mask``
         and ``position_ids``), the same on every stage. The model is a pipeline-aware model such as
         :class:`model_zoo.GPTModel`. Returns (whether the parameters were updated, the mean loss over the
@@ -172,11 +195,11 @@ class Engine:
             raise TypeError(f"train_batch needs a pipeline-aware model (one with a stage split and forward_part, "
                             f"such as model_zoo.GPTModel); for {type(self.module).__name__} call engine(...), "
                             f"engine.backward(loss) and engine.step() per micro-batch")
-        gas = self.batch.gradient_accumulation_steps
+        gas = self.gradient_accumulation_steps
         if len(microbatches) != gas:
             raise ValueError(f"train_batch needs gradient_accumulation_steps={gas} micro-batches, got "
                              f"{len(microbatches)}")
-        if self._awaiting_step or self.micro_steps % gas:
+        if self._awaiting_step or self._micro_in_batch:
             raise RuntimeError("train_batch was called in the middle of a global batch of backward()/step() calls")
 
         def backward(output, grad, chunk):
@@ -229,18 +252,32 @@ class Engine:
                                   f"model (one with a stage split and forward_part, such as model_zoo.GPTModel); "
                                   f"{type(model).__name__} is not")
             return None
-        return PipelineExecutor(self.topology, list(range(split.chunks)), self.config.pipeline.schedule,
-                                activation_shape=lambda mb: model.activation_shape(*mb["input_ids"].shape),
-                                activation_dtype=model.activation_dtype)
+        executor = PipelineExecutor(self.topology, list(range(split.chunks)), self.config.pipeline.schedule,
+                                    activation_shape=lambda mb: model.activation_shape(*mb["input_ids"].shape),
+                                    activation_dtype=model.activation_dtype)
+        if self.batch.rampup is not None:
+            per_step = self.batch.micro_batch_size * self.topology.dp_size
+            for size in self.batch.schedule.sizes():
+                try:
+                    executor.check_microbatches(size // per_step)
+                except ConfigError as e:
+                    raise ConfigError(f"rampup_batch_size: its global batch {size} is {size // per_step} "
+                                      f"micro-batches per data-parallel rank, and {e}",
+                                      keys=("rampup_batch_size",)) from None
+        return executor
 
     def _end_global_batch(self) -> bool:
         lr = self.lr_schedule.lr
+        samples = self.global_batch_size
         updated = bool(self.optimizer.step(lr=lr))
         if updated:
             self.last_lr = lr
-            self.lr_schedule.step()
+            self.lr_schedule.step(samples or 1)
         self.optimizer.zero_grad()
         self.global_step += 1
+        self._micro_in_batch = 0
+        self.consumed_samples += samples or 0
+        self.optimizer.set_gradient_accumulation_steps(self.gradient_accumulation_steps)
         loss = None
         if self._losses and self._logger.needs_loss(self.global_step):
             loss = float(torch.stack(self._losses).mean())
@@ -317,20 +354,28 @@ class Engine:
 
     def _progress_state(self) -> Dict[str, Any]:
         return {"global_step": self.global_step, "micro_steps": self.micro_steps,
-                "lr_schedule": self.lr_schedule.state_dict()}
+                "consumed_samples": self.consumed_samples, "lr_schedule": self.lr_schedule.state_dict()}
 
     def _load_progress(self, progress: Dict[str, Any], strict_schedule: bool) -> None:
         self.lr_schedule.load_state_dict(progress["lr_schedule"], strict=strict_schedule)
         self.global_step = int(progress["global_step"])
-        # Counted in this layout's accumulation steps: a checkpoint is always taken at a boundary.
-        self.micro_steps = self.global_step * self.batch.gradient_accumulation_steps
+        self.consumed_samples = int(progress.get("consumed_samples", 0))
+        # Counted in this layout's micro-batches: a checkpoint is always taken at a boundary.
+        batch = self.batch
+        if batch.schedule is not None:
+            self.micro_steps = self.consumed_samples // (batch.micro_batch_size * batch.dp_size)
+        else:
+            self.micro_steps = self.global_step * batch.gradient_accumulation_steps
+        self._micro_in_batch = 0
+        self.optimizer.set_gradient_accumulation_steps(self.gradient_accumulation_steps)
 
-    def save_checkpoint(self, directory, iteration: Optional[int] = None, *, consumed_samples: int = 0,
+    def save_checkpoint(self, directory, iteration: Optional[int] = None, *, consumed_samples: Optional[int] = None,
                         client_state: Optional[dict] = None, keep_last: Optional[int] = None,
                         healthy: bool = True):
         """Save the complete training state to ``directory/iter_{iteration:07d}`` (default: ``global_step``).
 
-        Collective: every rank calls it. See :mod:`hybrid.engine.checkpoint`.
+        Collective: every rank calls it. See :mod:`hybrid.engine.checkpoint`. ``consumed_samples`` defaults
+        to the engine's own count.
         With ``checkpoint.async_save`` it returns once the state is copied to
         host memory (after waiting for the previous save, whose failure it
         raises); collect the result with :meth:`poll_checkpoint` (each step) or

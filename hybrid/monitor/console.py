@@ -15,8 +15,8 @@ def _opt(value: Optional[float], fmt: str) -> str:
 def format_train_line(s: IntervalSummary) -> str:
     """For example::
 
-        iteration  100/1000 | consumed samples: 6400 | lm loss: 5.432100E+00 | lr: 3.000E-04 |
-        grad norm: 1.234 | loss scale: 1 | skipped: 0 | nan: 0 | iteration time: 123.4 ms |
+        iteration  100/1000 | consumed samples: 6400 | global batch size: 64 | lm loss: 5.432100E+00 |
+        lr: 3.000E-04 | grad norm: 1.234 | loss scale: 1 | skipped: 0 | nan: 0 | iteration time: 123.4 ms |
         tokens/s: 12345 | TFLOP/s/device: 1.23 | MFU: 12.34% (measured peak) |
         mem rss 1.20 GiB | peak rss 1.31 GiB
 
@@ -27,6 +27,7 @@ def format_train_line(s: IntervalSummary) -> str:
     parts = [
         f"iteration {s.iteration:>{width}}/{s.train_iters}",
         f"consumed samples: {s.consumed_samples}",
+        f"global batch size: {s.batch_size}",
         f"lm loss: {_opt(s.lm_loss, '.6E')}",
         f"lr: {s.learning_rate:.3E}",
         f"grad norm: {_opt(s.grad_norm, '.3f')}",

@@ -1,7 +1,9 @@
 """Learning-rate schedules: warmup, then constant, linear or cosine decay to a minimum.
 
-``lr(i)`` is the learning rate of optimizer step ``i`` (``i`` = optimizer steps
-already taken, so the first step uses ``lr(0)``). With ``W`` warmup steps,
+``lr(i)`` is the learning rate at position ``i``: the optimizer steps already
+taken (the first step uses ``lr(0)``), or, for a schedule that counts samples
+(``unit="samples"``), the samples consumed before the step; the lengths below
+are in the same unit. With ``W`` warmup steps,
 decay ending at step ``D``, peak ``max_lr`` and floor ``min_lr``::
 
     i < W  (warmup)   linear: start + (max_lr - start) * i / W
@@ -34,7 +36,7 @@ class LRSchedule:
 
     def __init__(self, max_lr: float, *, decay_style: str = "constant", warmup_iters: int = 0,
                  warmup_style: str = "linear", warmup_start_lr: float = 0.0,
-                 decay_iters: Optional[int] = None, min_lr: float = 0.0):
+                 decay_iters: Optional[int] = None, min_lr: float = 0.0, unit: str = "steps"):
         if decay_style not in DECAY_STYLES:
             raise ValueError(f"decay_style must be one of {', '.join(DECAY_STYLES)}, got {decay_style!r}")
         if warmup_style not in WARMUP_STYLES:
@@ -51,6 +53,9 @@ class LRSchedule:
         if decay_style != "constant" and (decay_iters is None or decay_iters <= warmup_iters):
             raise ValueError(f"{decay_style} decay needs decay_iters > warmup_iters ({warmup_iters}), "
                              f"got {decay_iters}")
+        if unit not in ("steps", "samples"):
+            raise ValueError(f"unit must be 'steps' or 'samples', got {unit!r}")
+        self.unit = unit
         self.max_lr = float(max_lr)
         self.min_lr = float(min_lr)
         self.decay_style = decay_style
@@ -87,15 +92,18 @@ class LRSchedule:
         """The learning rate the next optimizer step uses."""
         return self.lr_at(self.iteration)
 
-    def step(self) -> float:
-        """Advance past one optimizer step; returns the next step's learning rate."""
-        self.iteration += 1
+    def step(self, samples: int = 1) -> float:
+        """Advance past one optimizer step of ``samples`` samples (counted by a schedule in samples, ignored by
+        one in steps); returns the next step's learning rate."""
+        if self.unit == "samples" and (not isinstance(samples, int) or samples < 1):
+            raise ValueError(f"a schedule in samples advances by a step's global batch (>= 1), got {samples!r}")
+        self.iteration += samples if self.unit == "samples" else 1
         return self.lr
 
     def settings(self) -> dict:
         return {"max_lr": self.max_lr, "min_lr": self.min_lr, "decay_style": self.decay_style,
                 "warmup_iters": self.warmup_iters, "warmup_style": self.warmup_style,
-                "warmup_start_lr": self.warmup_start_lr, "decay_iters": self.decay_iters}
+                "warmup_start_lr": self.warmup_start_lr, "decay_iters": self.decay_iters, "unit": self.unit}
 
     def state_dict(self) -> dict:
         return {"iteration": self.iteration, "settings": self.settings()}

@@ -153,6 +153,11 @@ class PipelineExecutor:
         if len(self.chunks) > 1 and self.pp == 1:
             raise ConfigError("virtual pipeline stages need pipeline_model_parallel_size > 1")
 
+    def check_microbatches(self, microbatches: int) -> None:
+        """Refuse, before the first step, a micro-batch count per step that this schedule cannot run (a batch
+        ramp-up takes several)."""
+        schedules.build(self.schedule, self.pp_rank, self.pp, microbatches, len(self.chunks))
+
     def part(self, chunk: int) -> int:
         return chunk * self.pp + self.pp_rank
 

@@ -40,12 +40,12 @@ class TrainData:
     valid: Optional[torch.utils.data.Dataset]
 
 
-def build_data(config: HybridConfig, seq_length: int, vocab_size: int, global_batch: int,
+def build_data(config: HybridConfig, seq_length: int, vocab_size: int, train_samples: int, global_batch: int,
                eod_id: Optional[int], rank: int, barrier) -> TrainData:
-    """Datasets sized for the whole run: ``run.train_iters`` global batches of training samples, and
-    enough validation samples for every evaluation (each evaluation reads the same ones)."""
+    """Datasets sized for the whole run: ``train_samples`` training samples (every global batch of the run), and
+    enough validation samples for every evaluation, ``eval.iters`` batches of ``global_batch`` (each evaluation
+    reads the same ones)."""
     evaluation, data, seed = config.eval, config.data, config.seed
-    train_samples = config.run.train_iters * global_batch
     valid_samples = evaluation.iters * global_batch if evaluation.interval > 0 else 0
     if data.mock:
         valid = MockDataset(valid_samples, seq_length, vocab_size, seed + 1) if valid_samples else None

@@ -26,7 +26,8 @@ def optimizer_line(config: HybridConfig, exempt: int, trainable: int) -> str:
     """``optimizer: adamw | lr ... | betas ... | eps ... | weight decay ... | clip-grad ... | ZeRO stage ...``."""
     opt, sched, zero = config.optimizer, config.scheduler, config.zero
     parts = [f"optimizer: {opt.type}",
-             f"lr {opt.lr:g} (peak; {sched.type} schedule, {sched.warmup_steps} warmup steps, min {sched.min_lr:g})"]
+             f"lr {opt.lr:g} (peak; {sched.type} schedule, {sched.warmup_length} warmup {sched.unit}, "
+             f"min {sched.min_lr:g})"]
     if opt.type == "sgd":
         parts.append(f"momentum {opt.momentum:g}")
     else:

@@ -116,17 +116,22 @@ class Trainer:
         self.engine = hybrid.initialize(self.model, config, topology=topo)
         self.guard = DivergenceGuard(config.run.max_consecutive_skipped_steps, self.engine.optimizer.loss_scaler)
         self.batch = self.engine.batch
-        self.iteration, self.consumed_samples = 0, 0
+        # the run's length in optimizer steps: given, or every whole global batch within run.train_samples
+        run = config.run
+        self.train_iters = (run.train_iters if run.train_iters is not None
+                            else self.batch.schedule.steps_within(run.train_samples))
+        self.iteration = 0
         if resume is not None:
             self._load(str(resume))
         elif config.checkpoint.load is not None:
             _log(topo, f"--load {config.checkpoint.load}: no checkpoint there yet, starting from scratch")
         eod = self.tokenizer.eod_id if self.tokenizer else None
         self.data = build_data(config, self.model_config.seq_length, self.model_config.vocab_size,
-                               self.batch.global_batch_size, eod, rank=topo.rank, barrier=topo.comm.barrier)
+                               self.batch.schedule.samples_after(self.train_iters), self.batch.global_batch_size,
+                               eod, rank=topo.rank, barrier=topo.comm.barrier)
         peak = resolve_peak_flops(topo.device, config.precision, config.logging.peak_tflops)
         self.monitor = TrainingMonitor(
-            train_iters=config.run.train_iters, log_interval=config.logging.log_interval,
+            train_iters=self.train_iters, log_interval=config.logging.log_interval,
             is_logging_rank=topo.rank == 0, seq_length=self.model_config.seq_length, world_size=topo.world_size,
             flops_per_token=flops_per_token(self.model_config), peak=peak,
             tensorboard_dir=config.logging.tensorboard_dir, device=topo.device)
@@ -134,6 +139,11 @@ class Trainer:
         self.profile = StepProfile(self.topology.comm, steady_state_start(
             config.optimizer.type, config.optimizer.freeze_step, self.iteration))
         self.run_profile: Optional[dict] = None  # the closing "run profile" figures, once train() has finished
+
+    @property
+    def consumed_samples(self) -> int:
+        """Samples the run has trained on, the resumed run's included: the engine's count."""
+        return self.engine.consumed_samples
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def _load(self, path: str) -> None:
@@ -148,7 +158,6 @@ class Trainer:
                 raise CheckpointError(str(e)) from e
         if not ckpt.finetune:
             self.iteration = state["iteration"]
-            self.consumed_samples = state["consumed_samples"]
         _log(self.topology, f"loaded {state['path']} (iteration {state['iteration']}, "
                             f"{state['consumed_samples']} samples consumed)"
                             + (" weights only (--finetune)" if ckpt.finetune else ""))
@@ -179,7 +188,7 @@ class Trainer:
         self._collect_save(wait=True)
         start = time.perf_counter()
         with flag_context(f"--save {ckpt.save}"):
-            path = self.engine.save_checkpoint(ckpt.save, self.iteration, consumed_samples=self.consumed_samples,
+            path = self.engine.save_checkpoint(ckpt.save, self.iteration,
                                                client_state={"args": self.saved_settings()},
                                                keep_last=ckpt.keep_last, healthy=self.guard.healthy)
         elapsed = time.perf_counter() - start
@@ -247,7 +256,7 @@ class Trainer:
     def train(self) -> int:
         """Train to ``--train-iters`` (or an exit condition); returns the last iteration."""
         config, topo = self.config, self.topology
-        train_iters, eval_interval, save_dir = config.run.train_iters, config.eval.interval, config.checkpoint.save
+        train_iters, eval_interval, save_dir = self.train_iters, config.eval.interval, config.checkpoint.save
         save_interval = config.checkpoint.save_interval
         self.monitor.announce()
         self.monitor.log_hparams(to_dotted(config))
@@ -255,25 +264,27 @@ class Trainer:
         _log(topo, f"training {self.model_config.num_layers}-layer GPT on {topo.describe().split(' rank=')[0]}, "
                    f"device {topo.device.type}, ZeRO stage {config.zero.stage}, {config.precision}, "
                    f"from iteration {self.iteration}")
+        _log(topo, f"{self.batch.schedule.describe()}; {train_iters} iterations, "
+                   f"{self.batch.schedule.samples_after(train_iters)} samples")
         sampler = GlobalBatchSampler(len(self.data.train), self.consumed_samples, self.batch.micro_batch_size,
-                                     self.batch.global_batch_size, topo.dp_rank, topo.dp_size)
+                                     self.batch.schedule, topo.dp_rank, topo.dp_size)
         batches = iter_global_batches(self.data.train, sampler)
         try:
             while self.iteration < train_iters:
                 self._collect_save(wait=False)
                 start = time.perf_counter()
                 skipped_before = self.engine.skipped_steps
+                batch_size = self.engine.global_batch_size
                 self.guard.before_step()
                 self.profile.begin()
                 loss = self._train_step(next(batches))
                 self.profile.end()
                 self.iteration += 1
-                self.consumed_samples += self.batch.global_batch_size
                 self.history.append((self.iteration, loss))
                 self.monitor.record(IterationMetrics(
                     iteration=self.iteration, consumed_samples=self.consumed_samples, lm_loss=loss,
                     learning_rate=self.engine.last_lr if self.engine.last_lr is not None else self.engine.lr,
-                    batch_size=self.batch.global_batch_size, iteration_time_s=time.perf_counter() - start,
+                    batch_size=batch_size, iteration_time_s=time.perf_counter() - start,
                     grad_norm=self.engine.get_grad_norm(),
                     loss_scale=self.engine.loss_scale if config.precision == "fp16" else None,
                     skipped=self.engine.skipped_steps > skipped_before))

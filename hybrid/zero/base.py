@@ -211,6 +211,16 @@ class ZeroOptimizer(abc.ABC):
         rank of an interleaved pipeline holds (:meth:`set_chunks`)."""
         return self.gradient_accumulation_steps * self._chunks
 
+    def set_gradient_accumulation_steps(self, steps: int) -> None:
+        """Micro-batches per DP rank from the next global batch on (a batch ramp-up changes it between steps):
+        the divisor of each micro-batch's loss and the count :meth:`step` expects."""
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {steps!r}")
+        if self._micro:
+            raise RuntimeError(f"the accumulation count can change only between global batches, but "
+                               f"{self._micro} backward pass(es) of this one have run")
+        self.gradient_accumulation_steps = steps
+
     def set_chunks(self, chunks: int, chunk_params: Optional[Sequence[Sequence[torch.nn.Parameter]]] = None) -> None:
         """This rank runs ``chunks`` backward passes per micro-batch (interleaved pipeline stages).
 

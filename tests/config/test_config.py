@@ -25,9 +25,11 @@ FULL = {
     "optimizer": {"type": "adamw", "lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1,
                   "freeze_step": 50, "var_freeze_step": 60, "var_update_scaler": 8, "local_step_scaler": 100,
                   "local_step_clipper": 4, "decay_1d_params": True},
-    "scheduler": {"type": "cosine", "warmup_iters": 10, "warmup_fraction": None, "warmup_style": "linear",
-                  "warmup_start_lr": 1e-5, "decay_iters": 100, "min_lr": 3e-5},
+    "scheduler": {"type": "cosine", "warmup_iters": 10, "warmup_samples": None, "warmup_fraction": None,
+                  "warmup_style": "linear", "warmup_start_lr": 1e-5, "decay_iters": 100, "decay_samples": None,
+                  "min_lr": 3e-5},
     "clip_grad": 1.0, "micro_batch_size": 2, "gradient_accumulation_steps": 4, "global_batch_size": 64,
+    "rampup_batch_size": [16, 16, 3000],
     "tensor_parallel_size": 2, "recompute": "selective",
     "pipeline": {"size": 2, "schedule": "interleaved", "layers_per_virtual_stage": 2, "layers_per_stage": None},
     "tensorboard": {"enabled": True, "output_path": "tb", "job_name": "run1"},
@@ -45,7 +47,7 @@ FULL = {
              "eod_mask_loss": True, "mock": False, "cache_path": "cache"},
     "checkpoint": {"save": "ckpt", "load": "ckpt", "save_interval": 50, "keep_last": 2, "finetune": False,
                    "override_opt_param_scheduler": True, "async_save": True, "async_save_chunk_mb": 256},
-    "run": {"train_iters": 100, "exit_interval": 60, "exit_duration_in_mins": 30.0,
+    "run": {"train_iters": 100, "train_samples": None, "exit_interval": 60, "exit_duration_in_mins": 30.0,
             "max_consecutive_skipped_steps": 20},
     "eval": {"interval": 25, "iters": 4},
     "logging": {"log_interval": 5, "tensorboard_dir": "tb", "peak_tflops": 312.0},
@@ -257,7 +259,7 @@ def test_every_rule_that_ties_keys_together_and_every_training_requirement_is_na
                                                 "'checkpoint.keep_last' needs 'checkpoint.save'"))
     # the defaults set no run, model, data or batch
     raises_one_error_listing(lambda cfg: validate_for_training(cfg, world_size=1), HybridConfig(), 5, "config keys",
-                             ("'run.train_iters' is required", "give a model", "the vocabulary size is unknown",
+                             ("give the run's length: 'run.train_iters'", "give a model", "the vocabulary size is unknown",
                               "'data.path' is required", "give a batch size"))
 
 

@@ -46,7 +46,6 @@ def test_global_batches_do_not_depend_on_dp_or_micro_batch(dataset):
 
 def test_each_rank_gets_a_contiguous_slice_in_micro_batches():
     s = GlobalBatchSampler(TOTAL, 0, micro_batch_size=2, global_batch_size=G, dp_rank=1, dp_size=2)
-    assert s.num_micro_batches == 4
     assert next(iter(s)) == [[8, 9], [10, 11], [12, 13], [14, 15]]
 
 

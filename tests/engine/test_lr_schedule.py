@@ -97,7 +97,7 @@ def test_built_from_native_config():
 def test_a_warmup_given_as_a_fraction_of_decay_iters_is_that_many_steps():
     cfg = load_config({"optimizer": {"lr": 6e-4}, "scheduler": {"type": "cosine", "warmup_fraction": 0.0466,
                                                                "decay_iters": 300, "min_lr": 6e-5}})
-    assert cfg.scheduler.warmup_steps == 14  # 13.98 rounded to the nearest step
+    assert cfg.scheduler.warmup_length == 14  # 13.98 rounded to the nearest step
     s = build_lr_schedule(cfg)
     assert s.lr_at(7) == pytest.approx(6e-4 * 7 / 14)
     assert s.lr_at(14) == pytest.approx(6e-4)
@@ -108,7 +108,7 @@ def test_the_trainer_derives_decay_iters_for_a_warmup_fraction_also_under_the_co
     from hybrid.config import config_from_command_line
 
     cfg = config_from_command_line(["--train-iters", "200", "--lr-warmup-fraction", "0.1", "--lr", "1e-3"])
-    assert (cfg.scheduler.decay_iters, cfg.scheduler.warmup_steps) == (200, 20)
+    assert (cfg.scheduler.decay_iters, cfg.scheduler.warmup_length) == (200, 20)
     s = build_lr_schedule(cfg)
     assert s.lr_at(10) == pytest.approx(5e-4) and s.lr_at(150) == pytest.approx(1e-3)
 

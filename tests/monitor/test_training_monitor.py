@@ -98,7 +98,7 @@ def test_scalar_values_match_hand_computation(tmp_path):
 
 
 LINE = re.compile(
-    r"^iteration +(\d+)/12 \| consumed samples: (\d+) \| lm loss: (\S+) \| lr: \S+ \| "
+    r"^iteration +(\d+)/12 \| consumed samples: (\d+) \| global batch size: \d+ \| lm loss: (\S+) \| lr: \S+ \| "
     r"grad norm: \S+ \| loss scale: \S+ \| skipped: (\d+) \| nan: (\d+) \| "
     r"iteration time: [\d.]+ ms \| tokens/s: \d+ \| TFLOP/s/device: \S+ \| "
     r"MFU: [\d.]+% \(user peak\) \| mem rss [\d.]+ GiB \| peak rss [\d.]+ GiB$")

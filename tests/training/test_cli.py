@@ -42,7 +42,7 @@ def _fails(argv, world, match, monkeypatch, capsys):
     (MODEL + ["--train-iters", "2"], 1, ("'data.path' is required", "(set by --data-path, --mock-data)")),
     (MODEL + ["--train-iters", "2", "--data-path", "/nonexistent/corpus_text_document"], 1,
      ("/nonexistent/corpus_text_document.bin does not exist", "--data-path")),
-    (MODEL + ["--mock-data"], 1, ("'run.train_iters' is required", "(set by --train-iters)")),
+    (MODEL + ["--mock-data"], 1, ("give the run's length", "(set by --train-iters, --train-samples)")),
     (MODEL[:-2] + ["--mock-data", "--train-iters", "2"], 1,
      ("give a batch size", "--micro-batch-size", "--global-batch-size")),
     (MODEL + ["--mock-data", "--train-iters", "2", "--bf16", "--fp16"], 1,
