@@ -58,7 +58,8 @@ class GlobalBatchSchedule:
         return min(self.start + stage * self.increment, self.final)
 
     def sizes(self) -> Tuple[int, ...]:
-        """Every global batch the run takes, smallest first."""
+        """Every size of the ramp, smallest first: what a run may take (a step skips sizes whose share of the
+        ramp's samples is smaller than a batch)."""
         if not self.ramps:
             return (self.final,)
         return tuple(self.start + k * self.increment for k in range(self._increments + 1))

@@ -322,10 +322,11 @@ def _trainer_state(reader: CheckpointReader, target: ParallelLayout, args: dict,
         client = dict(state.get("client", {}), args=dict(args, pipeline=dict(args["pipeline"], **split)))
         state["client"] = client
     eng = state.get("engine")
-    micro, global_batch = args.get("micro_batch_size"), args.get("global_batch_size")
-    if isinstance(eng, dict) and "global_step" in eng and isinstance(micro, int):
-        global_batch = global_batch or micro * reader.layout.dp
-        if global_batch % (micro * target.dp) == 0:
-            # Micro-steps count micro-batches of the saving layout; re-count them for the target one.
-            state["engine"] = dict(eng, micro_steps=int(eng["global_step"]) * (global_batch // (micro * target.dp)))
+    micro = args.get("micro_batch_size")
+    if isinstance(eng, dict) and isinstance(micro, int):
+        # Micro-steps count micro-batches of the saving layout; re-count them for the target one from the
+        # samples consumed (a batch ramp-up varies the micro-batches per step).
+        consumed = int(eng.get("consumed_samples", reader.consumed_samples))
+        if consumed % (micro * target.dp) == 0:
+            state["engine"] = dict(eng, consumed_samples=consumed, micro_steps=consumed // (micro * target.dp))
     return state

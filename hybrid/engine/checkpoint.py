@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 import torch
 
 from hybrid.checkpoint import BackgroundSaver, CheckpointError, CheckpointReader, save_checkpoint
+from hybrid.optim.lr_schedule import ScheduleSettingsDiffer
 
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.engine.engine import Engine
@@ -134,8 +135,9 @@ def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True,
             progress = {"consumed_samples": reader.consumed_samples, **trainer_state["engine"]}
             engine.load_state_dict({"progress": progress}, strict_schedule=not keep_configured_schedule)
         except ValueError as e:
-            raise CheckpointError(f"{reader.path}: {e}. The trainer's --override-opt-param-scheduler keeps the "
-                                  f"new settings") from None
+            hint = (". The trainer's --override-opt-param-scheduler keeps the new settings"
+                    if isinstance(e, ScheduleSettingsDiffer) else "")
+            raise CheckpointError(f"{reader.path}: {e}{hint}") from None
     return {"iteration": reader.iteration, "consumed_samples": reader.consumed_samples,
             "client_state": trainer_state.get("client", {}), "path": str(reader.path)}
 

@@ -28,7 +28,11 @@ from typing import Mapping, Optional
 from hybrid.config.deepspeed_schedules import DEEPSPEED_SCHEDULER_PARAMS, deepspeed_schedule_kwargs
 from hybrid.config.schema import DECAY_STYLES, WARMUP_STYLES
 
-__all__ = ["LRSchedule", "DECAY_STYLES", "WARMUP_STYLES", "DEEPSPEED_SCHEDULER_PARAMS", "deepspeed_schedule_kwargs"]
+__all__ = ["LRSchedule", "ScheduleSettingsDiffer", "DECAY_STYLES", "WARMUP_STYLES", "DEEPSPEED_SCHEDULER_PARAMS", "deepspeed_schedule_kwargs"]
+
+
+class ScheduleSettingsDiffer(ValueError):
+    """A saved schedule's settings differ from the configured ones (a strict load refuses them)."""
 
 
 class LRSchedule:
@@ -112,13 +116,19 @@ class LRSchedule:
         """Restore the position. With ``strict``, a checkpoint made with other settings is an error
         (a changed schedule would silently jump); pass ``strict=False`` to keep this schedule's settings."""
         saved = dict(state.get("settings", {}))
+        saved_unit = saved.get("unit", "steps")  # schedules saved before the unit was recorded counted steps
+        if saved_unit != self.unit:
+            # a position in steps is no position in samples, whichever settings are kept
+            raise ValueError(f"the saved learning-rate schedule counts {saved_unit} and the configured one "
+                             f"{self.unit}; give the schedule in {saved_unit} to resume from it")
         if strict:
             mine = self.settings()
             changed = sorted(k for k in mine if k in saved and saved[k] != mine[k])
             if changed:
                 details = ", ".join(f"{k}: checkpoint {saved[k]!r} vs now {mine[k]!r}" for k in changed)
-                raise ValueError(f"the saved learning-rate schedule differs from the configured one ({details}); "
-                                 f"restore the old settings or load with strict=False to keep the new ones")
+                raise ScheduleSettingsDiffer(f"the saved learning-rate schedule differs from the configured one "
+                                             f"({details}); restore the old settings or load with strict=False "
+                                             f"to keep the new ones")
         iteration = state["iteration"]
         if not isinstance(iteration, int) or iteration < 0:
             raise ValueError(f"schedule state has an invalid iteration {iteration!r}")

@@ -162,3 +162,107 @@ def test_deepspeed_warmup_cosine_lr():
     assert s.lr_at(100) == pytest.approx(lr)
     assert s.lr_at(550) == pytest.approx(lr * (0.01 + 0.99 * 0.5))
     assert s.lr_at(1000) == pytest.approx(lr * 0.01)
+
+
+# ---- a schedule in samples (a batch ramp-up warms up and decays over the same data) ----------------------
+
+
+def test_a_schedule_in_samples_advances_by_each_steps_samples():
+    # linear warmup from 0 over 8 samples to 1.0, cosine to 0.1 at 40 samples; steps of 4, 4, 8, 12, 12 samples
+    s = LRSchedule(1.0, decay_style="cosine", warmup_iters=8, decay_iters=40, min_lr=0.1, unit="samples")
+    assert s.unit == "samples" and s.settings()["unit"] == "samples"
+    assert s.lr == 0.0                                        # 0 samples consumed
+    assert s.step(4) == pytest.approx(0.5)                    # 4 of 8 warmup samples
+    assert s.step(4) == pytest.approx(1.0)                    # 8: warmup over, decay starts at the peak
+    # 16: (16 - 8) / (40 - 8) = 1/4 of the decay
+    assert s.step(8) == pytest.approx(0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2)
+    # 28: (28 - 8) / 32 = 5/8 of the decay
+    assert s.step(12) == pytest.approx(0.1 + 0.9 * (1 + math.cos(math.pi * 5 / 8)) / 2)
+    assert s.iteration == 28
+    assert s.step(12) == pytest.approx(0.1) and s.iteration == 40   # at decay_iters: the floor
+    assert s.step(1) == pytest.approx(0.1) and s.iteration == 41
+
+
+def test_a_schedule_in_samples_refuses_a_step_of_no_samples():
+    s = LRSchedule(1.0, decay_style="linear", warmup_iters=4, decay_iters=20, unit="samples")
+    for bad in (0, -3, 0.5):
+        with pytest.raises(ValueError, match="a schedule in samples advances by a step's global batch"):
+            s.step(bad)
+    assert s.iteration == 0  # a refused step does not move it
+    with pytest.raises(ValueError, match="unit must be 'steps' or 'samples'"):
+        LRSchedule(1.0, unit="tokens")
+
+
+def test_a_schedule_in_steps_ignores_the_steps_size():
+    s = LRSchedule(1.0, decay_style="linear", warmup_iters=2, decay_iters=6)
+    assert s.unit == "steps"
+    assert s.step(64) == pytest.approx(0.5) and s.iteration == 1
+    assert s.step(0) == pytest.approx(1.0) and s.iteration == 2
+    assert s.step() == pytest.approx(0.75) and s.iteration == 3
+
+
+def test_built_from_a_config_in_samples():
+    cfg = load_config({"optimizer": {"lr": 1.0}, "scheduler": {"type": "linear", "warmup_samples": 100,
+                                                               "decay_samples": 1100, "min_lr": 0.0}})
+    s = build_lr_schedule(cfg)
+    assert s.unit == "samples"
+    assert s.lr_at(50) == pytest.approx(0.5) and s.lr_at(600) == pytest.approx(0.5)
+    assert s.step(100) == pytest.approx(1.0) and s.step(1000) == pytest.approx(0.0)
+
+
+def test_the_engine_follows_a_batch_ramp_and_a_schedule_in_samples():
+    import torch
+    import torch.nn.functional as F
+
+    import hybrid
+
+    # micro 2, global 6, rampup_batch_size 2 2 8: n = (6 - 2) / 2 = 2 increments over 8 samples, each lasting
+    # 4 samples: batch 2 before 4 samples are consumed, 4 before 8, then 6. One rank, so the accumulation
+    # count is the batch / 2. The run's path:
+    #   consumed  0: batch 2 (1 micro-step)   consumed  2: batch 2 (1)   consumed 4: batch 4 (2)
+    #   consumed  8: batch 6 (3)              consumed 14: batch 6 (3)   consumed 20: batch 6 (3)
+    # The schedule counts samples: linear warmup over 4 samples from 0 to 0.1, linear decay to 0.01 at 20.
+    def lr_by_hand(c):
+        if c < 4:
+            return 0.1 * c / 4
+        return 0.01 + 0.09 * max(0.0, 1 - (c - 4) / 16)
+
+    path = [(0, 2, 1), (2, 2, 1), (4, 4, 2), (8, 6, 3), (14, 6, 3), (20, 6, 3)]
+    config = {"micro_batch_size": 2, "global_batch_size": 6, "rampup_batch_size": [2, 2, 8],
+              "optimizer": {"type": "adamw", "lr": 0.1, "betas": [0.9, 0.95], "weight_decay": 0.0},
+              "scheduler": {"type": "linear", "warmup_samples": 4, "decay_samples": 20, "min_lr": 0.01},
+              "clip_grad": 0.0, "steps_per_print": 0}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    engine = hybrid.initialize(model, config)
+    assert engine.batch.gradient_accumulation_steps == 3 and engine.batch.rampup == (2, 2, 8)
+    g = torch.Generator().manual_seed(1)
+    micro_steps = 0
+    for k, (consumed, size, accum) in enumerate(path):
+        assert (engine.consumed_samples, engine.global_batch_size, engine.gradient_accumulation_steps) == \
+            (consumed, size, accum), k
+        assert engine.lr == pytest.approx(lr_by_hand(consumed), abs=1e-12), k
+        x, y = torch.randn(size, 6, generator=g), torch.randn(size, 3, generator=g)
+        stepped = []
+        for j in range(accum):
+            assert engine.is_accumulation_boundary == (j == accum - 1)
+            engine.backward(F.mse_loss(engine(x[2 * j:2 * j + 2]), y[2 * j:2 * j + 2]))
+            stepped.append(engine.step())
+        micro_steps += accum
+        assert stepped == [False] * (accum - 1) + [True], k
+        assert engine.last_lr == pytest.approx(lr_by_hand(consumed), abs=1e-12)
+        assert (engine.global_step, engine.micro_steps, engine.consumed_samples) == (k + 1, micro_steps,
+                                                                                      consumed + size)
+        # the same step on the whole batch at once: the engine's loss divisor followed the accumulation count
+        for group in ref_opt.param_groups:
+            group["lr"] = lr_by_hand(consumed)
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+    assert engine.consumed_samples == 26 and engine.lr == pytest.approx(0.01)
+    assert engine.lr_schedule.iteration == 26  # the schedule counted samples, not its 6 steps

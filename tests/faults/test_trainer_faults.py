@@ -249,7 +249,7 @@ def test_data_path_with_the_file_extension_means_the_prefix(tmp_path):
     prefix = _dataset(tmp_path / "corpus_text_document", num_docs=20)
     for given in (f"{prefix}.bin", f"{prefix}.idx"):
         config = _data_config(TINY + ["--train-iters", "2", "--data-path", given])
-        data = build_data(config, 16, 128, 1, None, rank=0, barrier=lambda: None)
+        data = build_data(config, 16, 128, 2, 1, None, rank=0, barrier=lambda: None)
         assert len(data.train) == 2 and data.train.indexed.prefix == str(prefix)
 
 
@@ -263,7 +263,7 @@ def test_a_read_only_dataset_caches_its_indices_elsewhere(tmp_path, monkeypatch,
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
     try:
         config = _data_config(TINY + ["--train-iters", "2", "--data-path", prefix])
-        data = build_data(config, 16, 128, 1, None, rank=0, barrier=lambda: None)
+        data = build_data(config, 16, 128, 2, 1, None, rank=0, barrier=lambda: None)
         assert len(data.train) == 2 and data.train[1]["tokens"].shape == (16,)
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(err) == 1 and err[0].startswith("notice: the index cache") and "--data-cache-path" in err[0], err
@@ -271,7 +271,7 @@ def test_a_read_only_dataset_caches_its_indices_elsewhere(tmp_path, monkeypatch,
 
         chosen = tmp_path / "chosen-cache"
         config = _data_config(TINY + ["--train-iters", "2", "--data-path", prefix, "--data-cache-path", chosen])
-        build_data(config, 16, 128, 1, None, rank=0, barrier=lambda: None)
+        build_data(config, 16, 128, 2, 1, None, rank=0, barrier=lambda: None)
         assert list(chosen.glob("*-description.json"))
     finally:
         data_dir.chmod(stat.S_IRWXU)
