@@ -266,3 +266,24 @@ def test_the_engine_follows_a_batch_ramp_and_a_schedule_in_samples():
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
     assert engine.consumed_samples == 26 and engine.lr == pytest.approx(0.01)
     assert engine.lr_schedule.iteration == 26  # the schedule counted samples, not its 6 steps
+
+
+def test_a_position_in_steps_is_never_loaded_as_one_in_samples():
+    from hybrid.optim.lr_schedule import ScheduleSettingsDiffer
+
+    steps = LRSchedule(1e-3, warmup_iters=4)
+    steps.step()
+    samples = LRSchedule(1e-3, warmup_iters=4, unit="samples")
+    for strict in (True, False):  # keeping the configured settings cannot make a step count a sample count
+        with pytest.raises(ValueError, match="counts steps and the configured one samples") as raised:
+            samples.load_state_dict(steps.state_dict(), strict=strict)
+        assert not isinstance(raised.value, ScheduleSettingsDiffer)
+    assert samples.iteration == 0
+    # a schedule saved before the unit was recorded counted steps
+    old = {"iteration": 3, "settings": {k: v for k, v in steps.settings().items() if k != "unit"}}
+    with pytest.raises(ValueError, match="counts steps"):
+        samples.load_state_dict(old, strict=False)
+    steps.load_state_dict(old)
+    assert steps.iteration == 3
+    with pytest.raises(ScheduleSettingsDiffer, match="warmup_iters"):
+        LRSchedule(1e-3, warmup_iters=5).load_state_dict(steps.state_dict())
