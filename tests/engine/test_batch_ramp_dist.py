@@ -23,13 +23,14 @@ computed by hand from the samples consumed before it, and compares losses, gradi
 parameters (tolerances: see :func:`_loss_bound` and the constants below).
 """
 
-import math
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.hand_lr import warmup_cosine
+from tests.engine.test_engine_dist import new_mlp
 from tests.multiproc import run_distributed
 from tests.numerics import adam_trajectory_tolerance, gamma, max_ratio, record, transformer_bound
 
@@ -62,26 +63,7 @@ GPT_SEED = 5
 def lr_hand(consumed):
     """The rate of the step that starts after ``consumed`` samples: linear warmup over 12 samples, then cosine
     decay to MIN_LR at 64 samples."""
-    if consumed < WARMUP_SAMPLES:
-        return LR * consumed / WARMUP_SAMPLES
-    ratio = (consumed - WARMUP_SAMPLES) / (DECAY_SAMPLES - WARMUP_SAMPLES)
-    return MIN_LR + (LR - MIN_LR) * (1 + math.cos(math.pi * ratio)) / 2
-
-
-class MLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(10, 32)
-        self.norm = torch.nn.LayerNorm(32)
-        self.fc2 = torch.nn.Linear(32, 3)
-
-    def forward(self, x):
-        return self.fc2(self.norm(torch.tanh(self.fc1(x))))
-
-
-def new_mlp():
-    torch.manual_seed(0)
-    return MLP()
+    return warmup_cosine(consumed, LR, MIN_LR, WARMUP_SAMPLES, DECAY_SAMPLES)
 
 
 def mlp_data():

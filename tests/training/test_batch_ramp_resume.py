@@ -21,11 +21,11 @@ step still takes 8 samples, only the one after reaches 12.
 """
 
 import json
-import math
 import os
 
 import pytest
 
+from tests.hand_lr import warmup_cosine
 from tests.multiproc import run_distributed
 
 SIZES = [4, 4, 4, 8, 8, 12, 12, 12, 12, 12, 12]
@@ -47,10 +47,7 @@ TP2_DP2 = ["--tensor-model-parallel-size", "2", "--zero-stage", "1"]
 def lr_hand(consumed):
     """The rate of the step that starts after ``consumed`` samples: linear warmup over 8 samples, then cosine
     decay to MIN_LR at 100 samples."""
-    if consumed < WARMUP_SAMPLES:
-        return LR * consumed / WARMUP_SAMPLES
-    ratio = (consumed - WARMUP_SAMPLES) / (TRAIN_SAMPLES - WARMUP_SAMPLES)
-    return MIN_LR + (LR - MIN_LR) * (1 + math.cos(math.pi * ratio)) / 2
+    return warmup_cosine(consumed, LR, MIN_LR, WARMUP_SAMPLES, TRAIN_SAMPLES)
 
 
 def _train(argv):
