@@ -81,7 +81,11 @@ def test_two_emulated_nodes_train_over_a_shaped_link(tool):
         assert abs(by_node[k] - sent) <= 0.10 * sent, (k, by_node[k], sent)
         assert 0.8 * expected <= sent <= 1.5 * expected, (sent, expected)
     b0, b1 = (result.link_bytes[n.netns] for n in (node0, node1))
-    assert b0["tx_bytes"] == b1["rx_bytes"] and b1["tx_bytes"] == b0["rx_bytes"]  # one point-to-point link
+    # One point-to-point link: what one end sent, the other received, up to a few small packets of the finished
+    # job's connections closing (counted at one end and not, or not yet, at the other: one run of the suite saw
+    # 90 bytes of 2.2 MB), never a share of the traffic.
+    slack = 4 * 128
+    assert abs(b0["tx_bytes"] - b1["rx_bytes"]) <= slack and abs(b1["tx_bytes"] - b0["rx_bytes"]) <= slack, (b0, b1)
 
     # Nothing left behind: no namespace of ours, no process the run started.
     assert tool.own_namespaces(PREFIX) == []

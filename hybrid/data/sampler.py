@@ -64,7 +64,7 @@ class GlobalBatchSampler:
         if consumed_samples > total_samples:
             raise ValueError(
                 f"consumed_samples {consumed_samples} exceeds the dataset's {total_samples} samples; "
-                f"the resumed run needs a dataset built for more samples (raise --train-iters)"
+                f"the resumed run needs a dataset built for more samples (raise --train-iters or --train-samples)"
             )
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
