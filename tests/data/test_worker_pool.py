@@ -167,9 +167,12 @@ def test_ctrl_c_stops_the_caller_once_and_leaves_no_worker(tmp_path):
     repo = Path(__file__).resolve().parents[2]
     script = tmp_path / "interrupted.py"
     script.write_text(_INTERRUPTED_MAP.format(repo=str(repo)))
-    # a session of its own, so that the SIGINT goes to its process group as a terminal's Ctrl-C does
+    # a session of its own, so that the SIGINT goes to its process group as a terminal's Ctrl-C does; and SIGINT
+    # at its default, as in a terminal: a suite started in the background of a non-interactive shell inherits it
+    # ignored, and Python then leaves it ignored in every process it starts
     proc = subprocess.Popen([sys.executable, str(script)], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().startswith("got 0")  # the workers are running
         os.killpg(proc.pid, signal.SIGINT)
