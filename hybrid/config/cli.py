@@ -28,7 +28,7 @@ from hybrid.config.deepspeed import deepspeed_settings, from_deepspeed
 from hybrid.config.derive import derive_for_training
 from hybrid.config.errors import ConfigError, one_error_for_all, suggestion
 from hybrid.config.flags import Given, Leaf, Spelling, apply_given, put
-from hybrid.config.load import is_deepspeed_style, read_config_file
+from hybrid.config.load import check_deepspeed_dtypes, is_deepspeed_style, read_config_file
 from hybrid.config.parse import parse_section
 from hybrid.config.schema import HybridConfig
 from hybrid.config.spellings import FLAT_NAMES, SECTIONS, SPELLINGS
@@ -127,6 +127,8 @@ def config_from_command_line(argv: Optional[Sequence[str]] = None, prog: str = "
     apply_given(tree, [Given(dests[dest], value) for dest, value in given.items()])
     cfg = derive_for_training(parse_section(HybridConfig, tree, ""))
     validate(cfg)
+    if path and given:
+        check_deepspeed_dtypes(path, cfg.precision, given_by="the command line")
     return cfg
 
 

@@ -279,16 +279,25 @@ def _check_keys(section: Mapping, name: str, problems: List[str], allowed=None) 
         problems.append(f"unknown DeepSpeed key '{prefix}{key}'.{suggestion(key, known, prefix)}")
 
 
-def _check_data_types(ds: Mapping, problems: List[str]) -> None:
-    """Add to ``problems`` each dtype key (:data:`_DATA_TYPES`) that is not the one hybrid keeps at the config's
-    precision."""
+def data_types_problems(ds: Mapping, precision: str) -> List[str]:
+    """Each dtype key of the DeepSpeed config ``ds`` (:data:`_DATA_TYPES`) that is not the one hybrid keeps at
+    ``precision``: the run's precision once settings given on top of the file (flags, overrides) have changed it."""
+    problems: List[str] = []
+    _check_data_types(ds, problems, precision)
+    return problems
+
+
+def _check_data_types(ds: Mapping, problems: List[str], precision: Optional[str] = None) -> None:
+    """Add to ``problems`` each dtype key (:data:`_DATA_TYPES`) that is not the one hybrid keeps at
+    ``precision``, by default the config's own."""
     given = {key: _value_at(ds, key) for key in _DATA_TYPES}
     if all(value is None for value in given.values()):
         return
-    try:
-        precision = _precision(ds) or HybridConfig().precision
-    except ConfigError:
-        return  # fp16/bf16 'enabled' are wrong: their own error, raised when they are mapped
+    if precision is None:
+        try:
+            precision = _precision(ds) or HybridConfig().precision
+        except ConfigError:
+            return  # fp16/bf16 'enabled' are wrong: their own error, raised when they are mapped
     traits = precision_traits(precision)
     quantized = _enabled_flag(ds.get("zero_optimization"), "zero_quantized_gradients")
     for key, value in given.items():

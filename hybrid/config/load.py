@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Union
 
-from hybrid.config.deepspeed import from_deepspeed, known_top_level_keys
-from hybrid.config.errors import ConfigError
+from hybrid.config.deepspeed import data_types_problems, from_deepspeed, known_top_level_keys
+from hybrid.config.errors import ConfigError, one_error_for_all
 from hybrid.config.parse import parse_native
 from hybrid.config.schema import HybridConfig
 from hybrid.config.spellings import FLAT_NAMES
@@ -42,6 +42,22 @@ def load_config(source: ConfigSource = None) -> HybridConfig:
         return _from_mapping(source, where="the config")
     raise ConfigError(f"a config must be a HybridConfig, a dict, or a path to a JSON/YAML file; "
                       f"got {type(source).__name__}")
+
+
+def check_deepspeed_dtypes(source: ConfigSource, precision: str, given_by: str) -> None:
+    """When ``source`` is a DeepSpeed config, refuse its dtype keys (``data_types``, ``communication_data_type``)
+    that do not fit ``precision``, the run's precision after ``given_by`` (the flags, the overrides) set keys on
+    top of it. Loading the file checked them against its own precision only."""
+    if isinstance(source, (str, os.PathLike)):
+        data, where = read_config_file(source), f"{source}: "
+    else:
+        data, where = source, ""
+    if not isinstance(data, Mapping) or not is_deepspeed_style(data):
+        return
+    problems = [ConfigError(f"{problem} ({given_by} set precision {precision})")
+                for problem in data_types_problems(data, precision)]
+    if problems:
+        raise ConfigError(f"{where}{one_error_for_all(problems, 'DeepSpeed keys')}")
 
 
 def load_config_file(path: Union[str, os.PathLike]) -> HybridConfig:

@@ -466,3 +466,34 @@ def test_precision_traits_are_the_dtypes_the_engine_keeps(precision, autocast, s
               "gradient_accumulation_steps": 2, "steps_per_print": 0}
     params, grads, buffer = _engine_dtypes(native)
     assert (params, grads, buffer) == ({traits.params}, {traits.grads}, traits.buffers or "fp32")
+
+
+def test_data_types_are_checked_again_when_the_command_line_changes_the_precision(tmp_path):
+    from hybrid.config import config_from_command_line
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds_with("fp16", 2, KEPT["fp16"])))
+    assert config_from_command_line(["--config", str(path)]).precision == "fp16"
+    assert config_from_command_line(["--config", str(path), "--lr", "1e-4"]).optimizer.lr == 1e-4  # no new precision
+    with pytest.raises(ConfigError) as raised:
+        config_from_command_line(["--config", str(path), "--bf16"])
+    message = str(raised.value)
+    assert message.startswith(f"{path}: 3 DeepSpeed keys need changing: (1) "), message
+    for part in ("DeepSpeed key 'data_types.grad_accum_dtype' = 'fp16' is not supported: with bf16 enabled, "
+                 "hybrid accumulates gradients in bf16", "'data_types.param_dtype' = 'fp16'",
+                 "'data_types.buffer_dtype' = 'fp16'", "(the command line set precision bf16)"):
+        assert part in message, (part, message)
+    # a file whose dtypes fit the new precision (none given) is fine
+    path.write_text(json.dumps(ds_with("fp16", 2, {})))
+    assert config_from_command_line(["--config", str(path), "--bf16"]).precision == "bf16"
+
+
+def test_data_types_are_checked_again_when_initialize_overrides_the_precision():
+    import torch
+
+    import hybrid
+
+    ds = ds_with("bf16", 1, {"grad_accum_dtype": "bf16"})
+    with pytest.raises(ConfigError, match=r"'data_types\.grad_accum_dtype' = 'bf16' is not supported: in fp32 .* "
+                                          r"\(the keyword overrides set precision fp32\)"):
+        hybrid.initialize(torch.nn.Linear(4, 4), ds, precision="fp32")
