@@ -14,6 +14,7 @@ Errors carry the keys they are about; :meth:`HybridConfig.resolve_batch` adds th
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterator, Optional, Sequence, Tuple
 
 from hybrid.config.errors import ConfigError
@@ -116,7 +117,7 @@ class BatchSizes:
     dp_size: int
     rampup: Optional[Tuple[int, int, int]] = None  # (start, increment, samples) of rampup_batch_size
 
-    @property
+    @functools.cached_property
     def schedule(self) -> Optional[GlobalBatchSchedule]:
         """The global batch of each step; None when the batch sizes are unknown."""
         if self.global_batch_size is None:
@@ -127,7 +128,16 @@ class BatchSizes:
         """Micro-steps per DP rank of the step that starts after ``consumed`` samples."""
         if self.rampup is None:
             return self.gradient_accumulation_steps
-        return self.schedule.size_at(consumed) // (self.micro_batch_size * self.dp_size)
+        return self._micro_batches(self.schedule.size_at(consumed))
+
+    def accumulations(self) -> Tuple[int, ...]:
+        """The micro-steps per DP rank of every global batch the run may take (:meth:`GlobalBatchSchedule.sizes`)."""
+        if self.rampup is None:
+            return (self.gradient_accumulation_steps,)
+        return tuple(self._micro_batches(size) for size in self.schedule.sizes())
+
+    def _micro_batches(self, global_batch: int) -> int:
+        return global_batch // (self.micro_batch_size * self.dp_size)
 
 
 def resolve_batch(micro: Optional[int], accum: Optional[int], global_batch: Optional[int],

@@ -28,8 +28,7 @@ def derive_for_training(cfg: "HybridConfig") -> "HybridConfig":
     out = copy.deepcopy(cfg)
     sched = out.scheduler
     if sched.needs_decay_length and sched.decay_length is None:
-        steps_given = sched.warmup_iters != 0 or sched.decay_iters is not None
-        if out.run.train_samples is not None and not steps_given:
+        if out.run.train_samples is not None and not sched.given_in_steps:
             sched.decay_samples = out.run.train_samples
         elif out.run.train_iters is not None and not sched.in_samples:
             sched.decay_iters = out.run.train_iters

@@ -233,6 +233,11 @@ class SchedulerConfig:
         return self.type != "constant"
 
     @property
+    def given_in_steps(self) -> bool:
+        """Whether a length in optimizer steps is set (``warmup_iters``, ``decay_iters``)."""
+        return self.warmup_iters != 0 or self.decay_iters is not None
+
+    @property
     def in_samples(self) -> bool:
         """Whether the schedule counts samples rather than optimizer steps."""
         return self.warmup_samples is not None or self.decay_samples is not None

@@ -188,7 +188,7 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
 
     sched = cfg.scheduler
     decay_key = "scheduler.decay_samples" if sched.in_samples else "scheduler.decay_iters"
-    if sched.in_samples and (sched.warmup_iters != 0 or sched.decay_iters is not None):
+    if sched.in_samples and sched.given_in_steps:
         error("give the learning-rate schedule in optimizer steps ('scheduler.warmup_iters', "
               "'scheduler.decay_iters') or in samples ('scheduler.warmup_samples', 'scheduler.decay_samples'), "
               "not both", "scheduler.warmup_iters", "scheduler.decay_iters", "scheduler.warmup_samples",

@@ -256,12 +256,11 @@ class Engine:
                                     activation_shape=lambda mb: model.activation_shape(*mb["input_ids"].shape),
                                     activation_dtype=model.activation_dtype)
         if self.batch.rampup is not None:
-            per_step = self.batch.micro_batch_size * self.topology.dp_size
-            for size in self.batch.schedule.sizes():
+            for size, microbatches in zip(self.batch.schedule.sizes(), self.batch.accumulations()):
                 try:
-                    executor.check_microbatches(size // per_step)
+                    executor.check_microbatches(microbatches)
                 except ConfigError as e:
-                    raise ConfigError(f"rampup_batch_size: its global batch {size} is {size // per_step} "
+                    raise ConfigError(f"rampup_batch_size: its global batch {size} is {microbatches} "
                                       f"micro-batches per data-parallel rank, and {e}",
                                       keys=("rampup_batch_size",)) from None
         return executor

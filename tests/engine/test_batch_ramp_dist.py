@@ -78,10 +78,14 @@ def gpt_data():
             torch.randint(0, GPT["vocab_size"], (TOTAL, GPT["seq_length"]), generator=g))
 
 
-def _rank_slice(consumed, size, dp_rank, dp):
-    """This DP rank's contiguous share of the global batch (as hybrid.data.sampler lays it out)."""
-    share = size // dp
-    return slice(consumed + dp_rank * share, consumed + (dp_rank + 1) * share)
+def _next_share(engine, topo, out, tensors):
+    """Record the engine's account of the global batch it is about to run (``out["progress"]``); this DP rank's
+    contiguous share of it (as hybrid.data.sampler lays it out), from each of ``tensors``."""
+    before = _progress(engine)
+    out["progress"].append(before)
+    share = before["size"] // topo.dp_size
+    first = before["consumed"] + topo.dp_rank * share
+    return tuple(t[first:first + share] for t in tensors)
 
 
 def _plain(tensors):
@@ -103,10 +107,7 @@ def _train_mlp(topo, stage):
     x, y = mlp_data()
     out = {"losses": [], "norms": [], "progress": [], "updates": []}
     for _ in range(STEPS):
-        before = _progress(engine)
-        out["progress"].append(before)
-        part = _rank_slice(before["consumed"], before["size"], topo.dp_rank, topo.dp_size)
-        xs, ys = x[part], y[part]
+        xs, ys = _next_share(engine, topo, out, (x, y))
         micro_losses, updates = [], []
         for k in range(0, len(xs), MICRO):
             loss = F.mse_loss(engine(xs[k:k + MICRO]), ys[k:k + MICRO])
@@ -138,10 +139,7 @@ def _train_gpt_pipeline(stage):
     ids, labels = gpt_data()
     out = {"losses": [], "norms": [], "progress": [], "updated": []}
     for _ in range(STEPS):
-        before = _progress(engine)
-        out["progress"].append(before)
-        part = _rank_slice(before["consumed"], before["size"], topo.dp_rank, topo.dp_size)
-        xs, ys = ids[part], labels[part]
+        xs, ys = _next_share(engine, topo, out, (ids, labels))
         updated, loss = engine.train_batch([{"input_ids": xs[k:k + MICRO], "labels": ys[k:k + MICRO]}
                                             for k in range(0, len(xs), MICRO)])
         out["updated"].append(updated)
@@ -155,6 +153,30 @@ def _train_gpt_pipeline(stage):
     return out
 
 
+def _interleaved_refusal():
+    """The error initialize raises for a ramp whose sizes an interleaved pipeline cannot all run, or None."""
+    import hybrid
+    from hybrid.config.errors import ConfigError
+    from hybrid.config.schema import HybridConfig
+    from hybrid.pipeline.split import split_from_config
+    from model_zoo import GPTConfig, GPTModel
+
+    topo = hybrid.Topology(tp=1, pp=2, timeout_s=60)
+    # 4 layers, one per virtual stage: two model chunks per rank, so the schedule needs an even micro-batch count.
+    # The ramp 4, 6, 8, 10, 12 at micro 2 and DP 1 takes 2, 3, 4, 5, 6 micro-batches: 3 is the first it refuses.
+    config = HybridConfig.from_dict({**CFG, "rampup_batch_size": [4, 2, 24],
+                                     "pipeline": {"schedule": "interleaved", "layers_per_virtual_stage": 1}})
+    cfg = GPTConfig(**dict(GPT, num_layers=4))
+    model = GPTModel(cfg, topo, seed=GPT_SEED, split=split_from_config(config.pipeline, cfg.num_layers, topo.pp_size))
+    try:
+        hybrid.initialize(model, config, topology=topo)
+    except ConfigError as e:
+        return str(e)
+    finally:
+        topo.close()
+    return None
+
+
 def _worker():
     import time
 
@@ -165,6 +187,7 @@ def _worker():
     out = {f"mlp_stage{s}": _train_mlp(dp2, s) for s in (1, 2, 3)}
     t1 = time.perf_counter()
     out["gpt_pp2_stage1"] = _train_gpt_pipeline(1)
+    out["interleaved_refusal"] = _interleaved_refusal()
     out["seconds"] = {"mlp": t1 - t0, "gpt": time.perf_counter() - t1}
     return out
 
@@ -323,3 +346,12 @@ def test_ramped_gpt_pipeline_matches_single_process_adamw(results, gpt_reference
             merged[name] = value
     assert set(merged) == set(ref["params"])
     _params_within(merged, ref["params"], adam_trajectory_tolerance(STEPS, LR))
+
+
+def test_an_interleaved_pipeline_refuses_a_ramp_size_it_cannot_run_before_the_first_step(results):
+    for r in results:
+        message = r["interleaved_refusal"]
+        assert message is not None, "initialize accepted a ramp with an odd micro-batch count"
+        assert message.startswith("rampup_batch_size: its global batch 6 is 3 micro-batches per data-parallel "
+                                  "rank, and the interleaved schedule needs the micro-batch count (3) to be a "
+                                  "multiple of pipeline_model_parallel_size=2"), message
