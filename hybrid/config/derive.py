@@ -3,7 +3,7 @@
 These are derivations, not second defaults: a key keeps its one default in
 :mod:`hybrid.config.schema`, and only an unset key is filled in here.
 
-* the decay length of the schedule: a decaying schedule (linear, cosine)
+* the decay length of the schedule: a decay that ends (linear, cosine, wsd)
   decays over the whole run, and a warmup given as a fraction
   (``scheduler.warmup_fraction``) is a fraction of the same. A run given in
   samples (``run.train_samples``) gets ``scheduler.decay_samples``, unless the

@@ -35,14 +35,18 @@ from hybrid.layout import OFFLOAD_DEVICES, PRECISIONS, ZERO_STAGES
 # Choice lists owned by the configuration (the ZeRO stages, offload devices and
 # precisions are hybrid.layout's). hybrid.optim.lr_schedule imports the styles.
 OPTIMIZERS = ("adamw", "adam", "sgd", ONEBIT_ADAM, ZERO_ONE_ADAM)
-DECAY_STYLES = ("constant", "linear", "cosine")
+DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "wsd")
+# The styles that reach min_lr at a set length (the decay length); inverse-square-root decays without end.
+DECAY_STYLES_WITH_END = ("linear", "cosine", "wsd")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")  # the shape of WSD's final anneal
 WARMUP_STYLES = ("linear", "log")
 RECOMPUTE = ("none", "full", "selective")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved")  # hybrid.pipeline.schedule maps each to its module
 
 __all__ = ["HybridConfig", "ZeroConfig", "OptimizerConfig", "SchedulerConfig", "LossScalingConfig",
            "TensorBoardConfig", "ModelConfig", "DataConfig", "CheckpointConfig", "RunConfig", "EvalConfig",
-           "LoggingConfig", "DistributedConfig", "Alias", "OPTIMIZERS", "DECAY_STYLES", "WARMUP_STYLES",
+           "LoggingConfig", "DistributedConfig", "Alias", "OPTIMIZERS", "DECAY_STYLES", "DECAY_STYLES_WITH_END",
+           "WSD_DECAY_STYLES", "WARMUP_STYLES",
            "RECOMPUTE", "PIPELINE_SCHEDULES", "PipelineConfig", "ZERO_STAGES", "OFFLOAD_DEVICES", "PRECISIONS"]
 
 
@@ -199,13 +203,16 @@ class OptimizerConfig:
 
 @dataclasses.dataclass
 class SchedulerConfig:
-    """The learning-rate schedule: optional warmup, then constant, linear or cosine decay to ``min_lr``.
+    """The learning-rate schedule: optional warmup, then constant, linear, cosine, inverse-square-root or WSD
+    (warmup-stable-decay) decay to ``min_lr``.
 
-    It counts optimizer steps, or samples when ``warmup_samples`` or ``decay_samples`` is set (each
-    step then advances it by its global batch, so that a batch ramp-up warms up over the same data).
+    It counts optimizer steps, or samples when ``warmup_samples``, ``decay_samples`` or ``wsd_decay_samples`` is
+    set (each step then advances it by its global batch, so that a batch ramp-up warms up over the same data).
     """
 
-    type: str = _field("constant", choices=DECAY_STYLES, flag="--lr-decay-style", help="decay style after warmup")
+    type: str = _field("constant", choices=DECAY_STYLES, flag="--lr-decay-style",
+                       help="decay style after warmup (WSD: hold the peak, then anneal over the last "
+                            "wsd_decay_iters or wsd_decay_samples before the decay length)")
     warmup_iters: int = _field(0, ge=0, flag="--lr-warmup-iters",
                                help="optimizer steps of warmup from warmup_start_lr to optimizer.lr")
     warmup_samples: Optional[int] = _field(None, ge=0, flag="--lr-warmup-samples",
@@ -226,21 +233,29 @@ class SchedulerConfig:
                                                "decay_iters (the trainer derives it from run.train_samples when "
                                                "unset)")
     min_lr: float = _field(0.0, ge=0.0, flag="--min-lr", help="learning rate at and after decay_iters")
+    wsd_decay_style: str = _field("exponential", choices=WSD_DECAY_STYLES, flag="--lr-wsd-decay-style",
+                                  help="WSD: the shape of the final anneal from the peak to min_lr")
+    wsd_decay_iters: Optional[int] = _field(None, ge=1, flag="--lr-wsd-decay-iters",
+                                            help="WSD: optimizer steps of the final anneal, which ends at the decay "
+                                                 "length (the peak holds from the warmup's end until it starts)")
+    wsd_decay_samples: Optional[int] = _field(None, ge=1, flag="--lr-wsd-decay-samples",
+                                              help="WSD: samples of the final anneal instead of wsd_decay_iters (a "
+                                                   "schedule in samples)")
 
     @property
     def decays(self) -> bool:
-        """Whether the rate decays after warmup (and so needs a decay length)."""
+        """Whether the rate decays after warmup."""
         return self.type != "constant"
 
     @property
     def given_in_steps(self) -> bool:
-        """Whether a length in optimizer steps is set (``warmup_iters``, ``decay_iters``)."""
-        return self.warmup_iters != 0 or self.decay_iters is not None
+        """Whether a length in optimizer steps is set (``warmup_iters``, ``decay_iters``, ``wsd_decay_iters``)."""
+        return self.warmup_iters != 0 or self.decay_iters is not None or self.wsd_decay_iters is not None
 
     @property
     def in_samples(self) -> bool:
         """Whether the schedule counts samples rather than optimizer steps."""
-        return self.warmup_samples is not None or self.decay_samples is not None
+        return any(v is not None for v in (self.warmup_samples, self.decay_samples, self.wsd_decay_samples))
 
     @property
     def unit(self) -> str:
@@ -248,9 +263,14 @@ class SchedulerConfig:
         return "samples" if self.in_samples else "steps"
 
     @property
+    def decay_ends(self) -> bool:
+        """Whether the decay reaches ``min_lr`` at the decay length (:data:`DECAY_STYLES_WITH_END`)."""
+        return self.type in DECAY_STYLES_WITH_END
+
+    @property
     def needs_decay_length(self) -> bool:
-        """Whether the decay length must be known: a decaying schedule, or a warmup given as its fraction."""
-        return self.decays or self.warmup_fraction is not None
+        """Whether the decay length must be known: a decay that ends there, or a warmup given as its fraction."""
+        return self.decay_ends or self.warmup_fraction is not None
 
     @property
     def decay_length(self) -> Optional[int]:
@@ -264,6 +284,11 @@ class SchedulerConfig:
         if self.warmup_fraction is not None:
             return round(self.warmup_fraction * self.decay_length)
         return (self.warmup_samples or 0) if self.in_samples else self.warmup_iters
+
+    @property
+    def wsd_length(self) -> Optional[int]:
+        """WSD's anneal length in :attr:`unit`: ``wsd_decay_samples`` or ``wsd_decay_iters``."""
+        return self.wsd_decay_samples if self.in_samples else self.wsd_decay_iters
 
 
 @dataclasses.dataclass

@@ -188,18 +188,20 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
 
     sched = cfg.scheduler
     decay_key = "scheduler.decay_samples" if sched.in_samples else "scheduler.decay_iters"
-    if sched.in_samples and sched.given_in_steps:
+    mixed_units = sched.in_samples and sched.given_in_steps
+    if mixed_units:
         error("give the learning-rate schedule in optimizer steps ('scheduler.warmup_iters', "
-              "'scheduler.decay_iters') or in samples ('scheduler.warmup_samples', 'scheduler.decay_samples'), "
-              "not both", "scheduler.warmup_iters", "scheduler.decay_iters", "scheduler.warmup_samples",
-              "scheduler.decay_samples")
+              "'scheduler.decay_iters', 'scheduler.wsd_decay_iters') or in samples ('scheduler.warmup_samples', "
+              "'scheduler.decay_samples', 'scheduler.wsd_decay_samples'), not both", "scheduler.warmup_iters",
+              "scheduler.decay_iters", "scheduler.wsd_decay_iters", "scheduler.warmup_samples",
+              "scheduler.decay_samples", "scheduler.wsd_decay_samples")
     elif sched.warmup_fraction is not None and (sched.warmup_iters != 0 or sched.warmup_samples is not None):
         given = "warmup_samples" if sched.in_samples else "warmup_iters"
         error(f"give the warmup as 'scheduler.{given}' ({getattr(sched, given)}) or as "
               f"'scheduler.warmup_fraction' ({sched.warmup_fraction}), not both", f"scheduler.{given}",
               "scheduler.warmup_fraction")
     elif sched.needs_decay_length and sched.decay_length is None:
-        needs = f"scheduler.type {sched.type!r}" if sched.decays else "'scheduler.warmup_fraction'"
+        needs = f"scheduler.type {sched.type!r}" if sched.decay_ends else "'scheduler.warmup_fraction'"
         run = "run.train_samples" if sched.in_samples else "run.train_iters"
         error(f"{needs} needs '{decay_key}' (where the learning rate reaches scheduler.min_lr, warmup "
               f"included; the trainer derives it from {run})", decay_key)
@@ -207,9 +209,11 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
         error(f"'scheduler.warmup_fraction' {sched.warmup_fraction} of '{decay_key}' {sched.decay_length} "
               f"rounds to no warmup {sched.unit}; raise it, or give the warmup itself", "scheduler.warmup_fraction",
               decay_key)
-    elif sched.decays and sched.decay_length <= sched.warmup_length:
+    elif sched.decays and sched.decay_length is not None and sched.decay_length <= sched.warmup_length:
         error(f"config key '{decay_key}' ({sched.decay_length}) must be greater than {_warmup(sched)}: "
               f"decay starts after warmup", decay_key, _warmup_key(sched))
+    elif not mixed_units:
+        _wsd_rules(sched, decay_key, error)
     warmup_known = sched.warmup_fraction is None or sched.decay_length is not None
     if sched.warmup_style == "log" and warmup_known and 0 < sched.warmup_length < 2:
         error(f"scheduler.warmup_style 'log' needs at least 2 warmup {sched.unit}, got {_warmup(sched)} "
@@ -247,6 +251,23 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
     if ckpt.async_save_chunk_mb is not None and not ckpt.async_save:
         error("config key 'checkpoint.async_save_chunk_mb' bounds the host copy of a background save; it "
               "needs 'checkpoint.async_save'", "checkpoint.async_save_chunk_mb", "checkpoint.async_save")
+
+
+def _wsd_rules(sched, decay_key: str, error) -> None:
+    """WSD's anneal length: set exactly when the schedule is WSD, and within the decay after the warmup."""
+    wsd_key = "scheduler.wsd_decay_samples" if sched.in_samples else "scheduler.wsd_decay_iters"
+    if sched.type != "wsd":
+        for key in ("scheduler.wsd_decay_iters", "scheduler.wsd_decay_samples"):
+            if getattr(sched, key.split(".")[1]) is not None:
+                error(f"config key '{key}' applies to scheduler.type wsd only, but scheduler.type is "
+                      f"{sched.type!r}; remove it or set scheduler.type to wsd", key, "scheduler.type")
+    elif sched.wsd_length is None:
+        error(f"scheduler.type 'wsd' needs '{wsd_key}': how long the final anneal to scheduler.min_lr lasts (it "
+              f"ends at '{decay_key}')", wsd_key)
+    elif sched.decay_length is not None and sched.wsd_length > sched.decay_length - sched.warmup_length:
+        error(f"config key '{wsd_key}' ({sched.wsd_length}) must be at most '{decay_key}' ({sched.decay_length}) "
+              f"minus {_warmup(sched)}: the anneal ends at the decay length and starts after the warmup", wsd_key,
+              decay_key, _warmup_key(sched))
 
 
 def _warmup(sched) -> str:

@@ -28,7 +28,8 @@ def build_lr_schedule(cfg: HybridConfig) -> LRSchedule:
     s = cfg.scheduler
     return LRSchedule(cfg.optimizer.lr, decay_style=s.type, warmup_iters=s.warmup_length,
                       warmup_style=s.warmup_style, warmup_start_lr=s.warmup_start_lr,
-                      decay_iters=s.decay_length, min_lr=s.min_lr, unit=s.unit)
+                      decay_iters=s.decay_length, min_lr=s.min_lr, unit=s.unit,
+                      wsd_decay_iters=s.wsd_length, wsd_decay_style=s.wsd_decay_style)
 
 
 def exclude_1d_params(name: str, param: torch.nn.Parameter) -> bool:

@@ -1,20 +1,28 @@
-"""Learning-rate schedules: warmup, then constant, linear or cosine decay to a minimum.
+"""Learning-rate schedules: warmup, then constant, linear, cosine, inverse-square-root or WSD decay.
 
 ``lr(i)`` is the learning rate at position ``i``: the optimizer steps already
 taken (the first step uses ``lr(0)``), or, for a schedule that counts samples
 (``unit="samples"``), the samples consumed before the step; the lengths below
-are in the same unit. With ``W`` warmup steps,
-decay ending at step ``D``, peak ``max_lr`` and floor ``min_lr``::
+are in the same unit. With ``W`` warmup steps, decay ending at step ``D``
+(optional for inverse-square-root), a WSD anneal of ``A`` steps, peak
+``max_lr`` and floor ``min_lr``::
 
     i < W  (warmup)   linear: start + (max_lr - start) * i / W
                       log:    start + (max_lr - start) * ln(i + 1) / ln(W)
-    W <= i < D        ratio = (i - W) / (D - W)
-                      constant: max_lr
-                      linear:   min_lr + (max_lr - min_lr) * (1 - ratio)
-                      cosine:   min_lr + (max_lr - min_lr) * (1 + cos(pi * ratio)) / 2
-    i >= D            min_lr (constant keeps max_lr)
+    W <= i <= D       constant:            max_lr
+                      inverse-square-root: max(min_lr, max_lr * sqrt(max(W, 1) / max(i, 1)))
+                      otherwise min_lr + (max_lr - min_lr) * c(r), with
+                      linear, cosine:  r = (i - W) / (D - W)
+                      WSD:             c = 1 (stable) while i <= D - A, then r = (i - (D - A)) / A
+                      and c(r) = 1 - r (linear), (1 + cos(pi r)) / 2 (cosine),
+                                 2 * 0.5^r - 1 (exponential), 1 - sqrt(r) (minus_sqrt)
+    i > D             min_lr (constant keeps max_lr)
 
-DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR are special cases;
+Every c(r) falls from 1 at r = 0 to exactly 0 at r = 1, so each decay with
+an end meets min_lr at D without a jump (inverse-square-root, which has no
+end of its own, drops to min_lr after a D that is given). These are Megatron-LM's formulas (its
+``--lr-decay-style``, ``--lr-wsd-decay-style``); DeepSpeed's WarmupLR,
+WarmupDecayLR and WarmupCosineLR are special cases:
 :func:`deepspeed_schedule_kwargs` (defined with the DeepSpeed config
 translation, re-exported here) maps their parameters onto this one class.
 """
@@ -26,9 +34,18 @@ from typing import Mapping, Optional
 
 # The style names belong to the configuration; the DeepSpeed mapping to its translator.
 from hybrid.config.deepspeed_schedules import DEEPSPEED_SCHEDULER_PARAMS, deepspeed_schedule_kwargs
-from hybrid.config.schema import DECAY_STYLES, WARMUP_STYLES
+from hybrid.config.schema import DECAY_STYLES, DECAY_STYLES_WITH_END, WARMUP_STYLES, WSD_DECAY_STYLES
 
-__all__ = ["LRSchedule", "ScheduleSettingsDiffer", "DECAY_STYLES", "WARMUP_STYLES", "DEEPSPEED_SCHEDULER_PARAMS", "deepspeed_schedule_kwargs"]
+__all__ = ["LRSchedule", "ScheduleSettingsDiffer", "DECAY_STYLES", "WARMUP_STYLES", "WSD_DECAY_STYLES",
+           "DEEPSPEED_SCHEDULER_PARAMS", "deepspeed_schedule_kwargs"]
+
+# c(r): the fraction of (max_lr - min_lr) left at decay progress r in [0, 1]; each is 1 at r = 0 and 0 at r = 1.
+_DECAY_SHAPES = {
+    "linear": lambda r: 1.0 - r,
+    "cosine": lambda r: 0.5 * (1.0 + math.cos(math.pi * r)),
+    "exponential": lambda r: 2.0 * 0.5 ** r - 1.0,
+    "minus_sqrt": lambda r: 1.0 - math.sqrt(r),
+}
 
 
 class ScheduleSettingsDiffer(ValueError):
@@ -40,11 +57,15 @@ class LRSchedule:
 
     def __init__(self, max_lr: float, *, decay_style: str = "constant", warmup_iters: int = 0,
                  warmup_style: str = "linear", warmup_start_lr: float = 0.0,
-                 decay_iters: Optional[int] = None, min_lr: float = 0.0, unit: str = "steps"):
+                 decay_iters: Optional[int] = None, min_lr: float = 0.0, unit: str = "steps",
+                 wsd_decay_iters: Optional[int] = None, wsd_decay_style: str = "exponential"):
         if decay_style not in DECAY_STYLES:
             raise ValueError(f"decay_style must be one of {', '.join(DECAY_STYLES)}, got {decay_style!r}")
         if warmup_style not in WARMUP_STYLES:
             raise ValueError(f"warmup_style must be one of {', '.join(WARMUP_STYLES)}, got {warmup_style!r}")
+        if wsd_decay_style not in WSD_DECAY_STYLES:
+            raise ValueError(f"wsd_decay_style must be one of {', '.join(WSD_DECAY_STYLES)}, "
+                             f"got {wsd_decay_style!r}")
         if not max_lr > 0:
             raise ValueError(f"max_lr must be > 0, got {max_lr!r}")
         if not 0 <= min_lr <= max_lr or not 0 <= warmup_start_lr <= max_lr:
@@ -54,9 +75,16 @@ class LRSchedule:
             raise ValueError(f"warmup_iters must be >= 0, got {warmup_iters}")
         if warmup_style == "log" and 0 < warmup_iters < 2:
             raise ValueError(f"log warmup needs warmup_iters >= 2, got {warmup_iters}")
-        if decay_style != "constant" and (decay_iters is None or decay_iters <= warmup_iters):
+        if decay_style in DECAY_STYLES_WITH_END and decay_iters is None:
+            raise ValueError(f"{decay_style} decay needs decay_iters > warmup_iters ({warmup_iters})")
+        if decay_style != "constant" and decay_iters is not None and decay_iters <= warmup_iters:
             raise ValueError(f"{decay_style} decay needs decay_iters > warmup_iters ({warmup_iters}), "
                              f"got {decay_iters}")
+        if decay_style == "wsd" and not (isinstance(wsd_decay_iters, int)
+                                         and 1 <= wsd_decay_iters <= decay_iters - warmup_iters):
+            raise ValueError(f"wsd decay needs 1 <= wsd_decay_iters <= decay_iters - warmup_iters "
+                             f"({decay_iters - warmup_iters}): the anneal ends at decay_iters and starts after "
+                             f"the warmup; got {wsd_decay_iters!r}")
         if unit not in ("steps", "samples"):
             raise ValueError(f"unit must be 'steps' or 'samples', got {unit!r}")
         self.unit = unit
@@ -67,13 +95,15 @@ class LRSchedule:
         self.warmup_style = warmup_style
         self.warmup_start_lr = float(warmup_start_lr)
         self.decay_iters = decay_iters
+        self.wsd_decay_iters = wsd_decay_iters if decay_style == "wsd" else None
+        self.wsd_decay_style = wsd_decay_style
         self.iteration = 0
 
     def lr_at(self, i: int) -> float:
         """The learning rate of optimizer step ``i`` (0-based)."""
         if i < 0:
             raise ValueError(f"step index must be >= 0, got {i}")
-        w = self.warmup_iters
+        w, d = self.warmup_iters, self.decay_iters
         if i < w:
             if self.warmup_style == "linear":
                 frac = i / w
@@ -82,13 +112,17 @@ class LRSchedule:
             return self.warmup_start_lr + (self.max_lr - self.warmup_start_lr) * frac
         if self.decay_style == "constant":
             return self.max_lr
-        if i >= self.decay_iters:
+        if d is not None and i > d:  # at d itself every decay with an end is exactly min_lr already
             return self.min_lr
-        ratio = (i - w) / (self.decay_iters - w)
-        if self.decay_style == "linear":
-            coeff = 1.0 - ratio
+        if self.decay_style == "inverse-square-root":
+            return max(self.min_lr, self.max_lr * math.sqrt(max(w, 1) / max(i, 1)))
+        if self.decay_style == "wsd":
+            anneal_start = d - self.wsd_decay_iters
+            if i <= anneal_start:
+                return self.max_lr
+            coeff = _DECAY_SHAPES[self.wsd_decay_style]((i - anneal_start) / self.wsd_decay_iters)
         else:
-            coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
+            coeff = _DECAY_SHAPES[self.decay_style]((i - w) / (d - w))
         return self.min_lr + (self.max_lr - self.min_lr) * coeff
 
     @property
@@ -105,9 +139,14 @@ class LRSchedule:
         return self.lr
 
     def settings(self) -> dict:
-        return {"max_lr": self.max_lr, "min_lr": self.min_lr, "decay_style": self.decay_style,
-                "warmup_iters": self.warmup_iters, "warmup_style": self.warmup_style,
-                "warmup_start_lr": self.warmup_start_lr, "decay_iters": self.decay_iters, "unit": self.unit}
+        """The settings a checkpoint records (WSD's anneal only under WSD, so that it never blocks another
+        style's strict load)."""
+        out = {"max_lr": self.max_lr, "min_lr": self.min_lr, "decay_style": self.decay_style,
+               "warmup_iters": self.warmup_iters, "warmup_style": self.warmup_style,
+               "warmup_start_lr": self.warmup_start_lr, "decay_iters": self.decay_iters, "unit": self.unit}
+        if self.decay_style == "wsd":
+            out.update(wsd_decay_iters=self.wsd_decay_iters, wsd_decay_style=self.wsd_decay_style)
+        return out
 
     def state_dict(self) -> dict:
         return {"iteration": self.iteration, "settings": self.settings()}

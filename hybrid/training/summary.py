@@ -22,12 +22,20 @@ def count_exempt(named_parameters: Iterable[Tuple[str, torch.nn.Parameter]],
     return sum(bool(no_weight_decay(n, p)) for n, p in trainable), len(trainable)
 
 
+def _schedule_words(sched) -> str:
+    """``cosine schedule, 2000 warmup steps``; WSD adds its anneal (``WSD schedule, ..., exponential anneal over
+    the last 500 steps``)."""
+    words = f"{sched.type} schedule, {sched.warmup_length} warmup {sched.unit}"
+    if sched.type == "wsd":
+        words += f", {sched.wsd_decay_style} anneal over the last {sched.wsd_length} {sched.unit}"
+    return words
+
+
 def optimizer_line(config: HybridConfig, exempt: int, trainable: int) -> str:
     """``optimizer: adamw | lr ... | betas ... | eps ... | weight decay ... | clip-grad ... | ZeRO stage ...``."""
     opt, sched, zero = config.optimizer, config.scheduler, config.zero
     parts = [f"optimizer: {opt.type}",
-             f"lr {opt.lr:g} (peak; {sched.type} schedule, {sched.warmup_length} warmup {sched.unit}, "
-             f"min {sched.min_lr:g})"]
+             f"lr {opt.lr:g} (peak; {_schedule_words(sched)}, min {sched.min_lr:g})"]
     if opt.type == "sgd":
         parts.append(f"momentum {opt.momentum:g}")
     else:

@@ -27,7 +27,7 @@ FULL = {
                   "local_step_clipper": 4, "decay_1d_params": True},
     "scheduler": {"type": "cosine", "warmup_iters": 10, "warmup_samples": None, "warmup_fraction": None,
                   "warmup_style": "linear", "warmup_start_lr": 1e-5, "decay_iters": 100, "decay_samples": None,
-                  "min_lr": 3e-5},
+                  "min_lr": 3e-5, "wsd_decay_style": "exponential", "wsd_decay_iters": None, "wsd_decay_samples": None},
     "clip_grad": 1.0, "micro_batch_size": 2, "gradient_accumulation_steps": 4, "global_batch_size": 64,
     "rampup_batch_size": [16, 16, 3000],
     "tensor_parallel_size": 2, "recompute": "selective",
