@@ -83,8 +83,8 @@ OMP_NUM_THREADS=1 torchrun --nnodes 1 --nproc-per-node "$NPROC" \
   --lr-warmup-iters "$((TRAIN_ITERS / 20 + 1))" --weight-decay 0.1 --clip-grad 1.0 \
   --data-path "$WORK_DIR/corpus_text_document" --split 95,5,0 --tokenizer-model "$WORK_DIR/tokenizer.model" \
   --save "$WORK_DIR/checkpoints" --save-interval "$SAVE_INTERVAL" --keep-last 2 \
-  --eval-interval "$EVAL_INTERVAL" --eval-iters 4 --log-interval "$LOG_INTERVAL" \
-  --tensorboard-dir "$WORK_DIR/tensorboard" --seed 1234 $EXTRA_ARGS
+  --eval-interval "$EVAL_INTERVAL" --eval-iters 4 --log-interval "$LOG_INTERVAL" --log-params-norm \
+  --log-num-zeros-in-grad --tensorboard-dir "$WORK_DIR/tensorboard" --seed 1234 $EXTRA_ARGS
 stage_done
 
 stage "4/4 a sample from the trained model"

@@ -464,6 +464,12 @@ class LoggingConfig:
     peak_tflops: Optional[float] = _field(None, gt=0.0, flag="--peak-tflops",
                                           help="per-device peak TFLOP/s for MFU (unset: known GPU table, or a "
                                                "matmul probe on CPU)")
+    log_params_norm: bool = _field(False, flag="--log-params-norm",
+                                   help="report the L2 norm of the whole model's weights every iteration (one more "
+                                        "pass over the master weights and a scalar all-reduce per step)")
+    log_num_zeros_in_grad: bool = _field(False, flag="--log-num-zeros-in-grad",
+                                         help="report how many elements of each step's gradient are exactly zero "
+                                              "(one more pass over the gradient per step)")
 
 
 @dataclasses.dataclass

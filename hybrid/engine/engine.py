@@ -307,6 +307,26 @@ class Engine:
         """L2 norm of the full unscaled gradient of the last global batch, before clipping (see the optimizer)."""
         return self.optimizer.get_grad_norm()
 
+    def get_params_norm(self) -> float:
+        """L2 norm of the whole model's fp32 master weights, as one process would compute it. Collective over
+        ``world``: every rank calls it."""
+        return self.optimizer.params_norm()
+
+    @property
+    def count_grad_zeros(self) -> bool:
+        """Whether each step counts its gradient's exact zeros (:meth:`get_num_zeros_in_grad`); off by default,
+        since counting reads the whole gradient partition once more."""
+        return self.optimizer.count_grad_zeros
+
+    @count_grad_zeros.setter
+    def count_grad_zeros(self, on: bool) -> None:
+        self.optimizer.count_grad_zeros = bool(on)
+
+    def get_num_zeros_in_grad(self) -> Optional[int]:
+        """Exact zeros in the last global batch's whole gradient (each element counted once, as one process holds
+        it); None unless :attr:`count_grad_zeros` was on for that step."""
+        return self.optimizer.get_num_zeros_in_grad()
+
     def memory_report(self) -> dict:
         """Per-rank bytes held for params, grads, master weights and optimizer states."""
         return self.optimizer.memory_report()

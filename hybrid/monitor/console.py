@@ -20,7 +20,8 @@ def format_train_line(s: IntervalSummary) -> str:
         tokens/s: 12345 | TFLOP/s/device: 1.23 | MFU: 12.34% (measured peak) |
         mem rss 1.20 GiB | peak rss 1.31 GiB
 
-    (on one line).
+    (on one line); ``num zeros: N | params norm: X`` follow the grad norm when they were measured
+    (``--log-num-zeros-in-grad``, ``--log-params-norm``).
     """
     width = len(str(s.train_iters))
     mfu = "n/a" if s.mfu is None else f"{100 * s.mfu:.2f}% ({s.peak.source} peak)"
@@ -31,6 +32,8 @@ def format_train_line(s: IntervalSummary) -> str:
         f"lm loss: {_opt(s.lm_loss, '.6E')}",
         f"lr: {s.learning_rate:.3E}",
         f"grad norm: {_opt(s.grad_norm, '.3f')}",
+        *([] if s.num_zeros is None else [f"num zeros: {s.num_zeros}"]),
+        *([] if s.params_norm is None else [f"params norm: {s.params_norm:.3f}"]),
         f"loss scale: {1.0 if s.loss_scale is None else s.loss_scale:.6g}",
         f"skipped: {s.skipped_iters}",
         f"nan: {s.nan_iters}",

@@ -1,7 +1,7 @@
 """Per-iteration metrics and their summary over one log interval.
 
 Loss and iteration time are averaged over the interval; learning rate, grad
-norm, loss scale and batch size are the last iteration's values; skipped and
+norm, loss scale, batch size, params norm and gradient zeros are the last iteration's values; skipped and
 NaN iterations are counted. Iterations whose optimizer step was skipped
 (fp16 overflow) or whose loss is not finite are left out of the loss average.
 """
@@ -34,6 +34,8 @@ class IterationMetrics:
     grad_norm: Optional[float] = None
     loss_scale: Optional[float] = None  # None: no loss scaling, reported as 1
     skipped: bool = False
+    params_norm: Optional[float] = None  # None: not measured (--log-params-norm off)
+    num_zeros: Optional[int] = None  # zeros in the gradient; None: not counted (--log-num-zeros-in-grad off)
 
     @property
     def is_nan(self) -> bool:
@@ -63,6 +65,8 @@ class IntervalSummary:
     mfu: Optional[float]
     peak: Optional[PeakFlops]
     memory: Optional[MemoryStats]
+    params_norm: Optional[float] = None
+    num_zeros: Optional[int] = None
 
 
 class IntervalAccumulator:
@@ -104,4 +108,4 @@ class IntervalAccumulator:
             skipped_iters=sum(m.skipped for m in items), nan_iters=sum(m.is_nan for m in items),
             iteration_time_s=total_time / len(items), tokens_per_sec=tokens_per_sec,
             tokens_per_sec_per_device=per_device, tflops_per_device=tflops, mfu=mfu,
-            peak=self.peak, memory=memory)
+            peak=self.peak, memory=memory, params_norm=last.params_norm, num_zeros=last.num_zeros)

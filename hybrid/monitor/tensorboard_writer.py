@@ -6,6 +6,8 @@ The tag set is fixed (dashboards and tests rely on it):
 ``train/lm_loss``          mean training loss over the log interval
 ``train/lr``               learning rate
 ``train/grad_norm``        gradient norm
+``train/params_norm``      weight norm (``--log-params-norm``)
+``train/num_zeros``        exact zeros in the gradient (``--log-num-zeros-in-grad``)
 ``train/loss_scale``       loss scale (1 when training without one)
 ``train/skipped_iters``    skipped iterations in the interval
 ``train/iteration_time_s`` mean iteration time in the interval
@@ -28,7 +30,7 @@ save is complete (a background save: when the trainer collects it).
 
 plus the hyperparameters as a markdown table under the text tag
 ``hyperparameters``. A scalar whose value is unknown (no peak for MFU, no
-grad norm) or not finite is not written for that step.
+grad norm, a params norm or zero count not asked for) or not finite is not written for that step.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from hybrid.monitor.console import perplexity
 from hybrid.monitor.interval import IntervalSummary
 
 TRAIN_TAGS = (
-    "train/lm_loss", "train/lr", "train/grad_norm", "train/loss_scale", "train/skipped_iters",
+    "train/lm_loss", "train/lr", "train/grad_norm", "train/params_norm", "train/num_zeros", "train/loss_scale",
+    "train/skipped_iters",
     "train/iteration_time_s", "train/tokens_per_sec", "train/tflops_per_device", "train/mfu",
     "train/batch_size", "memory/allocated_bytes", "memory/peak_bytes",
 )
@@ -55,6 +58,8 @@ def train_scalars(s: IntervalSummary) -> Dict[str, Optional[float]]:
         "train/lm_loss": s.lm_loss,
         "train/lr": s.learning_rate,
         "train/grad_norm": s.grad_norm,
+        "train/params_norm": s.params_norm,
+        "train/num_zeros": None if s.num_zeros is None else float(s.num_zeros),
         "train/loss_scale": 1.0 if s.loss_scale is None else s.loss_scale,
         "train/skipped_iters": float(s.skipped_iters),
         "train/iteration_time_s": s.iteration_time_s,

@@ -114,6 +114,7 @@ class Trainer:
         # Counted on the whole parameters, before an optimizer may partition them.
         self._decay_exempt = count_exempt(self.model.named_parameters(), no_weight_decay_rule(config, None))
         self.engine = hybrid.initialize(self.model, config, topology=topo)
+        self.engine.count_grad_zeros = config.logging.log_num_zeros_in_grad
         self.guard = DivergenceGuard(config.run.max_consecutive_skipped_steps, self.engine.optimizer.loss_scaler)
         self.batch = self.engine.batch
         # the run's length in optimizer steps: given, or every whole global batch within run.train_samples
@@ -287,7 +288,9 @@ class Trainer:
                     batch_size=batch_size, iteration_time_s=time.perf_counter() - start,
                     grad_norm=self.engine.get_grad_norm(),
                     loss_scale=self.engine.loss_scale if config.precision == "fp16" else None,
-                    skipped=self.engine.skipped_steps > skipped_before))
+                    skipped=self.engine.skipped_steps > skipped_before,
+                    params_norm=self.engine.get_params_norm() if config.logging.log_params_norm else None,
+                    num_zeros=self.engine.get_num_zeros_in_grad()))
                 diverged = self.guard.check(self.iteration, self.engine.skipped_steps > skipped_before, loss, topo)
                 if diverged is not None:
                     self.monitor.flush_interval()

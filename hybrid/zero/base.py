@@ -166,6 +166,10 @@ class ZeroOptimizer(abc.ABC):
         self.chunk_params = chunk_params
         self._setup_chunks = int(chunks)
         self._last_grad_norm = math.nan
+        # Counting the exact zeros of each step's gradient costs a pass over it: only while this is set
+        # (the trainer's --log-num-zeros-in-grad). None: not counted.
+        self.count_grad_zeros = False
+        self._last_grad_zeros: Optional[int] = None
         self._last_comm: Dict[str, Dict[str, float]] = {}
         self.param_index: List[ParamRecord] = []
         self.partition_count = 1
@@ -266,6 +270,7 @@ class ZeroOptimizer(abc.ABC):
         sq = self._global_sq()
         overflow = not math.isfinite(sq)
         self._last_grad_norm = math.sqrt(sq) / denominator if not overflow else sq
+        self._last_grad_zeros = self._grad_zeros() if self.count_grad_zeros else None
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
         self.global_steps += 1
@@ -293,6 +298,18 @@ class ZeroOptimizer(abc.ABC):
         overflowed; nan before the first step.
         """
         return self._last_grad_norm
+
+    def get_num_zeros_in_grad(self) -> Optional[int]:
+        """Elements of the last step's whole gradient (as one process holds it) that were exactly zero; None
+        unless :attr:`count_grad_zeros` was set for that step, or when the step had no whole gradient (1-bit
+        Adam's local steps)."""
+        return self._last_grad_zeros
+
+    def params_norm(self) -> float:
+        """L2 norm of the whole model's fp32 master weights, as one process holding every parameter computes it
+        (TP-replicated and pipeline-tied weights counted once). Collective over ``world``."""
+        with torch.no_grad():
+            return math.sqrt(self._params_sq())
 
     def weights_finite(self) -> bool:
         """Whether every weight a checkpoint would hold is finite, on every rank (collective over ``world``).
@@ -335,6 +352,16 @@ class ZeroOptimizer(abc.ABC):
     @abc.abstractmethod
     def _global_sq(self) -> float:
         """Squared L2 norm of the (scaled, DP-summed) gradient over the whole world (collective over ``world``)."""
+
+    @abc.abstractmethod
+    def _grad_zeros(self) -> Optional[int]:
+        """Exact zeros of the DP-summed gradient over the whole world, each element counted once (collective over
+        ``world``); None where no whole gradient exists."""
+
+    @abc.abstractmethod
+    def _params_sq(self) -> float:
+        """Squared L2 norm of the master weights over the whole world, each element counted once (collective
+        over ``world``)."""
 
     @abc.abstractmethod
     def _apply_update(self, factor: float) -> None:

@@ -96,6 +96,9 @@ class FlatZeroOptimizer(ZeroOptimizer):
                                  state_device=host)
         self.grad_norm = GradNorm(self.groups, self._grad_chunks, topology, self.part,
                                   counts_whole_gradient=traits.optimizer_states)
+        # the masters are laid out as the gradient chunks: the same counting rule gives the parameter norm
+        self._master_norm = GradNorm(self.groups, [part.master_chunks for part in self.partitions], topology,
+                                     self.part, counts_whole_gradient=traits.optimizer_states)
         tp = (topology.tp_size, topology.tp_rank)
         self.onebit: Optional[OneBitAdam] = None
         self.zero_one: Optional[ZeroOneAdam] = None
@@ -190,6 +193,13 @@ class FlatZeroOptimizer(ZeroOptimizer):
             # norm the step reports and clips with is the root mean square of the local norms.
             return self._local_norm.global_sq() * self.topology.dp_size
         return self.grad_norm.global_sq()
+
+    def _grad_zeros(self) -> Optional[int]:
+        # a local step's gradients are each rank's own: no whole gradient exists to count
+        return None if self._local_gradients() else self.grad_norm.global_zeros()
+
+    def _params_sq(self) -> float:
+        return self._master_norm.global_sq()
 
     def _apply_update(self, factor: float) -> None:
         # factor carries the 1/dp of a DP sum; for local gradients the 1-bit exchanges' own mean supplies it

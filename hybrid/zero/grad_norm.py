@@ -18,6 +18,11 @@ The per-rank sums of squares are added with one all-reduce of a float64
 scalar over the ``world`` axis. That one scalar also decides overflow for the
 whole world: it is non-finite exactly when some rank saw an inf or NaN, so
 every rank takes the same skip decision without a second collective.
+
+The fp32 master weights are laid out as the gradients are (the same segments,
+chunks and partitions), so the same rule, given the master chunks, gives the
+parameter norm (``--log-params-norm``); and counting exact zeros over the same
+elements gives the zeros of the whole gradient (``--log-num-zeros-in-grad``).
 """
 
 from __future__ import annotations
@@ -62,32 +67,59 @@ class GradNorm:
                  topology: Topology, part: int, counts_whole_gradient: bool):
         self.topology = topology
         self.device = groups[0].device
+        # views: what the norm adds up (TP rank 0 takes whole chunks, whose alignment padding is zero and adds
+        # nothing); exact_views: the parameters' elements alone, padding left out, for counting zeros
         self.views: List[torch.Tensor] = []
+        self.exact_views: List[torch.Tensor] = []
         if not counts_whole_gradient and topology.dp_rank != 0:
             return  # stage 0: DP rank 0 counts for its DP group
         for group, seg_chunks in zip(groups, chunks):
             if group.tied and topology.pp_rank != 0:
                 continue  # the first stage counts the tied weight
             for s, chunk in enumerate(seg_chunks):
+                lo, _ = group.segments[s].chunk_range(part, group.parts)
+                runs = _counted_runs(group, s, lo, lo + chunk.numel(), topology.tp_size, topology.tp_rank)
+                self.exact_views += [chunk[a - lo: b - lo] for a, b in runs]
                 if topology.tp_rank == 0:
                     self.views.append(chunk)
-                    continue
-                lo, _ = group.segments[s].chunk_range(part, group.parts)
-                for a, b in _counted_runs(group, s, lo, lo + chunk.numel(), topology.tp_size, topology.tp_rank):
-                    self.views.append(chunk[a - lo: b - lo])
+        if topology.tp_rank != 0:
+            self.views = self.exact_views
 
     def local_sq(self) -> torch.Tensor:
         """This rank's share of the squared norm, a float64 scalar tensor."""
-        if not self.views:
-            return torch.zeros((), dtype=torch.float64, device=self.device)
-        norms = torch._foreach_norm(self.views, 2, dtype=torch.float32)
-        return torch.stack(norms).double().square().sum()
+        return local_sq(self.views, self.device)
 
     def global_sq(self) -> float:
         """Squared L2 norm of the whole gradient (one all-reduce over ``world``)."""
-        total = self.local_sq().reshape(1)
-        self.topology.comm.all_reduce(total, "world")
-        return float(total.item())
+        return world_sum(self.local_sq(), self.topology)
+
+    def global_zeros(self) -> int:
+        """How many elements of the whole gradient are exactly zero (one all-reduce over ``world``)."""
+        return int(world_sum(local_zeros(self.exact_views, self.device), self.topology))
+
+
+def local_sq(views: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The squared L2 norm of ``views`` together, a float64 scalar tensor (zero when there are none)."""
+    if not views:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm(list(views), 2, dtype=torch.float32)
+    return torch.stack(norms).double().square().sum()
+
+
+def local_zeros(views: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """How many elements of ``views`` are exactly zero, a float64 scalar tensor (exact below 2**53)."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for v in views:
+        total += (v == 0).sum().to(device=device, dtype=torch.float64)
+    return total
+
+
+def world_sum(local: torch.Tensor, topology: Topology) -> float:
+    """The sum over every rank of the scalar ``local`` (all-reduce over ``world``, on the topology's device:
+    offloaded masters live on the host)."""
+    total = local.reshape(1).to(topology.device)
+    topology.comm.all_reduce(total, "world")
+    return float(total.item())
 
 
 def clip_factor(norm: float, max_norm: float) -> float:

@@ -31,6 +31,7 @@ from hybrid import param_meta
 from hybrid.zero.assembled import AssembledTensor, assembled_or_copy
 from hybrid.zero.base import BackwardPass, ZeroOptimizer
 from hybrid.zero.flat_buffer import ZeroConfigError, dtype_name
+from hybrid.zero.grad_norm import local_sq, local_zeros, world_sum
 from hybrid.zero.offload import HostCopy, host_device
 from hybrid.zero.order_check import OrderCheck
 from hybrid.topology import TopologyError
@@ -183,6 +184,7 @@ class Stage3Optimizer(ZeroOptimizer):
                                  state_device=master_device)
             self._group_grads.append([grads[a:b] for a, b in sel])
         self._norm_views = [grads[a:b] for a, b in norm_runs]
+        self._master_norm_views = [self.master[a:b] for a, b in norm_runs]  # the masters share the layout
 
     def _register_module_hooks(self) -> list:
         unit_of_module = {u.module_name: u.index for u in self.units if not u.persistent}
@@ -226,14 +228,13 @@ class Stage3Optimizer(ZeroOptimizer):
         self.gatherer.refresh_persistent(while_waiting=self.gatherer.prefetch_next_forward)
 
     def _global_sq(self) -> float:
-        if self._norm_views:
-            norms = torch._foreach_norm(self._norm_views, 2, dtype=torch.float32)
-            local = torch.stack(norms).double().square().sum().reshape(1)
-        else:
-            local = torch.zeros(1, dtype=torch.float64)
-        local = local.to(self.reducer.grads.device)
-        self.comm.all_reduce(local, "world")
-        return float(local.item())
+        return world_sum(local_sq(self._norm_views, self.reducer.grads.device), self.topology)
+
+    def _grad_zeros(self) -> int:
+        return int(world_sum(local_zeros(self._norm_views, self.reducer.grads.device), self.topology))
+
+    def _params_sq(self) -> float:
+        return world_sum(local_sq(self._master_norm_views, self.master.device), self.topology)
 
     # ---- whole parameters on demand -------------------------------------------------------------------
     @contextlib.contextmanager

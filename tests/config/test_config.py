@@ -50,7 +50,8 @@ FULL = {
     "run": {"train_iters": 100, "train_samples": None, "exit_interval": 60, "exit_duration_in_mins": 30.0,
             "max_consecutive_skipped_steps": 20},
     "eval": {"interval": 25, "iters": 4},
-    "logging": {"log_interval": 5, "tensorboard_dir": "tb", "peak_tflops": 312.0},
+    "logging": {"log_interval": 5, "tensorboard_dir": "tb", "peak_tflops": 312.0, "log_params_norm": True,
+                "log_num_zeros_in_grad": False},
     "distributed": {"timeout_minutes": 5.0, "allow_tp_across_nodes": True},
 }
 

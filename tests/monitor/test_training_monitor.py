@@ -14,7 +14,7 @@ MEMORY = MemoryStats("rss", 300 * 2**20, 500 * 2**20)
 def _metrics(i: int, **over) -> IterationMetrics:
     base = dict(iteration=i, consumed_samples=i * BATCH, lm_loss=10.0 - 0.5 * i,
                 learning_rate=1e-4 * i, batch_size=BATCH, iteration_time_s=0.05 * (1 + i % 3),
-                grad_norm=2.0 + i, loss_scale=65536.0, skipped=False)
+                grad_norm=2.0 + i, loss_scale=65536.0, skipped=False, params_norm=100.0 + i, num_zeros=10 * i)
     base.update(over)
     return IterationMetrics(**base)
 
@@ -56,7 +56,7 @@ def test_every_tag_present_finite_at_the_right_steps(tmp_path):
     acc = _events(tmp_path)
     tags = acc.Tags()
     assert set(tags["scalars"]) == set(TRAIN_TAGS) | set(VALID_TAGS)
-    assert len(TRAIN_TAGS) + len(VALID_TAGS) == 14
+    assert len(TRAIN_TAGS) + len(VALID_TAGS) == 16
     for tag in TRAIN_TAGS:
         events = acc.Scalars(tag)
         assert [e.step for e in events] == [5, 10, 12], tag
@@ -87,6 +87,8 @@ def test_scalar_values_match_hand_computation(tmp_path):
     assert value["train/mfu"][5] == pytest.approx(tflops / PEAK, rel=1e-6)
     assert value["train/lr"][10] == pytest.approx(1e-3, rel=1e-6)
     assert value["train/grad_norm"][12] == pytest.approx(14.0, rel=1e-6)
+    assert value["train/params_norm"][10] == pytest.approx(110.0, rel=1e-6)  # the interval's last iteration
+    assert value["train/num_zeros"] == {5: 50.0, 10: 100.0, 12: 120.0}
     assert value["train/loss_scale"][5] == 65536.0
     assert value["train/batch_size"][12] == BATCH
     assert value["memory/allocated_bytes"][5] == pytest.approx(MEMORY.allocated_bytes, rel=1e-6)
@@ -99,7 +101,7 @@ def test_scalar_values_match_hand_computation(tmp_path):
 
 LINE = re.compile(
     r"^iteration +(\d+)/12 \| consumed samples: (\d+) \| global batch size: \d+ \| lm loss: (\S+) \| lr: \S+ \| "
-    r"grad norm: \S+ \| loss scale: \S+ \| skipped: (\d+) \| nan: (\d+) \| "
+    r"grad norm: \S+ \| num zeros: (\d+) \| params norm: (\S+) \| loss scale: \S+ \| skipped: (\d+) \| nan: (\d+) \| "
     r"iteration time: [\d.]+ ms \| tokens/s: \d+ \| TFLOP/s/device: \S+ \| "
     r"MFU: [\d.]+% \(user peak\) \| mem rss [\d.]+ GiB \| peak rss [\d.]+ GiB$")
 
@@ -115,9 +117,26 @@ def test_console_lines(tmp_path):
     assert [int(p.group(1)) for p in parsed] == [5, 10, 12]
     assert [int(p.group(2)) for p in parsed] == [40, 80, 96]
     assert float(parsed[0].group(3)) == pytest.approx((9.5 + 8.0 + 7.5) / 3, rel=1e-6)
-    assert [(p.group(4), p.group(5)) for p in parsed] == [("1", "1"), ("0", "0"), ("0", "0")]
+    assert [(p.group(4), p.group(5)) for p in parsed] == [("50", "105.000"), ("100", "110.000"), ("120", "112.000")]
+    assert [(p.group(6), p.group(7)) for p in parsed] == [("1", "1"), ("0", "0"), ("0", "0")]
     assert valid[0] == f"validation at iteration 6 | lm loss: {3 + 1 / 6:.6E} | " \
                        f"lm loss PPL: {math.exp(3 + 1 / 6):.6E}"
+
+
+def test_params_norm_and_zeros_appear_only_when_measured(tmp_path):
+    lines = []
+    mon = TrainingMonitor(train_iters=2, log_interval=1, is_logging_rank=True, seq_length=SEQ, world_size=WORLD,
+                          flops_per_token=None, peak=None, tensorboard_dir=str(tmp_path / "tb"),
+                          print_fn=lines.append, memory_fn=lambda device: MEMORY)
+    with mon:
+        mon.record(_metrics(1, params_norm=None, num_zeros=None))
+        mon.record(_metrics(2, params_norm=None, num_zeros=0))  # no zero at all is still a count
+    train = [line for line in lines if line.startswith("iteration")]
+    assert "num zeros" not in train[0] and "params norm" not in train[0]
+    assert "| num zeros: 0 | loss scale" in train[1]
+    acc = _events(tmp_path)
+    assert "train/params_norm" not in acc.Tags()["scalars"]
+    assert [(e.step, e.value) for e in acc.Scalars("train/num_zeros")] == [(2, 0.0)]
 
 
 def test_non_logging_rank_is_silent_and_writes_nothing(tmp_path):
