@@ -5,6 +5,9 @@
         --tokenizer-model tok/spm.model --output-prefix data/corpus \\
         --workers 2 --append-eod
 
+GPT-2's tokenizer instead: ``--tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file
+merges.txt`` (its end-of-document token is ``<|endoftext|>``).
+
 Writes ``{output-prefix}_{key}_document.bin/.idx`` for each key. ``--input`` is
 jsonl (one JSON object per line) or plain text with one document per
 blank-line-separated block (chosen by extension, or ``--input-format``).
@@ -26,6 +29,7 @@ if __package__ in (None, ""):
 
 from hybrid.argument_parser import ArgumentParser
 from hybrid.data.preprocess import BAD_LINE_POLICIES, INPUT_FORMATS, WORKER_TIMEOUT_S, BadInputError, preprocess
+from hybrid.data.tokenizer_spec import add_tokenizer_arguments, spec_from_arguments
 from tools.outputs import make_output_dir
 
 
@@ -34,9 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="jsonl, or plain text with blank-line-separated documents")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize (default: text)")
     p.add_argument("--input-format", choices=INPUT_FORMATS, default="auto")
-    p.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=["SentencePieceTokenizer"],
-                   help="accepted for compatibility; only SentencePiece is supported")
-    p.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
+    add_tokenizer_arguments(p, "the tokenizer to encode with")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--worker-timeout", type=float, default=WORKER_TIMEOUT_S, metavar="SECONDS",
@@ -55,10 +57,11 @@ def main(argv=None) -> int:
         if args.log_interval < 1:
             raise ValueError(f"--log-interval must be >= 1 (documents between docs/s refreshes), "
                              f"got {args.log_interval}")
+        tokenizer = spec_from_arguments(args)
         make_output_dir(args.output_prefix, "--output-prefix")
         result = preprocess(
             args.input,
-            args.tokenizer_model,
+            tokenizer,
             args.output_prefix,
             json_keys=args.json_keys,
             workers=args.workers,

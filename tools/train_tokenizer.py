@@ -1,13 +1,18 @@
 #!/usr/bin/env python
-"""Train a SentencePiece tokenizer (BPE or unigram) from text or jsonl files.
+"""Train a SentencePiece tokenizer (BPE or unigram), or a GPT-2 byte-level BPE, from text or jsonl files.
 
     python tools/train_tokenizer.py --input corpus.jsonl --output-prefix tok/spm \\
         --vocab-size 8000 --model-type bpe
+    python tools/train_tokenizer.py --input corpus.jsonl --output-prefix tok/gpt2 \\
+        --vocab-size 8000 --tokenizer-type GPT2BPETokenizer
 
-Writes ``{output-prefix}.model`` and ``{output-prefix}.vocab``. jsonl input takes
-the text under ``--json-keys``; other files are plain text with one document
-per blank-line-separated block. The model keeps ids unk=0, bos=1, eos=2; eos
-is the end-of-document token that ``preprocess_data.py --append-eod`` uses.
+SentencePiece writes ``{output-prefix}.model`` and ``{output-prefix}.vocab``;
+it keeps ids unk=0, bos=1, eos=2, and eos is the end-of-document token that
+``preprocess_data.py --append-eod`` uses. GPT2BPETokenizer writes
+``{output-prefix}-vocab.json`` and ``{output-prefix}-merges.txt`` (for
+``--vocab-file``, ``--merge-file``), with ``<|endoftext|>`` as end of document.
+jsonl input takes the text under ``--json-keys``; other files are plain text
+with one document per blank-line-separated block.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from tqdm import tqdm
 
 from hybrid.argument_parser import ArgumentParser
 from hybrid.data.preprocess import BAD_LINE_POLICIES, INPUT_FORMATS, BadInputError, BadLine, iter_texts
+from hybrid.data.gpt2_bpe import check_gpt2_training_options, train_gpt2_bpe
 from hybrid.data.tokenizer import MODEL_TYPES, check_training_options, train_sentencepiece
+from hybrid.data.tokenizer_spec import TOKENIZER_TYPES, flag_of
 from tools.outputs import make_output_dir
 
 
@@ -39,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-format", choices=INPUT_FORMATS, default="auto", help="auto: .jsonl/.json -> jsonl")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
     p.add_argument("--vocab-size", type=int, default=8000)
-    p.add_argument("--model-type", choices=MODEL_TYPES, default="bpe")
+    p.add_argument("--tokenizer-type", type=str.lower, choices=TOKENIZER_TYPES, default=TOKENIZER_TYPES[0],
+                   metavar="{SentencePieceTokenizer,GPT2BPETokenizer}", help="what to train (default SentencePiece)")
+    p.add_argument("--min-frequency", type=int, default=2, help="GPT2BPETokenizer: merges of pairs seen at least "
+                                                                "this often")
+    p.add_argument("--model-type", choices=MODEL_TYPES, default="bpe", help="SentencePiece: bpe or unigram")
     p.add_argument("--character-coverage", type=float, default=1.0)
     p.add_argument("--byte-fallback", action="store_true", help="encode unknown characters as byte pieces")
     p.add_argument("--input-sentence-size", type=int, default=0, help="sample this many lines (0: all)")
@@ -53,10 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args) -> None:
     """Refuse out-of-range numeric flags before any input is read (ValueError naming the flag)."""
+    if args.tokenizer_type == "gpt2bpetokenizer":
+        check_gpt2_training_options(vocab_size=args.vocab_size, min_frequency=args.min_frequency, flag_of=flag_of)
+        return
     check_training_options(vocab_size=args.vocab_size, model_type=args.model_type,
                            character_coverage=args.character_coverage, max_sentence_length=args.max_sentence_length,
                            input_sentence_size=args.input_sentence_size, num_threads=args.num_threads,
-                           flag_of=lambda name: "--" + name.replace("_", "-"))
+                           flag_of=flag_of)
 
 
 def explain(error: Exception, args) -> str:
@@ -117,18 +131,21 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     try:
         try:
-            model = train_sentencepiece(
-                docs,
-                args.output_prefix,
-                vocab_size=args.vocab_size,
-                model_type=args.model_type,
-                character_coverage=args.character_coverage,
-                byte_fallback=args.byte_fallback,
-                max_sentence_length=args.max_sentence_length,
-                input_sentence_size=args.input_sentence_size,
-                num_threads=args.num_threads,
-                verbose=args.verbose,
-            )
+            if args.tokenizer_type == "gpt2bpetokenizer":
+                model = " and ".join(train_gpt2_bpe(docs, args.output_prefix, args.vocab_size, args.min_frequency))
+            else:
+                model = train_sentencepiece(
+                    docs,
+                    args.output_prefix,
+                    vocab_size=args.vocab_size,
+                    model_type=args.model_type,
+                    character_coverage=args.character_coverage,
+                    byte_fallback=args.byte_fallback,
+                    max_sentence_length=args.max_sentence_length,
+                    input_sentence_size=args.input_sentence_size,
+                    num_threads=args.num_threads,
+                    verbose=args.verbose,
+                )
         except Exception as e:
             if texts.error is not None and texts.error is not e:  # wrapped by SentencePiece: report the original
                 raise texts.error from None
@@ -140,7 +157,8 @@ def main(argv=None) -> int:
         return 1
     if bad:
         print(f"skipped {len(bad)} bad line(s): " + ", ".join(f"line {b.line} ({b.reason})" for b in bad[:20]))
-    print(f"wrote {model} (vocab {args.vocab_size}, {args.model_type}) in {time.perf_counter() - start:.1f} s")
+    kind = "GPT-2 byte-level BPE" if args.tokenizer_type == "gpt2bpetokenizer" else args.model_type
+    print(f"wrote {model} (vocab {args.vocab_size}, {kind}) in {time.perf_counter() - start:.1f} s")
     return 0
 
 

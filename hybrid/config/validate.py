@@ -225,6 +225,11 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
         error(f"config key 'scheduler.warmup_start_lr' ({sched.warmup_start_lr}) exceeds the peak "
               f"'optimizer.lr' ({opt.lr})", "scheduler.warmup_start_lr", "optimizer.lr")
 
+    tokenizer_problem = cfg.data.tokenizer.problem(name_of=lambda setting: f"'data.{setting}'")
+    if tokenizer_problem is not None:
+        message, settings = tokenizer_problem
+        error(message, *(f"data.{s}" for s in settings))
+
     if cfg.tensorboard.enabled and not cfg.tensorboard.output_path:
         error("tensorboard.enabled is true but 'tensorboard.output_path' is empty; give a directory",
               "tensorboard.output_path")
@@ -297,9 +302,10 @@ def _training_requirements(cfg: "HybridConfig", problems: List[ConfigError]) -> 
         keys = [f"model.{k}" for k in ("preset",) + shape]
         error("give a model: 'model.preset', or all of 'model.num_layers', 'model.hidden_size', "
               "'model.num_attention_heads' and 'model.seq_length'", *keys)
-    if model.vocab_size is None and cfg.data.tokenizer_model is None and model.preset is None:
-        error("the vocabulary size is unknown: give 'data.tokenizer_model', 'model.vocab_size' or "
-              "'model.preset'", "data.tokenizer_model", "model.vocab_size", "model.preset")
+    if model.vocab_size is None and not cfg.data.tokenizer.given and model.preset is None:
+        error("the vocabulary size is unknown: give a tokenizer ('data.tokenizer_model', or 'data.vocab_file' and "
+              "'data.merge_file' with 'data.tokenizer_type' GPT2BPETokenizer), 'model.vocab_size' or "
+              "'model.preset'", "data.tokenizer_model", "data.vocab_file", "model.vocab_size", "model.preset")
     if not cfg.data.mock and not cfg.data.path:
         error("config key 'data.path' is required (a preprocessed prefix from tools/preprocess_data.py), "
               "or set 'data.mock' for random tokens", "data.path", "data.mock")

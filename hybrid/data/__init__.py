@@ -11,6 +11,9 @@ import importlib
 _EXPORTS = {
     "SentencePieceTokenizer": "tokenizer",
     "train_sentencepiece": "tokenizer",
+    "GPT2BPETokenizer": "gpt2_bpe",
+    "train_gpt2_bpe": "gpt2_bpe",
+    "TokenizerSpec": "tokenizer_spec",
     "IndexedDataset": "indexed",
     "IndexedDatasetWriter": "indexed",
     "IndexFormatError": "indexed",

@@ -23,14 +23,14 @@ import itertools
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from .errors import DataError
 from .indexed import IndexedDatasetWriter, best_dtype
-from .tokenizer import SentencePieceTokenizer
+from .tokenizer_spec import TokenizerSpec
 from .worker_pool import WorkerPoolError, ordered_map
 
 INPUT_FORMATS = ("auto", "jsonl", "text")
@@ -141,9 +141,9 @@ def chunk_records(records, max_docs: int, max_bytes: int) -> Iterator[list[tuple
 
 
 @functools.lru_cache(maxsize=4)
-def _tokenizer(model_path: str) -> SentencePieceTokenizer:
-    # Each worker process loads the model once, on its first chunk.
-    return SentencePieceTokenizer(model_path)
+def _tokenizer(spec: TokenizerSpec):
+    # Each worker process loads the tokenizer once, on its first chunk.
+    return spec.load()
 
 
 def _parse(raw: bytes, fmt: str, keys: Sequence[str]) -> tuple[list[str] | None, str | None]:
@@ -212,8 +212,8 @@ class _ChunkResult:
 
 def encode_chunk(task) -> _ChunkResult:
     """Worker entry point: parse and tokenize one chunk of records."""
-    model_path, fmt, keys, append_eod, dtype, records = task
-    tok = _tokenizer(model_path)
+    spec, fmt, keys, append_eod, dtype, records = task
+    tok = _tokenizer(spec)
     texts_per_key: list[list[str]] = [[] for _ in keys]
     bad, docs = [], 0
     for line_no, raw, _ in records:
@@ -253,7 +253,7 @@ def _encoded_chunks(tasks, workers: int, start_method: str | None, timeout_s: fl
 
 def preprocess(
     input_path: str,
-    tokenizer_model: str,
+    tokenizer: TokenizerSpec | str,
     output_prefix: str,
     json_keys: Sequence[str] = ("text",),
     workers: int = 1,
@@ -267,7 +267,8 @@ def preprocess(
     start_method: str | None = None,
     worker_timeout_s: float = WORKER_TIMEOUT_S,
 ) -> PreprocessResult:
-    """Tokenize ``input_path`` into ``{output_prefix}_{key}_document`` per key.
+    """Tokenize ``input_path`` into ``{output_prefix}_{key}_document`` per key, with ``tokenizer`` (a
+    :class:`~hybrid.data.tokenizer_spec.TokenizerSpec`, or the path of a SentencePiece model).
 
     Raises :class:`BadInputError` on the first bad line when ``on_bad_line`` is
     ``"abort"`` (nothing is written). ``log_interval`` is how many documents
@@ -291,13 +292,17 @@ def preprocess(
     fmt = detect_format(input_path, input_format)
     if fmt == "text" and len(keys) != 1:
         raise ValueError(f"plain-text input has a single document stream; pass one --json-keys name, got {keys}")
-    model_path = os.path.abspath(tokenizer_model)
-    dtype = best_dtype(SentencePieceTokenizer(model_path).vocab_size)
+    spec = TokenizerSpec(tokenizer_model=tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
+    # absolute paths: a worker may start in another directory
+    spec = replace(spec, **{s: os.path.abspath(getattr(spec, s)) for s in spec.files if getattr(spec, s) is not None})
+    if not spec.given:
+        raise ValueError(f"no tokenizer given: pass {spec.name}'s files")
+    dtype = best_dtype(spec.load().vocab_size)
     result = PreprocessResult(output_prefixes={k: output_prefix_for(output_prefix, k) for k in keys})
     result.tokens = {k: 0 for k in keys}
     records = read_records(input_path, fmt)
     tasks = (
-        (model_path, fmt, keys, append_eod, dtype, chunk)
+        (spec, fmt, keys, append_eod, dtype, chunk)
         for chunk in chunk_records(records, chunk_docs, chunk_bytes)
     )
     bar = _progress_bar(os.path.getsize(input_path), progress)

@@ -70,7 +70,7 @@ def _check_paths(config: HybridConfig) -> None:
                 if not os.path.isfile(prefix + ext):
                     raise _error(f"'data.path': {prefix + ext} does not exist; run tools/preprocess_data.py to "
                                  f"create it", "data.path")
-    if data.tokenizer_model is not None:
+    if data.tokenizer.given:
         _check_tokenizer(config)
     board = config.logging.tensorboard_dir
     if board and os.path.exists(board) and not os.path.isdir(board):
@@ -87,22 +87,25 @@ def _check_paths(config: HybridConfig) -> None:
 
 
 def _check_tokenizer(config: HybridConfig) -> None:
-    """The tokenizer model loads, and every id it makes fits the model's vocabulary."""
-    from hybrid.data import SentencePieceTokenizer
+    """The tokenizer's files exist and load, and every id it makes fits the model's vocabulary."""
     from hybrid.data.errors import DataError
 
-    path = config.data.tokenizer_model
-    if not os.path.exists(path):
-        raise _error(f"'data.tokenizer_model' {path}: no such file", "data.tokenizer_model")
+    spec = config.data.tokenizer
+    keys = [f"data.{setting}" for setting in spec.files]
+    for setting, key in zip(spec.files, keys):
+        path = getattr(spec, setting)
+        if not os.path.exists(path):
+            raise _error(f"'{key}' {path}: no such file", key)
     try:  # a directory or another file is the tokenizer's to name
-        pieces = SentencePieceTokenizer(path).vocab_size
+        pieces = spec.load().vocab_size
     except DataError as e:
-        raise _error(f"'data.tokenizer_model': {e}", "data.tokenizer_model") from None
+        raise _error(f"{spec.name}: {e}", *keys) from None
     vocab = config.model.vocab_size
     if vocab is not None and vocab < pieces:
-        raise _error(f"'model.vocab_size' {vocab} is smaller than the {pieces} tokens of {path}: its ids would "
-                     f"fall outside the embedding; set it to at least {pieces}, or leave it unset to take the "
-                     f"tokenizer's", "model.vocab_size", "data.tokenizer_model")
+        raise _error(f"'model.vocab_size' {vocab} is smaller than the {pieces} tokens of the {spec.name} tokenizer "
+                     f"({', '.join(getattr(spec, s) for s in spec.files)}): its ids would fall outside the "
+                     f"embedding; set it to at least {pieces}, or leave it unset to take the tokenizer's",
+                     "model.vocab_size", *keys)
 
 
 def _check_model(config: HybridConfig) -> None:

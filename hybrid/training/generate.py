@@ -20,6 +20,7 @@ from hybrid.argument_parser import ArgumentParser
 from hybrid.checkpoint import CheckpointError, CheckpointReader
 from hybrid.convert.consolidate import CheckpointSource, Target
 from hybrid.data.errors import DataError
+from hybrid.data.tokenizer_spec import add_tokenizer_arguments, spec_from_arguments
 from hybrid.topology import Topology
 
 
@@ -100,7 +101,7 @@ def _check_args(args) -> None:
 def main(argv=None) -> int:
     parser = ArgumentParser(prog="generate", description="Generate text from a hybrid checkpoint.")
     parser.add_argument("--load", required=True, help="checkpoint directory (its 'latest') or DIR/iter_N")
-    parser.add_argument("--tokenizer-model", required=True, help="the SentencePiece model used for training")
+    add_tokenizer_arguments(parser, "the tokenizer the model was trained with")
     parser.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="at most this many tokens (>= 1)")
     parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
     except CheckpointError as e:
         print(f"generate: error: {e} (--load)", file=sys.stderr)
         return 1
-    except (DataError, ValueError, OSError) as e:  # the tokenizer's errors name --tokenizer-model
+    except (DataError, ValueError, OSError) as e:  # the tokenizer's errors name its flags
         print(f"generate: error: {e}", file=sys.stderr)
         return 1
     print(out)
@@ -123,13 +124,11 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> str:
-    from hybrid.data import SentencePieceTokenizer
-
-    tokenizer = SentencePieceTokenizer(args.tokenizer_model)
+    tokenizer = spec_from_arguments(args).load()
     model = load_model(args.load)
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"--tokenizer-model has {tokenizer.vocab_size} tokens but the checkpoint's model has "
-                         f"{model.config.vocab_size}; use the tokenizer the model was trained with")
+        raise ValueError(f"the tokenizer ({tokenizer!r}) has {tokenizer.vocab_size} tokens but the checkpoint's "
+                         f"model has {model.config.vocab_size}; use the tokenizer the model was trained with")
     prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.eod_id]
     if not prompt:
         raise ValueError(f"--prompt {args.prompt!r} holds no token; give some text, or leave --prompt out to "

@@ -45,7 +45,7 @@ def model_config(config: HybridConfig, vocab_size: int):
         cfg = GPTConfig(vocab_size=vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
                         num_heads=m.num_attention_heads, seq_length=m.seq_length)
     changes: Dict[str, Any] = {}
-    if m.vocab_size is not None or config.data.tokenizer_model is not None or m.preset is None:
+    if m.vocab_size is not None or config.data.tokenizer.given or m.preset is None:
         changes["vocab_size"] = vocab_size
     for key, gpt_key in _SHAPE_KEYS:
         if getattr(m, key) is not None:

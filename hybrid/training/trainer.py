@@ -99,11 +99,7 @@ class Trainer:
         if config.checkpoint.save is not None:
             self.save_lock = lock_save_dir(config.checkpoint.save, holder=topo.rank == 0,
                                            all_gather_object=topo.comm.all_gather_object)
-        self.tokenizer = None
-        if config.data.tokenizer_model is not None:
-            from hybrid.data import SentencePieceTokenizer
-
-            self.tokenizer = SentencePieceTokenizer(config.data.tokenizer_model)
+        self.tokenizer = config.data.tokenizer.load()  # None without tokenizer files (mock data, --vocab-size)
         vocab = config.model.vocab_size or (self.tokenizer.vocab_size if self.tokenizer else None)
         self.model_config = model_config(config, vocab or 0).validate(topo.tp_size)
         from model_zoo import GPTModel, flops_per_token

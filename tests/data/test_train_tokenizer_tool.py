@@ -41,6 +41,10 @@ def test_a_bad_jsonl_line_is_reported_as_raised_in_one_line(tmp_path, capsys, pr
     (["--input-sentence-size", "-1"], "--input-sentence-size must be 0 (use every line) or at least 101, got -1"),
     (["--input-sentence-size", "100"], "--input-sentence-size must be 0 (use every line) or at least 101, got 100"),
     (["--character-coverage", "0.5"], "--character-coverage must be 0.98 to 1.0"),
+    (["--tokenizer-type", "GPT2BPETokenizer"], "--vocab-size must be at least 257 for a byte-level BPE (256 byte "
+                                               "symbols and <|endoftext|>), got 100"),
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-size", "300", "--min-frequency", "0"],
+     "--min-frequency must be >= 1, got 0"),
 ])
 def test_out_of_range_flags_name_the_flag(tmp_path, capsys, flags, message):
     corpus = write_jsonl(tmp_path / "c.jsonl", synthetic_documents(50, seed=3))
