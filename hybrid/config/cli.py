@@ -29,12 +29,14 @@ from hybrid.config.derive import derive_for_training
 from hybrid.config.errors import ConfigError, one_error_for_all, suggestion
 from hybrid.config.flags import Given, Leaf, Spelling, apply_given, put
 from hybrid.config.load import check_deepspeed_dtypes, is_deepspeed_style, read_config_file
+from hybrid.config.megatron_flags import MEGATRON_FLAGS, check_megatron_flags
 from hybrid.config.parse import parse_section
 from hybrid.config.schema import HybridConfig
 from hybrid.config.spellings import FLAT_NAMES, SECTIONS, SPELLINGS
 from hybrid.config.validate import validate
 
 CONFIG_FLAG = "--config"
+_MEGATRON_DEST = "megatron_"  # argparse dests of the Megatron-only flags: this prefix and the flag's index
 _ROOT_KEYS = tuple(HybridConfig.__dataclass_fields__)
 
 
@@ -98,7 +100,26 @@ def build_parser(prog: str = "hybrid-train", description: str = "") -> Tuple[arg
             nargs = _nargs(leaf)
             group.add_argument(spelling.flag, dest=dest, metavar=_metavar(leaf), help=_help(leaf.meta["help"], leaf),
                                **({"nargs": nargs} if nargs is not None else {}))
+    megatron = parser.add_argument_group("Megatron-LM flags without a key of their own (accepted: no effect, "
+                                         "named in a note; refused: the run stops, naming what to use instead)")
+    for i, entry in enumerate(MEGATRON_FLAGS):
+        words = ("no effect: " if entry.accepted else "refused: ") + entry.reason
+        if entry.values is not None:
+            words = f"accepted as {' or '.join(entry.values)} ({entry.reason}); otherwise refused"
+        megatron.add_argument(entry.flag, dest=f"{_MEGATRON_DEST}{i}", help=words.replace("%", "%%"),
+                              **({"metavar": "VALUE"} if entry.takes_value else {"action": "store_true"}))
     return parser, dests
+
+
+def _megatron_given(given: Dict[str, Any]) -> List[Tuple[str, Optional[str]]]:
+    """Takes the Megatron-only flags out of ``given`` (the parsed namespace's dict): ``(flag, value)`` each, in
+    the order of :data:`MEGATRON_FLAGS`."""
+    out = []
+    for dest in sorted((d for d in given if d.startswith(_MEGATRON_DEST)), key=lambda d: int(d[len(_MEGATRON_DEST):])):
+        entry = MEGATRON_FLAGS[int(dest[len(_MEGATRON_DEST):])]
+        value = given.pop(dest)
+        out.append((entry.flag, value if entry.takes_value else None))
+    return out
 
 
 def _nargs(leaf: Leaf):
@@ -111,17 +132,25 @@ def _nargs(leaf: Leaf):
 
 
 def config_from_command_line(argv: Optional[Sequence[str]] = None, prog: str = "hybrid-train",
-                             description: str = "") -> HybridConfig:
+                             description: str = "", notes: Optional[List[str]] = None) -> HybridConfig:
     """Defaults, then ``--config FILE``, then flags: one validated config with the trainer's derived values.
 
     Unknown flags exit through argparse (status 2, with the nearest flag);
-    everything else raises :class:`~hybrid.config.ConfigError`.
+    everything else raises :class:`~hybrid.config.ConfigError`. Megatron-LM
+    flags without a key (:mod:`hybrid.config.megatron_flags`) that change
+    nothing here are appended to ``notes``, one line each; a refused one raises.
     """
     parser, dests = build_parser(prog, description)
     namespace, extras = parser.parse_known_args(argv)
     if extras:
         parser.error(_unrecognized(extras))
     given = vars(namespace)
+    try:
+        accepted = check_megatron_flags(_megatron_given(given))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if notes is not None:
+        notes.extend(accepted)
     path = given.pop("config", None)
     tree: Dict[str, Any] = tree_from_file(path) if path else {}
     apply_given(tree, [Given(dests[dest], value) for dest, value in given.items()])

@@ -90,8 +90,9 @@ def own_flag(key: str, meta: Mapping[str, Any]) -> str:
 
 
 def flags_for(key: str, meta: Mapping[str, Any]) -> Tuple[str, ...]:
-    """The flags that set ``key``, whose field metadata is ``meta``: its own, then its aliases'."""
-    return (own_flag(key, meta),) + tuple(a.flag for a in meta.get("aliases", ()))
+    """The flags that set ``key``, whose field metadata is ``meta``: its own, then its aliases' (but the
+    compatibility spellings, which only launch scripts written for Megatron-LM use)."""
+    return (own_flag(key, meta),) + tuple(a.flag for a in meta.get("aliases", ()) if not a.compat)
 
 
 def leaves(root) -> Dict[str, Leaf]:

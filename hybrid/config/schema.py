@@ -65,6 +65,10 @@ class Alias:
     * ``convert``: the flag takes a value in its own unit, which ``convert``
       maps to the key's (``--initial-loss-scale 65536`` is power 16); it raises
       ``ValueError`` for a value it cannot map.
+
+    ``compat``: a spelling kept so that Megatron-LM launch scripts run as they are
+    (``--use-distributed-optimizer``); error notes and docs/config.md's flag
+    column name the key's own flags instead (docs/training.md lists these).
     """
 
     flag: str
@@ -73,6 +77,7 @@ class Alias:
     weak: bool = False
     index: Optional[int] = None
     convert: Optional[Callable[[Any], Any]] = None
+    compat: bool = False
 
     @property
     def is_switch(self) -> bool:
@@ -129,11 +134,17 @@ class ZeroConfig:
 
     stage: int = _field(0, choices=ZERO_STAGES, help="0: data parallel (all-reduce); 1: + partitioned fp32 master "
                                                      "and optimizer states; 2: + partitioned gradients; 3: + "
-                                                     "partitioned parameters")
+                                                     "partitioned parameters",
+                        aliases=(Alias("--use-distributed-optimizer", const=1, weak=True, compat=True,
+                                       help="Megatron-LM's distributed optimizer (fp32 masters and optimizer state "
+                                            "partitioned over data parallelism): ZeRO stage 1, unless --zero-stage "
+                                            "is given"),))
     bucket_size: int = _field(25_000_000, ge=1, help="elements per gradient bucket reduced as one collective; "
                                                      "stage 3: a bucket exceeds it only when one unit does, and "
                                                      "at most twice this many elements are on the wire")
-    overlap_comm: bool = _field(True, help="launch each bucket's reduction during backward as soon as it fills")
+    overlap_comm: bool = _field(True, help="launch each bucket's reduction during backward as soon as it fills",
+                                aliases=(Alias("--overlap-grad-reduce", const=True, compat=True,
+                                               help="Megatron-LM's spelling of zero.overlap_comm true"),))
     reduce_once: bool = _field(False, help="stage 2 under gradient accumulation: keep the whole gradient and "
                                            "reduce it once per step, as stages 0-1 do, not on every micro-step "
                                            "(the data-parallel bytes of stage 1, for a whole gradient buffer "
@@ -346,8 +357,13 @@ class ModelConfig:
                                                     help="learned position table size")
     vocab_size: Optional[int] = _field(None, ge=1, flag="--vocab-size",
                                        help="vocabulary size (unset: the tokenizer's)")
-    position_embedding_type: Optional[str] = _field(None, flag="--position-embedding-type", help="learned or rope")
-    normalization: Optional[str] = _field(None, flag="--normalization", help="layernorm or rmsnorm")
+    position_embedding_type: Optional[str] = _field(None, flag="--position-embedding-type",
+                                                    help="learned or rope (Megatron's learned_absolute: learned)",
+                                                    aliases=(Alias("--use-rotary-position-embeddings", const="rope", compat=True,
+                                                                   help="Megatron-LM's older spelling of "
+                                                                        "--position-embedding-type rope"),))
+    normalization: Optional[str] = _field(None, flag="--normalization", help="layernorm or rmsnorm (any case: "
+                                                                             "Megatron's LayerNorm, RMSNorm)")
     norm_epsilon: Optional[float] = _field(None, gt=0.0, flag="--norm-epsilon", help="epsilon of LayerNorm/RMSNorm")
     rotary_base: Optional[float] = _field(None, gt=0.0, flag="--rotary-base",
                                           help="base (theta) of rotary position embeddings")

@@ -13,7 +13,8 @@ from __future__ import annotations
 import difflib
 import functools
 import os
-from typing import Optional, Sequence
+import sys
+from typing import List, Optional, Sequence
 
 from hybrid.config import HybridConfig, config_from_command_line, validate_for_training
 from hybrid.config.flags import key_error
@@ -27,9 +28,15 @@ DESCRIPTION = "Pretrain a GPT with TP x DP x ZeRO. Every flag sets one key of th
 def parse_args(argv: Optional[Sequence[str]] = None) -> HybridConfig:
     """Flags over ``--config FILE`` over defaults, typed and validated (rules that need the world: :func:`validate`).
 
-    Raises :class:`~hybrid.config.ConfigError`; an unknown flag exits as argparse does.
+    Raises :class:`~hybrid.config.ConfigError`; an unknown flag exits as argparse does. Megatron-LM flags that
+    change nothing here are named in one note on stderr, by rank 0 alone (torchrun's ``RANK``; every rank
+    parses the same flags).
     """
-    return config_from_command_line(argv, prog="hybrid-train", description=DESCRIPTION)
+    notes: List[str] = []
+    config = config_from_command_line(argv, prog="hybrid-train", description=DESCRIPTION, notes=notes)
+    if notes and os.environ.get("RANK", "0") == "0":
+        print(f"hybrid-train: note: Megatron-LM flags with no effect here: {'; '.join(notes)}", file=sys.stderr)
+    return config
 
 
 def validate(config: HybridConfig, world_size: int) -> None:

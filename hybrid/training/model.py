@@ -19,6 +19,11 @@ _SHAPE_KEYS = (("num_layers", "num_layers"), ("hidden_size", "hidden_size"), ("n
                ("rope_high_freq_factor", "rope_high_freq_factor"),
                ("rope_original_max_positions", "rope_original_max_positions"))
 
+# Megatron-LM's spellings of model_zoo's choices (any case): --normalization LayerNorm|RMSNorm,
+# --position-embedding-type learned_absolute|rope
+_MEGATRON_VALUES = {"norm": {"layernorm": "layernorm", "rmsnorm": "rmsnorm"},
+                    "position": {"learned_absolute": "learned", "rope": "rope", "learned": "learned"}}
+
 
 def keys_named_in(message: str) -> List[str]:
     """The config keys whose GPTConfig fields ``message`` (a GPTConfig.validate error) names, in the order it
@@ -49,7 +54,7 @@ def model_config(config: HybridConfig, vocab_size: int):
         changes["vocab_size"] = vocab_size
     for key, gpt_key in _SHAPE_KEYS:
         if getattr(m, key) is not None:
-            changes[gpt_key] = getattr(m, key)
+            changes[gpt_key] = _MEGATRON_VALUES.get(gpt_key, {}).get(str(getattr(m, key)).lower(), getattr(m, key))
     if m.swiglu:
         changes["mlp"] = "swiglu"
     if m.disable_bias_linear:

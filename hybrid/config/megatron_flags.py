@@ -1,0 +1,109 @@
+"""Megatron-LM flags that set no key of hybrid's config tree, so that a Megatron launch script runs as it is.
+
+Every flag here is one of two kinds, and says why:
+
+* **accepted**: what it asks for is what hybrid does anyway, or it is a knob of Megatron's own implementation
+  that hybrid's has no counterpart of. It changes nothing; the trainer names it, with its reason, in one note
+  on rank 0 before training starts.
+* **refused**: it asks for something hybrid does not do. The run stops before training with one line that
+  names the flag and what to use instead.
+
+Megatron flags that do map onto a key are spellings of that key instead (:class:`hybrid.config.schema.Alias`:
+``--use-distributed-optimizer`` is ZeRO stage 1, ``--overlap-grad-reduce`` is ``zero.overlap_comm``,
+``--use-rotary-position-embeddings`` is ``model.position_embedding_type rope``), and ``--normalization
+RMSNorm``, ``--position-embedding-type learned_absolute`` are read as model_zoo's ``rmsnorm``, ``learned``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence, Tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronFlag:
+    flag: str
+    accepted: bool  # True: no effect here; False: refused
+    reason: str  # accepted: why it changes nothing; refused: what to use instead
+    takes_value: bool = False
+    # accepted only with one of these values (None: any); another value is refused with ``refusal``
+    values: Optional[Tuple[str, ...]] = None
+    refusal: str = ""
+
+
+def _accepted(flag: str, reason: str, takes_value: bool = False, values: Optional[Tuple[str, ...]] = None,
+              refusal: str = "") -> MegatronFlag:
+    return MegatronFlag(flag, True, reason, takes_value or values is not None, values, refusal)
+
+
+def _refused(flag: str, reason: str, takes_value: bool = False) -> MegatronFlag:
+    return MegatronFlag(flag, False, reason, takes_value)
+
+
+_NO_PHASE_TIMERS = "hybrid has no per-phase timers; train/iteration_time_s is always written"
+_SDPA = "attention runs through torch's scaled_dot_product_attention, which picks its fastest kernel, flash where " \
+        "it can"
+_ONE_MODEL = "hybrid has one transformer implementation (model_zoo)"
+_NO_FUSION = "hybrid has no such fused kernel to turn off; its own are switched by --no-fused-kernels"
+_PER_LAYER = "--recompute-granularity full recomputes every layer, each its own checkpoint"
+_RECOMPUTE = ("hybrid recomputes every layer, each its own checkpoint (--recompute-granularity full: Megatron's "
+              "--recompute-method uniform --recompute-num-layers 1), or the attention core (selective)")
+
+MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
+    _accepted("--use-flash-attn", _SDPA),
+    _accepted("--attention-backend", _SDPA, takes_value=True),
+    _accepted("--use-mcore-models", _ONE_MODEL),
+    _accepted("--transformer-impl", _ONE_MODEL + "; Transformer Engine is not used", takes_value=True),
+    _accepted("--exit-signal-handler", "SIGTERM and SIGINT always save a checkpoint and stop; docs/training.md"),
+    _accepted("--log-throughput", "every log line has tokens/s, TFLOP/s per device and MFU"),
+    _accepted("--log-validation-ppl-to-tensorboard", "valid/ppl is always written"),
+    _accepted("--log-memory-to-tensorboard", "memory/allocated_bytes and memory/peak_bytes are always written"),
+    _accepted("--log-timers-to-tensorboard", _NO_PHASE_TIMERS),
+    _accepted("--timing-log-level", _NO_PHASE_TIMERS, takes_value=True),
+    _accepted("--no-masked-softmax-fusion", _NO_FUSION),
+    _accepted("--no-bias-gelu-fusion", _NO_FUSION),
+    _accepted("--no-bias-swiglu-fusion", _NO_FUSION),
+    _accepted("--no-bias-dropout-fusion", _NO_FUSION),
+    _accepted("--no-gradient-accumulation-fusion", "gradients accumulate by autograd straight into ZeRO's flat "
+                                                   "buffers; there is no separate fused path"),
+    _accepted("--group-query-attention", "--num-query-groups alone sets the key/value groups"),
+    _accepted("--no-position-embedding", "a rope model has no learned position table; the table exists only with "
+                                         "--position-embedding-type learned_absolute"),
+    _accepted("--distributed-backend", "hybrid picks NCCL on CUDA devices and gloo on the CPU", takes_value=True),
+    _accepted("--num-workers", "samples are read in the training process from memory-mapped files",
+              takes_value=True),
+    _accepted("--ckpt-format", "hybrid writes its own checkpoints, metadata.json and safetensors "
+                               "(docs/checkpoints.md), which tools/convert_checkpoint.py exports", takes_value=True),
+    _refused("--no-load-optim", "--finetune loads the weights alone (a new optimizer, schedule and data position)"),
+    _refused("--no-load-rng", "--finetune loads the weights alone (a new optimizer, schedule and data position)"),
+    # Megatron's full recompute of every layer, one checkpoint each, is hybrid's --recompute-granularity full
+    _accepted("--recompute-method", _PER_LAYER, values=("uniform",), refusal=_RECOMPUTE),
+    _accepted("--recompute-num-layers", _PER_LAYER, values=("1",), refusal=_RECOMPUTE),
+    _refused("--accumulate-allreduce-grads-in-fp32", "hybrid accumulates and reduces gradients in the parameters' "
+                                                     "dtype; for fp32 gradients keep fp32 parameters with "
+                                                     "--autocast"),
+    _refused("--context-parallel-size", "hybrid has no context parallelism; --sequence-parallel splits the "
+                                        "activations over the tensor-parallel group", takes_value=True),
+    _refused("--num-experts", "hybrid trains dense models only", takes_value=True),
+    _refused("--expert-model-parallel-size", "hybrid trains dense models only", takes_value=True),
+    _refused("--fp8-format", "hybrid trains in bf16, fp16 or fp32 (--bf16, --fp16)", takes_value=True),
+    _refused("--use-torch-fsdp2", "ZeRO stage 3 (--zero-stage 3) partitions the parameters"),
+)
+
+
+def check_megatron_flags(given: Sequence[Tuple[str, Optional[str]]]) -> Tuple[str, ...]:
+    """For the Megatron flags ``given`` as ``(flag, value)`` (each flag one of :data:`MEGATRON_FLAGS`; value None
+    for a switch): raise ValueError naming the first refused one and what to use instead; else return one note
+    per accepted one, ``--flag (reason)``."""
+    by_flag = {f.flag: f for f in MEGATRON_FLAGS}
+    notes = []
+    for flag, value in given:
+        entry = by_flag[flag]
+        shown = flag if value is None else f"{flag} {value}"
+        if not entry.accepted:
+            raise ValueError(f"{shown} is a Megatron-LM flag hybrid does not take: {entry.reason}")
+        if entry.values is not None and str(value).lower() not in entry.values:
+            raise ValueError(f"{shown} is a Megatron-LM setting hybrid does not take: {entry.refusal}; accepted: "
+                             f"{flag} {' or '.join(entry.values)}")
+        notes.append(f"{shown} ({entry.reason})")
+    return tuple(notes)

@@ -1,0 +1,137 @@
+"""A Megatron-LM launch script's flags: those with a key set it, those hybrid does anyway are accepted and
+named in one note, those it does not do stop the run with one line naming what to use instead."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybrid.config import ConfigError, config_from_command_line, validate_for_training
+from hybrid.config.megatron_flags import MEGATRON_FLAGS, check_megatron_flags
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The flags of a typical Megatron-LM Llama-style pretraining script (a small model, mock data).
+MEGATRON_SCRIPT = [
+    "--use-mcore-models", "--transformer-impl", "local", "--num-layers", "2", "--hidden-size", "64",
+    "--ffn-hidden-size", "172", "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+    "--seq-length", "32", "--max-position-embeddings", "32", "--position-embedding-type", "rope",
+    "--no-position-embedding", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "20", "--lr", "3e-4", "--min-lr", "3e-5",
+    "--lr-decay-style", "WSD", "--lr-wsd-decay-style", "linear", "--lr-wsd-decay-iters", "5",
+    "--lr-warmup-iters", "2", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+    "--clip-grad", "1.0", "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce",
+    "--use-flash-attn", "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1", "--sequence-parallel",
+    "--distributed-backend", "nccl", "--mock-data", "--vocab-size", "128", "--num-workers", "2", "--log-interval", "1",
+    "--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad", "--log-memory-to-tensorboard",
+    "--log-validation-ppl-to-tensorboard", "--tensorboard-dir", "tb", "--eval-interval", "10", "--eval-iters", "2",
+    "--exit-signal-handler", "--ckpt-format", "torch_dist", "--seed", "1234",
+]
+
+
+def test_a_megatron_script_parses_into_the_settings_it_means():
+    notes = []
+    cfg = config_from_command_line(MEGATRON_SCRIPT, notes=notes)
+    validate_for_training(cfg, world_size=4)
+    assert cfg.zero.stage == 1 and cfg.zero.overlap_comm  # the distributed optimizer is ZeRO-1
+    assert (cfg.precision, cfg.recompute, cfg.tensor_parallel_size) == ("bf16", "full", 2)
+    assert (cfg.scheduler.type, cfg.scheduler.wsd_decay_iters, cfg.scheduler.decay_iters) == ("wsd", 5, 20)
+    assert cfg.logging.log_params_norm and cfg.logging.log_num_zeros_in_grad
+    noted = [n.split(" (")[0] for n in notes]
+    assert noted == ["--use-flash-attn", "--use-mcore-models", "--transformer-impl local", "--exit-signal-handler",
+                     "--log-throughput", "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
+                     "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion", "--group-query-attention",
+                     "--no-position-embedding", "--distributed-backend nccl", "--num-workers 2",
+                     "--ckpt-format torch_dist", "--recompute-method uniform", "--recompute-num-layers 1"]
+
+
+def test_the_model_reads_megatrons_spellings_of_model_zoo_choices():
+    from hybrid.training.model import model_config
+
+    cfg = config_from_command_line(MEGATRON_SCRIPT)
+    gpt = model_config(cfg, vocab_size=128)
+    assert (gpt.norm, gpt.position, gpt.mlp, gpt.num_query_groups) == ("rmsnorm", "rope", "swiglu", 2)
+    learned = config_from_command_line(["--position-embedding-type", "learned_absolute", "--normalization",
+                                        "LayerNorm", "--num-layers", "1", "--hidden-size", "32",
+                                        "--num-attention-heads", "4", "--seq-length", "16"])
+    assert (model_config(learned, 64).position, model_config(learned, 64).norm) == ("learned", "layernorm")
+    rotary = config_from_command_line(["--use-rotary-position-embeddings"])
+    assert rotary.model.position_embedding_type == "rope"
+
+
+def test_the_distributed_optimizer_yields_to_an_explicit_zero_stage():
+    assert config_from_command_line(["--use-distributed-optimizer", "--zero-stage", "2"]).zero.stage == 2
+    assert config_from_command_line(["--zero-stage", "3", "--use-distributed-optimizer"]).zero.stage == 3
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--no-load-optim"], r"^--no-load-optim is a Megatron-LM flag hybrid does not take: --finetune loads the "
+                          r"weights alone"),
+    (["--recompute-method", "block"], r"^--recompute-method block is a Megatron-LM setting hybrid does not take: "
+                                      r".*; accepted: --recompute-method uniform$"),
+    (["--recompute-num-layers", "4"], r"accepted: --recompute-num-layers 1$"),
+    (["--context-parallel-size", "2"], r"no context parallelism"),
+    (["--num-experts", "8"], r"dense models only"),
+    (["--accumulate-allreduce-grads-in-fp32"], r"for fp32 gradients keep fp32 parameters with --autocast"),
+])
+def test_what_hybrid_does_not_do_stops_with_one_line(argv, match):
+    with pytest.raises(ConfigError, match=match) as raised:
+        config_from_command_line(argv)
+    assert "\n" not in str(raised.value)
+
+
+def test_every_entry_says_why_and_none_shadows_a_key():
+    from hybrid.config.spellings import SPELLINGS
+
+    flags = [f.flag for f in MEGATRON_FLAGS]
+    assert len(set(flags)) == len(flags)
+    assert not set(flags) & set(SPELLINGS)  # a flag with a key is a spelling of that key, not an entry here
+    assert all(f.reason for f in MEGATRON_FLAGS)
+    assert check_megatron_flags([]) == ()
+
+
+def test_the_trainer_prints_the_note_once_on_rank_0(monkeypatch, capsys):
+    from hybrid.training.cli import parse_args
+
+    flags = ["--mock-data", "--micro-batch-size", "1", "--train-iters", "1", "--num-layers", "1", "--hidden-size",
+             "32", "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "64", "--use-flash-attn",
+             "--exit-signal-handler", "--eval-interval", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "hybrid.train", *flags], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    notes = [line for line in proc.stderr.splitlines() if "note:" in line]
+    assert notes == ["hybrid-train: note: Megatron-LM flags with no effect here: --use-flash-attn (attention runs "
+                     "through torch's scaled_dot_product_attention, which picks its fastest kernel, flash where it "
+                     "can); --exit-signal-handler (SIGTERM and SIGINT always save a checkpoint and stop; "
+                     "docs/training.md)"]
+    monkeypatch.setenv("RANK", "1")  # the other ranks parse the same flags and stay silent
+    parse_args(flags)
+    assert capsys.readouterr().err == ""
+
+
+def test_the_megatron_script_trains_under_torchrun(tmp_path):
+    """The script's flags as they are (shorter: 6 iterations of global batch 2), TP 2 on two CPU processes."""
+    argv = list(MEGATRON_SCRIPT)
+    for flag, value in (("--train-iters", "6"), ("--global-batch-size", "2"), ("--lr-wsd-decay-iters", "2"),
+                        ("--tensorboard-dir", str(tmp_path / "tb"))):
+        argv[argv.index(flag) + 1] = value
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "hybrid.train", *argv], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tp=2 dp=1 pp=1, device cpu, ZeRO stage 1, bf16" in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("iteration")]
+    assert len(lines) == 6 and all("params norm:" in line and "num zeros:" in line for line in lines)
+    # WSD: warmup over 2 steps, the peak, then the linear anneal over the last 2 of 6 steps
+    assert [line.split("lr: ")[1].split(" ")[0] for line in lines] == ["0.000E+00", "1.500E-04", "3.000E-04",
+                                                                       "3.000E-04", "3.000E-04", "1.650E-04"]
+    assert sum("note: Megatron-LM flags with no effect here" in line for line in proc.stderr.splitlines()) == 1
