@@ -266,7 +266,7 @@ def test_no_import_cycles():
 
 
 # Modules of plain data and rules (no torch): what configuration code may read besides itself.
-PLAIN_DATA = ("hybrid.layout", "hybrid.compression", "hybrid.argument_parser")
+PLAIN_DATA = ("hybrid.layout", "hybrid.compression", "hybrid.argument_parser", "hybrid.tokenizer_files")
 
 
 def _imports_outside(prefixes, allowed):

@@ -29,7 +29,7 @@ if __package__ in (None, ""):
 
 from hybrid.argument_parser import ArgumentParser
 from hybrid.data.preprocess import BAD_LINE_POLICIES, INPUT_FORMATS, WORKER_TIMEOUT_S, BadInputError, preprocess
-from hybrid.data.tokenizer_spec import add_tokenizer_arguments, spec_from_arguments
+from hybrid.data.tokenizer_choice import add_tokenizer_arguments, spec_from_arguments
 from tools.outputs import make_output_dir
 
 

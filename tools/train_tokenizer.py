@@ -35,7 +35,7 @@ from hybrid.argument_parser import ArgumentParser
 from hybrid.data.preprocess import BAD_LINE_POLICIES, INPUT_FORMATS, BadInputError, BadLine, iter_texts
 from hybrid.data.gpt2_bpe import check_gpt2_training_options, train_gpt2_bpe
 from hybrid.data.tokenizer import MODEL_TYPES, check_training_options, train_sentencepiece
-from hybrid.data.tokenizer_spec import TOKENIZER_TYPES, flag_of
+from hybrid.tokenizer_files import flag_of
 from tools.outputs import make_output_dir
 
 
@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-format", choices=INPUT_FORMATS, default="auto", help="auto: .jsonl/.json -> jsonl")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
     p.add_argument("--vocab-size", type=int, default=8000)
-    p.add_argument("--tokenizer-type", type=str.lower, choices=TOKENIZER_TYPES, default=TOKENIZER_TYPES[0],
+    p.add_argument("--tokenizer-type", type=str.lower, choices=("sentencepiecetokenizer", "gpt2bpetokenizer"),
+                   default="sentencepiecetokenizer",
                    metavar="{SentencePieceTokenizer,GPT2BPETokenizer}", help="what to train (default SentencePiece)")
     p.add_argument("--min-frequency", type=int, default=2, help="GPT2BPETokenizer: merges of pairs seen at least "
                                                                 "this often")

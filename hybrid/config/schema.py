@@ -30,7 +30,7 @@ import math
 from typing import Any, Callable, List, Optional, Tuple
 
 from hybrid.compression import DEFAULT_BLOCK, GRADIENT_FORMATS, ONEBIT_ADAM, WEIGHT_FORMATS, ZERO_ONE_ADAM
-from hybrid.data.tokenizer_spec import TOKENIZER_TYPES, TokenizerSpec
+from hybrid.tokenizer_files import TOKENIZER_TYPES, TokenizerSpec
 from hybrid.layout import OFFLOAD_DEVICES, PRECISIONS, ZERO_STAGES
 
 # Choice lists owned by the configuration (the ZeRO stages, offload devices and
@@ -400,10 +400,12 @@ class DataConfig:
     path: List[str] = _field(factory=list, help="data prefixes, optionally weighted: 'A' or '0.3 A 0.7 B'")
     split: str = _field("969,30,1", flag="--split", help="train,valid,test proportions")
     tokenizer_type: str = _field("sentencepiecetokenizer", choices=TOKENIZER_TYPES, flag="--tokenizer-type",
-                                 help="SentencePieceTokenizer (reads tokenizer_model) or GPT2BPETokenizer (reads "
-                                      "vocab_file and merge_file)")
+                                 help="SentencePieceTokenizer (reads tokenizer_model), GPT2BPETokenizer (reads "
+                                      "vocab_file and merge_file) or HuggingFaceTokenizer (reads tokenizer_model: "
+                                      "a model folder's tokenizer.json)")
     tokenizer_model: Optional[str] = _field(None, flag="--tokenizer-model",
-                                            help="SentencePiece model (for the vocabulary size and the EOD id)")
+                                            help="SentencePiece model, or the model folder of a HuggingFaceTokenizer (for the "
+                                                 "vocabulary size and the EOD id)")
     vocab_file: Optional[str] = _field(None, flag="--vocab-file", help="GPT2BPETokenizer: GPT-2's vocab.json")
     merge_file: Optional[str] = _field(None, flag="--merge-file", help="GPT2BPETokenizer: GPT-2's merges.txt")
     eod_mask_loss: bool = _field(False, flag="--eod-mask-loss",
@@ -418,7 +420,7 @@ class DataConfig:
 
     @property
     def tokenizer(self) -> TokenizerSpec:
-        """The tokenizer these settings name (:class:`~hybrid.data.tokenizer_spec.TokenizerSpec`)."""
+        """The tokenizer these settings name (:class:`~hybrid.tokenizer_files.TokenizerSpec`)."""
         return TokenizerSpec(self.tokenizer_type, self.tokenizer_model, self.vocab_file, self.merge_file)
 
 

@@ -30,7 +30,9 @@ import numpy as np
 
 from .errors import DataError
 from .indexed import IndexedDatasetWriter, best_dtype
-from .tokenizer_spec import TokenizerSpec
+from hybrid.tokenizer_files import TokenizerSpec
+
+from .tokenizer_choice import load_tokenizer
 from .worker_pool import WorkerPoolError, ordered_map
 
 INPUT_FORMATS = ("auto", "jsonl", "text")
@@ -143,7 +145,7 @@ def chunk_records(records, max_docs: int, max_bytes: int) -> Iterator[list[tuple
 @functools.lru_cache(maxsize=4)
 def _tokenizer(spec: TokenizerSpec):
     # Each worker process loads the tokenizer once, on its first chunk.
-    return spec.load()
+    return load_tokenizer(spec)
 
 
 def _parse(raw: bytes, fmt: str, keys: Sequence[str]) -> tuple[list[str] | None, str | None]:
@@ -268,7 +270,7 @@ def preprocess(
     worker_timeout_s: float = WORKER_TIMEOUT_S,
 ) -> PreprocessResult:
     """Tokenize ``input_path`` into ``{output_prefix}_{key}_document`` per key, with ``tokenizer`` (a
-    :class:`~hybrid.data.tokenizer_spec.TokenizerSpec`, or the path of a SentencePiece model).
+    :class:`~hybrid.tokenizer_files.TokenizerSpec`, or the path of a SentencePiece model).
 
     Raises :class:`BadInputError` on the first bad line when ``on_bad_line`` is
     ``"abort"`` (nothing is written). ``log_interval`` is how many documents
@@ -297,7 +299,7 @@ def preprocess(
     spec = replace(spec, **{s: os.path.abspath(getattr(spec, s)) for s in spec.files if getattr(spec, s) is not None})
     if not spec.given:
         raise ValueError(f"no tokenizer given: pass {spec.name}'s files")
-    dtype = best_dtype(spec.load().vocab_size)
+    dtype = best_dtype(load_tokenizer(spec).vocab_size)
     result = PreprocessResult(output_prefixes={k: output_prefix_for(output_prefix, k) for k in keys})
     result.tokens = {k: 0 for k in keys}
     records = read_records(input_path, fmt)

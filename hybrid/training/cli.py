@@ -96,6 +96,7 @@ def _check_paths(config: HybridConfig) -> None:
 def _check_tokenizer(config: HybridConfig) -> None:
     """The tokenizer's files exist and load, and every id it makes fits the model's vocabulary."""
     from hybrid.data.errors import DataError
+    from hybrid.data.tokenizer_choice import load_tokenizer
 
     spec = config.data.tokenizer
     keys = [f"data.{setting}" for setting in spec.files]
@@ -104,7 +105,7 @@ def _check_tokenizer(config: HybridConfig) -> None:
         if not os.path.exists(path):
             raise _error(f"'{key}' {path}: no such file", key)
     try:  # a directory or another file is the tokenizer's to name
-        pieces = spec.load().vocab_size
+        pieces = load_tokenizer(spec).vocab_size
     except DataError as e:
         raise _error(f"{spec.name}: {e}", *keys) from None
     vocab = config.model.vocab_size

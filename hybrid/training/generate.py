@@ -20,7 +20,7 @@ from hybrid.argument_parser import ArgumentParser
 from hybrid.checkpoint import CheckpointError, CheckpointReader
 from hybrid.convert.consolidate import CheckpointSource, Target
 from hybrid.data.errors import DataError
-from hybrid.data.tokenizer_spec import add_tokenizer_arguments, spec_from_arguments
+from hybrid.data.tokenizer_choice import add_tokenizer_arguments, load_tokenizer, spec_from_arguments
 from hybrid.topology import Topology
 
 
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> str:
-    tokenizer = spec_from_arguments(args).load()
+    tokenizer = load_tokenizer(spec_from_arguments(args))
     model = load_model(args.load)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer ({tokenizer!r}) has {tokenizer.vocab_size} tokens but the checkpoint's "

@@ -25,7 +25,7 @@ import hybrid
 from hybrid.checkpoint import CheckpointError, checkpoint_bytes, find_resume_point, lock_save_dir
 from hybrid.config import HybridConfig
 from hybrid.config.parse import to_dotted
-from hybrid.data import GlobalBatchSampler, iter_global_batches
+from hybrid.data import GlobalBatchSampler, iter_global_batches, load_tokenizer
 from hybrid.distributed import destroy_distributed
 from hybrid.engine.builders import no_weight_decay_rule
 from hybrid.engine.checkpoint import load_engine
@@ -99,7 +99,8 @@ class Trainer:
         if config.checkpoint.save is not None:
             self.save_lock = lock_save_dir(config.checkpoint.save, holder=topo.rank == 0,
                                            all_gather_object=topo.comm.all_gather_object)
-        self.tokenizer = config.data.tokenizer.load()  # None without tokenizer files (mock data, --vocab-size)
+        # None without tokenizer files (mock data, --vocab-size)
+        self.tokenizer = load_tokenizer(config.data.tokenizer)
         vocab = config.model.vocab_size or (self.tokenizer.vocab_size if self.tokenizer else None)
         self.model_config = model_config(config, vocab or 0).validate(topo.tp_size)
         from model_zoo import GPTModel, flops_per_token

@@ -17,7 +17,7 @@ import pytest
 from hybrid.data import IndexedDataset, preprocess
 from hybrid.data.errors import DataError, DataFileNotFoundError
 from hybrid.data.gpt2_bpe import EOD_TOKEN, GPT2BPETokenizer, train_gpt2_bpe
-from hybrid.data.tokenizer_spec import TokenizerSpec
+from hybrid.tokenizer_files import TokenizerSpec
 from tests.data.testkit import synthetic_documents, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,8 +84,9 @@ def test_file_errors_name_the_flag(files, tmp_path):
      ("--vocab-file is a file of GPT2BPETokenizer, but --tokenizer-type is SentencePieceTokenizer; set "
       "--tokenizer-type to GPT2BPETokenizer, or give --tokenizer-model", ("vocab_file", "tokenizer_type"))),
     (dict(tokenizer_type="gpt2bpetokenizer", tokenizer_model="m", vocab_file="v", merge_file="m"),
-     ("--tokenizer-model is a file of SentencePieceTokenizer, but --tokenizer-type is GPT2BPETokenizer; set "
-      "--tokenizer-type to SentencePieceTokenizer, or give --vocab-file and --merge-file",
+     ("--tokenizer-model is a file of SentencePieceTokenizer or HuggingFaceTokenizer, but --tokenizer-type is "
+      "GPT2BPETokenizer; set --tokenizer-type to SentencePieceTokenizer or HuggingFaceTokenizer, or give "
+      "--vocab-file and --merge-file",
       ("tokenizer_model", "tokenizer_type"))),
 ])
 def test_the_files_must_fit_the_type(settings, problem):
