@@ -398,6 +398,11 @@ class DataConfig:
     """The training data."""
 
     path: List[str] = _field(factory=list, help="data prefixes, optionally weighted: 'A' or '0.3 A 0.7 B'")
+    train_path: List[str] = _field(factory=list, flag="--train-data-path",
+                                   help="training data of its own (prefixes, optionally weighted), instead of "
+                                        "data.path divided by data.split")
+    valid_path: List[str] = _field(factory=list, flag="--valid-data-path",
+                                   help="validation data of its own, with data.train_path")
     split: str = _field("969,30,1", flag="--split", help="train,valid,test proportions")
     tokenizer_type: str = _field("sentencepiecetokenizer", choices=TOKENIZER_TYPES, flag="--tokenizer-type",
                                  help="SentencePieceTokenizer (reads tokenizer_model), GPT2BPETokenizer (reads "

@@ -275,6 +275,31 @@ def _wsd_rules(sched, decay_key: str, error) -> None:
               decay_key, _warmup_key(sched))
 
 
+def _data_rules(cfg: "HybridConfig", error) -> None:
+    """One source of training data: random tokens, data.path divided by data.split, or a path for each split."""
+    data = cfg.data
+    given = [key for key in ("path", "train_path", "valid_path") if getattr(data, key)]
+    if data.mock and given:
+        error(f"'data.mock' trains on random tokens and would ignore 'data.{given[0]}'; give one of them",
+              "data.mock", f"data.{given[0]}")
+    elif data.valid_path and not data.train_path:
+        error("'data.valid_path' goes with 'data.train_path' (a path for each split); give the training data too",
+              "data.valid_path", "data.train_path")
+    elif not data.mock and not data.path and not data.train_path:
+        error("config key 'data.path' is required (a preprocessed prefix from tools/preprocess_data.py; or "
+              "'data.train_path' and 'data.valid_path', a path for each split), or set 'data.mock' for random "
+              "tokens", "data.path", "data.train_path", "data.mock")
+    elif data.path and (data.train_path or data.valid_path):
+        error("give the data as 'data.path' (divided by 'data.split') or as a path for each split "
+              "('data.train_path', 'data.valid_path'), not both", "data.path", "data.train_path", "data.valid_path")
+    elif data.train_path and data.split != type(data)().split:  # its default
+        error(f"'data.split' {data.split!r} divides 'data.path'; with a path for each split it divides nothing: "
+              f"remove it", "data.split", "data.train_path")
+    elif data.train_path and not data.valid_path and cfg.eval.interval > 0:
+        error(f"evaluation every {cfg.eval.interval} steps ('eval.interval') needs validation data: give "
+              f"'data.valid_path', or set 'eval.interval' 0", "data.valid_path", "eval.interval")
+
+
 def _warmup(sched) -> str:
     """The warmup as the config gave it, for an error: ``'scheduler.warmup_iters' (N)`` or its fraction."""
     if sched.warmup_fraction is None:
@@ -306,12 +331,7 @@ def _training_requirements(cfg: "HybridConfig", problems: List[ConfigError]) -> 
         error("the vocabulary size is unknown: give a tokenizer ('data.tokenizer_model', or 'data.vocab_file' and "
               "'data.merge_file' with 'data.tokenizer_type' GPT2BPETokenizer), 'model.vocab_size' or "
               "'model.preset'", "data.tokenizer_model", "data.vocab_file", "model.vocab_size", "model.preset")
-    if not cfg.data.mock and not cfg.data.path:
-        error("config key 'data.path' is required (a preprocessed prefix from tools/preprocess_data.py), "
-              "or set 'data.mock' for random tokens", "data.path", "data.mock")
-    if cfg.data.mock and cfg.data.path:
-        error("'data.mock' trains on random tokens and would ignore 'data.path'; give one of them",
-              "data.mock", "data.path")
+    _data_rules(cfg, error)
     ckpt = cfg.checkpoint
     for key in ("finetune", "override_opt_param_scheduler"):
         if getattr(ckpt, key) and ckpt.load is None:

@@ -68,15 +68,18 @@ def _check_paths(config: HybridConfig) -> None:
     if not data.mock:
         from hybrid.data import parse_data_path
 
-        try:
-            pairs = parse_data_path(data.path)
-        except ValueError as e:
-            raise _error(f"'data.path': {e}", "data.path") from None
-        for _, prefix in pairs:
-            for ext in (".bin", ".idx"):
-                if not os.path.isfile(prefix + ext):
-                    raise _error(f"'data.path': {prefix + ext} does not exist; run tools/preprocess_data.py to "
-                                 f"create it", "data.path")
+        for key in ("path", "train_path", "valid_path"):
+            if not getattr(data, key):
+                continue
+            try:
+                pairs = parse_data_path(getattr(data, key))
+            except ValueError as e:
+                raise _error(f"'data.{key}': {e}", f"data.{key}") from None
+            for _, prefix in pairs:
+                for ext in (".bin", ".idx"):
+                    if not os.path.isfile(prefix + ext):
+                        raise _error(f"'data.{key}': {prefix + ext} does not exist; run tools/preprocess_data.py "
+                                     f"to create it", f"data.{key}")
     if data.tokenizer.given:
         _check_tokenizer(config)
     board = config.logging.tensorboard_dir

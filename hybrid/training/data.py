@@ -50,7 +50,14 @@ def build_data(config: HybridConfig, seq_length: int, vocab_size: int, train_sam
     if data.mock:
         valid = MockDataset(valid_samples, seq_length, vocab_size, seed + 1) if valid_samples else None
         return TrainData(MockDataset(train_samples, seq_length, vocab_size, seed), valid)
-    train, valid, _ = build_train_valid_test_datasets(
-        data.path, data.split, seq_length, (train_samples, valid_samples, 0), seed=seed,
-        cache_dir=data.cache_path, eod_id=eod_id, eod_mask_loss=data.eod_mask_loss, rank=rank, barrier=barrier)
+    def datasets(paths, split: str, counts):
+        return build_train_valid_test_datasets(
+            paths, split, seq_length, counts, seed=seed, cache_dir=data.cache_path, eod_id=eod_id,
+            eod_mask_loss=data.eod_mask_loss, rank=rank, barrier=barrier)
+
+    if data.train_path:  # a path for each split: all of its documents are that split's
+        train = datasets(data.train_path, "1,0,0", (train_samples, 0, 0))[0]
+        valid = datasets(data.valid_path, "0,1,0", (0, valid_samples, 0))[1] if valid_samples else None
+        return TrainData(train, valid)
+    train, valid, _ = datasets(data.path, data.split, (train_samples, valid_samples, 0))
     return TrainData(train, valid)

@@ -39,7 +39,7 @@ def _fails(argv, world, match, monkeypatch, capsys):
     (MODEL + ["--mock-data", "--train-iters", "2", "--micro-batch-size", "2", "--global-batch-size", "6"], 2,
      ("global_batch_size 6 is not divisible by micro_batch_size x data-parallel size = 2 x 2 = 4",
       "--micro-batch-size", "--global-batch-size")),
-    (MODEL + ["--train-iters", "2"], 1, ("'data.path' is required", "(set by --data-path, --mock-data)")),
+    (MODEL + ["--train-iters", "2"], 1, ("'data.path' is required", "(set by --data-path, --train-data-path, --mock-data)")),
     (MODEL + ["--train-iters", "2", "--data-path", "/nonexistent/corpus_text_document"], 1,
      ("/nonexistent/corpus_text_document.bin does not exist", "--data-path")),
     (MODEL + ["--mock-data"], 1, ("give the run's length", "(set by --train-iters, --train-samples)")),
