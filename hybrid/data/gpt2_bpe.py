@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable
 
 from .errors import DataError, DataFileNotFoundError
+from .library_tokenizer import LibraryTokenizer
 
 EOD_TOKEN = "<|endoftext|>"
 MIN_VOCAB_SIZE = 257  # the 256 byte symbols and the EOD token
@@ -31,8 +32,9 @@ def _byte_level():
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), decoders.ByteLevel()
 
 
-class GPT2BPETokenizer:
-    """Encode/decode with GPT-2's byte-level BPE; ``eod_id`` is ``<|endoftext|>``'s id."""
+class GPT2BPETokenizer(LibraryTokenizer):
+    """Encode/decode with GPT-2's byte-level BPE; ``eod_id`` is ``<|endoftext|>``'s id. No template: GPT-2 adds
+    no special token to a text."""
 
     def __init__(self, vocab_file: str | os.PathLike, merge_file: str | os.PathLike):
         from tokenizers import Tokenizer, models
@@ -53,29 +55,12 @@ class GPT2BPETokenizer:
         self._tok.pre_tokenizer, self._tok.decoder = _byte_level()
 
     @property
-    def vocab_size(self) -> int:
-        return self._tok.get_vocab_size()
-
-    @property
     def eod_id(self) -> int:
         eod = self._tok.token_to_id(EOD_TOKEN)
         if eod is None:
             raise DataError(f"--vocab-file {self.vocab_file} has no {EOD_TOKEN} token to end documents with; give "
                             f"GPT-2's {VOCAB_FILE}, or train one with tools/train_tokenizer.py")
         return eod
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        # One at a time: preprocessing parallelism comes from worker processes, not the library's threads.
-        return [self.encode(text) for text in texts]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-    def id_to_piece(self, token_id: int) -> str:
-        return self._tok.id_to_token(int(token_id))
 
     def __repr__(self) -> str:
         return f"GPT2BPETokenizer({self.vocab_file!r}, {self.merge_file!r}, vocab_size={self.vocab_size})"

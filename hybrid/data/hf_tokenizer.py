@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, Optional, Sequence
+from typing import Optional
 
 from .errors import DataError, DataFileNotFoundError
+from .library_tokenizer import LibraryTokenizer
 
 TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
 
@@ -32,8 +33,11 @@ def _token_text(value) -> Optional[str]:
     return value if isinstance(value, str) else None
 
 
-class HuggingFaceTokenizer:
-    """Encode/decode with a ``tokenizer.json``; ``eod_id`` is the configured ``eos_token``'s id."""
+class HuggingFaceTokenizer(LibraryTokenizer):
+    """Encode/decode with a ``tokenizer.json``; ``eod_id`` is the configured ``eos_token``'s id. Its template
+    applies (decoding leaves its special tokens, a begin-of-text mark, out of the text)."""
+
+    TEMPLATE = True
 
     def __init__(self, path: str | os.PathLike):
         from tokenizers import Tokenizer
@@ -61,10 +65,6 @@ class HuggingFaceTokenizer:
         return _token_text(config.get("eos_token")) if isinstance(config, dict) else None
 
     @property
-    def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
-
-    @property
     def eod_id(self) -> int:
         if self._eos is None:
             raise DataError(f"--tokenizer-model {self.path}: no eos_token in a {TOKENIZER_CONFIG} beside "
@@ -74,20 +74,6 @@ class HuggingFaceTokenizer:
         if eod is None:
             raise DataError(f"{self.config_path}: its eos_token {self._eos!r} is not a token of {self.json_path}")
         return eod
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        # One at a time: preprocessing parallelism comes from worker processes, not the library's threads.
-        return [self.encode(text) for text in texts]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        """The text of ``ids``, the template's special tokens (a begin-of-text mark) left out."""
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
-
-    def id_to_piece(self, token_id: int) -> str:
-        return self._tok.id_to_token(int(token_id))
 
     def __repr__(self) -> str:
         return f"HuggingFaceTokenizer({self.path!r}, vocab_size={self.vocab_size})"
