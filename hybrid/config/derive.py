@@ -8,6 +8,9 @@ These are derivations, not second defaults: a key keeps its one default in
   (``scheduler.warmup_fraction``) is a fraction of the same. A run given in
   samples (``run.train_samples``) gets ``scheduler.decay_samples``, unless the
   schedule is given in steps; a run given in steps gets ``scheduler.decay_iters``.
+* the length of a growing weight decay (``optimizer.weight_decay_incr_style``
+  linear or cosine): the whole run as well, by the same rule
+  (``scheduler.weight_decay_incr_samples`` or ``_iters``).
 
 The batch sizes are derived where the data-parallel size is known, by
 :func:`hybrid.config.batch.resolve_batch` (global batch = micro batch x
@@ -26,10 +29,16 @@ if TYPE_CHECKING:
 def derive_for_training(cfg: "HybridConfig") -> "HybridConfig":
     """``cfg`` with the trainer's derived values filled in (a new object; ``cfg`` is unchanged)."""
     out = copy.deepcopy(cfg)
-    sched = out.scheduler
-    if sched.needs_decay_length and sched.decay_length is None:
-        if out.run.train_samples is not None and not sched.given_in_steps:
-            sched.decay_samples = out.run.train_samples
-        elif out.run.train_iters is not None and not sched.in_samples:
-            sched.decay_iters = out.run.train_iters
+    sched, run = out.scheduler, out.run
+
+    def over_the_run(needed: bool, length, samples_key: str, iters_key: str) -> None:
+        if needed and length is None:
+            if run.train_samples is not None and not sched.given_in_steps:
+                setattr(sched, samples_key, run.train_samples)
+            elif run.train_iters is not None and not sched.in_samples:
+                setattr(sched, iters_key, run.train_iters)
+
+    over_the_run(sched.needs_decay_length, sched.decay_length, "decay_samples", "decay_iters")
+    over_the_run(out.optimizer.weight_decay_incr_style != "constant", sched.weight_decay_incr_length,
+                 "weight_decay_incr_samples", "weight_decay_incr_iters")
     return out

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, ClassVar, List, Optional, Tuple
 
 from hybrid.compression import DEFAULT_BLOCK, GRADIENT_FORMATS, ONEBIT_ADAM, WEIGHT_FORMATS, ZERO_ONE_ADAM
 from hybrid.tokenizer_files import TOKENIZER_TYPES, TokenizerSpec
@@ -41,13 +41,14 @@ DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "wsd")
 DECAY_STYLES_WITH_END = ("linear", "cosine", "wsd")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")  # the shape of WSD's final anneal
 WARMUP_STYLES = ("linear", "log")
+WD_INCR_STYLES = ("constant", "linear", "cosine")  # how the weight decay grows from its start to its end
 RECOMPUTE = ("none", "full", "selective")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved")  # hybrid.pipeline.schedule maps each to its module
 
 __all__ = ["HybridConfig", "ZeroConfig", "OptimizerConfig", "SchedulerConfig", "LossScalingConfig",
            "TensorBoardConfig", "ModelConfig", "DataConfig", "CheckpointConfig", "RunConfig", "EvalConfig",
            "LoggingConfig", "DistributedConfig", "Alias", "OPTIMIZERS", "DECAY_STYLES", "DECAY_STYLES_WITH_END",
-           "WSD_DECAY_STYLES", "WARMUP_STYLES",
+           "WSD_DECAY_STYLES", "WARMUP_STYLES", "WD_INCR_STYLES",
            "RECOMPUTE", "PIPELINE_SCHEDULES", "PipelineConfig", "ZERO_STAGES", "OFFLOAD_DEVICES", "PRECISIONS"]
 
 
@@ -199,6 +200,15 @@ class OptimizerConfig:
                                                        help="Adam beta2 (optimizer.betas[1])")))
     eps: float = _field(1e-8, gt=0.0, flag="--adam-eps", help="Adam epsilon")
     weight_decay: float = _field(0.0, ge=0.0, flag="--weight-decay", help="weight decay coefficient")
+    weight_decay_incr_style: str = _field("constant", choices=WD_INCR_STYLES, flag="--weight-decay-incr-style",
+                                          help="constant, or how the weight decay grows from start_weight_decay "
+                                               "to end_weight_decay over scheduler.weight_decay_incr_iters (or "
+                                               "_samples): linear or cosine")
+    start_weight_decay: Optional[float] = _field(None, ge=0.0, flag="--start-weight-decay",
+                                                 help="weight decay of the first step (unset: weight_decay)")
+    end_weight_decay: Optional[float] = _field(None, ge=0.0, flag="--end-weight-decay",
+                                               help="weight decay from the end of the increment on (unset: "
+                                                    "weight_decay)")
     momentum: float = _field(0.0, ge=0.0, lt=1.0, flag="--sgd-momentum", help="SGD momentum (sgd only)")
     freeze_step: int = _field(100_000, ge=1, help="onebit_adam: uncompressed AdamW steps before the variance "
                                                   "freezes and the momentum travels as 1-bit signs")
@@ -211,6 +221,18 @@ class OptimizerConfig:
     local_step_clipper: int = _field(16, ge=1, help="zero_one_adam: the longest interval of local steps")
     decay_1d_params: bool = _field(False, help="false: parameters with at most one dimension (biases, norm "
                                                "weights) get no weight decay; true: every parameter decays")
+
+    @property
+    def weight_decay_range(self) -> Tuple[float, float]:
+        """(start, end) of the weight decay: start_weight_decay and end_weight_decay, each weight_decay when
+        unset (a constant weight decay has start == end)."""
+        start = self.weight_decay if self.start_weight_decay is None else self.start_weight_decay
+        return start, self.weight_decay if self.end_weight_decay is None else self.end_weight_decay
+
+    @property
+    def decays(self) -> bool:
+        """Whether any step applies weight decay."""
+        return max(self.weight_decay_range) > 0
 
 
 @dataclasses.dataclass
@@ -253,6 +275,18 @@ class SchedulerConfig:
     wsd_decay_samples: Optional[int] = _field(None, ge=1, flag="--lr-wsd-decay-samples",
                                               help="WSD: samples of the final anneal instead of wsd_decay_iters (a "
                                                    "schedule in samples)")
+    weight_decay_incr_iters: Optional[int] = _field(None, ge=1, flag="--weight-decay-incr-iters",
+                                                    help="optimizer steps over which a linear or cosine weight "
+                                                         "decay increment reaches optimizer.end_weight_decay (the "
+                                                         "trainer derives it from run.train_iters when unset)")
+    weight_decay_incr_samples: Optional[int] = _field(None, ge=1, flag="--weight-decay-incr-samples",
+                                                      help="samples of the increment instead (a schedule in "
+                                                           "samples; the trainer derives it from run.train_samples)")
+
+    # the lengths in optimizer steps, and the same in samples (warmup_iters first: its unset value is 0)
+    STEP_KEYS: ClassVar[Tuple[str, ...]] = ("warmup_iters", "decay_iters", "wsd_decay_iters", "weight_decay_incr_iters")
+    SAMPLE_KEYS: ClassVar[Tuple[str, ...]] = ("warmup_samples", "decay_samples", "wsd_decay_samples",
+                                              "weight_decay_incr_samples")
 
     @property
     def decays(self) -> bool:
@@ -262,12 +296,12 @@ class SchedulerConfig:
     @property
     def given_in_steps(self) -> bool:
         """Whether a length in optimizer steps is set (``warmup_iters``, ``decay_iters``, ``wsd_decay_iters``)."""
-        return self.warmup_iters != 0 or self.decay_iters is not None or self.wsd_decay_iters is not None
+        return self.warmup_iters != 0 or any(getattr(self, k) is not None for k in self.STEP_KEYS[1:])
 
     @property
     def in_samples(self) -> bool:
         """Whether the schedule counts samples rather than optimizer steps."""
-        return any(v is not None for v in (self.warmup_samples, self.decay_samples, self.wsd_decay_samples))
+        return any(getattr(self, k) is not None for k in self.SAMPLE_KEYS)
 
     @property
     def unit(self) -> str:
@@ -296,6 +330,11 @@ class SchedulerConfig:
         if self.warmup_fraction is not None:
             return round(self.warmup_fraction * self.decay_length)
         return (self.warmup_samples or 0) if self.in_samples else self.warmup_iters
+
+    @property
+    def weight_decay_incr_length(self) -> Optional[int]:
+        """The weight decay increment's length in :attr:`unit`: ``weight_decay_incr_samples`` or ``_iters``."""
+        return self.weight_decay_incr_samples if self.in_samples else self.weight_decay_incr_iters
 
     @property
     def wsd_length(self) -> Optional[int]:

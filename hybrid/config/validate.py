@@ -190,11 +190,9 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
     decay_key = "scheduler.decay_samples" if sched.in_samples else "scheduler.decay_iters"
     mixed_units = sched.in_samples and sched.given_in_steps
     if mixed_units:
-        error("give the learning-rate schedule in optimizer steps ('scheduler.warmup_iters', "
-              "'scheduler.decay_iters', 'scheduler.wsd_decay_iters') or in samples ('scheduler.warmup_samples', "
-              "'scheduler.decay_samples', 'scheduler.wsd_decay_samples'), not both", "scheduler.warmup_iters",
-              "scheduler.decay_iters", "scheduler.wsd_decay_iters", "scheduler.warmup_samples",
-              "scheduler.decay_samples", "scheduler.wsd_decay_samples")
+        steps, samples = ([f"scheduler.{k}" for k in keys] for keys in (sched.STEP_KEYS, sched.SAMPLE_KEYS))
+        error(f"give the learning-rate schedule in optimizer steps ({', '.join(repr(k) for k in steps)}) or in "
+              f"samples ({', '.join(repr(k) for k in samples)}), not both", *steps, *samples)
     elif sched.warmup_fraction is not None and (sched.warmup_iters != 0 or sched.warmup_samples is not None):
         given = "warmup_samples" if sched.in_samples else "warmup_iters"
         error(f"give the warmup as 'scheduler.{given}' ({getattr(sched, given)}) or as "
@@ -218,6 +216,7 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
     if sched.warmup_style == "log" and warmup_known and 0 < sched.warmup_length < 2:
         error(f"scheduler.warmup_style 'log' needs at least 2 warmup {sched.unit}, got {_warmup(sched)} "
               f"(log(1) = 0 leaves nothing to warm up over)", _warmup_key(sched))
+    _weight_decay_rules(cfg, error, mixed_units)
     if sched.min_lr > opt.lr:
         error(f"config key 'scheduler.min_lr' ({sched.min_lr}) exceeds the peak 'optimizer.lr' "
               f"({opt.lr})", "scheduler.min_lr", "optimizer.lr")
@@ -256,6 +255,29 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
     if ckpt.async_save_chunk_mb is not None and not ckpt.async_save:
         error("config key 'checkpoint.async_save_chunk_mb' bounds the host copy of a background save; it "
               "needs 'checkpoint.async_save'", "checkpoint.async_save_chunk_mb", "checkpoint.async_save")
+
+
+def _weight_decay_rules(cfg: "HybridConfig", error, mixed_units: bool) -> None:
+    """A growing weight decay: from start to end (end not below start), over a length in the schedule's unit."""
+    opt, sched = cfg.optimizer, cfg.scheduler
+    start, end = opt.weight_decay_range
+    style_key, keys = "optimizer.weight_decay_incr_style", ("optimizer.start_weight_decay", "optimizer.end_weight_decay")
+    length_key = "scheduler.weight_decay_incr_samples" if sched.in_samples else "scheduler.weight_decay_incr_iters"
+    if end < start:
+        error(f"the weight decay grows from start to end: 'optimizer.end_weight_decay' ({end}) is below "
+              f"'optimizer.start_weight_decay' ({start})", *keys)
+    elif opt.weight_decay_incr_style == "constant":
+        if start != end:
+            error(f"a weight decay from {start} to {end} needs '{style_key}' linear or cosine (it is constant)",
+                  style_key, *keys)
+        for key in ("scheduler.weight_decay_incr_iters", "scheduler.weight_decay_incr_samples"):
+            if getattr(sched, key.split(".")[1]) is not None:
+                error(f"config key '{key}' is the length of a growing weight decay, but '{style_key}' is constant; "
+                      f"remove it or set '{style_key}' linear or cosine", key, style_key)
+    elif not mixed_units and sched.weight_decay_incr_length is None:
+        run = "run.train_samples" if sched.in_samples else "run.train_iters"
+        error(f"'{style_key}' {opt.weight_decay_incr_style!r} needs '{length_key}' (where the weight decay "
+              f"reaches 'optimizer.end_weight_decay'; the trainer derives it from {run})", length_key, style_key)
 
 
 def _wsd_rules(sched, decay_key: str, error) -> None:

@@ -9,6 +9,7 @@ import torch
 from hybrid.config.errors import ConfigError
 from hybrid.config.schema import HybridConfig
 from hybrid.optim.lr_schedule import LRSchedule
+from hybrid.optim.wd_schedule import WeightDecaySchedule
 from hybrid.zero import LossScaler
 
 NoDecayFn = Callable[[str, torch.nn.Parameter], bool]
@@ -30,6 +31,13 @@ def build_lr_schedule(cfg: HybridConfig) -> LRSchedule:
                       warmup_style=s.warmup_style, warmup_start_lr=s.warmup_start_lr,
                       decay_iters=s.decay_length, min_lr=s.min_lr, unit=s.unit,
                       wsd_decay_iters=s.wsd_length, wsd_decay_style=s.wsd_decay_style)
+
+
+def build_wd_schedule(cfg: HybridConfig) -> WeightDecaySchedule:
+    """The weight decay of each step, at the learning-rate schedule's position (constant unless the config grows it)."""
+    start, end = cfg.optimizer.weight_decay_range
+    return WeightDecaySchedule(start, end, cfg.optimizer.weight_decay_incr_style,
+                               cfg.scheduler.weight_decay_incr_length)
 
 
 def exclude_1d_params(name: str, param: torch.nn.Parameter) -> bool:

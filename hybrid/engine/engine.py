@@ -33,8 +33,8 @@ from hybrid.checkpoint.background import BackgroundSaver, SaveReport
 from hybrid.config.errors import ConfigError
 from hybrid.config.load import ConfigSource, check_deepspeed_dtypes, load_config
 from hybrid.config.schema import HybridConfig
-from hybrid.engine.builders import (NoDecayFn, build_loss_scaler, build_lr_schedule, check_recompute,
-                                    no_weight_decay_rule)
+from hybrid.engine.builders import (NoDecayFn, build_loss_scaler, build_lr_schedule, build_wd_schedule,
+                                    check_recompute, no_weight_decay_rule)
 from hybrid.engine.precision import prepare_precision
 from hybrid.engine.rng import RandomState
 from hybrid.engine.step_logger import StepLogger
@@ -86,6 +86,7 @@ class Engine:
         # machine computes on the CPU, and CUDA autocast would leave its matmuls in fp32.
         self._autocast_device = next(model.parameters()).device.type
         self.lr_schedule = build_lr_schedule(config)
+        self.wd_schedule = build_wd_schedule(config)  # follows the learning-rate schedule's position
         # The first step's learning rate is the schedule's, not the configured peak.
         optimizer_config = dataclasses.replace(config.optimizer, lr=self.lr_schedule.lr)
         # an interleaved pipeline stage's chunks: the optimizer lays its segments out by them
@@ -268,7 +269,8 @@ class Engine:
     def _end_global_batch(self) -> bool:
         lr = self.lr_schedule.lr
         samples = self.global_batch_size
-        updated = bool(self.optimizer.step(lr=lr))
+        weight_decay = self.wd_schedule.value_at(self.lr_schedule.iteration)
+        updated = bool(self.optimizer.step(lr=lr, weight_decay=weight_decay))
         if updated:
             self.last_lr = lr
             self.lr_schedule.step(samples or 1)

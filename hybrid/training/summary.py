@@ -40,14 +40,18 @@ def optimizer_line(config: HybridConfig, exempt: int, trainable: int) -> str:
         parts.append(f"momentum {opt.momentum:g}")
     else:
         parts += [f"betas ({opt.betas[0]:g}, {opt.betas[1]:g})", f"eps {opt.eps:g}"]
-    if opt.weight_decay == 0:
+    start, end = opt.weight_decay_range
+    decay = f"weight decay {end:g}" if start == end else (
+        f"weight decay {start:g} -> {end:g} ({opt.weight_decay_incr_style} over "
+        f"{sched.weight_decay_incr_length} {sched.unit})")
+    if not opt.decays:
         parts.append("weight decay 0 (none)")
     elif opt.decay_1d_params:
-        parts.append(f"weight decay {opt.weight_decay:g} on all {trainable} parameters")
+        parts.append(f"{decay} on all {trainable} parameters")
     else:
         flag = flags_of(HybridConfig, "optimizer.decay_1d_params")[0]
-        parts.append(f"weight decay {opt.weight_decay:g}, {exempt} of {trainable} parameters exempt (at most one "
-                     f"dimension: biases, norm weights; {flag} decays them too)")
+        parts.append(f"{decay}, {exempt} of {trainable} parameters exempt (at most one dimension: biases, norm "
+                     f"weights; {flag} decays them too)")
     parts.append(f"clip-grad {config.clip_grad:g}" + (" (off)" if config.clip_grad == 0 else ""))
     offload = f", optimizer offloaded to {zero.offload_optimizer}" if zero.offload_optimizer != "none" else ""
     parts.append(f"ZeRO stage {zero.stage}{offload}")

@@ -135,7 +135,7 @@ class ZeroOptimizer(abc.ABC):
         # their moments are AdamW's, and 1-bit Adam's warm-up is AdamW
         self.inner = InnerOptimizer("adamw" if self.one_bit else optimizer.type, lr=optimizer.lr,
                                     betas=tuple(optimizer.betas), eps=optimizer.eps,
-                                    weight_decay=optimizer.weight_decay, momentum=optimizer.momentum,
+                                    weight_decay=optimizer.weight_decay_range[0], momentum=optimizer.momentum,
                                     use_kernels=use_fused_kernels)
         self.model = model
         self.topology = topology
@@ -156,7 +156,7 @@ class ZeroOptimizer(abc.ABC):
         self.use_fused_kernels = use_fused_kernels
         self.master_dtype = master_dtype
         self.no_weight_decay = no_weight_decay
-        self.decays = optimizer.weight_decay > 0
+        self.decays = optimizer.decays  # at any step: a growing weight decay may start at 0
         self.global_steps = 0  # step() calls, skipped ones included
         self.skipped_steps = 0
         self._micro = 0  # backward() calls since the last step()
@@ -249,12 +249,13 @@ class ZeroOptimizer(abc.ABC):
             run()
         self._micro += 1
 
-    def step(self, lr: Optional[float] = None) -> bool:
+    def step(self, lr: Optional[float] = None, weight_decay: Optional[float] = None) -> bool:
         """Apply the update of one global batch; returns False when it was skipped.
 
         A step is skipped when any gradient element anywhere in the world is
         inf or NaN (fp16 overflow, or a diverging bf16/fp32 run); the loss
-        scaler then lowers the scale. ``lr`` sets the learning rate from now on.
+        scaler then lowers the scale. ``lr`` sets the learning rate from now on,
+        ``weight_decay`` the decaying groups' weight decay (a growing weight decay).
         """
         gas = self.gradient_accumulation_steps
         if self._micro != self.backward_calls_per_step:
@@ -264,6 +265,14 @@ class ZeroOptimizer(abc.ABC):
             if lr < 0:
                 raise ValueError(f"learning rate must be >= 0, got {lr}")
             self.inner.lr = float(lr)
+        if weight_decay is not None:
+            if weight_decay < 0:
+                raise ValueError(f"weight decay must be >= 0, got {weight_decay}")
+            if weight_decay > 0 and not self.decays:
+                raise ValueError(f"weight decay {weight_decay} for an optimizer whose config has none "
+                                 f"(optimizer.weight_decay, start_weight_decay and end_weight_decay all 0): no "
+                                 f"parameter group was set up to decay")
+            self.inner.weight_decay = float(weight_decay)
         self._wait_for_gradients()
         self._sum_tied_gradients()
         denominator = self.loss_scale * self.topology.dp_size

@@ -87,17 +87,23 @@ def _split(flat: torch.Tensor, numels: List[int]) -> List[torch.Tensor]:
 
 
 class _GroupState:
-    def __init__(self, masters: List[torch.Tensor], lowp: Optional[List[torch.Tensor]], weight_decay: float,
-                 names: List[str], device: torch.device):
+    def __init__(self, masters: List[torch.Tensor], lowp: Optional[List[torch.Tensor]], decays: bool,
+                 names: List[str], device: torch.device, owner: "InnerOptimizer"):
         self.masters = masters
         self.lowp = lowp
-        self.weight_decay = weight_decay
+        self.decays = decays
+        self._owner = owner
         self.numels = [m.numel() for m in masters]
         total = sum(self.numels)
         dtype = masters[0].dtype
         self.state: Dict[str, torch.Tensor] = {n: torch.zeros(total, dtype=dtype, device=device)
                                                for n in names}
         self.views = {n: _split(t, self.numels) for n, t in self.state.items()}
+
+    @property
+    def weight_decay(self) -> float:
+        """The optimizer's current weight decay for a decaying group (it may change between steps), else 0."""
+        return self._owner.weight_decay if self.decays else 0.0
 
 
 class InnerOptimizer:
@@ -147,8 +153,7 @@ class InnerOptimizer:
         if self.compiled is None:
             self.compiled = (self.use_kernels and self.kind != "sgd" and masters[0].dtype == torch.float32
                              and compiled_adam_available(masters[0].device))
-        self.groups.append(_GroupState(masters, lowp, self.weight_decay if decay else 0.0,
-                                       self.state_names, device))
+        self.groups.append(_GroupState(masters, lowp, decay, self.state_names, device, self))
 
     def step(self, grads: List[List[torch.Tensor]], grad_factor: float, lr: Optional[float] = None) -> None:
         """Update every group's masters from ``grads[g]`` (chunks matching the masters) times ``grad_factor``."""

@@ -24,10 +24,12 @@ FULL = {
              "max_reuse_distance": 7000},
     "optimizer": {"type": "adamw", "lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1,
                   "freeze_step": 50, "var_freeze_step": 60, "var_update_scaler": 8, "local_step_scaler": 100,
-                  "local_step_clipper": 4, "decay_1d_params": True},
+                  "local_step_clipper": 4, "decay_1d_params": True, "weight_decay_incr_style": "constant",
+                  "start_weight_decay": None, "end_weight_decay": None},
     "scheduler": {"type": "cosine", "warmup_iters": 10, "warmup_samples": None, "warmup_fraction": None,
                   "warmup_style": "linear", "warmup_start_lr": 1e-5, "decay_iters": 100, "decay_samples": None,
-                  "min_lr": 3e-5, "wsd_decay_style": "exponential", "wsd_decay_iters": None, "wsd_decay_samples": None},
+                  "min_lr": 3e-5, "wsd_decay_style": "exponential", "wsd_decay_iters": None, "wsd_decay_samples": None,
+                  "weight_decay_incr_iters": None, "weight_decay_incr_samples": None},
     "clip_grad": 1.0, "micro_batch_size": 2, "gradient_accumulation_steps": 4, "global_batch_size": 64,
     "rampup_batch_size": [16, 16, 3000],
     "tensor_parallel_size": 2, "recompute": "selective",
@@ -135,7 +137,7 @@ def test_config_object_is_copied_and_revalidated():
 @pytest.mark.parametrize("data,match", [
     ({"precison": "bf16"}, r"unknown config key 'precison'\. Did you mean 'precision'\?"),
     ({"optimizer": {"learning_rate": 1e-3}}, r"unknown config key 'optimizer\.learning_rate'\. Valid keys here: "
-                                             r"betas, decay_1d_params, eps, freeze_step, local_step_clipper"),
+                                             r"betas, decay_1d_params, end_weight_decay, eps, freeze_step, local_step_clipper"),
     ({"zero": {"stag": 1}}, r"unknown config key 'zero\.stag'\. Did you mean 'zero\.stage'\?"),
     ({"schedular": {}}, r"Did you mean 'scheduler'\?"),
     ({"zero_optimisation": {}}, r"Did you mean the DeepSpeed key 'zero_optimization'\?"),
