@@ -260,7 +260,7 @@ class SchedulerConfig:
                                                                                "step")
     decay_iters: Optional[int] = _field(None, ge=1, flag="--lr-decay-iters",
                                         help="optimizer step at which decay reaches min_lr, counted from the start "
-                                             "(warmup included); needed by linear and cosine (the trainer "
+                                             "(warmup included); needed by linear, cosine and wsd (the trainer "
                                              "derives it from run.train_iters when unset)")
     decay_samples: Optional[int] = _field(None, ge=1, flag="--lr-decay-samples",
                                           help="consumed samples at which decay reaches min_lr, instead of "
@@ -321,7 +321,7 @@ class SchedulerConfig:
     @property
     def decay_length(self) -> Optional[int]:
         """Where decay reaches ``min_lr``, in :attr:`unit`: ``decay_samples`` or ``decay_iters``."""
-        return self.decay_samples if self.in_samples else self.decay_iters
+        return self._length("decay")
 
     @property
     def warmup_length(self) -> int:
@@ -334,12 +334,16 @@ class SchedulerConfig:
     @property
     def weight_decay_incr_length(self) -> Optional[int]:
         """The weight decay increment's length in :attr:`unit`: ``weight_decay_incr_samples`` or ``_iters``."""
-        return self.weight_decay_incr_samples if self.in_samples else self.weight_decay_incr_iters
+        return self._length("weight_decay_incr")
 
     @property
     def wsd_length(self) -> Optional[int]:
         """WSD's anneal length in :attr:`unit`: ``wsd_decay_samples`` or ``wsd_decay_iters``."""
-        return self.wsd_decay_samples if self.in_samples else self.wsd_decay_iters
+        return self._length("wsd_decay")
+
+    def _length(self, name: str) -> Optional[int]:
+        """``{name}_samples`` or ``{name}_iters``, by :attr:`unit`."""
+        return getattr(self, f"{name}_{'samples' if self.in_samples else 'iters'}")
 
 
 @dataclasses.dataclass
@@ -461,6 +465,8 @@ class DataConfig:
                                             "data, or, when that is not writable, hybrid/index-cache/ under the "
                                             "user's cache directory, else the temporary directory, with a "
                                             "notice); every rank must see the same directory")
+
+    PATH_KEYS: ClassVar[Tuple[str, ...]] = ("path", "train_path", "valid_path")  # the keys that name data files
 
     @property
     def tokenizer(self) -> TokenizerSpec:

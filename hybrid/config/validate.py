@@ -300,7 +300,7 @@ def _wsd_rules(sched, decay_key: str, error) -> None:
 def _data_rules(cfg: "HybridConfig", error) -> None:
     """One source of training data: random tokens, data.path divided by data.split, or a path for each split."""
     data = cfg.data
-    given = [key for key in ("path", "train_path", "valid_path") if getattr(data, key)]
+    given = [key for key in data.PATH_KEYS if getattr(data, key)]
     if data.mock and given:
         error(f"'data.mock' trains on random tokens and would ignore 'data.{given[0]}'; give one of them",
               "data.mock", f"data.{given[0]}")

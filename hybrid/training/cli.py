@@ -68,7 +68,7 @@ def _check_paths(config: HybridConfig) -> None:
     if not data.mock:
         from hybrid.data import parse_data_path
 
-        for key in ("path", "train_path", "valid_path"):
+        for key in data.PATH_KEYS:
             if not getattr(data, key):
                 continue
             try:
