@@ -9,27 +9,38 @@ trainer runs its full machinery: engine (ZeRO stage 1 at DP=1, clipping, LR
 schedule), data sampler, monitor (console line per log interval) and the
 per-iteration exit check. Rounds alternate between the contenders and the
 median per-iteration time of each is compared; the target is >= 0.95x.
+
+A third contender is the trainer with ``--log-params-norm --log-num-zeros-in-grad``: each step then reads the
+master weights and the gradient once more. Its cost is the paired ratio of its step time to the plain
+trainer's, per round (median and min-max over rounds).
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 
 import torch
 
-from hybrid.argument_parser import ArgumentParser
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks.paired import paired_ratio  # noqa: E402
+from hybrid.argument_parser import ArgumentParser  # noqa: E402
 
 ARGS = ["--model", "tiny", "--mock-data", "--micro-batch-size", "8", "--lr", "1e-3", "--eval-interval", "0",
         "--weight-decay", "0.0", "--clip-grad", "1.0", "--zero-stage", "1", "--peak-tflops", "1"]
 
 
-def trainer_times(iters: int) -> list:
+NORMS = ["--log-params-norm", "--log-num-zeros-in-grad"]
+
+
+def trainer_times(iters: int, extra=()) -> list:
     from hybrid.training import Trainer, parse_args, validate
 
     args = parse_args(ARGS + ["--train-iters", str(iters), "--log-interval", str(iters),
-                              "--lr-decay-style", "cosine"])
+                              "--lr-decay-style", "cosine", *extra])
     validate(args, world_size=1)
     trainer = Trainer(args)
     # Stamp the start of every iteration: the differences cover the whole loop body
@@ -72,10 +83,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     opts = parser.parse_args()
     os.environ.pop("WORLD_SIZE", None)
-    results = {"hand loop": [], "hybrid.train": []}
-    for _ in range(opts.rounds):
+    results = {"hand loop": [], "hybrid.train": [], "+ norms, zeros": []}
+    per_round = {"hybrid.train": {}, "+ norms, zeros": {}}
+    for r in range(opts.rounds):
         results["hand loop"] += hand_loop_times(opts.iters)
-        results["hybrid.train"] += trainer_times(opts.iters)
+        for name, extra in (("hybrid.train", ()), ("+ norms, zeros", NORMS)):
+            times = trainer_times(opts.iters, extra)
+            results[name] += times
+            per_round[name][r] = statistics.median(times)
     tokens = 8 * 128
     base = statistics.median(results["hand loop"])
     print(f"\ntiny GPT, micro batch 8 x seq 128, world 1, {torch.get_num_threads()} threads, "
@@ -84,6 +99,8 @@ def main() -> None:
     for name, times in results.items():
         med = statistics.median(times)
         print(f"{name:<14} | {med * 1e3:>14.1f} | {tokens / med:>9.0f} | {base / med:>5.2f}")
+    cost = paired_ratio(per_round["+ norms, zeros"], per_round["hybrid.train"])
+    print(f"{' '.join(NORMS)}: step time / plain trainer's, paired per round: {cost.format()}")
 
 
 if __name__ == "__main__":
