@@ -39,6 +39,7 @@ from hybrid.engine.precision import prepare_precision
 from hybrid.engine.rng import RandomState
 from hybrid.engine.step_logger import StepLogger
 from hybrid.layout import ParallelLayout, pipeline_problem
+from hybrid.optim.lr_schedule import check_same_settings
 from hybrid.pipeline.chunks import chunk_parameters
 from hybrid.topology import Topology
 from hybrid.zero import build_zero_optimizer
@@ -375,10 +376,13 @@ class Engine:
 
     def _progress_state(self) -> Dict[str, Any]:
         return {"global_step": self.global_step, "micro_steps": self.micro_steps,
-                "consumed_samples": self.consumed_samples, "lr_schedule": self.lr_schedule.state_dict()}
+                "consumed_samples": self.consumed_samples, "lr_schedule": self.lr_schedule.state_dict(),
+                "wd_schedule": self.wd_schedule.settings()}
 
     def _load_progress(self, progress: Dict[str, Any], strict_schedule: bool) -> None:
         self.lr_schedule.load_state_dict(progress["lr_schedule"], strict=strict_schedule)
+        if strict_schedule:  # its position is the learning-rate schedule's; checkpoints before it record nothing
+            check_same_settings("weight-decay schedule", progress.get("wd_schedule", {}), self.wd_schedule.settings())
         self.global_step = int(progress["global_step"])
         self.consumed_samples = int(progress.get("consumed_samples", 0))
         # Counted in this layout's micro-batches: a checkpoint is always taken at a boundary.

@@ -52,6 +52,16 @@ class ScheduleSettingsDiffer(ValueError):
     """A saved schedule's settings differ from the configured ones (a strict load refuses them)."""
 
 
+def check_same_settings(what: str, saved: Mapping, mine: Mapping) -> None:
+    """Raise :class:`ScheduleSettingsDiffer` naming each setting of ``mine`` that ``saved`` (a checkpoint's, of
+    the schedule ``what``) records with another value; a setting it does not record (an older release's) passes."""
+    changed = sorted(k for k in mine if k in saved and saved[k] != mine[k])
+    if changed:
+        details = ", ".join(f"{k}: checkpoint {saved[k]!r} vs now {mine[k]!r}" for k in changed)
+        raise ScheduleSettingsDiffer(f"the saved {what} differs from the configured one ({details}); restore the "
+                                     f"old settings or load with strict=False to keep the new ones")
+
+
 class LRSchedule:
     """A stateful schedule: :attr:`lr` is the rate of the next optimizer step, :meth:`step` advances it."""
 
@@ -161,13 +171,7 @@ class LRSchedule:
             raise ValueError(f"the saved learning-rate schedule counts {saved_unit} and the configured one "
                              f"{self.unit}; give the schedule in {saved_unit} to resume from it")
         if strict:
-            mine = self.settings()
-            changed = sorted(k for k in mine if k in saved and saved[k] != mine[k])
-            if changed:
-                details = ", ".join(f"{k}: checkpoint {saved[k]!r} vs now {mine[k]!r}" for k in changed)
-                raise ScheduleSettingsDiffer(f"the saved learning-rate schedule differs from the configured one "
-                                             f"({details}); restore the old settings or load with strict=False "
-                                             f"to keep the new ones")
+            check_same_settings("learning-rate schedule", saved, self.settings())
         iteration = state["iteration"]
         if not isinstance(iteration, int) or iteration < 0:
             raise ValueError(f"schedule state has an invalid iteration {iteration!r}")

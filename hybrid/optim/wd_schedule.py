@@ -41,5 +41,9 @@ class WeightDecaySchedule:
         coeff = r if self.style == "linear" else 0.5 * (1.0 + math.cos(math.pi * (1.0 - r)))
         return self.start + (self.end - self.start) * coeff
 
+    def settings(self) -> dict:
+        """What a checkpoint records, so that a resumed run does not silently change its weight decay."""
+        return {"start": self.start, "end": self.end, "style": self.style, "length": self.length}
+
     def __repr__(self) -> str:
         return f"WeightDecaySchedule({self.start:g} -> {self.end:g}, {self.style}, length={self.length})"

@@ -122,3 +122,32 @@ def test_settings_that_cannot_be_used_are_refused(config, match):
 
     with pytest.raises(ConfigError, match=match):
         load_config(config)
+
+
+def test_a_resumed_run_keeps_its_weight_decay_schedule_unless_told(tmp_path):
+    import hybrid
+    from hybrid.checkpoint import CheckpointError
+
+    def engine(end):
+        config = {"micro_batch_size": 8, "global_batch_size": 8, "steps_per_print": 0,
+                  "optimizer": {"type": "adamw", "lr": LR, "weight_decay": end, "start_weight_decay": START,
+                                "weight_decay_incr_style": "linear"},
+                  "scheduler": {"weight_decay_incr_iters": STEPS}}
+        return hybrid.initialize(_model(), config)
+
+    first = engine(END)
+    for x, y in _batches()[:2]:
+        first.backward(F.mse_loss(first(x), y))
+        first.step()
+    first.save_checkpoint(str(tmp_path / "ck"))
+    first.close()
+    same = engine(END)
+    same.load_checkpoint(str(tmp_path / "ck"))
+    assert same.lr_schedule.iteration == 2  # the position the weight decay follows
+    assert same.wd_schedule.value_at(same.lr_schedule.iteration) == pytest.approx(END * 2 / STEPS)
+    same.close()
+    changed = engine(2 * END)
+    with pytest.raises(CheckpointError, match=r"the saved weight-decay schedule differs from the configured one "
+                                              r"\(end: checkpoint 1\.0 vs now 2\.0\).*--override-opt-param-scheduler"):
+        changed.load_checkpoint(str(tmp_path / "ck"))
+    changed.close()
