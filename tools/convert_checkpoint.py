@@ -30,7 +30,9 @@ if __package__ in (None, ""):
 
 from hybrid.argument_parser import ArgumentParser  # noqa: E402
 from hybrid.checkpoint import CheckpointError  # noqa: E402
+from hybrid.data.tokenizer_choice import add_tokenizer_arguments  # noqa: E402
 from hybrid.layout import PRECISIONS  # noqa: E402
+from hybrid.tokenizer_files import TokenizerSpec  # noqa: E402
 
 
 def _size(text: str) -> int:
@@ -74,9 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--output", required=True, help="directory to write config.json and model*.safetensors into")
     h.add_argument("--dtype", choices=PRECISIONS, help="tensor dtype (default: the run's precision)")
     h.add_argument("--max-shard-size", type=_size, default="5GB", help="split model.safetensors past this (5GB)")
-    h.add_argument("--tokenizer-model", metavar="PATH",
-                   help="the run's SentencePiece .model file, checked and exported as tokenizer.model "
-                        "(default: no tokenizer; the path recorded in the checkpoint is never used)")
+    add_tokenizer_arguments(h, "the run's tokenizer, checked and exported beside the weights (tokenizer.model; "
+                               "vocab.json and merges.txt; tokenizer.json; default: none, and the path recorded "
+                               "in the checkpoint is never used)")
     h.add_argument("--architecture", help="the HF class to write when several fit the model's switches (e.g. "
                                           "MistralForCausalLM; default: the one it was imported from, else the "
                                           "first that fits)")
@@ -128,12 +130,13 @@ def run(args) -> str:
     if args.command == "to-hf":
         from hybrid.convert.hf import export_to_hf
 
+        tokenizer = TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
         res = export_to_hf(args.load, args.output, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
-                           tokenizer_model=args.tokenizer_model, architecture=args.architecture,
+                           tokenizer=tokenizer if tokenizer.given else None, architecture=args.architecture,
                            progress=progress)
         lines = [f"wrote {res.architecture} to {res.directory} ({len(res.files)} weight file(s))"]
-        if res.tokenizer:
-            lines.append(f"copied the SentencePiece tokenizer to {res.tokenizer}")
+        if res.tokenizer_files:
+            lines.append(f"copied the tokenizer ({tokenizer.name}) to {', '.join(map(str, res.tokenizer_files))}")
         if res.note:
             lines.append(f"note: {res.note}")
         return "\n".join(lines)

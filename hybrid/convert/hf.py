@@ -38,16 +38,17 @@ from hybrid.convert import hf_gpt2, hf_llama
 from hybrid.convert.consolidate import WEIGHT, CheckpointSource, ConversionError
 from hybrid.convert.hf_common import Link
 from hybrid.convert.hf_io import DEFAULT_MAX_SHARD_BYTES, HFDirectory, read_json, write_sharded
+from hybrid.convert.hf_tokenizer_files import SENTENCEPIECE_FILE, tokenizer_files
 from hybrid.convert.output import ProgressFactory, nbytes_of, open_bar, read_ahead, tracked
 from hybrid.convert.ranges import piece_size
 from hybrid.engine.precision import DTYPES, PRECISION_OF_DTYPE
 from hybrid.layout import ParallelLayout
 from hybrid.topology import Topology
+from hybrid.tokenizer_files import TokenizerSpec
 from model_zoo.config import GPTConfig
 
 MAPS = (hf_gpt2,) + hf_llama.FAMILIES
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-TOKENIZER_FILE = "tokenizer.model"
 
 
 @dataclasses.dataclass
@@ -55,7 +56,7 @@ class ExportResult:
     directory: Path
     architecture: str
     files: list
-    tokenizer: Optional[Path] = None
+    tokenizer_files: Tuple[Path, ...] = ()
     note: Optional[str] = None  # something the user should act on (a tokenizer that could not be copied)
 
 
@@ -111,14 +112,15 @@ def _hf_shape(link: Link, index: int, full_shape: Tuple[int, ...]) -> Tuple[int,
 # ---- export ---------------------------------------------------------------------------------------------
 def export_to_hf(load, output, *, dtype: Optional[str] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                  tokenizer_model=None, architecture: Optional[str] = None,
-                 progress: Optional[ProgressFactory] = None) -> ExportResult:
+                 progress: Optional[ProgressFactory] = None, tokenizer: Optional[TokenizerSpec] = None) -> ExportResult:
     """Write the checkpoint at ``load`` as a Hugging Face directory ``output``.
 
     ``dtype`` (``fp32``/``bf16``/``fp16``) defaults to the run's precision.
     For a bf16/fp16 run exported in fp32, the values are the fp32 master
-    weights when the checkpoint holds them. ``tokenizer_model`` is a
-    SentencePiece ``.model`` file to export as ``tokenizer.model``; without
-    it no tokenizer is exported and ``note`` says so. ``architecture``
+    weights when the checkpoint holds them. ``tokenizer`` names the run's
+    tokenizer, exported beside the weights (:mod:`hybrid.convert.hf_tokenizer_files`;
+    ``tokenizer_model`` alone is a SentencePiece ``.model``); without one no
+    tokenizer is exported and ``note`` says so. ``architecture``
     (``--architecture``) picks among the HF classes the model's switches fit
     (default: the one it was imported from, when the checkpoint records it,
     else the first that fits: GPT-2, Llama, Mistral, Qwen2).
@@ -139,7 +141,9 @@ def export_to_hf(load, output, *, dtype: Optional[str] = None, max_shard_bytes: 
     arch = map_for_config(cfg, architecture)
     out_dtype = DTYPES[_check_dtype(dtype or reader.layout.precision)]
     # Checked before any weight is written: a wrong file fails in a second, not after the export.
-    tokenizer = _read_tokenizer(tokenizer_model, cfg.vocab_size) if tokenizer_model is not None else None
+    if tokenizer is None and tokenizer_model is not None:
+        tokenizer = TokenizerSpec(tokenizer_model=str(tokenizer_model))
+    files_of_tokenizer = tokenizer_files(tokenizer, cfg.vocab_size) if tokenizer is not None else {}
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     with CheckpointSource(reader) as src:
@@ -163,10 +167,10 @@ def export_to_hf(load, output, *, dtype: Optional[str] = None, max_shard_bytes: 
     config = arch.hf_config(cfg, _HF_DTYPE_NAMES[out_dtype])
     write_bytes_atomic(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
     result = ExportResult(out, arch.ARCHITECTURE, files)
-    if tokenizer is not None:
-        write_bytes_atomic(out / TOKENIZER_FILE, tokenizer)  # the very bytes that were checked
-        result.tokenizer = out / TOKENIZER_FILE
-    else:
+    for name, data in files_of_tokenizer.items():
+        write_bytes_atomic(out / name, data)  # the very bytes that were checked
+    result.tokenizer_files = tuple(out / name for name in files_of_tokenizer)
+    if not files_of_tokenizer:
         result.note = _no_tokenizer_note(reader, out)
     return result
 
@@ -195,28 +199,6 @@ def _check_same_names(saved: set, expected: set, path) -> None:
                               f"{missing[:5]}, unexpected {extra[:5]}")
 
 
-def _read_tokenizer(path, vocab_size: int) -> bytes:
-    """The bytes of ``path`` once they have loaded as a SentencePiece model that fits the vocabulary."""
-    import sentencepiece
-
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise ConversionError(f"--tokenizer-model {path}: {e.strerror or e}") from None
-    try:
-        # An empty file "loads" as a model of no pieces, hence the check for pieces as well.
-        pieces = sentencepiece.SentencePieceProcessor(model_proto=data).get_piece_size() if data else 0
-    except (RuntimeError, TypeError, ValueError):
-        pieces = 0
-    if pieces == 0:
-        raise ConversionError(f"--tokenizer-model {path} is not a SentencePiece model (it does not load as one); "
-                              f"pass the .model file the run was trained with")
-    if pieces > vocab_size:
-        raise ConversionError(f"--tokenizer-model {path} has {pieces} pieces but the model's vocabulary holds "
-                              f"{vocab_size}; pass the .model file the run was trained with")
-    return data
-
-
 def _no_tokenizer_note(reader: CheckpointReader, out: Path) -> str:
     from hybrid.config import saved_setting  # reads the trainer's stored settings, nested or (older) flat
 
@@ -224,10 +206,11 @@ def _no_tokenizer_note(reader: CheckpointReader, out: Path) -> str:
     recorded = saved_setting(args, "data.tokenizer_model")
     # The recorded path is named as a hint only; it is never opened.
     hint = f" (the run recorded {str(recorded)[:200]!r})" if isinstance(recorded, str) and recorded else ""
-    left = f"; the {TOKENIZER_FILE} already there is from before and was left as it is" \
-        if (out / TOKENIZER_FILE).exists() else ""
+    left = f"; the {SENTENCEPIECE_FILE} already there is from before and was left as it is" \
+        if (out / SENTENCEPIECE_FILE).exists() else ""
     return (f"no tokenizer exported: pass --tokenizer-model PATH to add the run's SentencePiece model as "
-            f"{out / TOKENIZER_FILE}{hint}{left}")
+            f"{out / SENTENCEPIECE_FILE}{hint}{left} (GPT-2's: --tokenizer-type GPT2BPETokenizer --vocab-file "
+            f"--merge-file; a model folder's: --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR)")
 
 
 # ---- import ---------------------------------------------------------------------------------------------

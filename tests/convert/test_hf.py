@@ -232,7 +232,7 @@ def test_the_tokenizer_path_recorded_in_the_checkpoint_is_never_opened(tmp_path)
     secret.write_text("root:x:0:0:root:/root:/bin/bash\n")
     write_weights_checkpoint(tmp_path / "ck", GPT2_CFG, randomized_state(GPT2_CFG), 1, tokenizer=str(secret))
     res = export_to_hf(tmp_path / "ck", tmp_path / "hf")
-    assert res.tokenizer is None and not (tmp_path / "hf" / "tokenizer.model").exists()
+    assert res.tokenizer_files == () and not (tmp_path / "hf" / "tokenizer.model").exists()
     assert res.note.startswith("no tokenizer exported: pass --tokenizer-model PATH") and str(secret) in res.note
 
 
@@ -247,7 +247,7 @@ def test_a_tokenizer_flag_that_is_not_a_sentencepiece_model_is_refused_before_an
             export_to_hf(tmp_path / "ck", tmp_path / "hf", tokenizer_model=bad)
         assert not (tmp_path / "hf").exists()
     big = train_tokenizer(tmp_path, vocab_size=VOCAB + 20, num_docs=200)
-    with pytest.raises(ConversionError, match=rf"has {VOCAB + 20} pieces but the model's vocabulary holds {VOCAB}"):
+    with pytest.raises(ConversionError, match=rf"the tokenizer has {VOCAB + 20} tokens but the model.s vocabulary holds {VOCAB}"):
         export_to_hf(tmp_path / "ck", tmp_path / "hf", tokenizer_model=big)
 
 
