@@ -13,16 +13,14 @@ import dataclasses
 from types import MappingProxyType
 from typing import Callable, Mapping, Optional, Tuple
 
-# each type's files, by the name of their setting (config key data.<name>, flag --<name with dashes>)
-TOKENIZER_FILES: Mapping[str, Tuple[str, ...]] = MappingProxyType({
-    "sentencepiecetokenizer": ("tokenizer_model",),
-    "gpt2bpetokenizer": ("vocab_file", "merge_file"),
-    "huggingfacetokenizer": ("tokenizer_model",),
-})
+# each type, as Megatron spells it, and its files by the name of their setting (config key data.<name>, flag
+# --<name with dashes>)
+_TYPES = {"SentencePieceTokenizer": ("tokenizer_model",), "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+          "HuggingFaceTokenizer": ("tokenizer_model",)}
+TOKENIZER_FILES: Mapping[str, Tuple[str, ...]] = MappingProxyType({n.lower(): f for n, f in _TYPES.items()})
 TOKENIZER_TYPES = tuple(TOKENIZER_FILES)
+_NAMES = {name.lower(): name for name in _TYPES}
 _SETTINGS = tuple(dict.fromkeys(s for files in TOKENIZER_FILES.values() for s in files))  # each file setting once
-_NAMES = {"sentencepiecetokenizer": "SentencePieceTokenizer", "gpt2bpetokenizer": "GPT2BPETokenizer",
-          "huggingfacetokenizer": "HuggingFaceTokenizer"}
 
 
 def flag_of(setting: str) -> str:
@@ -80,4 +78,4 @@ class TokenizerSpec:
 
 def type_names() -> tuple:
     """The types as Megatron spells them, in :data:`TOKENIZER_TYPES` order."""
-    return tuple(_NAMES[t] for t in TOKENIZER_TYPES)
+    return tuple(_TYPES)
