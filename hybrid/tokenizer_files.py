@@ -30,15 +30,21 @@ def flag_of(setting: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerSpec:
-    """A tokenizer type and its files (unset files: no tokenizer, as with mock data)."""
+    """A tokenizer type and its files (unset files: no tokenizer, as with mock data). An unset type is the one
+    the files given say: GPT2BPETokenizer for a vocabulary or merges file (as Megatron's GPT-2 scripts give
+    them, with no type), else SentencePieceTokenizer; HuggingFaceTokenizer is always named."""
 
-    tokenizer_type: str = "sentencepiecetokenizer"
+    tokenizer_type: Optional[str] = None
     tokenizer_model: Optional[str] = None
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
 
     def __post_init__(self):
-        object.__setattr__(self, "tokenizer_type", str(self.tokenizer_type).lower())
+        kind = self.tokenizer_type
+        if kind is None:
+            kind = "gpt2bpetokenizer" if self.vocab_file is not None or self.merge_file is not None \
+                else "sentencepiecetokenizer"
+        object.__setattr__(self, "tokenizer_type", str(kind).lower())
 
     @property
     def name(self) -> str:

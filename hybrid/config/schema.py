@@ -447,10 +447,12 @@ class DataConfig:
     valid_path: List[str] = _field(factory=list, flag="--valid-data-path",
                                    help="validation data of its own, with data.train_path")
     split: str = _field("969,30,1", flag="--split", help="train,valid,test proportions")
-    tokenizer_type: str = _field("sentencepiecetokenizer", choices=TOKENIZER_TYPES, flag="--tokenizer-type",
-                                 help="SentencePieceTokenizer (reads tokenizer_model), GPT2BPETokenizer (reads "
-                                      "vocab_file and merge_file) or HuggingFaceTokenizer (reads tokenizer_model: "
-                                      "a model folder's tokenizer.json)")
+    tokenizer_type: Optional[str] = _field(None, choices=TOKENIZER_TYPES, flag="--tokenizer-type",
+                                           help="SentencePieceTokenizer (reads tokenizer_model), GPT2BPETokenizer "
+                                                "(reads vocab_file and merge_file) or HuggingFaceTokenizer (reads "
+                                                "tokenizer_model: a model folder's tokenizer.json); unset: "
+                                                "GPT2BPETokenizer when vocab_file or merge_file is given, else "
+                                                "SentencePieceTokenizer")
     tokenizer_model: Optional[str] = _field(None, flag="--tokenizer-model",
                                             help="SentencePiece model, or the model folder of a HuggingFaceTokenizer (for the "
                                                  "vocabulary size and the EOD id)")

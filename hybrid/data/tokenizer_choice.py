@@ -32,8 +32,9 @@ def add_tokenizer_arguments(parser, what: str) -> None:
     """``--tokenizer-type``, ``--tokenizer-model``, ``--vocab-file`` and ``--merge-file`` on an argparse parser
     (``what``: the tokenizer the tool wants, for the help)."""
     names = ",".join(type_names())
-    parser.add_argument("--tokenizer-type", type=str.lower, choices=TOKENIZER_TYPES, default=TOKENIZER_TYPES[0],
-                        metavar="{" + names + "}", help=f"{what}: its type (default SentencePieceTokenizer)")
+    parser.add_argument("--tokenizer-type", type=str.lower, choices=TOKENIZER_TYPES, default=None,
+                        metavar="{" + names + "}", help=f"{what}: its type (default: GPT2BPETokenizer with "
+                                                       f"--vocab-file/--merge-file, else SentencePieceTokenizer)")
     parser.add_argument("--tokenizer-model", help="SentencePieceTokenizer: the .model file; HuggingFaceTokenizer: "
                                                   "the model's folder (its tokenizer.json)")
     parser.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")

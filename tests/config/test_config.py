@@ -46,7 +46,7 @@ FULL = {
               "disable_bias_linear": True, "untie_embeddings_and_output_weights": True, "hidden_dropout": 0.1,
               "attention_dropout": 0.0, "init_method_std": 0.02, "sequence_parallel": True},
     "data": {"path": ["0.3", "a", "0.7", "b"], "train_path": [], "valid_path": [], "split": "98,2,0",
-             "tokenizer_type": "sentencepiecetokenizer",
+             "tokenizer_type": None,
              "tokenizer_model": "tok.model", "vocab_file": None, "merge_file": None,
              "eod_mask_loss": True, "mock": False, "cache_path": "cache"},
     "checkpoint": {"save": "ckpt", "load": "ckpt", "save_interval": 50, "keep_last": 2, "finetune": False,

@@ -80,9 +80,12 @@ def test_file_errors_name_the_flag(files, tmp_path):
     (dict(tokenizer_type="GPT2BPETokenizer", vocab_file="v", merge_file="m"), None),
     (dict(tokenizer_type="GPT2BPETokenizer", vocab_file="v"),
      ("GPT2BPETokenizer reads --vocab-file and --merge-file; --merge-file is missing", ("merge_file",))),
-    (dict(vocab_file="v", merge_file="m"),
+    (dict(vocab_file="v", merge_file="m"), None),  # the type the files say, as Megatron's GPT-2 scripts give them
+    (dict(tokenizer_type="SentencePieceTokenizer", vocab_file="v", merge_file="m"),
      ("--vocab-file is a file of GPT2BPETokenizer, but --tokenizer-type is SentencePieceTokenizer; set "
       "--tokenizer-type to GPT2BPETokenizer, or give --tokenizer-model", ("vocab_file", "tokenizer_type"))),
+    (dict(merge_file="m"), ("GPT2BPETokenizer reads --vocab-file and --merge-file; --vocab-file is missing",
+                            ("vocab_file",))),
     (dict(tokenizer_type="gpt2bpetokenizer", tokenizer_model="m", vocab_file="v", merge_file="m"),
      ("--tokenizer-model is a file of SentencePieceTokenizer or HuggingFaceTokenizer, but --tokenizer-type is "
       "GPT2BPETokenizer; set --tokenizer-type to SentencePieceTokenizer or HuggingFaceTokenizer, or give "
@@ -92,7 +95,7 @@ def test_file_errors_name_the_flag(files, tmp_path):
 def test_the_files_must_fit_the_type(settings, problem):
     spec = TokenizerSpec(**settings)
     assert spec.problem() == problem
-    assert spec.given == bool(settings.get("tokenizer_model") or settings.get("vocab_file"))
+    assert spec.given == any(settings.get(s) for s in ("tokenizer_model", "vocab_file", "merge_file"))
 
 
 def test_the_config_reads_megatrons_flags_and_refuses_a_misfit():
@@ -101,10 +104,14 @@ def test_the_config_reads_megatrons_flags_and_refuses_a_misfit():
     cfg = config_from_command_line(["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json",
                                     "--merge-file", "m.txt"])
     assert cfg.data.tokenizer == TokenizerSpec("gpt2bpetokenizer", None, "v.json", "m.txt")
+    # Megatron's GPT-2 scripts give the files alone: the type is the one they say
+    alone = config_from_command_line(["--vocab-file", "v.json", "--merge-file", "m.txt"])
+    assert alone.data.tokenizer == cfg.data.tokenizer and alone.data.tokenizer.name == "GPT2BPETokenizer"
     with pytest.raises(ConfigError, match=r"'data\.vocab_file' is a file of GPT2BPETokenizer, but "
                                           r"'data\.tokenizer_type' is SentencePieceTokenizer.*"
                                           r"\(set by --vocab-file, --tokenizer-type\)"):
-        config_from_command_line(["--vocab-file", "v.json", "--merge-file", "m.txt"])
+        config_from_command_line(["--tokenizer-type", "sentencepiecetokenizer", "--vocab-file", "v.json",
+                                  "--merge-file", "m.txt"])
 
 
 @pytest.mark.parametrize("workers", [1, 2])
