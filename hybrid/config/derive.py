@@ -31,14 +31,14 @@ def derive_for_training(cfg: "HybridConfig") -> "HybridConfig":
     out = copy.deepcopy(cfg)
     sched, run = out.scheduler, out.run
 
-    def over_the_run(needed: bool, length, samples_key: str, iters_key: str) -> None:
-        if needed and length is None:
+    def over_the_run(needed: bool, name: str) -> None:
+        """Length ``name`` (one of SchedulerConfig.LENGTHS), when needed and unset: the run's, in its unit."""
+        if needed and getattr(sched, sched.length_key(name)) is None:
             if run.train_samples is not None and not sched.given_in_steps:
-                setattr(sched, samples_key, run.train_samples)
+                setattr(sched, f"{name}_samples", run.train_samples)
             elif run.train_iters is not None and not sched.in_samples:
-                setattr(sched, iters_key, run.train_iters)
+                setattr(sched, f"{name}_iters", run.train_iters)
 
-    over_the_run(sched.needs_decay_length, sched.decay_length, "decay_samples", "decay_iters")
-    over_the_run(out.optimizer.weight_decay_incr_style != "constant", sched.weight_decay_incr_length,
-                 "weight_decay_incr_samples", "weight_decay_incr_iters")
+    over_the_run(sched.needs_decay_length, "decay")
+    over_the_run(out.optimizer.weight_decay_incr_style != "constant", "weight_decay_incr")
     return out

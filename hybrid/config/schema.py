@@ -30,8 +30,8 @@ import math
 from typing import Any, Callable, ClassVar, List, Optional, Tuple
 
 from hybrid.compression import DEFAULT_BLOCK, GRADIENT_FORMATS, ONEBIT_ADAM, WEIGHT_FORMATS, ZERO_ONE_ADAM
-from hybrid.tokenizer_files import TOKENIZER_TYPES, TokenizerSpec
 from hybrid.layout import OFFLOAD_DEVICES, PRECISIONS, ZERO_STAGES
+from hybrid.tokenizer_files import TOKENIZER_TYPES, TokenizerSpec
 
 # Choice lists owned by the configuration (the ZeRO stages, offload devices and
 # precisions are hybrid.layout's). hybrid.optim.lr_schedule imports the styles.
@@ -240,8 +240,8 @@ class SchedulerConfig:
     """The learning-rate schedule: optional warmup, then constant, linear, cosine, inverse-square-root or WSD
     (warmup-stable-decay) decay to ``min_lr``.
 
-    It counts optimizer steps, or samples when ``warmup_samples``, ``decay_samples`` or ``wsd_decay_samples`` is
-    set (each step then advances it by its global batch, so that a batch ramp-up warms up over the same data).
+    It counts optimizer steps, or samples when any length is given in samples (:attr:`SAMPLE_KEYS`; each step
+    then advances it by its global batch, so that a batch ramp-up warms up over the same data).
     """
 
     type: str = _field("constant", choices=DECAY_STYLES, flag="--lr-decay-style",
@@ -283,10 +283,11 @@ class SchedulerConfig:
                                                       help="samples of the increment instead (a schedule in "
                                                            "samples; the trainer derives it from run.train_samples)")
 
-    # the lengths in optimizer steps, and the same in samples (warmup_iters first: its unset value is 0)
-    STEP_KEYS: ClassVar[Tuple[str, ...]] = ("warmup_iters", "decay_iters", "wsd_decay_iters", "weight_decay_incr_iters")
-    SAMPLE_KEYS: ClassVar[Tuple[str, ...]] = ("warmup_samples", "decay_samples", "wsd_decay_samples",
-                                              "weight_decay_incr_samples")
+    # the schedule's lengths, each a key {name}_iters and a key {name}_samples (warmup first: warmup_iters is the
+    # one length whose unset value is 0, not None)
+    LENGTHS: ClassVar[Tuple[str, ...]] = ("warmup", "decay", "wsd_decay", "weight_decay_incr")
+    STEP_KEYS: ClassVar[Tuple[str, ...]] = tuple(f"{name}_iters" for name in LENGTHS)
+    SAMPLE_KEYS: ClassVar[Tuple[str, ...]] = tuple(f"{name}_samples" for name in LENGTHS)
 
     @property
     def decays(self) -> bool:
@@ -295,7 +296,7 @@ class SchedulerConfig:
 
     @property
     def given_in_steps(self) -> bool:
-        """Whether a length in optimizer steps is set (``warmup_iters``, ``decay_iters``, ``wsd_decay_iters``)."""
+        """Whether a length in optimizer steps is set (one of :attr:`STEP_KEYS`)."""
         return self.warmup_iters != 0 or any(getattr(self, k) is not None for k in self.STEP_KEYS[1:])
 
     @property
@@ -341,9 +342,13 @@ class SchedulerConfig:
         """WSD's anneal length in :attr:`unit`: ``wsd_decay_samples`` or ``wsd_decay_iters``."""
         return self._length("wsd_decay")
 
+    def length_key(self, name: str) -> str:
+        """The key of length ``name`` (one of :attr:`LENGTHS`) in :attr:`unit`: ``{name}_samples`` or
+        ``{name}_iters``."""
+        return f"{name}_{'samples' if self.in_samples else 'iters'}"
+
     def _length(self, name: str) -> Optional[int]:
-        """``{name}_samples`` or ``{name}_iters``, by :attr:`unit`."""
-        return getattr(self, f"{name}_{'samples' if self.in_samples else 'iters'}")
+        return getattr(self, self.length_key(name))
 
 
 @dataclasses.dataclass
@@ -402,9 +407,10 @@ class ModelConfig:
                                        help="vocabulary size (unset: the tokenizer's)")
     position_embedding_type: Optional[str] = _field(None, flag="--position-embedding-type",
                                                     help="learned or rope (Megatron's learned_absolute: learned)",
-                                                    aliases=(Alias("--use-rotary-position-embeddings", const="rope", compat=True,
-                                                                   help="Megatron-LM's older spelling of "
-                                                                        "--position-embedding-type rope"),))
+                                                    aliases=(Alias("--use-rotary-position-embeddings", const="rope",
+                                                                   compat=True, help="Megatron-LM's older spelling of "
+                                                                                     "--position-embedding-type "
+                                                                                     "rope"),))
     normalization: Optional[str] = _field(None, flag="--normalization", help="layernorm or rmsnorm (any case: "
                                                                              "Megatron's LayerNorm, RMSNorm)")
     norm_epsilon: Optional[float] = _field(None, gt=0.0, flag="--norm-epsilon", help="epsilon of LayerNorm/RMSNorm")
@@ -454,8 +460,8 @@ class DataConfig:
                                                 "GPT2BPETokenizer when vocab_file or merge_file is given, else "
                                                 "SentencePieceTokenizer")
     tokenizer_model: Optional[str] = _field(None, flag="--tokenizer-model",
-                                            help="SentencePiece model, or the model folder of a HuggingFaceTokenizer (for the "
-                                                 "vocabulary size and the EOD id)")
+                                            help="SentencePiece model, or the model folder of a "
+                                                 "HuggingFaceTokenizer (for the vocabulary size and the EOD id)")
     vocab_file: Optional[str] = _field(None, flag="--vocab-file", help="GPT2BPETokenizer: GPT-2's vocab.json")
     merge_file: Optional[str] = _field(None, flag="--merge-file", help="GPT2BPETokenizer: GPT-2's merges.txt")
     eod_mask_loss: bool = _field(False, flag="--eod-mask-loss",

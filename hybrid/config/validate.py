@@ -187,7 +187,7 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
               f"{opt.type!r}; remove it or set optimizer.type to sgd", "optimizer.momentum", "optimizer.type")
 
     sched = cfg.scheduler
-    decay_key = "scheduler.decay_samples" if sched.in_samples else "scheduler.decay_iters"
+    decay_key = f"scheduler.{sched.length_key('decay')}"
     mixed_units = sched.in_samples and sched.given_in_steps
     if mixed_units:
         steps, samples = ([f"scheduler.{k}" for k in keys] for keys in (sched.STEP_KEYS, sched.SAMPLE_KEYS))
@@ -261,8 +261,9 @@ def _weight_decay_rules(cfg: "HybridConfig", error, mixed_units: bool) -> None:
     """A growing weight decay: from start to end (end not below start), over a length in the schedule's unit."""
     opt, sched = cfg.optimizer, cfg.scheduler
     start, end = opt.weight_decay_range
-    style_key, keys = "optimizer.weight_decay_incr_style", ("optimizer.start_weight_decay", "optimizer.end_weight_decay")
-    length_key = "scheduler.weight_decay_incr_samples" if sched.in_samples else "scheduler.weight_decay_incr_iters"
+    style_key = "optimizer.weight_decay_incr_style"
+    keys = ("optimizer.start_weight_decay", "optimizer.end_weight_decay")
+    length_key = f"scheduler.{sched.length_key('weight_decay_incr')}"
     if end < start:
         error(f"the weight decay grows from start to end: 'optimizer.end_weight_decay' ({end}) is below "
               f"'optimizer.start_weight_decay' ({start})", *keys)
@@ -270,10 +271,9 @@ def _weight_decay_rules(cfg: "HybridConfig", error, mixed_units: bool) -> None:
         if start != end:
             error(f"a weight decay from {start} to {end} needs '{style_key}' linear or cosine (it is constant)",
                   style_key, *keys)
-        for key in ("scheduler.weight_decay_incr_iters", "scheduler.weight_decay_incr_samples"):
-            if getattr(sched, key.split(".")[1]) is not None:
-                error(f"config key '{key}' is the length of a growing weight decay, but '{style_key}' is constant; "
-                      f"remove it or set '{style_key}' linear or cosine", key, style_key)
+        for key in _lengths_given(sched, "weight_decay_incr"):
+            error(f"config key '{key}' is the length of a growing weight decay, but '{style_key}' is constant; "
+                  f"remove it or set '{style_key}' linear or cosine", key, style_key)
     elif not mixed_units and sched.weight_decay_incr_length is None:
         run = "run.train_samples" if sched.in_samples else "run.train_iters"
         error(f"'{style_key}' {opt.weight_decay_incr_style!r} needs '{length_key}' (where the weight decay "
@@ -282,12 +282,11 @@ def _weight_decay_rules(cfg: "HybridConfig", error, mixed_units: bool) -> None:
 
 def _wsd_rules(sched, decay_key: str, error) -> None:
     """WSD's anneal length: set exactly when the schedule is WSD, and within the decay after the warmup."""
-    wsd_key = "scheduler.wsd_decay_samples" if sched.in_samples else "scheduler.wsd_decay_iters"
+    wsd_key = f"scheduler.{sched.length_key('wsd_decay')}"
     if sched.type != "wsd":
-        for key in ("scheduler.wsd_decay_iters", "scheduler.wsd_decay_samples"):
-            if getattr(sched, key.split(".")[1]) is not None:
-                error(f"config key '{key}' applies to scheduler.type wsd only, but scheduler.type is "
-                      f"{sched.type!r}; remove it or set scheduler.type to wsd", key, "scheduler.type")
+        for key in _lengths_given(sched, "wsd_decay"):
+            error(f"config key '{key}' applies to scheduler.type wsd only, but scheduler.type is "
+                  f"{sched.type!r}; remove it or set scheduler.type to wsd", key, "scheduler.type")
     elif sched.wsd_length is None:
         error(f"scheduler.type 'wsd' needs '{wsd_key}': how long the final anneal to scheduler.min_lr lasts (it "
               f"ends at '{decay_key}')", wsd_key)
@@ -295,6 +294,11 @@ def _wsd_rules(sched, decay_key: str, error) -> None:
         error(f"config key '{wsd_key}' ({sched.wsd_length}) must be at most '{decay_key}' ({sched.decay_length}) "
               f"minus {_warmup(sched)}: the anneal ends at the decay length and starts after the warmup", wsd_key,
               decay_key, _warmup_key(sched))
+
+
+def _lengths_given(sched, name: str) -> List[str]:
+    """The keys of length ``name`` that are set, in steps or in samples (for a rule that wants neither)."""
+    return [f"scheduler.{key}" for key in (f"{name}_iters", f"{name}_samples") if getattr(sched, key) is not None]
 
 
 def _data_rules(cfg: "HybridConfig", error) -> None:

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Dict
 
 from hybrid.convert.consolidate import ConversionError
+from hybrid.data.gpt2_bpe import MERGES_FILE, VOCAB_FILE
+from hybrid.data.hf_tokenizer import TOKENIZER_CONFIG, TOKENIZER_JSON, model_files
 from hybrid.tokenizer_files import TokenizerSpec, flag_of
 
 SENTENCEPIECE_FILE = "tokenizer.model"
@@ -44,15 +46,12 @@ def tokenizer_files(spec: TokenizerSpec, vocab_size: int) -> Dict[str, bytes]:
 def _sources(spec: TokenizerSpec) -> Dict[str, tuple]:
     """``{file name in the HF directory: (source path, its flag)}``."""
     if spec.tokenizer_type == "gpt2bpetokenizer":
-        return {"vocab.json": (spec.vocab_file, "--vocab-file"), "merges.txt": (spec.merge_file, "--merge-file")}
+        return {VOCAB_FILE: (spec.vocab_file, "--vocab-file"), MERGES_FILE: (spec.merge_file, "--merge-file")}
     if spec.tokenizer_type == "huggingfacetokenizer":
-        from hybrid.data.hf_tokenizer import TOKENIZER_CONFIG, TOKENIZER_JSON
-
-        folder = spec.tokenizer_model if os.path.isdir(spec.tokenizer_model) else os.path.dirname(spec.tokenizer_model)
-        json_path = os.path.join(folder, TOKENIZER_JSON) if os.path.isdir(spec.tokenizer_model) else spec.tokenizer_model
+        json_path, config_path = model_files(spec.tokenizer_model)
         out = {TOKENIZER_JSON: (json_path, "--tokenizer-model")}
-        if os.path.isfile(os.path.join(folder, TOKENIZER_CONFIG)):
-            out[TOKENIZER_CONFIG] = (os.path.join(folder, TOKENIZER_CONFIG), "--tokenizer-model")
+        if os.path.isfile(config_path):
+            out[TOKENIZER_CONFIG] = (config_path, "--tokenizer-model")
         return out
     return {SENTENCEPIECE_FILE: (spec.tokenizer_model, "--tokenizer-model")}
 
@@ -82,9 +81,11 @@ def _loaded_size(spec: TokenizerSpec, folder: str, flags: str) -> int:
             raise ConversionError(f"{flags} is not a SentencePiece model (it does not load as one); pass the "
                                   f".model file the run was trained with")
         return pieces
-    local = (TokenizerSpec(spec.tokenizer_type, vocab_file=os.path.join(folder, "vocab.json"),
-                           merge_file=os.path.join(folder, "merges.txt"))
-             if spec.tokenizer_type == "gpt2bpetokenizer" else TokenizerSpec(spec.tokenizer_type, tokenizer_model=folder))
+    if spec.tokenizer_type == "gpt2bpetokenizer":
+        local = TokenizerSpec(spec.tokenizer_type, vocab_file=os.path.join(folder, VOCAB_FILE),
+                              merge_file=os.path.join(folder, MERGES_FILE))
+    else:
+        local = TokenizerSpec(spec.tokenizer_type, tokenizer_model=folder)
     try:
         tokenizer = load_tokenizer(local)
         _ = tokenizer.eod_id  # a tokenizer that cannot end a document is no tokenizer to train with

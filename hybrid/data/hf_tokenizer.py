@@ -19,7 +19,7 @@ from .library_tokenizer import LibraryTokenizer
 TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
 
 
-def _files(path: str) -> tuple[str, str]:
+def model_files(path: str) -> tuple[str, str]:
     """(tokenizer.json, tokenizer_config.json) of a model folder or of a tokenizer.json."""
     if os.path.isdir(path):
         return os.path.join(path, TOKENIZER_JSON), os.path.join(path, TOKENIZER_CONFIG)
@@ -43,7 +43,7 @@ class HuggingFaceTokenizer(LibraryTokenizer):
         from tokenizers import Tokenizer
 
         self.path = os.fspath(path)
-        self.json_path, self.config_path = _files(self.path)
+        self.json_path, self.config_path = model_files(self.path)
         if not os.path.isfile(self.json_path):
             raise DataFileNotFoundError(f"--tokenizer-model {self.path}: no {TOKENIZER_JSON} there; give the model's "
                                         f"folder, or its {TOKENIZER_JSON}")

@@ -36,11 +36,11 @@ from typing import Mapping, Optional
 from hybrid.config.deepspeed_schedules import DEEPSPEED_SCHEDULER_PARAMS, deepspeed_schedule_kwargs
 from hybrid.config.schema import DECAY_STYLES, DECAY_STYLES_WITH_END, WARMUP_STYLES, WSD_DECAY_STYLES
 
-__all__ = ["LRSchedule", "ScheduleSettingsDiffer", "DECAY_STYLES", "WARMUP_STYLES", "WSD_DECAY_STYLES",
+__all__ = ["LRSchedule", "ScheduleSettingsDiffer", "DECAY_SHAPES", "DECAY_STYLES", "WARMUP_STYLES", "WSD_DECAY_STYLES",
            "DEEPSPEED_SCHEDULER_PARAMS", "deepspeed_schedule_kwargs"]
 
 # c(r): the fraction of (max_lr - min_lr) left at decay progress r in [0, 1]; each is 1 at r = 0 and 0 at r = 1.
-_DECAY_SHAPES = {
+DECAY_SHAPES = {
     "linear": lambda r: 1.0 - r,
     "cosine": lambda r: 0.5 * (1.0 + math.cos(math.pi * r)),
     "exponential": lambda r: 2.0 * 0.5 ** r - 1.0,
@@ -130,9 +130,9 @@ class LRSchedule:
             anneal_start = d - self.wsd_decay_iters
             if i <= anneal_start:
                 return self.max_lr
-            coeff = _DECAY_SHAPES[self.wsd_decay_style]((i - anneal_start) / self.wsd_decay_iters)
+            coeff = DECAY_SHAPES[self.wsd_decay_style]((i - anneal_start) / self.wsd_decay_iters)
         else:
-            coeff = _DECAY_SHAPES[self.decay_style]((i - w) / (d - w))
+            coeff = DECAY_SHAPES[self.decay_style]((i - w) / (d - w))
         return self.min_lr + (self.max_lr - self.min_lr) * coeff
 
     @property

@@ -6,18 +6,20 @@ steps taken, or samples consumed, see :mod:`hybrid.optim.lr_schedule`). With ``N
 
     constant   end
     i > N      end
-    r = i / N  linear: start + (end - start) * r
-               cosine: start + (end - start) * (1 + cos(pi * (1 - r))) / 2
+    r = i / N  end - (end - start) * c(r)
 
-Both rise from ``start`` at ``i = 0`` to exactly ``end`` at ``i = N`` (Megatron-LM's formulas).
+with ``c`` the learning rate's decay shape of the same name (:data:`hybrid.optim.lr_schedule.DECAY_SHAPES`:
+``1 - r``, ``(1 + cos(pi r)) / 2``), which falls from 1 to 0: the weight decay rises from ``start`` at ``i = 0``
+to exactly ``end`` at ``i = N``. These are Megatron-LM's formulas (its linear ``start + (end - start) r`` and
+cosine ``start + (end - start) (1 + cos(pi (1 - r))) / 2``, written with ``c``).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 from hybrid.config.schema import WD_INCR_STYLES
+from hybrid.optim.lr_schedule import DECAY_SHAPES
 
 
 class WeightDecaySchedule:
@@ -37,9 +39,7 @@ class WeightDecaySchedule:
         """The weight decay of the step at position ``i``."""
         if self.style == "constant" or i > self.length:
             return self.end
-        r = i / self.length
-        coeff = r if self.style == "linear" else 0.5 * (1.0 + math.cos(math.pi * (1.0 - r)))
-        return self.start + (self.end - self.start) * coeff
+        return self.end - (self.end - self.start) * DECAY_SHAPES[self.style](i / self.length)
 
     def settings(self) -> dict:
         """What a checkpoint records, so that a resumed run does not silently change its weight decay."""

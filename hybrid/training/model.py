@@ -19,10 +19,17 @@ _SHAPE_KEYS = (("num_layers", "num_layers"), ("hidden_size", "hidden_size"), ("n
                ("rope_high_freq_factor", "rope_high_freq_factor"),
                ("rope_original_max_positions", "rope_original_max_positions"))
 
-# Megatron-LM's spellings of model_zoo's choices (any case): --normalization LayerNorm|RMSNorm,
-# --position-embedding-type learned_absolute|rope
-_MEGATRON_VALUES = {"norm": {"layernorm": "layernorm", "rmsnorm": "rmsnorm"},
-                    "position": {"learned_absolute": "learned", "rope": "rope", "learned": "learned"}}
+# model_zoo's choices whose names Megatron-LM writes otherwise: in any case (--normalization RMSNorm), and
+# --position-embedding-type learned_absolute for model_zoo's learned
+_ANY_CASE = ("norm", "position")
+_MEGATRON_NAMES = {"learned_absolute": "learned"}
+
+
+def _model_zoo_value(gpt_key: str, value: Any) -> Any:
+    if gpt_key not in _ANY_CASE:
+        return value
+    value = str(value).lower()
+    return _MEGATRON_NAMES.get(value, value)
 
 
 def keys_named_in(message: str) -> List[str]:
@@ -54,7 +61,7 @@ def model_config(config: HybridConfig, vocab_size: int):
         changes["vocab_size"] = vocab_size
     for key, gpt_key in _SHAPE_KEYS:
         if getattr(m, key) is not None:
-            changes[gpt_key] = _MEGATRON_VALUES.get(gpt_key, {}).get(str(getattr(m, key)).lower(), getattr(m, key))
+            changes[gpt_key] = _model_zoo_value(gpt_key, getattr(m, key))
     if m.swiglu:
         changes["mlp"] = "swiglu"
     if m.disable_bias_linear:

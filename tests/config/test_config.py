@@ -137,7 +137,8 @@ def test_config_object_is_copied_and_revalidated():
 @pytest.mark.parametrize("data,match", [
     ({"precison": "bf16"}, r"unknown config key 'precison'\. Did you mean 'precision'\?"),
     ({"optimizer": {"learning_rate": 1e-3}}, r"unknown config key 'optimizer\.learning_rate'\. Valid keys here: "
-                                             r"betas, decay_1d_params, end_weight_decay, eps, freeze_step, local_step_clipper"),
+                                             r"betas, decay_1d_params, end_weight_decay, eps, freeze_step, "
+                                             r"local_step_clipper"),
     ({"zero": {"stag": 1}}, r"unknown config key 'zero\.stag'\. Did you mean 'zero\.stage'\?"),
     ({"schedular": {}}, r"Did you mean 'scheduler'\?"),
     ({"zero_optimisation": {}}, r"Did you mean the DeepSpeed key 'zero_optimization'\?"),

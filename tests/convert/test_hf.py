@@ -247,7 +247,8 @@ def test_a_tokenizer_flag_that_is_not_a_sentencepiece_model_is_refused_before_an
             export_to_hf(tmp_path / "ck", tmp_path / "hf", tokenizer_model=bad)
         assert not (tmp_path / "hf").exists()
     big = train_tokenizer(tmp_path, vocab_size=VOCAB + 20, num_docs=200)
-    with pytest.raises(ConversionError, match=rf"the tokenizer has {VOCAB + 20} tokens but the model.s vocabulary holds {VOCAB}"):
+    with pytest.raises(ConversionError,
+                       match=rf"the tokenizer has {VOCAB + 20} tokens but the model.s vocabulary holds {VOCAB}"):
         export_to_hf(tmp_path / "ck", tmp_path / "hf", tokenizer_model=big)
 
 

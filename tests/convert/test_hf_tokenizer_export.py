@@ -31,7 +31,8 @@ def test_a_model_folders_tokenizer_travels_with_the_weights(tmp_path):
     folder = make_model_folder(tmp_path / "model")  # 600 tokens: more than the test model's vocabulary
     write_weights_checkpoint(tmp_path / "ck", LLAMA_CFG, randomized_state(LLAMA_CFG), 1)
     spec = TokenizerSpec("HuggingFaceTokenizer", tokenizer_model=str(folder))
-    with pytest.raises(ConversionError, match=rf"the tokenizer has 600 tokens but the model's vocabulary holds {VOCAB}"):
+    with pytest.raises(ConversionError,
+                       match=rf"the tokenizer has 600 tokens but the model's vocabulary holds {VOCAB}"):
         export_to_hf(tmp_path / "ck", tmp_path / "hf", tokenizer=spec)
     assert not (tmp_path / "hf").exists()  # refused before any weight was written
     big = LLAMA_CFG.replace(vocab_size=600)

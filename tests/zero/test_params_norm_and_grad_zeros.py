@@ -13,8 +13,8 @@ embedding tied across them. Each layout trains two steps through ``Engine.train_
   pipeline stage's own, the tied copy once), within the rounding bound of an fp32 norm: each rank sums the
   squares of at most N elements in fp32, so the relative error of the squared norm is below ``gamma(N)``
   (``tests/numerics.py``); the norm's is half that. Before the first step the same holds against one process's
-  freshly built model (weights depend on (seed, name) only). Counting a replicated LayerNorm weight twice moves
-  the norm by ~1e-2, far outside the bound (~1e-3 at N = 10^5).
+  freshly built model (weights depend on (seed, name) only). Counting the TP-replicated norm weights twice
+  moves the norm by 9%, far outside the bound (gamma(N) / 2 = 5e-3 at this model's N = 1.65e5).
 """
 
 import math
@@ -110,7 +110,7 @@ def test_layout_reports_the_norm_and_zeros_of_one_process(results, name):
         assert r["not_counted"] is None
         # params norm before any step: the whole model's, as one process builds it
         _, count = r["whole_before"]
-        bound = gamma(count)
+        bound = gamma(count) / 2  # on the norm: half the squared norm's relative bound
         assert abs(r["before"] - ref_norm) <= bound * ref_norm, (name, r["before"], ref_norm)
         assert abs(r["before"] - math.sqrt(r["whole_before"][0])) <= bound * r["before"]
         # and after each step: the norm of the weights the step left, gathered whole
