@@ -81,7 +81,7 @@ OMP_NUM_THREADS=1 torchrun --nnodes 1 --nproc-per-node "$NPROC" \
   --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS" \
   --lr "$LR" --min-lr "$(python -c "print($LR / 10)")" --lr-decay-style cosine \
   --lr-warmup-iters "$((TRAIN_ITERS / 20 + 1))" --weight-decay 0.1 --clip-grad 1.0 \
-  --data-path "$WORK_DIR/corpus_text_document" --split 95,5,0 --tokenizer-model "$WORK_DIR/tokenizer.model" \
+  --data-path "$WORK_DIR/corpus_text_document" --split 90,5,5 --tokenizer-model "$WORK_DIR/tokenizer.model" \
   --save "$WORK_DIR/checkpoints" --save-interval "$SAVE_INTERVAL" --keep-last 2 \
   --eval-interval "$EVAL_INTERVAL" --eval-iters 4 --log-interval "$LOG_INTERVAL" --log-params-norm \
   --log-num-zeros-in-grad --tensorboard-dir "$WORK_DIR/tensorboard" --seed 1234 $EXTRA_ARGS

@@ -70,8 +70,8 @@ def test_curves_from_event_files_and_the_table(tmp_path):
         tb = TensorBoardWriter(str(tmp_path / name))
         for it in (10, 20):
             tb._scalar(conv.TRAIN_TAG, 8.0 - it / 10, it)
-        tb.write_validation(10, 7.0)
-        tb.write_validation(20, final)
+        tb.write_evaluation("valid", 10, 7.0)
+        tb.write_evaluation("valid", 20, final)
         tb.close()
         curves = conv.read_curves(tmp_path / name)
         assert curves[conv.TRAIN_TAG] == [(10, 7.0), (20, 6.0)]

@@ -107,8 +107,7 @@ def build_parser(prog: str = "hybrid-train", description: str = "") -> Tuple[arg
         if entry.values is not None:
             words = f"accepted as {' or '.join(entry.values)} ({entry.reason}); otherwise refused"
         megatron.add_argument(entry.flag, dest=f"{_MEGATRON_DEST}{i}", help=words.replace("%", "%%"),
-                              **({"metavar": "VALUE", **({"nargs": "+"} if entry.many_values else {})}
-                                 if entry.takes_value else {"action": "store_true"}))
+                              **({"metavar": "VALUE"} if entry.takes_value else {"action": "store_true"}))
     return parser, dests
 
 

@@ -29,7 +29,6 @@ class MegatronFlag:
     # accepted only with one of these values (None: any); another value is refused with ``refusal``
     values: Optional[Tuple[str, ...]] = None
     refusal: str = ""
-    many_values: bool = False  # takes one value or more (a data blend)
 
 
 def _accepted(flag: str, reason: str, takes_value: bool = False, values: Optional[Tuple[str, ...]] = None,
@@ -75,8 +74,6 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
               takes_value=True),
     _accepted("--ckpt-format", "hybrid writes its own checkpoints, metadata.json and safetensors "
                                "(docs/checkpoints.md), which tools/convert_checkpoint.py exports", takes_value=True),
-    MegatronFlag("--test-data-path", True, "the trainer evaluates on validation data only; test data is not read",
-                 takes_value=True, many_values=True),
     _refused("--no-load-optim", "--finetune loads the weights alone (a new optimizer, schedule and data position)"),
     _refused("--no-load-rng", "--finetune loads the weights alone (a new optimizer, schedule and data position)"),
     # Megatron's full recompute of every layer, one checkpoint each, is hybrid's --recompute-granularity full
@@ -102,7 +99,7 @@ def check_megatron_flags(given: Sequence[Tuple[str, Optional[str]]]) -> Tuple[st
     notes = []
     for flag, value in given:
         entry = by_flag[flag]
-        shown = flag if value is None else f"{flag} {' '.join(value) if isinstance(value, list) else value}"
+        shown = flag if value is None else f"{flag} {value}"
         if not entry.accepted:
             raise ValueError(f"{shown} is a Megatron-LM flag hybrid does not take: {entry.reason}")
         if entry.values is not None and str(value).lower() not in entry.values:

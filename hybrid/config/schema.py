@@ -452,7 +452,12 @@ class DataConfig:
                                         "data.path divided by data.split")
     valid_path: List[str] = _field(factory=list, flag="--valid-data-path",
                                    help="validation data of its own, with data.train_path")
-    split: str = _field("969,30,1", flag="--split", help="train,valid,test proportions")
+    test_path: List[str] = _field(factory=list, flag="--test-data-path",
+                                  help="test data of its own, with data.train_path: evaluated once, at the end "
+                                       "of training (and by run.skip_train)")
+    split: str = _field("969,30,1", flag="--split",
+                        help="train,valid,test proportions of data.path (a test share holding too few tokens for "
+                             "one sample is skipped, with a note)")
     tokenizer_type: Optional[str] = _field(None, choices=TOKENIZER_TYPES, flag="--tokenizer-type",
                                            help="SentencePieceTokenizer (reads tokenizer_model), GPT2BPETokenizer "
                                                 "(reads vocab_file and merge_file) or HuggingFaceTokenizer (reads "
@@ -474,7 +479,7 @@ class DataConfig:
                                             "user's cache directory, else the temporary directory, with a "
                                             "notice); every rank must see the same directory")
 
-    PATH_KEYS: ClassVar[Tuple[str, ...]] = ("path", "train_path", "valid_path")  # the keys that name data files
+    PATH_KEYS: ClassVar[Tuple[str, ...]] = ("path", "train_path", "valid_path", "test_path")  # name data files
 
     @property
     def tokenizer(self) -> TokenizerSpec:
@@ -525,6 +530,9 @@ class RunConfig:
                                           help="save and exit once the step count is a multiple of this")
     exit_duration_in_mins: Optional[float] = _field(None, gt=0.0, flag="--exit-duration-in-mins",
                                                     help="save and exit after this many minutes")
+    skip_train: bool = _field(False, flag="--skip-train",
+                              help="train no step: evaluate the model (checkpoint.load's weights, at their "
+                                   "iteration) on the validation and test data, save nothing and exit")
     max_consecutive_skipped_steps: int = _field(
         100, ge=0, flag="--max-consecutive-skipped-steps",
         help="stop with an error after this many consecutive iterations whose optimizer step was skipped "
@@ -535,10 +543,19 @@ class RunConfig:
 
 @dataclasses.dataclass
 class EvalConfig:
-    """Validation during training."""
+    """Validation during training, and the test evaluation at its end.
 
-    interval: int = _field(1000, ge=0, help="evaluate on the validation split every this many steps (0 disables)")
-    iters: int = _field(10, ge=1, help="validation batches per evaluation")
+    Each evaluation reads the same ``iters`` global batches of its split.
+    """
+
+    interval: int = _field(1000, ge=0, help="evaluate on the validation split every this many steps, and at the "
+                                            "end of training (0 disables validation)")
+    iters: int = _field(10, ge=0, help="global batches per evaluation, validation or test (0: no evaluation)")
+
+    @property
+    def validates(self) -> bool:
+        """Whether the run evaluates on validation data (and so needs some)."""
+        return self.interval > 0 and self.iters > 0
 
 
 @dataclasses.dataclass

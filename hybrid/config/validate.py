@@ -305,23 +305,24 @@ def _data_rules(cfg: "HybridConfig", error) -> None:
     """One source of training data: random tokens, data.path divided by data.split, or a path for each split."""
     data = cfg.data
     given = [key for key in data.PATH_KEYS if getattr(data, key)]
+    own = [key for key in ("valid_path", "test_path") if getattr(data, key)]  # a split's path of its own
     if data.mock and given:
         error(f"'data.mock' trains on random tokens and would ignore 'data.{given[0]}'; give one of them",
               "data.mock", f"data.{given[0]}")
-    elif data.valid_path and not data.train_path:
-        error("'data.valid_path' goes with 'data.train_path' (a path for each split); give the training data too",
-              "data.valid_path", "data.train_path")
+    elif own and not data.train_path:
+        error(f"'data.{own[0]}' goes with 'data.train_path' (a path for each split); give the training data too",
+              f"data.{own[0]}", "data.train_path")
     elif not data.mock and not data.path and not data.train_path:
         error("config key 'data.path' is required (a preprocessed prefix from tools/preprocess_data.py; or "
               "'data.train_path' and 'data.valid_path', a path for each split), or set 'data.mock' for random "
               "tokens", "data.path", "data.train_path", "data.mock")
-    elif data.path and (data.train_path or data.valid_path):
+    elif data.path and data.train_path:
         error("give the data as 'data.path' (divided by 'data.split') or as a path for each split "
-              "('data.train_path', 'data.valid_path'), not both", "data.path", "data.train_path", "data.valid_path")
+              "('data.train_path', 'data.valid_path', 'data.test_path'), not both", "data.path", "data.train_path")
     elif data.train_path and data.split != type(data)().split:  # its default
         error(f"'data.split' {data.split!r} divides 'data.path'; with a path for each split it divides nothing: "
               f"remove it", "data.split", "data.train_path")
-    elif data.train_path and not data.valid_path and cfg.eval.interval > 0:
+    elif data.train_path and not data.valid_path and cfg.eval.validates:
         error(f"evaluation every {cfg.eval.interval} steps ('eval.interval') needs validation data: give "
               f"'data.valid_path', or set 'eval.interval' 0", "data.valid_path", "eval.interval")
 
@@ -344,7 +345,7 @@ def _training_requirements(cfg: "HybridConfig", problems: List[ConfigError]) -> 
     """Add to ``problems`` an error for each setting the trainer cannot run without (the engine alone needs
     none of them)."""
     error = _adder(cfg, problems)
-    if cfg.run.train_iters is None and cfg.run.train_samples is None:
+    if cfg.run.train_iters is None and cfg.run.train_samples is None and not cfg.run.skip_train:
         error("give the run's length: 'run.train_iters' (optimizer steps) or 'run.train_samples'",
               "run.train_iters", "run.train_samples")
     model = cfg.model

@@ -20,6 +20,7 @@ _EXPORTS = {
     "IndexFormatError": "indexed",
     "DataError": "errors",
     "DataFileNotFoundError": "errors",
+    "SplitTooSmallError": "errors",
     "best_dtype": "indexed",
     "merge_datasets": "indexed",
     "write_dataset": "indexed",

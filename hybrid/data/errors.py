@@ -16,3 +16,11 @@ class DataError(ValueError):
 
 class DataFileNotFoundError(DataError, FileNotFoundError):
     """A data file (``.bin``, ``.idx``, a cache file) that should exist does not."""
+
+
+class SplitTooSmallError(DataError):
+    """A split holds fewer tokens than one sample needs (``seq_length + 1``).
+
+    Its own type because the trainer skips a test split this small (with a
+    note) where a training or validation split this small stops the run.
+    """

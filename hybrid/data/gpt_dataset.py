@@ -31,7 +31,7 @@ import os
 import numpy as np
 import torch
 
-from .errors import DataError
+from .errors import SplitTooSmallError
 from .index_cache import fallback_dirs, load_or_build
 from .indexed import IndexedDataset
 
@@ -177,7 +177,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.tokens_per_epoch = int(lengths.sum(dtype=np.int64))
         self.samples_per_epoch = samples_per_epoch(self.tokens_per_epoch, seq_length)
         if self.samples_per_epoch == 0:
-            raise DataError(
+            raise SplitTooSmallError(
                 f"the {split_name} split of {self.indexed.prefix} (sequences {start}..{end}) has "
                 f"{self.tokens_per_epoch} tokens, fewer than seq_length + 1 = {seq_length + 1}: the dataset is "
                 f"too small; use more data (--data-path), a larger {split_name} share of --split, or a shorter "

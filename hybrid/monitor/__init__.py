@@ -11,12 +11,13 @@ from hybrid.monitor.flops import (MatmulProbe, PeakFlops, model_flops_utilizatio
                                   resolve_peak_flops, table_peak_tflops, tflops_per_device)
 from hybrid.monitor.interval import IntervalAccumulator, IntervalSummary, IterationMetrics
 from hybrid.monitor.memory import MemoryStats, read_memory_stats
-from hybrid.monitor.tensorboard_writer import CHECKPOINT_TAGS, HPARAMS_TAG, TRAIN_TAGS, VALID_TAGS, TensorBoardWriter
+from hybrid.monitor.tensorboard_writer import (CHECKPOINT_TAGS, HPARAMS_TAG, TEST_TAGS, TRAIN_TAGS, VALID_TAGS,
+                                              TensorBoardWriter)
 from hybrid.monitor.training_monitor import TrainingMonitor
 
 __all__ = [
     "TrainingMonitor", "IterationMetrics", "IntervalSummary", "IntervalAccumulator",
     "PeakFlops", "MatmulProbe", "resolve_peak_flops", "table_peak_tflops", "tflops_per_device",
     "model_flops_utilization", "MemoryStats", "read_memory_stats", "TensorBoardWriter",
-    "TRAIN_TAGS", "VALID_TAGS", "CHECKPOINT_TAGS", "HPARAMS_TAG",
+    "TRAIN_TAGS", "VALID_TAGS", "TEST_TAGS", "CHECKPOINT_TAGS", "HPARAMS_TAG",
 ]

@@ -1,4 +1,4 @@
-"""The one-line console reports of training and validation."""
+"""The one-line console reports of training and evaluation."""
 
 from __future__ import annotations
 
@@ -55,6 +55,12 @@ def perplexity(loss: float) -> float:
         return math.inf
 
 
-def format_validation_line(iteration: int, lm_loss: float) -> str:
-    return (f"validation at iteration {iteration} | lm loss: {lm_loss:.6E} | "
+# The splits the trainer evaluates (TensorBoard's tag prefix), each with its word on the console.
+EVALUATED_SPLITS = {"valid": "validation", "test": "test"}
+
+
+def format_evaluation_line(split: str, iteration: int, lm_loss: float) -> str:
+    """For example ``validation at iteration 100 | lm loss: 5.4E+00 | lm loss PPL: 2.2E+02``;
+    ``split``: a key of :data:`EVALUATED_SPLITS`."""
+    return (f"{EVALUATED_SPLITS[split]} at iteration {iteration} | lm loss: {lm_loss:.6E} | "
             f"lm loss PPL: {perplexity(lm_loss):.6E}")

@@ -19,6 +19,8 @@ The tag set is fixed (dashboards and tests rely on it):
 ``memory/peak_bytes``      CUDA peak allocated, or peak RSS on CPU
 ``valid/lm_loss``          validation loss
 ``valid/ppl``              validation perplexity
+``test/lm_loss``           test loss (at the end of training)
+``test/ppl``               test perplexity
 ``checkpoint/blocking_s``  seconds training waited for the save (all of a
                            synchronous one; a background one's host copy)
 ``checkpoint/write_s``     seconds from the start of writing to ``latest``
@@ -47,7 +49,15 @@ TRAIN_TAGS = (
     "train/iteration_time_s", "train/tokens_per_sec", "train/tflops_per_device", "train/mfu",
     "train/batch_size", "memory/allocated_bytes", "memory/peak_bytes",
 )
-VALID_TAGS = ("valid/lm_loss", "valid/ppl")
+
+
+def evaluation_tags(split: str) -> tuple:
+    """The (loss, perplexity) tags of an evaluated split (a key of ``console.EVALUATED_SPLITS``)."""
+    return f"{split}/lm_loss", f"{split}/ppl"
+
+
+VALID_TAGS = evaluation_tags("valid")
+TEST_TAGS = evaluation_tags("test")
 CHECKPOINT_TAGS = ("checkpoint/blocking_s", "checkpoint/write_s", "checkpoint/bytes")
 HPARAMS_TAG = "hyperparameters"
 
@@ -99,9 +109,9 @@ class TensorBoardWriter:
         for tag, value in train_scalars(s).items():
             self._scalar(tag, value, s.iteration)
 
-    def write_validation(self, iteration: int, lm_loss: float) -> None:
-        self._scalar("valid/lm_loss", lm_loss, iteration)
-        self._scalar("valid/ppl", perplexity(lm_loss), iteration)
+    def write_evaluation(self, split: str, iteration: int, lm_loss: float) -> None:
+        for tag, value in zip(evaluation_tags(split), (lm_loss, perplexity(lm_loss))):
+            self._scalar(tag, value, iteration)
 
     def write_checkpoint(self, iteration: int, blocking_s: float, write_s: float, nbytes: int) -> None:
         for tag, value in zip(CHECKPOINT_TAGS, (blocking_s, write_s, float(nbytes))):

@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from hybrid.monitor.console import format_train_line, format_validation_line
+from hybrid.monitor.console import format_evaluation_line, format_train_line
 from hybrid.monitor.flops import PeakFlops
 from hybrid.monitor.interval import IntervalAccumulator, IntervalSummary, IterationMetrics
 from hybrid.monitor.memory import MemoryStats, read_memory_stats
@@ -44,8 +44,8 @@ class TrainingMonitor:
                  device: Optional[torch.device] = None,
                  print_fn: Callable[[str], None] = _print_line,
                  memory_fn: Callable[[Optional[torch.device]], MemoryStats] = read_memory_stats):
-        if train_iters < 1:
-            raise ValueError(f"train_iters must be >= 1, got {train_iters}")
+        if train_iters < 0:  # 0: a run that only evaluates (--skip-train at iteration 0)
+            raise ValueError(f"train_iters must be >= 0, got {train_iters}")
         if log_interval < 1:
             raise ValueError(f"log_interval (--log-interval) must be >= 1, got {log_interval}")
         self.train_iters, self.log_interval = train_iters, log_interval
@@ -92,14 +92,15 @@ class TrainingMonitor:
             self._tb.write_train(summary)
         return line
 
-    def record_validation(self, iteration: int, lm_loss: float) -> Optional[str]:
-        """Report a validation loss (already averaged over ``--eval-iters`` and ranks)."""
+    def record_evaluation(self, split: str, iteration: int, lm_loss: float) -> Optional[str]:
+        """Report the loss of an evaluation on ``split`` (``"valid"`` or ``"test"``), already averaged over
+        ``--eval-iters`` and ranks."""
         if not self.is_logging_rank:
             return None
-        line = format_validation_line(iteration, lm_loss)
+        line = format_evaluation_line(split, iteration, lm_loss)
         self._print(line)
         if self._tb is not None:
-            self._tb.write_validation(iteration, lm_loss)
+            self._tb.write_evaluation(split, iteration, lm_loss)
         return line
 
     def record_checkpoint(self, iteration: int, blocking_s: float, write_s: float, nbytes: int) -> None:

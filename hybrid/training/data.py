@@ -1,4 +1,4 @@
-"""The trainer's data: datasets for the train/valid splits and this rank's micro-batches.
+"""The trainer's data: datasets for the train, valid and test splits.
 
 Sample order is a function of (seed, global sample index) only, and DP rank r
 reads its slice of each global batch, so the batches a run sees do not depend
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from hybrid.config import HybridConfig
-from hybrid.data import build_train_valid_test_datasets
+from hybrid.data import SplitTooSmallError, build_train_valid_test_datasets, parse_split
 
 
 class MockDataset(torch.utils.data.Dataset):
@@ -36,20 +36,32 @@ class MockDataset(torch.utils.data.Dataset):
 
 @dataclasses.dataclass
 class TrainData:
-    train: torch.utils.data.Dataset
+    """The run's datasets; ``None`` where the run reads none of that split."""
+
+    train: Optional[torch.utils.data.Dataset]  # None with run.skip_train
     valid: Optional[torch.utils.data.Dataset]
+    test: Optional[torch.utils.data.Dataset]
+    # why a test share of the data is not evaluated (it holds too few tokens for one sample), for a note
+    test_skipped: Optional[str] = None
 
 
 def build_data(config: HybridConfig, seq_length: int, vocab_size: int, train_samples: int, global_batch: int,
                eod_id: Optional[int], rank: int, barrier) -> TrainData:
-    """Datasets sized for the whole run: ``train_samples`` training samples (every global batch of the run), and
-    enough validation samples for every evaluation, ``eval.iters`` batches of ``global_batch`` (each evaluation
-    reads the same ones)."""
+    """Datasets sized for the whole run: ``train_samples`` training samples (every global batch of the run; 0
+    builds none), and for each evaluated split ``eval.iters`` batches of ``global_batch`` (each evaluation
+    reads the same ones).
+
+    Validation data is read when the run validates (``eval.validates``); test data when the data has a test
+    share (``data.split``'s third part, or ``data.test_path``). Random tokens (``data.mock``) have no test split.
+    """
     evaluation, data, seed = config.eval, config.data, config.seed
-    valid_samples = evaluation.iters * global_batch if evaluation.interval > 0 else 0
+    eval_samples = evaluation.iters * global_batch
+    valid_samples = eval_samples if evaluation.validates else 0
     if data.mock:
-        valid = MockDataset(valid_samples, seq_length, vocab_size, seed + 1) if valid_samples else None
-        return TrainData(MockDataset(train_samples, seq_length, vocab_size, seed), valid)
+        def mock(samples: int, offset: int):
+            return MockDataset(samples, seq_length, vocab_size, seed + offset) if samples else None
+        return TrainData(mock(train_samples, 0), mock(valid_samples, 1), None)
+
     def datasets(paths, split: str, counts):
         return build_train_valid_test_datasets(
             paths, split, seq_length, counts, seed=seed, cache_dir=data.cache_path, eod_id=eod_id,
@@ -58,6 +70,13 @@ def build_data(config: HybridConfig, seq_length: int, vocab_size: int, train_sam
     if data.train_path:  # a path for each split: all of its documents are that split's
         train = datasets(data.train_path, "1,0,0", (train_samples, 0, 0))[0]
         valid = datasets(data.valid_path, "0,1,0", (0, valid_samples, 0))[1] if valid_samples else None
-        return TrainData(train, valid)
-    train, valid, _ = datasets(data.path, data.split, (train_samples, valid_samples, 0))
-    return TrainData(train, valid)
+        test_paths, test_split = data.test_path, "0,0,1"
+    else:
+        train, valid, _ = datasets(data.path, data.split, (train_samples, valid_samples, 0))
+        test_paths, test_split = data.path, data.split
+    if not (test_paths and eval_samples and parse_split(test_split)[2] > 0):
+        return TrainData(train, valid, None)
+    try:
+        return TrainData(train, valid, datasets(test_paths, test_split, (0, 0, eval_samples))[2])
+    except SplitTooSmallError as e:  # every rank reads the same data, so every rank skips alike
+        return TrainData(train, valid, None, test_skipped=str(e))

@@ -5,6 +5,9 @@ through the engine (forward, backward, and at the last one the optimizer
 step), the loss is averaged over DP, and the monitor reports. Checkpoints are
 saved every ``--save-interval`` iterations, on SIGTERM/SIGINT, and at
 ``--exit-interval`` / ``--exit-duration-in-mins``; ``--load`` resumes exactly.
+The validation split is evaluated every ``--eval-interval`` iterations and
+when training ends, the test split once, when training ends (not at an early
+exit). ``--skip-train`` trains nothing: it evaluates the loaded weights.
 
 Everything is read from one :class:`~hybrid.config.HybridConfig`: the engine
 gets it whole (it ignores the trainer's sections), the trainer reads its own
@@ -22,7 +25,8 @@ from typing import Optional, Sequence
 import torch
 
 import hybrid
-from hybrid.checkpoint import CheckpointError, checkpoint_bytes, find_resume_point, lock_save_dir
+from hybrid.checkpoint import (CheckpointError, CheckpointNotFoundError, checkpoint_bytes, find_resume_point,
+                               lock_save_dir)
 from hybrid.config import HybridConfig
 from hybrid.config.parse import to_dotted
 from hybrid.data import GlobalBatchSampler, iter_global_batches, load_tokenizer
@@ -95,8 +99,13 @@ class Trainer:
         # until train() ends (a second job saving there is refused).
         with flag_context(f"--load {config.checkpoint.load}"):
             resume = find_resume_point(config.checkpoint.load) if config.checkpoint.load is not None else None
+            if resume is None and config.checkpoint.load is not None and config.run.skip_train:
+                # evaluating fresh weights where a checkpoint's were meant would report a meaningless loss
+                raise CheckpointNotFoundError(f"{config.checkpoint.load} holds no checkpoint for --skip-train to "
+                                              f"evaluate; give a checkpoint's directory, or no --load to evaluate "
+                                              f"the initial weights")
         self.save_lock = None
-        if config.checkpoint.save is not None:
+        if config.checkpoint.save is not None and not config.run.skip_train:
             self.save_lock = lock_save_dir(config.checkpoint.save, holder=topo.rank == 0,
                                            all_gather_object=topo.comm.all_gather_object)
         # None without tokenizer files (mock data, --vocab-size)
@@ -116,17 +125,20 @@ class Trainer:
         self.batch = self.engine.batch
         # the run's length in optimizer steps: given, or every whole global batch within run.train_samples
         run = config.run
-        self.train_iters = (run.train_iters if run.train_iters is not None
-                            else self.batch.schedule.steps_within(run.train_samples))
         self.iteration = 0
         if resume is not None:
             self._load(str(resume))
         elif config.checkpoint.load is not None:
             _log(topo, f"--load {config.checkpoint.load}: no checkpoint there yet, starting from scratch")
+        if run.skip_train:  # the run ends where it starts
+            self.train_iters = self.iteration
+        else:
+            self.train_iters = (run.train_iters if run.train_iters is not None
+                                else self.batch.schedule.steps_within(run.train_samples))
         eod = self.tokenizer.eod_id if self.tokenizer else None
-        self.data = build_data(config, self.model_config.seq_length, self.model_config.vocab_size,
-                               self.batch.schedule.samples_after(self.train_iters), self.batch.global_batch_size,
-                               eod, rank=topo.rank, barrier=topo.comm.barrier)
+        train_samples = 0 if run.skip_train else self.batch.schedule.samples_after(self.train_iters)
+        self.data = build_data(config, self.model_config.seq_length, self.model_config.vocab_size, train_samples,
+                               self.batch.global_batch_size, eod, rank=topo.rank, barrier=topo.comm.barrier)
         peak = resolve_peak_flops(topo.device, config.precision, config.logging.peak_tflops)
         self.monitor = TrainingMonitor(
             train_iters=self.train_iters, log_interval=config.logging.log_interval,
@@ -134,6 +146,7 @@ class Trainer:
             flops_per_token=flops_per_token(self.model_config), peak=peak,
             tensorboard_dir=config.logging.tensorboard_dir, device=topo.device)
         self.history = []  # (iteration, DP-averaged lm loss) of this run, for callers and tests
+        self.evaluations = []  # (split, iteration, loss) of each evaluation, "valid" or "test"
         self.profile = StepProfile(self.topology.comm, steady_state_start(
             config.optimizer.type, config.optimizer.freeze_step, self.iteration))
         self.run_profile: Optional[dict] = None  # the closing "run profile" figures, once train() has finished
@@ -145,10 +158,13 @@ class Trainer:
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def _load(self, path: str) -> None:
-        ckpt = self.config.checkpoint
+        """Resume from ``path``; weights only with ``--finetune`` (from iteration 0) and ``--skip-train`` (at the
+        checkpoint's iteration: evaluation needs no optimizer state)."""
+        ckpt, skip_train = self.config.checkpoint, self.config.run.skip_train
+        weights_only = ckpt.finetune or skip_train
         with flag_context(f"--load {path}"):
             try:
-                state = load_engine(self.engine, path, load_optimizer=not ckpt.finetune,
+                state = load_engine(self.engine, path, load_optimizer=not weights_only,
                                     keep_configured_schedule=ckpt.override_opt_param_scheduler)
             except ValueError as e:
                 # The components refuse a state that does not fit this run (another optimizer, parameter
@@ -156,9 +172,10 @@ class Trainer:
                 raise CheckpointError(str(e)) from e
         if not ckpt.finetune:
             self.iteration = state["iteration"]
+        why = "--finetune" if ckpt.finetune else "--skip-train"
         _log(self.topology, f"loaded {state['path']} (iteration {state['iteration']}, "
                             f"{state['consumed_samples']} samples consumed)"
-                            + (" weights only (--finetune)" if ckpt.finetune else ""))
+                            + (f" weights only ({why})" if weights_only else ""))
 
     def saved_settings(self) -> dict:
         """The settings stored with each checkpoint (``client_state["args"]``): the tree, batch resolved.
@@ -233,15 +250,19 @@ class Trainer:
         return float(mean)
 
     @torch.no_grad()
-    def evaluate(self) -> Optional[float]:
-        if self.data.valid is None:
+    def evaluate(self, split: str = "valid") -> Optional[float]:
+        """The mean loss of ``split``'s (``"valid"`` or ``"test"``) first ``--eval-iters`` global batches, each
+        batch's loss averaged over its micro-batches and then over ``"dp"`` (collective); None where the run
+        has no data for that split."""
+        dataset = getattr(self.data, split)
+        if dataset is None:
             return None
         engine, device = self.engine, self.topology.device
         engine.eval()
-        sampler = GlobalBatchSampler(len(self.data.valid), 0, self.batch.micro_batch_size,
+        sampler = GlobalBatchSampler(len(dataset), 0, self.batch.micro_batch_size,
                                      self.batch.global_batch_size, self.topology.dp_rank, self.topology.dp_size)
         losses = []
-        for k, micro_batches in enumerate(iter_global_batches(self.data.valid, sampler)):
+        for k, micro_batches in enumerate(iter_global_batches(dataset, sampler)):
             if k >= self.config.eval.iters:
                 break
             losses.append(engine.eval_batch(self._model_inputs(micro_batches)))
@@ -252,64 +273,28 @@ class Trainer:
 
     # ---- the loop -----------------------------------------------------------------------------------
     def train(self) -> int:
-        """Train to ``--train-iters`` (or an exit condition); returns the last iteration."""
+        """Train to ``--train-iters`` (or an exit condition), then evaluate; returns the last iteration.
+
+        With ``--skip-train``: evaluate the model as built or loaded, at its iteration, and save nothing.
+        """
         config, topo = self.config, self.topology
-        train_iters, eval_interval, save_dir = self.train_iters, config.eval.interval, config.checkpoint.save
-        save_interval = config.checkpoint.save_interval
         self.monitor.announce()
         self.monitor.log_hparams(to_dotted(config))
-        _log(topo, optimizer_line(config, *self._decay_exempt))
-        _log(topo, f"training {self.model_config.num_layers}-layer GPT on {topo.describe().split(' rank=')[0]}, "
-                   f"device {topo.device.type}, ZeRO stage {config.zero.stage}, {config.precision}, "
-                   f"from iteration {self.iteration}")
-        _log(topo, f"{self.batch.schedule.describe()}; {train_iters} iterations, "
-                   f"{self.batch.schedule.samples_after(train_iters)} samples")
-        sampler = GlobalBatchSampler(len(self.data.train), self.consumed_samples, self.batch.micro_batch_size,
-                                     self.batch.schedule, topo.dp_rank, topo.dp_size)
-        batches = iter_global_batches(self.data.train, sampler)
+        where = (f"{self.model_config.num_layers}-layer GPT on {topo.describe().split(' rank=')[0]}, device "
+                 f"{topo.device.type}, ZeRO stage {config.zero.stage}, {config.precision}")
+        if config.run.skip_train:
+            _log(topo, f"evaluating {where}, at iteration {self.iteration} (--skip-train: no training step, "
+                       f"nothing saved)")
+        else:
+            _log(topo, optimizer_line(config, *self._decay_exempt))
+            _log(topo, f"training {where}, from iteration {self.iteration}")
+            _log(topo, f"{self.batch.schedule.describe()}; {self.train_iters} iterations, "
+                       f"{self.batch.schedule.samples_after(self.train_iters)} samples")
+        if self.data.test_skipped is not None:
+            _log(topo, f"no test evaluation: {self.data.test_skipped}")
         try:
-            while self.iteration < train_iters:
-                self._collect_save(wait=False)
-                start = time.perf_counter()
-                skipped_before = self.engine.skipped_steps
-                batch_size = self.engine.global_batch_size
-                self.guard.before_step()
-                self.profile.begin()
-                loss = self._train_step(next(batches))
-                self.profile.end()
-                self.iteration += 1
-                self.history.append((self.iteration, loss))
-                self.monitor.record(IterationMetrics(
-                    iteration=self.iteration, consumed_samples=self.consumed_samples, lm_loss=loss,
-                    learning_rate=self.engine.last_lr if self.engine.last_lr is not None else self.engine.lr,
-                    batch_size=batch_size, iteration_time_s=time.perf_counter() - start,
-                    grad_norm=self.engine.get_grad_norm(),
-                    loss_scale=self.engine.loss_scale if config.precision == "fp16" else None,
-                    skipped=self.engine.skipped_steps > skipped_before,
-                    params_norm=self.engine.get_params_norm() if config.logging.log_params_norm else None,
-                    num_zeros=self.engine.get_num_zeros_in_grad()))
-                diverged = self.guard.check(self.iteration, self.engine.skipped_steps > skipped_before, loss, topo)
-                if diverged is not None:
-                    self.monitor.flush_interval()
-                    raise TrainingDiverged(diverged)
-                if eval_interval and self.iteration % eval_interval == 0:
-                    self._report_validation()
-                reason = self.exit.check(self.iteration, topo)
-                saving = save_dir is not None and (
-                    reason is not None
-                    or (save_interval and self.iteration % save_interval == 0)
-                    or self.iteration == train_iters)
-                if saving:
-                    if reason is not None:
-                        self._collect_save(wait=True, verify=True)  # the save in flight, before the final one
-                    self.save()
-                if reason is not None:
-                    self.monitor.flush_interval()
-                    _log(topo, f"exiting at iteration {self.iteration}: {reason}")
-                    break
-            else:
-                if eval_interval and self.iteration % eval_interval != 0:
-                    self._report_validation()
+            if config.run.skip_train or self._train_loop():
+                self._final_evaluations()
             self._collect_save(wait=True, verify=True)
             self._report_inter_node_traffic()
             self._report_profile()
@@ -324,6 +309,64 @@ class Trainer:
             if self.save_lock is not None:
                 self.save_lock.release()
         return self.iteration
+
+    def _train_loop(self) -> bool:
+        """The iterations up to ``--train-iters``; False when an exit condition (a signal, ``--exit-interval``,
+        ``--exit-duration-in-mins``) ended them early, after saving."""
+        config, topo = self.config, self.topology
+        train_iters, save_dir = self.train_iters, config.checkpoint.save
+        eval_interval, save_interval = config.eval.interval, config.checkpoint.save_interval
+        sampler = GlobalBatchSampler(len(self.data.train), self.consumed_samples, self.batch.micro_batch_size,
+                                     self.batch.schedule, topo.dp_rank, topo.dp_size)
+        batches = iter_global_batches(self.data.train, sampler)
+        while self.iteration < train_iters:
+            self._collect_save(wait=False)
+            start = time.perf_counter()
+            skipped_before = self.engine.skipped_steps
+            batch_size = self.engine.global_batch_size
+            self.guard.before_step()
+            self.profile.begin()
+            loss = self._train_step(next(batches))
+            self.profile.end()
+            self.iteration += 1
+            self.history.append((self.iteration, loss))
+            self.monitor.record(IterationMetrics(
+                iteration=self.iteration, consumed_samples=self.consumed_samples, lm_loss=loss,
+                learning_rate=self.engine.last_lr if self.engine.last_lr is not None else self.engine.lr,
+                batch_size=batch_size, iteration_time_s=time.perf_counter() - start,
+                grad_norm=self.engine.get_grad_norm(),
+                loss_scale=self.engine.loss_scale if config.precision == "fp16" else None,
+                skipped=self.engine.skipped_steps > skipped_before,
+                params_norm=self.engine.get_params_norm() if config.logging.log_params_norm else None,
+                num_zeros=self.engine.get_num_zeros_in_grad()))
+            diverged = self.guard.check(self.iteration, self.engine.skipped_steps > skipped_before, loss, topo)
+            if diverged is not None:
+                self.monitor.flush_interval()
+                raise TrainingDiverged(diverged)
+            if eval_interval and self.iteration % eval_interval == 0:
+                self._report_evaluation("valid")
+            reason = self.exit.check(self.iteration, topo)
+            saving = save_dir is not None and (
+                reason is not None
+                or (save_interval and self.iteration % save_interval == 0)
+                or self.iteration == train_iters)
+            if saving:
+                if reason is not None:
+                    self._collect_save(wait=True, verify=True)  # the save in flight, before the final one
+                self.save()
+            if reason is not None:
+                self.monitor.flush_interval()
+                _log(topo, f"exiting at iteration {self.iteration}: {reason}")
+                return False
+        return True
+
+    def _final_evaluations(self) -> None:
+        """At the end of training (or of ``--skip-train``): the validation split, unless this iteration's
+        periodic evaluation has just read it, then the test split."""
+        interval = self.config.eval.interval
+        if interval and (self.config.run.skip_train or self.iteration % interval != 0):
+            self._report_evaluation("valid")
+        self._report_evaluation("test")
 
     def _report_inter_node_traffic(self) -> None:
         """On more than one node, one line from rank 0: the bytes each node sent to the others (the
@@ -346,10 +389,12 @@ class Trainer:
         if summary is not None:
             _log(self.topology, profile_line(summary))
 
-    def _report_validation(self) -> None:
-        loss = self.evaluate()
+    def _report_evaluation(self, split: str) -> None:
+        """Evaluate ``split`` (collective) and report its loss; nothing where the run has no such data."""
+        loss = self.evaluate(split)
         if loss is not None:
-            self.monitor.record_validation(self.iteration, loss)
+            self.evaluations.append((split, self.iteration, loss))
+            self.monitor.record_evaluation(split, self.iteration, loss)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

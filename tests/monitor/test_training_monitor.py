@@ -4,8 +4,8 @@ import re
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from hybrid.monitor import (CHECKPOINT_TAGS, HPARAMS_TAG, TRAIN_TAGS, VALID_TAGS, IterationMetrics, MemoryStats,
-                            PeakFlops, TrainingMonitor)
+from hybrid.monitor import (CHECKPOINT_TAGS, HPARAMS_TAG, TEST_TAGS, TRAIN_TAGS, VALID_TAGS, IterationMetrics,
+                            MemoryStats, PeakFlops, TrainingMonitor)
 
 SEQ, WORLD, BATCH, FLOPS_PER_TOKEN, PEAK = 64, 4, 8, 3.0e9, 2.0
 MEMORY = MemoryStats("rss", 300 * 2**20, 500 * 2**20)
@@ -40,7 +40,8 @@ def _run(tmp_path, is_logging_rank=True, train_iters=12, log_interval=5):
             metrics.append(m)
             mon.record(m)
             if i % 6 == 0:
-                mon.record_validation(i, 3.0 + 1.0 / i)
+                mon.record_evaluation("valid", i, 3.0 + 1.0 / i)
+        mon.record_evaluation("test", train_iters, 3.5)
     mon.close()  # a second close is harmless
     return lines, metrics
 
@@ -55,8 +56,8 @@ def test_every_tag_present_finite_at_the_right_steps(tmp_path):
     _run(tmp_path)
     acc = _events(tmp_path)
     tags = acc.Tags()
-    assert set(tags["scalars"]) == set(TRAIN_TAGS) | set(VALID_TAGS)
-    assert len(TRAIN_TAGS) + len(VALID_TAGS) == 16
+    assert set(tags["scalars"]) == set(TRAIN_TAGS) | set(VALID_TAGS) | set(TEST_TAGS)
+    assert len(TRAIN_TAGS) + len(VALID_TAGS) + len(TEST_TAGS) == 18
     for tag in TRAIN_TAGS:
         events = acc.Scalars(tag)
         assert [e.step for e in events] == [5, 10, 12], tag
@@ -65,6 +66,8 @@ def test_every_tag_present_finite_at_the_right_steps(tmp_path):
         events = acc.Scalars(tag)
         assert [e.step for e in events] == [6, 12], tag
         assert all(math.isfinite(e.value) for e in events), tag
+    for tag in TEST_TAGS:
+        assert [e.step for e in acc.Scalars(tag)] == [12], tag
     assert f"{HPARAMS_TAG}/text_summary" in tags["tensors"]
     text = acc.Tensors(f"{HPARAMS_TAG}/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "| tensor-model-parallel-size | 2 |" in text and "a\\|b" in text
@@ -95,6 +98,7 @@ def test_scalar_values_match_hand_computation(tmp_path):
     assert value["memory/peak_bytes"][5] == pytest.approx(MEMORY.peak_bytes, rel=1e-6)
     assert value["valid/lm_loss"][6] == pytest.approx(3.0 + 1 / 6, rel=1e-6)
     assert value["valid/ppl"][12] == pytest.approx(math.exp(3.0 + 1 / 12), rel=1e-6)
+    assert value["test/lm_loss"] == {12: 3.5} and value["test/ppl"][12] == pytest.approx(math.exp(3.5), rel=1e-6)
     # The last, partial interval (11..12) averages its own two iterations.
     assert value["train/lm_loss"][12] == pytest.approx((4.5 + 4.0) / 2, rel=1e-6)
 
@@ -121,6 +125,7 @@ def test_console_lines(tmp_path):
     assert [(p.group(6), p.group(7)) for p in parsed] == [("1", "1"), ("0", "0"), ("0", "0")]
     assert valid[0] == f"validation at iteration 6 | lm loss: {3 + 1 / 6:.6E} | " \
                        f"lm loss PPL: {math.exp(3 + 1 / 6):.6E}"
+    assert lines[-1] == f"test at iteration 12 | lm loss: {3.5:.6E} | lm loss PPL: {math.exp(3.5):.6E}"
 
 
 def test_params_norm_and_zeros_appear_only_when_measured(tmp_path):

@@ -29,7 +29,7 @@ def _torchrun(*args):
 def test_tiny_demo_end_to_end(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from hybrid.monitor import TRAIN_TAGS, VALID_TAGS
+    from hybrid.monitor import TEST_TAGS, TRAIN_TAGS, VALID_TAGS
 
     work = tmp_path / "tiny"
     proc = subprocess.run(["bash", str(REPO / "launch_scripts/pretrain_gpt_tiny.sh")], cwd=REPO, text=True,
@@ -45,12 +45,15 @@ def test_tiny_demo_end_to_end(tmp_path):
     valid = [float(line.split("lm loss:")[1].split("|")[0]) for line in out.splitlines()
              if line.startswith("validation at iteration")]
     assert len(valid) == 3 and max(valid) < math.log(4096) - 0.8 and min(valid[1:]) < valid[0], valid
+    # The test split (the demo's --split 90,5,5), once, at the end
+    test = [line for line in out.splitlines() if line.startswith("test at iteration")]
+    assert len(test) == 1 and test[0].startswith("test at iteration 24 |"), test
     # Every TensorBoard tag is there with finite values.
     (event_dir,) = {p.parent for p in (work / "tensorboard").rglob("events.out.tfevents.*")}
     acc = EventAccumulator(str(event_dir), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     scalars = set(acc.Tags()["scalars"])
-    for tag in list(TRAIN_TAGS) + list(VALID_TAGS):
+    for tag in list(TRAIN_TAGS) + list(VALID_TAGS) + list(TEST_TAGS):
         assert tag in scalars, f"{tag} missing from {sorted(scalars)}"
         assert all(math.isfinite(e.value) for e in acc.Scalars(tag)), tag
     assert [e.step for e in acc.Scalars("train/lm_loss")] == [4, 8, 12, 16, 20, 24]
