@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import difflib
 import typing
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from hybrid.argument_parser import ArgumentParser
 from hybrid.config.deepspeed import deepspeed_settings, from_deepspeed
 from hybrid.config.derive import derive_for_training
 from hybrid.config.errors import ConfigError, one_error_for_all, suggestion
-from hybrid.config.flags import Given, Leaf, Spelling, apply_given, put
+from hybrid.config.flags import Given, Leaf, Spelling, apply_given, has_key, put
 from hybrid.config.load import check_deepspeed_dtypes, is_deepspeed_style, read_config_file
 from hybrid.config.megatron_flags import MEGATRON_FLAGS, check_megatron_flags
 from hybrid.config.parse import parse_section
@@ -132,13 +132,16 @@ def _nargs(leaf: Leaf):
 
 
 def config_from_command_line(argv: Optional[Sequence[str]] = None, prog: str = "hybrid-train",
-                             description: str = "", notes: Optional[List[str]] = None) -> HybridConfig:
+                             description: str = "", notes: Optional[List[str]] = None,
+                             underlay: Optional[Callable[[HybridConfig], Mapping[str, Any]]] = None) -> HybridConfig:
     """Defaults, then ``--config FILE``, then flags: one validated config with the trainer's derived values.
 
     Unknown flags exit through argparse (status 2, with the nearest flag);
     everything else raises :class:`~hybrid.config.ConfigError`. Megatron-LM
     flags without a key (:mod:`hybrid.config.megatron_flags`) that change
     nothing here are appended to ``notes``, one line each; a refused one raises.
+    ``underlay``: given the settings the file and flags make, more settings (dotted keys) for the keys that
+    neither sets, between them and the defaults (the trainer's ``--use-checkpoint-args``).
     """
     parser, dests = build_parser(prog, description)
     namespace, extras = parser.parse_known_args(argv)
@@ -154,6 +157,10 @@ def config_from_command_line(argv: Optional[Sequence[str]] = None, prog: str = "
     path = given.pop("config", None)
     tree: Dict[str, Any] = tree_from_file(path) if path else {}
     apply_given(tree, [Given(dests[dest], value) for dest, value in given.items()])
+    if underlay is not None:
+        for key, value in underlay(parse_section(HybridConfig, tree, "")).items():
+            if not has_key(tree, key):
+                put(tree, key, value)
     cfg = derive_for_training(parse_section(HybridConfig, tree, ""))
     validate(cfg)
     if path and given:

@@ -441,6 +441,9 @@ class ModelConfig:
     sequence_parallel: bool = _field(False, flag="--sequence-parallel",
                                      help="shard norm and dropout activations along the sequence over TP")
 
+    # How the model is trained and computed, not what it is: checkpoint.use_checkpoint_args leaves them alone.
+    TRAINING_KEYS: ClassVar[Tuple[str, ...]] = ("hidden_dropout", "attention_dropout", "sequence_parallel")
+
 
 @dataclasses.dataclass
 class DataConfig:
@@ -501,6 +504,10 @@ class CheckpointConfig:
     keep_last: Optional[int] = _field(None, ge=1, flag="--keep-last", help="keep only the newest K checkpoints")
     finetune: bool = _field(False, flag="--finetune",
                             help="load weights only: new optimizer, schedule and data position")
+    use_checkpoint_args: bool = _field(False, flag="--use-checkpoint-args",
+                                       help="take the model settings (the model section) that neither a flag nor "
+                                            "--config gives from the checkpoint checkpoint.load names, as it was "
+                                            "trained")
     override_opt_param_scheduler: bool = _field(False, flag="--override-opt-param-scheduler",
                                                 help="on load, keep the configured LR schedule settings (e.g. a "
                                                      "longer run.train_iters) at the saved position")

@@ -364,6 +364,9 @@ def _training_requirements(cfg: "HybridConfig", problems: List[ConfigError]) -> 
         if getattr(ckpt, key) and ckpt.load is None:
             error(f"config key 'checkpoint.{key}' changes how a checkpoint is loaded; it needs "
                   f"'checkpoint.load'", f"checkpoint.{key}", "checkpoint.load")
+    if ckpt.use_checkpoint_args and ckpt.load is None:
+        error("config key 'checkpoint.use_checkpoint_args' reads the model settings from the checkpoint loaded; "
+              "it needs 'checkpoint.load'", "checkpoint.use_checkpoint_args", "checkpoint.load")
     if ckpt.async_save and ckpt.save is None:
         error("config key 'checkpoint.async_save' writes the trainer's checkpoints in the background; it "
               "needs 'checkpoint.save' (a directory to save in)", "checkpoint.async_save", "checkpoint.save")

@@ -10,11 +10,12 @@ The flags are derived from :class:`~hybrid.config.HybridConfig` (see
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from hybrid.config import HybridConfig, config_from_command_line, validate_for_training
 from hybrid.config.flags import key_error
@@ -33,10 +34,43 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> HybridConfig:
     parses the same flags).
     """
     notes: List[str] = []
-    config = config_from_command_line(argv, prog="hybrid-train", description=DESCRIPTION, notes=notes)
+    config = config_from_command_line(argv, prog="hybrid-train", description=DESCRIPTION, notes=notes,
+                                      underlay=checkpoint_model_settings)
     if notes and os.environ.get("RANK", "0") == "0":
         print(f"hybrid-train: note: Megatron-LM flags with no effect here: {'; '.join(notes)}", file=sys.stderr)
     return config
+
+
+def checkpoint_model_settings(config: HybridConfig) -> Dict[str, Any]:
+    """With ``checkpoint.use_checkpoint_args``: the model settings (dotted keys) that ``checkpoint.load``'s
+    checkpoint stored, as it was trained, less :attr:`~hybrid.config.ModelConfig.TRAINING_KEYS`; else none.
+
+    Megatron-LM's ``--use-checkpoint-args``: an evaluation or a continued run gives the data and the layout,
+    and the checkpoint gives the model. Settings the checkpoint does not know (unset, or keys of a later
+    release) keep their defaults. Raises :class:`~hybrid.config.ConfigError` when there is no checkpoint to
+    read, or it stores no trainer settings.
+    """
+    from hybrid.checkpoint import CheckpointError, CheckpointReader, find_resume_point
+    from hybrid.config import ModelConfig, saved_tree
+
+    ckpt = config.checkpoint
+    if not ckpt.use_checkpoint_args or ckpt.load is None:  # validate names a missing checkpoint.load
+        return {}
+    keys = ("checkpoint.use_checkpoint_args", "checkpoint.load")
+    try:
+        path = find_resume_point(ckpt.load)
+        if path is None:
+            raise _error(f"'checkpoint.use_checkpoint_args': 'checkpoint.load' {ckpt.load} holds no checkpoint to "
+                         f"read the model settings from", *keys)
+        saved = CheckpointReader(path).trainer_state.get("client", {}).get("args")
+    except CheckpointError as e:
+        raise _error(f"'checkpoint.use_checkpoint_args': {e}", *keys) from None
+    model = saved_tree(saved).get("model")
+    if not model:
+        raise _error(f"'checkpoint.use_checkpoint_args': {path} stores no trainer settings (it was not saved by "
+                     f"hybrid-train): give the model's settings as flags instead", *keys)
+    known = {f.name for f in dataclasses.fields(ModelConfig)} - set(ModelConfig.TRAINING_KEYS)
+    return {f"model.{name}": value for name, value in model.items() if name in known}
 
 
 def validate(config: HybridConfig, world_size: int) -> None:

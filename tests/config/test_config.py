@@ -51,6 +51,7 @@ FULL = {
              "tokenizer_model": "tok.model", "vocab_file": None, "merge_file": None,
              "eod_mask_loss": True, "mock": False, "cache_path": "cache"},
     "checkpoint": {"save": "ckpt", "load": "ckpt", "save_interval": 50, "keep_last": 2, "finetune": False,
+                   "use_checkpoint_args": False,
                    "override_opt_param_scheduler": True, "async_save": True, "async_save_chunk_mb": 256},
     "run": {"train_iters": 100, "train_samples": None, "exit_interval": 60, "exit_duration_in_mins": 30.0,
             "max_consecutive_skipped_steps": 20, "skip_train": False},

@@ -6,6 +6,7 @@ float64 over the same samples, which the test builds itself from the data files.
 """
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,9 +21,11 @@ from tests.numerics import gamma, transformer_bound
 
 SEQ, VOCAB, DOCS = 16, 64, 100
 SPLIT = "8,1,1"
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ),
-         "--vocab-size", str(VOCAB), "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "3e-3",
-         "--lr-warmup-iters", "1", "--log-interval", "100", "--eval-iters", "2", "--seed", "7"]
+SHAPE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ),
+         "--vocab-size", str(VOCAB)]
+RUN = ["--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "3e-3", "--lr-warmup-iters", "1",
+       "--log-interval", "100", "--eval-iters", "2", "--seed", "7"]
+MODEL = SHAPE + RUN
 TRAIN_ITERS, EVAL_INTERVAL = 4, 2
 
 
@@ -49,11 +52,11 @@ def _run(argv):
 
 
 def _train_then_evaluate(data, save, layout, eval_layout):
-    common = MODEL + ["--data-path", data, "--split", SPLIT, "--eval-interval", str(EVAL_INTERVAL)]
-    trained = _run(common + layout + ["--train-iters", str(TRAIN_ITERS), "--save", save])
+    common = RUN + ["--data-path", data, "--split", SPLIT, "--eval-interval", str(EVAL_INTERVAL)]
+    trained = _run(SHAPE + common + layout + ["--train-iters", str(TRAIN_ITERS), "--save", save])
     before = sorted(os.listdir(save))
-    # --save is accepted and ignored: an evaluation run writes nothing
-    evaluated = _run(common + eval_layout + ["--skip-train", "--load", save, "--save", save])
+    # the model's settings from the checkpoint; --save is accepted and ignored: an evaluation run writes nothing
+    evaluated = _run(common + eval_layout + ["--skip-train", "--load", save, "--use-checkpoint-args", "--save", save])
     return trained, evaluated, before, sorted(os.listdir(save))
 
 
@@ -91,10 +94,11 @@ def _bound(largest: float) -> float:
     return (transformer_bound(cfg, SEQ, part="loss") + gamma(8 + 2 + 2)) * largest
 
 
-def test_the_test_split_is_evaluated_at_the_end_and_skip_train_evaluates_a_checkpoint(tmp_path):
+def test_the_test_split_is_evaluated_at_the_end_and_skip_train_evaluates_a_checkpoint_as_it_was_trained(tmp_path):
     data, save = str(tmp_path / "corpus"), str(tmp_path / "ckpt")
     _corpus(data)
-    # trained at TP 2 x DP 1, ZeRO-1; evaluated again at DP 2, ZeRO-3 (the weights partitioned over DP)
+    # trained at TP 2 x DP 1, ZeRO-1; evaluated again at DP 2, ZeRO-3 (the weights partitioned over DP), the
+    # model's shape read from the checkpoint (--use-checkpoint-args)
     results = run_distributed(_train_then_evaluate, 2, data, save,
                               ["--tensor-model-parallel-size", "2", "--zero-stage", "1"], ["--zero-stage", "3"],
                               timeout=240)
@@ -215,3 +219,50 @@ def test_skip_train_without_a_checkpoint_evaluates_the_initial_weights_and_an_em
     assert code == 1 and "validation at" not in out
     assert err.strip() == (f"hybrid-train: error: --load {empty}: {empty} holds no checkpoint for --skip-train to "
                            f"evaluate; give a checkpoint's directory, or no --load to evaluate the initial weights")
+
+
+LEGACY = Path(__file__).resolve().parents[1] / "fixtures" / "legacy_checkpoint" / "zero1"  # flat trainer args
+
+
+def test_use_checkpoint_args_takes_the_model_settings_no_flag_gives():
+    cfg = parse_args(["--use-checkpoint-args", "--load", str(LEGACY), "--mock-data", "--micro-batch-size", "1",
+                      "--train-iters", "1", "--seq-length", "8", "--hidden-dropout", "0.2"])
+    m = cfg.model
+    # stored by an earlier release as flat arguments: num_layers 1, hidden 32, 4 heads, sequence 16, vocabulary 128
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.vocab_size) == (1, 32, 4, 128)
+    assert m.seq_length == 8 and m.hidden_dropout == 0.2  # given as flags: theirs
+    validate(cfg, world_size=1)
+    # how the model was computed (here sequence parallelism, for TP 2) is not the model: not taken
+    from hybrid.training.cli import checkpoint_model_settings
+
+    taken = checkpoint_model_settings(cfg)
+    assert taken["model.num_layers"] == 1 and "model.sequence_parallel" not in taken
+
+
+def test_skip_train_with_use_checkpoint_args_evaluates_a_checkpoint_from_its_directory_alone(
+        monkeypatch, capsys):
+    # saved at TP 2 by an earlier release; evaluated in one process
+    code, out, err = _main(["--use-checkpoint-args", "--load", str(LEGACY), "--skip-train", "--mock-data",
+                            "--micro-batch-size", "1", "--global-batch-size", "4", "--eval-interval", "5",
+                            "--eval-iters", "1"], monkeypatch, capsys)
+    assert code == 0, err
+    assert "weights only (--skip-train)" in out
+    valid = [line for line in out.splitlines() if line.startswith("validation at iteration 3 |")]
+    assert len(valid) == 1, out
+
+
+@pytest.mark.parametrize("load,match", [
+    (None, r"'checkpoint\.use_checkpoint_args' reads the model settings from the checkpoint loaded; it needs "
+           r"'checkpoint\.load'"),
+    ("empty", r"'checkpoint\.use_checkpoint_args': 'checkpoint\.load' .*empty holds no checkpoint to read the "
+              r"model settings from \(set by --use-checkpoint-args, --load\)"),
+])
+def test_use_checkpoint_args_without_a_checkpoint_is_refused(tmp_path, load, match):
+    from hybrid.config import ConfigError
+
+    argv = ["--use-checkpoint-args", "--mock-data", "--micro-batch-size", "1", "--train-iters", "1"] + SHAPE
+    if load is not None:
+        (tmp_path / load).mkdir()
+        argv += ["--load", str(tmp_path / load)]
+    with pytest.raises(ConfigError, match=match):
+        validate(parse_args(argv), world_size=1)
