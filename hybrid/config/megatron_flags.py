@@ -45,6 +45,14 @@ _SDPA = "attention runs through torch's scaled_dot_product_attention, which pick
         "it can"
 _ONE_MODEL = "hybrid has one transformer implementation (model_zoo)"
 _NO_FUSION = "hybrid has no such fused kernel to turn off; its own are switched by --no-fused-kernels"
+_CKPT = ("hybrid writes its own checkpoints, metadata.json and safetensors, every rank its own files "
+         "(docs/checkpoints.md), which tools/convert_checkpoint.py exports")
+_ALWAYS_WRITTEN = "is always written to TensorBoard (--tensorboard-dir)"
+_ROPE = "hybrid scales RoPE frequencies with --rope-scaling and --rope-scaling-factor: give "
+_ALL_STATE = ("every checkpoint holds the optimizer and RNG states, so that it resumes exactly; "
+              "tools/convert_checkpoint.py exports the weights alone (to-fp32, to-hf)")
+_TENSORBOARD = "hybrid logs to TensorBoard (--tensorboard-dir)"
+_RETAIN = "--keep-last K keeps the newest K checkpoints, each complete and resumable"
 _PER_LAYER = "--recompute-granularity full recomputes every layer, each its own checkpoint"
 _RECOMPUTE = ("hybrid recomputes every layer, each its own checkpoint (--recompute-granularity full: Megatron's "
               "--recompute-method uniform --recompute-num-layers 1), or the attention core (selective)")
@@ -72,8 +80,38 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
     _accepted("--distributed-backend", "hybrid picks NCCL on CUDA devices and gloo on the CPU", takes_value=True),
     _accepted("--num-workers", "samples are read in the training process from memory-mapped files",
               takes_value=True),
-    _accepted("--ckpt-format", "hybrid writes its own checkpoints, metadata.json and safetensors "
-                               "(docs/checkpoints.md), which tools/convert_checkpoint.py exports", takes_value=True),
+    _accepted("--ckpt-format", _CKPT, takes_value=True),
+    _accepted("--use-dist-ckpt", _CKPT),
+    _accepted("--ckpt-fully-parallel-save", _CKPT),
+    _accepted("--auto-detect-ckpt-format", "hybrid reads its own checkpoints, those of earlier releases included"),
+    _accepted("--log-batch-size-to-tensorboard", f"train/batch_size {_ALWAYS_WRITTEN}"),
+    _accepted("--log-learning-rate-to-tensorboard", f"train/lr {_ALWAYS_WRITTEN}"),
+    _accepted("--log-loss-scale-to-tensorboard", f"train/loss_scale {_ALWAYS_WRITTEN}"),
+    _accepted("--tensorboard-queue-size", "a buffer size of the event writer; what is logged is the same",
+              takes_value=True),
+    _accepted("--timing-log-option", _NO_PHASE_TIMERS, takes_value=True),
+    _accepted("--check-for-nan-in-loss-and-grad", "every step is checked: a non-finite gradient skips the step, a "
+                                                  "non-finite loss counts as one, and "
+                                                  "--max-consecutive-skipped-steps stops the run"),
+    _accepted("--make-vocab-size-divisible-by", "hybrid pads the vocabulary to a multiple of 128 x TP, Megatron's "
+                                                "default; padded rows are never trained nor scored, so the model is "
+                                                "the same at any padding", takes_value=True),
+    _accepted("--no-create-attention-mask-in-dataloader", "hybrid's samples carry no attention mask: the kernel "
+                                                          "applies the causal mask"),
+    _accepted("--no-async-tensor-model-parallel-allreduce", "hybrid's tensor-parallel all-reduces are synchronous: "
+                                                            "none overlaps the weight-gradient computation"),
+    _accepted("--no-rope-fusion", _NO_FUSION),
+    _accepted("--no-persist-layer-norm", _NO_FUSION),
+    _accepted("--cross-entropy-loss-fusion", "hybrid's vocab-parallel cross entropy has one implementation; the "
+                                             "loss is the same"),
+    _accepted("--manual-gc", "when Python collects garbage is a setting of Megatron's runtime; the training is the "
+                             "same"),
+    _accepted("--rotary-percent", "rotary embeddings cover the whole head dimension", values=("1.0", "1"),
+              refusal="hybrid rotates the whole head dimension"),
+    _accepted("--empty-unused-memory-level", "0 is Megatron's default: the CUDA allocator's cache is left alone",
+              values=("0",), refusal="hybrid never empties the CUDA allocator's cache between steps"),
+    _accepted("--vocab-extra-ids", "no extra token ids", values=("0",),
+              refusal="hybrid's tokenizers add no extra (T5 sentinel) ids"),
     _refused("--no-load-optim", "--finetune loads the weights alone (a new optimizer, schedule and data position)"),
     _refused("--no-load-rng", "--finetune loads the weights alone (a new optimizer, schedule and data position)"),
     # Megatron's full recompute of every layer, one checkpoint each, is hybrid's --recompute-granularity full
@@ -88,6 +126,33 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
     _refused("--expert-model-parallel-size", "hybrid trains dense models only", takes_value=True),
     _refused("--fp8-format", "hybrid trains in bf16, fp16 or fp32 (--bf16, --fp16)", takes_value=True),
     _refused("--use-torch-fsdp2", "ZeRO stage 3 (--zero-stage 3) partitions the parameters"),
+    _refused("--overlap-param-gather", "ZeRO-1 and 2 all-gather the updated weights at the end of the step, before "
+                                       "the next forward; ZeRO-3 (--zero-stage 3) gathers each layer's weights in "
+                                       "forward and prefetches the next (--zero-prefetch-bucket-size)"),
+    _refused("--tp-comm-overlap", "hybrid does not overlap tensor-parallel communication with compute; keep the "
+                                  "tensor-parallel group within a node"),
+    _refused("--apply-layernorm-1p", "hybrid applies norm weights as stored (no 1 + w reparameterisation)"),
+    _refused("--qk-layernorm", "hybrid's attention has no query/key normalisation"),
+    _refused("--calculate-per-token-loss", "hybrid's loss is the mean over each micro-batch's tokens, then over "
+                                           "micro-batches and data-parallel ranks"),
+    _refused("--reset-attention-mask", "hybrid attends causally across the documents packed into a sample (no "
+                                       "per-document mask); --reset-position-ids restarts the positions"),
+    _refused("--no-save-optim", _ALL_STATE),
+    _refused("--no-save-rng", _ALL_STATE),
+    _refused("--save-retain-interval", _RETAIN, takes_value=True),
+    _refused("--non-persistent-save-interval", _RETAIN, takes_value=True),
+    _refused("--use-rope-scaling", _ROPE + "--rope-scaling llama3 --rope-scaling-factor 8 (Megatron's default "
+                                           "factor)"),
+    _refused("--rotary-seq-len-interpolation-factor", _ROPE + "--rope-scaling linear --rope-scaling-factor F",
+             takes_value=True),
+    _refused("--use-checkpoint-opt_param-scheduler", "a saved schedule whose settings differ from the configured "
+                                                     "one is an error: give the saved settings, or "
+                                                     "--override-opt-param-scheduler to keep the new ones"),
+    _refused("--adlr-autoresume", "SIGTERM and SIGINT (a scheduler's preemption) save a checkpoint and stop; "
+                                  "--load resumes from it"),
+    _refused("--wandb-project", _TENSORBOARD, takes_value=True),
+    _refused("--wandb-exp-name", _TENSORBOARD, takes_value=True),
+    _refused("--wandb-save-dir", _TENSORBOARD, takes_value=True),
 )
 
 

@@ -108,6 +108,18 @@ def scale_to_power(value: Any) -> int:
     return int(math.log2(scale))
 
 
+def read_data_args(path: Any) -> List[str]:
+    """``--data-args-path FILE``: the words of FILE, ``data.path``'s value (a blend too long for a command line)."""
+    try:
+        with open(str(path), encoding="utf-8") as f:
+            words = f.read().split()
+    except OSError as e:
+        raise ValueError(f"cannot read it: {e.strerror}") from None
+    if not words:
+        raise ValueError("the file is empty; it holds the data prefixes, optionally weighted ('0.3 A 0.7 B')")
+    return words
+
+
 # ---- engine sections ------------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -449,7 +461,11 @@ class ModelConfig:
 class DataConfig:
     """The training data."""
 
-    path: List[str] = _field(factory=list, help="data prefixes, optionally weighted: 'A' or '0.3 A 0.7 B'")
+    path: List[str] = _field(factory=list, help="data prefixes, optionally weighted: 'A' or '0.3 A 0.7 B'",
+                             aliases=(Alias("--data-args-path", convert=read_data_args,
+                                            help="a file holding data.path's prefixes and weights, separated by "
+                                                 "whitespace (Megatron-LM's flag, for a blend too long for a "
+                                                 "command line)", compat=True),))
     train_path: List[str] = _field(factory=list, flag="--train-data-path",
                                    help="training data of its own (prefixes, optionally weighted), instead of "
                                         "data.path divided by data.split")
@@ -474,6 +490,9 @@ class DataConfig:
     merge_file: Optional[str] = _field(None, flag="--merge-file", help="GPT2BPETokenizer: GPT-2's merges.txt")
     eod_mask_loss: bool = _field(False, flag="--eod-mask-loss",
                                  help="do not train on predicting the token after an end-of-document")
+    reset_position_ids: bool = _field(False, flag="--reset-position-ids",
+                                      help="restart the position ids after each end-of-document token of a sample "
+                                           "(attention still spans the documents packed into it)")
     mock: bool = _field(False, flag="--mock-data", help="random tokens instead of data.path (benchmarks, smoke "
                                                         "tests)")
     cache_path: Optional[str] = _field(None, flag="--data-cache-path",
@@ -483,6 +502,7 @@ class DataConfig:
                                             "notice); every rank must see the same directory")
 
     PATH_KEYS: ClassVar[Tuple[str, ...]] = ("path", "train_path", "valid_path", "test_path")  # name data files
+    EOD_KEYS: ClassVar[Tuple[str, ...]] = ("eod_mask_loss", "reset_position_ids")  # read the end-of-document id
 
     @property
     def tokenizer(self) -> TokenizerSpec:
@@ -500,6 +520,9 @@ class CheckpointConfig:
 
     save: Optional[str] = _field(None, flag="--save", help="directory to save checkpoints in")
     load: Optional[str] = _field(None, flag="--load", help="directory (its 'latest') or DIR/iter_N to resume from")
+    exit_on_missing_checkpoint: bool = _field(False, flag="--exit-on-missing-checkpoint",
+                                              help="stop with an error when checkpoint.load holds no checkpoint, "
+                                                   "instead of starting from scratch")
     save_interval: Optional[int] = _field(None, ge=1, flag="--save-interval", help="save every this many steps")
     keep_last: Optional[int] = _field(None, ge=1, flag="--keep-last", help="keep only the newest K checkpoints")
     finetune: bool = _field(False, flag="--finetune",

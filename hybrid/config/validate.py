@@ -325,6 +325,14 @@ def _data_rules(cfg: "HybridConfig", error) -> None:
     elif data.train_path and not data.valid_path and cfg.eval.validates:
         error(f"evaluation every {cfg.eval.interval} steps ('eval.interval') needs validation data: give "
               f"'data.valid_path', or set 'eval.interval' 0", "data.valid_path", "eval.interval")
+    for key in data.EOD_KEYS:
+        if getattr(data, key) and data.mock:
+            error(f"'data.{key}' acts at end-of-document tokens, and random tokens ('data.mock') have none: "
+                  f"remove it", f"data.{key}", "data.mock")
+        elif getattr(data, key) and not data.tokenizer.given:
+            error(f"'data.{key}' needs the tokenizer's end-of-document id: give the tokenizer the data was "
+                  f"preprocessed with ('data.tokenizer_model', or 'data.vocab_file' and 'data.merge_file')",
+                  f"data.{key}", "data.tokenizer_model", "data.vocab_file")
 
 
 def _warmup(sched) -> str:

@@ -65,7 +65,8 @@ def build_data(config: HybridConfig, seq_length: int, vocab_size: int, train_sam
     def datasets(paths, split: str, counts):
         return build_train_valid_test_datasets(
             paths, split, seq_length, counts, seed=seed, cache_dir=data.cache_path, eod_id=eod_id,
-            eod_mask_loss=data.eod_mask_loss, rank=rank, barrier=barrier)
+            eod_mask_loss=data.eod_mask_loss, reset_position_ids=data.reset_position_ids, rank=rank,
+            barrier=barrier)
 
     if data.train_path:  # a path for each split: all of its documents are that split's
         train = datasets(data.train_path, "1,0,0", (train_samples, 0, 0))[0]

@@ -99,11 +99,8 @@ class Trainer:
         # until train() ends (a second job saving there is refused).
         with flag_context(f"--load {config.checkpoint.load}"):
             resume = find_resume_point(config.checkpoint.load) if config.checkpoint.load is not None else None
-            if resume is None and config.checkpoint.load is not None and config.run.skip_train:
-                # evaluating fresh weights where a checkpoint's were meant would report a meaningless loss
-                raise CheckpointNotFoundError(f"{config.checkpoint.load} holds no checkpoint for --skip-train to "
-                                              f"evaluate; give a checkpoint's directory, or no --load to evaluate "
-                                              f"the initial weights")
+            if resume is None and config.checkpoint.load is not None:
+                self._check_starting_from_scratch(config)
         self.save_lock = None
         if config.checkpoint.save is not None and not config.run.skip_train:
             self.save_lock = lock_save_dir(config.checkpoint.save, holder=topo.rank == 0,
@@ -150,6 +147,18 @@ class Trainer:
         self.profile = StepProfile(self.topology.comm, steady_state_start(
             config.optimizer.type, config.optimizer.freeze_step, self.iteration))
         self.run_profile: Optional[dict] = None  # the closing "run profile" figures, once train() has finished
+
+    @staticmethod
+    def _check_starting_from_scratch(config: HybridConfig) -> None:
+        """``--load`` holds no checkpoint: refused where the run needs one, else the run starts from scratch."""
+        load = config.checkpoint.load
+        if config.run.skip_train:
+            # evaluating fresh weights where a checkpoint's were meant would report a meaningless loss
+            raise CheckpointNotFoundError(f"{load} holds no checkpoint for --skip-train to evaluate; give a "
+                                          f"checkpoint's directory, or no --load to evaluate the initial weights")
+        if config.checkpoint.exit_on_missing_checkpoint:
+            raise CheckpointNotFoundError(f"{load} holds no checkpoint (--exit-on-missing-checkpoint); give a "
+                                          f"checkpoint's directory, or leave the flag out to start from scratch")
 
     @property
     def consumed_samples(self) -> int:

@@ -31,6 +31,8 @@ MEGATRON_SCRIPT = [
     "--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad", "--log-memory-to-tensorboard",
     "--log-validation-ppl-to-tensorboard", "--tensorboard-dir", "tb", "--eval-interval", "10", "--eval-iters", "2",
     "--exit-signal-handler", "--ckpt-format", "torch_dist", "--seed", "1234",
+    "--make-vocab-size-divisible-by", "128", "--rotary-percent", "1.0", "--no-create-attention-mask-in-dataloader",
+    "--check-for-nan-in-loss-and-grad", "--use-dist-ckpt", "--exit-on-missing-checkpoint",
 ]
 
 
@@ -47,7 +49,10 @@ def test_a_megatron_script_parses_into_the_settings_it_means():
                      "--log-throughput", "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
                      "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion", "--group-query-attention",
                      "--no-position-embedding", "--distributed-backend nccl", "--num-workers 2",
-                     "--ckpt-format torch_dist", "--recompute-method uniform", "--recompute-num-layers 1"]
+                     "--ckpt-format torch_dist", "--use-dist-ckpt", "--check-for-nan-in-loss-and-grad",
+                     "--make-vocab-size-divisible-by 128", "--no-create-attention-mask-in-dataloader",
+                     "--rotary-percent 1.0", "--recompute-method uniform", "--recompute-num-layers 1"]
+    assert cfg.checkpoint.exit_on_missing_checkpoint  # a key of its own
 
 
 def test_the_model_reads_megatrons_spellings_of_model_zoo_choices():
@@ -78,6 +83,12 @@ def test_the_distributed_optimizer_yields_to_an_explicit_zero_stage():
     (["--context-parallel-size", "2"], r"no context parallelism"),
     (["--num-experts", "8"], r"dense models only"),
     (["--accumulate-allreduce-grads-in-fp32"], r"for fp32 gradients keep fp32 parameters with --autocast"),
+    (["--overlap-param-gather"], r"ZeRO-3 \(--zero-stage 3\) gathers each layer's weights in forward"),
+    (["--use-rope-scaling"], r"give --rope-scaling llama3 --rope-scaling-factor 8 \(Megatron's default factor\)$"),
+    (["--rotary-percent", "0.5"], r"hybrid rotates the whole head dimension; accepted: --rotary-percent 1.0 or 1$"),
+    (["--no-save-optim"], r"tools/convert_checkpoint.py exports the weights alone \(to-fp32, to-hf\)$"),
+    (["--save-retain-interval", "1000"], r"^--save-retain-interval 1000 is a Megatron-LM flag hybrid does not "
+                                         r"take: --keep-last K"),
 ])
 def test_what_hybrid_does_not_do_stops_with_one_line(argv, match):
     with pytest.raises(ConfigError, match=match) as raised:
@@ -135,3 +146,15 @@ def test_the_megatron_script_trains_under_torchrun(tmp_path):
     assert [line.split("lr: ")[1].split(" ")[0] for line in lines] == ["0.000E+00", "1.500E-04", "3.000E-04",
                                                                        "3.000E-04", "3.000E-04", "1.650E-04"]
     assert sum("note: Megatron-LM flags with no effect here" in line for line in proc.stderr.splitlines()) == 1
+
+
+def test_data_args_path_reads_the_blend_from_a_file(tmp_path):
+    blend = tmp_path / "blend.txt"
+    blend.write_text("0.3 /data/a_text_document\n0.7 /data/b_text_document\n")
+    cfg = config_from_command_line(["--data-args-path", str(blend)])
+    assert cfg.data.path == ["0.3", "/data/a_text_document", "0.7", "/data/b_text_document"]
+    with pytest.raises(ConfigError, match=r"^--data-args-path '.*nope': cannot read it: No such file or directory"):
+        config_from_command_line(["--data-args-path", str(tmp_path / "nope")])
+    (tmp_path / "empty.txt").write_text("\n")
+    with pytest.raises(ConfigError, match=r"the file is empty"):
+        config_from_command_line(["--data-args-path", str(tmp_path / "empty.txt")])

@@ -219,6 +219,15 @@ def test_skip_train_without_a_checkpoint_evaluates_the_initial_weights_and_an_em
     assert code == 1 and "validation at" not in out
     assert err.strip() == (f"hybrid-train: error: --load {empty}: {empty} holds no checkpoint for --skip-train to "
                            f"evaluate; give a checkpoint's directory, or no --load to evaluate the initial weights")
+    # Megatron-LM's --exit-on-missing-checkpoint refuses it for a training run too (without it: a fresh start)
+    train = MODEL + ["--mock-data", "--eval-interval", "0", "--train-iters", "1", "--load", str(empty)]
+    code, out, err = _main(train + ["--exit-on-missing-checkpoint"], monkeypatch, capsys)
+    assert code == 1 and not any(line.startswith("iteration") for line in out.splitlines())
+    assert err.strip() == (f"hybrid-train: error: --load {empty}: {empty} holds no checkpoint "
+                           f"(--exit-on-missing-checkpoint); give a checkpoint's directory, or leave the flag out to "
+                           f"start from scratch")
+    code, out, _ = _main(train, monkeypatch, capsys)
+    assert code == 0 and "no checkpoint there yet, starting from scratch" in out
 
 
 LEGACY = Path(__file__).resolve().parents[1] / "fixtures" / "legacy_checkpoint" / "zero1"  # flat trainer args

@@ -62,3 +62,36 @@ def test_a_missing_split_file_names_its_flag(tmp_path):
     with pytest.raises(ConfigError, match=r"'data\.valid_path': .*nope\.bin does not exist.*\(set by "
                                           r"--valid-data-path\)"):
         validate(cfg, world_size=1)
+
+
+def test_reset_position_ids_restarts_the_positions_after_each_end_of_document(tmp_path):
+    eod = 3
+    docs = [np.array([5, 6, eod], dtype=np.int32), np.array([7, 8, 9, 10, eod], dtype=np.int32)] * 8
+    write_dataset(str(tmp_path / "d"), docs, dtype=np.int32)
+    argv = MODEL + ["--data-path", str(tmp_path / "d"), "--split", "1,0,0", "--eval-interval", "0"]
+    for reset in (False, True):
+        cfg = parse_args(argv + (["--reset-position-ids"] if reset else []))
+        data = build_data(cfg, SEQ, 64, train_samples=2, global_batch=2, eod_id=eod, rank=0, barrier=lambda: None)
+        sample = data.train[0]
+        tokens, positions = sample["tokens"].tolist(), sample["position_ids"].tolist()
+        if not reset:
+            assert positions == list(range(SEQ))
+            continue
+        # each position counts from the token after the last end-of-document before it
+        start = 0
+        for i, (token, position) in enumerate(zip(tokens, positions)):
+            assert position == i - start, (tokens, positions)
+            if token == eod:
+                start = i + 1
+        assert eod in tokens[:-1] and positions != list(range(SEQ))
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--mock-data", "--reset-position-ids"], r"'data\.reset_position_ids' acts at end-of-document tokens, and "
+                                              r"random tokens \('data\.mock'\) have none: remove it"),
+    (["--data-path", "D", "--eod-mask-loss"], r"'data\.eod_mask_loss' needs the tokenizer's end-of-document id: "
+                                              r"give the tokenizer the data was preprocessed with"),
+])
+def test_end_of_document_settings_need_a_tokenizer(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(parse_args(MODEL + ["--eval-interval", "0"] + argv), world_size=1)
