@@ -120,14 +120,15 @@ class Trainer:
         self.engine.count_grad_zeros = config.logging.log_num_zeros_in_grad
         self.guard = DivergenceGuard(config.run.max_consecutive_skipped_steps, self.engine.optimizer.loss_scaler)
         self.batch = self.engine.batch
-        # the run's length in optimizer steps: given, or every whole global batch within run.train_samples
         run = config.run
         self.iteration = 0
         if resume is not None:
             self._load(str(resume))
         elif config.checkpoint.load is not None:
             _log(topo, f"--load {config.checkpoint.load}: no checkpoint there yet, starting from scratch")
-        if run.skip_train:  # the run ends where it starts
+        # the run's length in optimizer steps: given, or every whole global batch within run.train_samples;
+        # an evaluation run ends where it starts
+        if run.skip_train:
             self.train_iters = self.iteration
         else:
             self.train_iters = (run.train_iters if run.train_iters is not None
