@@ -145,9 +145,6 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
                                            "factor)"),
     _refused("--rotary-seq-len-interpolation-factor", _ROPE + "--rope-scaling linear --rope-scaling-factor F",
              takes_value=True),
-    _refused("--use-checkpoint-opt_param-scheduler", "a saved schedule whose settings differ from the configured "
-                                                     "one is an error: give the saved settings, or "
-                                                     "--override-opt-param-scheduler to keep the new ones"),
     _refused("--adlr-autoresume", "SIGTERM and SIGINT (a scheduler's preemption) save a checkpoint and stop; "
                                   "--load resumes from it"),
     _refused("--wandb-project", _TENSORBOARD, takes_value=True),

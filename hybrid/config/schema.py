@@ -44,12 +44,15 @@ WARMUP_STYLES = ("linear", "log")
 WD_INCR_STYLES = ("constant", "linear", "cosine")  # how the weight decay grows from its start to its end
 RECOMPUTE = ("none", "full", "selective")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved")  # hybrid.pipeline.schedule maps each to its module
+# What a resumed run does with the checkpoint's learning-rate and weight-decay schedule settings: refuse ones that
+# differ from the configured ones, keep the configured ones at the saved position, or take the saved ones.
+SCHEDULE_ON_LOAD = ("check", "configured", "saved")
 
 __all__ = ["HybridConfig", "ZeroConfig", "OptimizerConfig", "SchedulerConfig", "LossScalingConfig",
            "TensorBoardConfig", "ModelConfig", "DataConfig", "CheckpointConfig", "RunConfig", "EvalConfig",
            "LoggingConfig", "DistributedConfig", "Alias", "OPTIMIZERS", "DECAY_STYLES", "DECAY_STYLES_WITH_END",
            "WSD_DECAY_STYLES", "WARMUP_STYLES", "WD_INCR_STYLES",
-           "RECOMPUTE", "PIPELINE_SCHEDULES", "PipelineConfig", "ZERO_STAGES", "OFFLOAD_DEVICES", "PRECISIONS"]
+           "RECOMPUTE", "PIPELINE_SCHEDULES", "SCHEDULE_ON_LOAD", "PipelineConfig", "ZERO_STAGES", "OFFLOAD_DEVICES", "PRECISIONS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -531,9 +534,17 @@ class CheckpointConfig:
                                        help="take the model settings (the model section) that neither a flag nor "
                                             "--config gives from the checkpoint checkpoint.load names, as it was "
                                             "trained")
-    override_opt_param_scheduler: bool = _field(False, flag="--override-opt-param-scheduler",
-                                                help="on load, keep the configured LR schedule settings (e.g. a "
-                                                     "longer run.train_iters) at the saved position")
+    override_opt_param_scheduler: bool = _field(
+        False, flag="--override-opt-param-scheduler",
+        help="on load, keep the configured LR and weight-decay schedule settings (e.g. a longer run.train_iters) at "
+             "the saved position",
+        aliases=(Alias("--override-opt_param-scheduler", const=True, compat=True,
+                       help="Megatron-LM's spelling of checkpoint.override_opt_param_scheduler true"),))
+    use_checkpoint_opt_param_scheduler: bool = _field(
+        False, flag="--use-checkpoint-opt-param-scheduler",
+        help="on load, take the checkpoint's LR and weight-decay schedule settings instead of the configured ones",
+        aliases=(Alias("--use-checkpoint-opt_param-scheduler", const=True, compat=True,
+                       help="Megatron-LM's spelling of checkpoint.use_checkpoint_opt_param_scheduler true"),))
     async_save: bool = _field(False, flag="--async-save",
                               help="save in the background: training waits only while each rank's state is copied "
                                    "to host memory (one copy of it); a thread writes, fsyncs and checksums it, and "
@@ -544,6 +555,13 @@ class CheckpointConfig:
                                                      "files (model shard, optimizer partition) that do not fit are "
                                                      "written from the live state while training waits (unset: "
                                                      "copy everything)")
+
+    @property
+    def schedule_on_load(self) -> str:
+        """What a resumed run does with the checkpoint's schedule settings (one of :data:`SCHEDULE_ON_LOAD`)."""
+        if self.override_opt_param_scheduler:
+            return "configured"
+        return "saved" if self.use_checkpoint_opt_param_scheduler else "check"
 
 
 @dataclasses.dataclass

@@ -368,10 +368,14 @@ def _training_requirements(cfg: "HybridConfig", problems: List[ConfigError]) -> 
               "'model.preset'", "data.tokenizer_model", "data.vocab_file", "model.vocab_size", "model.preset")
     _data_rules(cfg, error)
     ckpt = cfg.checkpoint
-    for key in ("finetune", "override_opt_param_scheduler"):
+    for key in ("finetune", "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
         if getattr(ckpt, key) and ckpt.load is None:
             error(f"config key 'checkpoint.{key}' changes how a checkpoint is loaded; it needs "
                   f"'checkpoint.load'", f"checkpoint.{key}", "checkpoint.load")
+    if ckpt.override_opt_param_scheduler and ckpt.use_checkpoint_opt_param_scheduler:
+        error("'checkpoint.override_opt_param_scheduler' keeps the configured schedule and "
+              "'checkpoint.use_checkpoint_opt_param_scheduler' takes the saved one: give one",
+              "checkpoint.override_opt_param_scheduler", "checkpoint.use_checkpoint_opt_param_scheduler")
     if ckpt.use_checkpoint_args and ckpt.load is None:
         error("config key 'checkpoint.use_checkpoint_args' reads the model settings from the checkpoint loaded; "
               "it needs 'checkpoint.load'", "checkpoint.use_checkpoint_args", "checkpoint.load")

@@ -100,14 +100,15 @@ def save_engine(engine: "Engine", save_dir, iteration: int, *, consumed_samples:
 
 
 def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True,
-                keep_configured_schedule: bool = False) -> Dict[str, Any]:
+                schedule: str = "check") -> Dict[str, Any]:
     """Restore what :func:`save_engine` wrote; returns iteration, consumed samples and client state.
 
     ``load_optimizer=False`` loads the weights only (fine-tuning: new optimizer,
-    schedule and counters). A saved LR schedule whose settings differ from the
-    configured one is an error unless ``keep_configured_schedule``, which keeps
-    the configured settings at the saved position. Raises :class:`~hybrid.checkpoint.CheckpointError`
-    naming what differs when the checkpoint cannot be loaded into this engine.
+    schedule and counters). A saved schedule whose settings differ from the
+    configured one is an error unless ``schedule`` is ``"configured"`` (keep the
+    configured settings at the saved position) or ``"saved"`` (take the saved ones).
+    Raises :class:`~hybrid.checkpoint.CheckpointError` naming what differs when
+    the checkpoint cannot be loaded into this engine.
     """
     reader = CheckpointReader(load_dir)
     saved = reader.model_config
@@ -133,9 +134,10 @@ def load_engine(engine: "Engine", load_dir, *, load_optimizer: bool = True,
         try:
             # checkpoints of earlier releases keep the count in metadata.json alone
             progress = {"consumed_samples": reader.consumed_samples, **trainer_state["engine"]}
-            engine.load_state_dict({"progress": progress}, strict_schedule=not keep_configured_schedule)
+            engine.load_state_dict({"progress": progress}, schedule=schedule)
         except ValueError as e:
-            hint = (". The trainer's --override-opt-param-scheduler keeps the new settings"
+            hint = (". The trainer's --override-opt-param-scheduler keeps the new settings, "
+                    "--use-checkpoint-opt-param-scheduler takes the saved ones"
                     if isinstance(e, ScheduleSettingsDiffer) else "")
             raise CheckpointError(f"{reader.path}: {e}{hint}") from None
     return {"iteration": reader.iteration, "consumed_samples": reader.consumed_samples,

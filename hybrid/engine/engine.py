@@ -32,14 +32,15 @@ import torch
 from hybrid.checkpoint.background import BackgroundSaver, SaveReport
 from hybrid.config.errors import ConfigError
 from hybrid.config.load import ConfigSource, check_deepspeed_dtypes, load_config
-from hybrid.config.schema import HybridConfig
+from hybrid.config.schema import SCHEDULE_ON_LOAD, HybridConfig
 from hybrid.engine.builders import (NoDecayFn, build_loss_scaler, build_lr_schedule, build_wd_schedule,
                                     check_recompute, no_weight_decay_rule)
 from hybrid.engine.precision import prepare_precision
 from hybrid.engine.rng import RandomState
 from hybrid.engine.step_logger import StepLogger
 from hybrid.layout import ParallelLayout, pipeline_problem
-from hybrid.optim.lr_schedule import check_same_settings
+from hybrid.optim.lr_schedule import LRSchedule, check_same_settings
+from hybrid.optim.wd_schedule import WeightDecaySchedule
 from hybrid.pipeline.chunks import chunk_parameters
 from hybrid.topology import Topology
 from hybrid.zero import build_zero_optimizer
@@ -358,12 +359,13 @@ class Engine:
         return {"model": self.optimizer.model_state_for_save(), "optimizer": self.optimizer.state_dict(lazy),
                 "rng": self.rng.state_dict(), "progress": self._progress_state()}
 
-    def load_state_dict(self, state: Dict[str, Any], *, strict_schedule: bool = True) -> None:
+    def load_state_dict(self, state: Dict[str, Any], *, schedule: str = "check") -> None:
         """Restore the parts of a :meth:`state_dict` that ``state`` holds (absent or None parts are left alone).
 
-        ``strict_schedule=False`` keeps the configured LR-schedule settings at
-        the saved position instead of refusing different ones. The model
-        loads before the optimizer, whose master weights then win.
+        ``schedule`` (one of :data:`~hybrid.config.schema.SCHEDULE_ON_LOAD`): saved learning-rate and
+        weight-decay schedule settings that differ from the configured ones are refused (``"check"``), or
+        the configured (``"configured"``) or the saved (``"saved"``) ones continue from the saved position.
+        The model loads before the optimizer, whose master weights then win.
         """
         if state.get("model") is not None:
             self.optimizer.load_model_state(state["model"])
@@ -372,16 +374,20 @@ class Engine:
         if state.get("rng") is not None:
             self.rng.load_state_dict(state["rng"])
         if state.get("progress") is not None:
-            self._load_progress(state["progress"], strict_schedule)
+            self._load_progress(state["progress"], schedule)
 
     def _progress_state(self) -> Dict[str, Any]:
         return {"global_step": self.global_step, "micro_steps": self.micro_steps,
                 "consumed_samples": self.consumed_samples, "lr_schedule": self.lr_schedule.state_dict(),
                 "wd_schedule": self.wd_schedule.settings()}
 
-    def _load_progress(self, progress: Dict[str, Any], strict_schedule: bool) -> None:
-        self.lr_schedule.load_state_dict(progress["lr_schedule"], strict=strict_schedule)
-        if strict_schedule:  # its position is the learning-rate schedule's; checkpoints before it record nothing
+    def _load_progress(self, progress: Dict[str, Any], schedule: str) -> None:
+        if schedule not in SCHEDULE_ON_LOAD:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_ON_LOAD)}, got {schedule!r}")
+        if schedule == "saved":
+            self._take_saved_schedules(progress)
+        self.lr_schedule.load_state_dict(progress["lr_schedule"], strict=schedule == "check")
+        if schedule == "check":  # its position is the learning-rate schedule's; checkpoints before it record none
             check_same_settings("weight-decay schedule", progress.get("wd_schedule", {}), self.wd_schedule.settings())
         self.global_step = int(progress["global_step"])
         self.consumed_samples = int(progress.get("consumed_samples", 0))
@@ -393,6 +399,16 @@ class Engine:
             self.micro_steps = self.global_step * batch.gradient_accumulation_steps
         self._micro_in_batch = 0
         self.optimizer.set_gradient_accumulation_steps(self.gradient_accumulation_steps)
+
+    def _take_saved_schedules(self, progress: Dict[str, Any]) -> None:
+        """Rebuild the learning-rate and weight-decay schedules from the settings a checkpoint recorded."""
+        lr_settings = progress["lr_schedule"].get("settings")
+        if not lr_settings:
+            raise ValueError("the checkpoint records no learning-rate schedule settings (it predates them): give "
+                             "its schedule's settings instead")
+        self.lr_schedule = LRSchedule(**lr_settings)
+        if progress.get("wd_schedule"):  # checkpoints before the weight-decay schedule decayed by a constant
+            self.wd_schedule = WeightDecaySchedule(**progress["wd_schedule"])
 
     def save_checkpoint(self, directory, iteration: Optional[int] = None, *, consumed_samples: Optional[int] = None,
                         client_state: Optional[dict] = None, keep_last: Optional[int] = None,
@@ -447,15 +463,16 @@ class Engine:
         if self._saver is not None:
             self._saver.abandon()
 
-    def load_checkpoint(self, directory, *, load_optimizer: bool = True) -> dict:
+    def load_checkpoint(self, directory, *, load_optimizer: bool = True, schedule: str = "check") -> dict:
         """Load a checkpoint saved in any layout (TP, DP, ZeRO stage, precision) into this engine.
 
-        ``directory`` is a save directory (its ``latest``) or one ``iter_N`` directory.
+        ``directory`` is a save directory (its ``latest``) or one ``iter_N`` directory. ``schedule``: what
+        to do with saved schedule settings that differ from the configured ones (:meth:`load_state_dict`).
         Returns ``iteration``, ``consumed_samples``, ``client_state`` and ``path``.
         """
         from hybrid.engine.checkpoint import load_engine
 
-        return load_engine(self, directory, load_optimizer=load_optimizer)
+        return load_engine(self, directory, load_optimizer=load_optimizer, schedule=schedule)
 
     def gathered_parameters(self):
         """Context manager: every parameter of ``module`` whole inside the block (a stage that partitions

@@ -59,7 +59,7 @@ def check_same_settings(what: str, saved: Mapping, mine: Mapping) -> None:
     if changed:
         details = ", ".join(f"{k}: checkpoint {saved[k]!r} vs now {mine[k]!r}" for k in changed)
         raise ScheduleSettingsDiffer(f"the saved {what} differs from the configured one ({details}); restore the "
-                                     f"old settings or load with strict=False to keep the new ones")
+                                     f"old settings, or keep the new ones or take the saved ones on load")
 
 
 class LRSchedule:

@@ -175,7 +175,7 @@ class Trainer:
         with flag_context(f"--load {path}"):
             try:
                 state = load_engine(self.engine, path, load_optimizer=not weights_only,
-                                    keep_configured_schedule=ckpt.override_opt_param_scheduler)
+                                    schedule=ckpt.schedule_on_load)
             except ValueError as e:
                 # The components refuse a state that does not fit this run (another optimizer, parameter
                 # grouping, loss scaler) with a ValueError naming what differs: the checkpoint's problem.
