@@ -5,7 +5,7 @@ The rules, each written once:
 * a key's flag is the ``flag`` of its field metadata, else ``--`` and the
   dotted key with ``.`` and ``_`` written as ``-`` (``zero.bucket_size`` ->
   ``--zero-bucket-size``); a boolean key also has ``--no-<flag>``;
-* every :class:`~hybrid.config.schema.Alias` in the metadata adds one flag;
+* every :class:`~hybrid.config.fields.Alias` in the metadata adds one flag;
 * the *flat name* of a flag is the flag without ``--``, dashes as underscores
   (``--zero-bucket-size`` -> ``zero_bucket_size``). Flat names are the keys of
   the earlier, flat trainer settings: ``--config`` files may use them at the
@@ -63,7 +63,7 @@ class Leaf:
 
     @property
     def aliases(self) -> tuple:
-        """The :class:`~hybrid.config.schema.Alias` spellings of the key."""
+        """The :class:`~hybrid.config.fields.Alias` spellings of the key."""
         return self.meta.get("aliases", ())
 
     def error(self, message: str) -> ConfigError:

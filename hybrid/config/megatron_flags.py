@@ -8,7 +8,7 @@ Every flag here is one of two kinds, and says why:
 * **refused**: it asks for something hybrid does not do. The run stops before training with one line that
   names the flag and what to use instead.
 
-Megatron flags that do map onto a key are spellings of that key instead (:class:`hybrid.config.schema.Alias`:
+Megatron flags that do map onto a key are spellings of that key instead (:class:`hybrid.config.fields.Alias`:
 ``--use-distributed-optimizer`` is ZeRO stage 1, ``--overlap-grad-reduce`` is ``zero.overlap_comm``,
 ``--use-rotary-position-embeddings`` is ``model.position_embedding_type rope``), and ``--normalization
 RMSNorm``, ``--position-embedding-type learned_absolute`` are read as model_zoo's ``rmsnorm``, ``learned``.

@@ -1,7 +1,10 @@
 """The typed configuration of a hybrid training run: one tree, :class:`HybridConfig`.
 
-Every key, its type and its one default live here. Each field's ``metadata``
-holds what the rest of the package derives from it:
+Every key, its type and its one default live here: the engine's sections and
+the root in this module, the sections only the trainer reads in
+:mod:`hybrid.config.trainer_sections`, each key declared with
+:func:`hybrid.config.fields.field`. Each field's ``metadata`` holds what the
+rest of the package derives from it:
 
 * ``help``: the text of ``docs/config.md`` and of ``hybrid-train --help``;
 * ``choices``, ``ge``/``gt``/``le``/``lt``: the per-key rules that
@@ -27,11 +30,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, ClassVar, List, Optional, Tuple
+from typing import Any, ClassVar, List, Optional, Tuple
 
 from hybrid.compression import DEFAULT_BLOCK, GRADIENT_FORMATS, ONEBIT_ADAM, WEIGHT_FORMATS, ZERO_ONE_ADAM
+from hybrid.config.fields import Alias
+from hybrid.config.fields import field as _field
+from hybrid.config.fields import section as _section
+from hybrid.config.trainer_sections import (SCHEDULE_ON_LOAD, CheckpointConfig, DataConfig, DistributedConfig,
+                                            EvalConfig, LoggingConfig, ModelConfig, RunConfig)
 from hybrid.layout import OFFLOAD_DEVICES, PRECISIONS, ZERO_STAGES
-from hybrid.tokenizer_files import TOKENIZER_TYPES, TokenizerSpec
 
 # Choice lists owned by the configuration (the ZeRO stages, offload devices and
 # precisions are hybrid.layout's). hybrid.optim.lr_schedule imports the styles.
@@ -44,63 +51,13 @@ WARMUP_STYLES = ("linear", "log")
 WD_INCR_STYLES = ("constant", "linear", "cosine")  # how the weight decay grows from its start to its end
 RECOMPUTE = ("none", "full", "selective")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved")  # hybrid.pipeline.schedule maps each to its module
-# What a resumed run does with the checkpoint's learning-rate and weight-decay schedule settings: refuse ones that
-# differ from the configured ones, keep the configured ones at the saved position, or take the saved ones.
-SCHEDULE_ON_LOAD = ("check", "configured", "saved")
 
 __all__ = ["HybridConfig", "ZeroConfig", "OptimizerConfig", "SchedulerConfig", "LossScalingConfig",
            "TensorBoardConfig", "ModelConfig", "DataConfig", "CheckpointConfig", "RunConfig", "EvalConfig",
            "LoggingConfig", "DistributedConfig", "Alias", "OPTIMIZERS", "DECAY_STYLES", "DECAY_STYLES_WITH_END",
            "WSD_DECAY_STYLES", "WARMUP_STYLES", "WD_INCR_STYLES",
-           "RECOMPUTE", "PIPELINE_SCHEDULES", "SCHEDULE_ON_LOAD", "PipelineConfig", "ZERO_STAGES", "OFFLOAD_DEVICES", "PRECISIONS"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Alias:
-    """Another command-line spelling of one key (see :mod:`hybrid.config.flags`).
-
-    Exactly one of these shapes:
-
-    * ``const``: a switch without a value that sets the key to ``const``
-      (``--bf16`` sets ``precision`` to ``bf16``). A ``weak`` switch applies only
-      when nothing else set the key (``--recompute-activations`` means
-      selective unless ``--recompute-granularity`` is given);
-    * ``index``: the flag sets one element of a tuple key (``--adam-beta2``);
-    * ``convert``: the flag takes a value in its own unit, which ``convert``
-      maps to the key's (``--initial-loss-scale 65536`` is power 16); it raises
-      ``ValueError`` for a value it cannot map.
-
-    ``compat``: a spelling kept so that Megatron-LM launch scripts run as they are
-    (``--use-distributed-optimizer``); error notes and docs/config.md's flag
-    column name the key's own flags instead (docs/training.md lists these).
-    """
-
-    flag: str
-    help: str
-    const: Any = None
-    weak: bool = False
-    index: Optional[int] = None
-    convert: Optional[Callable[[Any], Any]] = None
-    compat: bool = False
-
-    @property
-    def is_switch(self) -> bool:
-        return self.index is None and self.convert is None
-
-
-def _field(default=dataclasses.MISSING, *, help: str, factory=dataclasses.MISSING, flag: Optional[str] = None,
-           aliases: Tuple[Alias, ...] = (), **constraints):
-    meta = {"help": help, "aliases": tuple(aliases), **constraints}
-    if flag is not None:
-        meta["flag"] = flag
-    if factory is not dataclasses.MISSING:
-        return dataclasses.field(default_factory=factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
-
-
-def _section(cls, help: str):
-    """A nested section; ``help`` titles its group in ``--help``."""
-    return dataclasses.field(default_factory=cls, metadata={"help": help, "section": True})
+           "RECOMPUTE", "PIPELINE_SCHEDULES", "SCHEDULE_ON_LOAD", "PipelineConfig", "ZERO_STAGES",
+           "OFFLOAD_DEVICES", "PRECISIONS"]
 
 
 def scale_to_power(value: Any) -> int:
@@ -111,19 +68,7 @@ def scale_to_power(value: Any) -> int:
     return int(math.log2(scale))
 
 
-def read_data_args(path: Any) -> List[str]:
-    """``--data-args-path FILE``: the words of FILE, ``data.path``'s value (a blend too long for a command line)."""
-    try:
-        with open(str(path), encoding="utf-8") as f:
-            words = f.read().split()
-    except OSError as e:
-        raise ValueError(f"cannot read it: {e.strerror}") from None
-    if not words:
-        raise ValueError("the file is empty; it holds the data prefixes, optionally weighted ('0.3 A 0.7 B')")
-    return words
-
-
-# ---- engine sections ------------------------------------------------------------------------------
+# ---- engine sections (the trainer's: hybrid.config.trainer_sections) ------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class LossScalingConfig:
@@ -395,244 +340,6 @@ class TensorBoardConfig:
     enabled: bool = _field(False, help="write the engine's per-step TensorBoard scalars")
     output_path: str = _field("runs", help="directory that holds the job directories")
     job_name: str = _field("hybrid", help="events go to output_path/job_name")
-
-
-# ---- trainer sections -----------------------------------------------------------------------------
-# The engine ignores these (but checkpoint.async_save*); hybrid-train reads them. Choices of model settings
-# (position embedding types, norms) are model_zoo's and checked by its GPTConfig.
-
-@dataclasses.dataclass
-class ModelConfig:
-    """The model_zoo GPT the trainer builds: a preset, and/or shape settings that override it."""
-
-    preset: Optional[str] = _field(None, flag="--model", help="a model_zoo preset (e.g. tiny, gpt2-small, "
-                                                              "turing-nlg-17b); the shape settings override it")
-    num_layers: Optional[int] = _field(None, ge=1, flag="--num-layers", help="transformer layers")
-    hidden_size: Optional[int] = _field(None, ge=1, flag="--hidden-size", help="hidden size")
-    num_attention_heads: Optional[int] = _field(None, ge=1, flag="--num-attention-heads", help="attention heads")
-    num_query_groups: Optional[int] = _field(None, ge=1, flag="--num-query-groups",
-                                             help="key/value heads shared by the query heads (grouped-query "
-                                                  "attention; 1: multi-query; unset: one per attention head)")
-    ffn_hidden_size: Optional[int] = _field(None, ge=1, flag="--ffn-hidden-size",
-                                            help="MLP hidden size (unset: 4h, or the SwiGLU rule)")
-    seq_length: Optional[int] = _field(None, ge=1, flag="--seq-length", help="training sequence length")
-    max_position_embeddings: Optional[int] = _field(None, ge=1, flag="--max-position-embeddings",
-                                                    help="learned position table size")
-    vocab_size: Optional[int] = _field(None, ge=1, flag="--vocab-size",
-                                       help="vocabulary size (unset: the tokenizer's)")
-    position_embedding_type: Optional[str] = _field(None, flag="--position-embedding-type",
-                                                    help="learned or rope (Megatron's learned_absolute: learned)",
-                                                    aliases=(Alias("--use-rotary-position-embeddings", const="rope",
-                                                                   compat=True, help="Megatron-LM's older spelling of "
-                                                                                     "--position-embedding-type "
-                                                                                     "rope"),))
-    normalization: Optional[str] = _field(None, flag="--normalization", help="layernorm or rmsnorm (any case: "
-                                                                             "Megatron's LayerNorm, RMSNorm)")
-    norm_epsilon: Optional[float] = _field(None, gt=0.0, flag="--norm-epsilon", help="epsilon of LayerNorm/RMSNorm")
-    rotary_base: Optional[float] = _field(None, gt=0.0, flag="--rotary-base",
-                                          help="base (theta) of rotary position embeddings")
-    rope_scaling: Optional[str] = _field(None, flag="--rope-scaling",
-                                         help="RoPE frequency scaling: none, linear or llama3 (Llama 3.1's rule)")
-    rope_scaling_factor: Optional[float] = _field(None, gt=0.0, flag="--rope-scaling-factor",
-                                                  help="divisor of the scaled RoPE frequencies")
-    rope_low_freq_factor: Optional[float] = _field(None, gt=0.0, flag="--rope-low-freq-factor",
-                                                   help="llama3 scaling: wavelengths past original/this are scaled")
-    rope_high_freq_factor: Optional[float] = _field(None, gt=0.0, flag="--rope-high-freq-factor",
-                                                    help="llama3 scaling: wavelengths below original/this are kept")
-    rope_original_max_positions: Optional[int] = _field(None, ge=1, flag="--rope-original-max-positions",
-                                                        help="llama3 scaling: the original context length")
-    swiglu: bool = _field(False, flag="--swiglu", help="SwiGLU MLP instead of GELU")
-    add_qkv_bias: bool = _field(False, flag="--add-qkv-bias",
-                                help="a bias on the q/k/v projection even with --disable-bias-linear (Qwen2)")
-    disable_bias_linear: bool = _field(False, flag="--disable-bias-linear", help="no biases in linear layers")
-    untie_embeddings_and_output_weights: bool = _field(False, flag="--untie-embeddings-and-output-weights",
-                                                       help="separate output layer weights")
-    hidden_dropout: Optional[float] = _field(None, ge=0.0, lt=1.0, flag="--hidden-dropout",
-                                             help="dropout on embeddings and residual branches")
-    attention_dropout: Optional[float] = _field(None, ge=0.0, lt=1.0, flag="--attention-dropout",
-                                                help="dropout on attention probabilities")
-    init_method_std: Optional[float] = _field(None, gt=0.0, flag="--init-method-std",
-                                              help="standard deviation of the weight initialisation")
-    sequence_parallel: bool = _field(False, flag="--sequence-parallel",
-                                     help="shard norm and dropout activations along the sequence over TP")
-
-    # How the model is trained and computed, not what it is: checkpoint.use_checkpoint_args leaves them alone.
-    TRAINING_KEYS: ClassVar[Tuple[str, ...]] = ("hidden_dropout", "attention_dropout", "sequence_parallel")
-
-
-@dataclasses.dataclass
-class DataConfig:
-    """The training data."""
-
-    path: List[str] = _field(factory=list, help="data prefixes, optionally weighted: 'A' or '0.3 A 0.7 B'",
-                             aliases=(Alias("--data-args-path", convert=read_data_args,
-                                            help="a file holding data.path's prefixes and weights, separated by "
-                                                 "whitespace (Megatron-LM's flag, for a blend too long for a "
-                                                 "command line)", compat=True),))
-    train_path: List[str] = _field(factory=list, flag="--train-data-path",
-                                   help="training data of its own (prefixes, optionally weighted), instead of "
-                                        "data.path divided by data.split")
-    valid_path: List[str] = _field(factory=list, flag="--valid-data-path",
-                                   help="validation data of its own, with data.train_path")
-    test_path: List[str] = _field(factory=list, flag="--test-data-path",
-                                  help="test data of its own, with data.train_path: evaluated once, at the end "
-                                       "of training (and by run.skip_train)")
-    split: str = _field("969,30,1", flag="--split",
-                        help="train,valid,test proportions of data.path (a test share holding too few tokens for "
-                             "one sample is skipped, with a note)")
-    tokenizer_type: Optional[str] = _field(None, choices=TOKENIZER_TYPES, flag="--tokenizer-type",
-                                           help="SentencePieceTokenizer (reads tokenizer_model), GPT2BPETokenizer "
-                                                "(reads vocab_file and merge_file) or HuggingFaceTokenizer (reads "
-                                                "tokenizer_model: a model folder's tokenizer.json); unset: "
-                                                "GPT2BPETokenizer when vocab_file or merge_file is given, else "
-                                                "SentencePieceTokenizer")
-    tokenizer_model: Optional[str] = _field(None, flag="--tokenizer-model",
-                                            help="SentencePiece model, or the model folder of a "
-                                                 "HuggingFaceTokenizer (for the vocabulary size and the EOD id)")
-    vocab_file: Optional[str] = _field(None, flag="--vocab-file", help="GPT2BPETokenizer: GPT-2's vocab.json")
-    merge_file: Optional[str] = _field(None, flag="--merge-file", help="GPT2BPETokenizer: GPT-2's merges.txt")
-    eod_mask_loss: bool = _field(False, flag="--eod-mask-loss",
-                                 help="do not train on predicting the token after an end-of-document")
-    reset_position_ids: bool = _field(False, flag="--reset-position-ids",
-                                      help="restart the position ids after each end-of-document token of a sample "
-                                           "(attention still spans the documents packed into it)")
-    mock: bool = _field(False, flag="--mock-data", help="random tokens instead of data.path (benchmarks, smoke "
-                                                        "tests)")
-    cache_path: Optional[str] = _field(None, flag="--data-cache-path",
-                                       help="directory for the sample-index cache (unset: index-cache/ beside the "
-                                            "data, or, when that is not writable, hybrid/index-cache/ under the "
-                                            "user's cache directory, else the temporary directory, with a "
-                                            "notice); every rank must see the same directory")
-
-    PATH_KEYS: ClassVar[Tuple[str, ...]] = ("path", "train_path", "valid_path", "test_path")  # name data files
-    EOD_KEYS: ClassVar[Tuple[str, ...]] = ("eod_mask_loss", "reset_position_ids")  # read the end-of-document id
-
-    @property
-    def tokenizer(self) -> TokenizerSpec:
-        """The tokenizer these settings name (:class:`~hybrid.tokenizer_files.TokenizerSpec`)."""
-        return TokenizerSpec(self.tokenizer_type, self.tokenizer_model, self.vocab_file, self.merge_file)
-
-
-@dataclasses.dataclass
-class CheckpointConfig:
-    """Where checkpoints go and come from, and how they are written.
-
-    The engine reads ``async_save`` and ``async_save_chunk_mb`` (for
-    :meth:`hybrid.engine.Engine.save_checkpoint`); the rest is the trainer's.
-    """
-
-    save: Optional[str] = _field(None, flag="--save", help="directory to save checkpoints in")
-    load: Optional[str] = _field(None, flag="--load", help="directory (its 'latest') or DIR/iter_N to resume from")
-    exit_on_missing_checkpoint: bool = _field(False, flag="--exit-on-missing-checkpoint",
-                                              help="stop with an error when checkpoint.load holds no checkpoint, "
-                                                   "instead of starting from scratch")
-    save_interval: Optional[int] = _field(None, ge=1, flag="--save-interval", help="save every this many steps")
-    keep_last: Optional[int] = _field(None, ge=1, flag="--keep-last", help="keep only the newest K checkpoints")
-    finetune: bool = _field(False, flag="--finetune",
-                            help="load weights only: new optimizer, schedule and data position")
-    use_checkpoint_args: bool = _field(False, flag="--use-checkpoint-args",
-                                       help="take the model settings (the model section) that neither a flag nor "
-                                            "--config gives from the checkpoint checkpoint.load names, as it was "
-                                            "trained")
-    override_opt_param_scheduler: bool = _field(
-        False, flag="--override-opt-param-scheduler",
-        help="on load, keep the configured LR and weight-decay schedule settings (e.g. a longer run.train_iters) at "
-             "the saved position",
-        aliases=(Alias("--override-opt_param-scheduler", const=True, compat=True,
-                       help="Megatron-LM's spelling of checkpoint.override_opt_param_scheduler true"),))
-    use_checkpoint_opt_param_scheduler: bool = _field(
-        False, flag="--use-checkpoint-opt-param-scheduler",
-        help="on load, take the checkpoint's LR and weight-decay schedule settings instead of the configured ones",
-        aliases=(Alias("--use-checkpoint-opt_param-scheduler", const=True, compat=True,
-                       help="Megatron-LM's spelling of checkpoint.use_checkpoint_opt_param_scheduler true"),))
-    async_save: bool = _field(False, flag="--async-save",
-                              help="save in the background: training waits only while each rank's state is copied "
-                                   "to host memory (one copy of it); a thread writes, fsyncs and checksums it, and "
-                                   "latest moves at the first step after every rank has written; at most one save "
-                                   "in flight. Also read by the engine's save_checkpoint")
-    async_save_chunk_mb: Optional[int] = _field(None, ge=1, flag="--async-save-chunk-mb",
-                                                help="with async_save: copy at most this many MiB per rank; the "
-                                                     "files (model shard, optimizer partition) that do not fit are "
-                                                     "written from the live state while training waits (unset: "
-                                                     "copy everything)")
-
-    @property
-    def schedule_on_load(self) -> str:
-        """What a resumed run does with the checkpoint's schedule settings (one of :data:`SCHEDULE_ON_LOAD`)."""
-        if self.override_opt_param_scheduler:
-            return "configured"
-        return "saved" if self.use_checkpoint_opt_param_scheduler else "check"
-
-
-@dataclasses.dataclass
-class RunConfig:
-    """How long the trainer runs, and when it stops early."""
-
-    train_iters: Optional[int] = _field(None, ge=1, flag="--train-iters",
-                                        help="optimizer steps to train for (the trainer needs it or train_samples)")
-    train_samples: Optional[int] = _field(None, ge=1, flag="--train-samples",
-                                          help="samples to train on instead of train_iters: every whole global "
-                                               "batch that fits (a batch ramp-up included); the learning-rate "
-                                               "schedule then counts samples too")
-    exit_interval: Optional[int] = _field(None, ge=1, flag="--exit-interval",
-                                          help="save and exit once the step count is a multiple of this")
-    exit_duration_in_mins: Optional[float] = _field(None, gt=0.0, flag="--exit-duration-in-mins",
-                                                    help="save and exit after this many minutes")
-    skip_train: bool = _field(False, flag="--skip-train",
-                              help="train no step: evaluate the model (checkpoint.load's weights, at their "
-                                   "iteration) on the validation and test data, save nothing and exit")
-    max_consecutive_skipped_steps: int = _field(
-        100, ge=0, flag="--max-consecutive-skipped-steps",
-        help="stop with an error after this many consecutive iterations whose optimizer step was skipped "
-             "(non-finite gradients) or whose loss was not finite; 0 never stops. The default stays above what "
-             "dynamic fp16 loss scaling skips while its scale falls at start-up (one step per halving, plus "
-             "hysteresis - 1: at most 17 from the default 2**16, 65 from the largest, 2**64)")
-
-
-@dataclasses.dataclass
-class EvalConfig:
-    """Validation during training, and the test evaluation at its end.
-
-    Each evaluation reads the same ``iters`` global batches of its split.
-    """
-
-    interval: int = _field(1000, ge=0, help="evaluate on the validation split every this many steps, and at the "
-                                            "end of training (0 disables validation)")
-    iters: int = _field(10, ge=0, help="global batches per evaluation, validation or test (0: no evaluation)")
-
-    @property
-    def validates(self) -> bool:
-        """Whether the run evaluates on validation data (and so needs some)."""
-        return self.interval > 0 and self.iters > 0
-
-
-@dataclasses.dataclass
-class LoggingConfig:
-    """The trainer's monitor: console lines and TensorBoard events."""
-
-    log_interval: int = _field(100, ge=1, flag="--log-interval", help="print and log metrics every this many steps")
-    tensorboard_dir: Optional[str] = _field(None, flag="--tensorboard-dir",
-                                            help="the trainer's monitor writes TensorBoard event files here")
-    peak_tflops: Optional[float] = _field(None, gt=0.0, flag="--peak-tflops",
-                                          help="per-device peak TFLOP/s for MFU (unset: known GPU table, or a "
-                                               "matmul probe on CPU)")
-    log_params_norm: bool = _field(False, flag="--log-params-norm",
-                                   help="report the L2 norm of the whole model's weights every iteration (one more "
-                                        "pass over the master weights and a scalar all-reduce per step)")
-    log_num_zeros_in_grad: bool = _field(False, flag="--log-num-zeros-in-grad",
-                                         help="report how many elements of each step's gradient are exactly zero "
-                                              "(one more pass over the gradient per step)")
-
-
-@dataclasses.dataclass
-class DistributedConfig:
-    """The process group."""
-
-    timeout_minutes: float = _field(10.0, gt=0.0, help="a collective that waits longer than this fails")
-    allow_tp_across_nodes: bool = _field(False, flag="--allow-tp-across-nodes", help="accept tensor-parallel groups that span nodes (ranks per "
-                                                     "node from torchrun's LOCAL_WORLD_SIZE); refused otherwise, "
-                                                     "since every layer's collectives would cross the "
-                                                     "inter-node link")
 
 
 # ---- the root -------------------------------------------------------------------------------------
