@@ -3,7 +3,8 @@
 One dataclass covers the GPT-2 family (learned positions, LayerNorm, GELU,
 biases, tied embeddings) and the Llama family (RoPE, RMSNorm, SwiGLU, no
 biases, untied head), with grouped-query attention (``num_query_groups``
-key/value heads shared by the query heads; 1 is multi-query), RoPE scaling
+key/value heads shared by the query heads; 1 is multi-query), a head dim
+other than ``hidden_size / num_heads`` (``kv_channels``), RoPE scaling
 (linear, or Llama 3's frequency-dependent rule) and a QKV bias of its own
 (``qkv_bias``: Qwen2 has it with no other bias). :meth:`GPTConfig.validate`
 checks it against a tensor-parallel size and names the offending keys.
@@ -36,6 +37,7 @@ class GPTConfig:
     num_layers: int
     num_heads: int
     num_query_groups: Optional[int] = None  # key/value heads; None: num_heads (plain multi-head), 1: multi-query
+    kv_channels: Optional[int] = None  # head dim; None: hidden_size / num_heads (Qwen3, Mistral NeMo: 128 apart)
     ffn_hidden_size: Optional[int] = None  # None: 4h (gelu) or the Llama rule (swiglu)
     seq_length: int = 1024  # training sequence length
     max_position_embeddings: Optional[int] = None  # learned table size; None: seq_length
@@ -72,7 +74,14 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        """Channels per attention head: ``kv_channels``, or ``hidden_size / num_heads`` when unset."""
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_heads
+
+    @property
+    def attention_width(self) -> int:
+        """``num_heads * head_dim``: the query rows of the q/k/v projection and the output projection's input.
+        Equal to ``hidden_size`` unless ``kv_channels`` sets another head dim."""
+        return self.num_heads * self.head_dim
 
     @property
     def query_groups(self) -> int:
@@ -126,12 +135,16 @@ class GPTConfig:
                              f"({self.rope_scaling_factor}), 0 < rope_low_freq_factor < rope_high_freq_factor "
                              f"({self.rope_low_freq_factor}, {self.rope_high_freq_factor}) and a positive integer "
                              f"rope_original_max_positions ({self.rope_original_max_positions!r})")
-        if self.hidden_size % self.num_heads != 0:
+        if self.kv_channels is not None and (not isinstance(self.kv_channels, int)
+                                             or isinstance(self.kv_channels, bool) or self.kv_channels < 1):
+            raise ValueError(f"GPTConfig.kv_channels must be a positive integer or None, got {self.kv_channels!r}")
+        if self.kv_channels is None and self.hidden_size % self.num_heads != 0:
             raise ValueError(f"GPTConfig.hidden_size={self.hidden_size} must be divisible by "
-                             f"num_heads={self.num_heads}")
+                             f"num_heads={self.num_heads}, or kv_channels must give the head dim")
         if self.position == "rope" and self.head_dim % 2 != 0:
-            raise ValueError(f"rotary positions need an even head dim, but hidden_size/num_heads = "
-                             f"{self.hidden_size}/{self.num_heads} = {self.head_dim}")
+            source = (f"kv_channels = {self.kv_channels}" if self.kv_channels is not None else
+                      f"hidden_size/num_heads = {self.hidden_size}/{self.num_heads} = {self.head_dim}")
+            raise ValueError(f"rotary positions need an even head dim, but {source}")
         if self.position == "learned" and self.num_positions < self.seq_length:
             raise ValueError(f"GPTConfig.max_position_embeddings={self.num_positions} is smaller than "
                              f"seq_length={self.seq_length}; learned positions need one row per position")

@@ -55,6 +55,9 @@ _PRESETS: Dict[str, Callable[[], GPTConfig]] = {
                                        seq=4096, theta=10000.0, eps=1e-5),
     "qwen2-7b": lambda: _llama_style(hidden=3584, layers=28, heads=28, groups=4, ffn=18944, vocab=152064,
                                      seq=4096, theta=1000000.0, eps=1e-6, qkv_bias=True),
+    # 32 heads of 128 channels on a hidden size of 5120: a head dim of its own (kv_channels)
+    "mistral-nemo-12b": lambda: _llama_style(hidden=5120, layers=40, heads=32, groups=8, ffn=14336, vocab=131072,
+                                             seq=4096, theta=1000000.0, eps=1e-5, kv_channels=128),
 }
 
 # Exact published counts where one exists (Hugging Face checkpoints); the large
@@ -72,6 +75,7 @@ ROUNDED_PARAMS: Dict[str, str] = {
     "llama3-70b": "70.6",
     "mistral-7b": "7.24",
     "qwen2-7b": "7.62",
+    "mistral-nemo-12b": "12.2",
 }
 NOMINAL_PARAMS: Dict[str, float] = {
     "megatron-8.3b": 8.3e9,

@@ -100,7 +100,8 @@ class ParallelAttention(nn.Module):
     :mod:`model_zoo.qkv_layout` defines it (``[nh/tp + 2 max(1, ng/tp)] d``
     rows per rank; key/value heads replicated over ``tp/ng`` ranks when
     ``tp > ng``, their gradients summed over those ranks). ``out_proj``:
-    row-parallel ``[h, h/tp]``. Input and output ``[s(/tp), b, h]``.
+    row-parallel ``[h, nh d/tp]`` (``nh d`` is ``h`` unless ``kv_channels``
+    sets ``d``). Input and output ``[s(/tp), b, h]``.
     """
 
     def __init__(self, config: GPTConfig, topology: "Topology", tracker: RNGTracker, device=None, dtype=None):
@@ -117,7 +118,7 @@ class ParallelAttention(nn.Module):
                                              sequence_parallel=sp, **layout.tp_split(),
                                              weight_init=tp_init.normal(config.init_std), device=device,
                                              dtype=dtype)
-        self.out_proj = RowParallelLinear(h, h, topology, bias=config.bias, input_is_parallel=True,
+        self.out_proj = RowParallelLinear(config.attention_width, h, topology, bias=config.bias, input_is_parallel=True,
                                           sequence_parallel=sp, weight_init=output_init(config), device=device,
                                           dtype=dtype)
 

@@ -246,11 +246,12 @@ def transformer_bound(cfg, tokens: int, *, part: str, dtype: torch.dtype = torch
     u = unit_roundoff(dtype) + U64
     u_norm = U if cfg.norm == "rmsnorm" else u  # RMSNorm normalises in fp32 (Llama semantics)
     h, d, s, v, e = cfg.hidden_size, cfg.head_dim, cfg.seq_length, cfg.vocab_size, ELEMENTARY
+    w = cfg.attention_width  # the output projection's input: h unless kv_channels sets the head dim
     f_out = cfg.ffn_size
     f_in = 2 * f_out if cfg.mlp == "swiglu" else f_out
     norm_fwd = 2 * h + e  # mean and variance (or the mean square), then rsqrt
     rope = 3 if cfg.position == "rope" else 0
-    layer_fwd = (h + 1 + rope + (d + 1) + (s + 2 * e) + s + (h + 1) + 1  # qkv, rope, scores, softmax, context, out
+    layer_fwd = (h + 1 + rope + (d + 1) + (s + 2 * e) + s + (w + 1) + 1  # qkv, rope, scores, softmax, context, out
                  + (h + 1) + (e + 1) + (f_out + 1) + 1)  # mlp in, activation, mlp out, residual
     fwd = cfg.num_layers * (layer_fwd * u + 2 * norm_fwd * u_norm) + norm_fwd * u_norm + h * u  # + final norm, head
     loss = (v + 2 * e + 8) * U  # cross entropy, always fp32
@@ -258,7 +259,7 @@ def transformer_bound(cfg, tokens: int, *, part: str, dtype: torch.dtype = torch
     # gradient over the tokens; the norms' backward has two h-term reductions.
     layer_bwd = (h + tokens + e + f_in + tokens  # mlp out, activation, mlp in
                  + h + tokens + d + s + s + s + s  # out proj; context (d, s); softmax; scores (s, s)
-                 + 3 * h + tokens + 2)  # qkv, residuals
+                 + 3 * max(h, w) + tokens + 2)  # qkv (at most 3 w output features), residuals
     bwd = cfg.num_layers * (layer_bwd * u + 2 * norm_fwd * u_norm) + (v + 2 * tokens) * u + norm_fwd * u_norm
     if part == "logits":
         return fwd

@@ -44,6 +44,9 @@ class ModelConfig:
     num_query_groups: Optional[int] = _field(None, ge=1, flag="--num-query-groups",
                                              help="key/value heads shared by the query heads (grouped-query "
                                                   "attention; 1: multi-query; unset: one per attention head)")
+    kv_channels: Optional[int] = _field(None, ge=1, flag="--kv-channels",
+                                        help="channels per attention head (unset: hidden size / attention "
+                                             "heads; Qwen3 and Mistral NeMo use 128 apart from it)")
     ffn_hidden_size: Optional[int] = _field(None, ge=1, flag="--ffn-hidden-size",
                                             help="MLP hidden size (unset: 4h, or the SwiGLU rule)")
     seq_length: Optional[int] = _field(None, ge=1, flag="--seq-length", help="training sequence length")

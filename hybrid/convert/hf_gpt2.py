@@ -32,7 +32,11 @@ _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 
 
 def mismatches(cfg: GPTConfig) -> List[str]:
-    return [f"{k}={getattr(cfg, k)!r} (GPT-2 has {v!r})" for k, v in _SWITCHES.items() if getattr(cfg, k) != v]
+    out = [f"{k}={getattr(cfg, k)!r} (GPT-2 has {v!r})" for k, v in _SWITCHES.items() if getattr(cfg, k) != v]
+    if cfg.attention_width != cfg.hidden_size:  # GPT-2's config has no head dim of its own: always n_embd / n_head
+        out.append(f"kv_channels={cfg.kv_channels} (GPT-2's head dim is n_embd / n_head = "
+                   f"{cfg.hidden_size} / {cfg.num_heads})")
+    return out
 
 
 def hf_config(cfg: GPTConfig, dtype_name: str) -> Dict[str, Any]:

@@ -4,7 +4,8 @@ The three share one layout and differ in their switches: rotary positions
 (rotate-halves convention, the one HF uses, so q and k need no permutation),
 RMSNorm, SwiGLU MLP and no MLP or output biases; grouped-query attention
 (``num_key_value_heads`` = hybrid's ``num_query_groups``) and RoPE scaling
-(``linear``, ``llama3``). Qwen2 adds a bias to q, k and v (hybrid's
+(``linear``, ``llama3``); config.json's ``head_dim``, where it is not
+``hidden_size / num_attention_heads``, is hybrid's ``kv_channels``. Qwen2 adds a bias to q, k and v (hybrid's
 ``qkv_bias``); Mistral and Qwen2 may declare a sliding attention window,
 which hybrid's full causal attention reproduces only when the window covers
 every position (null, or at least ``max_position_embeddings``); other
@@ -87,10 +88,13 @@ class LlamaFamily:
         groups = hf.get("num_key_value_heads") or heads
         if heads % groups:
             raise refuse(where, "num_key_value_heads", groups, f"it must divide num_attention_heads={heads}")
-        head_dim = hf.get("head_dim") or hidden // heads
-        if head_dim * heads != hidden:
-            raise refuse(where, "head_dim", head_dim, f"hybrid needs head_dim = hidden_size / num_attention_heads "
-                                                      f"= {hidden} / {heads}")
+        head_dim = hf.get("head_dim")
+        if not head_dim and hidden % heads:
+            raise refuse(where, "num_attention_heads", heads, f"it must divide hidden_size={hidden} when "
+                                                               f"config.json gives no head_dim")
+        # A head dim other than hidden / heads (Qwen3, Mistral NeMo) is hybrid's kv_channels; the usual one is
+        # recorded as None, as the trainer records it when no flag sets it.
+        kv_channels = head_dim if head_dim and head_dim * heads != hidden else None
         if hf.get("hidden_act", "silu") != "silu":
             raise refuse(where, "hidden_act", hf["hidden_act"], "the hybrid SwiGLU MLP uses silu")
         for key in ("mlp_bias",) + (() if self.qkv_bias else ("attention_bias",)):
@@ -104,7 +108,7 @@ class LlamaFamily:
         return GPTConfig(
             vocab_size=require(hf, "vocab_size", where), hidden_size=hidden,
             num_layers=require(hf, "num_hidden_layers", where), num_heads=heads,
-            num_query_groups=None if groups == heads else groups,
+            num_query_groups=None if groups == heads else groups, kv_channels=kv_channels,
             ffn_hidden_size=None if ffn == swiglu_ffn_size(hidden) else ffn, seq_length=positions,
             position="rope", **_rope_from_hf(hf, where), norm="rmsnorm",
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)), mlp="swiglu", bias=False,

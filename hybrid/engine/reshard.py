@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from hybrid.zero import ZeroOptimizer
 
 # Model settings that decide parameter shapes; named in errors when shapes disagree.
-_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_query_groups", "qkv_bias",
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_query_groups", "kv_channels", "qkv_bias",
                "ffn_hidden_size", "mlp", "bias",
                "tie_embeddings", "position", "max_position_embeddings", "seq_length", "norm")
 

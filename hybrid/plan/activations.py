@@ -15,7 +15,8 @@ Per layer, no recomputation::
                       RMSNorm, fused: p*N*h*r + 4*N*r + p*N*h
                       RMSNorm, reference (fp32 maths): 4*N*h*r + 4*N*r + p*N*h*r + p*N*h
     attention         with ``g`` key/value heads per rank (``a/t`` without grouped-query attention;
-                      model_zoo.qkv_layout) and ``k = N*d*g`` their elements:
+                      model_zoo.qkv_layout) and ``k = N*d*g`` their elements (here ``h`` stands
+                      for the attention width ``a*d``, the hidden size unless kv_channels sets d):
                       flash kernel: qkv p(Nh/t + 2k) [+ rotated q, k p(Nh/t + k) with RoPE] + out pNh/t
                       + log-sum-exp 4*N*a/t
                       math kernel (CPU with attention dropout; computes in fp32): fp32 copies of
@@ -176,7 +177,7 @@ def _norm_block(config: GPTConfig, x: _Dims, profile: DeviceProfile) -> float:
 
 
 def _attention(config: GPTConfig, x: _Dims, recompute: str, training: bool, profile: DeviceProfile) -> float:
-    n_h_t = x.N * x.h / x.t
+    n_h_t = x.N * x.a * x.d / x.t  # q, or the attention output, on this rank (a d = h unless kv_channels is set)
     n_kv = x.N * x.d * x.g  # one of k, v on this rank
     rope = config.position == "rope"
     # qkv storage [+ rotated q, k] + output

@@ -264,7 +264,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     name = args.model or args.config
     print(f"model {name}: {count_parameters(config) / 1e9:.2f}B parameters, h={config.hidden_size}, "
-          f"L={config.num_layers}, heads={config.num_heads}, seq {config.seq_length}, "
+          f"L={config.num_layers}, heads={config.num_heads}"
+          f"{'' if config.kv_channels is None else f' of {config.head_dim} channels'}, seq {config.seq_length}, "
           f"global batch {args.global_batch_size}, {args.precision}, {args.optimizer}")
     print(f"cluster: {cluster.describe()}")
     print(f"assumptions: {cluster.assumptions()}; fragmentation allowance {args.fragmentation:g} of transients; "

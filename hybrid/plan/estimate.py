@@ -95,6 +95,7 @@ from hybrid.p2p_collectives import scratch_chunks
 from hybrid.zero.buckets import STAGING_BUFFERS_BEFORE_WAIT
 from hybrid.zero.inflight import closes_before, inflight_limit
 from model_zoo.config import GPTConfig
+from model_zoo.qkv_layout import qkv_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,7 +357,8 @@ def flat_gradient_flow(layout: FlatLayout, pool: Optional[int], held: Callable[[
 def largest_layer_weight(config: GPTConfig) -> int:
     """Elements of the largest weight matrix of one layer at TP=1."""
     h, f = config.hidden_size, config.ffn_size
-    return max(3 * h * h, (2 if config.mlp == "swiglu" else 1) * f * h)
+    return max(qkv_layout(config).out_features * h, config.attention_width * h,
+               (2 if config.mlp == "swiglu" else 1) * f * h)
 
 
 def zero_layout(config: GPTConfig, candidate: Candidate, setup: TrainingSetup = TrainingSetup(),

@@ -130,7 +130,7 @@ class StepTime:
 
 def recompute_flops_per_token(config: GPTConfig, recompute: str) -> int:
     """Extra forward FLOPs per token that recomputation spends in backward."""
-    attention = 4 * config.num_layers * config.seq_length * config.hidden_size
+    attention = 4 * config.num_layers * config.seq_length * config.attention_width
     if recompute == "full":
         return 2 * matmul_parameters(config) + attention
     if recompute == "selective":

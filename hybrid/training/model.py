@@ -9,7 +9,7 @@ from hybrid.config import HybridConfig
 
 # model section key -> GPTConfig field, for the shape settings that override a preset when given.
 _SHAPE_KEYS = (("num_layers", "num_layers"), ("hidden_size", "hidden_size"), ("num_attention_heads", "num_heads"),
-               ("num_query_groups", "num_query_groups"),
+               ("num_query_groups", "num_query_groups"), ("kv_channels", "kv_channels"),
                ("ffn_hidden_size", "ffn_hidden_size"), ("seq_length", "seq_length"),
                ("max_position_embeddings", "max_position_embeddings"), ("position_embedding_type", "position"),
                ("normalization", "norm"), ("hidden_dropout", "hidden_dropout"),

@@ -38,7 +38,7 @@ FULL = {
     "seed": 7, "steps_per_print": 5, "use_fused_kernels": False,
     # the trainer's sections
     "model": {"preset": None, "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
-              "ffn_hidden_size": 128,
+              "kv_channels": 24, "ffn_hidden_size": 128,
               "seq_length": 32, "max_position_embeddings": 64, "vocab_size": 512, "position_embedding_type": "rope",
               "normalization": "rmsnorm", "norm_epsilon": 1e-6, "rotary_base": 500000.0, "rope_scaling": "llama3",
               "rope_scaling_factor": 8.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,

@@ -29,6 +29,7 @@ _LLAMA_GQA = dict(num_heads=8, num_query_groups=2)
 LLAMA_GQA_CFG = LLAMA_CFG.replace(**_LLAMA_GQA, rope_scaling="llama3", rope_scaling_factor=8.0,
                                   rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_positions=8)
 MISTRAL_CFG = LLAMA_CFG.replace(**_LLAMA_GQA)
+MISTRAL_HEAD_DIM_CFG = MISTRAL_CFG.replace(kv_channels=12)  # 8 heads of 12: 96 attention channels on hidden 64
 QWEN2_CFG = LLAMA_CFG.replace(num_heads=8, num_query_groups=1, qkv_bias=True, rope_theta=10000.0)
 
 

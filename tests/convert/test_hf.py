@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from hybrid.convert.consolidate import CheckpointSource, ConversionError
 from hybrid.checkpoint import CheckpointReader
 from hybrid.convert.hf import export_to_hf, import_from_hf
-from tests.convert.common import GPT2_CFG, LLAMA_CFG, LLAMA_GQA_CFG, MISTRAL_CFG, QWEN2_CFG, SEQ, VOCAB, \
-    model_from_state, randomized_state, train_tp2_dp2_zero2, write_weights_checkpoint
+from tests.convert.common import GPT2_CFG, LLAMA_CFG, LLAMA_GQA_CFG, MISTRAL_CFG, MISTRAL_HEAD_DIM_CFG, QWEN2_CFG, \
+    SEQ, VOCAB, model_from_state, randomized_state, train_tp2_dp2_zero2, write_weights_checkpoint
 from tests.data.testkit import train_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -27,7 +27,7 @@ TOL = 1e-5
 # kind -> the hybrid config its HF model converts to, and the HF class
 KINDS = {"gpt2": (GPT2_CFG, "GPT2LMHeadModel"), "llama": (LLAMA_CFG, "LlamaForCausalLM"),
          "llama-gqa": (LLAMA_GQA_CFG, "LlamaForCausalLM"), "mistral": (MISTRAL_CFG, "MistralForCausalLM"),
-         "qwen2": (QWEN2_CFG, "Qwen2ForCausalLM")}
+         "qwen2": (QWEN2_CFG, "Qwen2ForCausalLM"), "mistral-head-dim": (MISTRAL_HEAD_DIM_CFG, "MistralForCausalLM")}
 
 
 def _llama_family_config(kind: str, tie: bool):
@@ -41,9 +41,9 @@ def _llama_family_config(kind: str, tie: bool):
                                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                       "high_freq_factor": 4.0,
                                                       "original_max_position_embeddings": 8})
-    if kind == "mistral":
+    if kind in ("mistral", "mistral-head-dim"):  # the second with a head dim of its own, as Mistral NeMo
         return transformers.MistralConfig(**common, num_attention_heads=8, num_key_value_heads=2, rope_theta=500.0,
-                                          sliding_window=None)
+                                          sliding_window=None, head_dim=12 if kind == "mistral-head-dim" else None)
     return transformers.Qwen2Config(**common, num_attention_heads=8, num_key_value_heads=1, rope_theta=10000.0,
                                     use_sliding_window=False)
 
@@ -116,7 +116,8 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, kind, tp):
 @pytest.mark.parametrize("kind,tp,fmt", [("gpt2", 1, "safetensors"), ("gpt2", 2, "bin"), ("llama", 1, "bin"),
                                          ("llama", 2, "safetensors"), ("llama-gqa", 1, "safetensors"),
                                          ("llama-gqa", 2, "safetensors"), ("mistral", 1, "safetensors"),
-                                         ("mistral", 2, "bin"), ("qwen2", 1, "bin"), ("qwen2", 2, "safetensors")])
+                                         ("mistral", 2, "bin"), ("qwen2", 1, "bin"), ("qwen2", 2, "safetensors"),
+                                         ("mistral-head-dim", 2, "safetensors")])
 def test_import_gives_the_transformers_logits(tmp_path, kind, tp, fmt):
     hf = _hf_model(kind)
     hf.save_pretrained(tmp_path / "hf")
@@ -130,7 +131,8 @@ def test_import_gives_the_transformers_logits(tmp_path, kind, tp, fmt):
     from model_zoo import GPTConfig
 
     imported = GPTConfig.from_dict(reader.model_config)
-    switches = ("position", "norm", "mlp", "bias", "attention_bias", "query_groups", "num_heads", "rope_theta",
+    switches = ("position", "norm", "mlp", "bias", "attention_bias", "query_groups", "num_heads", "head_dim",
+                "rope_theta",
                 "rope_scaling", "rope_scaling_factor", "rope_original_max_positions")
     assert [getattr(imported, k) for k in switches] == [getattr(cfg, k) for k in switches]
     with torch.no_grad():
@@ -139,7 +141,8 @@ def test_import_gives_the_transformers_logits(tmp_path, kind, tp, fmt):
 
 
 @pytest.mark.parametrize("kind,tie", [("gpt2", True), ("gpt2", False), ("llama", False), ("llama", True),
-                                      ("llama-gqa", False), ("mistral", False), ("qwen2", True)])
+                                      ("llama-gqa", False), ("mistral", False), ("qwen2", True),
+                                      ("mistral-head-dim", False)])
 def test_hf_to_hybrid_to_hf_is_bit_identical(tmp_path, kind, tie):
     hf = _hf_model(kind, tie)
     hf.save_pretrained(tmp_path / "hf")
@@ -225,6 +228,11 @@ def test_export_refuses_a_model_of_no_known_family(tmp_path):
     write_weights_checkpoint(tmp_path / "ck", cfg, randomized_state(cfg), 1)
     with pytest.raises(ConversionError, match="not GPT2LMHeadModel: position='rope'.*not LlamaForCausalLM"):
         export_to_hf(tmp_path / "ck", tmp_path / "hf")
+    cfg = GPT2_CFG.replace(kv_channels=8)  # GPT-2's config.json has no head dim: n_embd / n_head = 16 it is
+    write_weights_checkpoint(tmp_path / "ck2", cfg, randomized_state(cfg), 1)
+    with pytest.raises(ConversionError, match="not GPT2LMHeadModel: kv_channels=8 \\(GPT-2's head dim is n_embd / "
+                                              "n_head = 64 / 4\\)"):
+        export_to_hf(tmp_path / "ck2", tmp_path / "hf2")
 
 
 def test_the_tokenizer_path_recorded_in_the_checkpoint_is_never_opened(tmp_path):

@@ -17,7 +17,6 @@ def _cfg(**kw):
 @pytest.mark.parametrize("kw, tp, message", [
     (dict(num_heads=6, hidden_size=36), 4, "num_heads=6 must be divisible by the tensor-parallel size tp=4"),
     (dict(ffn_hidden_size=66), 4, "ffn_hidden_size=66 must be divisible by the tensor-parallel size tp=4"),
-    (dict(hidden_size=30), 1, "hidden_size=30 must be divisible by num_heads=4"),
     (dict(seq_length=18, sequence_parallel=True), 4,
      "seq_length=18 must be divisible by the tensor-parallel size tp=4 when sequence_parallel=True"),
     (dict(position="alibi"), 1, "position='alibi' is not one of learned, rope"),
@@ -27,10 +26,24 @@ def _cfg(**kw):
     (dict(vocab_size=0), 1, "vocab_size must be a positive integer"),
     (dict(max_position_embeddings=8), 1, "max_position_embeddings=8 is smaller than seq_length=16"),
     (dict(hidden_size=36, num_heads=12, position="rope"), 1, "even head dim"),
+    (dict(hidden_size=30), 1, "hidden_size=30 must be divisible by num_heads=4, or kv_channels must give"),
+    (dict(kv_channels=0), 1, "kv_channels must be a positive integer or None, got 0"),
+    (dict(kv_channels=True), 1, "kv_channels must be a positive integer or None, got True"),
+    (dict(kv_channels=7, position="rope"), 1, "rotary positions need an even head dim, but kv_channels = 7"),
 ])
 def test_config_errors_name_the_key_and_rule(kw, tp, message):
     with pytest.raises(ValueError, match=message):
         _cfg(**kw).validate(tp)
+
+
+def test_kv_channels_sets_a_head_dim_apart_from_hidden_over_heads():
+    cfg = _cfg(hidden_size=30, kv_channels=6).validate(2)  # 30 does not divide by 4 heads: kv_channels decides
+    assert (cfg.head_dim, cfg.attention_width) == (6, 24)
+    model = GPTModel(cfg, Topology.local())
+    attention = model.layers[0].attention
+    assert attention.qkv_proj.weight.shape == (3 * 24, 30) and attention.out_proj.weight.shape == (30, 24)
+    assert model(torch.randint(0, 100, (2, 16))).shape[:2] == (2, 16)
+    assert (_cfg().head_dim, _cfg().attention_width) == (8, 32)  # unset: hidden_size / num_heads
 
 
 def test_config_round_trips_and_rejects_unknown_keys():

@@ -127,7 +127,7 @@ def test_gpt2_switches_match_gpt2lmheadmodel():
 
 
 # (HF class, HF extras, hybrid extras): plain multi-head; grouped-query with llama3 RoPE scaling; Qwen2's
-# multi-query attention with a q/k/v bias.
+# multi-query attention with a q/k/v bias; a head dim of its own.
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8}
 LLAMA_FAMILY = {
@@ -139,6 +139,13 @@ LLAMA_FAMILY = {
                        rope_original_max_positions=8)),
     "qwen2-mqa": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=8, num_key_value_heads=1),
                   dict(num_heads=8, num_query_groups=1, qkv_bias=True)),
+    # head dims other than hidden / heads (kv_channels): wider than it (24 > 64 / 4), and narrower (6 < 64 / 8)
+    "llama-head-dim": ("LlamaConfig", "LlamaForCausalLM",
+                       dict(num_attention_heads=HEADS, num_key_value_heads=2, head_dim=24),
+                       dict(num_heads=HEADS, num_query_groups=2, kv_channels=24)),
+    "mistral-head-dim": ("MistralConfig", "MistralForCausalLM",
+                         dict(num_attention_heads=8, num_key_value_heads=2, head_dim=6, sliding_window=None),
+                         dict(num_heads=8, num_query_groups=2, kv_channels=6)),
 }
 
 

@@ -11,7 +11,7 @@ from model_zoo.presets import NOMINAL_PARAMS, PUBLISHED_PARAMS, ROUNDED_PARAMS
 
 REQUIRED = ("tiny", "llama-tiny", "gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl", "megatron-8.3b",
             "turing-nlg-17b", "gpt3-175b", "llama-7b", "tiny-gqa", "llama3-8b", "llama3-70b", "mistral-7b",
-            "qwen2-7b")
+            "qwen2-7b", "mistral-nemo-12b")
 
 
 def test_every_required_preset_exists():
@@ -42,9 +42,12 @@ def test_preset_shapes():
     llama = get_preset("llama-7b")
     assert (llama.position, llama.norm, llama.mlp, llama.bias, llama.tie_embeddings) == (
         "rope", "rmsnorm", "swiglu", False, False)
-    for name, groups in (("llama3-8b", 8), ("llama3-70b", 8), ("mistral-7b", 8), ("qwen2-7b", 4), ("tiny-gqa", 2)):
+    for name, groups in (("llama3-8b", 8), ("llama3-70b", 8), ("mistral-7b", 8), ("qwen2-7b", 4), ("tiny-gqa", 2),
+                         ("mistral-nemo-12b", 8)):
         cfg = get_preset(name)
         assert (cfg.query_groups, cfg.attention_bias) == (groups, name == "qwen2-7b"), name
+    nemo = get_preset("mistral-nemo-12b")
+    assert (nemo.head_dim, nemo.attention_width, nemo.hidden_size) == (128, 4096, 5120)
     tiny = get_preset("tiny")
     assert count_parameters(tiny) < 5_000_000 and tiny.seq_length <= 128
 
@@ -70,20 +73,28 @@ def test_get_preset_overrides_and_errors():
 #   SwiGLU: N = 2*1024 + 80 = 2128, 6N = 12768, attention 768                       -> 13536
 # Multi-query (1 key/value head of d=4): qkv 8*(8 + 2*4) = 128 instead of 192 -> per layer 960,
 #   N = 2*960 + 80 = 2000, 6N = 12000, attention 768 (the query side is unchanged)  -> 12768
-HAND = {"gelu": (1616, 10464), "swiglu": (2128, 13536), "swiglu-mqa": (2000, 12768)}
+# Head dim 6 (kv_channels): 2 heads of 6 = 12 attention channels, not 8: qkv 8*(12 + 2*12) = 288 (k and v
+#   have 2 heads of 6 too), out 12*8 = 96, MLP 512 -> per layer 896,
+#   N = 2*896 + 80 = 1872, 6N = 11232, attention 12*L*s*12 = 1152                   -> 12384
+# (N_matmul, flops per token, the attention term at s = 4)
+HAND = {"gelu": (1616, 10464, 768), "swiglu": (2128, 13536, 768), "swiglu-mqa": (2000, 12768, 768),
+        "gelu-head-dim": (1872, 12384, 1152)}
 
 
-@pytest.mark.parametrize("mlp", ["gelu", "swiglu", "swiglu-mqa"])
-def test_flops_per_token_matches_hand_count_and_measured_matmuls(mlp):
+@pytest.mark.parametrize("variant", list(HAND))
+def test_flops_per_token_matches_hand_count_and_measured_matmuls(variant):
+    mlp = variant.split("-")[0]
     extra = {} if mlp == "gelu" else dict(position="rope", norm="rmsnorm", bias=False, tie_embeddings=False)
-    if mlp == "swiglu-mqa":
+    if variant == "swiglu-mqa":
         extra["num_query_groups"] = 1
+    if variant == "gelu-head-dim":
+        extra["kv_channels"] = 6
     cfg = GPTConfig(vocab_size=10, hidden_size=8, num_layers=2, num_heads=2, ffn_hidden_size=32, seq_length=4,
-                    vocab_pad_multiple=1, mlp=mlp.split("-")[0], **extra)
-    n_matmul, total = HAND[mlp]
+                    vocab_pad_multiple=1, mlp=mlp, **extra)
+    n_matmul, total, attention = HAND[variant]
     assert matmul_parameters(cfg) == n_matmul
     assert flops_per_token(cfg) == total
-    assert flops_per_token(cfg, seq_length=8) == total + 768  # the attention term doubles with s
+    assert flops_per_token(cfg, seq_length=8) == total + attention  # the attention term doubles with s
 
     # torch's FLOP counter sees every linear (not the CPU attention kernel): 6N per token.
     model = GPTModel(cfg, Topology.local())

@@ -3,8 +3,9 @@
 One spawn of four processes runs every configuration (GPT-2 and Llama
 switches x sequence parallelism on/off x recompute none/full/selective x
 TP 1/2/4; grouped-query attention with 8 query heads and 2 key/value groups,
-whose key/value heads TP 4 replicates over pairs of ranks, and multi-query
-attention over a smaller grid) and every dropout check; the tests below
+whose key/value heads TP 4 replicates over pairs of ranks, multi-query
+attention, and a head dim other than hidden / heads (``kv_channels``) over
+smaller grids) and every dropout check; the tests below
 assert on its results.
 Each rank computes its own reference with ``Topology.local()``: the TP=1
 model cast to float64, so that every fp32 run (TP=1 included) is measured
@@ -40,12 +41,14 @@ _LLAMA_GQA = dict(FAMILIES["llama"], num_heads=8, qkv_bias=True, rope_scaling="l
                   rope_original_max_positions=8)
 FAMILIES["llama-gqa"] = dict(_LLAMA_GQA, num_query_groups=2)
 FAMILIES["llama-mqa"] = dict(_LLAMA_GQA, num_query_groups=1)
+FAMILIES["llama-head-dim"] = dict(_LLAMA_GQA, num_query_groups=2, kv_channels=12)  # 8 x 12 = 96 channels, not 64
 RECOMPUTE = ("none", "full", "selective")
 # (sequence parallel, recompute) per family: every pair for the original two, fewer for the grouped ones.
 GRID = {"gpt2": list(itertools.product((False, True), RECOMPUTE)),
         "llama": list(itertools.product((False, True), RECOMPUTE)),
         "llama-gqa": [(False, "none"), (True, "selective")],
-        "llama-mqa": [(False, "full"), (True, "selective")]}
+        "llama-mqa": [(False, "full"), (True, "selective")],
+        "llama-head-dim": [(False, "none"), (True, "full")]}
 DROPOUT_FAMILIES = ("gpt2", "llama")
 
 

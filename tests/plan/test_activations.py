@@ -28,19 +28,24 @@ def _measure(config, precision: str, micro: int) -> int:
     return saved.bytes
 
 
-CASES = list(itertools.product(["tiny", "llama-tiny", "tiny-gqa"], ["fp32", "bf16"], ["none", "selective", "full"]))
+# (preset, its overrides): "tiny-gqa" once more with a head dim twice hidden / heads (kv_channels), so that the
+# attention terms count a * d channels, not h
+MODELS = {"tiny": ("tiny", {}), "llama-tiny": ("llama-tiny", {}), "tiny-gqa": ("tiny-gqa", {}),
+          "tiny-gqa-head-dim": ("tiny-gqa", {"kv_channels": 32})}
+CASES = list(itertools.product(MODELS, ["fp32", "bf16"], ["none", "selective", "full"]))
 
 
-@pytest.mark.parametrize("preset,precision,recompute", CASES)
-def test_formula_matches_saved_tensors(preset, precision, recompute):
+@pytest.mark.parametrize("model,precision,recompute", CASES)
+def test_formula_matches_saved_tensors(model, precision, recompute):
     dropout = 0.1 if precision == "fp32" else 0.0  # dropout masks and the math attention kernel in half the cases
+    preset, overrides = MODELS[model]
     config = get_preset(preset, num_layers=2, seq_length=32, vocab_size=500, recompute=recompute,
-                        hidden_dropout=dropout, attention_dropout=dropout)
+                        hidden_dropout=dropout, attention_dropout=dropout, **overrides)
     for micro in (1, 3):
         measured = _measure(config, precision, micro)
         predicted = activation_bytes(config, micro, precision=precision, profile=CPU)
         expected = predicted.total - predicted.by_reference
-        assert abs(measured - expected) <= 0.05 * expected, (preset, precision, recompute, micro, measured, expected)
+        assert abs(measured - expected) <= 0.05 * expected, (model, precision, recompute, micro, measured, expected)
 
 
 def test_recompute_and_sequence_parallel_shrink_activations_as_documented():
