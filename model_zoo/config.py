@@ -6,7 +6,8 @@ biases, untied head), with grouped-query attention (``num_query_groups``
 key/value heads shared by the query heads; 1 is multi-query), a head dim
 other than ``hidden_size / num_heads`` (``kv_channels``), RoPE scaling
 (linear, or Llama 3's frequency-dependent rule) and a QKV bias of its own
-(``qkv_bias``: Qwen2 has it with no other bias). :meth:`GPTConfig.validate`
+(``qkv_bias``: Qwen2 has it with no other bias), and query/key norms
+(``qk_norm``: Qwen3; Megatron's ``--qk-layernorm``). :meth:`GPTConfig.validate`
 checks it against a tensor-parallel size and names the offending keys.
 """
 
@@ -56,6 +57,7 @@ class GPTConfig:
     mlp: str = "gelu"  # "gelu" (tanh approximation) | "swiglu"
     bias: bool = True
     qkv_bias: Optional[bool] = None  # bias of the q/k/v projection; None: as ``bias`` (Qwen2: True, bias False)
+    qk_norm: bool = False  # each query and key head normalised over its head dim (``norm``), before RoPE (Qwen3)
     tie_embeddings: bool = True
     hidden_dropout: float = 0.0  # embeddings and both residual branches
     attention_dropout: float = 0.0  # attention probabilities

@@ -38,9 +38,11 @@ def count_parameters(config: GPTConfig) -> int:
     h, f, L, V = config.hidden_size, config.ffn_size, config.num_layers, config.vocab_size
     b = 1 if config.bias else 0
     qkv = qkv_layout(config).out_features
-    norm = h + (h if config.norm == "layernorm" and config.bias else 0)
+    with_bias = 2 if config.norm == "layernorm" and config.bias else 1
+    norm = with_bias * h
+    qk_norms = 2 * with_bias * config.head_dim if config.qk_norm else 0
     mlp_in = 2 * f if config.mlp == "swiglu" else f
-    per_layer = (2 * norm
+    per_layer = (2 * norm + qk_norms
                  + qkv * h + (qkv if config.attention_bias else 0) + config.attention_width * h + b * h  # attention
                  + mlp_in * h + b * mlp_in + f * h + b * h)  # MLP
     total = V * h + L * per_layer + norm

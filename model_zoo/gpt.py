@@ -7,7 +7,9 @@ Parameter names (a converter maps them to other formats)::
     layers.{i}.input_norm.{weight,bias}       [h]          replicated
     layers.{i}.attention.qkv_proj.{weight,bias}  [(nh/tp + 2 ng') d, h]  column-parallel [q; k; v]
                                               (model_zoo.qkv_layout; ng' = max(1, ng/tp) key/value heads)
-    layers.{i}.attention.out_proj.weight      [h, h/tp]    row-parallel (bias [h] replicated)
+    layers.{i}.attention.{q,k}_norm.{weight,bias}  [d]     qk_norm only, replicated
+    layers.{i}.attention.out_proj.weight      [h, nh d/tp] row-parallel (bias [h] replicated; nh d = h unless
+                                              kv_channels sets d)
     layers.{i}.post_attention_norm.{weight,bias}
     layers.{i}.mlp.in_proj.{weight,bias}      [f/tp, h] (GELU) or [2f/tp, h] ([gate; up], stride 2)
     layers.{i}.mlp.out_proj.weight            [h, f/tp]    row-parallel (bias [h] replicated)

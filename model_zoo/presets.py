@@ -58,6 +58,10 @@ _PRESETS: Dict[str, Callable[[], GPTConfig]] = {
     # 32 heads of 128 channels on a hidden size of 5120: a head dim of its own (kv_channels)
     "mistral-nemo-12b": lambda: _llama_style(hidden=5120, layers=40, heads=32, groups=8, ffn=14336, vocab=131072,
                                              seq=4096, theta=1000000.0, eps=1e-5, kv_channels=128),
+    # 16 heads of 128 channels on a hidden size of 1024, each query and key head RMS-normalised; tied embeddings
+    "qwen3-0.6b": lambda: _llama_style(hidden=1024, layers=28, heads=16, groups=8, ffn=3072, vocab=151936, seq=4096,
+                                       theta=1000000.0, eps=1e-6, kv_channels=128, qk_norm=True).replace(
+        tie_embeddings=True),
 }
 
 # Exact published counts where one exists (Hugging Face checkpoints); the large
@@ -76,6 +80,7 @@ ROUNDED_PARAMS: Dict[str, str] = {
     "mistral-7b": "7.24",
     "qwen2-7b": "7.62",
     "mistral-nemo-12b": "12.2",
+    "qwen3-0.6b": "0.6",
 }
 NOMINAL_PARAMS: Dict[str, float] = {
     "megatron-8.3b": 8.3e9,

@@ -78,12 +78,15 @@ def dropout(x: torch.Tensor, p: float, training: bool, tracker: RNGTracker, stre
         return F.dropout(x, p, training=True)
 
 
-def make_norm(config: GPTConfig, topology: "Topology", device, dtype) -> nn.Module:
+def make_norm(config: GPTConfig, topology: "Topology", device, dtype, per_head: bool = False) -> nn.Module:
+    """The config's norm over the hidden size ``[s(/tp), b, h]``, or with ``per_head`` over the head dim of this
+    rank's query or key heads ``[..., d]``."""
+    size, sp = (config.head_dim, False) if per_head else (config.hidden_size, config.sequence_parallel)
     if config.norm == "rmsnorm":
-        return RMSNorm(config.hidden_size, topology, eps=config.norm_eps,
-                       sequence_parallel=config.sequence_parallel, device=device, dtype=dtype)
-    return LayerNorm(config.hidden_size, topology, eps=config.norm_eps, bias=config.bias,
-                     sequence_parallel=config.sequence_parallel, device=device, dtype=dtype)
+        return RMSNorm(size, topology, eps=config.norm_eps, sequence_parallel=sp, per_head=per_head, device=device,
+                       dtype=dtype)
+    return LayerNorm(size, topology, eps=config.norm_eps, bias=config.bias, sequence_parallel=sp,
+                     per_head=per_head, device=device, dtype=dtype)
 
 
 def output_init(config: GPTConfig) -> tp_init.Initializer:
@@ -101,7 +104,9 @@ class ParallelAttention(nn.Module):
     rows per rank; key/value heads replicated over ``tp/ng`` ranks when
     ``tp > ng``, their gradients summed over those ranks). ``out_proj``:
     row-parallel ``[h, nh d/tp]`` (``nh d`` is ``h`` unless ``kv_channels``
-    sets ``d``). Input and output ``[s(/tp), b, h]``.
+    sets ``d``). With ``qk_norm``, ``q_norm`` and ``k_norm`` (weights ``[d]``,
+    replicated; gradients all-reduced over ``"tp"``) normalise each query and
+    key head before RoPE. Input and output ``[s(/tp), b, h]``.
     """
 
     def __init__(self, config: GPTConfig, topology: "Topology", tracker: RNGTracker, device=None, dtype=None):
@@ -121,6 +126,11 @@ class ParallelAttention(nn.Module):
         self.out_proj = RowParallelLinear(config.attention_width, h, topology, bias=config.bias, input_is_parallel=True,
                                           sequence_parallel=sp, weight_init=output_init(config), device=device,
                                           dtype=dtype)
+        if config.qk_norm:
+            self.q_norm = make_norm(config, topology, device, dtype, per_head=True)
+            self.k_norm = make_norm(config, topology, device, dtype, per_head=True)
+        else:
+            self.q_norm = self.k_norm = None
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[b, heads/tp, s, d]``, k and v ``[b, groups, s, d]`` -> ``[b, heads/tp, s, d]``;
@@ -136,8 +146,11 @@ class ParallelAttention(nn.Module):
         qkv = self.qkv_proj(x)  # [s, b, (heads/tp + 2 groups) * d], the whole sequence even under SP
         s, b = qkv.shape[0], qkv.shape[1]
         d = self.head_dim
-        q, k, v = (t.view(s, b, -1, d).permute(1, 2, 0, 3) for t in qkv.split(
+        q, k, v = (t.view(s, b, -1, d) for t in qkv.split(
             [self.local_heads * d, self.local_groups * d, self.local_groups * d], dim=-1))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.selective_recompute:

@@ -253,14 +253,19 @@ def transformer_bound(cfg, tokens: int, *, part: str, dtype: torch.dtype = torch
     rope = 3 if cfg.position == "rope" else 0
     layer_fwd = (h + 1 + rope + (d + 1) + (s + 2 * e) + s + (w + 1) + 1  # qkv, rope, scores, softmax, context, out
                  + (h + 1) + (e + 1) + (f_out + 1) + 1)  # mlp in, activation, mlp out, residual
-    fwd = cfg.num_layers * (layer_fwd * u + 2 * norm_fwd * u_norm) + norm_fwd * u_norm + h * u  # + final norm, head
+    qk_norm = 2 * d + e if cfg.qk_norm else 0  # the query/key norms over the head dim
+    # their weight gradients sum over every token of every head
+    qk_norm_bwd = qk_norm + tokens * cfg.num_heads if cfg.qk_norm else 0
+    fwd = (cfg.num_layers * (layer_fwd * u + (2 * norm_fwd + qk_norm) * u_norm) + norm_fwd * u_norm
+           + h * u)  # + final norm, head
     loss = (v + 2 * e + 8) * U  # cross entropy, always fp32
     # Backward: each matmul's input gradient sums over its output features, each weight
     # gradient over the tokens; the norms' backward has two h-term reductions.
     layer_bwd = (h + tokens + e + f_in + tokens  # mlp out, activation, mlp in
                  + h + tokens + d + s + s + s + s  # out proj; context (d, s); softmax; scores (s, s)
                  + 3 * max(h, w) + tokens + 2)  # qkv (at most 3 w output features), residuals
-    bwd = cfg.num_layers * (layer_bwd * u + 2 * norm_fwd * u_norm) + (v + 2 * tokens) * u + norm_fwd * u_norm
+    bwd = (cfg.num_layers * (layer_bwd * u + (2 * norm_fwd + qk_norm_bwd) * u_norm) + (v + 2 * tokens) * u
+           + norm_fwd * u_norm)
     if part == "logits":
         return fwd
     if part == "loss":

@@ -132,7 +132,6 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
     _refused("--tp-comm-overlap", "hybrid does not overlap tensor-parallel communication with compute; keep the "
                                   "tensor-parallel group within a node"),
     _refused("--apply-layernorm-1p", "hybrid applies norm weights as stored (no 1 + w reparameterisation)"),
-    _refused("--qk-layernorm", "hybrid's attention has no query/key normalisation"),
     _refused("--calculate-per-token-loss", "hybrid's loss is the mean over each micro-batch's tokens, then over "
                                            "micro-batches and data-parallel ranks"),
     _refused("--reset-attention-mask", "hybrid attends causally across the documents packed into a sample (no "

@@ -78,6 +78,9 @@ class ModelConfig:
     swiglu: bool = _field(False, flag="--swiglu", help="SwiGLU MLP instead of GELU")
     add_qkv_bias: bool = _field(False, flag="--add-qkv-bias",
                                 help="a bias on the q/k/v projection even with --disable-bias-linear (Qwen2)")
+    qk_layernorm: bool = _field(False, flag="--qk-layernorm",
+                                help="normalise each query and key head over its head dim before RoPE, with the "
+                                     "model's --normalization (Qwen3)")
     disable_bias_linear: bool = _field(False, flag="--disable-bias-linear", help="no biases in linear layers")
     untie_embeddings_and_output_weights: bool = _field(False, flag="--untie-embeddings-and-output-weights",
                                                        help="separate output layer weights")

@@ -26,7 +26,7 @@ from model_zoo.config import GPTConfig
 ARCHITECTURE = "GPT2LMHeadModel"
 MODEL_TYPE = "gpt2"
 
-_SWITCHES = {"position": "learned", "norm": "layernorm", "mlp": "gelu", "bias": True}
+_SWITCHES = {"position": "learned", "norm": "layernorm", "mlp": "gelu", "bias": True, "qk_norm": False}
 # Both name the tanh approximation of GELU, which is what the hybrid GELU MLP computes.
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 

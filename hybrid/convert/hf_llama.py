@@ -1,12 +1,14 @@
-"""The Llama family: ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` <-> hybrid GPT.
+"""The Llama family: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and
+``Qwen3ForCausalLM`` <-> hybrid GPT.
 
-The three share one layout and differ in their switches: rotary positions
+The four share one layout and differ in their switches: rotary positions
 (rotate-halves convention, the one HF uses, so q and k need no permutation),
 RMSNorm, SwiGLU MLP and no MLP or output biases; grouped-query attention
 (``num_key_value_heads`` = hybrid's ``num_query_groups``) and RoPE scaling
 (``linear``, ``llama3``); config.json's ``head_dim``, where it is not
 ``hidden_size / num_attention_heads``, is hybrid's ``kv_channels``. Qwen2 adds a bias to q, k and v (hybrid's
-``qkv_bias``); Mistral and Qwen2 may declare a sliding attention window,
+``qkv_bias``); Qwen3 an RMSNorm over each query and key head (``qk_norm``). Mistral and the Qwens may declare
+a sliding attention window,
 which hybrid's full causal attention reproduces only when the window covers
 every position (null, or at least ``max_position_embeddings``); other
 windows are refused. Name map per layer ``i``::
@@ -15,6 +17,7 @@ windows are refused. Name map per layer ``i``::
     model.layers.i.input_layernorm             layers.i.input_norm
     model.layers.i.self_attn.{q,k,v}_proj      layers.i.attention.qkv_proj   ([q; k; v], dim 0; rows of
                                                                              model_zoo.qkv_layout)
+    model.layers.i.self_attn.{q,k}_norm        layers.i.attention.{q,k}_norm (Qwen3)
     model.layers.i.self_attn.o_proj            layers.i.attention.out_proj
     model.layers.i.post_attention_layernorm    layers.i.post_attention_norm
     model.layers.i.mlp.{gate,up}_proj          layers.i.mlp.in_proj          ([gate; up], dim 0)
@@ -52,10 +55,11 @@ class LlamaFamily:
     # The config.json switch that turns sliding_window on (Qwen2's use_sliding_window; None: a window is
     # in force whenever one is given)
     window_switch: Optional[str] = None
+    qk_norm: bool = False  # Qwen3's RMSNorm over each query and key head
 
     def switches(self) -> Dict[str, Any]:
         return {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
-                "attention_bias": self.qkv_bias}
+                "attention_bias": self.qkv_bias, "qk_norm": self.qk_norm}
 
     def mismatches(self, cfg: GPTConfig) -> List[str]:
         return [f"{k}={getattr(cfg, k)!r} ({self.ARCHITECTURE} has {v!r})" for k, v in self.switches().items()
@@ -112,7 +116,7 @@ class LlamaFamily:
             ffn_hidden_size=None if ffn == swiglu_ffn_size(hidden) else ffn, seq_length=positions,
             position="rope", **_rope_from_hf(hf, where), norm="rmsnorm",
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)), mlp="swiglu", bias=False,
-            qkv_bias=True if self.qkv_bias else None,
+            qkv_bias=True if self.qkv_bias else None, qk_norm=self.qk_norm,
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_dropout=float(hf.get("attention_dropout", 0.0)),
             init_std=float(hf.get("initializer_range", 0.02)))
@@ -139,6 +143,8 @@ class LlamaFamily:
             if cfg.attention_bias:
                 out.append(Link(f"{dst}attention.qkv_proj.bias",
                                 tuple(f"{src}self_attn.{x}_proj.bias" for x in "qkv"), rows=rows))
+            if cfg.qk_norm:
+                out += [Link(f"{dst}attention.{x}_norm.weight", (f"{src}self_attn.{x}_norm.weight",)) for x in "qk"]
             out += [
                 Link(f"{dst}attention.out_proj.weight", (f"{src}self_attn.o_proj.weight",)),
                 Link(f"{dst}post_attention_norm.weight", (f"{src}post_attention_layernorm.weight",)),
@@ -160,7 +166,10 @@ LLAMA = LlamaFamily("LlamaForCausalLM", "llama", qkv_bias=False,
 MISTRAL = LlamaFamily("MistralForCausalLM", "mistral", qkv_bias=False, fixed=(("sliding_window", None),))
 QWEN2 = LlamaFamily("Qwen2ForCausalLM", "qwen2", qkv_bias=True,
                     fixed=(("sliding_window", None), ("use_sliding_window", False)), window_switch="use_sliding_window")
-FAMILIES = (LLAMA, MISTRAL, QWEN2)
+QWEN3 = LlamaFamily("Qwen3ForCausalLM", "qwen3", qkv_bias=False,
+                    fixed=(("attention_bias", False), ("sliding_window", None), ("use_sliding_window", False)),
+                    window_switch="use_sliding_window", qk_norm=True)
+FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3)
 
 
 def _hf_rope_scaling(cfg: GPTConfig):

@@ -50,9 +50,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from hybrid.zero import ZeroOptimizer
 
 # Model settings that decide parameter shapes; named in errors when shapes disagree.
-_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_query_groups", "kv_channels", "qkv_bias",
-               "ffn_hidden_size", "mlp", "bias",
-               "tie_embeddings", "position", "max_position_embeddings", "seq_length", "norm")
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_query_groups", "kv_channels", "qk_norm",
+               "qkv_bias", "ffn_hidden_size", "mlp", "bias", "tie_embeddings", "position", "max_position_embeddings",
+               "seq_length", "norm")
 
 
 def load_resharded(engine: "Engine", reader: CheckpointReader, *, load_optimizer: bool = True) -> None:

@@ -24,6 +24,11 @@ Per layer, no recomputation::
                       attention (with b = 1, fp32 and no grouping, v stays a view of qkv: 20Nh/t),
                       output pNh/t, and 12 * b * (a/t) * s^2 (fp32 probabilities, dropout
                       mask, dropped probabilities)
+    query/key norms   (qk_norm) over R = N(a/t + g) heads of d: fused pRd (a contiguous copy) + 4R rstd
+                      (8R with LayerNorm's mean); RMSNorm reference 4Rd fp32 copy (none in fp32: the qkv view)
+                      + 4R + pRd; torch's LayerNorm 2qR (its input is the qkv view). Without RoPE the flash
+                      kernel keeps the normalised heads too, pRd; under the math kernel a norm keeping the qkv
+                      view keeps the qkv output, unless the attention terms count it already
     MLP               GELU 2pNf/t (pre- and post-activation); SwiGLU 4pNf/t
     hidden dropout    2 * m*N*h*r (two masks) when hidden_dropout > 0
 
@@ -63,7 +68,10 @@ class DeviceProfile:
     ``dropout_mask_bytes``: bytes per mask element (None: the activation dtype).
     ``norm_stat_bytes``: bytes per LayerNorm mean/rstd entry (None: the activation dtype).
     ``math_attention_with_dropout``: attention dropout falls back to the math kernel.
-    ``fused_rmsnorm``: RMSNorm keeps only its input and rstd (else the fp32 reference).
+    ``fused_norms``: the norms run hybrid's fused kernel, which keeps its input
+    (a contiguous copy when the input is a strided view, as the query/key heads
+    are) and fp32 statistics; else RMSNorm runs the fp32 reference, and
+    LayerNorm torch's own, which keeps its input as it is.
     ``gather_copies_output``: an all-gather lands in a temporary of the bucket's
     size before it is copied into place (gloo's own, which hybrid runs only
     across nodes), rather than in place (NCCL, and hybrid's direct messages
@@ -90,7 +98,7 @@ class DeviceProfile:
     dropout_mask_bytes: Optional[int]
     norm_stat_bytes: Optional[int]
     math_attention_with_dropout: bool
-    fused_rmsnorm: bool
+    fused_norms: bool
     gather_copies_output: bool = False
     host_is_device: bool = False
     reduce_scatter_copies_input: bool = False
@@ -99,9 +107,9 @@ class DeviceProfile:
 
 
 CUDA = DeviceProfile("cuda", dropout_mask_bytes=1, norm_stat_bytes=4, math_attention_with_dropout=False,
-                     fused_rmsnorm=True)
+                     fused_norms=True)
 CPU = DeviceProfile("cpu", dropout_mask_bytes=None, norm_stat_bytes=None, math_attention_with_dropout=True,
-                    fused_rmsnorm=False, host_is_device=True,
+                    fused_norms=False, host_is_device=True,
                     reduce_scatter_copies_input=True, p2p_reduce_scatter=True, receives_ahead=RECEIVES_AHEAD)
 PROFILES = {"cuda": CUDA, "cpu": CPU}
 
@@ -171,7 +179,7 @@ def _norm_block(config: GPTConfig, x: _Dims, profile: DeviceProfile) -> float:
     n_h, linear_input = x.N * x.h, x.p * x.N * x.h
     if config.norm == "layernorm":
         return x.p * n_h * x.r + 2 * x.q * x.N * x.r + linear_input
-    if profile.fused_rmsnorm:
+    if profile.fused_norms:
         return x.p * n_h * x.r + 4 * x.N * x.r + linear_input
     return 4 * n_h * x.r + 4 * x.N * x.r + x.p * n_h * x.r + linear_input
 
@@ -183,14 +191,37 @@ def _attention(config: GPTConfig, x: _Dims, recompute: str, training: bool, prof
     # qkv storage [+ rotated q, k] + output
     core_io = x.p * (n_h_t + 2 * n_kv + (n_h_t + n_kv if rope else 0) + n_h_t)
     if recompute == "selective":
-        return core_io
+        return core_io + _qk_norms(config, x, False, True, profile)
     math = profile.math_attention_with_dropout and training and config.attention_dropout > 0
     if math:
         scores = x.b * (x.a / x.t) * x.s * x.s
         # a view of qkv needs no fp32 copy; grouped k and v are expanded to every query head (fresh copies)
         v_storage = 3 if x.p == 4 and x.b == 1 and x.g * x.t == x.a else 1
-        return 4 * n_h_t * (2 + v_storage) + x.p * n_h_t + 12 * scores
-    return core_io + 4 * x.N * x.a / x.t
+        return (4 * n_h_t * (2 + v_storage) + x.p * n_h_t + 12 * scores
+                + _qk_norms(config, x, True, v_storage == 3, profile))
+    return core_io + 4 * x.N * x.a / x.t + _qk_norms(config, x, False, True, profile)
+
+
+def _qk_norms(config: GPTConfig, x: _Dims, math: bool, qkv_counted: bool, profile: DeviceProfile) -> float:
+    """The query/key norms (``qk_norm``) over this rank's ``a/t + g`` heads: outside the attention core, so
+    kept under selective recomputation too. ``math``: the math attention kernel runs; ``qkv_counted``: the
+    attention terms already hold the qkv projection's output."""
+    if not config.qk_norm:
+        return 0.0
+    rows = x.N * (x.a / x.t + x.g)  # one normalised vector of d per token and head
+    elements = rows * x.d
+    rms = config.norm == "rmsnorm"
+    if profile.fused_norms:  # a contiguous copy of the strided heads, fp32 rstd (and mean)
+        saved, keeps_qkv_view = x.p * elements + (4 if rms else 8) * rows, False
+    elif rms:  # the fp32 reference: the fp32 input (a new copy unless fp32 already), rstd, the normalised heads
+        saved, keeps_qkv_view = (0 if x.p == 4 else 4 * elements) + 4 * rows + x.p * elements, x.p == 4
+    else:  # torch's LayerNorm keeps its input, a view of the qkv output, and mean and rstd
+        saved, keeps_qkv_view = 2 * x.q * rows, True
+    if keeps_qkv_view and not qkv_counted:
+        saved += x.p * (x.a / x.t + 2 * x.g) * x.N * x.d
+    if config.position != "rope" and not math:  # the fused kernels keep the normalised heads; RoPE copies them
+        saved += x.p * elements
+    return saved
 
 
 def _mlp(config: GPTConfig, x: _Dims) -> float:

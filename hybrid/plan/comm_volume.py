@@ -291,13 +291,15 @@ def tp_volume(config: GPTConfig, micro_batch: int, tp: int, *, sequence_parallel
     # collective after the MLP's row-parallel projection is not repeated (unless the replay is whole).
     replay = L if recompute == "full" else 0
     replay_last = replay if whole_replay else 0
+    norm_params = 2 if config.norm == "layernorm" and config.bias else 1  # weight, and bias
+    if config.qk_norm:  # the query/key norms see this rank's heads only: their gradients are summed over TP
+        _add(report, "all_reduce", "tp", tp, config.head_dim * p, calls=k * 2 * L * norm_params)
     if sequence_parallel:
         # Column-parallel inputs: all-gather forward, reduce-scatter backward; row-parallel outputs the reverse.
         # (The head's input is gathered in forward, the embedding's output gradient in backward.)
         _add(report, "all_gather", "tp", tp, act, calls=k * (2 * L + head + 2 * replay + 2 * L + emb))
         _add(report, "reduce_scatter", "tp", tp, act, calls=k * (2 * L + emb + replay + replay_last + 2 * L + head))
         # Replicated parameters used on sequence shards: each one's gradient is summed over TP.
-        norm_params = 2 if config.norm == "layernorm" and config.bias else 1
         h_bytes = config.hidden_size * p
         _add(report, "all_reduce", "tp", tp, h_bytes, calls=k * (2 * L + head) * norm_params)
         if config.bias:

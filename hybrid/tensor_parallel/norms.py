@@ -3,11 +3,13 @@
 Norm parameters are replicated over the TP group. Without sequence
 parallelism every TP rank normalises the same full activations, so each
 rank's weight gradient is already the full one. Under sequence parallelism
-each rank normalises only its sequence shard ``[s/tp, b, h]`` and its weight
-gradient is partial; the weights then pass through
+each rank normalises only its sequence shard ``[s/tp, b, h]``, and a
+per-head norm (``per_head=True``: the query/key norms over the head dim
+``d``) only this rank's heads; either way its weight gradient is partial,
+and the weights then pass through
 :func:`~hybrid.tensor_parallel.mappings.copy_to_tp_region`, whose backward
-all-reduces their gradient over ``"tp"``. Either way every TP rank ends with
-the same full gradient.
+all-reduces their gradient over ``"tp"``. Every TP rank ends with the same
+full gradient.
 
 The arithmetic is :mod:`hybrid.kernels` (fused CUDA kernels where they
 apply, torch otherwise). RMSNorm follows the Llama definition: normalise in
@@ -41,10 +43,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class _TPNorm(nn.Module):
     def __init__(self, hidden_size: int, topology: "Topology", eps: float, sequence_parallel: bool,
-                 bias: bool, device, dtype):
+                 bias: bool, per_head: bool, device, dtype):
         super().__init__()
         self.topology = topology
         self.hidden_size, self.eps, self.sequence_parallel = hidden_size, eps, sequence_parallel
+        self.per_head = per_head
+        # each TP rank sees part of what the weights multiply: their gradient is summed over "tp"
+        self.partial_input = (sequence_parallel or per_head) and topology.tp_size > 1
         self.weight = self._param(hidden_size, tp_init.ONES, device, dtype)
         self.bias = self._param(hidden_size, tp_init.ZEROS, device, dtype) if bias else None
 
@@ -56,31 +61,34 @@ class _TPNorm(nn.Module):
         return p
 
     def _shared(self, p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        if p is None or not self.sequence_parallel:
+        if p is None or not self.partial_input:
             return p
         return copy_to_tp_region(p, self.topology)
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}, sp={self.sequence_parallel}"
+        return f"{self.hidden_size}, eps={self.eps}, sp={self.sequence_parallel}, per_head={self.per_head}"
 
 
 class LayerNorm(_TPNorm):
-    """LayerNorm with replicated ``weight``/``bias`` ``[h]``; input ``[s(/tp), b, h]``."""
+    """LayerNorm with replicated ``weight``/``bias`` ``[h]``; input ``[s(/tp), b, h]``, or ``[..., d]`` with
+    ``per_head`` (this rank's heads)."""
 
     def __init__(self, hidden_size: int, topology: "Topology", *, eps: float = 1e-5,
-                 sequence_parallel: bool = False, bias: bool = True, device=None, dtype=None):
-        super().__init__(hidden_size, topology, eps, sequence_parallel, bias, device, dtype)
+                 sequence_parallel: bool = False, bias: bool = True, per_head: bool = False, device=None,
+                 dtype=None):
+        super().__init__(hidden_size, topology, eps, sequence_parallel, bias, per_head, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self._shared(self.weight), self._shared(self.bias), self.eps)
 
 
 class RMSNorm(_TPNorm):
-    """RMSNorm with a replicated ``weight`` ``[h]``; input ``[s(/tp), b, h]``."""
+    """RMSNorm with a replicated ``weight`` ``[h]``; input ``[s(/tp), b, h]``, or ``[..., d]`` with ``per_head``
+    (this rank's heads)."""
 
     def __init__(self, hidden_size: int, topology: "Topology", *, eps: float = 1e-6,
-                 sequence_parallel: bool = False, device=None, dtype=None):
-        super().__init__(hidden_size, topology, eps, sequence_parallel, False, device, dtype)
+                 sequence_parallel: bool = False, per_head: bool = False, device=None, dtype=None):
+        super().__init__(hidden_size, topology, eps, sequence_parallel, False, per_head, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self._shared(self.weight), self.eps)

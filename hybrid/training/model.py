@@ -68,6 +68,8 @@ def model_config(config: HybridConfig, vocab_size: int):
         changes["bias"] = False
     if m.add_qkv_bias:
         changes["qkv_bias"] = True
+    if m.qk_layernorm:
+        changes["qk_norm"] = True
     if m.untie_embeddings_and_output_weights:
         changes["tie_embeddings"] = False
     changes["sequence_parallel"] = m.sequence_parallel

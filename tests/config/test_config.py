@@ -42,7 +42,7 @@ FULL = {
               "seq_length": 32, "max_position_embeddings": 64, "vocab_size": 512, "position_embedding_type": "rope",
               "normalization": "rmsnorm", "norm_epsilon": 1e-6, "rotary_base": 500000.0, "rope_scaling": "llama3",
               "rope_scaling_factor": 8.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
-              "rope_original_max_positions": 8192, "swiglu": True, "add_qkv_bias": True,
+              "rope_original_max_positions": 8192, "swiglu": True, "add_qkv_bias": True, "qk_layernorm": True,
               "disable_bias_linear": True, "untie_embeddings_and_output_weights": True, "hidden_dropout": 0.1,
               "attention_dropout": 0.0, "init_method_std": 0.02, "sequence_parallel": True},
     "data": {"path": ["0.3", "a", "0.7", "b"], "train_path": [], "valid_path": [], "test_path": [],

@@ -44,6 +44,7 @@ TODAYS_FLAGS = [
     (["--num-attention-heads", "4"], "model.num_attention_heads", 4),
     (["--num-query-groups", "2"], "model.num_query_groups", 2),
     (["--kv-channels", "128"], "model.kv_channels", 128),
+    (["--qk-layernorm"], "model.qk_layernorm", True),
     (["--rope-scaling", "llama3"], "model.rope_scaling", "llama3"),
     (["--rope-original-max-positions", "8192"], "model.rope_original_max_positions", 8192),
     (["--add-qkv-bias"], "model.add_qkv_bias", True),

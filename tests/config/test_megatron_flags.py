@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 MEGATRON_SCRIPT = [
     "--use-mcore-models", "--transformer-impl", "local", "--num-layers", "2", "--hidden-size", "64",
     "--ffn-hidden-size", "172", "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
-    "--kv-channels", "32", "--seq-length", "32", "--max-position-embeddings", "32", "--position-embedding-type", "rope",
+    "--kv-channels", "32", "--qk-layernorm", "--seq-length", "32", "--max-position-embeddings", "32", "--position-embedding-type", "rope",
     "--no-position-embedding", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
     "--untie-embeddings-and-output-weights", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
     "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "20", "--lr", "3e-4", "--min-lr", "3e-5",
@@ -62,6 +62,7 @@ def test_the_model_reads_megatrons_spellings_of_model_zoo_choices():
     gpt = model_config(cfg, vocab_size=128)
     assert (gpt.norm, gpt.position, gpt.mlp, gpt.num_query_groups) == ("rmsnorm", "rope", "swiglu", 2)
     assert (gpt.head_dim, gpt.attention_width) == (32, 128)  # --kv-channels: 4 heads of 32 on hidden 64
+    assert gpt.qk_norm  # --qk-layernorm, with the model's RMSNorm
     learned = config_from_command_line(["--position-embedding-type", "learned_absolute", "--normalization",
                                         "LayerNorm", "--num-layers", "1", "--hidden-size", "32",
                                         "--num-attention-heads", "4", "--seq-length", "16"])

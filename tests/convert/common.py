@@ -31,6 +31,7 @@ LLAMA_GQA_CFG = LLAMA_CFG.replace(**_LLAMA_GQA, rope_scaling="llama3", rope_scal
 MISTRAL_CFG = LLAMA_CFG.replace(**_LLAMA_GQA)
 MISTRAL_HEAD_DIM_CFG = MISTRAL_CFG.replace(kv_channels=12)  # 8 heads of 12: 96 attention channels on hidden 64
 QWEN2_CFG = LLAMA_CFG.replace(num_heads=8, num_query_groups=1, qkv_bias=True, rope_theta=10000.0)
+QWEN3_CFG = MISTRAL_HEAD_DIM_CFG.replace(qk_norm=True, rope_theta=10000.0)  # Qwen3: query/key norms, head dim 12
 
 
 def randomized_state(cfg: GPTConfig, seed: int = 0) -> Dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from hybrid.convert.consolidate import CheckpointSource, ConversionError
 from hybrid.checkpoint import CheckpointReader
 from hybrid.convert.hf import export_to_hf, import_from_hf
 from tests.convert.common import GPT2_CFG, LLAMA_CFG, LLAMA_GQA_CFG, MISTRAL_CFG, MISTRAL_HEAD_DIM_CFG, QWEN2_CFG, \
-    SEQ, VOCAB, model_from_state, randomized_state, train_tp2_dp2_zero2, write_weights_checkpoint
+    QWEN3_CFG, SEQ, VOCAB, model_from_state, randomized_state, train_tp2_dp2_zero2, write_weights_checkpoint
 from tests.data.testkit import train_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -27,7 +27,8 @@ TOL = 1e-5
 # kind -> the hybrid config its HF model converts to, and the HF class
 KINDS = {"gpt2": (GPT2_CFG, "GPT2LMHeadModel"), "llama": (LLAMA_CFG, "LlamaForCausalLM"),
          "llama-gqa": (LLAMA_GQA_CFG, "LlamaForCausalLM"), "mistral": (MISTRAL_CFG, "MistralForCausalLM"),
-         "qwen2": (QWEN2_CFG, "Qwen2ForCausalLM"), "mistral-head-dim": (MISTRAL_HEAD_DIM_CFG, "MistralForCausalLM")}
+         "qwen2": (QWEN2_CFG, "Qwen2ForCausalLM"), "mistral-head-dim": (MISTRAL_HEAD_DIM_CFG, "MistralForCausalLM"),
+         "qwen3": (QWEN3_CFG, "Qwen3ForCausalLM")}
 
 
 def _llama_family_config(kind: str, tie: bool):
@@ -44,6 +45,9 @@ def _llama_family_config(kind: str, tie: bool):
     if kind in ("mistral", "mistral-head-dim"):  # the second with a head dim of its own, as Mistral NeMo
         return transformers.MistralConfig(**common, num_attention_heads=8, num_key_value_heads=2, rope_theta=500.0,
                                           sliding_window=None, head_dim=12 if kind == "mistral-head-dim" else None)
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**common, num_attention_heads=8, num_key_value_heads=2, head_dim=12,
+                                        rope_theta=10000.0, use_sliding_window=False)
     return transformers.Qwen2Config(**common, num_attention_heads=8, num_key_value_heads=1, rope_theta=10000.0,
                                     use_sliding_window=False)
 
@@ -117,7 +121,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, kind, tp):
                                          ("llama", 2, "safetensors"), ("llama-gqa", 1, "safetensors"),
                                          ("llama-gqa", 2, "safetensors"), ("mistral", 1, "safetensors"),
                                          ("mistral", 2, "bin"), ("qwen2", 1, "bin"), ("qwen2", 2, "safetensors"),
-                                         ("mistral-head-dim", 2, "safetensors")])
+                                         ("mistral-head-dim", 2, "safetensors"), ("qwen3", 2, "safetensors")])
 def test_import_gives_the_transformers_logits(tmp_path, kind, tp, fmt):
     hf = _hf_model(kind)
     hf.save_pretrained(tmp_path / "hf")
@@ -131,7 +135,7 @@ def test_import_gives_the_transformers_logits(tmp_path, kind, tp, fmt):
     from model_zoo import GPTConfig
 
     imported = GPTConfig.from_dict(reader.model_config)
-    switches = ("position", "norm", "mlp", "bias", "attention_bias", "query_groups", "num_heads", "head_dim",
+    switches = ("position", "norm", "mlp", "bias", "attention_bias", "query_groups", "num_heads", "head_dim", "qk_norm",
                 "rope_theta",
                 "rope_scaling", "rope_scaling_factor", "rope_original_max_positions")
     assert [getattr(imported, k) for k in switches] == [getattr(cfg, k) for k in switches]
@@ -142,7 +146,7 @@ def test_import_gives_the_transformers_logits(tmp_path, kind, tp, fmt):
 
 @pytest.mark.parametrize("kind,tie", [("gpt2", True), ("gpt2", False), ("llama", False), ("llama", True),
                                       ("llama-gqa", False), ("mistral", False), ("qwen2", True),
-                                      ("mistral-head-dim", False)])
+                                      ("mistral-head-dim", False), ("qwen3", True)])
 def test_hf_to_hybrid_to_hf_is_bit_identical(tmp_path, kind, tie):
     hf = _hf_model(kind, tie)
     hf.save_pretrained(tmp_path / "hf")

@@ -64,6 +64,9 @@ def _llama_weights(hf, bias: bool = False) -> dict:
         if bias:  # Qwen2's q/k/v bias
             out[dst + "attention.qkv_proj.bias"] = torch.cat(
                 [sd[src + f"self_attn.{x}_proj.bias"] for x in "qkv"], dim=0)
+        for x in "qk":  # Qwen3's query/key norms
+            if src + f"self_attn.{x}_norm.weight" in sd:
+                out[dst + f"attention.{x}_norm.weight"] = sd[src + f"self_attn.{x}_norm.weight"]
         out[dst + "attention.out_proj.weight"] = sd[src + "self_attn.o_proj.weight"]
         out[dst + "mlp.in_proj.weight"] = torch.cat(
             [sd[src + "mlp.gate_proj.weight"], sd[src + "mlp.up_proj.weight"]], dim=0)
@@ -146,6 +149,9 @@ LLAMA_FAMILY = {
     "mistral-head-dim": ("MistralConfig", "MistralForCausalLM",
                          dict(num_attention_heads=8, num_key_value_heads=2, head_dim=6, sliding_window=None),
                          dict(num_heads=8, num_query_groups=2, kv_channels=6)),
+    # Qwen3: query/key norms over each head, a head dim of its own
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=12),
+              dict(num_heads=8, num_query_groups=2, kv_channels=12, qk_norm=True)),
 }
 
 

@@ -11,7 +11,7 @@ from model_zoo.presets import NOMINAL_PARAMS, PUBLISHED_PARAMS, ROUNDED_PARAMS
 
 REQUIRED = ("tiny", "llama-tiny", "gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl", "megatron-8.3b",
             "turing-nlg-17b", "gpt3-175b", "llama-7b", "tiny-gqa", "llama3-8b", "llama3-70b", "mistral-7b",
-            "qwen2-7b", "mistral-nemo-12b")
+            "qwen2-7b", "mistral-nemo-12b", "qwen3-0.6b")
 
 
 def test_every_required_preset_exists():
@@ -43,11 +43,13 @@ def test_preset_shapes():
     assert (llama.position, llama.norm, llama.mlp, llama.bias, llama.tie_embeddings) == (
         "rope", "rmsnorm", "swiglu", False, False)
     for name, groups in (("llama3-8b", 8), ("llama3-70b", 8), ("mistral-7b", 8), ("qwen2-7b", 4), ("tiny-gqa", 2),
-                         ("mistral-nemo-12b", 8)):
+                         ("mistral-nemo-12b", 8), ("qwen3-0.6b", 8)):
         cfg = get_preset(name)
         assert (cfg.query_groups, cfg.attention_bias) == (groups, name == "qwen2-7b"), name
     nemo = get_preset("mistral-nemo-12b")
     assert (nemo.head_dim, nemo.attention_width, nemo.hidden_size) == (128, 4096, 5120)
+    qwen3 = get_preset("qwen3-0.6b")
+    assert (qwen3.head_dim, qwen3.attention_width, qwen3.qk_norm, qwen3.tie_embeddings) == (128, 2048, True, True)
     tiny = get_preset("tiny")
     assert count_parameters(tiny) < 5_000_000 and tiny.seq_length <= 128
 

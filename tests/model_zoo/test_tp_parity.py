@@ -4,8 +4,9 @@ One spawn of four processes runs every configuration (GPT-2 and Llama
 switches x sequence parallelism on/off x recompute none/full/selective x
 TP 1/2/4; grouped-query attention with 8 query heads and 2 key/value groups,
 whose key/value heads TP 4 replicates over pairs of ranks, multi-query
-attention, and a head dim other than hidden / heads (``kv_channels``) over
-smaller grids) and every dropout check; the tests below
+attention, a head dim other than hidden / heads (``kv_channels``) with
+query/key norms (``qk_norm``), and query/key LayerNorms over smaller grids)
+and every dropout check; the tests below
 assert on its results.
 Each rank computes its own reference with ``Topology.local()``: the TP=1
 model cast to float64, so that every fp32 run (TP=1 included) is measured
@@ -17,6 +18,7 @@ float64 reference (whose RMSNorm and cross entropy still compute in fp32).
 """
 
 import itertools
+from typing import Optional
 
 import pytest
 import torch
@@ -41,20 +43,33 @@ _LLAMA_GQA = dict(FAMILIES["llama"], num_heads=8, qkv_bias=True, rope_scaling="l
                   rope_original_max_positions=8)
 FAMILIES["llama-gqa"] = dict(_LLAMA_GQA, num_query_groups=2)
 FAMILIES["llama-mqa"] = dict(_LLAMA_GQA, num_query_groups=1)
-FAMILIES["llama-head-dim"] = dict(_LLAMA_GQA, num_query_groups=2, kv_channels=12)  # 8 x 12 = 96 channels, not 64
+# Qwen3's attention: 8 heads of 12 = 96 channels on hidden 64 (kv_channels), each query and key head RMS-normalised
+FAMILIES["qwen3"] = dict(_LLAMA_GQA, num_query_groups=2, kv_channels=12, qk_norm=True)
+FAMILIES["gpt2-qk-norm"] = dict(FAMILIES["gpt2"], qk_norm=True)  # LayerNorm with a bias over each head
 RECOMPUTE = ("none", "full", "selective")
 # (sequence parallel, recompute) per family: every pair for the original two, fewer for the grouped ones.
 GRID = {"gpt2": list(itertools.product((False, True), RECOMPUTE)),
         "llama": list(itertools.product((False, True), RECOMPUTE)),
         "llama-gqa": [(False, "none"), (True, "selective")],
         "llama-mqa": [(False, "full"), (True, "selective")],
-        "llama-head-dim": [(False, "none"), (True, "full")]}
+        "qwen3": [(False, "none"), (True, "full")],
+        "gpt2-qk-norm": [(True, "selective")]}
 DROPOUT_FAMILIES = ("gpt2", "llama")
 
 
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+def _rel(got: torch.Tensor, ref: torch.Tensor, scale: Optional[torch.Tensor] = None) -> float:
+    """``max|got - ref| / max|scale|``, ``scale`` being ``ref`` unless given."""
     got, ref = got.double(), ref.double()
-    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-300)).item()
+    scale = ref if scale is None else scale.double()
+    return ((got - ref).abs().max() / scale.abs().max().clamp_min(1e-300)).item()
+
+
+def _grad_errors(grads: dict, ref_grads: dict) -> dict:
+    """Each gradient's relative error. A key norm's bias adds one vector to every key, which shifts each query's
+    scores by one constant that the softmax cancels: its exact gradient is zero, and its rounding is measured
+    against the query norm's bias gradient, the same computation's scale."""
+    return {k: _rel(grads[k], ref_grads[k], ref_grads[k.replace("k_norm.bias", "q_norm.bias")])
+            for k in ref_grads}
 
 
 def _bounds(family: str) -> dict:
@@ -135,7 +150,7 @@ def _parity_worker():
                 and all(torch.equal(weights[k], ref_weights[k]) for k in weights),
                 "logits": _rel(logits, ref_logits),
                 "loss": _rel(loss, ref_loss),
-                "grads": {k: _rel(grads[k], ref_grads[k]) for k in ref_grads},
+                "grads": _grad_errors(grads, ref_grads),
                 "grad_names_equal": grads.keys() == ref_grads.keys(),
                 "replicated_identical": _replicated_grads_identical(model),
                 "padded_zero": _padded_grads_zero(model),

@@ -31,7 +31,8 @@ def gpt_config(spec: Dict):
 
     return GPTConfig(vocab_size=spec.get("vocab", 1000), hidden_size=spec.get("hidden", 128),
                      num_layers=spec.get("layers", 2), num_heads=spec.get("heads", 4),
-                     num_query_groups=spec.get("groups"),
+                     num_query_groups=spec.get("groups"), kv_channels=spec.get("kv_channels"),
+                     qk_norm=spec.get("qk_norm", False),
                      seq_length=spec.get("seq", 64), hidden_dropout=0.0, attention_dropout=0.0,
                      sequence_parallel=spec.get("sp", False), recompute=spec.get("recompute", "none"),
                      position=spec.get("position", "learned"), norm=spec.get("norm", "layernorm"),

@@ -29,9 +29,10 @@ def _measure(config, precision: str, micro: int) -> int:
 
 
 # (preset, its overrides): "tiny-gqa" once more with a head dim twice hidden / heads (kv_channels), so that the
-# attention terms count a * d channels, not h
+# attention terms count a * d channels, not h, and with query/key norms (Qwen3); "tiny" with query/key LayerNorms
 MODELS = {"tiny": ("tiny", {}), "llama-tiny": ("llama-tiny", {}), "tiny-gqa": ("tiny-gqa", {}),
-          "tiny-gqa-head-dim": ("tiny-gqa", {"kv_channels": 32})}
+          "tiny-gqa-head-dim": ("tiny-gqa", {"kv_channels": 32}),
+          "tiny-qwen3": ("tiny-gqa", {"kv_channels": 32, "qk_norm": True}), "tiny-qk-norm": ("tiny", {"qk_norm": True})}
 CASES = list(itertools.product(MODELS, ["fp32", "bf16"], ["none", "selective", "full"]))
 
 

@@ -3,7 +3,7 @@
 Small GPTs run on 4 CPU ranks (one spawn for all configs, see ``harness.py``)
 across ZeRO stages 0-2, TP 1/2, sequence parallelism, recomputation none /
 selective / full, fp32 and bf16, GPT-2 and Llama shapes, grouped-query
-attention. For every rank:
+attention, a head dim of its own with query/key norms. For every rank:
 
 * each component of ``memory_report()`` (weights, gradients, staging buckets,
   master, optimizer state) is within 5% of the prediction, and so is the
@@ -37,13 +37,16 @@ SPECS: List[Dict] = [
     dict(stage=1, tp=1, recompute="full", precision="fp32", micro=2),
     dict(stage=2, tp=1, recompute="selective", precision="bf16", micro=2, bucket=20_000),
     dict(stage=0, tp=2, recompute="full", precision="fp32", micro=2),
-    dict(stage=1, tp=2, sp=True, recompute="none", precision="bf16", micro=2),
+    # with query/key LayerNorms over each head: their weights' and biases' gradients are summed over TP
+    dict(stage=1, tp=2, sp=True, recompute="none", precision="bf16", micro=2, qk_norm=True),
     dict(stage=2, tp=2, recompute="none", precision="bf16", micro=1, gas=2, bucket=30_000),
     dict(stage=2, tp=2, sp=True, recompute="full", precision="fp32", micro=1, **LLAMA),
     dict(stage=1, tp=1, recompute="none", precision="bf16", micro=2, **LLAMA),
     # grouped-query attention with a single key/value head (smaller k and v projections and activations),
-    # which TP 2 replicates: its gradient rows are summed over the pair of ranks (all_reduce/tp/2)
-    dict(stage=2, tp=2, recompute="none", precision="fp32", micro=2, heads=8, groups=1, **LLAMA),
+    # which TP 2 replicates: its gradient rows are summed over the pair of ranks (all_reduce/tp/2); Qwen3's
+    # attention besides: 8 heads of 24 channels on hidden 128 (kv_channels), RMS-normalised queries and keys
+    dict(stage=2, tp=2, recompute="none", precision="fp32", micro=2, heads=8, groups=1, kv_channels=24, qk_norm=True,
+         **LLAMA),
     # 1-bit Adam's compressed phase: the momentum exchange, the error buffers, whole gradients
     dict(stage=0, tp=2, recompute="none", precision="fp32", micro=2, optimizer="onebit_adam", bucket=30_000),
 ]
