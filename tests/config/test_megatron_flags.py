@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 MEGATRON_SCRIPT = [
     "--use-mcore-models", "--transformer-impl", "local", "--num-layers", "2", "--hidden-size", "64",
     "--ffn-hidden-size", "172", "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
-    "--kv-channels", "32", "--qk-layernorm", "--seq-length", "32", "--max-position-embeddings", "32", "--position-embedding-type", "rope",
+    "--kv-channels", "32", "--qk-layernorm", "--seq-length", "32", "--max-position-embeddings", "32",
+    "--position-embedding-type", "rope",
     "--no-position-embedding", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
     "--untie-embeddings-and-output-weights", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
     "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "20", "--lr", "3e-4", "--min-lr", "3e-5",
