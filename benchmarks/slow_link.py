@@ -198,6 +198,10 @@ CONTENDERS = [
     Contender("hybrid-tp2-z2-q", 2, 2, 4, ("--zero-reduce-once", "--zero-quantized-gradients", "int4",
                                           "--zero-quantized-weights", "int8"), True),
     Contender("dp4-z3-q", 1, 3, 4, ("--zero-quantized-gradients", "int4", "--zero-quantized-weights", "int8"), True),
+    # zero.overlap_param_gather: the step leaves the updated weights' all-gather in flight and the next forward
+    # waits for each bucket before its first module (optional, as the compressed ones: --compressed or by name)
+    Contender("hybrid-tp2-z1-opg", 2, 1, 4, ("--overlap-param-gather",), True),
+    Contender("hybrid-tp2-z2-opg", 2, 2, 4, ("--zero-reduce-once", "--overlap-param-gather"), True),
     # two ranks of each dp group per node: reduce inside the node first, then across on half the bytes
     Contender("dp4-z2-2l", 1, 2, 4, ("--zero-two-level-reduce",), True),
     Contender("dp4-z2-q2l", 1, 2, 4, ("--zero-two-level-reduce", "--zero-quantized-gradients", "int4",

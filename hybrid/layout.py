@@ -45,6 +45,12 @@ class StageTraits:
         """Offload moves the partitioned optimizer state to host memory, so there must be a partition."""
         return self.optimizer_states
 
+    @property
+    def gathers_after_step(self) -> bool:
+        """Whether each rank steps only its partition of whole parameters, so the update ends with an
+        all-gather of the new weights over the DP group (stage 3 gathers its parameters per module instead)."""
+        return self.optimizer_states and not self.parameters
+
 
 STAGE_TRAITS: Dict[ZeroStage, StageTraits] = {
     ZeroStage.DISABLED: StageTraits(optimizer_states=False, gradients=False, parameters=False),
@@ -126,6 +132,18 @@ def reduce_once_problem(stage: int, reduce_once: bool) -> Optional[str]:
         allowed = [s for s in ZeroStage if not STAGE_TRAITS[s].parameters]
         return (f"zero.reduce_once needs ZeRO stage {_stage_list(allowed)}: stage {int(stage)} partitions the "
                 f"parameters, so its gradients are produced one unit at a time and reduced as they come")
+    return None
+
+
+def overlap_param_gather_problem(stage: int, overlap: bool) -> Optional[str]:
+    """Why ``zero.overlap_param_gather`` cannot be used at ``stage`` (None when it can)."""
+    traits = stage_traits(stage)
+    if overlap and not traits.gathers_after_step:
+        allowed = [s for s in ZeroStage if STAGE_TRAITS[s].gathers_after_step]
+        why = ("it gathers each module's parameters in forward and already prefetches the next "
+               "(zero.prefetch_bucket_size)" if traits.parameters else "every rank steps the whole model, "
+               "so no weights are gathered after the step")
+        return f"zero.overlap_param_gather needs ZeRO stage {_stage_list(allowed)}: at stage {int(stage)} {why}"
     return None
 
 

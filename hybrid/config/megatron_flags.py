@@ -126,9 +126,6 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
     _refused("--expert-model-parallel-size", "hybrid trains dense models only", takes_value=True),
     _refused("--fp8-format", "hybrid trains in bf16, fp16 or fp32 (--bf16, --fp16)", takes_value=True),
     _refused("--use-torch-fsdp2", "ZeRO stage 3 (--zero-stage 3) partitions the parameters"),
-    _refused("--overlap-param-gather", "ZeRO-1 and 2 all-gather the updated weights at the end of the step, before "
-                                       "the next forward; ZeRO-3 (--zero-stage 3) gathers each layer's weights in "
-                                       "forward and prefetches the next (--zero-prefetch-bucket-size)"),
     _refused("--tp-comm-overlap", "hybrid does not overlap tensor-parallel communication with compute; keep the "
                                   "tensor-parallel group within a node"),
     _refused("--apply-layernorm-1p", "hybrid applies norm weights as stored (no 1 + w reparameterisation)"),

@@ -31,7 +31,7 @@ from hybrid.config.batch import BatchSizes, rampup_problem
 from hybrid.config.errors import ConfigError, one_error_for_all, value_suggestion
 from hybrid.config.flags import key_error, meta_error
 from hybrid.compression import ONE_BIT_OPTIMIZERS, compression_problem, hpz_problem, onebit_problem
-from hybrid.layout import offload_problem, pipeline_problem, reduce_once_problem
+from hybrid.layout import offload_problem, overlap_param_gather_problem, pipeline_problem, reduce_once_problem
 
 if TYPE_CHECKING:  # the schema's methods call this module through parse: no runtime import back
     from hybrid.config.schema import HybridConfig
@@ -157,6 +157,10 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
     if problem:
         error(f"config key 'zero.reduce_once' is true but 'zero.stage' is {cfg.zero.stage}: {problem}",
               "zero.reduce_once", "zero.stage")
+    problem = overlap_param_gather_problem(cfg.zero.stage, cfg.zero.overlap_param_gather)
+    if problem:
+        error(f"config key 'zero.overlap_param_gather' is true but 'zero.stage' is {cfg.zero.stage}: {problem}",
+              "zero.overlap_param_gather", "zero.stage")
     z = cfg.zero
     problem = compression_problem(z.stage, z.quantized_gradients, z.quantized_weights, z.quantization_block)
     if problem:

@@ -184,7 +184,7 @@ class Engine:
             return False
         return self._end_global_batch()
 
-    def train_batch(self, microbatches: Sequence[Mapping[str, Any]]) -> Tuple[bool, float]:
+    def train_batch(self, microbatches: Sequence[Mapping[str, Any]], dp_mean: bool = False) -> Tuple[bool, float]:
         """One global batch through the pipeline (:mod:`hybrid.pipeline`), then the optimizer step.
 
         ``microbatches``: this DP rank's :attr:`gradient_accumulation_steps` micro-batches, each the keyword
@@ -192,7 +192,9 @@ class Engine:
         and ``position_ids``), the same on every stage. The model is a pipeline-aware model such as
         :class:`model_zoo.GPTModel`. Returns (whether the parameters were updated, the mean loss over the
         micro-batches), the loss computed on the last stage and broadcast over ``"pp"`` so that every rank
-        reports the same value.
+        reports the same value. ``dp_mean``: the loss is also averaged over ``"dp"`` (the global batch's loss),
+        before the step: an all-reduce after it would queue on the ``dp`` group behind the weights' all-gathers
+        that ``zero.overlap_param_gather`` leaves in flight, and wait for all of them.
         """
         if self.pipeline is None:
             raise TypeError(f"train_batch needs a pipeline-aware model (one with a stage split and forward_part, "
@@ -214,6 +216,9 @@ class Engine:
         stats = self.pipeline.step(microbatches, self._forward_part, backward)
         self.last_pipeline_stats = stats
         loss = self._pipeline_loss(stats.losses)
+        if dp_mean:
+            self.topology.comm.all_reduce(loss, "dp", op="avg")
+        loss = loss[0]
         self.micro_steps += gas
         self._losses.append(loss)
         return self._end_global_batch(), float(loss)
@@ -237,12 +242,12 @@ class Engine:
             return self.module.forward_part(part, hidden, **microbatch)
 
     def _pipeline_loss(self, losses: List[float]) -> torch.Tensor:
-        """The mean of the last stage's micro-batch losses, on every stage (broadcast over ``"pp"``)."""
+        """The mean of the last stage's micro-batch losses, on every stage (broadcast over ``"pp"``): float64 [1]."""
         topo = self.topology
         value = torch.tensor([sum(losses) / len(losses) if losses else 0.0], dtype=torch.float64,
                              device=topo.device)
         topo.comm.broadcast(value, "pp", src=topo.pp_size - 1)
-        return value[0]
+        return value
 
     def _build_pipeline(self, model: torch.nn.Module):
         """The executor of this rank's pipeline stage; None for a model that is not pipeline-aware at pp=1."""
@@ -481,8 +486,8 @@ class Engine:
         return self.optimizer.gathered_parameters()
 
     def close(self) -> None:
-        """Commit a background save in flight (collective then), flush and close the TensorBoard writer and
-        detach the optimizer's gradient hooks.
+        """Commit a background save in flight (collective then), wait for the last update's weight gathers
+        (``zero.overlap_param_gather``), flush and close the TensorBoard writer and detach the optimizer's hooks.
 
         The hooks hold the optimizer's buffers alive through a reference cycle, so an engine that is
         dropped without ``close()`` keeps its memory until the cycle collector runs. A background save
@@ -494,6 +499,10 @@ class Engine:
                 self._saver.wait()
             except Exception as e:  # noqa: BLE001 - logged: close must not replace an earlier error
                 logging.getLogger(__name__).error("%s", e)
+        try:
+            self.optimizer.wait_for_weights()  # zero.overlap_param_gather: the model keeps the last update
+        except Exception as e:  # noqa: BLE001 - logged, as above
+            logging.getLogger(__name__).error("%s", e)
         self._logger.close()
         self.optimizer.remove_hooks()
 

@@ -7,6 +7,7 @@ import sys
 from typing import List, Optional, Union
 
 from hybrid.argument_parser import ArgumentParser
+from hybrid.config.flags import own_flag
 from hybrid.config.schema import PIPELINE_SCHEDULES
 from hybrid.layout import OFFLOAD_DEVICES, PRECISIONS, ZERO_STAGES, LayoutError
 from hybrid.plan.activations import PROFILES
@@ -53,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                                               "the nodes are skipped"),
                          ("hpz_partition_size", "stage 3's backward re-gathers over the node's dp ranks, plus "
                                                 "their secondary weight shard; skips stages 0-2 and layouts "
-                                                "whose nodes hold another number of a dp group's ranks")):
+                                                "whose nodes hold another number of a dp group's ranks"),
+                         ("overlap_param_gather", "stages 1-2's weight all-gathers are hidden behind one "
+                                                  "micro-batch's forward; other stages are planned without it")):
         _zero_flag(model, key, counted)
     _int_flag(model, "--stage3-live-parameters", "zero.max_live_parameters",
               default=DEFAULT_SETUP.stage3_live_parameters,
@@ -157,10 +160,10 @@ def check_int_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 def _zero_flag(group: argparse._ArgumentGroup, key: str, counted: str) -> None:
     """``--zero-<key>`` with the choices, default and help of ``zero.<key>`` in the training configuration
-    (a boolean: ``--zero-<key>`` / ``--no-zero-<key>``, as the trainer's); ``counted``: what it changes in
-    the planner's prediction."""
+    (a boolean: ``--zero-<key>`` / ``--no-zero-<key>``, as the trainer's), or the key's own flag where it
+    has one (``--overlap-param-gather``); ``counted``: what it changes in the planner's prediction."""
     field = zero_field(key)
-    flag, default = "--zero-" + key.replace("_", "-"), getattr(DEFAULT_SETUP, key)
+    flag, default = own_flag(f"zero.{key}", field.metadata), getattr(DEFAULT_SETUP, key)
     text = f"zero.{key}: {field.metadata['help']} (planner: {counted})"
     if isinstance(field.default, bool):
         group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
@@ -233,7 +236,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise ClusterError(f"--fragmentation must be in [0, 1), got {args.fragmentation}")
         setup = TrainingSetup(optimizer=args.optimizer,
                               weight_decay=not args.no_weight_decay, bucket_size=args.bucket_size,
-                              reduce_once=args.zero_reduce_once,
+                              reduce_once=args.zero_reduce_once, overlap_param_gather=args.overlap_param_gather,
                               quantized_gradients=args.zero_quantized_gradients,
                               quantized_weights=args.zero_quantized_weights,
                               quantization_block=args.zero_quantization_block,

@@ -79,7 +79,7 @@ from hybrid.plan.candidate import Candidate
 from hybrid.plan.compressed import chunk, packed_bytes
 from hybrid.plan.model_memory import FlatLayout, Stage3Layout
 from hybrid.plan.setup import DEFAULT_SETUP
-from hybrid.plan.zero_collectives import gathers_after_step, reduces_by_scatter, reduces_every_micro_batch
+from hybrid.plan.zero_collectives import reduces_by_scatter, reduces_every_micro_batch
 from hybrid.topology import tp_subaxis
 from model_zoo.config import GPTConfig
 from model_zoo.qkv_layout import qkv_layout
@@ -262,7 +262,7 @@ def dp_volume(layout: Union[FlatLayout, Stage3Layout], stage: int, micro_batches
                 exchange_momentum(report, n, size, momentum)
             else:
                 _reduce(report, scatter, n, size, layout.element_bytes, reductions, gradients, node_split)
-            if gathers_after_step(traits):
+            if traits.gathers_after_step:
                 _add(report, "all_gather", "dp", n, gathered_bytes(size, n, layout.element_bytes, weights))
     return report
 

@@ -90,7 +90,7 @@ from hybrid.plan.model_memory import (FlatLayout, Stage3Layout, StateBytes, fitt
                                       snapshot_bytes, stage3_layout, stage3_state_bytes, state_bytes)
 from hybrid.plan.pipeline_stages import stage_share, transfers
 from hybrid.plan.setup import TrainingSetup
-from hybrid.plan.zero_collectives import gathers_after_step, reduces_by_scatter, reduces_every_micro_batch
+from hybrid.plan.zero_collectives import reduces_by_scatter, reduces_every_micro_batch
 from hybrid.p2p_collectives import scratch_chunks
 from hybrid.zero.buckets import STAGING_BUFFERS_BEFORE_WAIT
 from hybrid.zero.inflight import closes_before, inflight_limit
@@ -443,7 +443,7 @@ def _flat_state(candidate: Candidate, setup: TrainingSetup, flat: FlatLayout):
                         host_is_device=setup.profile.host_is_device, reduce_once=setup.whole_gradients,
                         quantization_block=setup.quantization_block)
     gather_temp = 0
-    if setup.profile.gather_copies_output and gathers_after_step(traits):
+    if setup.profile.gather_copies_output and traits.gathers_after_step:
         gather_temp = flat.largest_segment * flat.element_bytes  # gloo lands each all-gather in a temporary
     scatter = reduces_by_scatter(traits)
     n, copies = flat.dp, setup.profile.gather_copies_output
@@ -467,7 +467,7 @@ def _flat_state(candidate: Candidate, setup: TrainingSetup, flat: FlatLayout):
         if not scatter:  # stage 0 waits on a bucket by gathering its summed chunks, the others still in flight
             largest = flat.largest_segment
             gather_temp = packed + FP32 * n * chunk(largest, n) + gather_buffers(grads, [largest], n, largest, copies)
-    if weights is not None and gathers_after_step(traits):
+    if weights is not None and traits.gathers_after_step:
         segments = [size for _, sizes in flat.groups for size in sizes]
         gather_temp = gather_buffers(weights, segments, n, flat.largest_segment, copies)
     return state, 0, 0, None, gather_temp, in_flight, packed, flow.layers

@@ -83,7 +83,7 @@ def predict(config: GPTConfig, candidate: Candidate, global_batch: int, setup: T
         time = step_time(config, candidate, comm, global_batch=global_batch, micro_batches=accumulation,
                          layout=layout, placement=placement, link=link, flops_per_s=flops_per_s,
                          host=host, reduce_once=setup.whole_gradients, hpz=setup.hpz_partition_size,
-                         keep=setup.stage3_keep, pp_rank=pp_rank)
+                         keep=setup.stage3_keep, pp_rank=pp_rank, overlap_param_gather=setup.overlap_param_gather)
         if slowest is None or time.total > slowest.time.total:
             slowest = Prediction(layout, accumulation, comm, time)
     return slowest

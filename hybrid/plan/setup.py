@@ -56,6 +56,7 @@ class TrainingSetup:
     stage3_prefetch: int = zero_default("prefetch_bucket_size")
     stage3_reuse: int = zero_default("max_reuse_distance")  # zero.max_reuse_distance: kept from forward on
     reduce_once: bool = zero_default("reduce_once")  # zero.reduce_once: stage 2 keeps whole gradients, reduces once
+    overlap_param_gather: bool = zero_default("overlap_param_gather")  # zero.overlap_param_gather: stages 1-2
     quantized_gradients: str = zero_default("quantized_gradients")  # zero.quantized_gradients: format name
     quantized_weights: str = zero_default("quantized_weights")  # zero.quantized_weights: format name
     quantization_block: int = zero_default("quantization_block")  # zero.quantization_block: elements per scale

@@ -16,7 +16,10 @@
                 reduces every micro-batch, else in the last;
               the all-gathers after the step: all of it, and so stage 0's quantized all-reduce's
                 all-gather of the summed chunks (``zero.quantized_gradients``), which runs
-                when the step waits for the reduction;
+                when the step waits for the reduction; under ``zero.overlap_param_gather``
+                (stages 1-2) the weights' all-gathers run behind the next step's first
+                forward: what is left of them after one micro-batch's forward (1/3 of its
+                compute);
               two-level reductions (``zero.two_level_reduce``): the reduce-scatter inside the node
                 (``dp_node``) as the DP reductions above; the step across nodes (``dp_cross``) and
                 stage 0's all-gather inside the node: all of it, as the communicator runs them
@@ -185,11 +188,13 @@ def reductions_left(seconds: float, launches: Sequence[Tuple[float, int]], compu
 
 def exposed_seconds(times: Dict[str, float], candidate: Candidate, compute: float, micro_batches: int,
                     launches: Sequence[Tuple[float, int]] = (), reduce_once: bool = False,
-                    forward_gather_share: float = 0.0) -> Dict[str, float]:
+                    forward_gather_share: float = 0.0, overlap_param_gather: bool = False) -> Dict[str, float]:
     """Of each collective's ``times``, the seconds not hidden behind compute (see the module docstring).
 
     ``launches``: the buckets of whole parameters (:func:`reductions_left`); ``forward_gather_share``: the
-    part of a stage-3 step's gathered bytes that forward gathers (:func:`forward_gather_share`).
+    part of a stage-3 step's gathered bytes that forward gathers (:func:`forward_gather_share`);
+    ``overlap_param_gather``: ``zero.overlap_param_gather`` (no effect at stages that gather no weights after
+    the step).
     """
     exposed = dict(times)
     gathers = [n for n in times if n.startswith("all_gather/") and n.endswith("/dp")]
@@ -206,6 +211,10 @@ def exposed_seconds(times: Dict[str, float], candidate: Candidate, compute: floa
         every = reduces_every_micro_batch(candidate.traits, reduce_once)
         left = reductions_left(sum(times[n] for n in reductions), launches, compute, micro_batches, every)
         exposed.update(_share(times, reductions, left))
+        if overlap_param_gather and candidate.traits.gathers_after_step:
+            weights = sum(times[n] for n in gathers)
+            hidden = min(weights, (1.0 - BACKWARD_SHARE) * compute / micro_batches)
+            exposed.update(_share(times, gathers, weights - hidden))
     return exposed
 
 
@@ -235,14 +244,15 @@ def offload_seconds(candidate: Candidate, partition_numel: int, host: Optional[H
 def step_time(config: GPTConfig, candidate: Candidate, comm: Report, *, global_batch: int, micro_batches: int,
               layout: Union[FlatLayout, Stage3Layout], placement: Placement, link: LinkSpec, flops_per_s: float,
               host: Optional[HostLink] = None, reduce_once: bool = False, hpz: int = 1,
-              keep: Optional[int] = None, pp_rank: int = 0) -> StepTime:
+              keep: Optional[int] = None, pp_rank: int = 0, overlap_param_gather: bool = False) -> StepTime:
     """Predicted seconds of one optimizer step (``global_batch`` sequences, ``micro_batches`` per rank) of
     ``candidate`` placed as ``placement``.
 
     ``comm``: the step's collectives (:func:`hybrid.plan.comm_volume.step_volume`) over ``layout`` (the
     candidate's ZeRO layout: its buckets, and the optimizer partition offload moves and the CPU steps);
     ``flops_per_s``: the FLOP/s one rank achieves; ``reduce_once`` / ``hpz`` / ``keep``: ``zero.reduce_once``
-    / ``zero.hpz_partition_size`` / :attr:`TrainingSetup.stage3_keep`, as ``comm`` was built with. With a pipeline,
+    / ``zero.hpz_partition_size`` / :attr:`TrainingSetup.stage3_keep`, as ``comm`` was built with;
+    ``overlap_param_gather``: ``zero.overlap_param_gather`` (:func:`exposed_seconds`). With a pipeline,
     ``layout`` and ``comm`` are pipeline rank ``pp_rank``'s, ``placement`` places one stage's ranks, and the step
     adds the rank's bubble and pipeline transfers (:mod:`hybrid.plan.pipeline_stages`).
     """
@@ -257,7 +267,8 @@ def step_time(config: GPTConfig, candidate: Candidate, comm: Report, *, global_b
         launches, share = (), forward_gather_share(layout, micro_batches, config.tie_embeddings, hpz, keep)
     else:
         launches, share = layout.launches, 0.0
-    exposed = exposed_seconds(times, candidate, compute, micro_batches, launches, reduce_once, share)
+    exposed = exposed_seconds(times, candidate, compute, micro_batches, launches, reduce_once, share,
+                              overlap_param_gather)
     collectives = tuple(CollectiveTime(name, "inter" if c.crosses_nodes else "intra", times[name], exposed[name],
                                        c.inter_bytes_per_node) for name, c in sorted(split.items()))
     by_node = tuple(map(sum, zip(*(c.inter_bytes_by_node for c in split.values())))) or (0.0,) * placement.nodes

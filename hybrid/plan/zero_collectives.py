@@ -3,7 +3,9 @@
 The memory, communication and step-time models ask the same questions of a
 stage; each answer follows from :data:`hybrid.layout.STAGE_TRAITS` and is
 written here once. (A stage that partitions its parameters gathers them per
-unit when a module runs: that path reads ``traits.parameters`` directly.)
+unit when a module runs: that path reads ``traits.parameters`` directly; whether
+the updated weights are all-gathered after the step is
+:attr:`hybrid.layout.StageTraits.gathers_after_step`, which the optimizer reads too.)
 """
 
 from __future__ import annotations
@@ -32,12 +34,3 @@ def reduces_every_micro_batch(traits: StageTraits, reduce_once: bool = False) ->
     """
     return not keeps_whole_gradients(traits, reduce_once)
 
-
-def gathers_after_step(traits: StageTraits) -> bool:
-    """The updated parameters are all-gathered after the optimizer step.
-
-    Each rank updates only its partition of whole parameters; when the
-    parameters themselves are partitioned they are gathered where they are
-    used instead.
-    """
-    return traits.optimizer_states and not traits.parameters

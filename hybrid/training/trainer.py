@@ -254,10 +254,8 @@ class Trainer:
 
     def _train_step(self, micro_batches) -> float:
         """One global batch through the pipeline schedule (plain accumulation at pp=1); the DP-mean loss."""
-        _, loss = self.engine.train_batch(self._model_inputs(micro_batches))
-        mean = torch.tensor(loss, dtype=torch.float32, device=self.topology.device)
-        self.topology.comm.all_reduce(mean, "dp", op="avg")
-        return float(mean)
+        _, loss = self.engine.train_batch(self._model_inputs(micro_batches), dp_mean=True)
+        return loss
 
     @torch.no_grad()
     def evaluate(self, split: str = "valid") -> Optional[float]:

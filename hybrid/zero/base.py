@@ -48,7 +48,8 @@ import torch
 from hybrid.config.schema import OptimizerConfig, ZeroConfig
 from hybrid.compression import (ONE_BIT_OPTIMIZERS, compression_problem, gradient_quantization, hpz_problem,
                                 onebit_problem, weight_quantization)
-from hybrid.layout import STAGE_TRAITS, StageTraits, ZeroStage, offload_problem, reduce_once_problem, zero_stage
+from hybrid.layout import (STAGE_TRAITS, StageTraits, ZeroStage, offload_problem, overlap_param_gather_problem,
+                           reduce_once_problem, zero_stage)
 from hybrid.topology import Topology, TopologyError
 from hybrid.zero.flat_buffer import ParamRecord, ZeroConfigError
 from hybrid.zero.grad_norm import clip_factor
@@ -67,6 +68,9 @@ def check_zero_config(zero: ZeroConfig) -> ZeroStage:
     if problem is not None:
         raise ZeroConfigError(f"zero.offload_optimizer: {problem}")
     problem = reduce_once_problem(stage, zero.reduce_once)
+    if problem is not None:
+        raise ZeroConfigError(problem)
+    problem = overlap_param_gather_problem(stage, zero.overlap_param_gather)
     if problem is not None:
         raise ZeroConfigError(problem)
     problem = compression_problem(stage, zero.quantized_gradients, zero.quantized_weights, zero.quantization_block)
@@ -295,9 +299,22 @@ class ZeroOptimizer(abc.ABC):
         return not overflow
 
     def fence_writes(self) -> None:
-        """Called before anything changes the weights, the masters or the optimizer moments: runs ``write_fence``."""
+        """Called before anything changes the weights, the masters or the optimizer moments: waits for the
+        weights' gathers still in flight (:meth:`wait_for_weights`), then runs ``write_fence``."""
+        self.wait_for_weights()
         if self.write_fence is not None:
             self.write_fence()
+
+    def wait_for_weights(self) -> None:
+        """Wait until the model holds the last update's weights everywhere.
+
+        Under ``zero.overlap_param_gather`` (stages 1-2) the step returns with
+        the all-gathers of the new weights over ``dp`` in flight, and the next
+        forward waits for each one before the first module that uses it
+        (:mod:`hybrid.zero.deferred_gather`). Call this before reading the
+        model's weights any other way between a step and the next forward;
+        the optimizer's own saves, norms and loads do. A no-op otherwise.
+        """
 
     def get_grad_norm(self) -> float:
         """L2 norm of the full, unscaled, DP-averaged gradient of the last step, BEFORE clipping.
@@ -329,6 +346,7 @@ class ZeroOptimizer(abc.ABC):
         them the partitions of all ranks cover the whole model. One pass over
         this rank's partition and one tiny all-reduce: cheap next to a save.
         """
+        self.wait_for_weights()  # the low-precision copies are this rank's chunks of the gathered buffers
         with torch.no_grad():
             local = all(bool(torch.isfinite(t).all())
                         for group in self.inner.groups
@@ -392,8 +410,10 @@ class ZeroOptimizer(abc.ABC):
     def gathered_parameters(self) -> ContextManager[None]:
         """Every parameter of the model whole inside the block (reading or exporting weights).
 
-        A no-op when the model always holds whole parameters; stage 3 gathers them over ``dp``.
+        Stages 0-2 hold whole parameters: it waits for the last update's gathers still in flight
+        (:meth:`wait_for_weights`), if any; stage 3 gathers them over ``dp``.
         """
+        self.wait_for_weights()
         return contextlib.nullcontext()
 
     # ---- state ----------------------------------------------------------------------------------------

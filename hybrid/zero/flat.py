@@ -13,6 +13,8 @@ One object owns the whole update path of a model replica (one TP shard):
 * the inner AdamW/Adam/SGD (:mod:`hybrid.zero.inner`) and, under offload, the
   host twins of gradients and weights (:mod:`hybrid.zero.offload`);
 * the global gradient norm (:mod:`hybrid.zero.grad_norm`);
+* under ``zero.overlap_param_gather``, the post-step all-gathers left in
+  flight until the next forward needs them (:mod:`hybrid.zero.deferred_gather`);
 * under ``optimizer.type`` ``onebit_adam`` or ``zero_one_adam``, the 1-bit
   optimizer that replaces the reduction and the update on the steps whose
   gradients stay on their rank (:mod:`hybrid.zero.onebit`,
@@ -31,6 +33,7 @@ import torch
 
 from hybrid.zero.base import BackwardPass, ZeroOptimizer
 from hybrid.zero.buckets import FullGradReducer, PartitionedGradReducer
+from hybrid.zero.deferred_gather import DeferredParamGather
 from hybrid.zero.flat_buffer import build_flat_groups, collect_trainable, dtype_name, param_chunk_sets
 from hybrid.zero.grad_norm import GradNorm
 from hybrid.zero.offload import ChunkOffload, host_device, poison_requested
@@ -76,6 +79,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
             self.reducer = PartitionedGradReducer(self.groups, self.comm, topology.dp_rank, zero.overlap_comm,
                                                   quant=self.grad_quant, two_level=self.two_level)
         self.reducer.attach_hooks()
+        self._deferred = DeferredParamGather(model, self.groups) if zero.overlap_param_gather else None
         # per segment id, the model chunks whose backward passes reach it, and per chunk the (group, record)
         # pairs its passes reach (set_chunks); None: one chunk
         self._segment_chunks: Optional[List[FrozenSet[int]]] = None
@@ -199,6 +203,8 @@ class FlatZeroOptimizer(ZeroOptimizer):
         return None if self._local_gradients() else self.grad_norm.global_zeros()
 
     def _params_sq(self) -> float:
+        if any(part.aliased for part in self.partitions):
+            self.wait_for_weights()  # the masters are this rank's parameter chunks, which a gather writes
         return self._master_norm.global_sq()
 
     def _apply_update(self, factor: float) -> None:
@@ -229,11 +235,20 @@ class FlatZeroOptimizer(ZeroOptimizer):
         if write:
             for part in self.partitions:
                 part.write_params()
-        if not self.traits.optimizer_states:
+        if not self.traits.gathers_after_step:
+            return
+        if self._deferred is not None and not write:
+            # zero.overlap_param_gather: the next forward waits for each segment before its first module
+            self._deferred.launch(lambda key: self.partitions[key[0]].gather_segment(key[1], self.comm,
+                                                                                  self.weight_quant))
             return
         handles = [h for part in self.partitions for h in part.gather_params(self.comm, self.weight_quant)]
         for h in handles:
             h.wait()
+
+    def wait_for_weights(self) -> None:
+        if self._deferred is not None:
+            self._deferred.wait_all()
 
     # ---- reports ---------------------------------------------------------------------
     def memory_report(self) -> Dict[str, int]:
@@ -285,6 +300,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
         :class:`~hybrid.zero.assembled.AssembledTensor` of the live chunks
         instead of copies.
         """
+        self.wait_for_weights()
         inner = self.inner.state_dict()
         groups = []
         for g, part, state in zip(self.groups, self.partitions, inner["groups"]):
@@ -321,6 +337,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
     # ---- whole weights in and out (checkpoints) -----------------------------------------------
     def model_state_for_save(self) -> Optional[Dict[str, torch.Tensor]]:
         """``model.state_dict()``: every rank holds the whole TP shard."""
+        self.wait_for_weights()
         return self.model.state_dict()
 
     def load_model_state(self, state: Dict[str, torch.Tensor]) -> None:
@@ -341,3 +358,5 @@ class FlatZeroOptimizer(ZeroOptimizer):
 
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()
+        if self._deferred is not None:
+            self._deferred.remove_hooks()

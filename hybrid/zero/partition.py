@@ -59,16 +59,18 @@ class GroupPartition:
             torch._foreach_copy_(self.param_chunks, self.master_chunks)
 
     def gather_params(self, comm: Communicator, quant: Optional[Quantization] = None) -> List[Handle]:
-        """All-gather every segment of the parameter buffer over ``dp`` in place (async handles).
+        """All-gather every segment of the parameter buffer over ``dp`` in place (async handles, in buffer order)."""
+        return [self.gather_segment(s, comm, quant) for s in range(len(self.group.segments))]
+
+    def gather_segment(self, segment: int, comm: Communicator, quant: Optional[Quantization] = None) -> Handle:
+        """All-gather one segment of the parameter buffer over ``dp`` in place (an async handle).
 
         ``quant`` (``zero.quantized_weights``): the chunks travel quantized, and every rank's buffer, this
         rank's own chunk included, ends with the same dequantized values.
         """
-        handles = []
-        for s, seg in enumerate(self.group.segments):
-            full = self.group.buffer[seg.start: seg.start + seg.size]
-            handles.append(comm.all_gather_into_tensor(full, self.param_chunks[s], "dp", async_op=True, quant=quant))
-        return handles
+        seg = self.group.segments[segment]
+        full = self.group.buffer[seg.start: seg.start + seg.size]
+        return comm.all_gather_into_tensor(full, self.param_chunks[segment], "dp", async_op=True, quant=quant)
 
     def master_flat(self, lazy: bool = False):
         """The master partition as one contiguous tensor: the live one, or when aliased a copy of the

@@ -16,7 +16,7 @@ FULL = {
     "precision": "bf16", "autocast": False,
     "loss_scaling": {"loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 3,
                      "min_loss_scale": 0.5},
-    "zero": {"stage": 2, "bucket_size": 1000, "overlap_comm": False, "reduce_once": True,
+    "zero": {"stage": 2, "bucket_size": 1000, "overlap_comm": False, "reduce_once": True, "overlap_param_gather": True,
              "quantized_gradients": "int4", "quantized_weights": "int8", "two_level_reduce": True,
              "quantization_block": 128, "hpz_partition_size": 1,
              "offload_optimizer": "cpu",

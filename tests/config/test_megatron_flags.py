@@ -86,7 +86,6 @@ def test_the_distributed_optimizer_yields_to_an_explicit_zero_stage():
     (["--context-parallel-size", "2"], r"no context parallelism"),
     (["--num-experts", "8"], r"dense models only"),
     (["--accumulate-allreduce-grads-in-fp32"], r"for fp32 gradients keep fp32 parameters with --autocast"),
-    (["--overlap-param-gather"], r"ZeRO-3 \(--zero-stage 3\) gathers each layer's weights in forward"),
     (["--use-rope-scaling"], r"give --rope-scaling llama3 --rope-scaling-factor 8 \(Megatron's default factor\)$"),
     (["--rotary-percent", "0.5"], r"hybrid rotates the whole head dimension; accepted: --rotary-percent 1.0 or 1$"),
     (["--no-save-optim"], r"tools/convert_checkpoint.py exports the weights alone \(to-fp32, to-hf\)$"),

@@ -121,6 +121,27 @@ def _train_gpt(topo, stage):
             "norm": engine.get_grad_norm()}
 
 
+def _train_gpt_batches(topo, stage):
+    """As :func:`_train_gpt`, through ``train_batch(dp_mean=True)`` with the weights' all-gathers left in flight
+    after each step (``zero.overlap_param_gather``)."""
+    import hybrid
+    from hybrid.tensor_parallel.gather import full_state
+    from model_zoo import GPTConfig, GPTModel
+
+    model = GPTModel(GPTConfig(**GPT), topo, seed=GPT_SEED)
+    engine = hybrid.initialize(model, CFG, topology=topo, zero={"stage": stage, "overlap_param_gather": True},
+                               global_batch_size=GPT_GLOBAL, gradient_accumulation_steps=1)
+    per_rank, r = engine.batch.micro_batch_size, topo.dp_rank
+    losses = []
+    for ids, labels in gpt_data():
+        share = slice(r * per_rank, (r + 1) * per_rank)
+        losses.append(engine.train_batch([{"input_ids": ids[share], "labels": labels[share]}], dp_mean=True)[1])
+    with engine.gathered_parameters():  # waits for the last step's gathers
+        params = _plain(full_state(engine.module, topo))
+    engine.close()
+    return {"losses": losses, "params": params}
+
+
 def _topology_mismatch_error(model_topo, engine_topo):
     import hybrid
     from model_zoo import GPTConfig, GPTModel
@@ -145,6 +166,7 @@ def _worker():
     t1 = time.perf_counter()
     tp2 = Topology(tp=2)
     out["gpt_tp2_stage2"] = _train_gpt(tp2, stage=2)
+    out["gpt_tp2_stage1_batches"] = _train_gpt_batches(tp2, stage=1)
     out["topology_mismatch"] = _topology_mismatch_error(tp2, dp4)
     out["seconds"] = {"mlp": t1 - t0, "gpt": time.perf_counter() - t1}
     return out
@@ -232,6 +254,18 @@ def test_gpt_tp2_dp2_stage2_matches_single_process_adamw(results, gpt_reference)
     assert runs[0]["norm"] == pytest.approx(ref_norms[-1], rel=TOL)
     for run in runs:
         assert set(run["params"]) == set(ref_params)
+        for name, ref in ref_params.items():
+            assert _rel(run["params"][name], ref) <= TOL, name
+
+
+def test_train_batch_averages_the_loss_over_dp_with_the_gathers_in_flight(results, gpt_reference):
+    """``train_batch(dp_mean=True)`` returns the global batch's loss on every rank, and ZeRO-1 with
+    ``zero.overlap_param_gather`` trains the single-process model."""
+    ref_losses, _, ref_params = gpt_reference
+    runs = [r["gpt_tp2_stage1_batches"] for r in results]
+    for run in runs:
+        assert run["losses"] == runs[0]["losses"]
+        assert run["losses"] == pytest.approx(ref_losses, rel=TOL)
         for name, ref in ref_params.items():
             assert _rel(run["params"][name], ref) <= TOL, name
 

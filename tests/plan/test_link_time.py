@@ -162,6 +162,33 @@ def test_reductions_hide_behind_backward_when_buckets_are_small():
     assert {c.name: c for c in slow.collectives}["all_gather/dp"].seconds == pytest.approx(ag.seconds + 1e-3 * ag_steps)
 
 
+def test_overlapped_weight_gathers_hide_behind_one_micro_batch_forward():
+    """zero.overlap_param_gather: stages 1-2's all-gather after the step runs behind the next step's first
+    micro-batch forward (1/3 of its compute); the bytes and the reductions do not change, and stages 0
+    and 3 are planned as without it."""
+    config, link = _bench_config(), LinkSpec(math.inf, 25e6)
+    # at 1e9 FLOP/s a micro-batch's forward (4 s) outlasts the gather (0.3 s); at 1e11 (0.04 s) it does not
+    for stage, flops in ((1, 1e9), (2, 1e9), (1, 1e11)):
+        layout = ParallelLayout(tp=2, dp=2, zero_stage=stage, precision="fp32")
+        plain, overlapped = (predict_step_time(config, layout, 4, 16, 2, 2, link, flops,
+                                               setup=TrainingSetup(overlap_param_gather=o)) for o in (False, True))
+        before = {c.name: c for c in plain.collectives}
+        after = {c.name: c for c in overlapped.collectives}
+        ag = before["all_gather/dp"]
+        forward = plain.compute / 3 / 2  # 2 micro-batches a step
+        assert after["all_gather/dp"].exposed == pytest.approx(ag.exposed - min(ag.seconds, forward))
+        assert overlapped.total == pytest.approx(plain.total - min(ag.seconds, forward))
+        assert (after["all_gather/dp"].exposed == 0) == (flops == 1e9)
+        assert overlapped.inter_node_bytes_per_node == plain.inter_node_bytes_per_node
+        others = [n for n in before if n != "all_gather/dp"]
+        assert [after[n].exposed for n in others] == [before[n].exposed for n in others]
+    for stage, tp in ((0, 2), (3, 1)):
+        layout = ParallelLayout(tp=tp, dp=4 // tp, zero_stage=stage, precision="fp32")
+        plain, overlapped = (predict_step_time(config, layout, 4, 16, 2, 2, link, 1e9,
+                                               setup=TrainingSetup(overlap_param_gather=o)) for o in (False, True))
+        assert overlapped.total == plain.total
+
+
 def test_stage_3_hides_only_its_forward_gathers():
     """The forward's gathers are prefetched behind the forward (1/3 of the compute); the backward's wait behind
     the order check, as do the reduce-scatters."""

@@ -74,6 +74,9 @@ def _fails(argv, world, match, monkeypatch, capsys):
      ("--initial-loss-scale '1000': must be a power of two", "(set by --initial-scale-power, --initial-loss-scale)")),
     (MODEL + ["--mock-data", "--train-iters", "2", "--zero-stage", "0", "--offload-optimizer", "cpu"], 1,
      ("offload to cpu needs ZeRO stage 1, 2 or 3", "(set by --offload-optimizer, --zero-stage)")),
+    (MODEL + ["--mock-data", "--train-iters", "2", "--zero-stage", "0", "--overlap-param-gather"], 1,
+     ("zero.overlap_param_gather needs ZeRO stage 1 or 2: at stage 0 every rank steps the whole model",
+      "(set by --overlap-param-gather, --zero-stage)")),
     (MODEL + ["--mock-data", "--train-iters", "2", "--zero-stage", "4"], 1,
      ("'zero.stage' must be one of 0, 1, 2, 3, got 4", "(set by --zero-stage)")),
     (MODEL + ["--mock-data", "--train-iters", "2", "--zero-stage", "4", "--lr", "-1"], 1,
@@ -194,4 +197,6 @@ def test_valid_settings_pass():
                                  "--global-batch-size", "8", "--micro-batch-size", "2"])
     validate(config, world_size=4)
     assert config.precision == "fp32" and config.recompute == "none"
+    assert not config.zero.overlap_param_gather
+    assert parse_args(MODEL + ["--zero-stage", "2", "--overlap-param-gather"]).zero.overlap_param_gather
     assert config.tensor_parallel_size == 2 and config.resolve_batch(2).gradient_accumulation_steps == 2
