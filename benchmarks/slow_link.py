@@ -111,6 +111,9 @@ bytes-baseline) runs)::
         --only dp4-z2,dp4-z3,hybrid-tp2-z2,deepspeed-dp4-z2,deepspeed-dp4-z2-mat,deepspeed-dp4-z3,\\
 deepspeed-dp4-z3-mat,fsdp2-dp4,fsdp2-dp4-noreshard --json benchmarks/results/slow_link_peers.json
                                                                      # hybrid beside DeepSpeed and FSDP2
+    python benchmarks/slow_link.py --rates 200mbit,50mbit --delays '' --repeat 5 --markdown \\
+        --only hybrid-tp2-z1,hybrid-tp2-z1-opg,hybrid-tp2-z2,hybrid-tp2-z2-opg \\
+        --json benchmarks/results/slow_link_overlap.json               # the weights' all-gather overlapped
     python benchmarks/slow_link.py --rates none,200mbit --repeat 1 --iters 3 --hidden 64 --layers 2 \\
         --only megatron-tp4,hybrid-tp2-z1 --json /tmp/sl.json         # a quick look
     python benchmarks/slow_link.py --pipelines --rates none,200mbit,50mbit --delays '' --markdown \\
@@ -163,7 +166,7 @@ class Contender:
     zero_stage: int
     micro_batch: int
     extra: Tuple[str, ...] = ()
-    compressed: bool = False  # runs only with --compressed (or when named by --only)
+    compressed: bool = False  # optional: runs only with --compressed (or when named by --only)
     # steps run before the measured ones besides the first (1-bit Adam's AdamW warm-up): every run is that much
     # longer, its timing and the bytes baseline leave them out
     warmup: int = 0
@@ -199,7 +202,7 @@ CONTENDERS = [
                                           "--zero-quantized-weights", "int8"), True),
     Contender("dp4-z3-q", 1, 3, 4, ("--zero-quantized-gradients", "int4", "--zero-quantized-weights", "int8"), True),
     # zero.overlap_param_gather: the step leaves the updated weights' all-gather in flight and the next forward
-    # waits for each bucket before its first module (optional, as the compressed ones: --compressed or by name)
+    # waits for each bucket before its first module
     Contender("hybrid-tp2-z1-opg", 2, 1, 4, ("--overlap-param-gather",), True),
     Contender("hybrid-tp2-z2-opg", 2, 2, 4, ("--zero-reduce-once", "--overlap-param-gather"), True),
     # two ranks of each dp group per node: reduce inside the node first, then across on half the bytes
@@ -447,7 +450,7 @@ def _fmt(value: Optional[float], spec: str) -> str:
 FLAG_LABELS = (("--zero-quantized-gradients", "grads {}"), ("--zero-quantized-weights", "weights {}"),
                ("--zero-two-level-reduce", "2-level"), ("--zero-hpz-partition-size", "hpZ {}"),
                ("--zero-prefetch-bucket-size", "prefetch {}"), ("--optimizer", "{}"),
-               ("--pipeline-schedule", "{}"))
+               ("--pipeline-schedule", "{}"), ("--overlap-param-gather", "overlapped gather"))
 
 
 def settings_label(row: dict) -> str:
@@ -576,7 +579,9 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap.add_argument("--delay-rate", default="1gbit", help="link rate of the latency points")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds over the contenders per point")
     ap.add_argument("--compressed", action="store_true",
-                    help="also run the contenders with compressed communication (quantized gradients / weights)")
+                    help="also run the optional ZeRO contenders: compressed communication (quantized gradients / "
+                         "weights, 1-bit Adam), hpZ, small stage-3 windows, and the weights' all-gather behind the "
+                         "next forward (-opg)")
     ap.add_argument("--peers", action="store_true",
                     help="also run the peers: DeepSpeed ZeRO-2/3 (at its defaults, and at hybrid's bucket "
                          "settings) and torch FSDP2")

@@ -63,12 +63,14 @@ def test_the_layout_column_names_the_interleaved_schedule_only():
 def test_the_layout_column_names_compression_and_the_other_settings_flags_change():
     by_name = {c.name: c for c in slow_link.CONTENDERS}
     labels = {name: _layout_label(by_name[name]) for name in
-              ("hybrid-tp2-z2", "hybrid-tp2-z2-q", "dp4-z3-q-hpz", "dp4-z2-2l", "hybrid-tp2-z0-1bit")}
+              ("hybrid-tp2-z2", "hybrid-tp2-z2-q", "dp4-z3-q-hpz", "dp4-z2-2l", "hybrid-tp2-z0-1bit",
+               "hybrid-tp2-z1-opg")}
     assert labels["hybrid-tp2-z2"] == "TP2xDP2 Z2 mb4 once"
     assert labels["hybrid-tp2-z2-q"] == "TP2xDP2 Z2 mb4 once grads int4 weights int8"
     assert labels["dp4-z3-q-hpz"] == "TP1xDP4 Z3 mb4 grads int4 weights int8 hpZ 2"
     assert labels["dp4-z2-2l"] == "TP1xDP4 Z2 mb4 2-level"
     assert labels["hybrid-tp2-z0-1bit"] == "TP2xDP2 Z0 mb4 onebit_adam"
+    assert labels["hybrid-tp2-z1-opg"] == "TP2xDP2 Z1 mb4 overlapped gather"
     # every contender of the same layout and zero settings but other flags reads differently
     hybrid = [c for c in slow_link.CONTENDERS if c.peer is None]
     assert len({_layout_label(c) for c in hybrid}) == len(hybrid)

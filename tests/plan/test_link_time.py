@@ -354,6 +354,8 @@ def contender_setup(data: dict, row: dict) -> TrainingSetup:
             settings[_SETUP_FLAGS[flag]] = int(value) if value.isdigit() else value
         elif flag == "--zero-two-level-reduce":
             settings["two_level_reduce"] = True
+        elif flag == "--overlap-param-gather":
+            settings["overlap_param_gather"] = True
     return TrainingSetup(**settings)
 
 
