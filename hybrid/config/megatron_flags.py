@@ -43,6 +43,8 @@ def _refused(flag: str, reason: str, takes_value: bool = False) -> MegatronFlag:
 _NO_PHASE_TIMERS = "hybrid has no per-phase timers; train/iteration_time_s is always written"
 _SDPA = "attention runs through torch's scaled_dot_product_attention, which picks its fastest kernel, flash where " \
         "it can"
+_FP32_SOFTMAX = ("the attention core (torch's scaled_dot_product_attention) computes the softmax in fp32 for bf16 and "
+                 "fp16 inputs, as flash kernels do (tests/model_zoo/test_attention_precision.py)")
 _ONE_MODEL = "hybrid has one transformer implementation (model_zoo)"
 _NO_FUSION = "hybrid has no such fused kernel to turn off; its own are switched by --no-fused-kernels"
 _CKPT = ("hybrid writes its own checkpoints, metadata.json and safetensors, every rank its own files "
@@ -60,6 +62,9 @@ _RECOMPUTE = ("hybrid recomputes every layer, each its own checkpoint (--recompu
 MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
     _accepted("--use-flash-attn", _SDPA),
     _accepted("--attention-backend", _SDPA, takes_value=True),
+    _accepted("--attention-softmax-in-fp32", _FP32_SOFTMAX),
+    _accepted("--apply-query-key-layer-scaling", "it guards a half-precision softmax against fp16 overflow and leaves "
+                                                 "the result unchanged; " + _FP32_SOFTMAX),
     _accepted("--use-mcore-models", _ONE_MODEL),
     _accepted("--transformer-impl", _ONE_MODEL + "; Transformer Engine is not used", takes_value=True),
     _accepted("--exit-signal-handler", "SIGTERM and SIGINT always save a checkpoint and stop; docs/training.md"),

@@ -25,7 +25,8 @@ MEGATRON_SCRIPT = [
     "--lr-decay-style", "WSD", "--lr-wsd-decay-style", "linear", "--lr-wsd-decay-iters", "5",
     "--lr-warmup-iters", "2", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
     "--clip-grad", "1.0", "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce",
-    "--use-flash-attn", "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
+    "--use-flash-attn", "--attention-softmax-in-fp32", "--no-masked-softmax-fusion",
+    "--no-gradient-accumulation-fusion",
     "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
     "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1", "--sequence-parallel",
     "--distributed-backend", "nccl", "--mock-data", "--vocab-size", "128", "--num-workers", "2", "--log-interval", "1",
@@ -46,8 +47,8 @@ def test_a_megatron_script_parses_into_the_settings_it_means():
     assert (cfg.scheduler.type, cfg.scheduler.wsd_decay_iters, cfg.scheduler.decay_iters) == ("wsd", 5, 20)
     assert cfg.logging.log_params_norm and cfg.logging.log_num_zeros_in_grad
     noted = [n.split(" (")[0] for n in notes]
-    assert noted == ["--use-flash-attn", "--use-mcore-models", "--transformer-impl local", "--exit-signal-handler",
-                     "--log-throughput", "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
+    assert noted == ["--use-flash-attn", "--attention-softmax-in-fp32", "--use-mcore-models",
+                     "--transformer-impl local", "--exit-signal-handler", "--log-throughput", "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
                      "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion", "--group-query-attention",
                      "--no-position-embedding", "--distributed-backend nccl", "--num-workers 2",
                      "--ckpt-format torch_dist", "--use-dist-ckpt", "--check-for-nan-in-loss-and-grad",
