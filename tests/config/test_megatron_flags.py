@@ -48,7 +48,8 @@ def test_a_megatron_script_parses_into_the_settings_it_means():
     assert cfg.logging.log_params_norm and cfg.logging.log_num_zeros_in_grad
     noted = [n.split(" (")[0] for n in notes]
     assert noted == ["--use-flash-attn", "--attention-softmax-in-fp32", "--use-mcore-models",
-                     "--transformer-impl local", "--exit-signal-handler", "--log-throughput", "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
+                     "--transformer-impl local", "--exit-signal-handler", "--log-throughput",
+                     "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
                      "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion", "--group-query-attention",
                      "--no-position-embedding", "--distributed-backend nccl", "--num-workers 2",
                      "--ckpt-format torch_dist", "--use-dist-ckpt", "--check-for-nan-in-loss-and-grad",
