@@ -113,7 +113,7 @@ class ZeroConfig:
     overlap_param_gather: bool = _field(False, flag="--overlap-param-gather",
                                         help="stages 1-2: start the all-gather of the updated weights at the end "
                                              "of the step and wait for each bucket only when the next forward "
-                                             "reaches the first module that uses it")
+                                             "first reads one of its parameters")
     quantized_gradients: str = _field("off", choices=tuple(GRADIENT_FORMATS),
                                       help="send the data-parallel gradient reduction blockwise-quantized (an "
                                            "all-to-all, summed in fp32 by the receiver); int4 is what ZeRO++ "

@@ -6,19 +6,21 @@ buffers over ``dp`` and waiting for all of them (:meth:`FlatZeroOptimizer._publi
 gather is exposed. With it the step only launches the gathers, one per segment,
 in the order forward first uses them (a segment's first parameter in
 registration order: :meth:`~hybrid.zero.flat_buffer.FlatGroup.segment_first_position`).
-A forward pre-hook on every module that owns parameters waits, before the module
-runs, for every gather launched up to the last segment holding one of its
-parameters. A module therefore never computes with weights of the last step,
-and the waits move through the launch order as forward does, so the link carries
-segment ``k + 1`` while the modules of segment ``k`` compute.
 
-Everything else that reads or writes the weights between the step and the next
-forward waits for all of them first (:meth:`DeferredParamGather.wait_all`): a
-save, the masters' norm when the masters are the parameter chunks themselves, a
-load, the next update. A parameter read outside the forward of a module that owns
-it, before any module that owns it has run, is not guarded: the model zoo's only
-such read, the LM head's tied embedding weight, comes after the embedding's own
-forward.
+Each attribute read of a parameter (``module.weight``: :mod:`hybrid.zero.param_reads`)
+whose gather is still in flight waits for every gather launched up to that
+parameter's segment first. That covers the reads in a module's own forward
+and those outside it (the LM head's read of a tied embedding or of its own
+weight, a parent reading its child's position table) alike, so nothing
+computes with the last step's weights, and the waits move through the launch
+order as forward does: the link carries segment ``k + 1`` while the modules
+of segment ``k`` compute. A parameter kept in a plain list or closure and
+read from there is not covered; the model zoo keeps none.
+
+Everything else that reads or writes the weights between the step and the
+next forward waits for all of them first (:meth:`DeferredParamGather.wait_all`):
+a save, the masters' norm when the masters are the parameter chunks
+themselves, a load, the next update.
 """
 
 from __future__ import annotations
@@ -28,16 +30,17 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 
 from hybrid.comm import Handle
+from hybrid.zero.param_reads import ParameterReads
 
 # (flat group index, segment index)
 SegmentKey = Tuple[int, int]
 
 
 class DeferredParamGather:
-    """Launches the post-step all-gathers of ``groups`` and waits for each one when forward first needs it.
+    """Launches the post-step all-gathers of ``groups`` and waits for each one when a parameter of it is first read.
 
     ``groups``: the optimizer's :class:`~hybrid.zero.flat_buffer.FlatGroup` list; ``model``: the module tree
-    whose forward reads them (its modules get the pre-hooks).
+    whose modules hold their parameters (their reads are watched).
     """
 
     def __init__(self, model: torch.nn.Module, groups: Sequence):
@@ -52,16 +55,16 @@ class DeferredParamGather:
                 self._place[id(p)] = rank[(g.index, record.segment)]
         self._pending: List[Handle] = []  # in self.order
         self.landed = 0  # gathers of self._pending waited for, the first ones in order
-        self._hooks = []
-        for module in model.modules():
-            places = [self._place[id(p)] for p in module.parameters(recurse=False) if id(p) in self._place]
-            if places:
-                self._hooks.append(module.register_forward_pre_hook(self._waiter(max(places))))
+        self._reads = ParameterReads(model, self)
 
-    def _waiter(self, last: int) -> Callable:
-        def hook(module, args):
-            self.wait_through(last)
-        return hook
+    def watches(self, param: torch.nn.Parameter) -> bool:
+        return id(param) in self._place
+
+    def read(self, param: torch.nn.Parameter) -> None:
+        """An attribute read of ``param``: wait for its segment's gather (and those before it) if in flight."""
+        place = self._place[id(param)]
+        if place >= self.landed:
+            self.wait_through(place)
 
     @property
     def in_flight(self) -> int:
@@ -89,6 +92,4 @@ class DeferredParamGather:
         self.wait_through(len(self._pending) - 1)
 
     def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self._reads.remove()

@@ -12,7 +12,7 @@ When a unit is gathered and released:
   the post-hook releases it. A read of a partitioned parameter as a module
   attribute outside its module (a tied embedding's ``weight`` read by the LM
   head, a position table read by its parent) is caught by the module's
-  ``_parameters`` dict (:class:`_WatchedParameters`, which
+  ``_parameters`` dict (:mod:`hybrid.zero.param_reads`, which
   ``nn.Module.__getattr__`` reads from) while a forward runs: the unit is
   gathered on demand and held until the innermost running module returns.
   Only attribute reads are watched, not every op (a ``TorchFunctionMode``
@@ -96,49 +96,6 @@ class _SavedView:
     stride: Tuple[int, ...]
 
 
-class _WatchedParameters(dict):
-    """A module's ``_parameters`` that reports reads of partitioned parameters to the gatherer during a forward.
-
-    ``nn.Module.__getattr__`` serves ``module.weight`` from this dict, so
-    every attribute read of a parameter passes here; outside a forward (and
-    inside the gatherer's own bookkeeping) reads pass through unseen. Copies
-    and pickles are plain dicts.
-    """
-
-    __slots__ = ("gatherer",)
-
-    def __getitem__(self, name):
-        p = dict.__getitem__(self, name)
-        g = self.gatherer
-        if g.watching and not g.busy:
-            i = g.unit_of_param.get(id(p))
-            if i is not None:
-                g.use_external(i)
-        return p
-
-    def __reduce__(self):
-        return dict, (dict(self),)
-
-
-class ParameterReads:
-    """Watches the attribute reads of ``gatherer``'s partitioned parameters in every module of ``model`` that holds
-    one (tied ones in each holder); :meth:`remove` gives the modules plain dicts back."""
-
-    def __init__(self, model: nn.Module, gatherer: "ParamGatherer"):
-        self.modules = [m for m in model.modules()
-                        if any(id(p) in gatherer.unit_of_param for p in m._parameters.values())]
-        for m in self.modules:
-            watched = _WatchedParameters(m._parameters)
-            watched.gatherer = gatherer
-            m.__dict__["_parameters"] = watched
-
-    def remove(self) -> None:
-        for m in self.modules:
-            if isinstance(m._parameters, _WatchedParameters):
-                m.__dict__["_parameters"] = dict(m._parameters)
-        self.modules = []
-
-
 class ParamGatherer:
     """Gathers, prefetches and releases the units of one model (see the module docstring).
 
@@ -171,7 +128,7 @@ class ParamGatherer:
         self.prefetch_issued = 0  # units gathered ahead of use
         self.prefetch_hits = 0  # fetches that found their unit already prefetched
         self.busy = False  # inside our own bookkeeping: parameter reads are not uses
-        self.watching = False  # a forward runs: reads of released parameters gather them (_WatchedParameters)
+        self.watching = False  # a forward runs: reads of released parameters gather them (hybrid.zero.param_reads)
         self.phase = "idle"
         self.traces: Dict[str, List[int]] = {}
         self._recording: Optional[List[int]] = None
@@ -477,6 +434,17 @@ class ParamGatherer:
             self.in_use[i] -= 1
             if self.in_use[i] == 0:
                 self._done(i)
+
+    def watches(self, param) -> bool:
+        """Whether ``param`` is one of the partitioned parameters (:mod:`hybrid.zero.param_reads`)."""
+        return id(param) in self.unit_of_param
+
+    def read(self, param) -> None:
+        """An attribute read of ``param``: during a forward, outside our own bookkeeping, a use of its unit."""
+        if self.watching and not self.busy:
+            i = self.unit_of_param.get(id(param))
+            if i is not None:
+                self.use_external(i)
 
     def use_external(self, i: int) -> None:
         """A parameter of unit ``i`` was read during the forward (used inside its module, or outside it)."""

@@ -35,7 +35,8 @@ from hybrid.zero.grad_norm import local_sq, local_zeros, world_sum
 from hybrid.zero.offload import HostCopy, host_device
 from hybrid.zero.order_check import OrderCheck
 from hybrid.topology import TopologyError
-from hybrid.zero.param_gather import ParameterReads, ParamGatherer
+from hybrid.zero.param_gather import ParamGatherer
+from hybrid.zero.param_reads import ParameterReads
 from hybrid.zero.secondary_partition import SecondaryPartition, hpz_size_problem
 from hybrid.zero.stage3_grads import Stage3GradReducer
 from hybrid.zero.stage3_layout import Unit, build_units, param_index, partition_numel

@@ -32,12 +32,13 @@ def gpt_config(num_layers: int, tie: bool = True, sequence_parallel: bool = Fals
 def engine_config(case: dict) -> dict:
     """The engine config of a test case: ``stage``, ``micro`` and optionally ``schedule``, ``per_virtual``,
     ``layers_per_stage``, ``optimizer``, ``offload``, ``precision``, ``async_save``, ``persist`` (ZeRO-3's
-    persistence threshold)."""
+    persistence threshold), ``overlap`` (``zero.overlap_param_gather``)."""
     optimizer = case.get("optimizer", "adamw")
     extra = {"freeze_step": 3} if optimizer == "onebit_adam" else {}
     return {"checkpoint": {"async_save": case.get("async_save", False)}, "precision": case.get("precision", "fp32"),
             "optimizer": {"type": optimizer, "lr": LR, "weight_decay": WD, "eps": EPS, **extra}, "clip_grad": CLIP,
             "zero": {"stage": case["stage"], "bucket_size": BUCKET, "offload_optimizer": case.get("offload", "none"),
+                     "overlap_param_gather": case.get("overlap", False),
                      **({"persistence_threshold": case["persist"]} if "persist" in case else {})},
             "micro_batch_size": case["micro"], "global_batch_size": GLOBAL, "steps_per_print": 0,
             "pipeline": {"schedule": case.get("schedule", "1f1b"), "layers_per_virtual_stage": case.get("per_virtual"),

@@ -43,7 +43,10 @@ OTHERS = {"pp2-dp2-onebit-z1": dict(tp=1, pp=2, stage=1, micro=2, layers=3, opti
                                           offload="cpu"),
           # each segment's gradient streams to the host after the last pass through the chunks that hold it
           "pp2-dp2-interleaved-offload-z2": dict(tp=1, pp=2, stage=2, micro=2, layers=4, schedule="interleaved",
-                                                 per_virtual=1, offload="cpu")}
+                                                 per_virtual=1, offload="cpu"),
+          # the weights' all-gathers left in flight after each step, waited for by the next forward of each chunk
+          "pp2-dp2-interleaved-opg-z2": dict(tp=1, pp=2, stage=2, micro=2, layers=4, schedule="interleaved",
+                                             per_virtual=1, overlap=True)}
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +115,9 @@ def test_onebit_adam_keeps_the_tied_copies_equal_through_compressed_steps(result
 
 
 @pytest.mark.parametrize("plain_name,offload_name", [("pp2-dp2-bf16-z1", "pp2-dp2-bf16-offload-z1"),
-                                                      ("pp2-dp2-interleaved-z2", "pp2-dp2-interleaved-offload-z2")])
-def test_offload_trains_like_the_device_step_with_tied_copies_equal(results, plain_name, offload_name):
+                                                      ("pp2-dp2-interleaved-z2", "pp2-dp2-interleaved-offload-z2"),
+                                                      ("pp2-dp2-interleaved-z2", "pp2-dp2-interleaved-opg-z2")])
+def test_offload_and_overlapped_gathers_train_like_the_plain_step(results, plain_name, offload_name):
     plain, offloaded = _merge(results[plain_name]), _merge(results[offload_name])
     assert plain.keys() == offloaded.keys()
     for name, value in plain.items():

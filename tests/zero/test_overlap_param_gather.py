@@ -2,13 +2,16 @@
 
 One spawn of 4 gloo ranks (TP 2 x DP 2) trains the model zoo's GPT with and without the overlap. The
 gathers copy the same bytes whenever they land, and every kernel runs in the same order, so the two
-runs must agree bit for bit (fp32, bf16, int8 weights, bf16 with the optimizer offloaded); the overlapped run must also match one process's AdamW. A pre-hook
-that runs after the optimizer's checks that every module computes with weights whose gather was
-waited for, and that the first module starts while later segments are still in flight.
+runs must agree bit for bit (fp32, bf16, int8 weights, bf16 with the optimizer offloaded); the
+overlapped run must also match one process's AdamW. Every torch function forward calls is watched
+for a parameter whose gather was not waited for, and the first module must start while every
+segment's gather is still in flight. One process checks the same reads for each model family, with
+a segment per few parameters.
 """
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from tests.multiproc import run_distributed
 from tests.zero.common import dp_mean, max_rel_diff, reference_adamw, rel_diff_list, train_zero
@@ -29,28 +32,47 @@ def gpt_config():
                                       vocab_size=500, bias=False, init_std=0.1)
 
 
+class _StaleReads(TorchFunctionMode):
+    """Records every parameter passed to a torch function before its gather was waited for. Reads of
+    metadata (``dtype``, ``shape``, ...) are not reads of the values."""
+
+    METADATA = {"__get__", "size", "dim", "numel", "stride", "is_contiguous", "is_floating_point"}
+
+    def __init__(self, deferred, names):
+        super().__init__()
+        self.deferred, self.names, self.stale = deferred, names, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in self.METADATA:
+            for a in (*args, *kwargs.values()):
+                for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                    if isinstance(t, torch.nn.Parameter) and id(t) in self.names and not self.deferred.has_landed(t):
+                        self.stale.append(self.names[id(t)])
+        return func(*args, **kwargs)
+
+
 class _Watch:
-    """A forward pre-hook on every module with parameters, registered after the optimizer's: records the
-    modules that would compute with a weight whose gather was not waited for, and the gathers still in
-    flight when the first module starts."""
+    """Around every forward of ``model``: the gathers still in flight when it starts, and the parameters a
+    torch function received before their gather was waited for (:class:`_StaleReads`)."""
 
     def __init__(self, model, deferred):
-        self.stale, self.in_flight_at_start, self._first = [], [], True
+        self.in_flight_at_start = []
         self._deferred = deferred
-        for name, module in model.named_modules():
-            own = list(module.parameters(recurse=False))
-            if own:
-                module.register_forward_pre_hook(self._hook(name, own))
+        self.mode = _StaleReads(deferred, {id(p): n for n, p in model.named_parameters()})
         model.register_forward_pre_hook(self._start)
+        model.register_forward_hook(self._end)
+
+    @property
+    def stale(self):
+        return self.mode.stale
 
     def _start(self, module, args):
         self.in_flight_at_start.append(self._deferred.in_flight)
+        self.mode.__enter__()
 
-    def _hook(self, name, own):
-        def hook(module, args):
-            if not all(self._deferred.has_landed(p) for p in own):
-                self.stale.append(name)
-        return hook
+    def _end(self, module, args, output):
+        self.mode.__exit__(None, None, None)
 
 
 def _train(topo, stage, overlap, dtype=torch.float32, **zero):
@@ -144,3 +166,30 @@ def test_stages_without_a_gather_after_the_step_refuse_it(stage):
     why = "prefetches the next" if stage == 3 else "no weights are gathered after the step"
     with pytest.raises(ZeroConfigError, match=rf"zero.overlap_param_gather needs ZeRO stage 1 or 2: .*{why}"):
         make_zero(model, Topology.local(), stage=stage, overlap_param_gather=True)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gqa", "qwen3-tiny"])
+def test_every_parameter_is_read_after_its_gather_was_waited_for(preset):
+    """Every read of a parameter in forward, whichever module makes it, comes after its segment's wait: one
+    process (the gathers have nothing to move, the bookkeeping is the same), a segment per few parameters,
+    and every torch function watched for a parameter argument whose gather is still pending."""
+    from hybrid import Topology
+    from model_zoo import GPTModel, get_preset
+    from tests.zero.common import make_zero, token_batch
+
+    if preset == "qwen3-tiny":  # query/key norms, a head dim of its own, an untied head
+        cfg = get_preset("tiny-gqa").replace(qk_norm=True, kv_channels=24, tie_embeddings=False)
+    else:
+        cfg = get_preset(preset)
+    cfg = cfg.replace(num_layers=2, seq_length=16, vocab_size=256)
+    model = GPTModel(cfg, Topology.local())
+    opt = make_zero(model, Topology.local(), stage=1, bucket_size=2_000, overlap_param_gather=True)
+    names = {id(p): n for n, p in model.named_parameters()}
+    x, y = token_batch(0, 2, cfg.vocab_size, cfg.seq_length, False)
+    opt.backward(model(x, y))
+    opt.step()
+    assert opt._deferred.in_flight == len(opt._deferred.order) > 2 * cfg.num_layers
+    with _StaleReads(opt._deferred, names) as watch:
+        model(x, y)
+    assert watch.stale == []
+    opt.remove_hooks()
