@@ -309,11 +309,12 @@ class ZeroOptimizer(abc.ABC):
         """Wait until the model holds the last update's weights everywhere.
 
         Under ``zero.overlap_param_gather`` (stages 1-2) the step returns with
-        the all-gathers of the new weights over ``dp`` in flight, and the next
-        forward waits for each one before the first module that uses it
-        (:mod:`hybrid.zero.deferred_gather`). Call this before reading the
-        model's weights any other way between a step and the next forward;
-        the optimizer's own saves, norms and loads do. A no-op otherwise.
+        the all-gathers of the new weights over ``dp`` in flight, and a read
+        of a parameter as a module attribute (``module.weight``) waits for its
+        own (:mod:`hybrid.zero.deferred_gather`). Call this before reading the
+        weights any other way (``model.parameters()``, ``state_dict()``)
+        between a step and the next forward; the optimizer's own saves, norms
+        and loads do. A no-op otherwise.
         """
 
     def get_grad_norm(self) -> float:

@@ -204,7 +204,8 @@ class FlatZeroOptimizer(ZeroOptimizer):
 
     def _params_sq(self) -> float:
         if any(part.aliased for part in self.partitions):
-            self.wait_for_weights()  # the masters are this rank's parameter chunks, which a gather writes
+            # the masters are this rank's parameter chunks, which a quantized gather rewrites (zero.quantized_weights)
+            self.wait_for_weights()
         return self._master_norm.global_sq()
 
     def _apply_update(self, factor: float) -> None:
@@ -238,7 +239,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
         if not self.traits.gathers_after_step:
             return
         if self._deferred is not None and not write:
-            # zero.overlap_param_gather: the next forward waits for each segment before its first module
+            # zero.overlap_param_gather: a read of a parameter waits for its segment's gather
             self._deferred.launch(lambda key: self.partitions[key[0]].gather_segment(key[1], self.comm,
                                                                                   self.weight_quant))
             return
