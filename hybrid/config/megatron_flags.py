@@ -46,7 +46,10 @@ _SDPA = "attention runs through torch's scaled_dot_product_attention, which pick
 _FP32_SOFTMAX = ("the attention core (torch's scaled_dot_product_attention) computes the softmax in fp32 for bf16 and "
                  "fp16 inputs, as flash kernels do (tests/model_zoo/test_attention_precision.py)")
 _ONE_MODEL = "hybrid has one transformer implementation (model_zoo)"
-_NO_FUSION = "hybrid has no such fused kernel to turn off; its own are switched by --no-fused-kernels"
+_FUSED_SWITCH = "its own are switched by --fused-kernels / --no-fused-kernels"
+_NO_FUSION = "hybrid has no such fused kernel to turn off; " + _FUSED_SWITCH
+_FUSION_ON = "hybrid has no such fused kernel to turn on; " + _FUSED_SWITCH
+_MMAP = "hybrid always memory-maps the .bin and .idx files (numpy memmap)"
 _CKPT = ("hybrid writes its own checkpoints, metadata.json and safetensors, every rank its own files "
          "(docs/checkpoints.md), which tools/convert_checkpoint.py exports")
 _ALWAYS_WRITTEN = "is always written to TensorBoard (--tensorboard-dir)"
@@ -77,6 +80,16 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
     _accepted("--no-bias-gelu-fusion", _NO_FUSION),
     _accepted("--no-bias-swiglu-fusion", _NO_FUSION),
     _accepted("--no-bias-dropout-fusion", _NO_FUSION),
+    _accepted("--masked-softmax-fusion", _FUSION_ON),
+    _accepted("--bias-gelu-fusion", _FUSION_ON),
+    _accepted("--bias-swiglu-fusion", _FUSION_ON),
+    _accepted("--bias-dropout-fusion", _FUSION_ON),
+    _accepted("--mmap-bin-files", _MMAP),
+    _accepted("--no-mmap-bin-files", _MMAP + "; reading them whole would change the memory, not the samples"),
+    _accepted("--openai-gelu", "model_zoo's gelu MLP is already the tanh approximation (GPT-2's)"),
+    _refused("--squared-relu", "model_zoo's MLPs are gelu (the tanh approximation) and --swiglu"),
+    _refused("--apply-residual-connection-post-layernorm", "model_zoo's layers are pre-norm, the residual taken "
+                                                           "from the layer's input"),
     _accepted("--no-gradient-accumulation-fusion", "gradients accumulate by autograd straight into ZeRO's flat "
                                                    "buffers; there is no separate fused path"),
     _accepted("--group-query-attention", "--num-query-groups alone sets the key/value groups"),

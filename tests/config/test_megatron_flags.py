@@ -93,6 +93,8 @@ def test_the_distributed_optimizer_yields_to_an_explicit_zero_stage():
     (["--no-save-optim"], r"tools/convert_checkpoint.py exports the weights alone \(to-fp32, to-hf\)$"),
     (["--save-retain-interval", "1000"], r"^--save-retain-interval 1000 is a Megatron-LM flag hybrid does not "
                                          r"take: --keep-last K"),
+    (["--squared-relu"], r"MLPs are gelu \(the tanh approximation\) and --swiglu$"),
+    (["--apply-residual-connection-post-layernorm"], r"layers are pre-norm"),
 ])
 def test_what_hybrid_does_not_do_stops_with_one_line(argv, match):
     with pytest.raises(ConfigError, match=match) as raised:
@@ -162,3 +164,16 @@ def test_data_args_path_reads_the_blend_from_a_file(tmp_path):
     (tmp_path / "empty.txt").write_text("\n")
     with pytest.raises(ConfigError, match=r"the file is empty"):
         config_from_command_line(["--data-args-path", str(tmp_path / "empty.txt")])
+
+
+@pytest.mark.parametrize("flag,reason", [
+    ("--masked-softmax-fusion", "--fused-kernels / --no-fused-kernels"),
+    ("--bias-dropout-fusion", "--fused-kernels / --no-fused-kernels"),
+    ("--mmap-bin-files", "always memory-maps"),
+    ("--no-mmap-bin-files", "not the samples"),
+    ("--openai-gelu", "already the tanh approximation"),
+])
+def test_flags_for_what_hybrid_does_anyway_are_noted_with_their_reason(flag, reason):
+    notes = []
+    config_from_command_line([flag], notes=notes)
+    assert len(notes) == 1 and notes[0].startswith(flag) and reason in notes[0], notes
