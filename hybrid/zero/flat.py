@@ -203,8 +203,9 @@ class FlatZeroOptimizer(ZeroOptimizer):
         return None if self._local_gradients() else self.grad_norm.global_zeros()
 
     def _params_sq(self) -> float:
-        if any(part.aliased for part in self.partitions):
-            # the masters are this rank's parameter chunks, which a quantized gather rewrites (zero.quantized_weights)
+        if self.weight_quant is not None and any(part.aliased for part in self.partitions):
+            # aliased masters are this rank's parameter chunks, which only a quantized gather rewrites: a plain one
+            # reads them and writes the other ranks' chunks, so --log-params-norm need not wait for it every step
             self.wait_for_weights()
         return self._master_norm.global_sq()
 
