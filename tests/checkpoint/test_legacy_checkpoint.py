@@ -1,10 +1,12 @@
-"""Checkpoints written by an earlier release still load (``tests/fixtures/legacy_checkpoint``).
+"""Checkpoints written by earlier releases still load (``tests/fixtures``).
 
-The fixture holds TP=2 x DP=2 trainer checkpoints at iteration 3 under ZeRO-1
-and ZeRO-3, written by ``tests/fixtures/make_legacy_checkpoint.py`` at commit
-58779ff (before the ZeRO interface, configuration tree and layout type were
-redesigned). No golden numbers are stored: the checks compare today's code
-with itself around the old files.
+Each fixture holds TP=2 x DP=2 trainer checkpoints at iteration 3 under ZeRO-1
+and ZeRO-3, written by ``tests/fixtures/make_legacy_checkpoint.py`` at the
+commit it is named after (:data:`~tests.fixtures.make_legacy_checkpoint.FIXTURES`:
+58779ff, before the ZeRO interface, configuration tree and layout type were
+redesigned; 68fb09c, before the grid, the model description and the engine's
+checkpoint edges were). No golden numbers are stored: the checks compare
+today's code with itself around the old files.
 
 * Same layout: resuming the old checkpoint and training 2 steps gives
   bit-identical losses to resuming it, re-saving it at once with today's code,
@@ -21,7 +23,7 @@ import shutil
 import pytest
 import torch
 
-from tests.fixtures.make_legacy_checkpoint import MODEL, OUT
+from tests.fixtures.make_legacy_checkpoint import FIXTURES, MODEL, OUT
 from tests.multiproc import run_distributed
 
 TOL = 1e-5
@@ -65,9 +67,10 @@ def _same_and_other_layouts(legacy):
 
 
 # Stage 3's exact resave runs with the slow tests (pytest -m slow), for the suite's time budget.
+@pytest.mark.parametrize("commit", sorted(FIXTURES))
 @pytest.mark.parametrize("stage", [1, pytest.param(3, marks=pytest.mark.slow)])
-def test_legacy_checkpoint_resumes_and_resaves_exactly(tmp_path, stage):
-    legacy = os.path.join(OUT, f"zero{stage}")
+def test_legacy_checkpoint_resumes_and_resaves_exactly(tmp_path, stage, commit):
+    legacy = os.path.join(FIXTURES[commit], f"zero{stage}")
     copy = str(tmp_path / "legacy")
     shutil.copytree(legacy, copy)  # loading must not need to write into the fixture
     resave = str(tmp_path / "resaved")
