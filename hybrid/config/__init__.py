@@ -1,8 +1,8 @@
 """Typed configuration: one dataclass tree for a whole run, its loaders, flags and validation.
 
-    from hybrid.config import load_config
+    from hybrid.config import apply_overrides, load_config
     cfg = load_config("ds_config.json")            # native or DeepSpeed style, detected
-    cfg = cfg.with_overrides({"optimizer.lr": 3e-4})
+    cfg = apply_overrides(cfg, {"optimizer.lr": 3e-4})
     sizes = cfg.resolve_batch(dp_size=8)
 
     from hybrid.config import config_from_command_line
@@ -19,6 +19,7 @@ from hybrid.config.deepspeed import deepspeed_settings, from_deepspeed
 from hybrid.config.derive import derive_for_training
 from hybrid.config.errors import ConfigError
 from hybrid.config.load import is_deepspeed_style, load_config, load_config_file, read_config_file
+from hybrid.config.parse import apply_overrides, config_from_dict, to_plain
 from hybrid.config.saved import saved_setting, saved_tree
 from hybrid.config.schema import (CheckpointConfig, DataConfig, DistributedConfig, EvalConfig, HybridConfig,
                                   LoggingConfig, LossScalingConfig, ModelConfig, OptimizerConfig, RunConfig,
@@ -28,6 +29,7 @@ from hybrid.config.validate import validate, validate_for_training, validate_wor
 __all__ = ["HybridConfig", "LossScalingConfig", "ZeroConfig", "OptimizerConfig", "SchedulerConfig",
            "TensorBoardConfig", "ModelConfig", "DataConfig", "CheckpointConfig", "RunConfig", "EvalConfig",
            "LoggingConfig", "DistributedConfig", "ConfigError", "BatchSizes", "resolve_batch", "load_config",
-           "load_config_file", "read_config_file", "from_deepspeed", "deepspeed_settings", "is_deepspeed_style",
+           "load_config_file", "read_config_file", "config_from_dict", "apply_overrides", "to_plain",
+           "from_deepspeed", "deepspeed_settings", "is_deepspeed_style",
            "validate", "validate_world", "validate_for_training", "derive_for_training", "build_parser",
            "config_from_command_line", "saved_setting", "saved_tree"]

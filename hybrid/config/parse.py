@@ -18,9 +18,16 @@ from typing import Any, List, Mapping
 
 from hybrid.config.errors import ConfigError, one_error_for_all, unknown_key_error
 from hybrid.config.flags import meta_error, sections
+from hybrid.config.schema import HybridConfig
 from hybrid.config.validate import field_problem, validate
 
-# The schema's methods call this module, so it takes the root class as an argument instead of importing it.
+
+def config_from_dict(data: Any) -> HybridConfig:
+    """A validated :class:`HybridConfig` from a native (non-DeepSpeed) nested mapping, or a config re-checked.
+
+    The inverse of :func:`to_plain`; :func:`hybrid.config.load_config` also reads DeepSpeed-style mappings.
+    """
+    return parse_native(data, HybridConfig)
 
 
 def parse_native(data: Any, root):
@@ -153,7 +160,8 @@ def _join(path: str, key: str) -> str:
 
 
 def to_plain(cfg) -> dict:
-    """A nested dict of plain Python values (tuples become lists) for JSON/YAML."""
+    """A nested dict of plain Python values (tuples become lists) for JSON/YAML; :func:`config_from_dict` reads
+    it back."""
     out = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
@@ -201,7 +209,10 @@ def flatten_overrides(overrides: Mapping[str, Any], root) -> dict:
 
 
 def apply_overrides(cfg, overrides: Mapping[str, Any]):
-    """Return a new validated config with ``overrides`` (dotted paths or section mappings) applied."""
+    """Return a new validated config with ``overrides`` (dotted paths or section mappings) applied.
+
+    ``apply_overrides(cfg, {"optimizer.lr": 3e-4, "zero": {"stage": 1}})``; the config itself is not changed.
+    """
     data = to_plain(cfg)
     for path, value in flatten_overrides(overrides, type(cfg)).items():
         parts = path.split(".")

@@ -1,6 +1,6 @@
 """Reading the trainer settings a checkpoint stored (``client_state["args"]`` in ``metadata.json``).
 
-Today's trainer stores the nested tree (:meth:`HybridConfig.to_dict`);
+Today's trainer stores the nested tree (:func:`hybrid.config.parse.to_plain`);
 checkpoints of earlier releases stored the flat trainer arguments
 (``zero_bucket_size``, ``tokenizer_model``, ``bf16``...). Both read the same
 way here, through the flat names of :mod:`hybrid.config.spellings`, so offline

@@ -404,26 +404,9 @@ class HybridConfig:
     logging: LoggingConfig = _section(LoggingConfig, "logging (trainer)")
     distributed: DistributedConfig = _section(DistributedConfig, "process group (trainer)")
 
-    # ---- conveniences (defined in sibling modules; bound here so users need one import) ----
-    @classmethod
-    def from_dict(cls, data) -> "HybridConfig":
-        """Build and validate from a native (non-DeepSpeed) nested mapping."""
-        from hybrid.config.parse import parse_native
-
-        return parse_native(data, cls)
-
-    def to_dict(self) -> dict:
-        """Plain nested dict (JSON/YAML-serialisable) that :meth:`from_dict` reads back."""
-        from hybrid.config.parse import to_plain
-
-        return to_plain(self)
-
-    def with_overrides(self, overrides) -> "HybridConfig":
-        """A new, validated config with dotted-path overrides applied (``{"optimizer.lr": 3e-4}``)."""
-        from hybrid.config.parse import apply_overrides
-
-        return apply_overrides(self, overrides)
-
+    # ---- conveniences: only those this module's layer can serve. Parsing, overrides and the plain dict live in
+    # hybrid.config.parse (config_from_dict, apply_overrides, to_plain): they validate, and validation reads
+    # this schema, so a method here calling them would close an import cycle.
     def resolve_batch(self, dp_size: int):
         """Micro batch, accumulation steps and global batch for ``dp_size`` data-parallel ranks.
 

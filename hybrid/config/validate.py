@@ -25,16 +25,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING, List, Mapping, Optional
+from typing import List, Mapping, Optional
 
 from hybrid.config.batch import BatchSizes, rampup_problem
 from hybrid.config.errors import ConfigError, one_error_for_all, value_suggestion
 from hybrid.config.flags import key_error, meta_error
 from hybrid.compression import ONE_BIT_OPTIMIZERS, compression_problem, hpz_problem, onebit_problem
+from hybrid.config.schema import HybridConfig
 from hybrid.layout import offload_problem, overlap_param_gather_problem, pipeline_problem, reduce_once_problem
-
-if TYPE_CHECKING:  # the schema's methods call this module through parse: no runtime import back
-    from hybrid.config.schema import HybridConfig
 
 
 def validate(cfg: "HybridConfig") -> None:

@@ -45,6 +45,7 @@ from hybrid.checkpoint import CheckpointReader, CheckpointWriter
 from hybrid.checkpoint.lock import SaveDirLock
 from hybrid.checkpoint.rng import restored_rank, tracker_streams_for
 from hybrid.config.errors import ConfigError
+from hybrid.config.parse import config_from_dict
 from hybrid.config.schema import HybridConfig, PipelineConfig
 from hybrid.convert.consolidate import CheckpointSource, ConversionError, Target
 from hybrid.convert.output import ProgressFactory, nbytes_of, open_bar, read_ahead, tracked
@@ -194,7 +195,7 @@ def _target_pipeline(saved: ParallelLayout, args: dict, given: Mapping[str, Any]
     if tree["layers_per_virtual_stage"] is not None:
         tree["schedule"] = "interleaved"  # the schedule that runs virtual stages; it does not change the files
     try:
-        return HybridConfig.from_dict({"pipeline": tree}).pipeline
+        return config_from_dict({"pipeline": tree}).pipeline
     except ConfigError as e:
         raise ConversionError(str(e)) from None
 

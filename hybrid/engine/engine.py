@@ -32,6 +32,7 @@ import torch
 from hybrid.checkpoint.background import BackgroundSaver, SaveReport
 from hybrid.config.errors import ConfigError
 from hybrid.config.load import ConfigSource, check_deepspeed_dtypes, load_config
+from hybrid.config.parse import apply_overrides
 from hybrid.config.schema import SCHEDULE_ON_LOAD, HybridConfig
 from hybrid.engine.builders import (NoDecayFn, build_loss_scaler, build_lr_schedule, build_wd_schedule,
                                     check_recompute, no_weight_decay_rule)
@@ -534,7 +535,7 @@ def initialize(model: torch.nn.Module, config: ConfigSource = None, topology: Op
     """
     cfg = load_config(config)
     if overrides:
-        cfg = cfg.with_overrides(overrides)
+        cfg = apply_overrides(cfg, overrides)
         check_deepspeed_dtypes(config, cfg.precision, given_by="the keyword overrides")
     if topology is None:
         from hybrid.distributed import init_distributed

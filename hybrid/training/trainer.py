@@ -28,7 +28,7 @@ import hybrid
 from hybrid.checkpoint import (CheckpointError, CheckpointNotFoundError, checkpoint_bytes, find_resume_point,
                                lock_save_dir)
 from hybrid.config import HybridConfig
-from hybrid.config.parse import to_dotted
+from hybrid.config.parse import to_dotted, to_plain
 from hybrid.data import GlobalBatchSampler, iter_global_batches, load_tokenizer
 from hybrid.distributed import destroy_distributed
 from hybrid.engine.builders import no_weight_decay_rule
@@ -193,7 +193,7 @@ class Trainer:
         The global batch is stored as run (micro x accumulation x DP when it was
         derived): offline tools re-count micro-steps from it when they reshard.
         """
-        settings = self.config.to_dict()
+        settings = to_plain(self.config)
         settings["global_batch_size"] = self.batch.global_batch_size
         return settings
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybrid.config import BatchSizes, ConfigError, HybridConfig, resolve_batch
+from hybrid.config import BatchSizes, ConfigError, config_from_dict, resolve_batch
 
 
 @pytest.mark.parametrize("micro,accum,glob,dp,expected", [
@@ -24,7 +24,7 @@ def test_any_two_determine_the_third(micro, accum, glob, dp, expected):
 
 
 def test_config_method_uses_its_keys():
-    cfg = HybridConfig.from_dict({"micro_batch_size": 2, "global_batch_size": 32})
+    cfg = config_from_dict({"micro_batch_size": 2, "global_batch_size": 32})
     assert cfg.resolve_batch(4) == BatchSizes(2, 4, 32, 4)
 
 

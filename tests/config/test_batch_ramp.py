@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from hybrid.config import ConfigError, HybridConfig, config_from_command_line, load_config, resolve_batch
+from hybrid.config import ConfigError, config_from_command_line, config_from_dict, load_config, resolve_batch
 from hybrid.config import validate_for_training
 from hybrid.config.batch import GlobalBatchSchedule
 from tests.config.one_error import raises_one_error_listing
@@ -185,7 +185,7 @@ def test_a_ramp_that_cannot_be_taken_says_what_to_change(micro, glob, dp, rampup
 
 
 def test_the_config_names_the_flags_of_a_ramp_that_does_not_divide():
-    cfg = HybridConfig.from_dict({"micro_batch_size": 2, "global_batch_size": 12, "rampup_batch_size": [2, 2, 24]})
+    cfg = config_from_dict({"micro_batch_size": 2, "global_batch_size": 12, "rampup_batch_size": [2, 2, 24]})
     assert cfg.resolve_batch(1).accumulation_at(0) == 1  # fine on one rank
     with pytest.raises(ConfigError, match=r"choose multiples of 4 \(set by --rampup-batch-size, --micro-batch-size\)"):
         cfg.resolve_batch(2)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.config import HybridConfig, saved_setting, saved_tree
+from hybrid.config import config_from_dict, saved_setting, saved_tree, to_plain
 
 LEGACY = Path(__file__).resolve().parents[1] / "fixtures" / "legacy_checkpoint"
 
@@ -34,9 +34,9 @@ def test_legacy_flat_args_read_as_keys(stage):
 
 
 def test_nested_args_read_as_keys():
-    cfg = HybridConfig.from_dict({"zero": {"stage": 2, "bucket_size": 1000}, "micro_batch_size": 2,
+    cfg = config_from_dict({"zero": {"stage": 2, "bucket_size": 1000}, "micro_batch_size": 2,
                                   "data": {"tokenizer_model": "tok.model"}})
-    args = cfg.to_dict()
+    args = to_plain(cfg)
     assert saved_tree(args) == args
     assert saved_setting(args, "zero.bucket_size") == 1000
     assert saved_setting(args, "data.tokenizer_model") == "tok.model"

@@ -126,13 +126,13 @@ def _train_mlp(topo, stage):
 
 def _train_gpt_pipeline(stage):
     import hybrid
-    from hybrid.config.schema import HybridConfig
+    from hybrid.config.parse import config_from_dict
     from hybrid.pipeline.split import split_from_config
     from hybrid.tensor_parallel.gather import full_state
     from model_zoo import GPTConfig, GPTModel
 
     topo = hybrid.Topology(tp=1, pp=2, timeout_s=60)
-    config = HybridConfig.from_dict({**CFG, "zero": {"stage": stage}, "clip_grad": GPT_CLIP})
+    config = config_from_dict({**CFG, "zero": {"stage": stage}, "clip_grad": GPT_CLIP})
     cfg = GPTConfig(**GPT)
     model = GPTModel(cfg, topo, seed=GPT_SEED, split=split_from_config(config.pipeline, cfg.num_layers, topo.pp_size))
     engine = hybrid.initialize(model, config, topology=topo)
@@ -157,14 +157,14 @@ def _interleaved_refusal():
     """The error initialize raises for a ramp whose sizes an interleaved pipeline cannot all run, or None."""
     import hybrid
     from hybrid.config.errors import ConfigError
-    from hybrid.config.schema import HybridConfig
+    from hybrid.config.parse import config_from_dict
     from hybrid.pipeline.split import split_from_config
     from model_zoo import GPTConfig, GPTModel
 
     topo = hybrid.Topology(tp=1, pp=2, timeout_s=60)
     # 4 layers, one per virtual stage: two model chunks per rank, so the schedule needs an even micro-batch count.
     # The ramp 4, 6, 8, 10, 12 at micro 2 and DP 1 takes 2, 3, 4, 5, 6 micro-batches: 3 is the first it refuses.
-    config = HybridConfig.from_dict({**CFG, "rampup_batch_size": [4, 2, 24],
+    config = config_from_dict({**CFG, "rampup_batch_size": [4, 2, 24],
                                      "pipeline": {"schedule": "interleaved", "layers_per_virtual_stage": 1}})
     cfg = GPTConfig(**dict(GPT, num_layers=4))
     model = GPTModel(cfg, topo, seed=GPT_SEED, split=split_from_config(config.pipeline, cfg.num_layers, topo.pp_size))

@@ -79,7 +79,7 @@ def run_cases(cases) -> list:
 
 def _build(case: dict):
     import hybrid
-    from hybrid.config.schema import HybridConfig
+    from hybrid.config.parse import config_from_dict
     from hybrid.pipeline.split import split_from_config
     from model_zoo import GPTModel
 
@@ -87,7 +87,7 @@ def _build(case: dict):
     topo = hybrid.Topology(tp=case["tp"], pp=case["pp"], timeout_s=60,
                            ranks_per_node=torch.distributed.get_world_size() // case["pp"])
     cfg = gpt_config(case["layers"], case.get("tie", True), case.get("sp", False), case.get("query_groups"))
-    config = HybridConfig.from_dict(engine_config(case))
+    config = config_from_dict(engine_config(case))
     model = GPTModel(cfg, topo, split=split_from_config(config.pipeline, cfg.num_layers, topo.pp_size))
     return topo, cfg, model, hybrid.initialize(model, config, topology=topo)
 

@@ -144,14 +144,14 @@ def _measure_pipeline(spec: Dict, baseline: int) -> Dict:
     held at once over the schedule (:class:`hybrid.plan.measure.SavedActivations`)."""
     import hybrid
     from hybrid import Topology
-    from hybrid.config.schema import HybridConfig
+    from hybrid.config.parse import config_from_dict
     from hybrid.pipeline.split import split_from_config
     from hybrid.plan.measure import LiveTensorTracker, SavedActivations, storage_keys
     from model_zoo import GPTModel
 
     topo = Topology(tp=spec["tp"], pp=spec["pp"], timeout_s=120)
     cfg = gpt_config(spec)
-    config = HybridConfig.from_dict(engine_config(spec))
+    config = config_from_dict(engine_config(spec))
     model = GPTModel(cfg, topo, split=split_from_config(config.pipeline, cfg.num_layers, topo.pp_size))
     model.check_inputs = False
     engine = hybrid.initialize(model, config, topology=topo)
