@@ -13,7 +13,9 @@ Every subcommand streams one tensor at a time, shows a tqdm progress bar
 and a one-line error for bad input (a missing or corrupted shard, a model the
 target cannot hold, an unknown architecture). ``--load`` with a different
 layout also works directly in the trainer; ``reshard`` is for when the loading
-job should not pay for it. See docs/convert.md.
+job should not pay for it. ``reshard`` and ``from-hf`` take ``--save``'s lock,
+as a training job does, and refuse a folder that already holds checkpoints
+(their ``latest`` would move) unless ``--force``. See docs/convert.md.
 """
 
 from __future__ import annotations
@@ -90,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--tp", type=int, default=1, help="tensor-parallel size to shard for (default 1)")
     i.add_argument("--dtype", choices=PRECISIONS, help="dtype (default: the HF weights' dtype)")
 
+    for s in (r, i):  # the subcommands that write a hybrid checkpoint, moving --save's latest
+        s.add_argument("--force", action="store_true",
+                       help="write into a --save folder that already holds checkpoints (its latest then names the "
+                            "new one; default: refuse)")
     for s in (r, f, h, i):
         s.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
@@ -121,7 +127,8 @@ def run(args) -> str:
         pipeline = {key: getattr(args, f"pipeline_{key}") for key, _ in _pipeline_leaves()}
         out = reshard_checkpoint(args.load, args.save, target_tp=args.target_tp, target_dp=args.target_dp,
                                  target_zero_stage=args.target_zero_stage, bucket_size=args.zero_bucket_size,
-                                 pipeline={k: v for k, v in pipeline.items() if v is not None}, progress=progress)
+                                 pipeline={k: v for k, v in pipeline.items() if v is not None}, progress=progress,
+                                 force=args.force)
         return f"wrote {out}"
     if args.command == "to-fp32":
         from hybrid.convert.fp32 import export_fp32
@@ -142,7 +149,7 @@ def run(args) -> str:
         return "\n".join(lines)
     from hybrid.convert.hf import import_from_hf
 
-    out = import_from_hf(args.input, args.save, tp=args.tp, dtype=args.dtype, progress=progress)
+    out = import_from_hf(args.input, args.save, tp=args.tp, dtype=args.dtype, progress=progress, force=args.force)
     return f"wrote {out}; train from it with --load {args.save} --finetune"
 
 

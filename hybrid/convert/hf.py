@@ -33,13 +33,12 @@ import torch
 from hybrid import param_meta
 from hybrid.checkpoint import CheckpointReader, CheckpointWriter
 from hybrid.checkpoint.atomic import write_bytes_atomic
-from hybrid.checkpoint.lock import SaveDirLock
 from hybrid.convert import hf_gpt2, hf_llama
 from hybrid.convert.consolidate import WEIGHT, CheckpointSource, ConversionError
 from hybrid.convert.hf_common import Link
 from hybrid.convert.hf_io import DEFAULT_MAX_SHARD_BYTES, HFDirectory, read_json, write_sharded
 from hybrid.convert.hf_tokenizer_files import SENTENCEPIECE_FILE, tokenizer_files
-from hybrid.convert.output import ProgressFactory, nbytes_of, open_bar, read_ahead, tracked
+from hybrid.convert.output import ProgressFactory, nbytes_of, new_checkpoint_in, open_bar, read_ahead, tracked
 from hybrid.convert.ranges import piece_size
 from hybrid.engine.precision import DTYPES, PRECISION_OF_DTYPE
 from hybrid.layout import ParallelLayout
@@ -215,11 +214,13 @@ def _no_tokenizer_note(reader: CheckpointReader, out: Path) -> str:
 
 # ---- import ---------------------------------------------------------------------------------------------
 def import_from_hf(input_dir, save, *, tp: int = 1, dtype: Optional[str] = None,
-                   progress: Optional[ProgressFactory] = None) -> Path:
+                   progress: Optional[ProgressFactory] = None, force: bool = False) -> Path:
     """Write the HF model directory ``input_dir`` as a weights-only hybrid checkpoint in ``save`` at ``tp``.
 
     ``dtype`` defaults to the HF weights' dtype. Returns the iteration directory
-    (iteration 0; ``save/latest`` points at it).
+    (iteration 0; ``save/latest`` points at it). A ``save`` that already holds
+    checkpoints is refused unless ``force`` (``--force``): see
+    :func:`hybrid.convert.output.new_checkpoint_in`.
     """
     if not isinstance(tp, int) or tp < 1:
         raise ConversionError(f"--tp must be an integer >= 1, got {tp!r}")
@@ -229,6 +230,10 @@ def import_from_hf(input_dir, save, *, tp: int = 1, dtype: Optional[str] = None,
     hf_config = read_json(where)
     arch = map_for_hf(hf_config, where)  # the model first: no point reading weights of an unknown one
     cfg = arch.config_from_hf(hf_config, where)
+    try:  # first on its own, so that a model no layout can build is not blamed on --tp
+        cfg.validate(1)
+    except (TypeError, ValueError) as e:
+        raise ConversionError(f"{where} describes a model hybrid cannot build: {e}") from None
     try:
         cfg.validate(tp)
     except ValueError as e:
@@ -242,7 +247,7 @@ def import_from_hf(input_dir, save, *, tp: int = 1, dtype: Optional[str] = None,
         raise ConversionError(f"{hf.path} holds {out_dtype} weights; pass --dtype fp32, bf16 or fp16")
     # Weights only, as one data-parallel rank without ZeRO would hold them: any layout can load that.
     # as a job's save: a job saving into the same folder would delete this import's files as leftovers
-    with SaveDirLock(save):
+    with new_checkpoint_in(save, 0, force=force):
         writer = CheckpointWriter(save, 0, ParallelLayout(tp=tp, dp=1, precision=PRECISION_OF_DTYPE[out_dtype]))
         total = tp * sum(nbytes_of(layout[link.hybrid][0], out_dtype) for link in links)
         bar = open_bar(progress, f"from-hf {arch.ARCHITECTURE} to tp={tp}", total)

@@ -55,5 +55,34 @@ def require(hf: Dict[str, Any], key: str, where: str) -> Any:
     return hf[key]
 
 
+_REQUIRED = object()  # the default of a setting the model cannot be built without
+# config.json's value types, as JSON spells them: what each accepts (a JSON true is no integer, 128.0 no size)
+_KINDS = {"an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          "true or false": lambda v: isinstance(v, bool)}
+
+
+def setting(hf: Dict[str, Any], key: str, where: str, kind: str, default: Any = _REQUIRED) -> Any:
+    """``hf[key]`` checked to be of ``kind`` (a key of :data:`_KINDS`: ``"an integer"``, ``"a number"``,
+    ``"true or false"``); ``default`` when it is absent or null (an error naming the key when it is required).
+
+    A value of another type is refused here, naming the file, the key and the type expected: converted later it
+    would fail far from its cause (``float("tiny")``) or be blamed on a flag (a hidden size of ``128.0``
+    "cannot be split over --tp").
+    """
+    value = hf.get(key)
+    if value is None:
+        return require(hf, key, where) if default is _REQUIRED else default
+    if not _KINDS[kind](value):
+        raise ConversionError(f"{where}: {key} is {value!r} ({_json_type(value)}), expected {kind}; fix that key "
+                              f"of the file")
+    return float(value) if kind == "a number" else value
+
+
+def _json_type(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a JSON number with a point", str: "a string",
+            list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+
+
 def refuse(where: str, key: str, value: Any, why: str) -> ConversionError:
     return ConversionError(f"{where}: {key}={value!r} is not supported ({why})")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from hybrid.convert.hf_common import Link, refuse, require
+from hybrid.convert.hf_common import Link, refuse, setting
 from model_zoo.config import GPTConfig
 
 ARCHITECTURE = "GPT2LMHeadModel"
@@ -61,21 +61,23 @@ def config_from_hf(hf: Dict[str, Any], where: str) -> GPTConfig:
                                                          f"{' or '.join(_TANH_GELU)}")
     for key, ok in (("scale_attn_by_inverse_layer_idx", False), ("add_cross_attention", False),
                     ("scale_attn_weights", True)):
-        if bool(hf.get(key, ok)) != ok:
+        if setting(hf, key, where, "true or false", ok) != ok:
             raise refuse(where, key, hf[key], f"hybrid attention needs {key}={ok}")
     # The position table size becomes the sequence length (and thereby the table size, num_positions).
-    positions = require(hf, "n_positions", where)
-    hidden = require(hf, "n_embd", where)
+    positions = setting(hf, "n_positions", where, "an integer")
+    hidden = setting(hf, "n_embd", where, "an integer")
     # The default width is recorded as None, as the trainer records it when no flag sets it.
-    ffn = None if hf.get("n_inner") in (None, 4 * hidden) else hf["n_inner"]
+    inner = setting(hf, "n_inner", where, "an integer", None)
+    ffn = None if inner in (None, 4 * hidden) else inner
     return GPTConfig(
-        vocab_size=require(hf, "vocab_size", where), hidden_size=hidden,
-        num_layers=require(hf, "n_layer", where), num_heads=require(hf, "n_head", where),
+        vocab_size=setting(hf, "vocab_size", where, "an integer"), hidden_size=hidden,
+        num_layers=setting(hf, "n_layer", where, "an integer"), num_heads=setting(hf, "n_head", where, "an integer"),
         ffn_hidden_size=ffn, seq_length=positions,
-        position="learned", norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), mlp="gelu",
-        bias=True, tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        hidden_dropout=float(hf.get("resid_pdrop", 0.0)), attention_dropout=float(hf.get("attn_pdrop", 0.0)),
-        init_std=float(hf.get("initializer_range", 0.02)))
+        position="learned", norm="layernorm", norm_eps=setting(hf, "layer_norm_epsilon", where, "a number", 1e-5),
+        mlp="gelu", bias=True, tie_embeddings=setting(hf, "tie_word_embeddings", where, "true or false", True),
+        hidden_dropout=setting(hf, "resid_pdrop", where, "a number", 0.0),
+        attention_dropout=setting(hf, "attn_pdrop", where, "a number", 0.0),
+        init_std=setting(hf, "initializer_range", where, "a number", 0.02))
 
 
 def links(cfg: GPTConfig) -> List[Link]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
-from hybrid.convert.hf_common import Link, refuse, require
+from hybrid.convert.hf_common import Link, refuse, setting
 from model_zoo.config import GPTConfig, swiglu_ffn_size
 from model_zoo.qkv_layout import qkv_layout
 
@@ -87,12 +87,12 @@ class LlamaFamily:
         return out
 
     def config_from_hf(self, hf: Dict[str, Any], where: str) -> GPTConfig:
-        heads = require(hf, "num_attention_heads", where)
-        hidden = require(hf, "hidden_size", where)
-        groups = hf.get("num_key_value_heads") or heads
+        heads = setting(hf, "num_attention_heads", where, "an integer")
+        hidden = setting(hf, "hidden_size", where, "an integer")
+        groups = setting(hf, "num_key_value_heads", where, "an integer", None) or heads
         if heads % groups:
             raise refuse(where, "num_key_value_heads", groups, f"it must divide num_attention_heads={heads}")
-        head_dim = hf.get("head_dim")
+        head_dim = setting(hf, "head_dim", where, "an integer", None)
         if not head_dim and hidden % heads:
             raise refuse(where, "num_attention_heads", heads, f"it must divide hidden_size={hidden} when "
                                                                f"config.json gives no head_dim")
@@ -105,24 +105,24 @@ class LlamaFamily:
             if hf.get(key):
                 raise refuse(where, key, hf[key], f"hybrid's {self.ARCHITECTURE} switches have no such bias")
         # The position table size becomes the sequence length (the trainer's --seq-length may lower it).
-        positions = require(hf, "max_position_embeddings", where)
+        positions = setting(hf, "max_position_embeddings", where, "an integer")
         self._check_window(hf, positions, where)
         # The default SwiGLU width is recorded as None, as the trainer records it when no flag sets it.
-        ffn = require(hf, "intermediate_size", where)
+        ffn = setting(hf, "intermediate_size", where, "an integer")
         return GPTConfig(
-            vocab_size=require(hf, "vocab_size", where), hidden_size=hidden,
-            num_layers=require(hf, "num_hidden_layers", where), num_heads=heads,
+            vocab_size=setting(hf, "vocab_size", where, "an integer"), hidden_size=hidden,
+            num_layers=setting(hf, "num_hidden_layers", where, "an integer"), num_heads=heads,
             num_query_groups=None if groups == heads else groups, kv_channels=kv_channels,
             ffn_hidden_size=None if ffn == swiglu_ffn_size(hidden) else ffn, seq_length=positions,
             position="rope", **_rope_from_hf(hf, where), norm="rmsnorm",
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)), mlp="swiglu", bias=False,
+            norm_eps=setting(hf, "rms_norm_eps", where, "a number", 1e-6), mlp="swiglu", bias=False,
             qkv_bias=True if self.qkv_bias else None, qk_norm=self.qk_norm,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_dropout=float(hf.get("attention_dropout", 0.0)),
-            init_std=float(hf.get("initializer_range", 0.02)))
+            tie_embeddings=setting(hf, "tie_word_embeddings", where, "true or false", False),
+            attention_dropout=setting(hf, "attention_dropout", where, "a number", 0.0),
+            init_std=setting(hf, "initializer_range", where, "a number", 0.02))
 
     def _check_window(self, hf: Dict[str, Any], positions: int, where: str) -> None:
-        window = hf.get("sliding_window")
+        window = setting(hf, "sliding_window", where, "an integer", None)
         used = window is not None and (self.window_switch is None or hf.get(self.window_switch)
                                        or "sliding_attention" in (hf.get("layer_types") or ()))
         if used and window < positions:
@@ -186,11 +186,12 @@ def _rope_from_hf(hf: Dict[str, Any], where: str) -> Dict[str, Any]:
     source = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     if kind not in _ROPE_TYPES:
         raise refuse(where, f"{source}.rope_type", kind, f"hybrid implements {', '.join(_ROPE_TYPES)}")
-    out: Dict[str, Any] = {"rope_theta": float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0),
+    theta = setting(params, "rope_theta", f"{where} ({source})", "a number", None)
+    out: Dict[str, Any] = {"rope_theta": theta or setting(hf, "rope_theta", where, "a number", 10000.0),
                            "rope_scaling": _ROPE_TYPES[kind]}
     for hf_key, key in _ROPE_KEYS.get(_ROPE_TYPES[kind], ()):
-        value = require(params, hf_key, f"{where} ({source})")
-        out[key] = int(value) if key == "rope_original_max_positions" else float(value)
+        out[key] = setting(params, hf_key, f"{where} ({source})",
+                           "an integer" if key == "rope_original_max_positions" else "a number")
     if params.get("attention_factor") not in (None, 1.0):
         raise refuse(where, f"{source}.attention_factor", params["attention_factor"], "hybrid scales no attention")
     return out

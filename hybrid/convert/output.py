@@ -20,8 +20,10 @@ from typing import Callable, Dict, Iterator, Mapping, Optional
 
 import torch
 
-from hybrid.checkpoint import TensorSource, write_safetensors
+from hybrid.checkpoint import (LATEST_FILE, SaveDirLock, TensorSource, iteration_dir_name, list_iterations,
+                               write_safetensors)
 from hybrid.checkpoint.atomic import fsync_dir, temp_name_for
+from hybrid.convert.consolidate import ConversionError
 
 ProgressFactory = Callable[[str, int], object]
 
@@ -77,6 +79,27 @@ def write_safetensors_file(path, tensors: Mapping[str, object],
         raise
     fsync_dir(path.parent)
     return nbytes
+
+
+@contextlib.contextmanager
+def new_checkpoint_in(save, iteration: int, *, force: bool) -> Iterator[None]:
+    """Hold ``save``'s save lock (the trainer's, :class:`hybrid.checkpoint.SaveDirLock`) while an offline tool
+    writes iteration ``iteration`` there, after refusing a folder that already holds checkpoints unless ``force``.
+
+    The commit of a new checkpoint moves ``latest``: written into a run's folder it would hide that run's newest
+    checkpoint, and the run's next resume would load the tool's output instead. Checked under the lock, so no job
+    saves in between.
+    """
+    with SaveDirLock(save):
+        existing = [d.path.name for d in list_iterations(Path(save)) if d.complete]
+        latest = Path(save) / LATEST_FILE
+        if (existing or latest.exists()) and not force:
+            held = latest.read_text(errors="replace").strip()[:40] if latest.is_file() else existing[-1]
+            raise ConversionError(
+                f"--save {save} already holds checkpoints (latest: {held}; {len(existing)} complete); writing "
+                f"{iteration_dir_name(iteration)} there would repoint its latest and hide or replace them: give a "
+                f"new --save folder, or pass --force to write beside them")
+        yield
 
 
 def writer_order(tensors: Mapping[str, TensorSource]) -> list:

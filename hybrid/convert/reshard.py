@@ -42,13 +42,12 @@ from typing import Any, List, Mapping, Optional, Tuple
 import torch
 
 from hybrid.checkpoint import CheckpointReader, CheckpointWriter
-from hybrid.checkpoint.lock import SaveDirLock
 from hybrid.checkpoint.rng import restored_rank, tracker_streams_for
 from hybrid.config.errors import ConfigError
 from hybrid.config.parse import config_from_dict
 from hybrid.config.schema import HybridConfig, PipelineConfig
 from hybrid.convert.consolidate import CheckpointSource, ConversionError, Target
-from hybrid.convert.output import ProgressFactory, nbytes_of, open_bar, read_ahead, tracked
+from hybrid.convert.output import ProgressFactory, nbytes_of, new_checkpoint_in, open_bar, read_ahead, tracked
 from hybrid.convert.stages import StageShare, pipeline_shares
 from hybrid.layout import STAGE_TRAITS, LayoutError, ParallelLayout, ZeroStage, pipeline_problem, zero_stage
 from hybrid.param_meta import TPMeta, split_units
@@ -124,7 +123,7 @@ def _numel(shape) -> int:
 def reshard_checkpoint(load, save, *, target_tp: int, target_dp: Optional[int] = None,
                        target_zero_stage: Optional[int] = None, bucket_size: Optional[int] = None,
                        pipeline: Optional[Mapping[str, Any]] = None,
-                       progress: Optional[ProgressFactory] = None) -> Path:
+                       progress: Optional[ProgressFactory] = None, force: bool = False) -> Path:
     """Write the checkpoint at ``load`` into save directory ``save`` in the target layout.
 
     ``target_dp`` and ``target_zero_stage`` default to the saved ones;
@@ -133,7 +132,8 @@ def reshard_checkpoint(load, save, *, target_tp: int, target_dp: Optional[int] =
     (``size``, ``layers_per_virtual_stage``, ``layers_per_stage``); ``size``
     defaults to the saved pipeline size, the split to the saved run's when
     neither the size nor a split key is given (else the balanced split). Returns the new
-    iteration directory (``save`` gets a ``latest`` pointing at it).
+    iteration directory (``save`` gets a ``latest`` pointing at it). A ``save`` already holding checkpoints
+    is refused unless ``force`` (:func:`hybrid.convert.output.new_checkpoint_in`).
     """
     from hybrid.config import saved_setting  # reads the trainer's stored settings, nested or (older) flat
 
@@ -158,7 +158,7 @@ def reshard_checkpoint(load, save, *, target_tp: int, target_dp: Optional[int] =
         total += sum(g["partition_numel"] * 4 * len(keys) * target.tp * target.dp for _, groups in plans
                      for g in groups)
         # as a job's save: a job saving into the same folder would delete this rewrite's files as leftovers
-        with SaveDirLock(save):
+        with new_checkpoint_in(save, reader.iteration, force=force):
             bar = open_bar(progress, f"reshard to {target.describe()}", total)
             writer = CheckpointWriter(save, reader.iteration, target)
             try:
