@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping, Union
 
@@ -88,16 +89,63 @@ def read_config_file(path: Union[str, os.PathLike]) -> Any:
         raise ConfigError(f"config file {path} cannot be read: {err.strerror or err}") from None
     if suffix == ".json":
         try:
-            return json.loads(text)
+            return parse_json(text)
         except json.JSONDecodeError as err:
             raise ConfigError(f"config file {path} is not valid JSON: {err}") from None
+        except DuplicateKeyError as err:
+            raise ConfigError(f"config file {path}: {err}") from None
     import yaml
 
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_unique_keys_yaml_loader())  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    except DuplicateKeyError as err:
+        raise ConfigError(f"config file {path}: {err}") from None
     return {} if data is None else data
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object or YAML mapping that names one key twice (both parsers would silently keep the last)."""
+
+
+def _duplicate(key: Any, lines: str) -> DuplicateKeyError:
+    return DuplicateKeyError(f"key {key!r} is given twice in one object{lines}; the parser would silently keep "
+                             f"the last value: keep one")
+
+
+def parse_json(text: str) -> Any:
+    """``json.loads(text)``, refusing an object with a duplicate key (:class:`DuplicateKeyError`, naming the
+    key and the lines where it appears as a key). Shared by every JSON a user hands in: configs, DeepSpeed
+    configs, a Hugging Face ``config.json``."""
+    def unique(pairs):
+        seen = {}
+        for key, value in pairs:
+            if key in seen:
+                found = [text.count("\n", 0, m.start()) + 1
+                         for m in re.finditer(rf'"{re.escape(json.dumps(key)[1:-1])}"\s*:', text)]
+                raise _duplicate(key, f" (lines {', '.join(map(str, found))})" if len(found) > 1 else "")
+            seen[key] = value
+        return seen
+
+    return json.loads(text, object_pairs_hook=unique)
+
+
+def _unique_keys_yaml_loader():
+    """A ``yaml.SafeLoader`` refusing a mapping with a duplicate key (imported late: YAML is optional here)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise _duplicate(key, f" (lines {seen[key]} and {key_node.start_mark.line + 1})")
+                seen[key] = key_node.start_mark.line + 1
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
 
 
 def is_deepspeed_style(data: Mapping[str, Any]) -> bool:

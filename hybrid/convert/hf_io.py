@@ -26,8 +26,10 @@ import torch
 from hybrid.checkpoint import TensorSource
 from hybrid.checkpoint.atomic import write_bytes_atomic
 from hybrid.checkpoint.unreadable import read_error_detail
-from hybrid.convert.consolidate import SAFETENSORS_DTYPES, ConversionError
+from hybrid.config.load import DuplicateKeyError, parse_json
+from hybrid.convert.consolidate import ConversionError
 from hybrid.convert.output import nbytes_of, read_ahead, write_safetensors_file
+from hybrid.dtypes import DTYPE_OF_SAFETENSORS_CODE
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -38,11 +40,13 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10 ** 9
 
 def read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return parse_json(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConversionError(f"{path} does not exist") from None
     except json.JSONDecodeError as e:
         raise ConversionError(f"{path} is not valid JSON ({e})") from None
+    except DuplicateKeyError as e:
+        raise ConversionError(f"{path}: {e}") from None
 
 
 class HFDirectory:
@@ -95,9 +99,9 @@ class HFDirectory:
             except Exception:  # noqa: BLE001 - the library raises its own error types
                 raise ConversionError(f"{file} has no tensor {name!r}, which its index maps to it") from None
             code = sl.get_dtype()
-            if code not in SAFETENSORS_DTYPES:
+            if code not in DTYPE_OF_SAFETENSORS_CODE:
                 raise ConversionError(f"{file}: tensor {name!r} has unsupported dtype {code}")
-            return tuple(sl.get_shape()), SAFETENSORS_DTYPES[code]
+            return tuple(sl.get_shape()), DTYPE_OF_SAFETENSORS_CODE[code]
         tensor = self._bin(file).get(name)
         if not isinstance(tensor, torch.Tensor):
             raise ConversionError(f"{file} has no tensor {name!r}, which its index maps to it")
