@@ -15,6 +15,10 @@ When a unit is gathered and released:
   ``_parameters`` dict (:mod:`hybrid.zero.param_reads`, which
   ``nn.Module.__getattr__`` reads from) while a forward runs: the unit is
   gathered on demand and held until the innermost running module returns.
+  The watching dicts are there only while a forward runs and only on the
+  modules holding a parameter of a unit no running module holds (a read
+  anywhere else would change nothing): between forwards, and inside a
+  unit's own module, modules keep ordinary dicts.
   Only attribute reads are watched, not every op (a ``TorchFunctionMode``
   would run Python on each of the forward's ops): a parameter kept in a
   plain list or closure and used outside its module is not gathered, and
@@ -75,6 +79,7 @@ from torch import nn
 from hybrid.comm import CollectiveError, Communicator, Handle
 from hybrid.compression import Quantization
 from hybrid.zero.order_check import OrderCheck
+from hybrid.zero.param_reads import ParameterReads
 from hybrid.zero.secondary_partition import SecondaryPartition
 from hybrid.zero.stage3_layout import Unit
 
@@ -129,6 +134,9 @@ class ParamGatherer:
         self.prefetch_hits = 0  # fetches that found their unit already prefetched
         self.busy = False  # inside our own bookkeeping: parameter reads are not uses
         self.watching = False  # a forward runs: reads of released parameters gather them (hybrid.zero.param_reads)
+        self._reads: Optional[ParameterReads] = None  # watch_reads()
+        self._units_of_holder: Dict[int, List[int]] = {}  # id(module) -> units of the partitioned params it holds
+        self._holders_of_unit: Dict[int, List[nn.Module]] = {}  # unit -> modules holding a parameter of it
         self.phase = "idle"
         self.traces: Dict[str, List[int]] = {}
         self._recording: Optional[List[int]] = None
@@ -272,6 +280,7 @@ class ParamGatherer:
         self.frames.clear()
         self._orphans = []
         self.in_use.clear()
+        self._rewatch_all()
         self.release_all()
         if self.secondary is not None:  # after release_all: landing a gather over dp stores a slice
             self.secondary.invalidate()
@@ -423,7 +432,7 @@ class ParamGatherer:
         frame: List[int] = []
         if unit is not None:
             self._use(unit)
-            self.in_use[unit] = self.in_use.get(unit, 0) + 1
+            self._hold(unit)
             frame.append(unit)
         self.frames.append(frame)
 
@@ -433,11 +442,61 @@ class ParamGatherer:
         for i in self.frames.pop():
             self.in_use[i] -= 1
             if self.in_use[i] == 0:
+                self._rewatch_unit(i)
                 self._done(i)
 
     def watches(self, param) -> bool:
         """Whether ``param`` is one of the partitioned parameters (:mod:`hybrid.zero.param_reads`)."""
         return id(param) in self.unit_of_param
+
+    def listed(self, params) -> None:
+        """Parameters handed out in bulk (``named_parameters``, ``state_dict``): nothing to do, a released one is
+        empty by design between uses (``gathered_parameters()`` makes them whole)."""
+
+    # ---- the read watch: only where a read would gather -------------------------------------------------
+    def watch_reads(self, model: nn.Module) -> ParameterReads:
+        """Watch the attribute reads of the partitioned parameters in ``model`` during each forward; the returned
+        object's ``remove()`` ends it."""
+        self._reads = ParameterReads(model, self)
+        return self._reads
+
+    def _hold(self, i: int) -> None:
+        """A running module (or the frame of an external read) holds unit ``i``."""
+        self.in_use[i] = self.in_use.get(i, 0) + 1
+        if self.in_use[i] == 1:
+            self._rewatch_unit(i)
+
+    def _watch_forward(self) -> None:
+        """Start of a forward: find the modules holding partitioned parameters (a fresh scan of the model, so
+        modules and parameters added since are found) and watch those a read would gather for."""
+        self._units_of_holder, self._holders_of_unit = {}, {}
+        if self._reads is None:
+            return
+        for module, params in self._reads.holders():
+            units = sorted({self.unit_of_param[id(p)] for p in params})
+            self._units_of_holder[id(module)] = units
+            for i in units:
+                self._holders_of_unit.setdefault(i, []).append(module)
+        self._rewatch_all()
+
+    def _rewatch(self, module: nn.Module) -> None:
+        """A watching dict on ``module`` while one of its units is held by no running module, a plain one else
+        (every read there would find its unit gathered and held: :meth:`use_external` returns at once)."""
+        if all(self.in_use.get(i, 0) > 0 for i in self._units_of_holder[id(module)]):
+            self._reads.unwatch(module)
+        else:
+            self._reads.watch(module)
+
+    def _rewatch_unit(self, i: int) -> None:
+        if self.watching:
+            for module in self._holders_of_unit.get(i, ()):
+                self._rewatch(module)
+
+    def _rewatch_all(self) -> None:
+        if self.watching:
+            for modules in self._holders_of_unit.values():
+                for module in modules:
+                    self._rewatch(module)
 
     def read(self, param) -> None:
         """An attribute read of ``param``: during a forward, outside our own bookkeeping, a use of its unit."""
@@ -451,7 +510,7 @@ class ParamGatherer:
         if i in self.live and self.in_use.get(i, 0) > 0:
             return
         self._use(i)
-        self.in_use[i] = self.in_use.get(i, 0) + 1
+        self._hold(i)
         (self.frames[-1] if self.frames else self._orphans).append(i)
 
     def enter_forward(self) -> None:
@@ -467,6 +526,7 @@ class ParamGatherer:
             ctx.__enter__()
         self._ctx = [hooks, whole]
         self.watching = True
+        self._watch_forward()
 
     def exit_forward(self) -> None:
         """End of the root module's forward: release what it gathered, except the units backward starts with.
@@ -479,6 +539,8 @@ class ParamGatherer:
             return
         ctxs, self._ctx = self._ctx, []
         self.watching = False
+        if self._reads is not None:
+            self._reads.remove()  # ordinary modules between forwards
         for ctx in reversed(ctxs):
             ctx.__exit__(None, None, None)
         while self.frames:

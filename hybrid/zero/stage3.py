@@ -36,7 +36,6 @@ from hybrid.zero.offload import HostCopy, host_device
 from hybrid.zero.order_check import OrderCheck
 from hybrid.topology import TopologyError
 from hybrid.zero.param_gather import ParamGatherer
-from hybrid.zero.param_reads import ParameterReads
 from hybrid.zero.secondary_partition import SecondaryPartition, hpz_size_problem
 from hybrid.zero.stage3_grads import Stage3GradReducer
 from hybrid.zero.stage3_layout import Unit, build_units, param_index, partition_numel
@@ -190,7 +189,7 @@ class Stage3Optimizer(ZeroOptimizer):
     def _register_module_hooks(self) -> list:
         unit_of_module = {u.module_name: u.index for u in self.units if not u.persistent}
         g = self.gatherer
-        hooks = [ParameterReads(self.model, g)]  # parameters read outside their module (tied, shared)
+        hooks = [g.watch_reads(self.model)]  # parameters read outside their module (tied, shared)
         for name, module in self.model.named_modules():
             unit = unit_of_module.get(name)
             if name == "":
