@@ -29,13 +29,15 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from hybrid.checkpoint.background import BackgroundSaver, SaveReport
+from hybrid.checkpoint import SaveReport
 from hybrid.config.errors import ConfigError
 from hybrid.config.load import ConfigSource, check_deepspeed_dtypes, load_config
 from hybrid.config.parse import apply_overrides
 from hybrid.config.schema import SCHEDULE_ON_LOAD, HybridConfig
 from hybrid.engine.builders import (NoDecayFn, build_loss_scaler, build_lr_schedule, build_wd_schedule,
                                     check_recompute, no_weight_decay_rule)
+from hybrid.engine.checkpoint import EngineCheckpoints
+from hybrid.engine.parts import TrainingParts
 from hybrid.engine.precision import prepare_precision
 from hybrid.engine.rng import RandomState
 from hybrid.engine.step_logger import StepLogger
@@ -54,8 +56,10 @@ class Engine:
     ``optimizer`` (the :class:`~hybrid.zero.ZeroOptimizer` of the configured
     stage), ``lr_schedule``, ``rng`` (every random generator of this rank),
     ``config`` (the validated :class:`HybridConfig`), ``topology``, ``batch``
-    (resolved :class:`~hybrid.config.BatchSizes`). Each component saves and
-    loads its own state; :meth:`state_dict` is built from theirs.
+    (resolved :class:`~hybrid.config.BatchSizes`), ``checkpoints`` (the
+    :class:`~hybrid.engine.checkpoint.EngineCheckpoints` behind :meth:`save_checkpoint` and
+    :meth:`load_checkpoint`). Each component saves and loads its own state; :meth:`state_dict` is built
+    from theirs.
     """
 
     def __init__(self, model: torch.nn.Module, config: HybridConfig, topology: Topology, *,
@@ -109,7 +113,8 @@ class Engine:
         self._logger = StepLogger(config, is_rank0=topology.rank == 0)
         self.pipeline = self._build_pipeline(model)
         self.last_pipeline_stats = None
-        self._saver: Optional[BackgroundSaver] = None  # made at the first save with checkpoint.async_save
+        self.checkpoints = EngineCheckpoints(TrainingParts(model, self.optimizer, self.rng, topology), self,
+                                             config.checkpoint, self.layout, self.checkpoint_timeout_s)
 
     # ---- forward ----------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -428,11 +433,9 @@ class Engine:
         raises); collect the result with :meth:`poll_checkpoint` (each step) or
         :meth:`wait_checkpoint`, and :meth:`close` waits for it.
         """
-        from hybrid.engine.checkpoint import save_engine
-
         step = self.global_step if iteration is None else iteration
-        return save_engine(self, directory, step, consumed_samples=consumed_samples, client_state=client_state,
-                           keep_last=keep_last, healthy=healthy, background=self._background_saver())
+        return self.checkpoints.save(directory, step, consumed_samples=consumed_samples, client_state=client_state,
+                                     keep_last=keep_last, healthy=healthy)
 
     @property
     def checkpoint_timeout_s(self) -> float:
@@ -441,33 +444,22 @@ class Engine:
         timeout = self.topology.comm.timeout
         return timeout.total_seconds() if timeout else self.config.distributed.timeout_minutes * 60
 
-    def _background_saver(self) -> Optional[BackgroundSaver]:
-        ckpt = self.config.checkpoint
-        if not ckpt.async_save:
-            return None
-        if self._saver is None:
-            chunk = ckpt.async_save_chunk_mb << 20 if ckpt.async_save_chunk_mb is not None else None
-            self._saver = BackgroundSaver(self.checkpoint_timeout_s, chunk)
-            self.optimizer.write_fence = self._saver.fence  # the update waits for the writer's copy of its state
-        return self._saver
-
     def poll_checkpoint(self) -> Optional[SaveReport]:
         """Commit and report the background save in flight once every rank has written it (once; None while
         it is being written, or when none is in flight). Collective over the world while a save is in flight:
         call it on every rank at the same points (the trainer does at each iteration). Raises
         :class:`~hybrid.checkpoint.CheckpointError` naming the file when it failed; ``latest`` then still
         names the previous checkpoint."""
-        return self._saver.poll() if self._saver is not None else None
+        return self.checkpoints.poll()
 
     def wait_checkpoint(self) -> Optional[SaveReport]:
         """Wait (at most the job's collective timeout) for this rank's background writer, then commit and
         report as :meth:`poll_checkpoint` (collective)."""
-        return self._saver.wait() if self._saver is not None else None
+        return self.checkpoints.wait()
 
     def abandon_checkpoint(self) -> None:
         """Drop a background save in flight without committing it (no communication), for failing paths."""
-        if self._saver is not None:
-            self._saver.abandon()
+        self.checkpoints.abandon()
 
     def load_checkpoint(self, directory, *, load_optimizer: bool = True, schedule: str = "check") -> dict:
         """Load a checkpoint saved in any layout (TP, DP, ZeRO stage, precision) into this engine.
@@ -476,9 +468,7 @@ class Engine:
         to do with saved schedule settings that differ from the configured ones (:meth:`load_state_dict`).
         Returns ``iteration``, ``consumed_samples``, ``client_state`` and ``path``.
         """
-        from hybrid.engine.checkpoint import load_engine
-
-        return load_engine(self, directory, load_optimizer=load_optimizer, schedule=schedule)
+        return self.checkpoints.load(directory, load_optimizer=load_optimizer, schedule=schedule)
 
     def gathered_parameters(self):
         """Context manager: every parameter of ``module`` whole inside the block (a stage that partitions
@@ -495,11 +485,7 @@ class Engine:
         that fails here is logged, not raised (close runs in ``finally`` blocks); on a path that is
         failing, call :meth:`abandon_checkpoint` first.
         """
-        if self._saver is not None:
-            try:
-                self._saver.wait()
-            except Exception as e:  # noqa: BLE001 - logged: close must not replace an earlier error
-                logging.getLogger(__name__).error("%s", e)
+        self.checkpoints.close()
         try:
             self.optimizer.wait_for_weights()  # zero.overlap_param_gather: the model keeps the last update
         except Exception as e:  # noqa: BLE001 - logged, as above

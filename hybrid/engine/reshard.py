@@ -1,8 +1,9 @@
 """Loading a checkpoint saved in any layout into a running engine.
 
-:func:`hybrid.engine.checkpoint.load_engine` calls :func:`load_resharded`
-when the saved layout (TP size, DP size, ZeRO stage, precision) differs from
-the engine's. Every rank then, one parameter at a time:
+:meth:`hybrid.engine.checkpoint.EngineCheckpoints.load` calls :func:`load_resharded`
+(with the rank's :class:`~hybrid.engine.parts.TrainingParts`) when the saved
+layout (TP size, DP size, ZeRO stage, precision) differs from the engine's.
+Every rank then, one parameter at a time:
 
 1. reads its own TP piece of each weight straight from the saved TP pieces
    (merge and re-split along the recorded partition dim, strided fused
@@ -22,7 +23,7 @@ through the same parameter index (one flat group whose segments are the
 units). A stage-3 checkpoint is read like any other, so any layout loads
 from it and into it.
 
-Counters, the loss scaler and (in ``load_engine``) the LR schedule carry
+Counters, the loss scaler and (in ``EngineCheckpoints.load``) the LR schedule carry
 over unchanged. A bf16/fp16 run's checkpoint loaded into an fp32 run
 continues from the fp32 master weights, not from their rounded copies.
 
@@ -43,10 +44,10 @@ import torch
 from hybrid.checkpoint import CheckpointReader
 from hybrid.checkpoint.rng import restored_rank
 from hybrid.convert.consolidate import MASTER, WEIGHT, CheckpointSource, ConversionError, Target
+from hybrid.engine.parts import TrainingParts
 from hybrid.param_meta import REPLICATED, full_shape, get_tp_meta
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hybrid.engine.engine import Engine
     from hybrid.zero import ZeroOptimizer
 
 # Model settings that decide parameter shapes; named in errors when shapes disagree.
@@ -55,8 +56,9 @@ _SHAPE_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_quer
                "seq_length", "norm")
 
 
-def load_resharded(engine: "Engine", reader: CheckpointReader, *, load_optimizer: bool = True) -> None:
-    """Load ``reader``'s checkpoint into ``engine`` whatever layout saved it.
+def load_resharded(parts: TrainingParts, reader: CheckpointReader, *, load_optimizer: bool = True) -> None:
+    """Load ``reader``'s checkpoint into ``parts`` (an engine's model, optimizer and generators, placed by its
+    topology) whatever layout saved it.
 
     ``load_optimizer=False``: weights only (fine-tuning); the optimizer stays
     fresh, with its master weights set from the checkpoint. Collective over
@@ -64,9 +66,9 @@ def load_resharded(engine: "Engine", reader: CheckpointReader, *, load_optimizer
     must call it. Raises :class:`~hybrid.convert.consolidate.ConversionError`
     naming both values when the checkpoint holds a different model.
     """
-    topo = engine.topology
-    opt = engine.optimizer
-    entries = dict(engine.module.state_dict(keep_vars=True))
+    topo = parts.topology
+    opt = parts.optimizer
+    entries = dict(parts.module.state_dict(keep_vars=True))
     metas = {name: get_tp_meta(t) for name, t in entries.items()}
     # ZeRO-3 trainable parameters: written into this rank's partition, not into the (empty) module tensors
     owners = {name: opt.parameter_name(t) for name, t in entries.items()}
@@ -74,7 +76,7 @@ def load_resharded(engine: "Engine", reader: CheckpointReader, *, load_optimizer
               for name, t in entries.items()}
     # Entries the parameter index does not describe (frozen parameters, buffers) split like the current ones.
     with CheckpointSource(reader, meta_fallback=lambda name: metas.get(name, REPLICATED)) as src:
-        _check_names(src, entries, reader, getattr(engine.module, "config", None), whole=topo.pp_size == 1)
+        _check_names(src, entries, reader, parts.model_config, whole=topo.pp_size == 1)
         if load_optimizer and not src.has_optimizer_state:
             raise ConversionError(f"{reader.path} holds no optimizer state (it was saved for inference or "
                                   f"imported); load it for its weights only (--finetune)")
@@ -83,7 +85,7 @@ def load_resharded(engine: "Engine", reader: CheckpointReader, *, load_optimizer
         with torch.no_grad():
             for name, tensor in entries.items():
                 target = Target(metas[name], topo.tp_size, topo.tp_rank)
-                _check_shape(name, src, shapes[name], target, engine, reader)
+                _check_shape(name, src, shapes[name], target, parts.model_config, reader)
                 owner = owners.get(name)
                 if name in from_optimizer or (owner is not None and owner != name):
                     continue  # arrives with the master weights below, or under the tied parameter's first name
@@ -98,7 +100,7 @@ def load_resharded(engine: "Engine", reader: CheckpointReader, *, load_optimizer
         else:
             opt.weights_loaded()
     if load_optimizer:
-        _restore_rng(engine, reader)
+        _restore_rng(parts, reader)
 
 
 # ---- checks ---------------------------------------------------------------------------------------
@@ -119,14 +121,14 @@ def _check_names(src: CheckpointSource, entries: Dict[str, torch.Tensor], reader
                           + _config_hint(reader.model_config, model_config))
 
 
-def _check_shape(name: str, src: CheckpointSource, shape: Tuple[int, ...], target: Target, engine: "Engine",
+def _check_shape(name: str, src: CheckpointSource, shape: Tuple[int, ...], target: Target, model_config,
                  reader: CheckpointReader) -> None:
     saved = src.tensors[name]
     current_full = tuple(full_shape(shape, target.meta, target.tp))
     if saved.full_shape != current_full:
         raise ConversionError(f"{name}: the checkpoint {reader.path} holds full shape {list(saved.full_shape)}, "
                               f"the current model {list(current_full)}"
-                              + _config_hint(reader.model_config, getattr(engine.module, "config", None)))
+                              + _config_hint(reader.model_config, model_config))
     try:
         expected = saved.target_shape(target)
     except ValueError as e:
@@ -196,9 +198,9 @@ def _partition_state(opt: "ZeroOptimizer", src: CheckpointSource, topo, keys: Li
 
 
 # ---- counters and random state ---------------------------------------------------------------------------
-def _restore_rng(engine: "Engine", reader: CheckpointReader) -> None:
+def _restore_rng(parts: TrainingParts, reader: CheckpointReader) -> None:
     if not reader.has_rank_state:
         return
-    saved, topo = reader.layout, engine.topology
+    saved, topo = reader.layout, parts.topology
     state = reader.load_rank_state(*restored_rank(saved, topo.tp_size, topo.tp_rank, topo.dp_rank, topo.pp_rank))
-    engine.rng.load_state_dict(state, same_tp_size=saved.tp == topo.tp_size)
+    parts.rng.load_state_dict(state, same_tp_size=saved.tp == topo.tp_size)

@@ -32,7 +32,6 @@ from hybrid.config.parse import to_dotted, to_plain
 from hybrid.data import GlobalBatchSampler, iter_global_batches, load_tokenizer
 from hybrid.distributed import destroy_distributed
 from hybrid.engine.builders import no_weight_decay_rule
-from hybrid.engine.checkpoint import load_engine
 from hybrid.monitor import IterationMetrics, TrainingMonitor, resolve_peak_flops
 from hybrid.pipeline.split import split_from_config
 from hybrid.topology import Topology
@@ -174,8 +173,8 @@ class Trainer:
         weights_only = ckpt.finetune or skip_train
         with flag_context(f"--load {path}"):
             try:
-                state = load_engine(self.engine, path, load_optimizer=not weights_only,
-                                    schedule=ckpt.schedule_on_load)
+                state = self.engine.load_checkpoint(path, load_optimizer=not weights_only,
+                                                    schedule=ckpt.schedule_on_load)
             except ValueError as e:
                 # The components refuse a state that does not fit this run (another optimizer, parameter
                 # grouping, loss scaler) with a ValueError naming what differs: the checkpoint's problem.

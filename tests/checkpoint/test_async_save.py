@@ -100,7 +100,7 @@ def _save_while_training(save_root: str, cases):
         if chunk is not None:  # the parts written live are written before save_checkpoint returns: let it run
             hold.release()
         engine.save_checkpoint(save_dir)
-        written_before_return = list(engine._saver._flight["files"])
+        written_before_return = list(engine.checkpoints.saver._flight["files"])
         after = _train(engine, 2, seed=2)  # changes every live tensor while the writer waits
         in_flight = chunk is not None or engine.poll_checkpoint() is None  # collective: every rank polls
         hold.release()
@@ -198,7 +198,7 @@ def test_a_failed_background_write_is_reported_naming_the_file_and_latest_stays(
     monkeypatch.setattr(AtomicHashedFile, "write", broken)
     _train(engine, 1, seed=2)
     engine.save_checkpoint(tmp_path)
-    assert engine._saver._done.wait(30)
+    assert engine.checkpoints.saver._done.wait(30)
     _train(engine, 1, seed=3)  # training goes on; the failure is reported at the next collection
     with pytest.raises(CheckpointError) as failure:
         engine.poll_checkpoint()

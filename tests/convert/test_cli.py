@@ -11,7 +11,6 @@ import torch
 from safetensors.torch import load, load_file
 
 from hybrid.checkpoint import CheckpointReader
-from hybrid.engine.checkpoint import save_engine
 from tests.convert.common import GPT2_CFG, make_engine, randomized_state, train, write_weights_checkpoint
 from tests.data.testkit import train_tokenizer
 
@@ -34,7 +33,7 @@ def tool():
 def test_every_subcommand_round_trips(tool, tmp_path, capsys):
     engine = make_engine(GPT2_CFG, stage=1)
     train(engine, 1)
-    save_engine(engine, tmp_path / "ck", 1)
+    engine.save_checkpoint(tmp_path / "ck", 1)
     assert tool.main(["reshard", "--load", str(tmp_path / "ck"), "--save", str(tmp_path / "tp2"),
                       "--target-tp", "2", "--target-dp", "2", "--target-zero-stage", "2", "--no-progress"]) == 0
     layout = CheckpointReader(tmp_path / "tp2").layout
@@ -73,7 +72,7 @@ def test_every_subcommand_round_trips(tool, tmp_path, capsys):
 
 
 def test_impossible_pipeline_targets_exit_with_status_1_and_one_line(tool, tmp_path, capsys):
-    save_engine(make_engine(GPT2_CFG, stage=1), tmp_path / "ck", 0)
+    make_engine(GPT2_CFG, stage=1).save_checkpoint(tmp_path / "ck", 0)
     layers = GPT2_CFG.num_layers
     size = "--pipeline-model-parallel-size"
     cases = {
@@ -194,7 +193,7 @@ def test_damaged_hf_weight_files_are_refused_in_one_line(tool, tmp_path, capsys)
 def test_a_damaged_optimizer_file_whose_checksum_matches_is_one_line(tool, tmp_path, capsys):
     engine = make_engine(GPT2_CFG, precision="bf16", stage=1)  # to-fp32 reads the fp32 masters
     train(engine, 1)
-    save_engine(engine, tmp_path / "ck", 1)
+    engine.save_checkpoint(tmp_path / "ck", 1)
     iter_dir = CheckpointReader(tmp_path / "ck").path
     _reseal(iter_dir, "optim_tp00_dp00.pt", b"garbage" * 100)
     for command, extra in (("to-fp32", ["--output", str(tmp_path / "x.safetensors")]),
@@ -207,7 +206,7 @@ def test_a_damaged_optimizer_file_whose_checksum_matches_is_one_line(tool, tmp_p
 
 
 def test_zero_bucket_size_is_refused_like_a_negative_one(tool, tmp_path, capsys):
-    save_engine(make_engine(GPT2_CFG, stage=1), tmp_path / "ck", 0)
+    make_engine(GPT2_CFG, stage=1).save_checkpoint(tmp_path / "ck", 0)
     for size in ("0", "-7"):
         assert tool.main(["reshard", "--load", str(tmp_path / "ck"), "--save", str(tmp_path / f"out{size}"),
                           "--target-tp", "1", "--zero-bucket-size", size, "--no-progress"]) == 1
@@ -220,7 +219,7 @@ def test_zero_bucket_size_is_refused_like_a_negative_one(tool, tmp_path, capsys)
 def test_a_damaged_model_or_rank_file_whose_checksum_matches_is_one_line(tool, tmp_path, capsys, name, command):
     engine = make_engine(GPT2_CFG, stage=1)
     train(engine, 1)
-    save_engine(engine, tmp_path / "ck", 1)
+    engine.save_checkpoint(tmp_path / "ck", 1)
     _reseal(CheckpointReader(tmp_path / "ck").path, name, b"garbage" * 100)
     extra = {"to-fp32": ["--output", str(tmp_path / "x.safetensors")],
              "reshard": ["--save", str(tmp_path / "rs"), "--target-tp", "1", "--target-dp", "2"]}[command]

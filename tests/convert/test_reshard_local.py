@@ -16,7 +16,6 @@ from hybrid.checkpoint import ChecksumMismatchError, CheckpointReader, MissingSh
 from hybrid.convert.consolidate import ConversionError
 from hybrid.convert.fp32 import export_fp32
 from hybrid.convert.reshard import reshard_checkpoint
-from hybrid.engine.checkpoint import load_engine, save_engine
 from hybrid.engine.reshard import load_resharded
 from hybrid.tensor_parallel.gather import full_state
 from hybrid.topology import Topology
@@ -32,7 +31,7 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("reshard")
     engine = make_engine(GPT2_CFG, stage=1)
     train(engine, K)
-    save_engine(engine, root / "orig", K, consumed_samples=2 * K)
+    engine.save_checkpoint(root / "orig", K, consumed_samples=2 * K)
     return engine, root
 
 
@@ -63,7 +62,7 @@ def test_offline_reshard_then_load_restores_everything(saved, tmp_path, tp, dp, 
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("optim")) == \
         sorted(f"optim_tp{t:02d}_dp{d:02d}.pt" for t in range(tp) for d in range(dp))
     fresh = make_engine(GPT2_CFG, stage=1, seed=7)  # other weights: everything must come from the checkpoint
-    state = load_engine(fresh, tmp_path / "out")  # a different layout: resharded on load
+    state = fresh.load_checkpoint(tmp_path / "out")  # a different layout: resharded on load
     assert state["iteration"] == K
     _assert_same_state(fresh, engine)
 
@@ -87,11 +86,11 @@ def test_reshard_there_and_back_gives_the_original_partitions(saved, tmp_path):
 def test_training_continues_identically_after_a_resharded_load(tmp_path):
     straight = make_engine(GPT2_CFG, stage=1)
     first = train(straight, K, seed=0)
-    save_engine(straight, tmp_path / "ck", K)
+    straight.save_checkpoint(tmp_path / "ck", K)
     rest = train(straight, K, seed=5)
     reshard_checkpoint(tmp_path / "ck", tmp_path / "tp2", target_tp=2, target_dp=2, target_zero_stage=2)
     resumed = make_engine(GPT2_CFG, stage=1, seed=9)
-    load_engine(resumed, tmp_path / "tp2")
+    resumed.load_checkpoint(tmp_path / "tp2")
     assert len(first) == K and train(resumed, K, seed=5) == rest  # bit-identical
 
 
@@ -118,10 +117,10 @@ def _masters(engine):
 def test_bf16_checkpoint_continues_from_fp32_masters(tmp_path):
     bf16 = make_engine(LLAMA_CFG, precision="bf16", stage=2, lr=1e-2)
     train(bf16, K)
-    save_engine(bf16, tmp_path / "bf16", K)
+    bf16.save_checkpoint(tmp_path / "bf16", K)
     masters = _masters(bf16)
     fp32 = make_engine(LLAMA_CFG, precision="fp32", stage=1, seed=3, lr=1e-2)
-    load_engine(fp32, tmp_path / "bf16")  # the precision differs: resharded on load
+    fp32.load_checkpoint(tmp_path / "bf16")  # the precision differs: resharded on load
     params = dict(fp32.module.named_parameters())
     rounded = dict(bf16.module.named_parameters())
     assert any(not torch.equal(masters[n], rounded[n].float()) for n in masters)  # the masters carry more bits
@@ -138,7 +137,7 @@ def test_vocabulary_is_repadded_for_another_pad_multiple(saved, tmp_path):
     engine, root = saved
     cfg = GPT2_CFG.replace(vocab_pad_multiple=64)  # 300 rows padded to 320 instead of 384
     other = make_engine(cfg, stage=2, seed=4)  # stage 2: a different layout, so the resharding path loads it
-    load_engine(other, root / "orig")
+    other.load_checkpoint(root / "orig")
     assert other.module.embedding.word_embeddings.weight.shape[0] == 320
     got, want = _params(other), _params(engine)
     assert all(torch.equal(got[k], want[k]) for k in want)
@@ -150,8 +149,8 @@ def test_weights_only_load_refreshes_the_master_weights(tmp_path):
     write_weights_checkpoint(tmp_path / "w", LLAMA_CFG, state, tp=2)
     engine = make_engine(LLAMA_CFG, precision="bf16", stage=1, seed=2)
     with pytest.raises(ConversionError, match="no optimizer state.*--finetune"):
-        load_resharded(engine, CheckpointReader(tmp_path / "w"), load_optimizer=True)
-    load_resharded(engine, CheckpointReader(tmp_path / "w"), load_optimizer=False)
+        load_resharded(engine.checkpoints.parts, CheckpointReader(tmp_path / "w"), load_optimizer=True)
+    load_resharded(engine.checkpoints.parts, CheckpointReader(tmp_path / "w"), load_optimizer=False)
     params, gathered, masters = dict(engine.module.named_parameters()), _params(engine), _masters(engine)
     for name, full in state.items():
         assert torch.equal(gathered[name], full.to(torch.bfloat16)), name
@@ -163,13 +162,13 @@ def test_incompatible_model_names_both_values(saved):
     reader = CheckpointReader(root / "orig")
     wider = make_engine(GPT2_CFG.replace(hidden_size=128), stage=2)
     with pytest.raises(ConversionError, match=r"full shape \[300, 64\].*\[300, 128\].*hidden_size 64 .* vs 128"):
-        load_resharded(wider, reader)
+        load_resharded(wider.checkpoints.parts, reader)
     smaller_vocab = make_engine(GPT2_CFG.replace(vocab_size=256), stage=2)
     with pytest.raises(ConversionError, match=r"\[300, 64\].*\[256, 64\].*vocab_size 300 .* vs 256"):
-        load_resharded(smaller_vocab, reader)
+        load_resharded(smaller_vocab.checkpoints.parts, reader)
     deeper = make_engine(GPT2_CFG.replace(num_layers=3), stage=2)
     with pytest.raises(ConversionError, match=r"missing from the checkpoint: layers\.2\..*num_layers 2 .* vs 3"):
-        load_resharded(deeper, reader)
+        load_resharded(deeper.checkpoints.parts, reader)
 
 
 def test_missing_shard_and_checksum_mismatch_name_the_file(saved, tmp_path):
@@ -189,7 +188,7 @@ def test_missing_shard_and_checksum_mismatch_name_the_file(saved, tmp_path):
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(ChecksumMismatchError, match="checksum mismatch .*optim_tp01_dp01.pt"):
-        load_engine(make_engine(GPT2_CFG, stage=1), broken)
+        make_engine(GPT2_CFG, stage=1).load_checkpoint(broken)
     assert not (tmp_path / "x.safetensors").exists()
 
 
@@ -234,13 +233,13 @@ def test_loads_into_an_offloaded_optimizer_and_into_stage_3(saved, tmp_path):
             "clip_grad": 1.0, "micro_batch_size": 2, "global_batch_size": 2, "steps_per_print": 0}, topology=topo)
 
     offloaded = build({"stage": 1, "offload_optimizer": "cpu"})
-    load_engine(offloaded, tmp_path / "tp2")
+    offloaded.load_checkpoint(tmp_path / "tp2")
     _assert_same_state(offloaded, engine)
     # Stage 3 (some parameters persistent): what it saves again is bit for bit what it loaded.
     stage3 = build({"stage": 3, "persistence_threshold": 1000})
-    load_engine(stage3, tmp_path / "tp2")
+    stage3.load_checkpoint(tmp_path / "tp2")
     assert stage3.global_step == K and stage3.optimizer.inner.step_count == K
-    save_engine(stage3, tmp_path / "s3", K)
+    stage3.save_checkpoint(tmp_path / "s3", K)
     with CheckpointSource(CheckpointReader(root / "orig")) as a, CheckpointSource(CheckpointReader(tmp_path / "s3")) as b:
         assert a.tensors.keys() == b.tensors.keys() and a.state_keys() == b.state_keys()
         for name in a.tensors:

@@ -314,7 +314,7 @@ def test_initialize_without_a_topology_starts_the_group_with_the_configs_timeout
     assert engine.topology.world_size == 1
     # every group, and the background writer's waits, are bounded by the same timeout
     assert engine.topology.comm.timeout.total_seconds() == 30.0
-    assert engine._background_saver().timeout_s == 30.0
+    assert engine.checkpoints.background_saver().timeout_s == 30.0
 
 
 def test_saves_are_bounded_by_the_config_when_the_topology_has_no_timeout(tmp_path, monkeypatch):
@@ -323,7 +323,7 @@ def test_saves_are_bounded_by_the_config_when_the_topology_has_no_timeout(tmp_pa
     engine = hybrid.initialize(MLP(), {"distributed": {"timeout_minutes": 0.25}, "checkpoint": {"async_save": True}},
                                topology=Topology())
     assert engine.topology.comm.timeout is None
-    assert engine._background_saver().timeout_s == 15.0
+    assert engine.checkpoints.background_saver().timeout_s == 15.0
     # and a synchronous save's writes
     engine.config.checkpoint.async_save = False
     seen = {}

@@ -180,16 +180,15 @@ def test_a_checkpoint_without_the_healthy_field_counts_as_healthy(tmp_path):
 
 
 def test_save_engine_records_health_and_pruning_follows_it(tmp_path):
-    from hybrid.engine.checkpoint import save_engine
     from tests.convert.common import GPT2_CFG, make_engine, train
 
     engine = make_engine(GPT2_CFG.replace(num_layers=1), stage=1)
     train(engine, 1)
-    save_engine(engine, tmp_path, 1, keep_last=1)
-    save_engine(engine, tmp_path, 2, keep_last=1, healthy=False)
+    engine.save_checkpoint(tmp_path, 1, keep_last=1)
+    engine.save_checkpoint(tmp_path, 2, keep_last=1, healthy=False)
     assert _contents(tmp_path) == ["iter_0000001", "iter_0000002", "latest"]
     assert [CheckpointReader(d.path).manifest.healthy for d in list_iterations(tmp_path)] == [True, False]
-    save_engine(engine, tmp_path, 3, keep_last=1)
+    engine.save_checkpoint(tmp_path, 3, keep_last=1)
     assert _contents(tmp_path) == ["iter_0000003", "latest"]
 
 
