@@ -140,7 +140,7 @@ def checkpoint_chain(source: dict, targets: list, directory: str, rewrites: dict
     resharded = []
     original = reshard_on_load.load_resharded
 
-    def counted(*args, **kwargs):  # load_engine takes this path only when the layouts or flat segments differ
+    def counted(*args, **kwargs):  # EngineCheckpoints.load takes this path only when the layouts or flat segments differ
         resharded.append(True)
         return original(*args, **kwargs)
 
