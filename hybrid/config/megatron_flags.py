@@ -108,9 +108,6 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
     _accepted("--tensorboard-queue-size", "a buffer size of the event writer; what is logged is the same",
               takes_value=True),
     _accepted("--timing-log-option", _NO_PHASE_TIMERS, takes_value=True),
-    _accepted("--check-for-nan-in-loss-and-grad", "every step is checked: a non-finite gradient skips the step, a "
-                                                  "non-finite loss counts as one, and "
-                                                  "--max-consecutive-skipped-steps stops the run"),
     _accepted("--make-vocab-size-divisible-by", "hybrid pads the vocabulary to a multiple of 128 x TP, Megatron's "
                                                 "default; padded rows are never trained nor scored, so the model is "
                                                 "the same at any padding", takes_value=True),

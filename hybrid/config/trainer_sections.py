@@ -224,6 +224,19 @@ class RunConfig:
              "(non-finite gradients) or whose loss was not finite; 0 never stops. The default stays above what "
              "dynamic fp16 loss scaling skips while its scale falls at start-up (one step per halving, plus "
              "hysteresis - 1: at most 17 from the default 2**16, 65 from the largest, 2**64)")
+    check_for_nan_in_loss_and_grad: bool = _field(
+        True, flag="--check-for-nan-in-loss-and-grad",
+        help="in fp32 and bf16, stop with an error (exit status 3) at the first iteration whose loss or gradient "
+             "norm is not finite, naming the ranks that saw it, and save nothing at that iteration; fp16 always "
+             "skips such steps instead (its loss scaler), within run.max_consecutive_skipped_steps. Off: fp32 "
+             "and bf16 skip them too")
+    loss_spike_factor: Optional[float] = _field(
+        None, gt=1.0, flag="--loss-spike-factor",
+        help="stop with an error (exit status 3) when an iteration's loss exceeds this many times the mean loss "
+             "of the run.loss_spike_window iterations before it (unset: no spike guard)")
+    loss_spike_window: int = _field(100, ge=1, flag="--loss-spike-window",
+                                    help="with run.loss_spike_factor: how many of the preceding iterations' "
+                                         "losses the running mean covers; the guard starts once it is full")
 
 
 @dataclasses.dataclass

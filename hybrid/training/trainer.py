@@ -40,6 +40,7 @@ from hybrid.training.data import build_data
 from hybrid.training.exit import ExitConditions
 from hybrid.training.failure import flag_context, quiet_unless, run_main
 from hybrid.training.health import DivergenceGuard, TrainingDiverged, non_finite_weights_message
+from hybrid.training.loss_spike import LossSpikeGuard
 from hybrid.training.model import model_config
 from hybrid.training.profile import StepProfile, profile_line, steady_state_start
 from hybrid.training.seeding import seed_everything
@@ -117,7 +118,13 @@ class Trainer:
         self._decay_exempt = count_exempt(self.model.named_parameters(), no_weight_decay_rule(config, None))
         self.engine = hybrid.initialize(self.model, config, topology=topo)
         self.engine.count_grad_zeros = config.logging.log_num_zeros_in_grad
-        self.guard = DivergenceGuard(config.run.max_consecutive_skipped_steps, self.engine.optimizer.loss_scaler)
+        run = config.run
+        # fp16's scaler skips non-finite steps on purpose; fp32 and bf16 have nothing to rescue them
+        spike = (LossSpikeGuard(run.loss_spike_factor, run.loss_spike_window)
+                 if run.loss_spike_factor is not None else None)
+        self.guard = DivergenceGuard(run.max_consecutive_skipped_steps, self.engine.optimizer.loss_scaler,
+                                     stop_at_non_finite=run.check_for_nan_in_loss_and_grad
+                                     and config.precision != "fp16", spike=spike)
         self.batch = self.engine.batch
         run = config.run
         self.iteration = 0
@@ -346,7 +353,9 @@ class Trainer:
                 skipped=self.engine.skipped_steps > skipped_before,
                 params_norm=self.engine.get_params_norm() if config.logging.log_params_norm else None,
                 num_zeros=self.engine.get_num_zeros_in_grad()))
-            diverged = self.guard.check(self.iteration, self.engine.skipped_steps > skipped_before, loss, topo)
+            diverged = self.guard.check(self.iteration, self.engine.skipped_steps > skipped_before, loss, topo,
+                                        grad_norm=self.engine.get_grad_norm(),
+                                        own_losses=self.engine.last_pipeline_stats.losses)
             if diverged is not None:
                 self.monitor.flush_interval()
                 raise TrainingDiverged(diverged)

@@ -462,14 +462,20 @@ class ZeroOptimizer(abc.ABC):
         """What differs between a saved parameter index (``ParamRecord.to_json`` entries, in position order) and
         this optimizer's, or None: where each parameter sits in the flat partitions, not only what it is."""
         mine = [r.to_json() for r in self.param_index]
+        if saved and any("offset" not in a for a in saved):
+            # A weights-only checkpoint (an import, a save for inference) indexes what each tensor is, not
+            # where it sits in an optimizer's partitions: no position can match (the loader then says that
+            # it holds no optimizer state).
+            return "the checkpoint's parameter index records no partition positions (it holds weights only)"
         # segment and parts too: a state written for other buckets holds other elements in each partition
+        # (a key this optimizer's records lack, as ZeRO-3's lack the flat groups', is compared as None)
         keys = ("name", "shape", "dtype", "offset", "numel", "group", "segment", "parts")
         for a, b in zip(saved, mine):
-            if any(a.get(k) != b[k] for k in keys):
+            if any(a.get(k) != b.get(k) for k in keys):
                 return (f"parameter index mismatch: checkpoint has {a['name']} {a['shape']} at offset "
-                        f"{a['offset']} of group {a['group']} (segment {a.get('segment')}), this model has "
-                        f"{b['name']} {b['shape']} at offset {b['offset']} of group {b['group']} (segment "
-                        f"{b['segment']}); the model or zero.bucket_size differ")
+                        f"{a['offset']} of group {a.get('group')} (segment {a.get('segment')}), this model has "
+                        f"{b['name']} {b['shape']} at offset {b['offset']} of group {b.get('group')} (segment "
+                        f"{b.get('segment')}); the model or zero.bucket_size differ")
         if len(saved) != len(mine):
             return f"checkpoint indexes {len(saved)} parameters, this model has {len(mine)}"
         return None

@@ -52,10 +52,11 @@ def test_a_megatron_script_parses_into_the_settings_it_means():
                      "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
                      "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion", "--group-query-attention",
                      "--no-position-embedding", "--distributed-backend nccl", "--num-workers 2",
-                     "--ckpt-format torch_dist", "--use-dist-ckpt", "--check-for-nan-in-loss-and-grad",
+                     "--ckpt-format torch_dist", "--use-dist-ckpt",
                      "--make-vocab-size-divisible-by 128", "--no-create-attention-mask-in-dataloader",
                      "--rotary-percent 1.0", "--recompute-method uniform", "--recompute-num-layers 1"]
     assert cfg.checkpoint.exit_on_missing_checkpoint  # a key of its own
+    assert cfg.run.check_for_nan_in_loss_and_grad  # a key of its own too
 
 
 def test_the_model_reads_megatrons_spellings_of_model_zoo_choices():
