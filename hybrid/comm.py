@@ -1,7 +1,9 @@
 """Axis-addressed communication: every collective and point-to-point transfer of the library.
 
 Every collective, and the point-to-point traffic between pipeline stages, goes
-through a :class:`Communicator` owned by the :class:`~hybrid.topology.Topology`.
+through a :class:`Communicator`, which :class:`~hybrid.topology.Topology` builds
+over its :class:`~hybrid.group_table.GroupTable` (the communicator sees only
+that table's :class:`~hybrid.group_table.AxisGroups` view, never the topology).
 Operations are addressed by *axis* (``"tp"``, ``"dp"``, ``"pp"``, ``"mp"``,
 ``"world"``) and peers by their rank within the axis group, rather than by raw
 process group and global rank, which lets this module:
@@ -9,8 +11,8 @@ process group and global rank, which lets this module:
 * count the bytes each operation moved (:meth:`Communicator.report`), both
   as payload (the tensor sizes) and as wire bytes under a ring model;
 * return async handles for overlap, including for ops the backend lacks;
-* apply its timeout when waiting (and :class:`~hybrid.topology.Topology`
-  gives the same timeout to the process groups it creates);
+* apply its timeout when waiting (and the topology gives the same timeout to
+  the process groups it creates);
 * hide gloo/NCCL differences (gloo has no ``AVG`` reduction).
 
 A group of size one never communicates and moves zero bytes.
@@ -18,9 +20,14 @@ A group of size one never communicates and moves zero bytes.
 Other modules touch ``torch.distributed`` only to set the process groups up,
 never to move training data:
 
-* :mod:`hybrid.p2p_collectives` is part of this module: the reduce-scatters
-  and all-gathers it runs on gloo as point-to-point messages;
-* :mod:`hybrid.comm_handle` holds what an operation returns and raises (its
+* the modules ``hybrid.comm_*`` and :mod:`hybrid.p2p_collectives` are part of
+  this module, one job each: :mod:`hybrid.comm_p2p` runs the reduce-scatters
+  and all-gathers it sends as point-to-point messages on gloo (their message
+  algorithms are :mod:`hybrid.p2p_collectives`), :mod:`hybrid.comm_compressed`
+  the quantized exchanges, :mod:`hybrid.comm_two_level` the reductions inside
+  the node then across nodes, :mod:`hybrid.comm_accounting` the byte and
+  blocked-time accounting, :mod:`hybrid.comm_tensors` the tensor helpers;
+  :mod:`hybrid.comm_handle` holds what an operation returns and raises (its
   handle, its name in errors), which this module re-exports;
 * :mod:`hybrid.distributed` creates and destroys the default (world) group;
 * :mod:`hybrid.topology` reads the world's rank, size and backend and creates
@@ -34,21 +41,20 @@ never to move training data:
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import datetime
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from hybrid import comm_compressed, comm_two_level
+from hybrid.comm_accounting import Traffic
 from hybrid.comm_handle import CollectiveError, Guard, Handle, OpName  # importers read them here too
+from hybrid.comm_p2p import PointToPointCollectives
+from hybrid.comm_tensors import nbytes as _nbytes
+from hybrid.comm_tensors import untracked as _untracked
 from hybrid.compression import Quantization
-from hybrid.kernels import quantize as _quant
-from hybrid.p2p_collectives import DirectReduceScatter, RingReduceScatter, direct_all_gather, direct_tags, ring_tag
-
-if TYPE_CHECKING:  # pragma: no cover
-    from hybrid.topology import Topology
+from hybrid.group_table import AxisGroups
 
 # torch 2.13 renamed the flat-tensor collectives; older releases (>= 2.4) have only the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -62,39 +68,18 @@ _REDUCE_OPS = {
 }
 
 
-@dataclasses.dataclass
-class OpStats:
-    calls: int = 0
-    payload_bytes: int = 0
-    wire_bytes: float = 0.0
-    inter_node_bytes: float = 0.0
-
-
-# Backends whose own reduce-scatter and all-gather cost more than point-to-point messages (gloo's
-# reduce-scatter sends an all-reduce's bytes, its all-gather lands in a temporary; benchmarks/p2p_collectives.py):
-# the communicator sends the messages itself there (hybrid.p2p_collectives), directly inside a node, the
-# reduce-scatter as a ring across nodes.
-_P2P_COLLECTIVE_BACKENDS = {"gloo"}
-
-
 class Communicator:
-    """Axis-addressed collectives over a :class:`~hybrid.topology.Topology`'s groups."""
+    """Axis-addressed collectives over the process groups of ``groups`` (a topology's
+    :class:`~hybrid.group_table.GroupTable`, or anything with its :class:`~hybrid.group_table.AxisGroups`
+    queries)."""
 
-    def __init__(self, topology: "Topology", timeout_s: Optional[float] = None):
-        self._topology = topology
+    def __init__(self, groups: AxisGroups, timeout_s: Optional[float] = None):
+        self._groups = groups
         self._timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
-        self._stats: Dict[Tuple[str, str], OpStats] = collections.defaultdict(OpStats)
+        self._traffic = Traffic(groups)
         # Async operations launched and not yet waited for, so that teardown can wait for them first.
         self._in_flight: Dict[int, Handle] = {}
-        self._inter_node_sent = 0.0
-        self._blocked_s = 0.0
-        # Rings of point-to-point messages still running, advanced whenever this rank communicates.
-        self._rings: List[RingReduceScatter] = []
-        # Collectives built from point-to-point messages (rings, direct gathers), numbered per axis in issue
-        # order, which is the same on every rank: their messages' tags, so that those in flight together
-        # never take each other's messages.
-        self._p2p_sequence: Dict[str, int] = collections.defaultdict(int)
-        self._p2p_shape: Dict[str, Optional[str]] = {}  # _p2p's answer per axis
+        self._messages = PointToPointCollectives(groups, self)
         self._names: Dict[Tuple[str, str], OpName] = {}
         self._peers: Dict[Tuple[str, int], int] = {}  # (axis, group rank) -> global rank, checked once per peer
 
@@ -103,33 +88,14 @@ class Communicator:
         """How long any operation may wait (None: the process group's own timeout)."""
         return self._timeout
 
-    # ---- accounting ------------------------------------------------------------
+    # ---- accounting (hybrid.comm_accounting) ------------------------------------------------
     def reset_stats(self) -> None:
-        self._stats.clear()
+        self._traffic.reset()
 
     def report(self) -> Dict[str, Dict[str, float]]:
-        """Bytes moved since the last :meth:`reset_stats`, keyed ``"op/axis"``.
-
-        ``payload_bytes`` is the size of the buffer each call reduced or gathered
-        (the full buffer, not this rank's share). ``wire_bytes`` is what one
-        rank sends under a ring algorithm: ``2(n-1)/n`` of the buffer for
-        all-reduce and ``(n-1)/n`` for reduce-scatter and all-gather. Under that
-        model an all-reduce costs the same as a reduce-scatter plus an all-gather.
-        A point-to-point ``send`` puts its whole tensor on the wire; the matching
-        ``recv`` counts the payload it received and no wire bytes (the sender
-        counts them), so summing wire bytes over ranks counts each byte once.
-
-        ``inter_node_bytes`` is the part of what this rank sends that leaves
-        its node (:class:`~hybrid.topology.Nodes`), as the backend moves it. The
-        model: a collective is a ring in group-rank order, each rank sending to
-        the next (the last to the first), so its bytes cross when the next rank
-        sits on another node; a broadcast's root sends the buffer to every other
-        rank; a ``send`` crosses when its peer does. A quantized reduce-scatter
-        is an all-to-all: each peer receives its packed chunk straight from this
-        rank, so it crosses once per peer on another node (a quantized
-        all-reduce is counted as that reduce-scatter plus a ring all-gather). Summed over a node's ranks it is what the node's link carries.
-        """
-        return {f"{op}/{axis}": dataclasses.asdict(s) for (op, axis), s in sorted(self._stats.items())}
+        """Bytes moved since the last :meth:`reset_stats`, keyed ``"op/axis"``: ``calls``, ``payload_bytes``,
+        ``wire_bytes`` and ``inter_node_bytes`` (the model: :meth:`hybrid.comm_accounting.Traffic.report`)."""
+        return self._traffic.report()
 
     def blocked_seconds(self) -> float:
         """Seconds this rank's thread has spent waiting for communication since the communicator was made.
@@ -138,31 +104,16 @@ class Communicator:
         :meth:`Handle.wait`. This is the communication that compute did not
         hide (the "exposed" part of a step).
         """
-        return self._blocked_s
+        return self._traffic.blocked_seconds()
 
     def inter_node_total(self) -> float:
         """Bytes this rank has sent off its node since the communicator was made (never reset)."""
-        return self._inter_node_sent
+        return self._traffic.inter_node_total()
 
     def _record(self, op: str, axis: str, nbytes: int, wire_factor: float, peer: Optional[int] = None,
                 fan_out: Optional[List[int]] = None, each: Optional[int] = None) -> None:
-        """Count one operation. ``peer``: the global rank a point-to-point transfer goes to; ``fan_out``: the
-        global ranks that each receive ``each`` bytes (default ``nbytes``) straight from this rank (a
-        broadcast's root, every peer of an all-to-all)."""
-        s = self._stats[(op, axis)]
-        s.calls += 1
-        s.payload_bytes += nbytes
-        s.wire_bytes += nbytes * wire_factor
-        nodes, me = self._topology.nodes, self._topology.rank
-        if fan_out is not None:
-            crossing = (nbytes if each is None else each) * sum(nodes.node_of(r) != nodes.node_of(me)
-                                                                for r in fan_out)
-        elif peer is not None:
-            crossing = nbytes * wire_factor if nodes.node_of(peer) != nodes.node_of(me) else 0.0
-        else:
-            crossing = nbytes * wire_factor if nodes.ring_hop_crosses(self._topology.group_ranks(axis), me) else 0.0
-        s.inter_node_bytes += crossing
-        self._inter_node_sent += crossing
+        """Count one operation (:meth:`hybrid.comm_accounting.Traffic.record`)."""
+        self._traffic.record(op, axis, nbytes, wire_factor, peer, fan_out, each)
 
     def backend(self, axis: str) -> Optional[str]:
         """The backend of ``axis``'s group (``"gloo"``, ``"nccl"``), or None without a process group."""
@@ -170,27 +121,24 @@ class Communicator:
 
     # ---- helpers ----------------------------------------------------------------
     def size(self, axis: str) -> int:
-        return self._topology.size(axis)
+        return self._groups.size(axis)
 
     def _group(self, axis: str):
-        return self._topology.group(axis)
+        return self._groups.group(axis)
 
     def _name(self, op: str, axis: str) -> OpName:
         key = (op, axis)
         name = self._names.get(key)
         if name is None:  # the same few names on every step: made once
-            name = self._names[key] = OpName(op, axis, tuple(self._topology.group_ranks(axis)))
+            name = self._names[key] = OpName(op, axis, tuple(self._groups.group_ranks(axis)))
         return name
 
     def _guard(self, name: OpName) -> Guard:
         """Around every wait: count the time blocked, and name the operation in a backend error."""
-        return Guard(name, self._timeout, self._add_blocked)
-
-    def _add_blocked(self, seconds: float) -> None:
-        self._blocked_s += seconds
+        return Guard(name, self._timeout, self._traffic.add_blocked)
 
     def _launch(self, op: str, axis: str, fn, async_op: bool, finish: Optional[Callable[[], None]] = None):
-        self._advance_rings()
+        self._messages.advance()
         name = self._name(op, axis)
         with self._guard(name):
             work = fn(async_op)
@@ -199,11 +147,6 @@ class Communicator:
         if not async_op:
             return None
         return self._track(Handle(work, finish, self._timeout, lambda: self._guard(name), self._untrack))
-
-    def _advance_rings(self) -> None:
-        """Move every ring in flight on as far as its messages have arrived, without blocking."""
-        if self._rings:
-            self._rings = [ring for ring in self._rings if not ring.advance(block=False)]
 
     def _track(self, handle: Handle) -> Handle:
         self._in_flight[id(handle)] = handle
@@ -242,16 +185,16 @@ class Communicator:
         With ``quant`` it is a quantized reduce-scatter of ``n`` equal chunks
         (zero-padded) followed by a quantized all-gather of the summed chunks,
         so every rank ends with the same dequantized sum. ``two_level``: see
-        :meth:`_two_level_all_reduce`.
+        :func:`hybrid.comm_two_level.all_reduce`.
         """
         n = self.size(axis)
         if n == 1:
             return Handle() if async_op else None
         tensor = _untracked(tensor)
-        if two_level and self._splits_over_nodes(axis):
-            return self._two_level_all_reduce(tensor, op, quant, async_op)
+        if two_level and comm_two_level.splits_over_nodes(self, axis):
+            return comm_two_level.all_reduce(self, tensor, op, quant, async_op)
         if quant is not None:
-            return self._quantized_all_reduce(tensor, axis, op, quant, async_op)
+            return comm_compressed.all_reduce(self, tensor, axis, op, quant, async_op)
         self._record("all_reduce", axis, _nbytes(tensor), 2.0 * (n - 1) / n)
         finish = (lambda: tensor.div_(n)) if op == "avg" else None
         return self._launch("all_reduce", axis, lambda a: dist.all_reduce(tensor, op=_REDUCE_OPS[op],
@@ -277,7 +220,7 @@ class Communicator:
             return Handle() if async_op else None
         output, input = _untracked(output), _untracked(input)
         if quant is not None:
-            return self._quantized_all_gather(output, input, axis, quant, async_op)
+            return comm_compressed.all_gather(self, output, input, axis, quant, async_op)
         self._record("all_gather", axis, _nbytes(output), (n - 1) / n)
         return self._gather_flat(output, input, axis, async_op)
 
@@ -286,39 +229,14 @@ class Communicator:
         """The all-gather of flat ``input`` [k] into ``output`` [n*k] (not counted here): direct messages where
         :meth:`_p2p` says so, else the backend's own."""
         if self._p2p(axis) == "direct":
-            ranks, me = list(self._topology.group_ranks(axis)), self._topology.rank_in(axis)
-            tag = ring_tag(self._next_p2p(axis), 0, self.size(axis) - 1)
-            return self._launch("all_gather", axis, lambda a: self._maybe_wait(direct_all_gather(
-                output, input, self._group(axis), ranks, me, tag, self._timeout), a), async_op, finish)
+            return self._messages.all_gather(output, input, axis, async_op, finish)
         return self._launch("all_gather", axis, lambda a: _all_gather_flat(
             output, input, group=self._group(axis), async_op=a), async_op, finish)
 
     def _p2p(self, axis: str) -> Optional[str]:
-        """How this communicator runs ``axis``'s reduce-scatters and all-gathers itself: ``"direct"`` (its group
-        inside one node), ``"ring"`` (across nodes), or None (the backend's own collectives)."""
-        if axis in self._p2p_shape:  # fixed once the groups exist; asked on every reduce-scatter and gather
-            return self._p2p_shape[axis]
-        backend = self.backend(axis)
-        if backend not in _P2P_COLLECTIVE_BACKENDS:
-            shape = None
-        else:
-            shape = "ring" if self._topology.nodes.spans_nodes(self._topology.group_ranks(axis)) else "direct"
-        if backend is not None:
-            self._p2p_shape[axis] = shape
-        return shape
-
-    def _next_p2p(self, axis: str, count: int = 1) -> int:
-        """The next ``count`` sequence numbers of ``axis``'s point-to-point collectives (their tags)."""
-        sequence = self._p2p_sequence[axis]
-        self._p2p_sequence[axis] += count
-        return sequence
-
-    @staticmethod
-    def _maybe_wait(works, async_op: bool):
-        if async_op:
-            return works
-        works.wait()
-        return None
+        """How this communicator runs ``axis``'s reduce-scatters and all-gathers itself: ``"direct"``, ``"ring"``
+        or None (the backend's own collectives; :meth:`hybrid.comm_p2p.PointToPointCollectives.shape`)."""
+        return self._messages.shape(axis)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: Union[torch.Tensor, Sequence[torch.Tensor]],
                               axis: str, op: str = "sum", async_op: bool = False,
@@ -334,7 +252,7 @@ class Communicator:
         rank dequantizes the ``n`` copies of its chunk and adds them in fp32,
         in group-rank order. ``two_level`` (axis ``dp`` only, after
         :meth:`~hybrid.topology.Topology.enable_node_axes`): first inside the
-        node, then across nodes (:meth:`_two_level_reduce_scatter`).
+        node, then across nodes (:func:`hybrid.comm_two_level.reduce_scatter`).
         """
         n = self.size(axis)
         output = _untracked(output)
@@ -344,14 +262,14 @@ class Communicator:
             if total != n * output.numel() or any(s.numel() % n for s in segments):
                 raise ValueError(f"reduce_scatter_tensor over {axis}: segments of {[s.numel() for s in segments]} "
                                  f"elements, expected multiples of {n} adding up to {n} x {output.numel()}")
-            splits = two_level and self._splits_over_nodes(axis)
+            splits = two_level and comm_two_level.splits_over_nodes(self, axis)
             if len(segments) > 1 and n > 1 and quant is None and not splits and self._p2p(axis):
                 self._record("reduce_scatter", axis, total * segments[0].element_size(), (n - 1) / n)
-                return self._p2p_reduce_scatter(output, segments, axis, op, async_op)
+                return self._messages.reduce_scatter(output, segments, axis, op, async_op)
             input = segments[0] if len(segments) == 1 else torch.cat([s.view(n, -1) for s in segments], 1).view(-1)
         input = _untracked(input)
-        if two_level and self._splits_over_nodes(axis):
-            return self._two_level_reduce_scatter(output, input, op, quant, async_op)
+        if two_level and comm_two_level.splits_over_nodes(self, axis):
+            return comm_two_level.reduce_scatter(self, output, input, op, quant, async_op)
         if input.numel() != n * output.numel():
             raise ValueError(f"reduce_scatter_tensor over {axis}: input has {input.numel()} "
                              f"elements, expected {n} x {output.numel()}")
@@ -360,60 +278,14 @@ class Communicator:
                 output.copy_(input.view_as(output))
             return Handle() if async_op else None
         if quant is not None:
-            return self._quantized_reduce_scatter(output, input, axis, op, quant, async_op)
+            return comm_compressed.reduce_scatter(self, output, input, axis, op, quant, async_op)
         self._record("reduce_scatter", axis, _nbytes(input), (n - 1) / n)
         if self._p2p(axis):
-            return self._p2p_reduce_scatter(output, input, axis, op, async_op)
+            return self._messages.reduce_scatter(output, input, axis, op, async_op)
         finish = (lambda: output.div_(n)) if op == "avg" else None
         return self._launch("reduce_scatter", axis, lambda a: _reduce_scatter_flat(
             output, input, op=_REDUCE_OPS[op], group=self._group(axis), async_op=a),
             async_op, finish)
-
-    def _p2p_reduce_scatter(self, output: torch.Tensor, input: Union[torch.Tensor, List[torch.Tensor]], axis: str,
-                            op: str, async_op: bool) -> Optional[Handle]:
-        """A reduce-scatter over ``axis`` (of a tensor or segments) as point-to-point messages
-        (:mod:`hybrid.p2p_collectives`, :meth:`_p2p` picks the shape): ``(n-1)/n`` of ``input`` sent per rank."""
-        if op not in ("sum", "avg"):
-            raise ValueError(f"reduce_scatter_tensor over {axis}: op {op!r} is not supported on this backend "
-                             f"(sum or avg)")
-        self._advance_rings()
-        name = self._name("reduce_scatter", axis)
-        n, group, me = self.size(axis), self._group(axis), self._topology.rank_in(axis)
-        ranks, divide_by = list(self._topology.group_ranks(axis)), (n if op == "avg" else None)
-        if self._p2p(axis) == "direct":
-            pieces = 1 if isinstance(input, torch.Tensor) else len(input)
-            sequence = self._next_p2p(axis, direct_tags(n, pieces))
-            with self._guard(name):
-                direct = DirectReduceScatter(output, input, group, ranks, me, sequence, self._timeout, divide_by)
-            handle = Handle(direct.waits, direct.finish, self._timeout, lambda: self._guard(name), self._untrack)
-            if not async_op:
-                handle.wait()
-                return None
-            return self._track(handle)
-        sequence = self._next_p2p(axis)
-        with self._guard(name):
-            ring = RingReduceScatter(output, input, group, ranks, me, sequence, self._timeout,
-                                     lambda: self._guard(name), divide_by=divide_by)
-        if not async_op:
-            ring.finish()
-            return None
-        self._rings.append(ring)
-        return self._track(Handle(None, ring.finish, self._timeout, None, self._untrack))
-
-    def _quantized_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, axis: str, op: str,
-                                  quant: Quantization, async_op: bool) -> Optional[Handle]:
-        """All-to-all of ``input`` [n*k] packed per chunk ([n, W] bytes), then an fp32 sum at the receiver."""
-        if op not in ("sum", "avg"):
-            raise ValueError(f"reduce_scatter_tensor over {axis}: op {op!r} cannot be quantized (sum or avg)")
-        n, k = self.size(axis), output.numel()
-        wire = _quant.pack(input.reshape(n, k), quant.bits, quant.block)
-        received = torch.empty_like(wire)
-
-        def finish() -> None:
-            _quant.unpack_sum(received, k, quant.bits, quant.block, out=output.view(-1))
-            if op == "avg":
-                output.div_(n)
-        return self._all_to_all("reduce_scatter", received, wire, axis, async_op, finish)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, axis: str,
                           async_op: bool = False) -> Optional[Handle]:
@@ -432,9 +304,9 @@ class Communicator:
                     finish: Optional[Callable[[], None]]) -> Optional[Handle]:
         """One all-to-all of ``input`` [n, ...] rows, counted as ``op``: every peer receives its row straight
         from this rank."""
-        n, me = self.size(axis), self._topology.rank
+        n, me = self.size(axis), self._groups.rank
         self._record(op, axis, _nbytes(input), (n - 1) / n,
-                     fan_out=[r for r in self._topology.group_ranks(axis) if r != me], each=_nbytes(input[0]))
+                     fan_out=[r for r in self._groups.group_ranks(axis) if r != me], each=_nbytes(input[0]))
         return self._launch(op, axis, lambda a: dist.all_to_all_single(
             output, input, group=self._group(axis), async_op=a), async_op, finish)
 
@@ -444,95 +316,6 @@ class Communicator:
             rest()
             return None
         return self._track(Handle(None, rest, self._timeout, None, self._untrack))
-
-    # ---- two levels: inside the node, then across nodes ----------------------------------------------
-    def _splits_over_nodes(self, axis: str) -> bool:
-        """Whether a two-level collective over ``axis`` has two levels here (``dp`` with ranks on several
-        nodes and several on each node); otherwise the flat collective is the same thing."""
-        if axis != "dp":
-            raise ValueError(f"a two-level collective runs over 'dp' only, not {axis!r}")
-        return self.size("dp_node") > 1 and self.size("dp_cross") > 1
-
-    def _two_level_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str,
-                                  quant: Optional[Quantization], async_op: bool) -> Optional[Handle]:
-        """Reduce-scatter over ``dp`` as a reduce-scatter inside the node, then one across nodes.
-
-        ``dp`` rank ``i*l + j`` is rank ``j`` of node ``i`` (``l`` ranks per node,
-        ``m`` nodes; :meth:`hybrid.topology.Nodes.split`). ``input`` [m*l*c] is
-        reordered to [l, m, c] so that the ``dp_node`` reduce-scatter leaves
-        node rank ``j`` the node's sum of chunks ``i*l + j`` for every ``i``
-        ([m*c]); the ``dp_cross`` reduce-scatter over the ``m`` ranks at
-        position ``j`` then leaves each its own chunk [c]. Only that second
-        step, ``(m-1)/m`` of ``m*c`` per rank, leaves the node, and only it is
-        quantized (``quant``): the node's own link is fast, so compressing
-        there would add error and save little.
-        """
-        l, m, c = self.size("dp_node"), self.size("dp_cross"), output.numel()
-        staged = input.reshape(m, l, c).transpose(0, 1).contiguous()
-        node_sum = torch.empty(m * c, dtype=input.dtype, device=input.device)
-        first = self.reduce_scatter_tensor(node_sum, staged.view(-1), "dp_node", async_op=True)
-
-        def across() -> None:
-            first.wait()
-            self.reduce_scatter_tensor(output, node_sum, "dp_cross", quant=quant)
-            if op == "avg":
-                output.div_(l * m)
-        return self._then(across, async_op)
-
-    def _two_level_all_reduce(self, tensor: torch.Tensor, op: str, quant: Optional[Quantization],
-                              async_op: bool) -> Optional[Handle]:
-        """All-reduce over ``dp`` as a reduce-scatter inside the node, an all-reduce of that [numel/l] share
-        across nodes (quantized with ``quant``), and an all-gather inside the node; ``tensor`` is zero-padded
-        to a multiple of the ``l`` ranks per node."""
-        l, numel = self.size("dp_node"), tensor.numel()
-        flat = tensor.view(-1)
-        source, share = _padded(flat, l)
-        mine = torch.empty(share, dtype=tensor.dtype, device=tensor.device)
-        first = self.reduce_scatter_tensor(mine, source, "dp_node", async_op=True)
-
-        def rest() -> None:
-            first.wait()
-            self.all_reduce(mine, "dp_cross", op="sum", quant=quant)
-            if op == "avg":
-                mine.div_(l * self.size("dp_cross"))
-            self.all_gather_into_tensor(source, mine, "dp_node")
-            if source is not flat:
-                flat.copy_(source[:numel])
-        return self._then(rest, async_op)
-
-    def _quantized_all_reduce(self, tensor: torch.Tensor, axis: str, op: str, quant: Quantization,
-                              async_op: bool) -> Optional[Handle]:
-        """:meth:`_quantized_reduce_scatter` of ``tensor`` cut into ``n`` chunks of ``k = ceil(numel / n)``
-        (the last zero-padded), then :meth:`_quantized_all_gather` of the summed chunk, launched when the
-        handle is waited for."""
-        n, numel = self.size(axis), tensor.numel()
-        flat = tensor.view(-1)
-        source, k = _padded(flat, n)
-        mine = torch.empty(k, dtype=torch.float32, device=tensor.device)
-
-        def gather() -> None:
-            gathered = torch.empty(n * k, dtype=torch.float32, device=tensor.device)
-            self._quantized_all_gather(gathered, mine, axis, quant, async_op=False)
-            flat.copy_(gathered[:numel])
-        first = self._quantized_reduce_scatter(mine, source, axis, op, quant, async_op=True)
-
-        def rest() -> None:
-            first.wait()
-            gather()
-        return self._then(rest, async_op)
-
-    def _quantized_all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: str, quant: Quantization,
-                              async_op: bool) -> Optional[Handle]:
-        """All-gather of ``input`` [k] packed ([1, W] bytes per rank), dequantized into ``output`` [n*k]."""
-        n, k = self.size(axis), input.numel()
-        wire = _quant.pack(input.reshape(1, k), quant.bits, quant.block)
-        gathered = torch.empty(n, wire.shape[1], dtype=wire.dtype, device=wire.device)
-        self._record("all_gather", axis, _nbytes(gathered), (n - 1) / n)
-
-        def finish() -> None:
-            values = _quant.unpack(gathered, k, quant.bits, quant.block)
-            output.view(n, k).copy_(values)
-        return self._gather_flat(gathered.view(-1), wire.view(-1), axis, async_op, finish)
 
     def all_gather(self, tensors: List[torch.Tensor], input: torch.Tensor, axis: str) -> None:
         """Gather equally shaped ``input`` from every rank of ``axis`` into the list ``tensors``."""
@@ -549,11 +332,11 @@ class Communicator:
         n = self.size(axis)
         if n == 1:
             return
-        ranks = self._topology.group_ranks(axis)
+        ranks = self._groups.group_ranks(axis)
         src_global = ranks[src]
         # gloo's broadcast sends from the root to every other rank directly.
         self._record("broadcast", axis, _nbytes(tensor), 1.0,
-                     fan_out=[r for r in ranks if r != src_global] if self._topology.rank == src_global else [])
+                     fan_out=[r for r in ranks if r != src_global] if self._groups.rank == src_global else [])
         with self._guard(self._name("broadcast", axis)):
             dist.broadcast(_untracked(tensor), src=src_global, group=self._group(axis))
 
@@ -598,7 +381,7 @@ class Communicator:
         name = self._name(f"{op} {'to' if op == 'send' else 'from'} rank {rank}", axis)
         # The sender counts the wire bytes, so summing over ranks counts each byte once.
         self._record(op, axis, _nbytes(tensor), 1.0 if op == "send" else 0.0, peer=peer)
-        self._advance_rings()
+        self._messages.advance()
         with self._guard(name):
             work = issue(_untracked(tensor), peer, group=self._group(axis), tag=tag)
         handle = Handle(work, None, self._timeout, lambda: self._guard(name), self._untrack)
@@ -609,34 +392,8 @@ class Communicator:
 
     def _peer(self, axis: str, rank: int, verb: str) -> int:
         """The global rank of group rank ``rank`` of ``axis``, which must be another rank than this one."""
-        n, me = self.size(axis), self._topology.rank_in(axis)
+        n, me = self.size(axis), self._groups.rank_in(axis)
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < n or rank == me:
             raise ValueError(f"cannot {verb} rank {rank!r} of the {axis} group: the peer must be another rank of "
                              f"that group, in [0, {n}) and not this rank's own {me}")
-        return self._topology.group_ranks(axis)[rank]
-
-
-def _padded(flat: torch.Tensor, parts: int) -> Tuple[torch.Tensor, int]:
-    """``flat`` [numel] as ``parts`` equal chunks: itself when they divide it, else a zero-padded copy; and the
-    chunk size ``ceil(numel / parts)``."""
-    k = -(-flat.numel() // parts)
-    if k * parts == flat.numel():
-        return flat, k
-    padded = torch.zeros(k * parts, dtype=flat.dtype, device=flat.device)
-    padded[:flat.numel()].copy_(flat)
-    return padded, k
-
-
-def _untracked(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s memory without its autograd identity, for the backend to hold.
-
-    A backend can let go of its reference after the call returned (gloo's worker thread, NCCL's watchdog). A
-    tensor that becomes an autograd output (a tensor-parallel mapping's result: its ``grad_fn`` is attached
-    after the collective) or a view of one would keep the graph behind it, saved tensors and all, alive
-    until then; under full recomputation that moved the measured peak. The alias shares the storage and
-    offset, so results land in ``t`` as before."""
-    return t.detach()
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+        return self._groups.group_ranks(axis)[rank]

@@ -8,8 +8,9 @@ builds for a live job and checkpoints store in ``metadata.json``.
 :func:`precision_traits` says which precision a run keeps its parameters,
 gradients and buffers in (the DeepSpeed intake checks ``data_types`` with it).
 
-This module is plain data: it imports neither torch nor any other part of
-hybrid, so configuration code and offline tools can use it.
+This module is plain data: it imports no torch and, from hybrid, only the
+plain-data :mod:`hybrid.grid` (whose rule says what the sizes multiply to), so
+configuration code and offline tools can use it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 from typing import Any, Dict, Optional, Tuple
+
+from hybrid.grid import world_size_of
 
 
 class LayoutError(ValueError):
@@ -170,7 +173,7 @@ def pipeline_problem(stage: int, pp: int) -> Optional[str]:
 class ParallelLayout:
     """How one job lays its ranks out and partitions its state.
 
-    ``tp`` x ``dp`` x ``pp`` ranks (TP innermost, see :mod:`hybrid.topology`),
+    ``tp`` x ``dp`` x ``pp`` ranks (TP innermost, see :mod:`hybrid.grid`),
     the ZeRO stage over ``dp`` and the training precision. Validated on
     construction; ``to_json``/``from_json`` are the form checkpoints store.
     """
@@ -192,7 +195,7 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp * self.pp
+        return world_size_of(tp=self.tp, dp=self.dp, pp=self.pp)
 
     @property
     def traits(self) -> StageTraits:

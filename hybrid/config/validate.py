@@ -32,6 +32,7 @@ from hybrid.config.errors import ConfigError, one_error_for_all, value_suggestio
 from hybrid.config.flags import key_error, meta_error
 from hybrid.compression import ONE_BIT_OPTIMIZERS, compression_problem, hpz_problem, onebit_problem
 from hybrid.config.schema import HybridConfig
+from hybrid.grid import WorldSizeError, data_parallel_size
 from hybrid.layout import offload_problem, overlap_param_gather_problem, pipeline_problem, reduce_once_problem
 
 
@@ -61,11 +62,13 @@ def validate_world(cfg: "HybridConfig", world_size: int) -> BatchSizes:
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise error(f"the world size must be an integer >= 1, got {world_size!r}")
     tp, pp = cfg.tensor_parallel_size or 1, cfg.pipeline.size or 1
-    if world_size % (tp * pp) != 0:
+    try:
+        dp = data_parallel_size(world_size, tp=tp, pp=pp)
+    except WorldSizeError as e:
         raise error(f"world size {world_size} is not divisible by tensor_parallel_size x pipeline.size = {tp} x "
-                    f"{pp}; start a multiple of {tp * pp} processes or change the TP or pipeline size",
-                    "tensor_parallel_size", "pipeline.size")
-    return cfg.resolve_batch(world_size // (tp * pp))
+                    f"{pp}; start a multiple of {e.replica} processes or change the TP or pipeline size",
+                    "tensor_parallel_size", "pipeline.size") from None
+    return cfg.resolve_batch(dp)
 
 
 def validate_for_training(cfg: "HybridConfig", world_size: int) -> BatchSizes:

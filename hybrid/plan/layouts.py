@@ -45,6 +45,7 @@ import itertools
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from hybrid.config.errors import ConfigError
+from hybrid.grid import data_parallel_size, divides_world
 from hybrid.layout import (OFFLOAD_DEVICES, ZERO_STAGES, LayoutError, ParallelLayout, offload_problem,
                            pipeline_problem)
 from hybrid.plan.candidate import DEFAULT_PRECISION, Candidate
@@ -54,10 +55,10 @@ from hybrid.plan.estimate import MemoryEstimate, estimate_memory
 from hybrid.plan.predict import placement_problem, predict
 from hybrid.plan.setup import TrainingSetup
 from hybrid.plan.timing import StepTime
-from model_zoo.config import GPTConfig
+from model_zoo.config import RECOMPUTE_LEAST_FIRST, GPTConfig
 
 # The recomputation choices, cheapest first (the order layouts are enumerated in).
-RECOMPUTES = ("none", "selective", "full")
+RECOMPUTES = RECOMPUTE_LEAST_FIRST  # model_zoo's choices, least recomputed first
 # The axes of data-parallel traffic: the dp group, and the two levels of zero.two_level_reduce.
 DP_AXES = ("dp", "dp_node", "dp_cross")
 
@@ -159,7 +160,8 @@ def enumerate_layouts(config: GPTConfig, cluster: Cluster, global_batch: int,
                           f"num_heads={config.num_heads} and the MLP width {config.ffn_size}; valid sizes "
                           f"here are {valid_tp}")
     sizes = [(tp, pp, chunks) for tp, pp, chunks in itertools.product(tps, choices.pp, choices.virtual_stages)
-             if (cluster.gpus // tp) % pp == 0 and _splits(config, cluster, tp, pp, chunks, choices.pipeline_schedule)]
+             if divides_world(cluster.gpus, tp=tp, pp=pp)
+             and _splits(config, cluster, tp, pp, chunks, choices.pipeline_schedule)]
     if not sizes:
         raise LayoutError(f"no pipeline size in {list(choices.pp)} (virtual stages {list(choices.virtual_stages)}) "
                           f"fits: pp must divide gpus/tp for some tp in {tps}, leave a stage of tp x dp ranks that "
@@ -167,7 +169,7 @@ def enumerate_layouts(config: GPTConfig, cluster: Cluster, global_batch: int,
                           f"{config.num_layers} (pp x virtual stages must divide it when interleaved)")
     layouts = []
     for tp, pp, chunks in sizes:
-        dp = cluster.gpus // (tp * pp)
+        dp = data_parallel_size(cluster.gpus, tp=tp, pp=pp)
         if global_batch % dp:
             continue
         per_rank = global_batch // dp
@@ -194,8 +196,9 @@ def _splits(config: GPTConfig, cluster: Cluster, tp: int, pp: int, chunks: int, 
         return chunks == 1
     if stage_fits_nodes(cluster.gpus // pp, cluster.node_size):
         return False
+    dp = data_parallel_size(cluster.gpus, tp=tp, pp=pp)
     try:
-        Candidate(ParallelLayout(tp=tp, dp=cluster.gpus // (tp * pp), pp=pp), pipeline_schedule=schedule,
+        Candidate(ParallelLayout(tp=tp, dp=dp, pp=pp), pipeline_schedule=schedule,
                   virtual_stages=chunks).stage_split(config)
     except (ConfigError, LayoutError):
         return False
