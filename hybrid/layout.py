@@ -64,7 +64,11 @@ STAGE_TRAITS: Dict[ZeroStage, StageTraits] = {
 
 ZERO_STAGES: Tuple[int, ...] = tuple(int(s) for s in ZeroStage)
 OFFLOAD_DEVICES: Tuple[str, ...] = ("none", "cpu")
-PRECISIONS: Tuple[str, ...] = ("fp32", "bf16", "fp16")
+# The training precisions, each with the torch dtype it runs in, named as torch names it (``torch.<name>``,
+# which is also the name a Hugging Face config.json gives it as "torch_dtype"). The one statement of both:
+# hybrid.dtypes builds the torch dtypes, byte sizes and file-format names from it.
+PRECISION_DTYPES: Dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+PRECISIONS: Tuple[str, ...] = tuple(PRECISION_DTYPES)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,13 +29,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 import torch
 
 from hybrid.checkpoint.errors import CheckpointFormatError
+from hybrid.dtypes import SAFETENSORS_CODES
 
-_DTYPE_CODES: Dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
 _HEADER_ALIGN = 8
 _METADATA_KEY = "__metadata__"
 
@@ -65,11 +60,7 @@ class _Entry:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(self.dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _entries(tensors: Mapping[str, TensorLike]) -> List[_Entry]:
@@ -87,16 +78,16 @@ def _entries(tensors: Mapping[str, TensorLike]) -> List[_Entry]:
         else:
             raise CheckpointFormatError(f"tensor {name!r}: expected a torch.Tensor or TensorSource, "
                                         f"got {type(value).__name__}")
-        if dtype not in _DTYPE_CODES:
+        if dtype not in SAFETENSORS_CODES:
             raise CheckpointFormatError(
                 f"tensor {name!r} has dtype {dtype}, which safetensors cannot store here; supported: "
-                f"{', '.join(str(d) for d in _DTYPE_CODES)}")
+                f"{', '.join(str(d) for d in SAFETENSORS_CODES)}")
         entries.append(_Entry(name, shape, dtype, value))
     # Larger element sizes first: every tensor then starts at a multiple of its
     # own element size (the header is padded to 8), so readers can map it
     # without copying. Ties go by name, the order the safetensors library
     # itself writes, so both produce the same bytes.
-    entries.sort(key=lambda e: (-_itemsize(e.dtype), e.name))
+    entries.sort(key=lambda e: (-e.dtype.itemsize, e.name))
     return entries
 
 
@@ -110,7 +101,7 @@ def _header_bytes(entries: Sequence[_Entry], metadata: Optional[Mapping[str, str
         header[_METADATA_KEY] = dict(metadata)
     offset = 0
     for e in entries:
-        header[e.name] = {"dtype": _DTYPE_CODES[e.dtype], "shape": list(e.shape),
+        header[e.name] = {"dtype": SAFETENSORS_CODES[e.dtype], "shape": list(e.shape),
                           "data_offsets": [offset, offset + e.nbytes]}
         offset += e.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")

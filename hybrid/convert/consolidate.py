@@ -41,16 +41,13 @@ import torch
 
 from hybrid.checkpoint import CheckpointError, CheckpointFormatError, CheckpointReader, model_file, optimizer_file
 from hybrid.checkpoint.unreadable import load_checkpoint_torch_file, open_checkpoint_safetensors
+from hybrid.dtypes import DTYPE_OF_SAFETENSORS_CODE
 from hybrid.param_meta import REPLICATED, TPMeta, full_size_of
 from hybrid.convert.ranges import assemble, check_same_layout, copy_rows, piece_size
 
 WEIGHT = "weight"
 MASTER = "master"
 ZERO_STATE_FORMAT = "hybrid.zero/1"
-
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 class ConversionError(CheckpointError):
@@ -231,9 +228,9 @@ class CheckpointSource:
         if record is not None and list(record.get("shape", shape)) != list(shape):
             raise CheckpointFormatError(f"{self.reader.path}: {name!r} has shape {list(shape)} in the model files "
                                         f"but {record['shape']} in the parameter index")
-        if code not in SAFETENSORS_DTYPES:
+        if code not in DTYPE_OF_SAFETENSORS_CODE:
             raise CheckpointFormatError(f"{self.reader.path}: {name!r} has unsupported dtype {code}")
-        return SavedTensor(name, tuple(shape), SAFETENSORS_DTYPES[code], meta, tuple(full), record, stage)
+        return SavedTensor(name, tuple(shape), DTYPE_OF_SAFETENSORS_CODE[code], meta, tuple(full), record, stage)
 
     @property
     def has_optimizer_state(self) -> bool:

@@ -40,14 +40,13 @@ from hybrid.convert.hf_io import DEFAULT_MAX_SHARD_BYTES, HFDirectory, read_json
 from hybrid.convert.hf_tokenizer_files import SENTENCEPIECE_FILE, tokenizer_files
 from hybrid.convert.output import ProgressFactory, nbytes_of, new_checkpoint_in, open_bar, read_ahead, tracked
 from hybrid.convert.ranges import piece_size
-from hybrid.engine.precision import DTYPES, PRECISION_OF_DTYPE
+from hybrid.dtypes import DTYPES, HF_DTYPE_NAMES, PRECISION_OF_DTYPE
 from hybrid.layout import ParallelLayout
 from hybrid.topology import Topology
 from hybrid.tokenizer_files import TokenizerSpec
 from model_zoo.config import GPTConfig
 
 MAPS = (hf_gpt2,) + hf_llama.FAMILIES
-_HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 @dataclasses.dataclass
@@ -163,7 +162,7 @@ def export_to_hf(load, output, *, dtype: Optional[str] = None, max_shard_bytes: 
             files = write_sharded(out, tensors, max_shard_bytes)
         finally:
             bar.close()
-    config = arch.hf_config(cfg, _HF_DTYPE_NAMES[out_dtype])
+    config = arch.hf_config(cfg, HF_DTYPE_NAMES[out_dtype])
     write_bytes_atomic(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
     result = ExportResult(out, arch.ARCHITECTURE, files)
     for name, data in files_of_tokenizer.items():
@@ -265,7 +264,7 @@ def import_from_hf(input_dir, save, *, tp: int = 1, dtype: Optional[str] = None,
                         lambda link=link, meta=meta, rank=rank: param_meta.shard(_hybrid_full(hf, link, out_dtype),
                                                                                  meta, tp, rank), bar)
                     if rank == 0:
-                        index.append({"name": link.hybrid, "shape": list(local), "dtype": _HF_DTYPE_NAMES[out_dtype],
+                        index.append({"name": link.hybrid, "shape": list(local), "dtype": HF_DTYPE_NAMES[out_dtype],
                                       "tp_meta": meta.to_json()})
                 with read_ahead(sources) as ahead:
                     records.append(writer.write_model_shard(ahead, rank))

@@ -22,11 +22,8 @@ from typing import Optional
 import torch
 
 from hybrid.config.errors import ConfigError
+from hybrid.dtypes import DTYPES, dtype_name
 from hybrid.layout import precision_traits
-
-# the torch dtype of each of hybrid.layout.PRECISIONS: the one map, which the planner and the converters read too
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PRECISION_OF_DTYPE = {v: k for k, v in DTYPES.items()}
 
 
 def _first_param_not(model: torch.nn.Module, allowed) -> Optional[tuple]:
@@ -34,10 +31,6 @@ def _first_param_not(model: torch.nn.Module, allowed) -> Optional[tuple]:
         if p.is_floating_point() and p.dtype not in allowed:
             return name, p.dtype
     return None
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return PRECISION_OF_DTYPE.get(dtype, str(dtype))
 
 
 def prepare_precision(model: torch.nn.Module, precision: str, autocast: bool) -> Optional[torch.dtype]:
@@ -53,14 +46,14 @@ def prepare_precision(model: torch.nn.Module, precision: str, autocast: bool) ->
             name, dtype = bad
             why = ("'autocast' is true, which keeps parameters in fp32" if autocast
                    else "'precision' is fp32")
-            raise ConfigError(f"parameter '{name}' is {_dtype_name(dtype)} but {why}; pass an fp32 model "
-                              f"(model.float()) or set precision to {_dtype_name(dtype)} with autocast false")
+            raise ConfigError(f"parameter '{name}' is {dtype_name(dtype)} but {why}; pass an fp32 model "
+                              f"(model.float()) or set precision to {dtype_name(dtype)} with autocast false")
         return None if precision == "fp32" else target
     bad = _first_param_not(model, (torch.float32, target))
     if bad is not None:
         name, dtype = bad
-        raise ConfigError(f"parameter '{name}' is {_dtype_name(dtype)} but 'precision' is {precision}; pass an "
-                          f"fp32 or {precision} model, or set precision to {_dtype_name(dtype)}")
+        raise ConfigError(f"parameter '{name}' is {dtype_name(dtype)} but 'precision' is {precision}; pass an "
+                          f"fp32 or {precision} model, or set precision to {dtype_name(dtype)}")
     # Parameters and floating-point buffers alike (traits.params, traits.buffers); the Parameter objects (and
     # their TP metadata) are kept, only their data changes.
     model.to(dtype=DTYPES[traits.params])

@@ -22,6 +22,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from hybrid.layout import PRECISIONS
+
 # Published dense (no 2:4 sparsity) peaks in TFLOP/s, per GPU:
 # (name substrings that must all appear in torch.cuda.get_device_name(), substrings
 # that must not, bf16/fp16 tensor core, fp32 without TF32). First match wins.
@@ -57,8 +59,8 @@ def table_peak_tflops(device_name: str, precision: str) -> Optional[float]:
     """The published peak of a GPU named ``device_name`` for ``precision``
     (``"bf16"``/``"fp16"`` use the tensor-core column, ``"fp32"`` the plain fp32
     one), or None for a GPU not in the table."""
-    if precision not in ("bf16", "fp16", "fp32"):
-        raise ValueError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     for required, excluded, half, single in GPU_PEAK_TFLOPS:
         if all(s in device_name for s in required) and not any(s in device_name for s in excluded):
             return single if precision == "fp32" else half

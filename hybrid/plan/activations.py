@@ -53,12 +53,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from hybrid.dtypes import DTYPE_BYTES
 from hybrid.pipeline.executor import RECEIVES_AHEAD
 from model_zoo.config import GPTConfig
 from model_zoo.qkv_layout import qkv_layout
 
 RECOMPUTE = ("none", "selective", "full")
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclasses.dataclass(frozen=True)

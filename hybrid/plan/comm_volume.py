@@ -73,8 +73,8 @@ from typing import Dict, Optional, Tuple, Union
 
 from hybrid import param_meta
 from hybrid.compression import Quantization
+from hybrid.dtypes import DTYPE_BYTES
 from hybrid.layout import partition_count, stage_traits
-from hybrid.plan.activations import DTYPE_BYTES
 from hybrid.plan.candidate import Candidate
 from hybrid.plan.compressed import chunk, packed_bytes
 from hybrid.plan.model_memory import FlatLayout, Stage3Layout

@@ -82,8 +82,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
+from hybrid.dtypes import DTYPE_BYTES
 from hybrid.layout import partition_count
-from hybrid.plan.activations import DTYPE_BYTES, ActivationBytes, DeviceProfile, activation_bytes
+from hybrid.plan.activations import ActivationBytes, DeviceProfile, activation_bytes
 from hybrid.plan.candidate import Candidate
 from hybrid.plan.compressed import FP32, chunk, gather_buffers, reduction_buffers
 from hybrid.plan.model_memory import (FlatLayout, Stage3Layout, StateBytes, fitting_prefix, flat_layout, shard_shapes,

@@ -41,7 +41,7 @@ import torch
 
 from hybrid import param_meta
 from hybrid.compression import DEFAULT_BLOCK, ONEBIT_ADAM, ONEBIT_BITS, packed_bytes
-from hybrid.engine.precision import DTYPES
+from hybrid.dtypes import DTYPES
 from hybrid.layout import (StageTraits, ZeroStage, keeps_whole_gradients, offload_problem, partition_count,
                            stage_traits)
 from hybrid.pipeline.chunks import chunk_parameters

@@ -43,11 +43,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Sequence, Tuple
 
+from hybrid.dtypes import DTYPE_BYTES
 from hybrid.pipeline.actions import FORWARD
 from hybrid.pipeline.schedule import build
 from hybrid.pipeline.simulate import bubble_fraction
 from hybrid.pipeline.split import StageSplit
-from hybrid.plan.activations import DTYPE_BYTES, ActivationBytes
+from hybrid.plan.activations import ActivationBytes
 from hybrid.plan.candidate import Candidate
 from model_zoo.config import GPTConfig
 

@@ -59,7 +59,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 
-from hybrid.plan.activations import DTYPE_BYTES
+from hybrid.dtypes import DTYPE_BYTES
 from hybrid.plan.candidate import Candidate
 from hybrid.plan.comm_volume import Report, stage3_gather_axis, stage3_gathers
 from hybrid.plan.links import CollectiveLinks, HostLink, LinkSpec, Placement, link_seconds, split_by_link
