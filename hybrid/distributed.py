@@ -115,6 +115,21 @@ def _current_info(env: Mapping[str, str]) -> DistInfo:
     return DistInfo(rank, dist.get_world_size(), local_rank, backend, device)
 
 
+def default_store() -> Optional[dist.Store]:
+    """The default process group's store (the rendezvous TCPStore, under torch's key prefix), or None when
+    there is no process group.
+
+    The ranks' one channel that still works once collectives have failed (see
+    :mod:`hybrid.training.failure`). Where a rank hosts the store's server
+    (rank 0 outside torchrun; under torchrun its agent does), the server would
+    go with the destroyed process groups: holding the returned object keeps it
+    serving. Read through the public ``ProcessGroup.get_group_store``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.group.WORLD.get_group_store()
+
+
 def destroy_distributed() -> None:
     """Destroy the default process group (and any group still alive); a no-op when there is none.
 

@@ -50,7 +50,7 @@ from hybrid.checkpoint.errors import CheckpointError
 from hybrid.comm import CollectiveError
 from hybrid.config.errors import ConfigError
 from hybrid.data.errors import DataError
-from hybrid.distributed import DistributedEnvError
+from hybrid.distributed import DistributedEnvError, default_store
 from hybrid.layout import LayoutError
 from hybrid.topology import TopologyError
 from hybrid.training.health import TrainingDiverged
@@ -121,15 +121,12 @@ def _within(seconds: float, fn: Callable[..., Any], *args: Any, default: Any = N
 
 
 def _store():
-    """The default process group's store, or None (one process, or no group yet)."""
+    """The job's rendezvous store (:func:`hybrid.distributed.default_store`), or None (one process, or no
+    group yet). Taken before the groups are closed: the reference keeps the store alive on the rank hosting it."""
     try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.distributed_c10d._get_default_store()
+        return default_store()
     except Exception:  # noqa: BLE001 - no store means nothing to record, never a second failure
         return None
-    return None
 
 
 def record(store, rank: int, code: int, line: str, consequence: bool = False) -> None:

@@ -14,14 +14,18 @@ rounded new weights in the parameter chunks (``lowp``).
 
 Adam/AdamW run on the compiled kernel of :mod:`hybrid.kernels` when it is
 available (it reads bf16/fp16 gradients directly and fuses the low-precision
-copy-out), else on ``torch._fused_adamw_`` / ``torch._fused_adam_``.
+copy-out), else on torch's own (:func:`torch_adam_step`): the private fused op
+``torch._fused_adamw_`` / ``torch._fused_adam_`` while torch has it, or the
+public functional ``torch.optim.adamw.adamw`` / ``torch.optim.adam.adam``.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
+from torch.optim.adam import adam as functional_adam
+from torch.optim.adamw import adamw as functional_adamw
 
 KINDS = ("adamw", "adam", "sgd")
 
@@ -54,14 +58,50 @@ def _inner_adam_step(params: List[torch.Tensor], grads: List[torch.Tensor],
     device, dtype = params[0].device, params[0].dtype
     if grads[0].dtype != dtype or grads[0].device != device:
         grads = [g.to(device=device, dtype=dtype) for g in grads]
-    fn = torch._fused_adamw_ if adamw else torch._fused_adam_
-    steps = [torch.tensor(float(step), device=device)] * len(params)
-    # torch's fused kernel divides gradients by grad_scale.
-    scale = None if grad_factor == 1.0 else torch.tensor(1.0 / grad_factor, device=device)
-    fn(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
-       weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
+    torch_adam_step(params, grads, exp_avgs, exp_avg_sqs, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                    weight_decay=weight_decay, step=step, adamw=adamw, grad_factor=grad_factor)
     if lowp is not None:
         torch._foreach_copy_(lowp, params)
+
+
+def fused_adam_op(adamw: bool) -> Optional[Callable[..., None]]:
+    """torch's private fused Adam/AdamW op (``torch._fused_adamw_`` / ``torch._fused_adam_``), or None when this
+    torch has none. The one place hybrid names it; ``tests/zero/test_fused_adam_op.py`` fails when it is gone."""
+    return getattr(torch, "_fused_adamw_" if adamw else "_fused_adam_", None)
+
+
+def torch_adam_step(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs: List[torch.Tensor],
+                    exp_avg_sqs: List[torch.Tensor], *, lr: float, beta1: float, beta2: float, eps: float,
+                    weight_decay: float, step: int, adamw: bool, grad_factor: float,
+                    fused: Optional[bool] = None) -> None:
+    """One Adam/AdamW update of 1-D fp32 tensors in place with torch's kernels. ``grads`` may be overwritten.
+
+    ``grads`` are multiplied by ``grad_factor``; ``step`` is the 1-based update
+    count. ``fused`` None runs the private fused op when this torch has it (one
+    pass over memory), else the public functional API's foreach path (a few
+    passes, same arithmetic up to rounding); True or False forces one.
+    """
+    op = fused_adam_op(adamw) if fused is not False else None
+    if fused and op is None:
+        raise RuntimeError(f"torch {torch.__version__} has no fused {'AdamW' if adamw else 'Adam'} op; "
+                           f"pass fused=None to use the public one")
+    device = params[0].device
+    if op is not None:
+        steps = [torch.tensor(float(step), device=device)] * len(params)
+        # torch's fused kernel divides gradients by grad_scale.
+        scale = None if grad_factor == 1.0 else torch.tensor(1.0 / grad_factor, device=device)
+        op(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
+           weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
+        return
+    # The functional API takes no grad_scale outside its fused path, and counts the step itself: each step
+    # tensor (one per tensor, on the CPU as torch.optim keeps them) is incremented before it is used.
+    if grad_factor != 1.0:
+        for g in grads:
+            g.mul_(grad_factor)
+    steps = [torch.tensor(float(step - 1)) for _ in params]
+    functional = functional_adamw if adamw else functional_adam
+    functional(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=True, fused=False, amsgrad=False,
+               beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
 
 
 def _inner_sgd_step(params: List[torch.Tensor], grads: List[torch.Tensor],
