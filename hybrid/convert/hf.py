@@ -39,7 +39,7 @@ from hybrid.convert.hf_common import Link
 from hybrid.convert.hf_io import DEFAULT_MAX_SHARD_BYTES, HFDirectory, read_json, write_sharded
 from hybrid.convert.hf_tokenizer_files import SENTENCEPIECE_FILE, tokenizer_files
 from hybrid.convert.output import ProgressFactory, nbytes_of, new_checkpoint_in, open_bar, read_ahead, tracked
-from hybrid.convert.ranges import piece_size
+from hybrid.convert.ranges import piece_runs, piece_size
 from hybrid.dtypes import DTYPES, HF_DTYPE_NAMES, PRECISION_OF_DTYPE
 from hybrid.layout import ParallelLayout
 from hybrid.topology import Topology
@@ -261,8 +261,8 @@ def import_from_hf(input_dir, save, *, tp: int = 1, dtype: Optional[str] = None,
                     local = _local_shape(full, meta, tp)
                     sources[link.hybrid] = tracked(
                         local, out_dtype,
-                        lambda link=link, meta=meta, rank=rank: param_meta.shard(_hybrid_full(hf, link, out_dtype),
-                                                                                 meta, tp, rank), bar)
+                        lambda link=link, full=full, meta=meta, rank=rank: _hybrid_piece(
+                            hf, link, full, meta, tp, rank, out_dtype), bar)
                     if rank == 0:
                         index.append({"name": link.hybrid, "shape": list(local), "dtype": HF_DTYPE_NAMES[out_dtype],
                                       "tp_meta": meta.to_json()})
@@ -285,11 +285,41 @@ def _local_shape(full, meta: param_meta.TPMeta, tp: int) -> Tuple[int, ...]:
     return tuple(shape)
 
 
-def _hybrid_full(hf: HFDirectory, link: Link, dtype: torch.dtype) -> torch.Tensor:
-    parts = [hf.get(name) for name in link.hf]
-    parts = [p.t() if link.transpose else p for p in parts]
-    full = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=0)
-    return full.to(dtype)
+def _hybrid_piece(hf: HFDirectory, link: Link, full_shape: Tuple[int, ...], meta: param_meta.TPMeta, tp: int,
+                  rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """TP rank ``rank``'s piece of ``link``'s full hybrid tensor (what ``param_meta.shard`` cuts from it).
+
+    Where the pieces are rows (dim 0) of untransposed HF tensors (embeddings, heads, column-parallel
+    projections), only the piece's rows are read, straight into it: the largest tensors then cost their piece,
+    not the full tensor and a copy. Otherwise the full tensor is read and cut.
+    """
+    if not meta.partitioned:
+        return _hybrid_full(hf, link, full_shape, dtype)
+    if meta.dim != 0 or link.transpose:
+        return param_meta.shard(_hybrid_full(hf, link, full_shape, dtype), meta, tp, rank)
+    piece = torch.empty(_local_shape(full_shape, meta, tp), dtype=dtype)
+    for run in piece_runs(meta, full_shape[0], tp, rank):
+        rows = piece[run.local_start: run.local_start + run.length]
+        if run.full_start is None:  # padding past the logical size
+            rows.zero_()
+            continue
+        lo, hi = run.full_start, run.full_start + run.length
+        for i, name in enumerate(link.hf):  # the HF tensors whose rows [a, b) of the full tensor meet [lo, hi)
+            a, b = link.row_range(i, full_shape[0])
+            if max(lo, a) < min(hi, b):
+                hf.read_rows_into(name, max(lo, a) - a, min(hi, b) - a, rows[max(lo, a) - lo: min(hi, b) - lo])
+    return piece
+
+
+def _hybrid_full(hf: HFDirectory, link: Link, full_shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The full hybrid tensor ``full_shape`` of ``link``, each HF tensor read straight into its rows (a transposed
+    one through its transpose view): no concatenation or conversion copy, so a tensor read in its own dtype
+    peaks at the one copy."""
+    full = torch.empty(full_shape, dtype=dtype)
+    for i, name in enumerate(link.hf):
+        rows = full[slice(*link.row_range(i, full_shape[0]))]
+        hf.read_into(name, rows.t() if link.transpose else rows)
+    return full
 
 
 def _check_hf_tensors(hf: HFDirectory, arch, cfg: GPTConfig, links, layout) -> None:

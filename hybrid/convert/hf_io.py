@@ -16,9 +16,11 @@ every tensor to its file.
 from __future__ import annotations
 
 import json
+import math
 import pickle
+import struct
 from pathlib import Path
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import safetensors
 import torch
@@ -52,9 +54,10 @@ def read_json(path: Path) -> dict:
 class HFDirectory:
     """The config and the tensors of a Hugging Face model directory, read lazily.
 
-    ``get(name)`` returns a new CPU tensor. The memory maps of both formats are
-    closed after ``mmap_budget`` bytes were read through them, so the resident
-    set stays bounded however large the files are.
+    ``get(name)`` returns a new CPU tensor; ``read_into(name, out)`` fills one.
+    Safetensors weights are read with plain reads (no memory map); the memory
+    maps of ``.bin`` files are closed after ``mmap_budget`` bytes were read
+    through them, so the resident set stays bounded however large the files are.
     """
 
     def __init__(self, path, *, mmap_budget: int = 64 << 20):
@@ -66,6 +69,7 @@ class HFDirectory:
         self._budget, self._touched = mmap_budget, 0
         self._bins: Dict[Path, dict] = {}
         self._handles: Dict[Path, object] = {}
+        self._offsets: Dict[Path, Dict[str, Tuple[int, int]]] = {}
         self.files: Dict[str, Path] = self._discover()
         self._shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
         for name, file in self.files.items():
@@ -147,21 +151,83 @@ class HFDirectory:
         return self._shapes[name][1]
 
     def get(self, name: str) -> torch.Tensor:
+        """A new CPU tensor holding tensor ``name`` as stored."""
+        out = torch.empty(self.shape(name), dtype=self.dtype(name))
+        self.read_into(name, out)
+        return out
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Fill ``out`` (the tensor's shape; any dtype and strides) with tensor ``name``.
+
+        A safetensors tensor of ``out``'s dtype, into a contiguous ``out``, is read from the file straight into
+        it with plain reads: no memory map, whose touched pages would count as resident beside the copy, so
+        the peak is the one copy. Otherwise through a temporary in the stored dtype.
+        """
         if name not in self.files:
             raise ConversionError(f"{self.path} has no tensor {name!r}")
         file = self.files[name]
-        # Both readers hand out views of a memory map, whose touched pages stay resident until it
-        # is closed: copy, and close the maps every `budget` bytes (reopened on the next read).
+        if tuple(out.shape) != self.shape(name):
+            raise ConversionError(f"internal: {name} has shape {list(self.shape(name))}, not {list(out.shape)}")
         if file.suffix == ".safetensors":
-            tensor = self._handle(file).get_tensor(name).clone()
-        else:
-            tensor = self._bin(file)[name].clone()
+            if out.dtype == self.dtype(name) and out.is_contiguous():
+                self._read_safetensors(file, name, out)
+            else:
+                out.copy_(self.get(name))
+            return
+        # The .bin reader hands out views of a memory map, whose touched pages stay resident until it is
+        # closed: copy, and close the maps every `budget` bytes (reopened on the next read).
+        tensor = self._bin(file)[name]
+        out.copy_(tensor)
         self._touched += tensor.numel() * tensor.element_size()
         if self._touched > self._budget:
             self._bins.clear()
-            self._handles.clear()
             self._touched = 0
-        return tensor
+
+    def read_rows_into(self, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Fill ``out`` with rows ``[lo, hi)`` (dim 0) of tensor ``name``, reading only those rows where the
+        file allows (safetensors, ``out`` contiguous in the stored dtype)."""
+        file = self.files.get(name)
+        if file is not None and file.suffix == ".safetensors" and out.dtype == self.dtype(name) \
+                and out.is_contiguous() and tuple(out.shape) == (hi - lo,) + self.shape(name)[1:]:
+            self._read_safetensors(file, name, out, lo, hi)
+        else:
+            out.copy_(self.get(name)[lo:hi])
+
+    def _read_safetensors(self, file: Path, name: str, out: torch.Tensor, lo: int = 0,
+                          hi: Optional[int] = None) -> None:
+        """Read rows ``[lo, hi)`` (default: all) of ``name`` into the contiguous ``out`` of its dtype."""
+        start, end = self._data_offsets(file)[name]
+        shape = self.shape(name)
+        row = math.prod(shape[1:]) * out.element_size() if shape else out.element_size()
+        rows = shape[0] if shape else 1
+        hi = rows if hi is None else hi
+        mine = out.reshape(-1).view(torch.uint8).numpy()  # a byte view of out's memory: the read fills out
+        if end - start != rows * row or mine.nbytes != (hi - lo) * row:
+            raise ConversionError(f"{file}: tensor {name!r} spans {end - start} bytes, but its shape and dtype take "
+                                  f"{rows * row}; the file is damaged: download or save it again")
+        start += lo * row
+        view = memoryview(mine)
+        with open(file, "rb") as f:
+            f.seek(start)
+            done = 0
+            while done < len(view):  # one read returns at most ~2 GiB on Linux
+                n = f.readinto(view[done:])
+                if not n:
+                    raise ConversionError(f"{file} ends inside tensor {name!r}; it is truncated: download or save "
+                                          f"it again")
+                done += n
+
+    def _data_offsets(self, file: Path) -> Dict[str, Tuple[int, int]]:
+        """Where each tensor's bytes lie in ``file`` (absolute offsets), from the safetensors header (already
+        validated by ``safetensors.safe_open`` when the directory was opened)."""
+        if file not in self._offsets:
+            with open(file, "rb") as f:
+                size = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(size))
+            base = 8 + size
+            self._offsets[file] = {k: (base + v["data_offsets"][0], base + v["data_offsets"][1])
+                                   for k, v in header.items() if k != "__metadata__"}
+        return self._offsets[file]
 
     def close(self) -> None:
         self._handles.clear()

@@ -11,10 +11,10 @@ copying (which release the GIL) cost no extra time.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import math
 import os
+import threading
 from pathlib import Path
 from typing import Callable, Dict, Iterator, Mapping, Optional
 
@@ -108,35 +108,79 @@ def writer_order(tensors: Mapping[str, TensorSource]) -> list:
     return sorted(tensors, key=lambda n: (-torch.empty((), dtype=tensors[n].dtype).element_size(), n))
 
 
+# A tensor read (from the checkpoint or HF files: local disk or a network mount) that takes longer than this
+# plus one second per READ_FLOOR_BYTES_PER_S bytes is hung, not slow.
+READ_BASE_TIMEOUT_S = 300.0
+READ_FLOOR_BYTES_PER_S = 10e6
+
+
+def read_timeout_s(shape, dtype: torch.dtype) -> float:
+    """How long one tensor's read may take before :func:`read_ahead` reports it hung (seconds)."""
+    return READ_BASE_TIMEOUT_S + nbytes_of(shape, dtype) / READ_FLOOR_BYTES_PER_S
+
+
+class _Read:
+    """One ``produce`` running on a daemon thread: a hung read (a dead mount) never keeps the process alive."""
+
+    def __init__(self, name: str, source: TensorSource):
+        self.name, self.source = name, source
+        self._outcome: list = []
+        self._thread = threading.Thread(target=self._run, name=f"hybrid-read-ahead-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._outcome.append((True, self.source.produce()))
+        except BaseException as e:  # noqa: BLE001 - raised again on the writing thread
+            self._outcome.append((False, e))
+
+    def result(self) -> torch.Tensor:
+        limit = read_timeout_s(self.source.shape, self.source.dtype)
+        self._thread.join(limit)
+        if not self._outcome:
+            raise ConversionError(f"reading tensor {self.name!r} ({nbytes_of(self.source.shape, self.source.dtype)} "
+                                  f"bytes) did not finish within {limit:g} s: the file system does not answer (a "
+                                  f"hung mount?)")
+        ok, value = self._outcome[0]
+        if not ok:
+            raise value
+        return value
+
+
 @contextlib.contextmanager
 def read_ahead(tensors: Mapping[str, TensorSource]) -> Iterator[Dict[str, TensorSource]]:
-    """The same sources, each produced one step ahead on one worker thread.
+    """The same sources, each produced one step ahead on a worker thread.
 
-    When tensor ``i`` is asked for, tensor ``i + 1`` (in :func:`writer_order`)
-    starts; at most one extra tensor is held. Every ``produce`` runs on the
-    worker, so the underlying reader is never used by two threads at once. A
-    writer asking in another order still gets every tensor, just without the
-    overlap.
+    When tensor ``i`` is asked for, its read (started when ``i - 1`` was
+    handed over) is waited for, and tensor ``i + 1`` (in :func:`writer_order`)
+    starts: at most one extra tensor is held, and no two reads run at once, so
+    the underlying reader is never used by two threads together. Each wait is
+    bounded by :func:`read_timeout_s`; a hung read raises
+    :class:`ConversionError` and is abandoned on its daemon thread. A writer
+    asking in another order still gets every tensor, just without the overlap.
     """
     order = writer_order(tensors)
     position = {name: i for i, name in enumerate(order)}
-    pending: Dict[str, concurrent.futures.Future] = {}
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-ahead")
+    ahead: Dict[str, _Read] = {}  # at most one: the read in flight
 
     def wrap(name: str) -> TensorSource:
         def produce() -> torch.Tensor:
-            future = pending.pop(name, None) or pool.submit(tensors[name].produce)
+            read = ahead.pop(name, None)
+            for other in list(ahead.values()):  # asked out of order: let the read in flight end first
+                ahead.clear()
+                other.result()
+            tensor = (read or _Read(name, tensors[name])).result()
             nxt = position[name] + 1
-            if nxt < len(order) and order[nxt] not in pending:
-                pending[order[nxt]] = pool.submit(tensors[order[nxt]].produce)
-            # No deadline of its own: the worker only does the read this thread would otherwise do itself (the
-            # offline tools have no peer to time out against), and a failed read raises here.
-            return future.result()
+            if nxt < len(order):
+                ahead[order[nxt]] = _Read(order[nxt], tensors[order[nxt]])
+            return tensor
         return TensorSource(tensors[name].shape, tensors[name].dtype, produce)
 
     try:
         yield {name: wrap(name) for name in tensors}
     finally:
-        for future in pending.values():
-            future.cancel()
-        pool.shutdown(wait=True)
+        for read in ahead.values():  # the next tensor's read, never asked for (an error, or a writer that stops)
+            try:
+                read.result()
+            except BaseException:  # noqa: BLE001 - the writer's own outcome is what is reported
+                pass
