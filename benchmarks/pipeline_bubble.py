@@ -60,7 +60,7 @@ def _chunk(layers: int, hidden: int, seed: int) -> nn.Module:
 def _rank(args: dict) -> dict:
     """One pipeline rank: every (schedule, m) of every round; median idle fraction and step time per cell."""
     import hybrid
-    from hybrid.pipeline import PipelineExecutor
+    from hybrid.pipeline import AutogradStage, PipelineExecutor
 
     if args["pin"]:  # each stage on a core of its own, as each stage has its own device on a GPU node
         os.sched_setaffinity(0, {int(os.environ["RANK"]) % os.cpu_count()})
@@ -77,6 +77,7 @@ def _rank(args: dict) -> dict:
                 h = parts[chunk](mb if part == 0 else x)
                 return h.square().mean() if part == last else h
 
+            stage = AutogradStage(forward)
             executor = PipelineExecutor(topo, list(range(chunks)), schedule,
                                         activation_shape=lambda mb: torch.Size((batch, hidden)),
                                         activation_dtype=torch.float32)
@@ -87,7 +88,7 @@ def _rank(args: dict) -> dict:
                 idle, step, busy, actions = [], [], [], []
                 for k in range(args["steps"] + 1):
                     topo.comm.barrier("pp")  # both stages start the step together
-                    stats = executor.step(mbs, forward)
+                    stats = executor.step(mbs, stage)
                     # ... and end it together: a stage that finishes early idles until the step's end (the
                     # formula's makespan), which its own step time would leave out
                     begin = time.perf_counter()

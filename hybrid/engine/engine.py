@@ -22,7 +22,6 @@ a schedule in samples advances by each step's global batch.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import dataclasses
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -40,6 +39,7 @@ from hybrid.engine.checkpoint import EngineCheckpoints
 from hybrid.engine.parts import TrainingParts
 from hybrid.engine.precision import prepare_precision
 from hybrid.engine.rng import RandomState
+from hybrid.engine.stage import EngineStage, autocast
 from hybrid.engine.step_logger import StepLogger
 from hybrid.layout import ParallelLayout, pipeline_problem
 from hybrid.optim.lr_schedule import LRSchedule, check_same_settings
@@ -58,8 +58,10 @@ class Engine:
     ``config`` (the validated :class:`HybridConfig`), ``topology``, ``batch``
     (resolved :class:`~hybrid.config.BatchSizes`), ``checkpoints`` (the
     :class:`~hybrid.engine.checkpoint.EngineCheckpoints` behind :meth:`save_checkpoint` and
-    :meth:`load_checkpoint`). Each component saves and loads its own state; :meth:`state_dict` is built
-    from theirs.
+    :meth:`load_checkpoint`), ``pipeline`` (the :class:`~hybrid.pipeline.PipelineExecutor` of
+    :meth:`train_batch`; None for a model that is not pipeline-aware) and ``pipeline_stage`` (the
+    :class:`~hybrid.engine.stage.EngineStage` it calls). Each component saves and loads its own state;
+    :meth:`state_dict` is built from theirs.
     """
 
     def __init__(self, model: torch.nn.Module, config: HybridConfig, topology: Topology, *,
@@ -112,6 +114,10 @@ class Engine:
         self._losses = []
         self._logger = StepLogger(config, is_rank0=topology.rank == 0)
         self.pipeline = self._build_pipeline(model)
+        # what the executor calls for each part's forward and backward (the step's path: hybrid.engine.stage)
+        self.pipeline_stage = None if self.pipeline is None else EngineStage(
+            model, self.optimizer, whole_model=self.pipeline.num_parts == 1,
+            autocast_device=self._autocast_device, autocast_dtype=self._autocast_dtype)
         self.last_pipeline_stats = None
         self.checkpoints = EngineCheckpoints(TrainingParts(model, self.optimizer, self.rng, topology), self,
                                              config.checkpoint, self.layout, self.checkpoint_timeout_s)
@@ -126,9 +132,7 @@ class Engine:
             return self.module(*args, **kwargs)
 
     def _autocast(self):
-        if self._autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self._autocast_device, dtype=self._autocast_dtype)
+        return autocast(self._autocast_device, self._autocast_dtype)
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
@@ -193,6 +197,9 @@ class Engine:
     def train_batch(self, microbatches: Sequence[Mapping[str, Any]], dp_mean: bool = False) -> Tuple[bool, float]:
         """One global batch through the pipeline (:mod:`hybrid.pipeline`), then the optimizer step.
 
+        The executor runs this rank's schedule and calls :attr:`pipeline_stage` (an
+        :class:`~hybrid.engine.stage.EngineStage`) for each part's forward and backward; at pp=1 too.
+
         ``microbatches``: this DP rank's :attr:`gradient_accumulation_steps` micro-batches, each the keyword
         arguments of the model's ``forward_part`` (``input_ids`` ``[b, s]``, ``labels``, optionally ``loss_mask``
         and ``position_ids``), the same on every stage. The model is a pipeline-aware model such as
@@ -212,14 +219,7 @@ class Engine:
                              f"{len(microbatches)}")
         if self._awaiting_step or self._micro_in_batch:
             raise RuntimeError("train_batch was called in the middle of a global batch of backward()/step() calls")
-
-        def backward(output, grad, chunk):
-            if grad is None:
-                self.optimizer.backward(output, chunk=chunk)
-            else:
-                self.optimizer.backward_from(output, grad, chunk=chunk)
-
-        stats = self.pipeline.step(microbatches, self._forward_part, backward)
+        stats = self.pipeline.step(microbatches, self.pipeline_stage)
         self.last_pipeline_stats = stats
         loss = self._pipeline_loss(stats.losses)
         if dp_mean:
@@ -235,17 +235,8 @@ class Engine:
             raise TypeError(f"eval_batch needs a pipeline-aware model (such as model_zoo.GPTModel); for "
                             f"{type(self.module).__name__} call engine(...) under torch.no_grad()")
         with torch.no_grad():
-            stats = self.pipeline.step(microbatches, self._forward_part, train=False)
+            stats = self.pipeline.step(microbatches, self.pipeline_stage, train=False)
         return float(self._pipeline_loss(stats.losses))
-
-    def _forward_part(self, chunk: int, part: int, hidden: Optional[torch.Tensor],
-                      microbatch: Mapping[str, Any]) -> torch.Tensor:
-        with self._autocast():
-            if self.pipeline.num_parts == 1:
-                # The whole model: through its __call__, so that hooks on the model itself run. ZeRO-3's do (the
-                # root's pre-hook installs its saved-tensor hooks and watches reads of a tied head's weight).
-                return self.module(**microbatch)
-            return self.module.forward_part(part, hidden, **microbatch)
 
     def _pipeline_loss(self, losses: List[float]) -> torch.Tensor:
         """The mean of the last stage's micro-batch losses, on every stage (broadcast over ``"pp"``): float64 [1]."""

@@ -6,10 +6,16 @@ model, :mod:`hybrid.pipeline.split`). For every
 
 * **forward** of micro-batch ``i`` on chunk ``c``: receives the input
   activation from the previous part (unless this is the first part), runs the
-  chunk, and sends the output to the next part (unless this is the last part,
+  chunk (:meth:`StageCompute.forward <hybrid.pipeline.stage_compute.StageCompute.forward>`),
+  and sends the output to the next part (unless this is the last part,
   whose output is the micro-batch's loss);
 * **backward**: backpropagates the loss (last part) or the received output
-  gradient, and sends the input's gradient to the previous part.
+  gradient (:meth:`StageCompute.backward <hybrid.pipeline.stage_compute.StageCompute.backward>`),
+  and sends the input's gradient to the previous part.
+
+The :class:`~hybrid.pipeline.stage_compute.StageCompute` is the caller's (the
+engine's :class:`~hybrid.engine.stage.EngineStage`): the executor decides
+when and with what, the stage computes.
 
 Transfers go over the ``"pp"`` axis of the communicator as point-to-point
 messages of a shape known on both sides (the caller's ``activation_shape``):
@@ -41,21 +47,11 @@ import torch
 from hybrid.config.errors import ConfigError
 from hybrid.pipeline import schedule as schedules
 from hybrid.pipeline.actions import BACKWARD, FORWARD, Action
+from hybrid.pipeline.stage_compute import StageCompute
 from hybrid.topology import Topology
 
 ACTIVATION_TAG = 1
 GRADIENT_TAG = 2
-
-# forward_fn(chunk, part, input, microbatch) -> output: input is None on the first part (the chunk reads
-# the micro-batch); the last part returns the micro-batch's scalar loss.
-ForwardFn = Callable[[Any, int, Optional[torch.Tensor], Any], torch.Tensor]
-# backward_fn(output, grad, chunk): grad is None for the last part's loss, else the gradient of output received;
-# chunk is this rank's model chunk the pass runs through (0 .. v-1).
-BackwardFn = Callable[[torch.Tensor, Optional[torch.Tensor], int], None]
-
-
-def plain_backward(output: torch.Tensor, grad: Optional[torch.Tensor], chunk: int = 0) -> None:
-    torch.autograd.backward(output, grad)
 
 
 @dataclasses.dataclass
@@ -133,7 +129,8 @@ class ReceiveQueue:
 
 class PipelineExecutor:
     """Runs ``schedule`` over this rank's ``chunks`` (``v`` of them, chunk ``c`` = part ``pp_rank + c * pp``;
-    whatever ``forward_fn`` takes: modules, or indices into one model).
+    whatever the :class:`~hybrid.pipeline.stage_compute.StageCompute` of :meth:`step` takes: modules, or
+    indices into one model).
 
     ``activation_shape(microbatch)`` gives the ``torch.Size`` of the tensor passed between parts for that
     micro-batch (for the GPT models ``[s, b, h]``, or ``[s/tp, b, h]`` under sequence parallelism), and
@@ -161,14 +158,14 @@ class PipelineExecutor:
     def part(self, chunk: int) -> int:
         return chunk * self.pp + self.pp_rank
 
-    def step(self, microbatches: Sequence[Any], forward_fn: ForwardFn,
-             backward_fn: BackwardFn = plain_backward, train: bool = True) -> StepStats:
+    def step(self, microbatches: Sequence[Any], stage: StageCompute, train: bool = True) -> StepStats:
         """Forward (and, when ``train``, backward) every micro-batch through the pipeline.
 
-        ``backward_fn(output, grad, chunk)`` backpropagates one part of model chunk ``chunk``: the last part's loss
-        with ``grad=None`` (the engine scales it by the loss scale and the micro-batch count there), any other
-        part's output with the gradient received from the next part. Gradients accumulate in the parameters as in
-        plain gradient accumulation.
+        ``stage.forward(chunk, part, hidden, microbatch)`` runs one part, ``stage.backward(output, grad,
+        chunk)`` backpropagates one part of model chunk ``chunk``: the last part's loss with ``grad=None`` (the
+        engine scales it by the loss scale and the micro-batch count there), any other part's output with the
+        gradient received from the next part. Gradients accumulate in the parameters as in plain gradient
+        accumulation.
         """
         m, v = len(microbatches), len(self.chunks)
         if train:
@@ -186,11 +183,11 @@ class PipelineExecutor:
             for action in actions:
                 begin, waited = time.perf_counter(), stats.wait_s
                 if action.kind == FORWARD:
-                    self._forward(action, microbatches, forward_fn, train, inputs, outputs, losses, pending,
+                    self._forward(action, microbatches, stage, train, inputs, outputs, losses, pending,
                                   receives, stats)
                     stats.max_in_flight = max(stats.max_in_flight, len(outputs))
                 else:
-                    self._backward(action, backward_fn, inputs, outputs, pending, receives, stats)
+                    self._backward(action, stage, inputs, outputs, pending, receives, stats)
                 stats.action_s.append(time.perf_counter() - begin - (stats.wait_s - waited))
             for handle in pending:
                 handle.wait()
@@ -203,7 +200,7 @@ class PipelineExecutor:
         return stats
 
     # ---- one action ---------------------------------------------------------------------------
-    def _forward(self, action: Action, microbatches, forward_fn, train, inputs, outputs, losses, pending,
+    def _forward(self, action: Action, microbatches, stage: StageCompute, train, inputs, outputs, losses, pending,
                  receives: ReceiveQueue, stats) -> None:
         mb, k = action.microbatch, self.part(action.chunk)
         x = None
@@ -211,7 +208,7 @@ class PipelineExecutor:
             x = receives.take(k - 1, ACTIVATION_TAG, stats)
             x.requires_grad_(train)
         with torch.set_grad_enabled(train):
-            y = forward_fn(self.chunks[action.chunk], k, x, microbatches[mb])
+            y = stage.forward(self.chunks[action.chunk], k, x, microbatches[mb])
         if k == self.num_parts - 1:
             losses[mb] = float(y.detach())
         else:
@@ -224,14 +221,14 @@ class PipelineExecutor:
             inputs[(mb, action.chunk)] = x
             outputs[(mb, action.chunk)] = y
 
-    def _backward(self, action: Action, backward_fn, inputs, outputs, pending, receives: ReceiveQueue,
+    def _backward(self, action: Action, stage: StageCompute, inputs, outputs, pending, receives: ReceiveQueue,
                   stats) -> None:
         mb, k = action.microbatch, self.part(action.chunk)
         x, y = inputs.pop((mb, action.chunk)), outputs.pop((mb, action.chunk))
         if k == self.num_parts - 1:
-            backward_fn(y, None, action.chunk)
+            stage.backward(y, None, action.chunk)
         else:
-            backward_fn(y, receives.take(k + 1, GRADIENT_TAG, stats), action.chunk)
+            stage.backward(y, receives.take(k + 1, GRADIENT_TAG, stats), action.chunk)
         if k > 0:
             pending.append(self._send(x.grad, k - 1, GRADIENT_TAG))
 

@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-from hybrid.pipeline import PipelineExecutor, split_layers
+from hybrid.pipeline import AutogradStage, PipelineExecutor, split_layers
 
 HIDDEN = 8
 BATCH = 3
@@ -90,7 +90,7 @@ def run_pipeline(num_layers: int, count: int, schedule: str, chunks: int = 1, tr
                                 activation_dtype=torch.float32)
     count = (counts_by_rank or {}).get(topo.pp_rank, count)
     try:
-        stats = executor.step(microbatches(count), lambda m, k, x, b: m(x, b), train=train)
+        stats = executor.step(microbatches(count), AutogradStage(lambda m, k, x, b: m(x, b)), train=train)
     except CollectiveError as e:
         return {"error": str(e)}
     if topo.pp_rank in (counts_by_rank or {}):

@@ -1,0 +1,67 @@
+"""The engine's side of a pipeline step: :class:`EngineStage`, the forward and backward of one model part.
+
+Every :meth:`hybrid.engine.Engine.train_batch` (at pp=1 too) runs::
+
+    Engine.train_batch -> PipelineExecutor.step(microbatches, EngineStage)
+        -> for each action of the schedule: EngineStage.forward / EngineStage.backward
+    -> Engine's optimizer step at the end of the global batch
+
+:class:`EngineStage` is the :class:`~hybrid.pipeline.stage_compute.StageCompute`
+the executor calls: the model under the engine's autocast forward, and the
+ZeRO optimizer's backward (which applies the loss scale and the accumulation
+average, and reduces the gradients).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hybrid.zero import ZeroOptimizer
+
+
+def autocast(device_type: str, dtype: Optional[torch.dtype]):
+    """``torch.autocast`` to ``dtype`` on ``device_type``; a context that does nothing when ``dtype`` is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStage:
+    """This rank's pipeline stage as the executor computes it (a :class:`~hybrid.pipeline.StageCompute`).
+
+    ``module``: a pipeline-aware model (``forward_part(part, hidden, **microbatch)``, such as
+    :class:`model_zoo.GPTModel`); ``whole_model``: the stage is the whole model (one part: pp=1 and one
+    chunk), run through ``module(**microbatch)``; ``autocast_device`` / ``autocast_dtype``: the engine's
+    autocast (no dtype: none).
+    """
+
+    module: torch.nn.Module
+    optimizer: "ZeroOptimizer"
+    whole_model: bool
+    autocast_device: str
+    autocast_dtype: Optional[torch.dtype]
+
+    def forward(self, chunk: int, part: int, hidden: Optional[torch.Tensor],
+                microbatch: Mapping[str, Any]) -> torch.Tensor:
+        """Part ``part`` on ``microbatch`` (``input_ids`` ``[b, s]``, ``labels``, ...): the activation for the next
+        part (``[s, b, h]``), or the last part's scalar loss."""
+        with autocast(self.autocast_device, self.autocast_dtype):
+            if self.whole_model:
+                # The whole model: through its __call__, so that hooks on the model itself run. ZeRO-3's do (the
+                # root's pre-hook installs its saved-tensor hooks and watches reads of a tied head's weight).
+                return self.module(**microbatch)
+            return self.module.forward_part(part, hidden, **microbatch)
+
+    def backward(self, output: torch.Tensor, grad: Optional[torch.Tensor], chunk: int) -> None:
+        """Backpropagate through the optimizer: the loss (``grad`` None, scaled there) or a part's output with the
+        gradient received for it; ``chunk`` tells the optimizer which chunk's gradients are complete."""
+        if grad is None:
+            self.optimizer.backward(output, chunk=chunk)
+        else:
+            self.optimizer.backward_from(output, grad, chunk=chunk)
