@@ -33,6 +33,16 @@ def hpz_size_problem(size: int, ranks_on_node: int) -> Optional[str]:
     if ranks_on_node == 1:
         return (f"zero.hpz_partition_size = {size} but each node holds 1 data-parallel rank of this group, so there "
                 f"is no node to shard over; set it to 1 (off)")
+    if size > 1 and ranks_on_node % size == 0:
+        # DeepSpeed's smaller secondary groups would need a process group per group of `size` ranks inside each
+        # node; the node's whole dp group is the only one hybrid creates there (Topology.enable_node_axes), and
+        # the full node size gives the same on-node backward gather with a smaller copy per rank.
+        return (f"zero.hpz_partition_size = {size} but each node holds {ranks_on_node} data-parallel ranks of this "
+                f"group; DeepSpeed also takes a divisor of that (secondary groups of {size} ranks inside a node), "
+                f"but hybrid shards the secondary copy over the node's whole data-parallel group, the one process "
+                f"group it makes on each node: set it to {ranks_on_node} (the backward gather stays on the node "
+                f"the same, and each rank keeps 1/{ranks_on_node} of a unit instead of 1/{size}), or 1 to turn "
+                f"hpZ off")
     return (f"zero.hpz_partition_size = {size} but each node holds {ranks_on_node} data-parallel ranks of this "
             f"group; set it to {ranks_on_node} (or 1 to turn hpZ off)")
 
