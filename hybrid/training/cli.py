@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from hybrid.config import HybridConfig, config_from_command_line, validate_for_training
 from hybrid.config.flags import key_error
+from hybrid.training.load_target import file_instead_of_folder, same_folder
 
 # Errors about keys of the tree name their flags too.
 _error = functools.partial(key_error, HybridConfig)
@@ -26,16 +27,22 @@ _error = functools.partial(key_error, HybridConfig)
 DESCRIPTION = "Pretrain a GPT with TP x DP x ZeRO. Every flag sets one key of the config tree (shown in brackets)."
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> HybridConfig:
-    """Flags over ``--config FILE`` over defaults, typed and validated (rules that need the world: :func:`validate`).
+def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> HybridConfig:
+    """Flags over ``--config FILE`` over defaults, typed and validated.
 
-    Raises :class:`~hybrid.config.ConfigError`; an unknown flag exits as argparse does. Megatron-LM flags that
-    change nothing here are named in one note on stderr, by rank 0 alone (torchrun's ``RANK``; every rank
-    parses the same flags).
+    ``world_size`` (default: torchrun's ``WORLD_SIZE``, when set): the rules of :func:`validate` for that many
+    processes are checked too, so that one error lists every problem of the launch, before any process group.
+    Raises :class:`~hybrid.config.ConfigError`; an unknown flag exits as argparse does, naming the rest too.
+    Megatron-LM flags and DeepSpeed keys that change nothing here are named in one note on stderr, by rank 0
+    alone (torchrun's ``RANK``; every rank parses the same flags).
     """
+    if world_size is None and os.environ.get("WORLD_SIZE", "").isdigit():
+        world_size = int(os.environ["WORLD_SIZE"])
     notes: List[str] = []
     config = config_from_command_line(argv, prog="hybrid-train", description=DESCRIPTION, notes=notes,
-                                      underlay=checkpoint_model_settings)
+                                      underlay=checkpoint_model_settings,
+                                      check=None if world_size is None else functools.partial(validate,
+                                                                                              world_size=world_size))
     if notes and os.environ.get("RANK", "0") == "0":
         print(f"hybrid-train: note: Megatron-LM flags with no effect here: {'; '.join(notes)}", file=sys.stderr)
     return config
@@ -123,11 +130,17 @@ def _check_paths(config: HybridConfig) -> None:
     # A --load folder that does not exist yet is the first launch of a job that saves and resumes in one
     # place (--save DIR --load DIR); anywhere else it is a typo, refused rather than silently starting over.
     load, save = config.checkpoint.load, config.checkpoint.save
-    if load is not None and not os.path.exists(load) and \
-            (save is None or os.path.abspath(load) != os.path.abspath(save)):
+    misnamed = file_instead_of_folder(load) if load is not None else None
+    if misnamed is not None:
+        raise _error(f"'checkpoint.load' {misnamed}", "checkpoint.load")
+    if load is not None and not os.path.exists(load) and not same_folder(load, save):
         raise _error(f"'checkpoint.load' {load}: no such directory (a folder that does not exist yet is only "
                      f"accepted when --save names the same folder, to start a run that will resume there)",
                      "checkpoint.load")
+    if load is not None and not os.path.exists(load) and config.checkpoint.finetune:
+        raise _error(f"'checkpoint.load' {load}: no such directory, so --finetune has no checkpoint to start from; "
+                     f"give a checkpoint's folder (a Hugging Face model is imported with "
+                     f"tools/convert_checkpoint.py from-hf first)", "checkpoint.load", "checkpoint.finetune")
 
 
 def _check_tokenizer(config: HybridConfig) -> None:

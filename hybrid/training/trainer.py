@@ -40,6 +40,7 @@ from hybrid.training.data import build_data
 from hybrid.training.exit import ExitConditions
 from hybrid.training.failure import flag_context, quiet_unless, run_main
 from hybrid.training.health import DivergenceGuard, TrainingDiverged, non_finite_weights_message
+from hybrid.training.load_target import hf_model_message, is_hf_model_folder, same_folder
 from hybrid.training.loss_spike import LossSpikeGuard
 from hybrid.training.model import model_config
 from hybrid.training.profile import StepProfile, profile_line, steady_state_start
@@ -130,8 +131,13 @@ class Trainer:
         self.iteration = 0
         if resume is not None:
             self._load(str(resume))
-        elif config.checkpoint.load is not None:
+        elif same_folder(config.checkpoint.load, config.checkpoint.save):
             _log(topo, f"--load {config.checkpoint.load}: no checkpoint there yet, starting from scratch")
+        elif config.checkpoint.load is not None:
+            # not the first launch of a job that resumes where it saves: likely the wrong folder
+            _log(topo, f"hybrid-train: warning: --load {config.checkpoint.load}: no checkpoint there yet, starting "
+                       f"from scratch with random weights although --save is {config.checkpoint.save or 'unset'}, "
+                       f"another folder; check --load (--exit-on-missing-checkpoint makes this an error)")
         # the run's length in optimizer steps: given, or every whole global batch within run.train_samples;
         # an evaluation run ends where it starts
         if run.skip_train:
@@ -159,10 +165,16 @@ class Trainer:
     def _check_starting_from_scratch(config: HybridConfig) -> None:
         """``--load`` holds no checkpoint: refused where the run needs one, else the run starts from scratch."""
         load = config.checkpoint.load
+        if is_hf_model_folder(load):
+            raise CheckpointNotFoundError(hf_model_message(load))
         if config.run.skip_train:
             # evaluating fresh weights where a checkpoint's were meant would report a meaningless loss
             raise CheckpointNotFoundError(f"{load} holds no checkpoint for --skip-train to evaluate; give a "
                                           f"checkpoint's directory, or no --load to evaluate the initial weights")
+        if config.checkpoint.finetune:
+            raise CheckpointNotFoundError(f"{load} holds no checkpoint for --finetune to start from; give a "
+                                          f"checkpoint's folder (DIR or DIR/iter_N), or leave out --finetune and "
+                                          f"--load to train from scratch")
         if config.checkpoint.exit_on_missing_checkpoint:
             raise CheckpointNotFoundError(f"{load} holds no checkpoint (--exit-on-missing-checkpoint); give a "
                                           f"checkpoint's directory, or leave the flag out to start from scratch")
