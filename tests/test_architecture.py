@@ -418,3 +418,15 @@ def test_every_command_line_uses_the_one_line_parser():
             bad += [f"{rel}:{n}" for n, line in enumerate(code.splitlines(), 1) if "argparse.ArgumentParser(" in line]
     assert not bad, "use hybrid.argument_parser.ArgumentParser (usage errors in one line), not argparse's:\n  " \
                     + "\n  ".join(bad)
+
+
+# The page that maps the layers; every path it names in backticks must exist.
+ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
+DOC_PATH = re.compile(r"`((?:hybrid|model_zoo|tests|tools|benchmarks|docs|launch_scripts)/[\w/.\-]*)`")
+
+
+def test_the_architecture_page_names_only_paths_that_exist():
+    named = sorted(set(DOC_PATH.findall(ARCHITECTURE_DOC.read_text(encoding="utf-8"))))
+    assert len(named) > 20, "the pattern no longer finds the page's paths"
+    missing = [p for p in named if not (ROOT / p).exists()]
+    assert not missing, f"docs/architecture.md names paths that do not exist (moved or renamed?): {missing}"
