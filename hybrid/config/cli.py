@@ -20,22 +20,28 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
+import sys
 import typing
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from hybrid.argument_parser import ArgumentParser
-from hybrid.config.deepspeed import deepspeed_settings, from_deepspeed
+from hybrid.config.deepspeed import deepspeed_notes, deepspeed_settings, from_deepspeed
 from hybrid.config.derive import derive_for_training
 from hybrid.config.errors import ConfigError, one_error_for_all, suggestion
-from hybrid.config.flags import Given, Leaf, Spelling, apply_given, has_key, put
+from hybrid.config.flags import Given, Leaf, Spelling, apply_given, get_path, has_key, put
 from hybrid.config.load import check_deepspeed_dtypes, is_deepspeed_style, read_config_file
-from hybrid.config.megatron_flags import MEGATRON_FLAGS, check_megatron_flags
+from hybrid.config.megatron_flags import (DENSE_MOE_NOTE, MEGATRON_FLAGS, MOE_FAMILY, NO_LOAD_STATE_REFUSAL,
+                                          RESPELLINGS, TOKENIZER_NOT_YET, TOKENIZER_SPELLINGS, family_of,
+                                          megatron_verdicts)
 from hybrid.config.parse import parse_section
 from hybrid.config.schema import HybridConfig
 from hybrid.config.spellings import FLAT_NAMES, SECTIONS, SPELLINGS
 from hybrid.config.validate import validate
 
 CONFIG_FLAG = "--config"
+DEEPSPEED_CONFIG_FLAG = "--deepspeed-config"  # Megatron-DeepSpeed's --deepspeed_config FILE: a DeepSpeed JSON
+_NEAR = 0.8  # how alike (difflib's ratio) a flag must be to a known one to be suggested for it
 _MEGATRON_DEST = "megatron_"  # argparse dests of the Megatron-only flags: this prefix and the flag's index
 _ROOT_KEYS = tuple(HybridConfig.__dataclass_fields__)
 
@@ -77,6 +83,9 @@ def build_parser(prog: str = "hybrid-train", description: str = "") -> Tuple[arg
                                      allow_abbrev=False)
     parser.add_argument(CONFIG_FLAG, metavar="FILE", help="YAML or JSON file: the nested tree, flat trainer keys "
                                                          "or a DeepSpeed config; flags override it")
+    parser.add_argument(DEEPSPEED_CONFIG_FLAG, metavar="FILE", dest="deepspeed_config",
+                        help="a DeepSpeed JSON config (Megatron-DeepSpeed's --deepspeed_config), read as --config "
+                             "reads one; flags override it")
     groups = {"": parser.add_argument_group("top-level keys")}
     for name in SECTIONS:
         field = HybridConfig.__dataclass_fields__[name]
@@ -133,70 +142,227 @@ def _nargs(leaf: Leaf):
 
 def config_from_command_line(argv: Optional[Sequence[str]] = None, prog: str = "hybrid-train",
                              description: str = "", notes: Optional[List[str]] = None,
-                             underlay: Optional[Callable[[HybridConfig], Mapping[str, Any]]] = None) -> HybridConfig:
+                             underlay: Optional[Callable[[HybridConfig], Mapping[str, Any]]] = None,
+                             check: Optional[Callable[[HybridConfig], None]] = None) -> HybridConfig:
     """Defaults, then ``--config FILE``, then flags: one validated config with the trainer's derived values.
 
-    Unknown flags exit through argparse (status 2, with the nearest flag);
-    everything else raises :class:`~hybrid.config.ConfigError`. Megatron-LM
-    flags without a key (:mod:`hybrid.config.megatron_flags`) that change
-    nothing here are appended to ``notes``, one line each; a refused one raises.
+    Every problem of the command line is reported at once: unknown flags, refused Megatron-LM flags (each with
+    its reason, :mod:`hybrid.config.megatron_flags`) and invalid values. With an unknown flag among them the
+    parser exits as argparse does (status 2, naming the nearest flag only when it is near); else a
+    :class:`~hybrid.config.ConfigError` lists them. Megatron-LM flags and values that change nothing here
+    (and DeepSpeed keys of a config file that change nothing) are appended to ``notes``, one line each.
     ``underlay``: given the settings the file and flags make, more settings (dotted keys) for the keys that
-    neither sets, between them and the defaults (the trainer's ``--use-checkpoint-args``).
+    neither sets, between them and the defaults (the trainer's ``--use-checkpoint-args``). ``check``: more rules
+    for the validated config (the trainer's, for its world size); its ConfigError joins the others.
     """
     parser, dests = build_parser(prog, description)
+    found: List[str] = []  # notes
+    argv = _respelled(_dashed(list(sys.argv[1:] if argv is None else argv), parser), found)
     namespace, extras = parser.parse_known_args(argv)
-    if extras:
-        parser.error(_unrecognized(extras))
     given = vars(namespace)
+    problems: List[ConfigError] = []
+    megatron = _megatron_given(given)
+    accepted, refusals = megatron_verdicts(megatron)
+    found += accepted
+    refused = list(refusals)
+    experts = dict(megatron).get("--num-experts")
+    unknown = _refuse_families(extras, dense=experts is None or experts == "1", refused=refused, notes=found)
+    problems += [ConfigError(line) for line in refused]
+    _read_megatron_values(given, dests, found, problems)
+    path, ds_path = given.pop("config", None), given.pop("deepspeed_config", None)
+    tree: Dict[str, Any] = {}
+    cfg = None
     try:
-        accepted = check_megatron_flags(_megatron_given(given))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+        if path and ds_path:
+            raise ConfigError(f"{CONFIG_FLAG} {path} and {DEEPSPEED_CONFIG_FLAG} {ds_path}: give one config file")
+        if path or ds_path:
+            tree = tree_from_file(path or ds_path, notes=found, deepspeed_only=bool(ds_path))
+        apply_given(tree, [Given(dests[dest], value) for dest, value in given.items()])
+        if underlay is not None:
+            for key, value in underlay(parse_section(HybridConfig, tree, "")).items():
+                if not has_key(tree, key):
+                    put(tree, key, value)
+        _settings_that_mean_off(tree, found)
+        cfg = derive_for_training(parse_section(HybridConfig, tree, ""))
+        validate(cfg)
+        if check is not None:
+            check(cfg)
+        if (path or ds_path) and given:
+            check_deepspeed_dtypes(path or ds_path, cfg.precision, given_by="the command line")
+    except ConfigError as err:
+        problems.append(err)
+    for flag in ("--no-load-optim", "--no-load-rng"):
+        ckpt = cfg.checkpoint if cfg is not None else None
+        if flag in dict(megatron) and ckpt is not None and ckpt.load is not None and not ckpt.finetune:
+            problems.append(ConfigError(f"{flag} is a Megatron-LM flag hybrid does not take: {NO_LOAD_STATE_REFUSAL} "
+                                        f"(--load {ckpt.load} without --finetune)"))
+            found[:] = [n for n in found if not n.startswith(flag)]
+    if unknown:
+        parser.error(_unrecognized(unknown) + ("" if not problems else "; and " + str(_one_error(problems))))
+    if problems:
+        raise _one_error(problems)
     if notes is not None:
-        notes.extend(accepted)
-    path = given.pop("config", None)
-    tree: Dict[str, Any] = tree_from_file(path) if path else {}
-    apply_given(tree, [Given(dests[dest], value) for dest, value in given.items()])
-    if underlay is not None:
-        for key, value in underlay(parse_section(HybridConfig, tree, "")).items():
-            if not has_key(tree, key):
-                put(tree, key, value)
-    cfg = derive_for_training(parse_section(HybridConfig, tree, ""))
-    validate(cfg)
-    if path and given:
-        check_deepspeed_dtypes(path, cfg.precision, given_by="the command line")
+        notes.extend(found)
     return cfg
 
 
+def _one_error(problems: List[ConfigError]) -> ConfigError:
+    """One error for the launch: a single source's error as it is (a file's or the config's own list of keys),
+    else every problem numbered in one list."""
+    return problems[0] if len(problems) == 1 else one_error_for_all(problems, "settings")
+
+
+def _dashed(argv: List[str], parser: argparse.ArgumentParser) -> List[str]:
+    """``argv`` with Megatron-DeepSpeed's underscore spellings (``--deepspeed_config``) of known flags dashed."""
+    known = set(parser._option_string_actions)
+    out = []
+    for arg in argv:
+        flag, eq, value = arg.partition("=")
+        dashed = flag.replace("_", "-")
+        if flag.startswith("--") and flag not in known and dashed in known:
+            arg = dashed + eq + value
+        out.append(arg)
+    return out
+
+
+def _respelled(argv: List[str], notes: List[str]) -> List[str]:
+    """``argv`` with Megatron-DeepSpeed's spellings of hybrid's flags (:data:`RESPELLINGS`) written as hybrid's,
+    each named in a note."""
+    out: List[str] = []
+    i = 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        spelling = RESPELLINGS.get(flag)
+        i += 1
+        if spelling is None:
+            out.append(argv[i - 1])
+            continue
+        if spelling.value is None and not eq and i < len(argv):
+            value, i = argv[i], i + 1
+        value = spelling.value if spelling.value is not None else value
+        shown = f"{flag} {value}" if spelling.value is None else flag
+        if spelling.yields_to is not None and any(a.split("=")[0] == spelling.yields_to for a in argv):
+            notes.append(f"{shown} (no effect: {spelling.yields_to} is given)")
+            continue
+        notes.append(f"{shown} (read as {spelling.flag} {value})")
+        out += [spelling.flag, value]
+    return out
+
+
+def _refuse_families(extras: List[str], dense: bool, refused: List[str], notes: List[str]) -> List[str]:
+    """Sort the arguments argparse did not know: Megatron-LM flags of a refused family
+    (:data:`~hybrid.config.megatron_flags.MEGATRON_FAMILIES`), with the values that follow them, add a line to
+    ``refused`` each (MoE flags on a dense model add a note instead); returns the rest, unrecognized."""
+    refused_lines = list(refused)
+    unknown: List[str] = []
+    i = 0
+    while i < len(extras):
+        flag = extras[i].split("=")[0]
+        values = [extras[i].split("=", 1)[1]] if "=" in extras[i] else []
+        i += 1
+        while i < len(extras) and not extras[i].startswith("--"):
+            values.append(extras[i])
+            i += 1
+        family = family_of(flag) if flag.startswith("--") else None
+        shown = " ".join([flag] + values)
+        if family is None:
+            unknown.append(shown)
+        elif family is MOE_FAMILY and dense:
+            notes.append(f"{shown} ({DENSE_MOE_NOTE})")
+        else:
+            refused_lines.append(f"{shown} is a Megatron-LM flag hybrid does not take: {family.reason}")
+    refused[:] = refused_lines
+    return unknown
+
+
+def _read_megatron_values(given: Dict[str, Any], dests: Mapping[str, Spelling], notes: List[str],
+                          problems: List[ConfigError]) -> None:
+    """Megatron-LM's values for keys hybrid has, read as Megatron reads them: a tokenizer type that is one of
+    hybrid's under another name (``Llama2Tokenizer``), and a quoted ``--split`` (``"'99,1,0'"``, as a script
+    that quotes inside an unquoted array passes it)."""
+    for dest, value in list(given.items()):
+        flag = dests[dest].flag if dest in dests else None
+        if flag == "--tokenizer-type" and isinstance(value, str):
+            kind = value.lower()
+            if kind in TOKENIZER_NOT_YET:
+                problems.append(ConfigError(f"--tokenizer-type {value}: {TOKENIZER_NOT_YET[kind]}",
+                                            keys=("data.tokenizer_type",)))
+                del given[dest]
+            elif kind in TOKENIZER_SPELLINGS:
+                name, why = TOKENIZER_SPELLINGS[kind]
+                notes.append(f"--tokenizer-type {value} (" + (f"read as {name}: {why}" if name else why) + ")")
+                if name is None:
+                    del given[dest]
+                else:
+                    given[dest] = name
+        elif flag == "--split" and isinstance(value, str) and re.search(r"[^0-9.,/\s]", value):
+            numbers = re.findall(r"[.0-9]+", value)
+            if numbers:
+                given[dest] = ",".join(numbers)
+                notes.append(f"--split {value} (read as {given[dest]}: its numbers, as Megatron-LM reads it)")
+
+
+def _settings_that_mean_off(tree: Dict[str, Any], notes: List[str]) -> None:
+    """Settings of the partial ``tree`` that ask for nothing here, turned off with a note as Megatron-LM does:
+    sequence parallelism with one tensor-parallel rank, and validation on a split with no validation share."""
+    tp = get_path(tree, "tensor_parallel_size") or 1
+    if get_path(tree, "model.sequence_parallel") and isinstance(tp, int) and tp == 1:
+        put(tree, "model.sequence_parallel", False)
+        notes.append("--sequence-parallel (turned off: it splits activations over the tensor-parallel group, and "
+                     "there is one tensor-parallel rank, as Megatron-LM does)")
+    split = get_path(tree, "data.split")
+    interval = get_path(tree, "eval.interval", 1)
+    if isinstance(split, str) and get_path(tree, "data.path") and not get_path(tree, "data.train_path") \
+            and interval != 0:
+        shares = [float(x) for x in re.findall(r"[.0-9]+", split) if x.strip(".")]
+        if len(shares) >= 2 and shares[1] == 0 and sum(shares) > 0:
+            put(tree, "eval.interval", 0)
+            notes.append(f"--split {split} (no validation share: validation is skipped, as Megatron-LM skips an "
+                         f"empty split)")
+
+
 def _unrecognized(extras: List[str]) -> str:
+    """``unrecognized arguments: ...``, and the nearest known flag of each unknown one that has a near one."""
     text = f"unrecognized arguments: {' '.join(extras)}"
-    flags = sorted(set(SPELLINGS) | {CONFIG_FLAG})
+    flags = sorted(set(SPELLINGS) | {CONFIG_FLAG, DEEPSPEED_CONFIG_FLAG} | {f.flag for f in MEGATRON_FLAGS})
+    hints = []
     for extra in extras:
-        close = difflib.get_close_matches(extra.split("=")[0], flags, n=1, cutoff=0.6)
-        if extra.startswith("--") and close:
-            text += f" (did you mean {close[0]}?)"
-            break
+        flag = extra.split()[0].split("=")[0]
+        close = difflib.get_close_matches(flag, flags, n=1, cutoff=_NEAR) if flag.startswith("--") else []
+        if close:
+            hints.append((flag, close[0]))
+    if len(hints) == 1:
+        text += f" (did you mean {hints[0][1]}?)"
+    elif hints:
+        text += " (did you mean " + ", ".join(f"{near} for {flag}" for flag, near in hints) + "?)"
     return text
 
 
 # ---- --config FILE ------------------------------------------------------------------------------------
 
-def tree_from_file(path: str) -> Dict[str, Any]:
-    """The partial nested tree a config file sets (native, flat trainer keys, or DeepSpeed)."""
+def tree_from_file(path: str, notes: Optional[List[str]] = None, deepspeed_only: bool = False) -> Dict[str, Any]:
+    """The partial nested tree a config file sets (native, flat trainer keys, or DeepSpeed); ``notes`` receives
+    one line naming the DeepSpeed keys that change nothing here. ``deepspeed_only``: the file must be a DeepSpeed
+    config (``--deepspeed-config``)."""
+    flag = DEEPSPEED_CONFIG_FLAG if deepspeed_only else CONFIG_FLAG
     try:
         data = read_config_file(path)
         if not isinstance(data, Mapping):
             raise ConfigError(f"expected a mapping of settings at the top level, got {type(data).__name__}")
-        if is_deepspeed_style(data):
+        if deepspeed_only and data and not is_deepspeed_style(data):
+            raise ConfigError("it is not a DeepSpeed config (no DeepSpeed key such as train_batch_size or "
+                              "zero_optimization); give hybrid's own config with --config")
+        if is_deepspeed_style(data) or (deepspeed_only and not data):
             from_deepspeed(data)  # validates, naming the DeepSpeed keys
+            if notes is not None:
+                notes.extend(deepspeed_notes(data))
             tree: Dict[str, Any] = {}
             for key, value in deepspeed_settings(data).items():
                 put(tree, key, value)
             return tree
         return tree_from_mapping(data)
     except ConfigError as err:
-        raise ConfigError(f"{CONFIG_FLAG} {path}: {err}", keys=err.keys,
-                          message=f"{CONFIG_FLAG} {path}: {err.message}") from None
+        raise ConfigError(f"{flag} {path}: {err}", keys=err.keys, message=f"{flag} {path}: {err.message}") from None
 
 
 def tree_from_mapping(data: Mapping[str, Any]) -> Dict[str, Any]:

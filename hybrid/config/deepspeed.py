@@ -54,8 +54,9 @@ _MAPPED = {
 }
 # Sections whose keys are handled by dedicated code below (besides those in _MAPPED).
 _HANDLED = {"": {"zero_optimization", "fp16", "bf16", "optimizer", "scheduler", "tensorboard", "data_types",
-                 "communication_data_type"},
-            "zero_optimization": {"offload_optimizer", "zero_quantized_gradients", "zero_quantized_weights"},
+                 "communication_data_type", "activation_checkpointing"},
+            "zero_optimization": {"offload_optimizer", "zero_quantized_gradients", "zero_quantized_weights",
+                                  "cpu_offload"},
             "fp16": {"enabled"}, "bf16": {"enabled"}, "optimizer": {"type", "params"},
             "scheduler": {"type", "params"}, "data_types": {"grad_accum_dtype", "param_dtype", "buffer_dtype"}}
 
@@ -74,6 +75,7 @@ _FIXED = {
     "optimizer.params": {"bias_correction": True, "amsgrad": False, "nesterov": False, "dampening": 0.0},
 }
 
+_NOT_YET = "not implemented yet (issue 53)"
 _ISSUE_8 = "hybrid does not implement it (parameter offload, NVMe and sub-groups are out of scope); remove it"
 _CONSOLIDATE = ("hybrid saves sharded checkpoints and consolidates them offline (tools/convert_checkpoint.py to-fp32 "
                 "or to-hf); remove it")
@@ -97,10 +99,14 @@ _UNSUPPORTED = {
         "bfloat16": "write it as 'bf16'", "train_batch_size_per_gpu": "use train_micro_batch_size_per_gpu",
     },
     "zero_optimization": {
-        "offload_param": _ISSUE_8, "cpu_offload": "write it as offload_optimizer: {device: cpu}",
+        "offload_param": f"parameter offload is {_NOT_YET}; remove it",
+        "zenflow": "ZenFlow (offloading the updates of the less important gradients) is not implemented; hybrid "
+                   "offloads the whole optimizer step (offload_optimizer.device cpu); remove it",
         "cpu_offload_params": _ISSUE_8, "cpu_offload_use_pin_memory": "remove it; host buffers are pinned on GPUs",
-        "stage3_model_persistence_threshold": _ISSUE_8, "stage3_gather_16bit_weights_on_model_save": _CONSOLIDATE,
-        "stage3_gather_fp16_weights_on_model_save": _CONSOLIDATE, "sub_group_size": _ISSUE_8,
+        "stage3_model_persistence_threshold": _ISSUE_8, "stage3_gather_16bit_weights_on_model_save": _CONSOLIDATE.replace("; remove it", "; a consolidated "
+                                                                                 "16-bit model written with each "
+                                                                                 f"save is {_NOT_YET}; remove it"),
+        "stage3_gather_fp16_weights_on_model_save": _CONSOLIDATE, "sub_group_size": f"optimizer sub-groups (with parameter offload) are {_NOT_YET}; remove it",
         "elastic_checkpoint": "remove it", "load_from_fp32_weights": "remove it",
         "round_robin_gradients": "remove it",
         "mics_shard_size": "remove it", "mics_hierarchical_params_gather": "remove it",
@@ -109,8 +115,14 @@ _UNSUPPORTED = {
     },
     "fp16": {"fp16_master_weights_and_grads": "hybrid keeps fp32 master weights; remove it"},
     "bf16": {"immediate_grad_update": "remove it", "check_grad_overflow": "remove it",
-             "bf16_master_weights_and_grads": "hybrid keeps fp32 master weights; remove it",
-             "bf16_optimizer_states": "hybrid keeps fp32 optimizer states; remove it"},
+             "bf16_master_weights_and_grads": f"hybrid keeps fp32 master weights; bf16 ones are {_NOT_YET}; "
+                                              f"remove it",
+             "bf16_optimizer_states": f"hybrid keeps fp32 optimizer states; bf16 ones are {_NOT_YET}; remove it"},
+    "zero_optimization.offload_optimizer": {
+        "ratio": "offloading a part of the optimizer state is not implemented: hybrid offloads all of it (device "
+                 "cpu) or none; remove it",
+        "nvme_path": _ISSUE_8, "buffer_count": _ISSUE_8, "fast_init": _ISSUE_8, "pipeline_read": _ISSUE_8,
+        "pipeline_write": _ISSUE_8, "pipeline": _ISSUE_8},
     "optimizer.params": {"torch_adam": "remove it; hybrid picks its Adam implementation itself",
                          "max_grad_norm": "clip with the top-level gradient_clipping instead"},
 }
@@ -122,8 +134,37 @@ _UNSUPPORTED = {
 # ZeroOneAdam's bias_correction: its update, like DeepSpeed's, applies none either way.
 _NO_EFFECT = {
     "zero_optimization": {"allgather_bucket_size": (int, float)},
+    # how DeepSpeed's checkpointing stores what it keeps (partitioned over TP, contiguous, on the CPU), how many
+    # checkpoints it expects, and its timers: hybrid's recompute keeps each layer's input, and recomputes the same
+    "activation_checkpointing": {"partition_activations": bool, "contiguous_memory_optimization": bool,
+                                 "cpu_checkpointing": bool, "number_checkpoints": (int, type(None)),
+                                 "synchronize_checkpoint_boundary": bool, "profile": bool},
     "optimizer.params": {"cuda_aware": bool, "comm_backend_name": str, "bias_correction": bool},
 }
+
+_ROUNDING = ("hybrid averages gradients over the data-parallel ranks in its all-reduce; dividing before the sum "
+             "rather than after changes only the rounding (in fp16, an overflow of the sum skips the step and lowers "
+             "the dynamic loss scale)")
+# Keys accepted at any value of the right type, that change nothing here; named in one note
+# (:func:`deepspeed_notes`). Each says why.
+_NOTED = {
+    "": {"prescale_gradients": (bool, _ROUNDING), "gradient_predivide_factor": ((int, float), _ROUNDING),
+         "zero_allow_untested_optimizer": (bool, "hybrid builds its own optimizer from 'optimizer'; there is no "
+                                                 "untested client optimizer to allow")},
+    "zero_optimization": {"contiguous_gradients": (bool, "hybrid's gradients always live in flat contiguous "
+                                                          "buffers; the values are the same")},
+    "fp16": {"auto_cast": (bool, "it casts the model's floating-point inputs to fp16; a GPT's inputs are token ids, "
+                                 "which it leaves alone")},
+}
+# Keys DeepSpeed reads into its config and nothing of DeepSpeed acts on (or does not read at all): ignored, named
+# in their own note.
+_IGNORED_BY_DEEPSPEED = {"": {"cuda_visible_devices": "DeepSpeed's config does not read it (devices are the "
+                                                      "launcher's CUDA_VISIBLE_DEVICES)",
+                              "disable_allgather": "DeepSpeed reads it and nothing acts on it"}}
+# Fixed keys whose other value is a feature not implemented yet: the reason, instead of "always behaves as".
+_FIXED_REASONS = {"optimizer.params.bias_correction": (
+    "Adam without bias correction is " + _NOT_YET + ": hybrid's Adam inner step (hybrid/zero/inner.py, with its "
+    "fused and compiled kernels) always corrects the moments' bias; remove it or set it true")}
 
 # DeepSpeed's dtype keys: the precision of one kind of tensor each, accepted when it is the one hybrid keeps at
 # the config's precision (that is, the field of hybrid.layout.precision_traits named here: the gradients are
@@ -154,7 +195,35 @@ _UNSUPPORTED_OPTIMIZERS = ("lamb", "onebitlamb", "adagrad", "lion", "muadam",
 
 
 def known_top_level_keys() -> set:
-    return (set(_MAPPED[""]) | _HANDLED[""] | set(_FIXED[""]) | set(_UNSUPPORTED[""]))
+    return (set(_MAPPED[""]) | _HANDLED[""] | set(_FIXED[""]) | set(_UNSUPPORTED[""]) | set(_NOTED[""])
+            | set(_IGNORED_BY_DEEPSPEED[""]))
+
+
+def deepspeed_notes(ds: Mapping[str, Any]) -> List[str]:
+    """The notes for a DeepSpeed config :func:`from_deepspeed` accepts: one naming its keys that change nothing
+    here (each with why), one naming the keys DeepSpeed itself ignores, one for each setting read as another;
+    none when it has none."""
+    noted, ignored, read_as = [], [], []
+    for table, out in ((_NOTED, noted), (_IGNORED_BY_DEEPSPEED, ignored)):
+        for name, keys in table.items():
+            section = ds if not name else ds.get(name)
+            if not isinstance(section, Mapping):
+                continue
+            for key, entry in keys.items():
+                if key in section:
+                    why = entry[1] if isinstance(entry, tuple) else entry
+                    out.append(f"{name + '.' if name else ''}{key} ({why})")
+    if "activation_checkpointing" in ds:
+        read_as.append("DeepSpeed key activation_checkpointing read as recompute full (every layer recomputed in "
+                       "the backward pass, Megatron-DeepSpeed's --checkpoint-activations); its storage settings "
+                       "change nothing here")
+    zero = ds.get("zero_optimization")
+    if isinstance(zero, Mapping) and zero.get("cpu_offload") is True:
+        read_as.append("DeepSpeed key zero_optimization.cpu_offload read as offload_optimizer.device cpu (its "
+                       "current spelling)")
+    lines = [f"DeepSpeed keys with no effect here: {'; '.join(noted)}"] if noted else []
+    lines += [f"DeepSpeed keys DeepSpeed itself ignores, ignored: {'; '.join(ignored)}"] if ignored else []
+    return lines + read_as
 
 
 def from_deepspeed(ds: Mapping[str, Any]) -> HybridConfig:
@@ -206,6 +275,10 @@ def _translate(ds: Mapping[str, Any]):
             if section == "zero_optimization" and "offload_optimizer" in sub:
                 _map_section(_section(sub, "offload_optimizer"), "zero_optimization.offload_optimizer", put)
     _map_precision(ds, put)
+    if "activation_checkpointing" in ds:
+        put("recompute", "full", "activation_checkpointing")
+    if isinstance(ds.get("zero_optimization"), Mapping) and ds["zero_optimization"].get("cpu_offload") is True:
+        put("zero.offload_optimizer", "cpu", "zero_optimization.cpu_offload")
     if "optimizer" in ds:
         _map_optimizer(_section(ds, "optimizer"), put)
     if "scheduler" in ds:
@@ -233,7 +306,8 @@ def _check_every_key(ds: Mapping) -> None:
     """Check the keys of every section :func:`_translate` reads; one ConfigError naming all that need changing."""
     problems: List[str] = []
     _check_keys(ds, "", problems)
-    for name in ("zero_optimization", "fp16", "bf16", "tensorboard", "optimizer", "scheduler", "data_types"):
+    for name in ("zero_optimization", "fp16", "bf16", "tensorboard", "optimizer", "scheduler", "data_types",
+                 "activation_checkpointing"):
         if name in ds:
             _check_keys(_section(ds, name), name, problems)
     if isinstance(ds.get("zero_optimization", {}).get("offload_optimizer"), Mapping):
@@ -259,7 +333,16 @@ def _check_keys(section: Mapping, name: str, problems: List[str], allowed=None) 
     fixed = _FIXED.get(name, {})
     unsupported = _UNSUPPORTED.get(name, {})
     prefix = f"{name}." if name else ""
+    noted = {**_NOTED.get(name, {}), **{k: (object, why) for k, why in _IGNORED_BY_DEEPSPEED.get(name, {}).items()}}
     for key, value in section.items():
+        if key in noted:
+            kind = noted[key][0]
+            if not _is_a(value, kind):
+                problems.append(f"DeepSpeed key '{prefix}{key}' must be {_type_name(kind)}, got {value!r}")
+            continue
+        if key == "cpu_offload" and name == "zero_optimization" and not isinstance(value, bool):
+            problems.append(f"DeepSpeed key '{prefix}{key}' must be true or false, got {value!r}")
+            continue
         if key in accepted:
             kind = no_effect.get(key)
             if kind is not None and not _is_a(value, kind):
@@ -272,10 +355,11 @@ def _check_keys(section: Mapping, name: str, problems: List[str], allowed=None) 
                 problems.append(f"DeepSpeed key '{prefix}{key}' is not supported by hybrid: {unsupported[key]}")
             continue
         if key in fixed:
-            problems.append(f"DeepSpeed key '{prefix}{key}' = {value!r} is not supported: hybrid always behaves as "
-                            f"{key}={fixed[key]!r}; set that value or remove the key")
+            why = _FIXED_REASONS.get(prefix + key, f"hybrid always behaves as {key}={fixed[key]!r}; set that value "
+                                                   f"or remove the key")
+            problems.append(f"DeepSpeed key '{prefix}{key}' = {value!r} is not supported: {why}")
             continue
-        known = accepted | set(fixed) | set(unsupported)
+        known = accepted | set(fixed) | set(unsupported) | set(noted)
         problems.append(f"unknown DeepSpeed key '{prefix}{key}'.{suggestion(key, known, prefix)}")
 
 
@@ -352,12 +436,18 @@ def _switched_off(value: Any) -> bool:
 
 
 def _is_a(value: Any, kind) -> bool:
+    if kind is object:
+        return True
     # JSON's true is no number here: bool is a subclass of int
     return isinstance(value, kind) and (not isinstance(value, bool) or kind is bool)
 
 
 def _type_name(kind) -> str:
-    return "a number" if kind == (int, float) else f"a {kind.__name__}"
+    if kind == (int, float):
+        return "a number"
+    if isinstance(kind, tuple):
+        return " or ".join(_type_name(k) for k in kind)
+    return "null" if kind is type(None) else f"a {kind.__name__}"
 
 
 def _map_section(section: Mapping, name: str, put) -> None:
@@ -415,7 +505,8 @@ def _map_optimizer(opt: Mapping, put) -> None:
         hint = ("it is a DeepSpeed optimizer hybrid does not implement" if kind in _UNSUPPORTED_OPTIMIZERS
                 else f"unknown optimizer.{value_suggestion(type_name, _SUPPORTED_OPTIMIZERS.values())}")
         raise ConfigError(f"DeepSpeed optimizer.type {type_name!r} is not supported ({hint}); use one of "
-                          f"{', '.join(_SUPPORTED_OPTIMIZERS.values())}")
+                          f"{', '.join(_SUPPORTED_OPTIMIZERS.values())}" + (f"; LAMB is {_NOT_YET}" if kind == "lamb"
+                                                                            else ""))
     params = opt.get("params", {})
     if not isinstance(params, Mapping):
         raise ConfigError(f"DeepSpeed key 'optimizer.params' must be an object, got {params!r}")

@@ -59,6 +59,19 @@ _ALL_STATE = ("every checkpoint holds the optimizer and RNG states, so that it r
 _TENSORBOARD = "hybrid logs to TensorBoard (--tensorboard-dir)"
 _RETAIN = "--keep-last K keeps the newest K checkpoints, each complete and resumable"
 _PER_LAYER = "--recompute-granularity full recomputes every layer, each its own checkpoint"
+_FP8 = ("hybrid trains in bf16, fp16 or fp32 (--bf16, --fp16): fp8 and fp4 training (Transformer Engine's scaling "
+        "recipes) are not implemented")
+MOE = "Mixture-of-Experts is not implemented yet (issue: MoE)"
+_DENSE = "hybrid trains dense models only: " + MOE
+_GPT_OSS = ("gpt-oss's variants (learnable softmax sinks, sliding-window attention, the clamped quick-GeGLU MLP) "
+            "are not in model_zoo")
+_FSDP = ("Megatron-FSDP is Megatron's own sharded data parallelism; hybrid's is ZeRO: give --zero-stage 3 (parameters, "
+         "gradients and optimizer state partitioned over the data-parallel ranks)")
+_NOT_YET = "not implemented yet (issue 53): "
+_TOKENS = (_NOT_YET + "give the schedule in samples (tokens / --seq-length): --train-samples, --lr-decay-samples, "
+           "--lr-warmup-samples")
+_PROFILE = ("hybrid writes no profiler traces; it prints where the iterations went (compute, exposed communication, "
+            "memory) as one 'run profile' line at the end")
 _RECOMPUTE = ("hybrid recomputes every layer, each its own checkpoint (--recompute-granularity full: Megatron's "
               "--recompute-method uniform --recompute-num-layers 1), or the attention core (selective)")
 
@@ -123,23 +136,46 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
                              "same"),
     _accepted("--rotary-percent", "rotary embeddings cover the whole head dimension", values=("1.0", "1"),
               refusal="hybrid rotates the whole head dimension"),
-    _accepted("--empty-unused-memory-level", "0 is Megatron's default: the CUDA allocator's cache is left alone",
-              values=("0",), refusal="hybrid never empties the CUDA allocator's cache between steps"),
+    _accepted("--empty-unused-memory-level", "emptying the CUDA allocator's cache between steps changes the memory "
+                                             "reserved, not the training; hybrid leaves the cache alone",
+              takes_value=True),
     _accepted("--vocab-extra-ids", "no extra token ids", values=("0",),
               refusal="hybrid's tokenizers add no extra (T5 sentinel) ids"),
-    _refused("--no-load-optim", "--finetune loads the weights alone (a new optimizer, schedule and data position)"),
-    _refused("--no-load-rng", "--finetune loads the weights alone (a new optimizer, schedule and data position)"),
+    # accepted where no optimizer or RNG state would be loaded anyway (no --load, or --finetune); the trainer's
+    # start-up refuses them beside a --load that resumes (NO_LOAD_STATE_REFUSAL)
+    _accepted("--no-load-optim", "no optimizer state is loaded: --finetune loads the weights alone, and without "
+                                 "--load there is nothing to load"),
+    _accepted("--no-load-rng", "no RNG state is loaded: --finetune loads the weights alone, and without --load there "
+                               "is nothing to load"),
     # Megatron's full recompute of every layer, one checkpoint each, is hybrid's --recompute-granularity full
     _accepted("--recompute-method", _PER_LAYER, values=("uniform",), refusal=_RECOMPUTE),
     _accepted("--recompute-num-layers", _PER_LAYER, values=("1",), refusal=_RECOMPUTE),
     _refused("--accumulate-allreduce-grads-in-fp32", "hybrid accumulates and reduces gradients in the parameters' "
                                                      "dtype; for fp32 gradients keep fp32 parameters with "
                                                      "--autocast"),
-    _refused("--context-parallel-size", "hybrid has no context parallelism; --sequence-parallel splits the "
-                                        "activations over the tensor-parallel group", takes_value=True),
-    _refused("--num-experts", "hybrid trains dense models only", takes_value=True),
-    _refused("--expert-model-parallel-size", "hybrid trains dense models only", takes_value=True),
-    _refused("--fp8-format", "hybrid trains in bf16, fp16 or fp32 (--bf16, --fp16)", takes_value=True),
+    _accepted("--context-parallel-size", "one context-parallel rank: the sequence is not split", values=("1",),
+              refusal="hybrid has no context parallelism; --sequence-parallel splits the activations over the "
+                      "tensor-parallel group"),
+    _accepted("--num-experts", "one expert is the dense MLP", values=("1",), refusal=_DENSE),
+    _accepted("--expert-model-parallel-size", "one expert-parallel rank: nothing is split", values=("1",),
+              refusal=_DENSE),
+    _refused("--fp8-format", _FP8, takes_value=True),
+    # Megatron-DeepSpeed's spellings (examples_deepspeed/); --deepspeed-config FILE is read by hybrid.config.cli
+    _accepted("--deepspeed", "hybrid is the engine; the DeepSpeed settings are read from --deepspeed_config"),
+    _accepted("--deepspeed-activation-checkpointing", "recomputation is --checkpoint-activations or "
+                                                      "--recompute-granularity; hybrid has one checkpointing "
+                                                      "implementation"),
+    _accepted("--data-impl", _MMAP, values=("mmap",), refusal="hybrid reads Megatron's memory-mapped .bin/.idx "
+                                                              "files only"),
+    _accepted("--no-query-key-layer-scaling", "hybrid applies no query-key layer scaling; " + _FP32_SOFTMAX),
+    _accepted("--ds-sequence-parallel-size", "one DeepSpeed-Ulysses rank: the sequence is not split",
+              values=("1",), refusal="hybrid has no DeepSpeed-Ulysses sequence parallelism; --sequence-parallel "
+                                     "splits the activations over the tensor-parallel group"),
+    _accepted("--DDP-impl", "hybrid's data parallelism is its own (flat gradient buffers, ZeRO); there is no torch "
+                            "DDP to choose", takes_value=True),
+    _accepted("--rope-type", "model_zoo's rotary embedding is the standard one", values=("rope",),
+              refusal="model_zoo has no YaRN rotary embedding; --rope-scaling scales RoPE frequencies"),
+    _accepted("--logging-level", "the verbosity of Megatron's own Python loggers", takes_value=True),
     _refused("--use-torch-fsdp2", "ZeRO stage 3 (--zero-stage 3) partitions the parameters"),
     _refused("--tp-comm-overlap", "hybrid does not overlap tensor-parallel communication with compute; keep the "
                                   "tensor-parallel group within a node"),
@@ -164,19 +200,106 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
 )
 
 
-def check_megatron_flags(given: Sequence[Tuple[str, Optional[str]]]) -> Tuple[str, ...]:
+NO_LOAD_STATE_REFUSAL = ("--finetune loads the weights alone (a new optimizer, schedule and data position); "
+                         "resuming the weights and iteration of a --load checkpoint without its optimizer (or RNG) "
+                         "state is " + _NOT_YET.rstrip(": "))
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronFamily:
+    """Megatron-LM flags hybrid has no spelling of, refused with one reason: ``flags`` exactly, or any flag that
+    starts with one of ``prefixes``. Their values are whatever follows them up to the next flag, so that a flag
+    with several values (``--step-batch-size-schedule 0:16 2.4B:320``) is refused whole."""
+
+    reason: str
+    flags: Tuple[str, ...] = ()
+    prefixes: Tuple[str, ...] = ()
+
+    def matches(self, flag: str) -> bool:
+        return flag in self.flags or flag.startswith(self.prefixes)
+
+
+MOE_FAMILY = MegatronFamily(MOE, flags=("--expert-tensor-parallel-size",), prefixes=("--moe-",))
+MEGATRON_FAMILIES: Tuple[MegatronFamily, ...] = (
+    MegatronFamily(_FP8, prefixes=("--fp8", "--fp4")),
+    MOE_FAMILY,
+    MegatronFamily(_GPT_OSS, flags=("--softmax-type", "--window-size", "--window-attn-skip-freq", "--enable-gpt-oss",
+                                    "--quick-geglu", "--glu-linear-offset", "--activation-func-clamp-value",
+                                    "--export-force-local-attention")),
+    MegatronFamily(_FSDP, flags=("--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                                 "--init-model-with-meta-device", "--use-nccl-ub", "--outer-dp-sharding-strategy",
+                                 "--num-distributed-optimizer-instances"), prefixes=("--fsdp-", "--megatron-fsdp-")),
+    MegatronFamily("the embedding and output layer's own learning rate is " + _NOT_YET + "remove it (they train at "
+                   "--lr, like every other parameter)", flags=("--decoupled-lr", "--decoupled-min-lr")),
+    MegatronFamily("a batch-size schedule by consumed tokens is " + _NOT_YET + "--rampup-batch-size START "
+                   "INCREMENT SAMPLES ramps the global batch linearly", flags=("--step-batch-size-schedule",)),
+    MegatronFamily("reducing fp32 gradients in bf16 is " + _NOT_YET + "hybrid reduces gradients in the dtype they "
+                   "accumulate in (bf16 with --bf16)", flags=("--grad-reduce-in-bf16",)),
+    MegatronFamily("TikTokenizer is " + _NOT_YET + "give --tokenizer-type HuggingFaceTokenizer or "
+                   "SentencePieceTokenizer (with --mock-data, no tokenizer is needed)", flags=("--tiktoken-pattern",)),
+    MegatronFamily(_TOKENS, flags=("--train-tokens", "--lr-decay-tokens", "--lr-warmup-tokens")),
+    MegatronFamily(_PROFILE, flags=("--profile", "--profile-step-start", "--profile-step-end", "--profile-ranks",
+                                    "--record-memory-history", "--memory-snapshot-path", "--use-pytorch-profiler")),
+    MegatronFamily("hybrid leaves torch's default for bf16 matmul reductions (reduced precision allowed)",
+                   flags=("--disable-bf16-reduced-precision-matmul",)),
+    MegatronFamily("hybrid writes no optimizer-state statistics; --log-params-norm and --log-num-zeros-in-grad are "
+                   "its optional scalars", flags=("--log-optimizer-states-to-tensorboard",)),
+    MegatronFamily("a second dataset of Megatron's detoxification example script (finetune_gpt.py), not a flag of "
+                   "pretrain_gpt.py; give one blend with --data-path", flags=("--data-path2",)),
+)
+@dataclasses.dataclass(frozen=True)
+class Respelling:
+    """A Megatron-DeepSpeed flag that is another spelling of one of hybrid's: read as ``flag`` (with the value
+    given, or ``value`` for a switch), unless ``yields_to`` is given too."""
+
+    flag: str
+    value: Optional[str] = None
+    yields_to: Optional[str] = None
+
+
+RESPELLINGS = {
+    "--num-key-value-heads": Respelling("--num-query-groups"),
+    # Megatron-DeepSpeed's (and earlier Megatron-LM's) full recompute of every layer
+    "--checkpoint-activations": Respelling("--recompute-granularity", "full", yields_to="--recompute-granularity"),
+}
+TOKENIZER_SPELLINGS = {  # Megatron's tokenizer types that are one of hybrid's: lower-case name -> (hybrid's, why)
+    "llama2tokenizer": ("SentencePieceTokenizer", "Llama 2's tokenizer is a SentencePiece model"),
+    "gptsentencepiecetokenizer": ("SentencePieceTokenizer", "a SentencePiece model"),
+    "nulltokenizer": (None, "no tokenizer is read: the vocabulary is --vocab-size"),
+}
+TOKENIZER_NOT_YET = {"tiktokenizer": "TikTokenizer is " + _NOT_YET + "give --tokenizer-type HuggingFaceTokenizer or "
+                                      "SentencePieceTokenizer"}
+DENSE_MOE_NOTE = "no effect on a dense model (--num-experts unset or 1)"
+
+
+def family_of(flag: str) -> Optional[MegatronFamily]:
+    """The refused family ``flag`` belongs to, or None."""
+    return next((f for f in MEGATRON_FAMILIES if f.matches(flag)), None)
+
+
+def megatron_verdicts(given: Sequence[Tuple[str, Optional[str]]]) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     """For the Megatron flags ``given`` as ``(flag, value)`` (each flag one of :data:`MEGATRON_FLAGS`; value None
-    for a switch): raise ValueError naming the first refused one and what to use instead; else return one note
-    per accepted one, ``--flag (reason)``."""
+    for a switch): ``(notes, refusals)``, a note per accepted one (``--flag (reason)``) and a line per refused one
+    naming what to use instead."""
     by_flag = {f.flag: f for f in MEGATRON_FLAGS}
-    notes = []
+    notes, refusals = [], []
     for flag, value in given:
         entry = by_flag[flag]
         shown = flag if value is None else f"{flag} {value}"
         if not entry.accepted:
-            raise ValueError(f"{shown} is a Megatron-LM flag hybrid does not take: {entry.reason}")
-        if entry.values is not None and str(value).lower() not in entry.values:
-            raise ValueError(f"{shown} is a Megatron-LM setting hybrid does not take: {entry.refusal}; accepted: "
-                             f"{flag} {' or '.join(entry.values)}")
-        notes.append(f"{shown} ({entry.reason})")
-    return tuple(notes)
+            refusals.append(f"{shown} is a Megatron-LM flag hybrid does not take: {entry.reason}")
+        elif entry.values is not None and str(value).lower() not in entry.values:
+            refusals.append(f"{shown} is a Megatron-LM setting hybrid does not take: {entry.refusal}; accepted: "
+                            f"{flag} {' or '.join(entry.values)}")
+        else:
+            notes.append(f"{shown} ({entry.reason})")
+    return tuple(notes), tuple(refusals)
+
+
+def check_megatron_flags(given: Sequence[Tuple[str, Optional[str]]]) -> Tuple[str, ...]:
+    """:func:`megatron_verdicts`'s notes; raises ValueError naming every refused flag (one per line of
+    :func:`megatron_verdicts`, joined) when any is."""
+    notes, refusals = megatron_verdicts(given)
+    if refusals:
+        raise ValueError("; ".join(refusals))
+    return notes

@@ -169,17 +169,17 @@ def test_detection():
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}}},
      r"'zero_optimization\.offload_optimizer\.pin_memory' = False is not supported"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
-     r"unknown DeepSpeed key 'zero_optimization\.offload_optimizer\.ratio'"),
+     r"'zero_optimization\.offload_optimizer\.ratio' is not supported by hybrid: offloading a part of the "
+     r"optimizer state is not implemented"),
     ({"zero_optimization": {"offload_param": {"device": "cpu"}}},
      r"'zero_optimization\.offload_param' is not supported by hybrid"),
     ({"zero_optimization": {"stage3_max_live_parameters": 0}}, r"'zero\.max_live_parameters' must be >= 1.*"
                                                                 r"\[from DeepSpeed key 'zero_optimization\.stage3_max_live"),
     ({"zero_optimization": {"allgather_bucket_size": "big"}}, r"'zero_optimization\.allgather_bucket_size' must "
                                                               r"be a number, got 'big'"),
-    ({"zero_optimization": {"cpu_offload": True}}, r"'zero_optimization\.cpu_offload' is not supported by hybrid: "
-                                                   r"write it as offload_optimizer"),
-    ({"train_batch_size": 8, "zero_allow_untested_optimizer": True}, r"'zero_allow_untested_optimizer' is not "
-                                                                     r"supported by hybrid"),
+    ({"zero_optimization": {"cpu_offload": 1}}, r"'zero_optimization\.cpu_offload' must be true or false"),
+    ({"train_batch_size": 8, "zero_allow_untested_optimizer": "yes"}, r"'zero_allow_untested_optimizer' must be a "
+                                                                      r"bool"),
     ({"train_batch_size": 8, "flops_profiler": {"enabled": True}}, r"'flops_profiler' is not supported"),
     ({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}},
      r"'zero_optimization\.stage3_gather_16bit_weights_on_model_save' is not supported by hybrid: hybrid saves "
@@ -191,19 +191,19 @@ def test_detection():
                                                                          r"a bool, got 1"),
     ({"zero_optimization": {"stage": 4}}, r"'zero\.stage' must be one of 0, 1, 2, 3, got 4.*\[from DeepSpeed key "
                                           r"'zero_optimization\.stage'\]"),
-    ({"zero_optimization": {"contiguous_gradients": False}},
-     r"'zero_optimization\.contiguous_gradients' = False is not supported: hybrid always behaves as "
-     r"contiguous_gradients=True"),
+    ({"zero_optimization": {"reduce_scatter": False}},
+     r"'zero_optimization\.reduce_scatter' = False is not supported: hybrid always behaves as reduce_scatter=True"),
     ({"zero_optimization": 2}, r"DeepSpeed key 'zero_optimization' must be an object"),
-    ({"train_batch_size": 8, "activation_checkpointing": {}}, r"'activation_checkpointing' is not supported by "
-                                                              r"hybrid: set hybrid's 'recompute'"),
+    ({"train_batch_size": 8, "activation_checkpointing": {"partition_activation": True}},
+     r"unknown DeepSpeed key 'activation_checkpointing\.partition_activation'\. Did you mean "
+     r"'activation_checkpointing\.partition_activations'\?"),
     ({"train_batch_size": 8, "wall_clock_breakdown": True}, r"'wall_clock_breakdown' = True is not supported"),
     ({"train_batch_size": 8, "flops_profiler": {}}, r"'flops_profiler' is not supported"),
     ({"train_batch_size": "auto"}, r"DeepSpeed key 'train_batch_size' is \"auto\""),
     ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, r"'optimizer\.params\.lr' is \"auto\""),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, r"'fp16\.enabled' and 'bf16\.enabled' are both true"),
     ({"fp16": {"enabled": "yes"}}, r"'fp16\.enabled' must be true or false"),
-    ({"fp16": {"enabled": True, "auto_cast": True}}, r"'fp16\.auto_cast' = True is not supported"),
+    ({"fp16": {"enabled": True, "auto_cast": 1}}, r"'fp16\.auto_cast' must be a bool, got 1"),
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, r"'fp16\.fp16_master_weights_and_grads'"),
     ({"fp16": {"enabled": True, "initial_scale_powr": 8}}, r"Did you mean 'fp16\.initial_scale_power'\?"),
     ({"fp16": {"enabled": True, "hysteresis": 0}}, r"'loss_scaling\.hysteresis' must be >= 1, got 0 "
@@ -268,12 +268,13 @@ def test_a_common_zero2_config_loads_with_its_switched_off_features_and_knobs():
 
 
 def test_every_key_that_needs_changing_is_named_in_one_error():
-    data = {**COMMON_ZERO2, "activation_checkpointing": {"partition_activations": False},
+    data = {**COMMON_ZERO2, "activation_checkpointing": {"partition_activations": 1},
             "sparse_attention": {"mode": "fixed", "block": 16},
-            "zero_optimization": {**COMMON_ZERO2["zero_optimization"], "cpu_offload": True, "reduce_bucket_sise": 1},
+            "zero_optimization": {**COMMON_ZERO2["zero_optimization"], "cpu_offload": "on", "reduce_bucket_sise": 1},
             "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "max_grad_norm": 1.0}}}
-    raises_one_error_listing(load_config, data, 5, "DeepSpeed keys", ("'activation_checkpointing' is not supported by hybrid: set hybrid's 'recompute'",
-                 "'sparse_attention' is not supported", "'zero_optimization.cpu_offload' is not supported",
+    raises_one_error_listing(load_config, data, 5, "DeepSpeed keys", (
+                 "'activation_checkpointing.partition_activations' must be a bool, got 1",
+                 "'sparse_attention' is not supported", "'zero_optimization.cpu_offload' must be true or false",
                  "unknown DeepSpeed key 'zero_optimization.reduce_bucket_sise'. Did you mean "
                  "'zero_optimization.reduce_bucket_size'?",
                  "'optimizer.params.max_grad_norm' is not supported"))

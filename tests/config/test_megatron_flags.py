@@ -81,7 +81,7 @@ def test_the_distributed_optimizer_yields_to_an_explicit_zero_stage():
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--no-load-optim"], r"^--no-load-optim is a Megatron-LM flag hybrid does not take: --finetune loads the "
+    (["--no-load-optim", "--load", "ckpt"], r"^--no-load-optim is a Megatron-LM flag hybrid does not take: --finetune loads the "
                           r"weights alone"),
     (["--recompute-method", "block"], r"^--recompute-method block is a Megatron-LM setting hybrid does not take: "
                                       r".*; accepted: --recompute-method uniform$"),
