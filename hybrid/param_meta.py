@@ -35,6 +35,8 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from hybrid.tp_units import split_units  # the rule, torch-free; read here by the TP cuts and their callers
+
 _ATTR = "_hybrid_tp_meta"
 
 Blocks = Tuple[Tuple[int, int], ...]
@@ -88,20 +90,6 @@ def set_tp_meta(param: torch.Tensor, dim: Optional[int] = None, stride: int = 1,
 
 def get_tp_meta(param: torch.Tensor) -> TPMeta:
     return getattr(param, _ATTR, REPLICATED)
-
-
-def split_units(units: int, tp: int, what: str = "units") -> int:
-    """How many pieces ``units`` indivisible units (heads) are cut into over ``tp`` ranks: ``min(units, tp)``.
-
-    The rule: ``units % tp == 0`` (each rank holds ``units / tp`` of them) or
-    ``tp % units == 0`` (each unit is held by ``tp / units`` ranks); anything
-    else is refused, naming ``what``.
-    """
-    if units % tp and tp % units:
-        raise ValueError(f"{what}={units} and the tensor-parallel size tp={tp} must divide one another "
-                         f"(tp % {units} == 0 replicates each over tp/{units} ranks; {units} % tp == 0 splits "
-                         f"them over the ranks); choose such a tp")
-    return min(units, tp)
 
 
 def padded_size(logical: int, meta: TPMeta, tp: int) -> int:

@@ -1,9 +1,32 @@
-"""Model zoo: GPT-2 and Llama style decoders built from hybrid's tensor-parallel layers."""
+"""Model zoo: GPT-2 and Llama style decoders built from hybrid's tensor-parallel layers.
 
-from model_zoo.config import GPTConfig
-from model_zoo.flops import count_model_parameters, count_parameters, flops_per_token, matmul_parameters
-from model_zoo.gpt import GPTModel
-from model_zoo.presets import get_preset, list_presets
+Names are imported on first use, so that :mod:`model_zoo.config` (plain data, the model description that the
+configuration reads) imports without torch.
+"""
 
-__all__ = ["GPTConfig", "GPTModel", "get_preset", "list_presets", "flops_per_token", "count_parameters",
-           "count_model_parameters", "matmul_parameters"]
+import importlib
+
+_EXPORTS = {
+    "GPTConfig": "model_zoo.config",
+    "GPTModel": "model_zoo.gpt",
+    "get_preset": "model_zoo.presets",
+    "list_presets": "model_zoo.presets",
+    "flops_per_token": "model_zoo.flops",
+    "count_parameters": "model_zoo.flops",
+    "count_model_parameters": "model_zoo.flops",
+    "matmul_parameters": "model_zoo.flops",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'model_zoo' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

@@ -41,7 +41,7 @@ def count_parameters(config: GPTConfig) -> int:
     with_bias = 2 if config.norm == "layernorm" and config.bias else 1
     norm = with_bias * h
     qk_norms = 2 * with_bias * config.head_dim if config.qk_norm else 0
-    mlp_in = 2 * f if config.mlp == "swiglu" else f
+    mlp_in = config.mlp_input_size
     per_layer = (2 * norm + qk_norms
                  + qkv * h + (qkv if config.attention_bias else 0) + config.attention_width * h + b * h  # attention
                  + mlp_in * h + b * mlp_in + f * h + b * h)  # MLP
@@ -56,7 +56,7 @@ def count_parameters(config: GPTConfig) -> int:
 def matmul_parameters(config: GPTConfig) -> int:
     """``N_matmul``: weights that take part in matmuls, the LM head counted once."""
     h, f, L, V = config.hidden_size, config.ffn_size, config.num_layers, config.vocab_size
-    mlp = (3 if config.mlp == "swiglu" else 2) * h * f
+    mlp = (config.mlp_input_size + f) * h  # input and output projections
     return L * ((qkv_layout(config).out_features + config.attention_width) * h + mlp) + V * h
 
 

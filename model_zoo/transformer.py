@@ -175,8 +175,8 @@ class ParallelMLP(nn.Module):
         h, f = config.hidden_size, config.ffn_size
         self.swiglu = config.mlp == "swiglu"
         sp = config.sequence_parallel
-        self.in_proj = ColumnParallelLinear(h, 2 * f if self.swiglu else f, topology, bias=config.bias,
-                                            sequence_parallel=sp, stride=2 if self.swiglu else 1,
+        self.in_proj = ColumnParallelLinear(h, config.mlp_input_size, topology, bias=config.bias,
+                                            sequence_parallel=sp, stride=config.mlp_input_blocks,
                                             weight_init=tp_init.normal(config.init_std), device=device,
                                             dtype=dtype)
         self.out_proj = RowParallelLinear(f, h, topology, bias=config.bias, input_is_parallel=True,

@@ -81,7 +81,12 @@ class Spelling:
 
     @property
     def flat_name(self) -> str:
-        return self.flag[2:].replace("-", "_")
+        return flat_name(self.flag)
+
+
+def flat_name(flag: str) -> str:
+    """The flag's name as a key: without ``--``, dashes as underscores (``--num-layers`` -> ``num_layers``)."""
+    return flag[2:].replace("-", "_")
 
 
 def own_flag(key: str, meta: Mapping[str, Any]) -> str:

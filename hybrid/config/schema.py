@@ -39,6 +39,7 @@ from hybrid.config.fields import section as _section
 from hybrid.config.trainer_sections import (SCHEDULE_ON_LOAD, CheckpointConfig, DataConfig, DistributedConfig,
                                             EvalConfig, LoggingConfig, ModelConfig, RunConfig)
 from hybrid.layout import OFFLOAD_DEVICES, PRECISIONS, ZERO_STAGES
+from model_zoo.config import RECOMPUTE  # the model description's (torch-free)
 
 # Choice lists owned by the configuration (the ZeRO stages, offload devices and
 # precisions are hybrid.layout's). hybrid.optim.lr_schedule imports the styles.
@@ -49,7 +50,6 @@ DECAY_STYLES_WITH_END = ("linear", "cosine", "wsd")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")  # the shape of WSD's final anneal
 WARMUP_STYLES = ("linear", "log")
 WD_INCR_STYLES = ("constant", "linear", "cosine")  # how the weight decay grows from its start to its end
-RECOMPUTE = ("none", "full", "selective")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved")  # hybrid.pipeline.schedule maps each to its module
 
 __all__ = ["HybridConfig", "ZeroConfig", "OptimizerConfig", "SchedulerConfig", "LossScalingConfig",

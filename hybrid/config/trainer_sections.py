@@ -6,11 +6,14 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, ClassVar, List, Optional, Tuple
 
 from hybrid.config.fields import Alias
 from hybrid.config.fields import field as _field
+from hybrid.config.flags import flat_name, own_flag
 from hybrid.tokenizer_files import TOKENIZER_TYPES, TokenizerSpec
+from model_zoo.config import TRAINING, GPTConfig
 
 # What a resumed run does with the checkpoint's learning-rate and weight-decay schedule settings: refuse ones that
 # differ from the configured ones, keep the configured ones at the saved position, or take the saved ones.
@@ -32,69 +35,63 @@ def read_data_args(path: Any) -> List[str]:
 # The engine ignores these (but checkpoint.async_save*); hybrid-train reads them. Choices of model settings
 # (position embedding types, norms) are model_zoo's and checked by its GPTConfig.
 
-@dataclasses.dataclass
-class ModelConfig:
-    """The model_zoo GPT the trainer builds: a preset, and/or shape settings that override it."""
+# ---- the model section: derived from model_zoo's GPTConfig -------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ModelKey:
+    """One key of the model section and the :class:`~model_zoo.config.GPTConfig` field it sets.
 
-    preset: Optional[str] = _field(None, flag="--model", help="a model_zoo preset (e.g. tiny, gpt2-small, "
-                                                              "turing-nlg-17b); the shape settings override it")
-    num_layers: Optional[int] = _field(None, ge=1, flag="--num-layers", help="transformer layers")
-    hidden_size: Optional[int] = _field(None, ge=1, flag="--hidden-size", help="hidden size")
-    num_attention_heads: Optional[int] = _field(None, ge=1, flag="--num-attention-heads", help="attention heads")
-    num_query_groups: Optional[int] = _field(None, ge=1, flag="--num-query-groups",
-                                             help="key/value heads shared by the query heads (grouped-query "
-                                                  "attention; 1: multi-query; unset: one per attention head)")
-    kv_channels: Optional[int] = _field(None, ge=1, flag="--kv-channels",
-                                        help="channels per attention head (unset: hidden size / attention "
-                                             "heads; Qwen3 and Mistral NeMo use 128 apart from it)")
-    ffn_hidden_size: Optional[int] = _field(None, ge=1, flag="--ffn-hidden-size",
-                                            help="MLP hidden size (unset: 4h, or the SwiGLU rule)")
-    seq_length: Optional[int] = _field(None, ge=1, flag="--seq-length", help="training sequence length")
-    max_position_embeddings: Optional[int] = _field(None, ge=1, flag="--max-position-embeddings",
-                                                    help="learned position table size")
-    vocab_size: Optional[int] = _field(None, ge=1, flag="--vocab-size",
-                                       help="vocabulary size (unset: the tokenizer's)")
-    position_embedding_type: Optional[str] = _field(None, flag="--position-embedding-type",
-                                                    help="learned or rope (Megatron's learned_absolute: learned)",
-                                                    aliases=(Alias("--use-rotary-position-embeddings", const="rope",
-                                                                   compat=True, help="Megatron-LM's older spelling of "
-                                                                                     "--position-embedding-type "
-                                                                                     "rope"),))
-    normalization: Optional[str] = _field(None, flag="--normalization", help="layernorm or rmsnorm (any case: "
-                                                                             "Megatron's LayerNorm, RMSNorm)")
-    norm_epsilon: Optional[float] = _field(None, gt=0.0, flag="--norm-epsilon", help="epsilon of LayerNorm/RMSNorm")
-    rotary_base: Optional[float] = _field(None, gt=0.0, flag="--rotary-base",
-                                          help="base (theta) of rotary position embeddings")
-    rope_scaling: Optional[str] = _field(None, flag="--rope-scaling",
-                                         help="RoPE frequency scaling: none, linear or llama3 (Llama 3.1's rule)")
-    rope_scaling_factor: Optional[float] = _field(None, gt=0.0, flag="--rope-scaling-factor",
-                                                  help="divisor of the scaled RoPE frequencies")
-    rope_low_freq_factor: Optional[float] = _field(None, gt=0.0, flag="--rope-low-freq-factor",
-                                                   help="llama3 scaling: wavelengths past original/this are scaled")
-    rope_high_freq_factor: Optional[float] = _field(None, gt=0.0, flag="--rope-high-freq-factor",
-                                                    help="llama3 scaling: wavelengths below original/this are kept")
-    rope_original_max_positions: Optional[int] = _field(None, ge=1, flag="--rope-original-max-positions",
-                                                        help="llama3 scaling: the original context length")
-    swiglu: bool = _field(False, flag="--swiglu", help="SwiGLU MLP instead of GELU")
-    add_qkv_bias: bool = _field(False, flag="--add-qkv-bias",
-                                help="a bias on the q/k/v projection even with --disable-bias-linear (Qwen2)")
-    qk_layernorm: bool = _field(False, flag="--qk-layernorm",
-                                help="normalise each query and key head over its head dim before RoPE, with the "
-                                     "model's --normalization (Qwen3)")
-    disable_bias_linear: bool = _field(False, flag="--disable-bias-linear", help="no biases in linear layers")
-    untie_embeddings_and_output_weights: bool = _field(False, flag="--untie-embeddings-and-output-weights",
-                                                       help="separate output layer weights")
-    hidden_dropout: Optional[float] = _field(None, ge=0.0, lt=1.0, flag="--hidden-dropout",
-                                             help="dropout on embeddings and residual branches")
-    attention_dropout: Optional[float] = _field(None, ge=0.0, lt=1.0, flag="--attention-dropout",
-                                                help="dropout on attention probabilities")
-    init_method_std: Optional[float] = _field(None, gt=0.0, flag="--init-method-std",
-                                              help="standard deviation of the weight initialisation")
-    sequence_parallel: bool = _field(False, flag="--sequence-parallel",
-                                     help="shard norm and dropout activations along the sequence over TP")
+    ``key`` is the flag's name with underscores (the flag is Megatron-LM's: ``--num-attention-heads`` sets
+    ``num_heads``). A switch (``--swiglu``) sets the field to ``switch`` when on; another key, unset by default,
+    gives the field's value.
+    """
 
-    # How the model is trained and computed, not what it is: checkpoint.use_checkpoint_args leaves them alone.
-    TRAINING_KEYS: ClassVar[Tuple[str, ...]] = ("hidden_dropout", "attention_dropout", "sequence_parallel")
+    key: str
+    field: str
+    switch: Any = dataclasses.MISSING
+
+    @property
+    def is_switch(self) -> bool:
+        return self.switch is not dataclasses.MISSING
+
+
+# GPTConfig metadata that is not a rule of the trainer key's value (see model_zoo.config.setting)
+_DESCRIPTION = ("kind", "help", "trainer", "flag", "switch")
+# The model section's one key that is no GPTConfig field, and the further spellings of keys that are.
+_PRESET = _field(None, flag="--model", help="a model_zoo preset (e.g. tiny, gpt2-small, turing-nlg-17b); the shape "
+                                            "settings override it")
+_ALIASES = {"position_embedding_type": (Alias("--use-rotary-position-embeddings", const="rope", compat=True,
+                                              help="Megatron-LM's older spelling of --position-embedding-type "
+                                                   "rope"),)}
+
+MODEL_KEYS: Tuple[ModelKey, ...] = tuple(
+    ModelKey(flat_name(own_flag(f.name, f.metadata)), f.name, f.metadata.get("switch", dataclasses.MISSING))
+    for f in dataclasses.fields(GPTConfig) if f.metadata["trainer"])
+
+
+def _model_section() -> type:
+    """The ``model`` section: ``preset``, then one key per :data:`MODEL_KEYS` entry, in GPTConfig's field order,
+    with the field's flag, help and rules."""
+    hints = typing.get_type_hints(GPTConfig)
+    fields = {f.name: f for f in dataclasses.fields(GPTConfig)}
+    keys: List[Tuple[str, Any, Any]] = [("preset", Optional[str], _PRESET)]
+    for mk in MODEL_KEYS:
+        meta = fields[mk.field].metadata
+        spelling = dict(flag=own_flag(mk.field, meta), help=meta["help"], aliases=_ALIASES.get(mk.key, ()))
+        if mk.is_switch:
+            keys.append((mk.key, bool, _field(False, **spelling)))
+        else:
+            rules = {k: v for k, v in meta.items() if k not in _DESCRIPTION}
+            keys.append((mk.key, Optional[hints[mk.field]], _field(None, **spelling, **rules)))
+    training = tuple(mk.key for mk in MODEL_KEYS if fields[mk.field].metadata["kind"] == TRAINING)
+    return dataclasses.make_dataclass("ModelConfig", keys, namespace={
+        "__module__": __name__,
+        "__doc__": "The model_zoo GPT the trainer builds: a preset, and/or shape settings that override it (one "
+                   "key per GPTConfig field that has a trainer flag: model_zoo.config.setting).",
+        # How the model is trained and computed, not what it is: checkpoint.use_checkpoint_args leaves them alone.
+        "TRAINING_KEYS": training})
+
+
+ModelConfig = _model_section()
 
 
 @dataclasses.dataclass

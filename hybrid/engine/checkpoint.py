@@ -32,6 +32,7 @@ import torch
 from hybrid.checkpoint import BackgroundSaver, CheckpointError, CheckpointReader, SaveReport, save_checkpoint
 from hybrid.engine.parts import TrainingParts
 from hybrid.optim.lr_schedule import ScheduleSettingsDiffer
+from model_zoo.config import load_conflicts
 
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.config.trainer_sections import CheckpointConfig
@@ -226,10 +227,7 @@ def _same_flat_partitions(parts: TrainingParts, reader: CheckpointReader) -> boo
 def _check_model_config(saved: Optional[Mapping[str, Any]], current: Optional[Mapping[str, Any]], path) -> None:
     if not saved or not current:
         return
-    # Settings that change only how a model is computed, not what it is.
-    runtime = {"sequence_parallel", "recompute", "hidden_dropout", "attention_dropout", "vocab_pad_multiple"}
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, current model {current.get(k)!r}"
-             for k in sorted(set(saved) | set(current)) if k not in runtime and saved.get(k) != current.get(k)]
+    diffs = load_conflicts(saved, current)  # model_zoo's kinds: runtime and training settings may differ
     if diffs:
         raise CheckpointError(f"the checkpoint {path} holds a different model than the one being trained: "
                               + "; ".join(diffs) + ". Use the model settings the checkpoint was saved with.")

@@ -46,14 +46,10 @@ from hybrid.checkpoint.rng import restored_rank
 from hybrid.convert.consolidate import MASTER, WEIGHT, CheckpointSource, ConversionError, Target
 from hybrid.engine.parts import TrainingParts
 from hybrid.param_meta import REPLICATED, full_shape, get_tp_meta
+from model_zoo.config import SHAPE_FIELDS, as_weights_see_it  # the settings that decide shapes
 
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.zero import ZeroOptimizer
-
-# Model settings that decide parameter shapes; named in errors when shapes disagree.
-_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_query_groups", "kv_channels", "qk_norm",
-               "qkv_bias", "ffn_hidden_size", "mlp", "bias", "tie_embeddings", "position", "max_position_embeddings",
-               "seq_length", "norm")
 
 
 def load_resharded(parts: TrainingParts, reader: CheckpointReader, *, load_optimizer: bool = True) -> None:
@@ -142,9 +138,9 @@ def _check_shape(name: str, src: CheckpointSource, shape: Tuple[int, ...], targe
 def _config_hint(saved: Optional[dict], current) -> str:
     if not saved or current is None or not hasattr(current, "to_dict"):
         return ""
-    now = current.to_dict()
-    diffs = [f"{k} {saved.get(k)!r} in the checkpoint vs {now.get(k)!r} now" for k in _SHAPE_KEYS
-             if k in saved and saved.get(k) != now.get(k)]
+    then, now = as_weights_see_it(saved), as_weights_see_it(current.to_dict())
+    diffs = [f"{k} {then.get(k)!r} in the checkpoint vs {now.get(k)!r} now" for k in SHAPE_FIELDS
+             if k in saved and then.get(k) != now.get(k)]
     return f" ({'; '.join(diffs)})" if diffs else ""
 
 

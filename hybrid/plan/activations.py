@@ -55,10 +55,10 @@ from typing import Optional
 
 from hybrid.dtypes import DTYPE_BYTES
 from hybrid.pipeline.executor import RECEIVES_AHEAD
-from model_zoo.config import GPTConfig
+from model_zoo.config import RECOMPUTE_LEAST_FIRST, GPTConfig
 from model_zoo.qkv_layout import qkv_layout
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = RECOMPUTE_LEAST_FIRST  # model_zoo's choices, least recomputed first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +225,8 @@ def _qk_norms(config: GPTConfig, x: _Dims, math: bool, qkv_counted: bool, profil
 
 
 def _mlp(config: GPTConfig, x: _Dims) -> float:
-    return (4 if config.mlp == "swiglu" else 2) * x.p * x.N * x.f / x.t
+    # the input projection's output, and as much again: GELU's output, or SwiGLU's silu(gate) and product
+    return 2 * config.mlp_input_blocks * x.p * x.N * x.f / x.t
 
 
 def _hidden_dropout(config: GPTConfig, x: _Dims, training: bool) -> float:

@@ -357,9 +357,9 @@ def flat_gradient_flow(layout: FlatLayout, pool: Optional[int], held: Callable[[
 
 def largest_layer_weight(config: GPTConfig) -> int:
     """Elements of the largest weight matrix of one layer at TP=1."""
-    h, f = config.hidden_size, config.ffn_size
+    h = config.hidden_size
     return max(qkv_layout(config).out_features * h, config.attention_width * h,
-               (2 if config.mlp == "swiglu" else 1) * f * h)
+               config.mlp_input_size * h)
 
 
 def zero_layout(config: GPTConfig, candidate: Candidate, setup: TrainingSetup = TrainingSetup(),

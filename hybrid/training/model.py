@@ -6,18 +6,11 @@ import re
 from typing import Any, Dict, List
 
 from hybrid.config import HybridConfig
+from hybrid.config.trainer_sections import MODEL_KEYS
 
-# model section key -> GPTConfig field, for the shape settings that override a preset when given.
-_SHAPE_KEYS = (("num_layers", "num_layers"), ("hidden_size", "hidden_size"), ("num_attention_heads", "num_heads"),
-               ("num_query_groups", "num_query_groups"), ("kv_channels", "kv_channels"),
-               ("ffn_hidden_size", "ffn_hidden_size"), ("seq_length", "seq_length"),
-               ("max_position_embeddings", "max_position_embeddings"), ("position_embedding_type", "position"),
-               ("normalization", "norm"), ("hidden_dropout", "hidden_dropout"),
-               ("attention_dropout", "attention_dropout"), ("init_method_std", "init_std"),
-               ("norm_epsilon", "norm_eps"), ("rotary_base", "rope_theta"), ("rope_scaling", "rope_scaling"),
-               ("rope_scaling_factor", "rope_scaling_factor"), ("rope_low_freq_factor", "rope_low_freq_factor"),
-               ("rope_high_freq_factor", "rope_high_freq_factor"),
-               ("rope_original_max_positions", "rope_original_max_positions"))
+# The model section's keys that take a value (not switches): given, they override the preset's GPTConfig field.
+_VALUE_KEYS = tuple(mk for mk in MODEL_KEYS if not mk.is_switch)
+_SWITCHES = tuple(mk for mk in MODEL_KEYS if mk.is_switch)
 
 # model_zoo's choices whose names Megatron-LM writes otherwise: in any case (--normalization RMSNorm), and
 # --position-embedding-type learned_absolute for model_zoo's learned
@@ -35,7 +28,7 @@ def _model_zoo_value(gpt_key: str, value: Any) -> Any:
 def keys_named_in(message: str) -> List[str]:
     """The config keys whose GPTConfig fields ``message`` (a GPTConfig.validate error) names, in the order it
     names them (``tp``: validate's tensor-parallel size): so that the trainer's error can end with their flags."""
-    by_gpt_name = {gpt_key: f"model.{key}" for key, gpt_key in _SHAPE_KEYS + (("vocab_size", "vocab_size"),)}
+    by_gpt_name = {mk.field: f"model.{mk.key}" for mk in _VALUE_KEYS}
     by_gpt_name["tp"] = "tensor_parallel_size"
     named = []
     for word in re.findall(r"[a-z_]+", message):
@@ -59,19 +52,11 @@ def model_config(config: HybridConfig, vocab_size: int):
     changes: Dict[str, Any] = {}
     if m.vocab_size is not None or config.data.tokenizer.given or m.preset is None:
         changes["vocab_size"] = vocab_size
-    for key, gpt_key in _SHAPE_KEYS:
-        if getattr(m, key) is not None:
-            changes[gpt_key] = _model_zoo_value(gpt_key, getattr(m, key))
-    if m.swiglu:
-        changes["mlp"] = "swiglu"
-    if m.disable_bias_linear:
-        changes["bias"] = False
-    if m.add_qkv_bias:
-        changes["qkv_bias"] = True
-    if m.qk_layernorm:
-        changes["qk_norm"] = True
-    if m.untie_embeddings_and_output_weights:
-        changes["tie_embeddings"] = False
-    changes["sequence_parallel"] = m.sequence_parallel
-    changes["recompute"] = config.recompute
+    for mk in _VALUE_KEYS:
+        if mk.field != "vocab_size" and getattr(m, mk.key) is not None:  # vocab_size: the tokenizer's, above
+            changes[mk.field] = _model_zoo_value(mk.field, getattr(m, mk.key))
+    for mk in _SWITCHES:
+        if getattr(m, mk.key):
+            changes[mk.field] = mk.switch
+    changes["recompute"] = config.recompute  # a top-level key: the engine reads it too
     return cfg.replace(**changes)
