@@ -8,7 +8,11 @@
 # It sets up .venv on first use (launch_scripts/setup_env.sh).
 #
 # Environment (defaults in brackets):
-#   WORK_DIR        [runs/tiny]   everything the run writes
+#   WORK_DIR        [runs/VARIANT] everything the run writes; each variant has its own folder: runs/MODEL, plus
+#                                 -tpN, -ppN, -zeroN, -npN for a TP, PP, ZERO_STAGE or NPROC other than the
+#                                 default (runs/tiny, runs/tiny-gqa, runs/tiny-pp2, ...). A folder holding
+#                                 another variant's checkpoints is refused, naming WORK_DIR: this script
+#                                 starts from scratch and would overwrite them
 #   MODEL           [tiny]        model_zoo preset: tiny (GPT-2 style), llama-tiny, or tiny-gqa (Llama 3 style:
 #                                 grouped-query attention, 8 query heads sharing 2 key/value heads, RoPE scaling)
 #   NPROC           [4]           processes (CPU ranks)
@@ -26,17 +30,23 @@
 #   LOG_INTERVAL    [10]
 #   SAVE_INTERVAL   [100]
 #   MAX_DOCUMENTS   [0]           cap on corpus documents (0: all docstrings)
-#   MAX_NEW_TOKENS  [40]          length of the sample printed at the end
+#   MAX_NEW_TOKENS  [40]          length of the continuation printed at the end (greedy: the most likely
+#                                 token at each step, so the same checkpoint always prints the same text)
 #   SETUP           [1]           0 skips the virtual-environment set-up (use the active Python)
 #   EXTRA_ARGS      []            appended to the trainer's flags
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WORK_DIR="${WORK_DIR:-runs/tiny}"
 MODEL="${MODEL:-tiny}"
 NPROC="${NPROC:-4}"
 TP="${TP:-2}"
 PP="${PP:-1}"
 ZERO_STAGE="${ZERO_STAGE:-1}"
+VARIANT="$MODEL"
+if [ "$TP" != 2 ]; then VARIANT="$VARIANT-tp$TP"; fi
+if [ "$PP" != 1 ]; then VARIANT="$VARIANT-pp$PP"; fi
+if [ "$ZERO_STAGE" != 1 ]; then VARIANT="$VARIANT-zero$ZERO_STAGE"; fi
+if [ "$NPROC" != 4 ]; then VARIANT="$VARIANT-np$NPROC"; fi
+WORK_DIR="${WORK_DIR:-runs/$VARIANT}"
 TRAIN_ITERS="${TRAIN_ITERS:-300}"
 MICRO_BATCH="${MICRO_BATCH:-4}"
 GLOBAL_BATCH="${GLOBAL_BATCH:-16}"
@@ -51,11 +61,22 @@ MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-40}"
 SETUP="${SETUP:-1}"
 EXTRA_ARGS="${EXTRA_ARGS:-}"
 
+# What makes a run another run's: the trainer starts from scratch here and would overwrite its checkpoints.
+RUN_KEY="MODEL=$MODEL TP=$TP PP=$PP ZERO_STAGE=$ZERO_STAGE NPROC=$NPROC SEQ_LENGTH=$SEQ_LENGTH VOCAB_SIZE=$VOCAB_SIZE"
+RUN_FILE="$WORK_DIR/demo_run.txt"
+if [ -e "$WORK_DIR/checkpoints/latest" ] && [ "$(cat "$RUN_FILE" 2>/dev/null)" != "$RUN_KEY" ]; then
+  held="$(cat "$RUN_FILE" 2>/dev/null || echo "a run this script did not record")"
+  echo "pretrain_gpt_tiny.sh: WORK_DIR=$WORK_DIR holds the checkpoints of another run ($held), which this one" \
+       "($RUN_KEY) would overwrite: set WORK_DIR to a new folder, or delete $WORK_DIR/checkpoints" >&2
+  exit 1
+fi
+echo "hybrid demo: pretraining $MODEL on $NPROC CPU processes (TP=$TP, PP=$PP, ZeRO-$ZERO_STAGE) into $WORK_DIR"
 if [ "$SETUP" = "1" ]; then
   source launch_scripts/setup_env.sh
 fi
 MASTER_PORT="${MASTER_PORT:-$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
 mkdir -p "$WORK_DIR"
+echo "$RUN_KEY" >"$RUN_FILE"
 stage() { printf '\n== %s\n' "$1"; STAGE_START=$(date +%s.%N); }
 stage_done() { awk -v a="$STAGE_START" -v b="$(date +%s.%N)" 'BEGIN { printf "   (%.1f s)\n", b - a }'; }
 
@@ -87,9 +108,9 @@ OMP_NUM_THREADS=1 torchrun --nnodes 1 --nproc-per-node "$NPROC" \
   --log-num-zeros-in-grad --tensorboard-dir "$WORK_DIR/tensorboard" --seed 1234 $EXTRA_ARGS
 stage_done
 
-stage "4/4 a sample from the trained model"
+stage "4/4 a sample from the trained model (greedy: the most likely next token each time)"
 python -m hybrid.training.generate --load "$WORK_DIR/checkpoints" --tokenizer-model "$WORK_DIR/tokenizer.model" \
-  --prompt "Return the" --max-new-tokens "$MAX_NEW_TOKENS"
+  --prompt "Return the" --max-new-tokens "$MAX_NEW_TOKENS" --greedy
 stage_done
 
 cat <<MSG

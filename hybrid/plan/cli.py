@@ -25,11 +25,24 @@ EXAMPLE = ("python -m hybrid.plan --model turing-nlg-17b --gpus 256 --gpus-per-n
            "--seq-length 1024 --global-batch-size 512")
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to a flag's help once, and only where it says something: not when the help names its
+    default already, nor for a default of None (unset) or a plain switch's False; ``--x/--no-x`` says on or off."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None:
+            return text
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return f"{text} (default: {'on' if action.default else 'off'})"
+        return text if action.nargs == 0 else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(prog="python -m hybrid.plan", description=(
         "Predict per-GPU memory, communication (split by intra- and inter-node link) and step time of every "
         f"parallel layout of a model, and rank the layouts that fit by predicted tokens/s. Example: {EXAMPLE}"),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsFormatter)
     model = ap.add_argument_group("model")
     src = model.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help=f"a model_zoo preset: {', '.join(list_presets())}")

@@ -485,7 +485,7 @@ PIPELINE_COMPRESSED = REPO / "benchmarks" / "results" / "slow_link_pipeline_comp
 
 
 @pytest.mark.parametrize("path", [COMPRESSED, HPZ, ONEBIT, PIPELINE_COMPRESSED], ids=lambda p: p.stem)
-def test_compressed_bytes_match_the_slow_link_benchmark(capsys, path):
+def test_compressed_bytes_match_the_slow_link_benchmark(path):
     """Every compressed contender's inter-node bytes per step (``--compressed`` rows: quantized gradients or
     weights, two levels, hpZ, 1-bit Adam) as the planner predicts them, against the communicator's count in that
     run (bytes only: that run has no unshaped point to calibrate step times on)."""
@@ -502,9 +502,9 @@ def test_compressed_bytes_match_the_slow_link_benchmark(capsys, path):
             predicted = all_nodes_bytes(predict_contender(data, row, LinkSpec(math.inf, point["link_bytes_per_s"]),
                                                           1e9), row)
             rows += 1
-            with capsys.disabled():
-                print(f"{point['rate']:>8} {row['name']:<20} predicted {predicted / 1e6:7.2f} MB  "
-                      f"measured {measured / 1e6:7.2f} MB  ({predicted / measured - 1:+.1%})")
+            # captured, so shown only when the test fails (not among the progress dots)
+            print(f"{point['rate']:>8} {row['name']:<20} predicted {predicted / 1e6:7.2f} MB  "
+                  f"measured {measured / 1e6:7.2f} MB  ({predicted / measured - 1:+.1%})")
             if abs(predicted - measured) > BYTES_TOLERANCE * measured:
                 problems.append(f"{point['rate']} {row['name']}: predicted {predicted:.4g} "
                                 f"inter-node bytes per step, the communicator counted {measured:.4g}")
