@@ -305,8 +305,8 @@ def _read_megatron_values(given: Dict[str, Any], dests: Mapping[str, Spelling], 
 def _settings_that_mean_off(tree: Dict[str, Any], notes: List[str]) -> None:
     """Settings of the partial ``tree`` that ask for nothing here, turned off with a note as Megatron-LM does:
     sequence parallelism with one tensor-parallel rank, and validation on a split with no validation share."""
-    tp = get_path(tree, "tensor_parallel_size") or 1
-    if get_path(tree, "model.sequence_parallel") and isinstance(tp, int) and tp == 1:
+    tp = get_path(tree, "tensor_parallel_size") or 1  # a flag's value is still its text here
+    if get_path(tree, "model.sequence_parallel") is True and str(tp).strip() == "1":
         put(tree, "model.sequence_parallel", False)
         notes.append("--sequence-parallel (turned off: it splits activations over the tensor-parallel group, and "
                      "there is one tensor-parallel rank, as Megatron-LM does)")

@@ -178,3 +178,97 @@ def test_flags_for_what_hybrid_does_anyway_are_noted_with_their_reason(flag, rea
     notes = []
     config_from_command_line([flag], notes=notes)
     assert len(notes) == 1 and notes[0].startswith(flag) and reason in notes[0], notes
+
+
+# ---- issue 53: one launch lists everything; settings that mean "off" are accepted with a note ------------------
+
+SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--vocab-size", "64", "--micro-batch-size", "1", "--train-iters", "2"]
+
+
+@pytest.mark.parametrize("argv,noted", [
+    (["--sequence-parallel"], "--sequence-parallel (turned off: "),
+    (["--context-parallel-size", "1"], "--context-parallel-size 1 (one context-parallel rank"),
+    (["--expert-model-parallel-size", "1"], "--expert-model-parallel-size 1 (one expert-parallel rank"),
+    (["--num-experts", "1", "--moe-router-topk", "1"], "--moe-router-topk 1 (no effect on a dense model"),
+    (["--empty-unused-memory-level", "2"], "--empty-unused-memory-level 2 (emptying the CUDA allocator's cache"),
+    (["--tokenizer-type", "NullTokenizer", "--mock-data"], "--tokenizer-type NullTokenizer (no tokenizer is read"),
+    (["--split", "'99,1,0'"], "--split '99,1,0' (read as 99,1,0"),
+    (["--data-impl", "mmap"], "--data-impl mmap (hybrid always memory-maps"),
+    (["--no-query-key-layer-scaling"], "--no-query-key-layer-scaling (hybrid applies no query-key layer scaling"),
+    (["--num-key-value-heads", "2"], "--num-key-value-heads 2 (read as --num-query-groups 2)"),
+    (["--checkpoint-activations"], "--checkpoint-activations (read as --recompute-granularity full)"),
+    (["--no-load-optim", "--no-load-rng", "--finetune", "--load", "ckpt"], "--no-load-rng (no RNG state is loaded"),
+])
+def test_settings_that_mean_off_are_accepted_with_a_note(argv, noted):
+    notes = []
+    config_from_command_line(SMALL + argv, notes=notes)
+    assert any(n.startswith(noted) for n in notes), notes
+
+
+def test_what_the_noted_settings_mean():
+    cfg = config_from_command_line(SMALL + ["--sequence-parallel", "--split", "'99,1,0'", "--num-key-value-heads",
+                                            "2", "--checkpoint-activations", "--tokenizer-type", "Llama2Tokenizer"])
+    assert not cfg.model.sequence_parallel and cfg.data.split == "99,1,0"
+    assert (cfg.model.num_query_groups, cfg.recompute) == (2, "full")
+    assert cfg.data.tokenizer_type == "sentencepiecetokenizer"
+    assert config_from_command_line(["--checkpoint-activations", "--recompute-granularity", "selective"]).recompute \
+        == "selective"  # the explicit setting wins, as over --recompute-activations
+    empty_valid = config_from_command_line(SMALL + ["--data-path", "d", "--split", "100,0,0", "--eval-interval", "5"])
+    assert empty_valid.eval.interval == 0  # Megatron skips the empty validation split
+    assert config_from_command_line(SMALL + ["--sequence-parallel", "--tensor-model-parallel-size", "2"]) \
+        .model.sequence_parallel
+
+
+def test_refused_and_invalid_flags_are_listed_in_one_error():
+    argv = SMALL + ["--fp8-format", "hybrid", "--fp8-param-gather", "--num-experts", "8", "--moe-router-topk", "2",
+                    "--step-batch-size-schedule", "0:16", "2.4B:320", "--lr", "-1", "--window-size", "127,0"]
+    with pytest.raises(ConfigError) as raised:
+        config_from_command_line(argv)
+    message = str(raised.value)
+    assert message.startswith("7 settings need changing: (1) ") and "\n" not in message
+    for part in ("--fp8-format hybrid is a Megatron-LM flag hybrid does not take: hybrid trains in bf16",
+                 "--fp8-param-gather is a Megatron-LM flag hybrid does not take: hybrid trains in bf16",
+                 "--num-experts 8 is a Megatron-LM setting hybrid does not take: hybrid trains dense models only: "
+                 "Mixture-of-Experts is not implemented yet (issue: MoE)",
+                 "--moe-router-topk 2 is a Megatron-LM flag hybrid does not take: Mixture-of-Experts",
+                 "--step-batch-size-schedule 0:16 2.4B:320 is a Megatron-LM flag",
+                 "--window-size 127,0 is a Megatron-LM flag hybrid does not take: gpt-oss's variants",
+                 "'optimizer.lr' must be > 0.0"):
+        assert part in message, part
+
+
+def test_an_unknown_flag_exits_naming_the_refused_ones_too_and_a_hint_only_when_near(capsys):
+    with pytest.raises(SystemExit):
+        config_from_command_line(["--hiden-size", "64", "--frobnicate", "--fp8-format", "hybrid"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --hiden-size 64 --frobnicate (did you mean --hidden-size?); and --fp8-format " \
+           "hybrid is a Megatron-LM flag hybrid does not take" in err
+    from hybrid.config.cli import _unrecognized
+
+    assert _unrecognized(["--moe-routr-topk 2"]) == "unrecognized arguments: --moe-routr-topk 2"  # not --min-loss-scale
+
+
+def test_the_trainer_checks_the_world_in_the_same_error(monkeypatch):
+    from hybrid.training.cli import parse_args
+
+    with pytest.raises(ConfigError) as raised:
+        parse_args(SMALL + ["--mock-data", "--tensor-model-parallel-size", "3", "--fp8-format", "e4m3"],
+                   world_size=4)
+    assert str(raised.value).startswith("2 settings need changing: (1) --fp8-format e4m3 is a Megatron-LM flag")
+    assert "world size 4 is not divisible by tensor_parallel_size x pipeline.size = 3 x 1" in str(raised.value)
+
+
+def test_deepspeed_config_reads_a_deepspeed_json_under_the_flags(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},'
+                  ' "prescale_gradients": true, "bf16": {"enabled": true}}')
+    notes = []
+    cfg = config_from_command_line(["--deepspeed", "--deepspeed_config", str(ds), "--zero-stage=1"], notes=notes)
+    assert (cfg.zero.stage, cfg.precision, cfg.global_batch_size) == (1, "bf16", 8)  # the flag over the file
+    assert any(n.startswith("DeepSpeed keys with no effect here: prescale_gradients (") for n in notes), notes
+    assert config_from_command_line([f"--deepspeed_config={ds}"]).zero.stage == 2
+    native = tmp_path / "native.yaml"
+    native.write_text("zero: {stage: 1}\n")
+    with pytest.raises(ConfigError, match=r"^--deepspeed-config .*native\.yaml: it is not a DeepSpeed config"):
+        config_from_command_line(["--deepspeed-config", str(native)])

@@ -1,0 +1,228 @@
+"""Real launch scripts and DeepSpeed configs, as their repositories have them, through hybrid's start-up.
+
+The corpus (tests/fixtures/intake_corpus/, its README.md says how it was recorded):
+
+* ``scripts/*.json``: the argument list each Megatron-LM or Megatron-DeepSpeed launch script builds in its
+  default mode (run unmodified, the launcher a stub), its world size, and the DeepSpeed config it writes, if any;
+  the data, tokenizer, checkpoint and log paths are placeholders this test fills with files of its own;
+* ``deepspeed/*.json``: DeepSpeed configs as they are, each beside ``*.source.json`` (repo, commit, path, and
+  for a template the values its script fills in).
+
+Each script runs through the trainer's start-up (``parse_args`` with its world size: parsing and every rule,
+no process group); each config through the DeepSpeed intake. Either is accepted, or refused with exactly the
+features listed here, all of them in one error.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hybrid.config import ConfigError, from_deepspeed
+from hybrid.config.deepspeed import deepspeed_notes
+from hybrid.training.cli import parse_args
+
+REPO = Path(__file__).resolve().parents[2]
+CORPUS = REPO / "tests" / "fixtures" / "intake_corpus"
+SCRIPTS = {p.stem: json.loads(p.read_text()) for p in sorted((CORPUS / "scripts").glob("*.json"))}
+CONFIGS = sorted(p.stem for p in (CORPUS / "deepspeed").glob("*.json") if not p.name.endswith(".source.json"))
+
+_FP8 = {"--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"}
+_LLAMA3 = _FP8 | {"--apply-layernorm-1p", "--calculate-per-token-loss", "--decoupled-lr", "--decoupled-min-lr"}
+_PROFILE = {"--profile", "--profile-step-start", "--profile-step-end"}
+_TOKENS = {"--train-tokens", "--lr-decay-tokens", "--lr-warmup-tokens"}
+_MOE_ROUTER = {"--moe-router-topk", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-grouped-gemm",
+               "--moe-token-dispatcher-type"}
+# script -> the features its first launch refuses (empty: accepted as it is)
+EXPECTED_SCRIPTS = {
+    "megatron_gpt3_175b": {"--step-batch-size-schedule"},
+    "megatron_llama3_8b_fp8_mock": _LLAMA3 | _PROFILE | {"--grad-reduce-in-bf16", "--tiktoken-pattern"},
+    "megatron_llama3_8b_fp8_data": _LLAMA3 | _PROFILE | {"--grad-reduce-in-bf16"},
+    "megatron_fsdp_llama3_8b_fp8_mock": _LLAMA3 | {"--tiktoken-pattern", "--use-megatron-fsdp",
+                                                   "--data-parallel-sharding-strategy", "--init-model-with-meta-device",
+                                                   "--use-nccl-ub", "--fsdp-double-buffer", "--fsdp-manual-registration"},
+    "megatron_mixtral_8x7b": _MOE_ROUTER | {"--num-experts", "--expert-model-parallel-size", "--no-load-optim",
+                                            "--no-load-rng"},
+    "megatron_gptoss_train": _FP8 | _MOE_ROUTER | {
+        "--num-experts", "--moe-ffn-hidden-size", "--moe-router-dtype", "--moe-z-loss-coeff", "--moe-permute-fusion",
+        "--moe-per-layer-logging", "--export-force-local-attention", "--quick-geglu", "--glu-linear-offset",
+        "--softmax-type", "--window-attn-skip-freq", "--activation-func-clamp-value", "--window-size",
+        "--enable-gpt-oss", "--tiktoken-pattern", "--accumulate-allreduce-grads-in-fp32",
+        "--disable-bf16-reduced-precision-matmul"},
+    "megatron_detxoify_finetune_1.3b": {"--data-path2"},
+    "mds_pretrain_llama": set(),
+    "mds_pretrain_llama2": set(),
+    "mds_rebase_gpt_125m": _TOKENS | {"--log-optimizer-states-to-tensorboard"},
+    "mds_moe_gpt_350m_dense": set(_TOKENS),
+    "mds_universal_ckpt_gpt_bf16": {"data_types.grad_accum_dtype"},
+}
+_BIAS = {"optimizer.params.bias_correction"}
+# config -> the DeepSpeed keys its intake refuses (empty: accepted)
+EXPECTED_CONFIGS = {
+    "ds_example_sdma_zero3": {"zero_optimization.stage3_gather_16bit_weights_on_model_save",
+                              "zero_optimization.sub_group_size"},
+    "ds_test_bingbertsquad_fp16": _BIAS, "ds_test_bingbertsquad_fp16_zero2": _BIAS,
+    "ds_test_bingbertsquad_fp32": _BIAS, "dse_bingbertsquad_bsz24": _BIAS, "dse_bingbertsquad_onebitadam": _BIAS,
+    "dse_autotuning_fp16_z2": {"train_micro_batch_size_per_gpu"}, "dse_autotuning_z3": {"train_micro_batch_size_per_gpu"},
+    "dse_bing_bert_lamb_seq128": {"sparse_attention"},
+    "dse_bing_bert_onebitlamb_seq128": {"optimizer.type"},
+    "dse_bing_bert_pld_seq128": _BIAS | {"progressive_layer_drop"},
+    "dse_zenflow": {"zero_optimization.zenflow"},
+    "mds_curriculum_baseline": {"optimizer.params.max_grad_norm"},
+    "mds_offload_pp_template": {"zero_optimization.offload_optimizer.ratio"},
+    "mds_universal_checkpointing": {"data_types.grad_accum_dtype"},
+}
+
+
+def refused_features(err: ConfigError) -> set:
+    """What each problem of one error is about: the DeepSpeed key it names, else the flag it starts with, else
+    its config key."""
+    features = set()
+    for problem in getattr(err, "problems", (err,)):
+        text = str(problem)
+        key = re.search(r"DeepSpeed (?:key|optimizer\.type) '?([\w.]+)", text)
+        if key:
+            features.add(key.group(1) if not text.count("optimizer.type") else "optimizer.type")
+        elif text.startswith("--"):
+            features.add(text.split()[0])
+        else:
+            features.add(problem.keys[0] if problem.keys else text)
+    return features
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The files the placeholders name: a dataset, GPT-2 BPE, SentencePiece and Hugging Face tokenizers."""
+    from hybrid.data.gpt2_bpe import train_gpt2_bpe
+    from hybrid.data.indexed import write_dataset
+    from tests.data.test_hf_tokenizer import make_model_folder
+    from tests.data.testkit import synthetic_documents, train_tokenizer
+
+    root = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    write_dataset(root / "data", [rng.integers(3, 250, size=80) for _ in range(400)])
+    vocab, merge = train_gpt2_bpe(synthetic_documents(300, seed=5), root / "gpt2", vocab_size=700)
+    (root / "load").mkdir()
+    return {"data": str(root / "data"), "vocab": str(vocab), "merge": str(merge),
+            "spm": train_tokenizer(root / "spm"), "hf": str(make_model_folder(root / "hf")),
+            "save": str(root / "save"), "load": str(root / "load"), "tb": str(root / "tb"),
+            "cache": str(root / "cache"), "root": root}
+
+
+def script_argv(name: str, files: dict, **paths) -> list:
+    """The script's arguments with the placeholders filled (and its DeepSpeed config written)."""
+    record = SCRIPTS[name]
+    ds_config = files["root"] / f"{name}.ds_config.json"
+    if record["deepspeed_config"] is not None:
+        ds_config.write_text(json.dumps(record["deepspeed_config"]))
+    tokenizer = files["hf"] if "HFTOKENIZER" in record["positional"] else files["spm"]
+    fill = {**{k: files[k] for k in ("data", "vocab", "merge", "save", "load", "tb", "cache")},
+            "tokenizer": tokenizer, "ds_config": str(ds_config), **paths}
+    return [arg.format(**fill) if "{" in arg else arg for arg in record["argv"]]
+
+
+def test_the_corpus_covers_the_issues_set():
+    assert set(SCRIPTS) == set(EXPECTED_SCRIPTS) and len(CONFIGS) >= 35
+    for record in SCRIPTS.values():
+        assert set(record["source"]) == {"repo", "commit", "path"} and record["world_size"] >= 1
+    for name in CONFIGS:
+        source = json.loads((CORPUS / "deepspeed" / f"{name}.source.json").read_text())
+        assert re.fullmatch(r"[0-9a-f]{40}", source["commit"]) and source["path"].endswith(".json")
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_SCRIPTS))
+def test_each_script_is_accepted_or_refused_with_every_feature_in_one_launch(name, files, capsys):
+    argv, world = script_argv(name, files), SCRIPTS[name]["world_size"]
+    expected = EXPECTED_SCRIPTS[name]
+    if not expected:
+        parse_args(argv, world_size=world)
+        return
+    with pytest.raises(ConfigError) as raised:
+        parse_args(argv, world_size=world)
+    message = str(raised.value)
+    assert "\n" not in message and "unrecognized" not in message
+    assert refused_features(raised.value) == expected, message
+    for problem in getattr(raised.value, "problems", (raised.value,)):  # each with its reason
+        assert re.search(r"(does not take|not supported[^:]*): \S", str(problem)), problem
+
+
+def test_a_refused_script_lists_the_problems_of_its_values_too(files):
+    """Beside the refused flags, a value no rule accepts (here the world size) is in the same error."""
+    argv = script_argv("megatron_gpt3_175b", files)
+    with pytest.raises(ConfigError) as raised:
+        parse_args(argv, world_size=8)
+    assert refused_features(raised.value) == {"--step-batch-size-schedule", "tensor_parallel_size"}
+
+
+def _load_config(name: str) -> dict:
+    text = (CORPUS / "deepspeed" / f"{name}.json").read_text()
+    source = json.loads((CORPUS / "deepspeed" / f"{name}.source.json").read_text())
+    for placeholder, value in sorted(source.get("fill", {}).items(), key=lambda kv: -len(kv[0])):
+        text = text.replace(placeholder, value)
+    return json.loads(text)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_each_deepspeed_config_is_accepted_or_refused_naming_its_keys(name):
+    data = _load_config(name)
+    expected = EXPECTED_CONFIGS.get(name, set())
+    if not expected:
+        from_deepspeed(data)
+        return
+    with pytest.raises(ConfigError) as raised:
+        from_deepspeed(data)
+    assert refused_features(raised.value) == expected, str(raised.value)
+    assert "unknown DeepSpeed key" not in str(raised.value)
+
+
+def test_most_real_configs_are_accepted():
+    accepted = [name for name in CONFIGS if name not in EXPECTED_CONFIGS]
+    assert len(accepted) >= 21, accepted
+
+
+def test_keys_that_change_nothing_are_named_in_one_note():
+    notes = deepspeed_notes(_load_config("dse_imagenet_fp16_z1"))
+    assert notes[0].startswith("DeepSpeed keys with no effect here: prescale_gradients (hybrid averages gradients")
+    assert "zero_allow_untested_optimizer (" in notes[0] and "fp16.auto_cast (" in notes[0]
+    assert notes[1].startswith("DeepSpeed keys DeepSpeed itself ignores, ignored: cuda_visible_devices (")
+    cfg = from_deepspeed(_load_config("ds_test_gpt2_bs8_zero2_gas3"))
+    assert cfg.recompute == "full"  # activation_checkpointing
+    assert from_deepspeed(_load_config("ds_test_gpt2_bs4_zero2_offload")).zero.offload_optimizer == "cpu"
+
+
+# ---- a shrunk script trains ------------------------------------------------------------------------------
+
+# Megatron-DeepSpeed's pretrain_llama2_distributed.sh with a small model and batch: TP 2 x PP 2 on 4 processes,
+# as the script lays them out (its DeepSpeed config read through --deepspeed_config).
+SHRUNK = {"--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "172", "--num-attention-heads": "4",
+          "--num-key-value-heads": "2", "--seq-length": "32", "--max-position-embeddings": "32",
+          "--micro-batch-size": "1", "--global-batch-size": "4", "--train-iters": "3", "--lr-warmup-iters": "1",
+          "--eval-interval": "2", "--eval-iters": "1"}
+
+
+def _shrunk(argv: list) -> list:
+    out = list(argv)
+    for flag, value in SHRUNK.items():
+        out[out.index(flag) + 1] = value
+    return out
+
+
+@pytest.mark.slow
+def test_the_shrunk_megatron_deepspeed_llama2_script_trains_on_4_processes(files, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    argv = _shrunk(script_argv("mds_pretrain_llama2", files, save=ckpt, load=ckpt))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           "-m", "hybrid.train", *argv], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tp=2 dp=1 pp=2" in proc.stdout
+    assert len([line for line in proc.stdout.splitlines() if line.startswith("iteration")]) == 3
+    notes = [line for line in proc.stderr.splitlines() if "note:" in line]
+    assert len(notes) == 1 and "--deepspeed (" in notes[0] and "--num-key-value-heads 2 (read as" in notes[0]
