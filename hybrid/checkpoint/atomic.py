@@ -45,6 +45,12 @@ class AtomicHashedFile:
     Usable as a context manager: leaving the block normally commits, leaving
     it with an exception removes the temporary file. ``write`` accepts any
     C-contiguous buffer (bytes, memoryview, numpy array).
+
+    A write the file system refuses (a full disk: ``OSError`` errno 28) raises
+    an ``OSError`` naming this file, and is kept as :attr:`write_error`: a
+    serializer that calls ``write`` (``torch.save``'s zip writer) may report it
+    as an internal error of its own, and :meth:`raise_write_error` puts the
+    disk's error back.
     """
 
     def __init__(self, path: PathLike):
@@ -56,16 +62,27 @@ class AtomicHashedFile:
         self._hash = hashlib.sha256()
         self._nbytes = 0
         self.digest: FileDigest | None = None
+        self.write_error: OSError | None = None  # the first write the file system refused
 
     def write(self, data) -> int:
         view = memoryview(data)
         if not view.c_contiguous:
             raise ValueError(f"write to {self.path}: buffer is not C-contiguous")
         view = view.cast("B")
-        self._file.write(view)
+        try:
+            self._file.write(view)
+        except OSError as e:
+            if self.write_error is None:
+                self.write_error = e if e.filename else OSError(e.errno, e.strerror, str(self.path))
+            raise self.write_error from None
         self._hash.update(view)
         self._nbytes += view.nbytes
         return view.nbytes
+
+    def raise_write_error(self) -> None:
+        """Raise :attr:`write_error` if a write failed (call while handling whatever the writer raised)."""
+        if self.write_error is not None:
+            raise self.write_error from None
 
     def flush(self) -> None:
         # Writers such as torch.save call flush; durability comes from commit's fsync.

@@ -355,9 +355,8 @@ class BackgroundSaver:
             save.finish_writes(flight["written"])
             path = save.commit(**flight["commit_args"])
         except CheckpointError as e:
-            latest = save.iter_dir.parent / LATEST_FILE
-            raise CheckpointError(f"the background save of {save.iter_dir} failed, so {latest} still names the "
-                                  f"previous checkpoint: {' '.join(str(e).split())}") from e
+            raise CheckpointError(f"the background save of {save.iter_dir} failed, so {_latest_kept(save.iter_dir)}: "
+                                  f"{' '.join(str(e).split())}") from e
         finally:
             save.release()
         return SaveReport(flight["iteration"], path, flight["blocking_s"] + flight["fence_s"], flight["write_s"],
@@ -365,8 +364,15 @@ class BackgroundSaver:
                           flight["prepare_s"], flight["copy_s"], flight["fence_s"])
 
     def _timeout_error(self, what: str = "finished writing") -> CheckpointError:
-        latest = self._save.iter_dir.parent / LATEST_FILE
         return CheckpointError(
             f"the background save of {self._save.iter_dir} has not {what} after {self.timeout_s:g} s (the "
-            f"job's collective timeout, distributed.timeout_minutes): its writer is stuck on the disk; {latest} "
-            f"still names the previous checkpoint")
+            f"job's collective timeout, distributed.timeout_minutes): its writer is stuck on the disk; "
+            f"{_latest_kept(self._save.iter_dir)}")
+
+
+def _latest_kept(iter_dir: Path) -> str:
+    """What a failed save leaves as the resume point: ``latest`` unchanged, or none yet (a first save)."""
+    latest = iter_dir.parent / LATEST_FILE
+    if latest.exists():
+        return f"{latest} still names the previous checkpoint"
+    return f"no checkpoint is saved yet ({latest} does not exist)"

@@ -110,7 +110,13 @@ class CheckpointWriter:
             raise CheckpointError(f"{self.iter_dir} does not exist: the coordinator's prepare() must "
                                   f"finish before ranks write their files")
         with AtomicHashedFile(self.iter_dir / name) as f:
-            fill(f)
+            try:
+                fill(f)
+            except Exception:
+                # torch.save turns a refused write into "[enforce fail at inline_container.cc...] unexpected
+                # pos": report the disk's own error (errno 28 on a full disk), naming the file, instead
+                f.raise_write_error()
+                raise
         fsync_dir(self.iter_dir)
         return f.digest  # type: ignore[return-value]
 
