@@ -2,7 +2,8 @@
 :class:`CollectiveError` naming the operation, its axis and its group's ranks, raised by the :class:`Guard`
 around every wait.
 
-:mod:`hybrid.comm` creates them (and re-exports them: import them from there).
+:mod:`hybrid.comm` and its algorithm modules (``hybrid.comm_*``) create them; :mod:`hybrid.comm` re-exports
+them: import them from there.
 """
 
 from __future__ import annotations

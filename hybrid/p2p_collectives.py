@@ -12,7 +12,7 @@ buffers, slowest rank's wall time and all ranks' CPU time): reduce-scatter
 20.6 ms / 35.6 ms (gloo), 11.8 / 17.8 (ring), 10.6 / 18.0 (direct); all-gather
 11.6 / 18.7 (gloo), 8.0 / 13.6 (direct).
 
-Two shapes, chosen by :class:`hybrid.comm.Communicator`:
+Two shapes, chosen by :class:`hybrid.comm_p2p.PointToPointCollectives` for the communicator:
 
 * **direct**, inside a node: every rank posts, at once, a send of each
   peer's chunk and a receive of each peer's contribution to its own. One

@@ -29,10 +29,13 @@ import torch
 import torch.distributed as dist
 
 from hybrid.comm import Communicator
-from hybrid.grid import (AXES, NODE_AXES, Coord, Grid, Nodes, TopologyError, WorldSizeError,  # noqa: F401
-                         tp_subaxis)
+from hybrid.grid import AXES, NODE_AXES, Coord, Grid, Nodes, TopologyError, WorldSizeError, tp_subaxis
 from hybrid.group_table import GroupTable
 from hybrid.layout import ParallelLayout
+
+# The grid's names, read from here by the code written before hybrid.grid existed.
+__all__ = ["AXES", "NODE_AXES", "Coord", "Grid", "Nodes", "Topology", "TopologyError", "WorldSizeError",
+           "tp_subaxis"]
 
 
 class Topology:
