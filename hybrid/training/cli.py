@@ -44,7 +44,13 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
                                       check=None if world_size is None else functools.partial(validate,
                                                                                               world_size=world_size))
     if notes and os.environ.get("RANK", "0") == "0":
-        print(f"hybrid-train: note: Megatron-LM flags with no effect here: {'; '.join(notes)}", file=sys.stderr)
+        # a DeepSpeed config's notes each name their own kind of key; the flags' share one line
+        flags = [n for n in notes if not n.startswith("DeepSpeed ")]
+        if flags:
+            print(f"hybrid-train: note: Megatron-LM flags with no effect here: {'; '.join(flags)}", file=sys.stderr)
+        for note in notes:
+            if note.startswith("DeepSpeed "):
+                print(f"hybrid-train: note: {note}", file=sys.stderr)
     return config
 
 
@@ -107,7 +113,14 @@ def _check_preset(config: HybridConfig) -> None:
 def _check_paths(config: HybridConfig) -> None:
     data = config.data
     if not data.mock:
-        from hybrid.data import parse_data_path
+        from hybrid.data import parse_data_path, parse_split
+        from hybrid.data.errors import DataError
+
+        if data.path:  # the split divides data.path: a bad one is found here, not after the process group starts
+            try:
+                parse_split(data.split)
+            except DataError as e:
+                raise _error(f"'data.split': {e}", "data.split") from None
 
         for key in data.PATH_KEYS:
             if not getattr(data, key):

@@ -272,3 +272,18 @@ def test_deepspeed_config_reads_a_deepspeed_json_under_the_flags(tmp_path):
     native.write_text("zero: {stage: 1}\n")
     with pytest.raises(ConfigError, match=r"^--deepspeed-config .*native\.yaml: it is not a DeepSpeed config"):
         config_from_command_line(["--deepspeed-config", str(native)])
+
+
+def test_a_bad_split_is_found_before_the_process_group(tmp_path):
+    """--split is read where it divides data.path, in the trainer's start-up, beside the other problems."""
+    import numpy as np
+
+    from hybrid.data.indexed import write_dataset
+    from hybrid.training.cli import parse_args
+
+    write_dataset(tmp_path / "d", [np.arange(10)])
+    with pytest.raises(ConfigError) as raised:
+        parse_args(SMALL + ["--data-path", str(tmp_path / "d"), "--split", "'1,2,3,4'", "--fp8-param-gather"],
+                   world_size=1)
+    assert "--fp8-param-gather is a Megatron-LM flag" in str(raised.value)
+    assert "'data.split': --split '1,2,3,4': expected up to three weights" in str(raised.value)
