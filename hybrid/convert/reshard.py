@@ -1,6 +1,6 @@
 """Offline resharding: rewrite a checkpoint in another TP / DP / PP / ZeRO-stage layout.
 
-``load_engine`` reshards on load by itself (:mod:`hybrid.engine.reshard`);
+``Engine.load_checkpoint`` reshards on load by itself (:mod:`hybrid.engine.reshard`);
 this is the same conversion done ahead of time, so that the loading job
 finds a checkpoint in its own layout and takes the exact same-layout path.
 
