@@ -5,10 +5,9 @@
   included) has no strongly connected component of more than one module and no
   module importing itself.
 * ``hybrid.config`` stands alone: it imports only ``hybrid.config.*`` and the
-  plain-data modules ``hybrid.layout``, ``hybrid.compression`` and
-  ``hybrid.argument_parser`` from hybrid (which import only each other), and
-  never torch, so configuration files can be checked without the training
-  stack.
+  plain-data modules of :data:`PLAIN_DATA` (``hybrid.layout``, ``hybrid.grid``,
+  ``model_zoo.config``, ...; they import only each other), and never torch, so
+  configuration files can be checked without the training stack.
 * ZeRO stages are defined once: the tuple ``(0, 1, 2, 3)`` appears nowhere (the
   :class:`hybrid.layout.ZeroStage` enum defines it), the offload rule
   (``offload_problem``) is written once, and the packages that reason about
@@ -299,17 +298,18 @@ def test_no_import_cycles():
 
 
 # Modules of plain data and rules (no torch): what configuration code may read besides itself.
-PLAIN_DATA = ("hybrid.layout", "hybrid.compression", "hybrid.argument_parser", "hybrid.tokenizer_files", "hybrid.grid")
+PLAIN_DATA = ("hybrid.layout", "hybrid.compression", "hybrid.argument_parser", "hybrid.tokenizer_files", "hybrid.grid",
+              "hybrid.tp_units", "model_zoo.config")
 
 
 def _imports_outside(prefixes, allowed):
-    """Imports of torch or hybrid, by the modules under ``prefixes``, of anything not under ``allowed``."""
+    """Imports of torch, hybrid or model_zoo, by the modules under ``prefixes``, of anything not under ``allowed``."""
     bad = []
-    for module, path in source_files().items():
+    for module, path in source_files(GRAPH_PACKAGES).items():
         if not any(module == p or module.startswith(p + ".") for p in prefixes):
             continue
         for imp in imports_of(module, path):
-            if imp.target.split(".")[0] not in (PACKAGE, "torch"):
+            if imp.target.split(".")[0] not in GRAPH_PACKAGES + ("torch",):
                 continue
             if not any(imp.target == a or imp.target.startswith(a + ".") for a in allowed):
                 bad.append(f"{path.relative_to(ROOT)}:{imp.line} imports {imp.target}")
