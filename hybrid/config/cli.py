@@ -31,8 +31,8 @@ from hybrid.config.derive import derive_for_training
 from hybrid.config.errors import ConfigError, one_error_for_all, suggestion
 from hybrid.config.flags import Given, Leaf, Spelling, apply_given, get_path, has_key, put
 from hybrid.config.load import check_deepspeed_dtypes, is_deepspeed_style, read_config_file
-from hybrid.config.megatron_flags import (DENSE_MOE_NOTE, MEGATRON_FLAGS, MOE_FAMILY, NO_LOAD_STATE_REFUSAL,
-                                          RESPELLINGS, TOKENIZER_NOT_YET, TOKENIZER_SPELLINGS, family_of,
+from hybrid.config.megatron_flags import (DENSE_MOE_NOTE, FSDP_PREFETCH_NOTE, MEGATRON_FLAGS, MOE_FAMILY,
+                                          NO_LOAD_STATE_REFUSAL, RESPELLINGS, TOKENIZER_NOT_YET, TOKENIZER_SPELLINGS, family_of,
                                           megatron_verdicts)
 from hybrid.config.parse import parse_section
 from hybrid.config.schema import HybridConfig
@@ -157,10 +157,10 @@ def config_from_command_line(argv: Optional[Sequence[str]] = None, prog: str = "
     """
     parser, dests = build_parser(prog, description)
     found: List[str] = []  # notes
-    argv = _respelled(_dashed(list(sys.argv[1:] if argv is None else argv), parser), found)
+    problems: List[ConfigError] = []
+    argv = _respelled(_dashed(list(sys.argv[1:] if argv is None else argv), parser), found, problems)
     namespace, extras = parser.parse_known_args(argv)
     given = vars(namespace)
-    problems: List[ConfigError] = []
     megatron = _megatron_given(given)
     accepted, refusals = megatron_verdicts(megatron)
     found += accepted
@@ -182,7 +182,7 @@ def config_from_command_line(argv: Optional[Sequence[str]] = None, prog: str = "
             for key, value in underlay(parse_section(HybridConfig, tree, "")).items():
                 if not has_key(tree, key):
                     put(tree, key, value)
-        _settings_that_mean_off(tree, found)
+        _settings_that_mean_off(tree, found, megatron_fsdp="--use-megatron-fsdp" in dict(megatron))
         cfg = derive_for_training(parse_section(HybridConfig, tree, ""))
         validate(cfg)
         if check is not None:
@@ -225,9 +225,9 @@ def _dashed(argv: List[str], parser: argparse.ArgumentParser) -> List[str]:
     return out
 
 
-def _respelled(argv: List[str], notes: List[str]) -> List[str]:
-    """``argv`` with Megatron-DeepSpeed's spellings of hybrid's flags (:data:`RESPELLINGS`) written as hybrid's,
-    each named in a note."""
+def _respelled(argv: List[str], notes: List[str], problems: List[ConfigError]) -> List[str]:
+    """``argv`` with Megatron's other spellings of hybrid's flags (:data:`RESPELLINGS`) written as hybrid's, each
+    named in a note; a value with no counterpart is added to ``problems``."""
     out: List[str] = []
     i = 0
     while i < len(argv):
@@ -239,8 +239,14 @@ def _respelled(argv: List[str], notes: List[str]) -> List[str]:
             continue
         if spelling.value is None and not eq and i < len(argv):
             value, i = argv[i], i + 1
-        value = spelling.value if spelling.value is not None else value
         shown = f"{flag} {value}" if spelling.value is None else flag
+        if spelling.values is not None:
+            if value not in spelling.values:
+                problems.append(ConfigError(f"{shown} is a Megatron-LM setting hybrid does not take: accepted: "
+                                            f"{', '.join(spelling.values)}"))
+                continue
+            value = spelling.values[value]
+        value = spelling.value if spelling.value is not None else value
         if spelling.yields_to is not None and any(a.split("=")[0] == spelling.yields_to for a in argv):
             notes.append(f"{shown} (no effect: {spelling.yields_to} is given)")
             continue
@@ -302,9 +308,14 @@ def _read_megatron_values(given: Dict[str, Any], dests: Mapping[str, Spelling], 
                 notes.append(f"--split {value} (read as {given[dest]}: its numbers, as Megatron-LM reads it)")
 
 
-def _settings_that_mean_off(tree: Dict[str, Any], notes: List[str]) -> None:
+def _settings_that_mean_off(tree: Dict[str, Any], notes: List[str], megatron_fsdp: bool = False) -> None:
     """Settings of the partial ``tree`` that ask for nothing here, turned off with a note as Megatron-LM does:
-    sequence parallelism with one tensor-parallel rank, and validation on a split with no validation share."""
+    sequence parallelism with one tensor-parallel rank, validation on a split with no validation share, and
+    (``megatron_fsdp``: ``--use-megatron-fsdp`` given) Megatron-FSDP's parameter prefetch at ZeRO stage 3."""
+    if megatron_fsdp and str(get_path(tree, "zero.stage")).strip() == "3" \
+            and get_path(tree, "zero.overlap_param_gather") is True:
+        put(tree, "zero.overlap_param_gather", False)
+        notes.append(FSDP_PREFETCH_NOTE)
     tp = get_path(tree, "tensor_parallel_size") or 1  # a flag's value is still its text here
     if get_path(tree, "model.sequence_parallel") is True and str(tp).strip() == "1":
         put(tree, "model.sequence_parallel", False)

@@ -17,7 +17,8 @@ RMSNorm``, ``--position-embedding-type learned_absolute`` are read as model_zoo'
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Tuple
+from types import MappingProxyType
+from typing import Mapping, Optional, Sequence, Tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +66,11 @@ MOE = "Mixture-of-Experts is not implemented yet (issue: MoE)"
 _DENSE = "hybrid trains dense models only: " + MOE
 _GPT_OSS = ("gpt-oss's variants (learnable softmax sinks, sliding-window attention, the clamped quick-GeGLU MLP) "
             "are not in model_zoo")
-_FSDP = ("Megatron-FSDP is Megatron's own sharded data parallelism; hybrid's is ZeRO: give --zero-stage 3 (parameters, "
-         "gradients and optimizer state partitioned over the data-parallel ranks)")
+_FSDP = ("Megatron-FSDP's own buffers and groups: hybrid's sharded data parallelism is ZeRO (--use-megatron-fsdp "
+         "--data-parallel-sharding-strategy optim_grads_params is ZeRO stage 3: parameters, gradients and optimizer "
+         "state partitioned over the data-parallel ranks)")
+_FSDP_KNOB = ("a buffer or NCCL-registration knob of Megatron-FSDP's communication; hybrid's flat ZeRO buffers are its "
+              "own, and the values trained are the same")
 _NOT_YET = "not implemented yet (issue 53): "
 _TOKENS = (_NOT_YET + "give the schedule in samples (tokens / --seq-length): --train-samples, --lr-decay-samples, "
            "--lr-warmup-samples")
@@ -176,6 +180,15 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
     _accepted("--rope-type", "model_zoo's rotary embedding is the standard one", values=("rope",),
               refusal="model_zoo has no YaRN rotary embedding; --rope-scaling scales RoPE frequencies"),
     _accepted("--logging-level", "the verbosity of Megatron's own Python loggers", takes_value=True),
+    # Megatron-FSDP (examples/megatron_fsdp/): its sharding strategy is a ZeRO stage (RESPELLINGS)
+    _accepted("--use-megatron-fsdp", "hybrid's sharded data parallelism is ZeRO; --data-parallel-sharding-strategy "
+                                     "picks its stage"),
+    _accepted("--init-model-with-meta-device", "model_zoo initialises each weight from (seed, name), so where the "
+                                               "model is first built changes the memory at start-up, not the "
+                                               "weights"),
+    _accepted("--use-nccl-ub", _FSDP_KNOB),
+    _accepted("--fsdp-double-buffer", _FSDP_KNOB),
+    _accepted("--fsdp-manual-registration", _FSDP_KNOB),
     _refused("--use-torch-fsdp2", "ZeRO stage 3 (--zero-stage 3) partitions the parameters"),
     _refused("--tp-comm-overlap", "hybrid does not overlap tensor-parallel communication with compute; keep the "
                                   "tensor-parallel group within a node"),
@@ -226,9 +239,8 @@ MEGATRON_FAMILIES: Tuple[MegatronFamily, ...] = (
     MegatronFamily(_GPT_OSS, flags=("--softmax-type", "--window-size", "--window-attn-skip-freq", "--enable-gpt-oss",
                                     "--quick-geglu", "--glu-linear-offset", "--activation-func-clamp-value",
                                     "--export-force-local-attention")),
-    MegatronFamily(_FSDP, flags=("--use-megatron-fsdp", "--data-parallel-sharding-strategy",
-                                 "--init-model-with-meta-device", "--use-nccl-ub", "--outer-dp-sharding-strategy",
-                                 "--num-distributed-optimizer-instances"), prefixes=("--fsdp-", "--megatron-fsdp-")),
+    MegatronFamily(_FSDP, flags=("--outer-dp-sharding-strategy", "--num-distributed-optimizer-instances"),
+                   prefixes=("--fsdp-", "--megatron-fsdp-")),
     MegatronFamily("the embedding and output layer's own learning rate is " + _NOT_YET + "remove it (they train at "
                    "--lr, like every other parameter)", flags=("--decoupled-lr", "--decoupled-min-lr")),
     MegatronFamily("a batch-size schedule by consumed tokens is " + _NOT_YET + "--rampup-batch-size START "
@@ -255,13 +267,20 @@ class Respelling:
     flag: str
     value: Optional[str] = None
     yields_to: Optional[str] = None
+    values: Optional[Mapping[str, str]] = None  # the given value -> hybrid's (others are refused)
 
 
 RESPELLINGS = {
     "--num-key-value-heads": Respelling("--num-query-groups"),
     # Megatron-DeepSpeed's (and earlier Megatron-LM's) full recompute of every layer
     "--checkpoint-activations": Respelling("--recompute-granularity", "full", yields_to="--recompute-granularity"),
+    # Megatron-FSDP's sharding strategies are ZeRO's stages: nothing, the optimizer state, and the gradients,
+    # and the parameters too
+    "--data-parallel-sharding-strategy": Respelling("--zero-stage", values=MappingProxyType({
+        "no_shard": "0", "optim": "1", "optim_grads": "2", "optim_grads_params": "3"})),
 }
+FSDP_PREFETCH_NOTE = ("--overlap-param-gather (under Megatron-FSDP it prefetches the next module's parameters, which "
+                      "ZeRO stage 3 does anyway: zero.prefetch_bucket_size)")
 TOKENIZER_SPELLINGS = {  # Megatron's tokenizer types that are one of hybrid's: lower-case name -> (hybrid's, why)
     "llama2tokenizer": ("SentencePieceTokenizer", "Llama 2's tokenizer is a SentencePiece model"),
     "gptsentencepiecetokenizer": ("SentencePieceTokenizer", "a SentencePiece model"),

@@ -287,3 +287,19 @@ def test_a_bad_split_is_found_before_the_process_group(tmp_path):
                    world_size=1)
     assert "--fp8-param-gather is a Megatron-LM flag" in str(raised.value)
     assert "'data.split': --split '1,2,3,4': expected up to three weights" in str(raised.value)
+
+
+@pytest.mark.parametrize("strategy,stage", [("no_shard", 0), ("optim", 1), ("optim_grads", 2),
+                                            ("optim_grads_params", 3)])
+def test_megatron_fsdp_sharding_strategies_are_zero_stages(strategy, stage):
+    notes = []
+    cfg = config_from_command_line(["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy,
+                                    "--use-distributed-optimizer", "--overlap-param-gather"] if stage == 3 else
+                                   ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy],
+                                   notes=notes)
+    assert cfg.zero.stage == stage
+    assert f"--data-parallel-sharding-strategy {strategy} (read as --zero-stage {stage})" in notes
+    if stage == 3:  # Megatron-FSDP's prefetch is ZeRO-3's own; without --use-megatron-fsdp the rule still holds
+        assert not cfg.zero.overlap_param_gather and any(n.startswith("--overlap-param-gather (") for n in notes)
+        with pytest.raises(ConfigError, match=r"zero\.overlap_param_gather needs ZeRO stage"):
+            config_from_command_line(["--zero-stage", "3", "--overlap-param-gather"])
