@@ -32,7 +32,7 @@ from hybrid.config.errors import ConfigError, one_error_for_all, suggestion
 from hybrid.config.flags import Given, Leaf, Spelling, apply_given, get_path, has_key, put
 from hybrid.config.load import check_deepspeed_dtypes, is_deepspeed_style, read_config_file
 from hybrid.config.megatron_flags import (DENSE_MOE_NOTE, FSDP_PREFETCH_NOTE, MEGATRON_FLAGS, MOE_FAMILY,
-                                          NO_LOAD_STATE_REFUSAL, RESPELLINGS, TOKENIZER_NOT_YET, TOKENIZER_SPELLINGS, family_of,
+                                          RESPELLINGS, TOKENIZER_NOT_YET, TOKENIZER_SPELLINGS, family_of,
                                           megatron_verdicts)
 from hybrid.config.parse import parse_section
 from hybrid.config.schema import HybridConfig
@@ -44,6 +44,16 @@ DEEPSPEED_CONFIG_FLAG = "--deepspeed-config"  # Megatron-DeepSpeed's --deepspeed
 _NEAR = 0.8  # how alike (difflib's ratio) a flag must be to a known one to be suggested for it
 _MEGATRON_DEST = "megatron_"  # argparse dests of the Megatron-only flags: this prefix and the flag's index
 _ROOT_KEYS = tuple(HybridConfig.__dataclass_fields__)
+
+
+class _Switch(argparse.BooleanOptionalAction):
+    """A boolean key's ``--flag``/``--no-flag``: on exactly for its own flag, so that a flag that itself starts
+    with ``--no-`` (Megatron-LM's ``--no-load-optim``) turns its key on, where argparse's action would read any
+    ``--no-`` spelling as off."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string in self.option_strings:
+            setattr(namespace, self.dest, option_string == self.option_strings[0])
 
 
 def _describe(value: Any) -> str:
@@ -103,7 +113,7 @@ def build_parser(prog: str = "hybrid-train", description: str = "") -> Tuple[arg
         elif alias is not None:
             group.add_argument(spelling.flag, dest=dest, metavar="VALUE", help=_help(alias.help, leaf))
         elif leaf.kind is bool:
-            group.add_argument(spelling.flag, dest=dest, action=argparse.BooleanOptionalAction,
+            group.add_argument(spelling.flag, dest=dest, action=_Switch,
                                help=_help(leaf.meta["help"], leaf))
         else:
             nargs = _nargs(leaf)
@@ -191,12 +201,6 @@ def config_from_command_line(argv: Optional[Sequence[str]] = None, prog: str = "
             check_deepspeed_dtypes(path or ds_path, cfg.precision, given_by="the command line")
     except ConfigError as err:
         problems.append(err)
-    for flag in ("--no-load-optim", "--no-load-rng"):
-        ckpt = cfg.checkpoint if cfg is not None else None
-        if flag in dict(megatron) and ckpt is not None and ckpt.load is not None and not ckpt.finetune:
-            problems.append(ConfigError(f"{flag} is a Megatron-LM flag hybrid does not take: {NO_LOAD_STATE_REFUSAL} "
-                                        f"(--load {ckpt.load} without --finetune)"))
-            found[:] = [n for n in found if not n.startswith(flag)]
     if unknown:
         parser.error(_unrecognized(unknown) + ("" if not problems else "; and " + str(_one_error(problems))))
     if problems:

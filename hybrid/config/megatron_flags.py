@@ -145,12 +145,6 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
               takes_value=True),
     _accepted("--vocab-extra-ids", "no extra token ids", values=("0",),
               refusal="hybrid's tokenizers add no extra (T5 sentinel) ids"),
-    # accepted where no optimizer or RNG state would be loaded anyway (no --load, or --finetune); the trainer's
-    # start-up refuses them beside a --load that resumes (NO_LOAD_STATE_REFUSAL)
-    _accepted("--no-load-optim", "no optimizer state is loaded: --finetune loads the weights alone, and without "
-                                 "--load there is nothing to load"),
-    _accepted("--no-load-rng", "no RNG state is loaded: --finetune loads the weights alone, and without --load there "
-                               "is nothing to load"),
     # Megatron's full recompute of every layer, one checkpoint each, is hybrid's --recompute-granularity full
     _accepted("--recompute-method", _PER_LAYER, values=("uniform",), refusal=_RECOMPUTE),
     _accepted("--recompute-num-layers", _PER_LAYER, values=("1",), refusal=_RECOMPUTE),
@@ -211,11 +205,6 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
     _refused("--wandb-exp-name", _TENSORBOARD, takes_value=True),
     _refused("--wandb-save-dir", _TENSORBOARD, takes_value=True),
 )
-
-
-NO_LOAD_STATE_REFUSAL = ("--finetune loads the weights alone (a new optimizer, schedule and data position); "
-                         "resuming the weights and iteration of a --load checkpoint without its optimizer (or RNG) "
-                         "state is " + _NOT_YET.rstrip(": "))
 
 
 @dataclasses.dataclass(frozen=True)

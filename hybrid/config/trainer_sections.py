@@ -164,6 +164,12 @@ class CheckpointConfig:
     keep_last: Optional[int] = _field(None, ge=1, flag="--keep-last", help="keep only the newest K checkpoints")
     finetune: bool = _field(False, flag="--finetune",
                             help="load weights only: new optimizer, schedule and data position")
+    no_load_optim: bool = _field(False, flag="--no-load-optim",
+                                 help="resume the weights, the iteration, the data position and the schedules but "
+                                      "not the optimizer state (Adam's moments, the loss scale): a fresh optimizer")
+    no_load_rng: bool = _field(False, flag="--no-load-rng",
+                               help="resume without the checkpoint's random-number generators (dropout draws "
+                                    "from the freshly seeded ones)")
     use_checkpoint_args: bool = _field(False, flag="--use-checkpoint-args",
                                        help="take the model settings (the model section) that neither a flag nor "
                                             "--config gives from the checkpoint checkpoint.load names, as it was "

@@ -144,16 +144,23 @@ class EngineCheckpoints:
                                  all_gather_object=topo.comm.all_gather_object, deferred=deferred,
                                  handed_over=handed_over, started=started, **args)
 
-    def load(self, load_dir, *, load_optimizer: bool = True, schedule: str = "check") -> Dict[str, Any]:
+    def load(self, load_dir, *, load_optimizer: bool = True, schedule: str = "check",
+             load_progress: Optional[bool] = None, load_rng: Optional[bool] = None) -> Dict[str, Any]:
         """Restore what :meth:`save` wrote; returns iteration, consumed samples, client state and path.
 
         ``load_optimizer=False`` loads the weights only (fine-tuning: new optimizer,
-        schedule and counters). A saved schedule whose settings differ from the
+        schedule and counters). ``load_progress`` (the counters, consumed samples and the
+        schedules' position) and ``load_rng`` (each rank's generators, restored where the
+        layout is the saved one) default to ``load_optimizer``: Megatron-LM's
+        ``--no-load-optim`` is ``load_optimizer=False, load_progress=True``, its
+        ``--no-load-rng`` ``load_rng=False``. A saved schedule whose settings differ from the
         configured one is an error unless ``schedule`` is ``"configured"`` (keep the
         configured settings at the saved position) or ``"saved"`` (take the saved ones).
         Raises :class:`~hybrid.checkpoint.CheckpointError` naming what differs when
         the checkpoint cannot be loaded into this engine.
         """
+        load_progress = load_optimizer if load_progress is None else load_progress
+        load_rng = load_optimizer if load_rng is None else load_rng
         parts, topo = self.parts, self.parts.topology
         reader = CheckpointReader(load_dir)
         saved = reader.model_config
@@ -171,10 +178,11 @@ class EngineCheckpoints:
             if load_optimizer:
                 state["optimizer"] = reader.load_optimizer_shard(topo.tp_rank, topo.dp_rank, topo.pp_rank)
                 state["optimizer"]["param_index"] = reader.stage_param_index(topo.pp_rank)
+            if load_rng:
                 state["rng"] = reader.load_rank_state(topo.tp_rank, topo.dp_rank, topo.pp_rank)
             self.state.load_state_dict(state)
         trainer_state = reader.trainer_state
-        if load_optimizer:
+        if load_progress:
             try:
                 # checkpoints of earlier releases keep the count in metadata.json alone
                 progress = {"consumed_samples": reader.consumed_samples, **trainer_state["engine"]}

@@ -452,14 +452,19 @@ class Engine:
         """Drop a background save in flight without committing it (no communication), for failing paths."""
         self.checkpoints.abandon()
 
-    def load_checkpoint(self, directory, *, load_optimizer: bool = True, schedule: str = "check") -> dict:
+    def load_checkpoint(self, directory, *, load_optimizer: bool = True, schedule: str = "check",
+                        load_progress: Optional[bool] = None, load_rng: Optional[bool] = None) -> dict:
         """Load a checkpoint saved in any layout (TP, DP, ZeRO stage, precision) into this engine.
 
         ``directory`` is a save directory (its ``latest``) or one ``iter_N`` directory. ``schedule``: what
         to do with saved schedule settings that differ from the configured ones (:meth:`load_state_dict`).
+        ``load_optimizer=False`` loads the weights alone; ``load_progress`` (step counters, consumed samples,
+        the schedules' position) and ``load_rng`` default to it (Megatron-LM's ``--no-load-optim``:
+        ``load_optimizer=False, load_progress=True``; ``--no-load-rng``: ``load_rng=False``).
         Returns ``iteration``, ``consumed_samples``, ``client_state`` and ``path``.
         """
-        return self.checkpoints.load(directory, load_optimizer=load_optimizer, schedule=schedule)
+        return self.checkpoints.load(directory, load_optimizer=load_optimizer, schedule=schedule,
+                                     load_progress=load_progress, load_rng=load_rng)
 
     def gathered_parameters(self):
         """Context manager: every parameter of ``module`` whole inside the block (a stage that partitions

@@ -187,12 +187,15 @@ class Trainer:
     # ---- checkpoints ------------------------------------------------------------------------------
     def _load(self, path: str) -> None:
         """Resume from ``path``; weights only with ``--finetune`` (from iteration 0) and ``--skip-train`` (at the
-        checkpoint's iteration: evaluation needs no optimizer state)."""
+        checkpoint's iteration: evaluation needs no optimizer state); without the optimizer state
+        (``--no-load-optim``: a fresh optimizer at the saved position) or the generators (``--no-load-rng``)."""
         ckpt, skip_train = self.config.checkpoint, self.config.run.skip_train
         weights_only = ckpt.finetune or skip_train
         with flag_context(f"--load {path}"):
             try:
-                state = self.engine.load_checkpoint(path, load_optimizer=not weights_only,
+                state = self.engine.load_checkpoint(path, load_optimizer=not (weights_only or ckpt.no_load_optim),
+                                                    load_progress=not weights_only,
+                                                    load_rng=not (weights_only or ckpt.no_load_rng),
                                                     schedule=ckpt.schedule_on_load)
             except ValueError as e:
                 # The components refuse a state that does not fit this run (another optimizer, parameter
@@ -201,9 +204,12 @@ class Trainer:
         if not ckpt.finetune:
             self.iteration = state["iteration"]
         why = "--finetune" if ckpt.finetune else "--skip-train"
+        left = [what for what, flag in (("the optimizer state", ckpt.no_load_optim), ("the RNG state", ckpt.no_load_rng))
+                if flag]
         _log(self.topology, f"loaded {state['path']} (iteration {state['iteration']}, "
                             f"{state['consumed_samples']} samples consumed)"
-                            + (f" weights only ({why})" if weights_only else ""))
+                            + (f" weights only ({why})" if weights_only else
+                               f" without {' and '.join(left)} (--no-load-optim/--no-load-rng)" if left else ""))
 
     def saved_settings(self) -> dict:
         """The settings stored with each checkpoint (``client_state["args"]``): the tree, batch resolved.

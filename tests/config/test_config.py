@@ -53,7 +53,7 @@ FULL = {
              "eod_mask_loss": True, "reset_position_ids": False, "mock": False,
              "cache_path": "cache"},
     "checkpoint": {"save": "ckpt", "load": "ckpt", "exit_on_missing_checkpoint": False, "save_interval": 50,
-                   "keep_last": 2, "finetune": False,
+                   "keep_last": 2, "finetune": False, "no_load_optim": False, "no_load_rng": False,
                    "use_checkpoint_args": False,
                    "override_opt_param_scheduler": True, "use_checkpoint_opt_param_scheduler": False,
                    "async_save": True, "async_save_chunk_mb": 256},

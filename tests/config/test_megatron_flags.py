@@ -81,8 +81,6 @@ def test_the_distributed_optimizer_yields_to_an_explicit_zero_stage():
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--no-load-optim", "--load", "ckpt"], r"^--no-load-optim is a Megatron-LM flag hybrid does not take: --finetune loads the "
-                          r"weights alone"),
     (["--recompute-method", "block"], r"^--recompute-method block is a Megatron-LM setting hybrid does not take: "
                                       r".*; accepted: --recompute-method uniform$"),
     (["--recompute-num-layers", "4"], r"accepted: --recompute-num-layers 1$"),
@@ -198,7 +196,6 @@ SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4
     (["--no-query-key-layer-scaling"], "--no-query-key-layer-scaling (hybrid applies no query-key layer scaling"),
     (["--num-key-value-heads", "2"], "--num-key-value-heads 2 (read as --num-query-groups 2)"),
     (["--checkpoint-activations"], "--checkpoint-activations (read as --recompute-granularity full)"),
-    (["--no-load-optim", "--no-load-rng", "--finetune", "--load", "ckpt"], "--no-load-rng (no RNG state is loaded"),
 ])
 def test_settings_that_mean_off_are_accepted_with_a_note(argv, noted):
     notes = []
@@ -303,3 +300,10 @@ def test_megatron_fsdp_sharding_strategies_are_zero_stages(strategy, stage):
         assert not cfg.zero.overlap_param_gather and any(n.startswith("--overlap-param-gather (") for n in notes)
         with pytest.raises(ConfigError, match=r"zero\.overlap_param_gather needs ZeRO stage"):
             config_from_command_line(["--zero-stage", "3", "--overlap-param-gather"])
+
+
+def test_no_load_optim_and_no_load_rng_are_keys_of_their_own():
+    """Megatron-LM's flags resume without the optimizer state or the generators (the engine's part:
+    tests/training/test_no_load_state.py)."""
+    cfg = config_from_command_line(["--no-load-optim", "--no-load-rng", "--load", "ckpt"])
+    assert cfg.checkpoint.no_load_optim and cfg.checkpoint.no_load_rng
