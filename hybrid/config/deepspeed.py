@@ -44,7 +44,12 @@ _MAPPED = {
                           "stage3_max_live_parameters": "zero.max_live_parameters",
                           "stage3_prefetch_bucket_size": "zero.prefetch_bucket_size",
                           "stage3_max_reuse_distance": "zero.max_reuse_distance",
-                          "zero_hpz_partition_size": "zero.hpz_partition_size"},
+                          "zero_hpz_partition_size": "zero.hpz_partition_size",
+                          # DeepSpeed reads its ZeRO-3 keys without the stage3_ prefix too
+                          "param_persistence_threshold": "zero.persistence_threshold",
+                          "max_live_parameters": "zero.max_live_parameters",
+                          "prefetch_bucket_size": "zero.prefetch_bucket_size",
+                          "max_reuse_distance": "zero.max_reuse_distance"},
     "zero_optimization.offload_optimizer": {"device": "zero.offload_optimizer"},
     "fp16": {"loss_scale": "loss_scaling.loss_scale", "initial_scale_power": "loss_scaling.initial_scale_power",
              "loss_scale_window": "loss_scaling.loss_scale_window", "hysteresis": "loss_scaling.hysteresis",
@@ -97,13 +102,23 @@ _UNSUPPORTED = {
         "weight_quantization": "remove it", "hybrid_engine": "remove it", "graph_harvesting": "remove it",
         "torch_autocast": "set hybrid's 'precision' and 'autocast: true' instead", "compile": "remove it",
         "bfloat16": "write it as 'bf16'", "train_batch_size_per_gpu": "use train_micro_batch_size_per_gpu",
+        "gradient_allreduce_op": "hybrid averages gradients over the data-parallel ranks; remove it",
+        "managed_gradient_accumulation": "remove it; hybrid accumulates gradients over gradient_accumulation_steps",
+        "use_data_before_expert_parallelism": "Mixture-of-Experts is not implemented yet (issue: MoE); remove it",
     },
     "zero_optimization": {
         "offload_param": f"parameter offload is {_NOT_YET}; remove it",
         "zenflow": "ZenFlow (offloading the updates of the less important gradients) is not implemented; hybrid "
                    "offloads the whole optimizer step (offload_optimizer.device cpu); remove it",
         "cpu_offload_params": _ISSUE_8, "cpu_offload_use_pin_memory": "remove it; host buffers are pinned on GPUs",
-        "stage3_model_persistence_threshold": _ISSUE_8, "stage3_gather_16bit_weights_on_model_save": _CONSOLIDATE.replace("; remove it", "; a consolidated "
+        "stage3_model_persistence_threshold": _ISSUE_8, "model_persistence_threshold": _ISSUE_8,
+        "cpu_offload_param": _ISSUE_8, "pipeline_loading_checkpoint": "remove it",
+        "gather_16bit_weights_on_model_save": _CONSOLIDATE.replace("; remove it", "; a consolidated 16-bit model "
+                                                                   f"written with each save is {_NOT_YET}; remove it"),
+        "leaf_module": "Mixture-of-Experts is not implemented yet (issue: MoE); remove it",
+        "save_muon_momentum_buffer_in_memory": "hybrid has no Muon optimizer; remove it",
+        "zero_quantized_nontrainable_weights": "hybrid trains every weight (none is frozen); remove it",
+        "zeropp_loco_param": "ZeRO++'s LoCo error feedback is not implemented; remove it", "stage3_gather_16bit_weights_on_model_save": _CONSOLIDATE.replace("; remove it", "; a consolidated "
                                                                                  "16-bit model written with each "
                                                                                  f"save is {_NOT_YET}; remove it"),
         "stage3_gather_fp16_weights_on_model_save": _CONSOLIDATE, "sub_group_size": f"optimizer sub-groups (with parameter offload) are {_NOT_YET}; remove it",
@@ -122,7 +137,9 @@ _UNSUPPORTED = {
         "ratio": "offloading a part of the optimizer state is not implemented: hybrid offloads all of it (device "
                  "cpu) or none; remove it",
         "nvme_path": _ISSUE_8, "buffer_count": _ISSUE_8, "fast_init": _ISSUE_8, "pipeline_read": _ISSUE_8,
-        "pipeline_write": _ISSUE_8, "pipeline": _ISSUE_8},
+        "pipeline_write": _ISSUE_8, "pipeline": _ISSUE_8, "buffer_size": _ISSUE_8, "max_in_cpu": _ISSUE_8,
+        "super_offload": "SuperOffload is not implemented; hybrid offloads the optimizer step to the CPU "
+                         "(offload_optimizer.device cpu); remove it"},
     "optimizer.params": {"torch_adam": "remove it; hybrid picks its Adam implementation itself",
                          "max_grad_norm": "clip with the top-level gradient_clipping instead"},
 }
@@ -133,7 +150,15 @@ _UNSUPPORTED = {
 # The 1-bit optimizers' transport switches: hybrid's communicator picks the backend of the device itself.
 # ZeroOneAdam's bias_correction: its update, like DeepSpeed's, applies none either way.
 _NO_EFFECT = {
-    "zero_optimization": {"allgather_bucket_size": (int, float)},
+    # ... and how DeepSpeed's ZeRO-3 fetches parameters (in sequence, by all-reduce, grouped by module size), its
+    # debug checks and warnings: hybrid's stage 3 gathers each module's own flat partitions, and computes the same
+    "zero_optimization": {"allgather_bucket_size": (int, float), "allgather_sequential": bool,
+                          "stage3_allgather_sequential": bool, "use_all_reduce_for_fetch_params": bool,
+                          "stage3_use_all_reduce_for_fetch_params": bool, "module_granularity_threshold": int,
+                          "stage3_module_granularity_threshold": int, "enable_sanity_checks": bool,
+                          "log_trace_cache_warnings": bool, "override_module_apply": bool},
+    # the share of CPU cores DeepSpeed's CPU Adam uses; hybrid's runs on torch's threads
+    "zero_optimization.offload_optimizer": {"cpuadam_cores_perc": (int, float)},
     # how DeepSpeed's checkpointing stores what it keeps (partitioned over TP, contiguous, on the CPU), how many
     # checkpoints it expects, and its timers: hybrid's recompute keeps each layer's input, and recomputes the same
     "activation_checkpointing": {"partition_activations": bool, "contiguous_memory_optimization": bool,
@@ -150,7 +175,8 @@ _ROUNDING = ("hybrid averages gradients over the data-parallel ranks in its all-
 _NOTED = {
     "": {"prescale_gradients": (bool, _ROUNDING), "gradient_predivide_factor": ((int, float), _ROUNDING),
          "zero_allow_untested_optimizer": (bool, "hybrid builds its own optimizer from 'optimizer'; there is no "
-                                                 "untested client optimizer to allow")},
+                                                 "untested client optimizer to allow"),
+         "log_level": (str, "the verbosity of DeepSpeed's own logger")},
     "zero_optimization": {"contiguous_gradients": (bool, "hybrid's gradients always live in flat contiguous "
                                                           "buffers; the values are the same")},
     "fp16": {"auto_cast": (bool, "it casts the model's floating-point inputs to fp16; a GPT's inputs are token ids, "

@@ -223,3 +223,41 @@ def test_the_shrunk_megatron_deepspeed_llama2_script_trains_on_4_processes(files
     assert len([line for line in proc.stdout.splitlines() if line.startswith("iteration")]) == 3
     notes = [line for line in proc.stderr.splitlines() if "note:" in line]
     assert len(notes) == 1 and "--deepspeed (" in notes[0] and "--num-key-value-heads 2 (read as" in notes[0]
+
+
+# The keys DeepSpeed's own ZeRO and offload configs define (deepspeed/runtime/zero/config.py and offload_config.py
+# at deepspeedai/DeepSpeed edaa722: field names and their aliases), and top-level keys its runtime config reads.
+DEEPSPEED_ZERO_KEYS = (
+    "allgather_bucket_size allgather_partitions allgather_sequential contiguous_gradients cpu_offload "
+    "cpu_offload_param cpu_offload_use_pin_memory elastic_checkpoint enable_sanity_checks "
+    "gather_16bit_weights_on_model_save ignore_unused_parameters leaf_module legacy_stage1 load_from_fp32_weights "
+    "log_trace_cache_warnings max_live_parameters max_reuse_distance memory_efficient_linear "
+    "mics_hierarchical_params_gather mics_shard_size model_persistence_threshold module_granularity_threshold "
+    "offload_optimizer offload_param overlap_comm override_module_apply param_persistence_threshold "
+    "pipeline_loading_checkpoint prefetch_bucket_size reduce_bucket_size reduce_scatter round_robin_gradients "
+    "save_muon_momentum_buffer_in_memory stage stage3_allgather_sequential stage3_gather_16bit_weights_on_model_save "
+    "stage3_gather_fp16_weights_on_model_save stage3_max_live_parameters stage3_max_reuse_distance "
+    "stage3_model_persistence_threshold stage3_module_granularity_threshold stage3_param_persistence_threshold "
+    "stage3_prefetch_bucket_size stage3_use_all_reduce_for_fetch_params sub_group_size "
+    "use_all_reduce_for_fetch_params use_multi_rank_bucket_allreduce zenflow zero_hpz_partition_size "
+    "zero_quantized_gradients zero_quantized_nontrainable_weights zero_quantized_weights zeropp_loco_param").split()
+DEEPSPEED_OFFLOAD_KEYS = ("buffer_count buffer_size cpuadam_cores_perc device fast_init max_in_cpu nvme_path "
+                          "pin_memory pipeline_read pipeline_write ratio super_offload").split()
+DEEPSPEED_TOP_KEYS = ("gradient_allreduce_op log_level managed_gradient_accumulation "
+                      "use_data_before_expert_parallelism cuda_visible_devices disable_allgather").split()
+
+
+@pytest.mark.parametrize("section,keys", [("zero_optimization", DEEPSPEED_ZERO_KEYS),
+                                          ("zero_optimization.offload_optimizer", DEEPSPEED_OFFLOAD_KEYS),
+                                          ("", DEEPSPEED_TOP_KEYS)])
+def test_no_key_deepspeed_defines_is_called_unknown(section, keys):
+    for key in keys:
+        data = {key: 7}  # a value of the wrong type for most: what matters is how the key is named
+        if section == "zero_optimization":
+            data = {"zero_optimization": data}
+        elif section:
+            data = {"zero_optimization": {"stage": 1, "offload_optimizer": data}}
+        try:
+            from_deepspeed(data)
+        except ConfigError as err:
+            assert "unknown DeepSpeed key" not in str(err), (key, str(err))
