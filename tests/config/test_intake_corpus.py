@@ -209,20 +209,33 @@ def _shrunk(argv: list) -> list:
     return out
 
 
-@pytest.mark.slow
-def test_the_shrunk_megatron_deepspeed_llama2_script_trains_on_4_processes(files, tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    argv = _shrunk(script_argv("mds_pretrain_llama2", files, save=ckpt, load=ckpt))
+def _train_shrunk(argv: list, processes: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           "-m", "hybrid.train", *argv], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(processes), "-m", "hybrid.train", *argv], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "tp=2 dp=1 pp=2" in proc.stdout
     assert len([line for line in proc.stdout.splitlines() if line.startswith("iteration")]) == 3
     notes = [line for line in proc.stderr.splitlines() if "note:" in line]
     assert len(notes) == 1 and "--deepspeed (" in notes[0] and "--num-key-value-heads 2 (read as" in notes[0]
+    return proc
+
+
+@pytest.mark.slow
+def test_the_shrunk_megatron_deepspeed_llama2_script_trains_on_4_processes(files, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    proc = _train_shrunk(_shrunk(script_argv("mds_pretrain_llama2", files, save=ckpt, load=ckpt)), 4)
+    assert "tp=2 dp=1 pp=2" in proc.stdout
+
+
+def test_the_shrunk_script_at_one_pipeline_stage_trains_on_2_processes(files, tmp_path):
+    """The same script with its pipeline size set to 1 as well, to fit the suite's two processes (TP 2)."""
+    ckpt = str(tmp_path / "ckpt")
+    argv = _shrunk(script_argv("mds_pretrain_llama2", files, save=ckpt, load=ckpt))
+    argv[argv.index("--pipeline-model-parallel-size") + 1] = "1"
+    proc = _train_shrunk(argv, 2)
+    assert "tp=2 dp=1 pp=1" in proc.stdout and "bf16" in proc.stdout  # bf16 from its DeepSpeed config
 
 
 # The keys DeepSpeed's own ZeRO and offload configs define (deepspeed/runtime/zero/config.py and offload_config.py
