@@ -122,6 +122,8 @@ def build_parser(prog: str = "hybrid-train", description: str = "") -> Tuple[arg
     megatron = parser.add_argument_group("Megatron-LM flags without a key of their own (accepted: no effect, "
                                          "named in a note; refused: the run stops, naming what to use instead)")
     for i, entry in enumerate(MEGATRON_FLAGS):
+        if entry.flag in SPELLINGS:  # a key of its own now (MoE, context parallelism): the key's flag wins
+            continue
         words = ("no effect: " if entry.accepted else "refused: ") + entry.reason
         if entry.values is not None:
             words = f"accepted as {' or '.join(entry.values)} ({entry.reason}); otherwise refused"
