@@ -376,7 +376,7 @@ class Trainer:
                                         own_losses=self.engine.last_pipeline_stats.losses)
             if diverged is not None:
                 self.monitor.flush_interval()
-                raise TrainingDiverged(diverged)
+                raise TrainingDiverged(self._keep_save_in_flight(diverged))
             if eval_interval and self.iteration % eval_interval == 0:
                 self._report_evaluation("valid")
             reason = self.exit.check(self.iteration, topo)
@@ -393,6 +393,16 @@ class Trainer:
                 _log(topo, f"exiting at iteration {self.iteration}: {reason}")
                 return False
         return True
+
+    def _keep_save_in_flight(self, diverged: str) -> str:
+        """Before a divergence stop: commit the background save in flight, of an earlier iteration whose weights
+        were finite (its checks ran when it was submitted), rather than abandon it; its failure joins the
+        message. Collective while a save is in flight: every rank stops at the same iteration."""
+        try:
+            self._collect_save(wait=True)
+        except CheckpointError as e:
+            return f"{diverged} (besides, {e})"
+        return diverged
 
     def _final_evaluations(self) -> None:
         """At the end of training (or of ``--skip-train``): the validation split, unless this iteration's

@@ -46,6 +46,20 @@ def test_fp32_stops_at_the_first_non_finite_iteration_and_saves_nothing_there(tm
     assert "marked unhealthy" not in out
 
 
+def test_with_async_save_the_save_in_flight_is_committed_not_abandoned(tmp_path, monkeypatch, capsys):
+    save = tmp_path / "ckpt"
+    code, out, err = _main(MOCK + BLOW_UP + ["--train-iters", "30", "--save", save, "--save-interval", "1",
+                                             "--async-save"], monkeypatch, capsys)
+    assert code == 3 and len(err) == 1, out[-2000:] + "\n".join(err)
+    stop = STOP.match(err[0])
+    assert stop, err[0]
+    last = int(stop.group(1))
+    # the previous iteration's background save was in flight at the stop: committed, and latest names it
+    assert (save / "latest").read_text().strip() == f"iter_{last - 1:07d}"
+    assert all(is_healthy(save / f"iter_{i:07d}") for i in range(1, last))
+    assert not (save / f"iter_{last:07d}").exists()
+
+
 def test_bf16_on_two_ranks_stops_with_one_line_naming_both(tmp_path):
     ranks = _world2(MOCK + BLOW_UP + ["--bf16", "--train-iters", "30"])
     line = _one_error_line(ranks, code=3)
