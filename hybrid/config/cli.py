@@ -164,8 +164,9 @@ def config_from_command_line(argv: Optional[Sequence[str]] = None, prog: str = "
     :class:`~hybrid.config.ConfigError` lists them. Megatron-LM flags and values that change nothing here
     (and DeepSpeed keys of a config file that change nothing) are appended to ``notes``, one line each.
     ``underlay``: given the settings the file and flags make, more settings (dotted keys) for the keys that
-    neither sets, between them and the defaults (the trainer's ``--use-checkpoint-args``). ``check``: more rules
-    for the validated config (the trainer's, for its world size); its ConfigError joins the others.
+    neither sets, between them and the defaults (the trainer's ``--use-checkpoint-args``). ``check``: the validation
+    to run instead of :func:`~hybrid.config.validate.validate`, its rules included (the trainer's, for its world
+    size); its ConfigError joins the others.
     """
     parser, dests = build_parser(prog, description)
     found: List[str] = []  # notes
@@ -196,9 +197,7 @@ def config_from_command_line(argv: Optional[Sequence[str]] = None, prog: str = "
                     put(tree, key, value)
         _settings_that_mean_off(tree, found, megatron_fsdp="--use-megatron-fsdp" in dict(megatron))
         cfg = derive_for_training(parse_section(HybridConfig, tree, ""))
-        validate(cfg)
-        if check is not None:
-            check(cfg)
+        (validate if check is None else check)(cfg)
         if (path or ds_path) and given:
             check_deepspeed_dtypes(path or ds_path, cfg.precision, given_by="the command line")
     except ConfigError as err:

@@ -75,6 +75,14 @@ def validate_for_training(cfg: "HybridConfig", world_size: int) -> BatchSizes:
     """Every config rule for a trainer run on ``world_size`` processes; returns the resolved batch sizes."""
     problems = _problems(cfg)
     _training_requirements(cfg, problems)
+    if problems:
+        fields: List[ConfigError] = []
+        _check_fields(cfg, "", fields)
+        if not fields:  # the world's rules read sound values: with those, their error joins the others
+            try:
+                validate_world(cfg, world_size)
+            except ConfigError as err:
+                problems.append(err)
     _raise_all(problems)
     batch = validate_world(cfg, world_size)
     samples = cfg.run.train_samples

@@ -307,3 +307,15 @@ def test_no_load_optim_and_no_load_rng_are_keys_of_their_own():
     tests/training/test_no_load_state.py)."""
     cfg = config_from_command_line(["--no-load-optim", "--no-load-rng", "--load", "ckpt"])
     assert cfg.checkpoint.no_load_optim and cfg.checkpoint.no_load_rng
+
+
+def test_key_problems_and_the_worlds_are_named_together():
+    from hybrid.training.cli import parse_args
+
+    with pytest.raises(ConfigError) as raised:
+        parse_args(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+                    "--vocab-size", "64", "--micro-batch-size", "1", "--mock-data", "--tensor-model-parallel-size",
+                    "3"], world_size=4)
+    message = str(raised.value)
+    assert message.startswith("2 config keys need changing: (1) give the run's length") and \
+        "(2) world size 4 is not divisible by tensor_parallel_size x pipeline.size = 3 x 1" in message
