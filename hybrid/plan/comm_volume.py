@@ -80,7 +80,7 @@ from hybrid.plan.compressed import chunk, packed_bytes
 from hybrid.plan.model_memory import FlatLayout, Stage3Layout
 from hybrid.plan.setup import DEFAULT_SETUP
 from hybrid.plan.zero_collectives import reduces_by_scatter, reduces_every_micro_batch
-from hybrid.topology import tp_subaxis
+from hybrid.grid import tp_subaxis
 from model_zoo.config import GPTConfig
 from model_zoo.qkv_layout import qkv_layout
 

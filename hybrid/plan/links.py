@@ -41,7 +41,7 @@ from typing import Dict, Tuple
 
 from hybrid.plan.comm_volume import Report, ring_steps
 from hybrid.plan.two_level import NODE_AXES, node_axis_groups, node_split
-from hybrid.topology import Grid, Nodes
+from hybrid.grid import Grid, Nodes
 
 
 class LinkError(ValueError):

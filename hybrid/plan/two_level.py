@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from typing import List, Optional, Tuple
 
-from hybrid.topology import NODE_AXES, Grid, Nodes, TopologyError
+from hybrid.grid import NODE_AXES, Grid, Nodes, TopologyError
 from hybrid.zero.secondary_partition import hpz_size_problem
 
 __all__ = ["NODE_AXES", "hpz_placement_problem", "node_axis_groups", "node_split", "two_level_problem"]
