@@ -46,8 +46,9 @@ class AtomicHashedFile:
     it with an exception removes the temporary file. ``write`` accepts any
     C-contiguous buffer (bytes, memoryview, numpy array).
 
-    A write the file system refuses (a full disk: ``OSError`` errno 28) raises
-    an ``OSError`` naming this file, and is kept as :attr:`write_error`: a
+    A write the file system refuses (a full disk: ``OSError`` errno 28; with
+    buffering it may surface at ``flush`` or :meth:`commit`) raises an
+    ``OSError`` naming this file, and is kept as :attr:`write_error`: a
     serializer that calls ``write`` (``torch.save``'s zip writer) may report it
     as an internal error of its own, and :meth:`raise_write_error` puts the
     disk's error back.
@@ -72,12 +73,16 @@ class AtomicHashedFile:
         try:
             self._file.write(view)
         except OSError as e:
-            if self.write_error is None:
-                self.write_error = e if e.filename else OSError(e.errno, e.strerror, str(self.path))
-            raise self.write_error from None
+            raise self._refused(e) from None
         self._hash.update(view)
         self._nbytes += view.nbytes
         return view.nbytes
+
+    def _refused(self, e: OSError) -> OSError:
+        """``e``, naming this file where it names none, kept as :attr:`write_error` (the first one)."""
+        if self.write_error is None:
+            self.write_error = e if e.filename else OSError(e.errno, e.strerror, str(self.path))
+        return self.write_error
 
     def raise_write_error(self) -> None:
         """Raise :attr:`write_error` if a write failed (call while handling whatever the writer raised)."""
@@ -85,23 +90,33 @@ class AtomicHashedFile:
             raise self.write_error from None
 
     def flush(self) -> None:
-        # Writers such as torch.save call flush; durability comes from commit's fsync.
-        self._file.flush()
+        # Writers such as torch.save call flush; durability comes from commit's fsync. A buffered write the
+        # disk refuses fails here (or in commit), not in write.
+        try:
+            self._file.flush()
+        except OSError as e:
+            raise self._refused(e) from None
 
     def commit(self) -> FileDigest:
         """Make the file durable and visible under its final name; returns its digest."""
         if self.digest is not None:
             return self.digest
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+        except OSError as e:
+            raise self._refused(e) from None
         os.replace(self.temp_path, self.path)
         self.digest = FileDigest(self._hash.hexdigest(), self._nbytes)
         return self.digest
 
     def abort(self) -> None:
         if not self._file.closed:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:
+                pass  # the buffered bytes of a file being discarded failed to flush again: nothing is lost
         try:
             os.unlink(self.temp_path)
         except FileNotFoundError:

@@ -40,35 +40,58 @@ ENOSPC = "OSError: [Errno 28] No space left on device: "
 
 
 class _Disk:
-    """A file system with ``free`` bytes left: a write past them writes what fits, then fails with ENOSPC."""
+    """A file system with ``free`` bytes left. ``refuses_at="write"``: a write past them writes what fits, then
+    fails with ENOSPC; ``"flush"``: writes are buffered and the flush (or close) that would pass them fails, as
+    Python's buffered files report a full disk."""
 
-    def __init__(self, free: int):
-        self.free = free
+    def __init__(self, free: int, refuses_at: str):
+        self.free, self.refuses_at = free, refuses_at
 
     def open(self, path, mode="r", *args, **kwargs):
         return _File(open(path, mode, *args, **kwargs), self)
 
 
+def _no_space() -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
 class _File:
     def __init__(self, file, disk: _Disk):
-        self._file, self._disk = file, disk
+        self._file, self._disk, self._buffered = file, disk, 0
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
+        if self._disk.refuses_at == "flush":
+            self._buffered += view.nbytes
+            return self._file.write(view)
         if view.nbytes > self._disk.free:
             self._file.write(view[:self._disk.free])
             self._disk.free = 0
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise _no_space()
         self._disk.free -= view.nbytes
         return self._file.write(view)
 
-    def __getattr__(self, name):  # flush, fileno, close, closed
+    def flush(self) -> None:
+        if self._buffered > self._disk.free:
+            self._disk.free, self._buffered = 0, 0
+            raise _no_space()
+        self._disk.free -= self._buffered
+        self._buffered = 0
+        self._file.flush()
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._file.close()
+
+    def __getattr__(self, name):  # fileno, closed
         return getattr(self._file, name)
 
 
-def _disk_of(monkeypatch, free: int) -> None:
+def _disk_of(monkeypatch, free: int, refuses_at: str = "write") -> None:
     """From now on the checkpoint files (:mod:`hybrid.checkpoint.atomic`) have ``free`` bytes left."""
-    monkeypatch.setattr(atomic, "open", _Disk(free).open, raising=False)
+    monkeypatch.setattr(atomic, "open", _Disk(free, refuses_at).open, raising=False)
 
 
 def _optimizer_state():
@@ -96,10 +119,11 @@ def model_bytes(tmp_path_factory) -> int:
 # data record, mid-way through the tensors, and so on
 @pytest.mark.parametrize("into_optimizer_file", [0, 40, 64, 598, 1302, 9000, 20000])
 @pytest.mark.parametrize("background", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("refuses_at", ["write", "flush"])
 def test_a_full_disk_is_reported_as_errno_28_naming_the_file(tmp_path, monkeypatch, model_bytes,
-                                                            into_optimizer_file, background):
+                                                            into_optimizer_file, background, refuses_at):
     _save(tmp_path, 1, background)
-    _disk_of(monkeypatch, model_bytes + into_optimizer_file)
+    _disk_of(monkeypatch, model_bytes + into_optimizer_file, refuses_at)
     with pytest.raises(CheckpointError) as failure:
         _save(tmp_path, 2, background)
     message = str(failure.value)
