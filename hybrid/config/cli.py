@@ -327,9 +327,9 @@ def _settings_that_mean_off(tree: Dict[str, Any], notes: List[str], megatron_fsd
         notes.append("--sequence-parallel (turned off: it splits activations over the tensor-parallel group, and "
                      "there is one tensor-parallel rank, as Megatron-LM does)")
     split = get_path(tree, "data.split")
-    interval = get_path(tree, "eval.interval", 1)
+    interval = get_path(tree, "eval.interval", 1)  # a flag's value is still its text here
     if isinstance(split, str) and get_path(tree, "data.path") and not get_path(tree, "data.train_path") \
-            and interval != 0:
+            and str(interval).strip() != "0":
         shares = [float(x) for x in re.findall(r"[.0-9]+", split) if x.strip(".")]
         if len(shares) >= 2 and shares[1] == 0 and sum(shares) > 0:
             put(tree, "eval.interval", 0)
