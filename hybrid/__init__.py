@@ -4,7 +4,7 @@ Names are imported on first use, so that tools which need only numpy (data
 preprocessing) start without importing torch.
 """
 
-import importlib
+from hybrid.lazy_exports import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -13,11 +13,11 @@ _EXPORTS = {
     "DistInfo": "hybrid.distributed",
     "DistributedEnvError": "hybrid.distributed",
     "Topology": "hybrid.topology",
-    "Grid": "hybrid.topology",
-    "TopologyError": "hybrid.topology",
+    "Grid": "hybrid.grid",
+    "TopologyError": "hybrid.grid",
 }
 
-__all__ = sorted(_EXPORTS) + ["initialize"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, eager=["initialize"])
 
 
 def initialize(model, config=None, topology=None, **kwargs):
@@ -29,14 +29,3 @@ def initialize(model, config=None, topology=None, **kwargs):
 
     return _initialize(model, config, topology=topology, **kwargs)
 
-
-def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'hybrid' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__

@@ -4,7 +4,7 @@ Names are imported on first use, so that :mod:`model_zoo.config` (plain data, th
 configuration reads) imports without torch.
 """
 
-import importlib
+from hybrid.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "GPTConfig": "model_zoo.config",
@@ -17,16 +17,4 @@ _EXPORTS = {
     "matmul_parameters": "model_zoo.flops",
 }
 
-__all__ = list(_EXPORTS)
-
-
-def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'model_zoo' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -6,49 +6,37 @@ sentencepiece only) do not pay for importing torch.
 
 from __future__ import annotations
 
-import importlib
+from hybrid.lazy_exports import lazy_exports
 
 _EXPORTS = {
-    "SentencePieceTokenizer": "tokenizer",
-    "train_sentencepiece": "tokenizer",
-    "GPT2BPETokenizer": "gpt2_bpe",
-    "train_gpt2_bpe": "gpt2_bpe",
-    "HuggingFaceTokenizer": "hf_tokenizer",
-    "load_tokenizer": "tokenizer_choice",
-    "IndexedDataset": "indexed",
-    "IndexedDatasetWriter": "indexed",
-    "IndexFormatError": "indexed",
-    "DataError": "errors",
-    "DataFileNotFoundError": "errors",
-    "SplitTooSmallError": "errors",
-    "best_dtype": "indexed",
-    "merge_datasets": "indexed",
-    "write_dataset": "indexed",
-    "preprocess": "preprocess",
-    "BadInputError": "preprocess",
-    "GPTDataset": "gpt_dataset",
-    "build_gpt_indices": "gpt_dataset",
-    "make_sample": "gpt_dataset",
-    "BlendedDataset": "blended",
-    "build_train_valid_test_datasets": "blended",
-    "parse_data_path": "blended",
-    "parse_split": "blended",
-    "GlobalBatchSampler": "sampler",
-    "MicroBatchSampler": "sampler",
-    "collate_samples": "sampler",
-    "iter_global_batches": "sampler",
+    "SentencePieceTokenizer": ".tokenizer",
+    "train_sentencepiece": ".tokenizer",
+    "GPT2BPETokenizer": ".gpt2_bpe",
+    "train_gpt2_bpe": ".gpt2_bpe",
+    "HuggingFaceTokenizer": ".hf_tokenizer",
+    "load_tokenizer": ".tokenizer_choice",
+    "IndexedDataset": ".indexed",
+    "IndexedDatasetWriter": ".indexed",
+    "IndexFormatError": ".indexed",
+    "DataError": ".errors",
+    "DataFileNotFoundError": ".errors",
+    "SplitTooSmallError": ".errors",
+    "best_dtype": ".indexed",
+    "merge_datasets": ".indexed",
+    "write_dataset": ".indexed",
+    "preprocess": ".preprocess",
+    "BadInputError": ".preprocess",
+    "GPTDataset": ".gpt_dataset",
+    "build_gpt_indices": ".gpt_dataset",
+    "make_sample": ".gpt_dataset",
+    "BlendedDataset": ".blended",
+    "build_train_valid_test_datasets": ".blended",
+    "parse_data_path": ".blended",
+    "parse_split": ".blended",
+    "GlobalBatchSampler": ".sampler",
+    "MicroBatchSampler": ".sampler",
+    "collate_samples": ".sampler",
+    "iter_global_batches": ".sampler",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'hybrid.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

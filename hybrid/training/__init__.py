@@ -8,7 +8,7 @@
 Names are imported on first use, so that reading settings does not import torch.
 """
 
-import importlib
+from hybrid.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "parse_args": "hybrid.training.cli",
@@ -17,14 +17,4 @@ _EXPORTS = {
     "main": "hybrid.training.trainer",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'hybrid.training' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
