@@ -172,7 +172,7 @@ class EngineCheckpoints:
                 (load_optimizer and not _same_flat_partitions(parts, reader)):
             from hybrid.engine import reshard  # load_resharded looked up at the call (tests count the calls)
 
-            reshard.load_resharded(parts, reader, load_optimizer=load_optimizer)
+            reshard.load_resharded(parts, reader, load_optimizer=load_optimizer, load_rng=load_rng)
         else:
             state: Dict[str, Any] = {"model": reader.load_model_shard(topo.tp_rank, topo.pp_rank)}
             if load_optimizer:

@@ -52,12 +52,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from hybrid.zero import ZeroOptimizer
 
 
-def load_resharded(parts: TrainingParts, reader: CheckpointReader, *, load_optimizer: bool = True) -> None:
+def load_resharded(parts: TrainingParts, reader: CheckpointReader, *, load_optimizer: bool = True,
+                   load_rng: Optional[bool] = None) -> None:
     """Load ``reader``'s checkpoint into ``parts`` (an engine's model, optimizer and generators, placed by its
     topology) whatever layout saved it.
 
     ``load_optimizer=False``: weights only (fine-tuning); the optimizer stays
-    fresh, with its master weights set from the checkpoint. Collective over
+    fresh, with its master weights set from the checkpoint. ``load_rng`` (default:
+    ``load_optimizer``) restores each rank's generators (``--no-load-rng`` turns it off). Collective over
     ``"dp"`` (the optimizer all-gathers the loaded parameters): every rank
     must call it. Raises :class:`~hybrid.convert.consolidate.ConversionError`
     naming both values when the checkpoint holds a different model.
@@ -95,7 +97,7 @@ def load_resharded(parts: TrainingParts, reader: CheckpointReader, *, load_optim
             opt.load_state_dict(_partition_state(opt, src, topo, keys, restore_counters=load_optimizer))
         else:
             opt.weights_loaded()
-    if load_optimizer:
+    if load_optimizer if load_rng is None else load_rng:
         _restore_rng(parts, reader)
 
 

@@ -38,3 +38,18 @@ def test_no_load_rng_resumes_everything_but_the_generators(tmp_path):
     exact = _engine(1)
     exact.load_checkpoint(tmp_path, load_rng=True)
     assert _train(exact, 3, seed=2) == after
+
+
+def test_no_load_rng_holds_when_the_checkpoint_is_resharded(tmp_path):
+    saved = _engine(1)
+    _train(saved, 3, seed=1)
+    saved.save_checkpoint(tmp_path)
+    runs = {}
+    for load_rng in (True, False):  # saved at ZeRO-1, loaded at ZeRO-3: another layout, so resharded on load
+        engine = _engine(3)
+        engine.load_checkpoint(tmp_path, load_rng=load_rng)
+        runs[load_rng] = _train(engine, 3, seed=2)
+    again = _engine(3)
+    again.load_checkpoint(tmp_path, load_rng=True)
+    assert _train(again, 3, seed=2) == runs[True]
+    assert runs[False] != runs[True]  # the fresh generators draw other dropout masks
