@@ -145,6 +145,8 @@ def _can_mount_tmpfs() -> str:
     return ""
 
 
+# The injected cases above run by default; the real full disk with the slow tests (pytest -m slow).
+@pytest.mark.slow
 @pytest.mark.skipif(bool(_can_mount_tmpfs()), reason=_can_mount_tmpfs() or "-")
 def test_four_ranks_on_a_full_tmpfs_print_one_line_naming_the_disk(tmp_path):
     """The issue's reproduction: --async-save --save-interval 3 on 4 processes, a 30 MiB tmpfs."""

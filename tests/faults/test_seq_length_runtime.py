@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import List
 
+import pytest
+
 from hybrid.training.trainer import main
 from model_zoo.config import GPTConfig
 from tests.multiproc import free_port
@@ -121,6 +123,9 @@ def test_a_from_hf_import_fine_tunes_at_another_length(tmp_path, monkeypatch, ca
     assert (tmp_path / "ft" / "latest").read_text().strip() == "iter_0000002"
 
 
+# The in-process cases above cover both position kinds; these two run with the slow tests (pytest -m slow),
+# for the suite's time budget.
+@pytest.mark.slow
 def test_a_learned_from_hf_import_fine_tunes_within_its_table(tmp_path, monkeypatch, capsys):
     imported = _hf_export(tmp_path, monkeypatch, capsys, LEARNED + ["--seq-length", "64"])
     _ok(_train(LEARNED + ["--seq-length", "32", "--max-position-embeddings", "64", "--load", imported, "--finetune",
@@ -130,6 +135,7 @@ def test_a_learned_from_hf_import_fine_tunes_within_its_table(tmp_path, monkeypa
     assert code == 1 and len(err) == 1 and "64 rows" in err[0] and "seq_length 128" in err[0], err
 
 
+@pytest.mark.slow
 def test_the_issue_reproduction_at_tp2_with_torchrun(tmp_path):
     """The reproduction of issue 48 as written: two processes, TP 2."""
     base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
