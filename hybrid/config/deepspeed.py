@@ -148,7 +148,8 @@ _UNSUPPORTED = {
 # implementation that hybrid's has no counterpart of. allgather_bucket_size caps DeepSpeed's staging buffer for
 # the parameter all-gather; hybrid gathers each partition in place into the flat buffer, with no staging copy.
 # The 1-bit optimizers' transport switches: hybrid's communicator picks the backend of the device itself.
-# ZeroOneAdam's bias_correction: its update, like DeepSpeed's, applies none either way.
+# ZeroOneAdam's bias_correction: its update, like DeepSpeed's, applies none either way. (Adam's, AdamW's and
+# OneBitAdam's is mapped to optimizer.bias_correction; this entry checks its type for them too.)
 _NO_EFFECT = {
     # ... and how DeepSpeed's ZeRO-3 fetches parameters (in sequence, by all-reduce, grouped by module size), its
     # debug checks and warnings: hybrid's stage 3 gathers each module's own flat partitions, and computes the same
@@ -189,8 +190,8 @@ _IGNORED_BY_DEEPSPEED = {"": {"cuda_visible_devices": "DeepSpeed's config does n
                               "disable_allgather": "DeepSpeed reads it and nothing acts on it"}}
 # Fixed keys whose other value is a feature not implemented yet: the reason, instead of "always behaves as".
 _FIXED_REASONS = {"optimizer.params.bias_correction": (
-    "Adam without bias correction is " + _NOT_YET + ": hybrid's Adam inner step (hybrid/zero/inner.py, with its "
-    "fused and compiled kernels) always corrects the moments' bias; remove it or set it true")}
+    "only Adam, AdamW and OneBitAdam have a bias correction to switch off (hybrid's optimizer.bias_correction); "
+    "remove it")}
 
 # DeepSpeed's dtype keys: the precision of one kind of tensor each, accepted when it is the one hybrid keeps at
 # the config's precision (that is, the field of hybrid.layout.precision_traits named here: the gradients are
@@ -204,11 +205,11 @@ _DTYPE_SPELLINGS = {spelling: precision for precision, spellings in (
     ("fp16", ("fp16", "float16", "half", "torch.float16")),
     ("bf16", ("bf16", "bfloat16", "bfloat", "torch.bfloat16"))) for spelling in spellings}
 
-_OPTIMIZER_PARAMS = {"adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode"},
-                     "adamw": {"lr", "betas", "eps", "weight_decay", "adam_w_mode"},
+_OPTIMIZER_PARAMS = {"adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction"},
+                     "adamw": {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction"},
                      "sgd": {"lr", "momentum", "weight_decay"},
                      "onebitadam": {"lr", "betas", "eps", "weight_decay", "freeze_step", "cuda_aware",
-                                    "comm_backend_name"},
+                                    "comm_backend_name", "bias_correction"},
                      "zerooneadam": {"lr", "betas", "eps", "weight_decay", "var_freeze_step", "var_update_scaler",
                                      "local_step_scaler", "local_step_clipper", "cuda_aware", "comm_backend_name",
                                      "bias_correction"}}
@@ -547,6 +548,9 @@ def _map_optimizer(opt: Mapping, put) -> None:
                               "contradictory; use type 'Adam' with adam_w_mode false for L2-style Adam")
         kind = "adamw" if adam_w_mode else "adam"
     put("optimizer.type", _OPTIMIZER_TYPES.get(kind, kind), "optimizer.type")
+    # ZeroOneAdam's is accepted with no effect (_NO_EFFECT): its update has no bias correction to switch off
+    if "bias_correction" in params and kind in ("adam", "adamw", "onebitadam"):
+        put("optimizer.bias_correction", params["bias_correction"], "optimizer.params.bias_correction")
     for key in ("lr", "betas", "eps", "weight_decay", "momentum", "freeze_step", "var_freeze_step",
                 "var_update_scaler", "local_step_scaler", "local_step_clipper"):
         if key in params:

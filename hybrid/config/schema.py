@@ -163,6 +163,9 @@ class OptimizerConfig:
                                                  Alias("--adam-beta2", index=1,
                                                        help="Adam beta2 (optimizer.betas[1])")))
     eps: float = _field(1e-8, gt=0.0, flag="--adam-eps", help="Adam epsilon")
+    bias_correction: bool = _field(True, help="adamw, adam, onebit_adam: divide the moments by 1 - beta^t (true), "
+                                              "or step by lr * m / (sqrt(v) + eps) as they stand (false, DeepSpeed's "
+                                              "optimizer.params.bias_correction: false)")
     weight_decay: float = _field(0.0, ge=0.0, flag="--weight-decay", help="weight decay coefficient")
     weight_decay_incr_style: str = _field("constant", choices=WD_INCR_STYLES, flag="--weight-decay-incr-style",
                                           help="constant, or how the weight decay grows from start_weight_decay "

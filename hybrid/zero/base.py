@@ -140,7 +140,7 @@ class ZeroOptimizer(abc.ABC):
         self.inner = InnerOptimizer("adamw" if self.one_bit else optimizer.type, lr=optimizer.lr,
                                     betas=tuple(optimizer.betas), eps=optimizer.eps,
                                     weight_decay=optimizer.weight_decay_range[0], momentum=optimizer.momentum,
-                                    use_kernels=use_fused_kernels)
+                                    use_kernels=use_fused_kernels, bias_correction=optimizer.bias_correction)
         self.model = model
         self.topology = topology
         self.comm = topology.comm

@@ -17,6 +17,11 @@ available (it reads bf16/fp16 gradients directly and fuses the low-precision
 copy-out), else on torch's own (:func:`torch_adam_step`): the private fused op
 ``torch._fused_adamw_`` / ``torch._fused_adam_`` while torch has it, or the
 public functional ``torch.optim.adamw.adamw`` / ``torch.optim.adam.adam``.
+
+``bias_correction=False`` (DeepSpeed's ``optimizer.params.bias_correction:
+false``) steps by ``lr * m / (sqrt(v) + eps)`` with the moments as they stand.
+Neither the compiled kernels nor torch's ops have that switch, so it runs on
+:func:`uncorrected_adam_step` (a few ``torch._foreach`` passes) instead.
 """
 
 from __future__ import annotations
@@ -42,13 +47,18 @@ def compiled_adam_available(device: torch.device) -> bool:
 def _inner_adam_step(params: List[torch.Tensor], grads: List[torch.Tensor],
                      exp_avgs: List[torch.Tensor], exp_avg_sqs: List[torch.Tensor],
                      lowp: Optional[List[torch.Tensor]], *, lr: float, beta1: float, beta2: float, eps: float,
-                     weight_decay: float, step: int, adamw: bool, grad_factor: float, compiled: bool) -> None:
+                     weight_decay: float, step: int, adamw: bool, grad_factor: float, compiled: bool,
+                     bias_correction: bool = True) -> None:
     """One Adam/AdamW update of flat master tensors in place. ``grads`` may be overwritten.
 
     ``step`` is the 1-based update count (bias correction). AdamW decays the
     weights (decoupled); Adam adds ``weight_decay * param`` to the gradient.
     ``lowp`` (optional) receives the updated weights rounded to its dtype.
+    ``bias_correction`` False needs ``compiled`` False (the kernels always correct).
     """
+    if compiled and not bias_correction:
+        raise ValueError("the compiled Adam kernel always corrects the moments' bias; run bias_correction=False "
+                         "with compiled=False (InnerOptimizer does)")
     if compiled:
         from hybrid.kernels import multi_tensor_adam
 
@@ -59,7 +69,8 @@ def _inner_adam_step(params: List[torch.Tensor], grads: List[torch.Tensor],
     if grads[0].dtype != dtype or grads[0].device != device:
         grads = [g.to(device=device, dtype=dtype) for g in grads]
     torch_adam_step(params, grads, exp_avgs, exp_avg_sqs, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                    weight_decay=weight_decay, step=step, adamw=adamw, grad_factor=grad_factor)
+                    weight_decay=weight_decay, step=step, adamw=adamw, grad_factor=grad_factor,
+                    bias_correction=bias_correction)
     if lowp is not None:
         torch._foreach_copy_(lowp, params)
 
@@ -73,14 +84,23 @@ def fused_adam_op(adamw: bool) -> Optional[Callable[..., None]]:
 def torch_adam_step(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs: List[torch.Tensor],
                     exp_avg_sqs: List[torch.Tensor], *, lr: float, beta1: float, beta2: float, eps: float,
                     weight_decay: float, step: int, adamw: bool, grad_factor: float,
-                    fused: Optional[bool] = None) -> None:
+                    fused: Optional[bool] = None, bias_correction: bool = True) -> None:
     """One Adam/AdamW update of 1-D fp32 tensors in place with torch's kernels. ``grads`` may be overwritten.
 
     ``grads`` are multiplied by ``grad_factor``; ``step`` is the 1-based update
     count. ``fused`` None runs the private fused op when this torch has it (one
     pass over memory), else the public functional API's foreach path (a few
     passes, same arithmetic up to rounding); True or False forces one.
+    ``bias_correction`` False runs :func:`uncorrected_adam_step` (torch's ops
+    always correct), which ``fused=True`` cannot.
     """
+    if not bias_correction:
+        if fused:
+            raise ValueError("torch's fused Adam op always corrects the moments' bias; pass fused=None with "
+                             "bias_correction=False")
+        uncorrected_adam_step(params, grads, exp_avgs, exp_avg_sqs, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                              weight_decay=weight_decay, adamw=adamw, grad_factor=grad_factor)
+        return
     op = fused_adam_op(adamw) if fused is not False else None
     if fused and op is None:
         raise RuntimeError(f"torch {torch.__version__} has no fused {'AdamW' if adamw else 'Adam'} op; "
@@ -102,6 +122,37 @@ def torch_adam_step(params: List[torch.Tensor], grads: List[torch.Tensor], exp_a
     functional = functional_adamw if adamw else functional_adam
     functional(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=True, fused=False, amsgrad=False,
                beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
+
+
+def uncorrected_adam_step(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs: List[torch.Tensor],
+                          exp_avg_sqs: List[torch.Tensor], *, lr: float, beta1: float, beta2: float, eps: float,
+                          weight_decay: float, adamw: bool, grad_factor: float) -> None:
+    """Adam/AdamW without bias correction on 1-D tensors of one dtype and device, in place; ``grads`` may be
+    overwritten.
+
+    With ``g = grad_factor * grad`` (plus ``weight_decay * p`` for Adam's L2 decay)::
+
+        m <- beta1 * m + (1 - beta1) * g
+        v <- beta2 * v + (1 - beta2) * g * g
+        p <- p * (1 - lr * weight_decay)   (AdamW only)
+        p <- p - lr * m / (sqrt(v) + eps)
+
+    the update of DeepSpeed's Adam with ``bias_correction: false``: no ``1 / (1 - beta1^t)``,
+    no ``1 / (1 - beta2^t)``, so no step count is needed.
+    """
+    if grad_factor != 1.0:
+        torch._foreach_mul_(grads, grad_factor)
+    if weight_decay:
+        if adamw:
+            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+        else:
+            torch._foreach_add_(grads, params, alpha=weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr)
 
 
 def _inner_sgd_step(params: List[torch.Tensor], grads: List[torch.Tensor],
@@ -150,7 +201,8 @@ class InnerOptimizer:
     """AdamW, Adam or SGD over lists of flat master chunks, one list per flat group."""
 
     def __init__(self, kind: str, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, momentum: float = 0.0, use_kernels: bool = True):
+                 weight_decay: float = 0.0, momentum: float = 0.0, use_kernels: bool = True,
+                 bias_correction: bool = True):
         if kind not in KINDS:
             raise ValueError(f"unknown optimizer {kind!r}; expected one of {', '.join(KINDS)} "
                              f"(config key optimizer.type)")
@@ -172,6 +224,7 @@ class InnerOptimizer:
         self.eps = eps
         self.weight_decay = weight_decay
         self.momentum = momentum
+        self.bias_correction = bool(bias_correction)  # Adam/AdamW: divide the moments by 1 - beta^t
         self.step_count = 0  # updates applied (skipped steps do not count)
         self.groups: List[_GroupState] = []
         self.use_kernels = use_kernels
@@ -191,8 +244,9 @@ class InnerOptimizer:
         """
         device = state_device if state_device is not None else masters[0].device
         if self.compiled is None:
-            self.compiled = (self.use_kernels and self.kind != "sgd" and masters[0].dtype == torch.float32
-                             and compiled_adam_available(masters[0].device))
+            # the compiled kernels always correct the moments' bias: without it, torch's ops run instead
+            self.compiled = (self.use_kernels and self.kind != "sgd" and self.bias_correction
+                             and masters[0].dtype == torch.float32 and compiled_adam_available(masters[0].device))
         self.groups.append(_GroupState(masters, lowp, decay, self.state_names, device, self))
 
     def step(self, grads: List[List[torch.Tensor]], grad_factor: float, lr: Optional[float] = None) -> None:
@@ -214,7 +268,8 @@ class InnerOptimizer:
                 _inner_adam_step(group.masters, g_chunks, group.views["exp_avg"], group.views["exp_avg_sq"],
                                  group.lowp, lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
                                  weight_decay=group.weight_decay, step=self.step_count,
-                                 adamw=self.kind == "adamw", grad_factor=grad_factor, compiled=bool(self.compiled))
+                                 adamw=self.kind == "adamw", grad_factor=grad_factor, compiled=bool(self.compiled),
+                                 bias_correction=self.bias_correction)
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for g in self.groups for t in g.state.values())

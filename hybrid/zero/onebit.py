@@ -22,7 +22,8 @@ Two phases, told apart by the inner optimizer's update count ``t``:
       m    = concat_j C(s_j)                           all-gather over dp: the same m on every rank
 
   then ``p <- p * (1 - lr * wd) - lr * (m / bc1) / (sqrt(v / bc2) + eps)``
-  with ``bc1 = 1 - b1^t`` and ``bc2 = 1 - b2^freeze_step`` (frozen with ``v``).
+  with ``bc1 = 1 - b1^t`` and ``bc2 = 1 - b2^freeze_step`` (frozen with ``v``); both
+  1 with ``optimizer.bias_correction: false`` (DeepSpeed's OneBitAdam, which never corrects).
   ``f`` is the loss unscale times the clip coefficient.
 
 Because ``m`` is identical on every rank, stage 0 needs no further exchange.
@@ -256,8 +257,9 @@ class OneBitAdam:
         inner = self.inner
         inner.step_count += 1
         beta1, beta2 = inner.betas
-        bc1 = 1.0 - beta1 ** inner.step_count
-        root_bc2 = math.sqrt(1.0 - beta2 ** self.freeze_step)
+        corrects = inner.bias_correction  # the warm-up's AdamW (the inner step) follows the same switch
+        bc1 = 1.0 - beta1 ** inner.step_count if corrects else 1.0
+        root_bc2 = math.sqrt(1.0 - beta2 ** self.freeze_step) if corrects else 1.0
         for group in inner.groups:
             masters, m, v = group.masters, group.views["exp_avg"], group.views["exp_avg_sq"]
             if group.weight_decay:

@@ -123,6 +123,30 @@ def test_bf16_and_optimizer_kinds():
     assert static.loss_scale == 1024.0
 
 
+@pytest.mark.parametrize("kind,hybrid_type", [("Adam", "adamw"), ("AdamW", "adamw"), ("OneBitAdam", "onebit_adam")])
+def test_bias_correction_maps_to_the_optimizers_switch(kind, hybrid_type):
+    params = {"lr": 3e-5, "weight_decay": 0.0}
+    off = from_deepspeed({"optimizer": {"type": kind, "params": {**params, "bias_correction": False}}}).optimizer
+    assert (off.type, off.bias_correction) == (hybrid_type, False)
+    on = from_deepspeed({"optimizer": {"type": kind, "params": {**params, "bias_correction": True}}}).optimizer
+    assert on.bias_correction is True
+    assert from_deepspeed({"optimizer": {"type": kind, "params": params}}).optimizer.bias_correction is True
+    l2 = from_deepspeed({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "bias_correction": False}}})
+    assert (l2.optimizer.type, l2.optimizer.bias_correction) == ("adam", False)
+    with pytest.raises(ConfigError, match=r"'optimizer\.params\.bias_correction' must be a bool, got 'no'"):
+        from_deepspeed({"optimizer": {"type": kind, "params": {"bias_correction": "no"}}})
+
+
+def test_bias_correction_of_the_optimizers_without_one():
+    # 0/1 Adam's update has none either way: accepted, and the switch keeps its default
+    zo = from_deepspeed({"zero_optimization": {"stage": 0},
+                         "optimizer": {"type": "ZeroOneAdam", "params": {"bias_correction": False}}})
+    assert zo.optimizer.bias_correction is True
+    with pytest.raises(ConfigError, match=r"'optimizer\.params\.bias_correction' = False is not supported: only "
+                                          r"Adam, AdamW and OneBitAdam"):
+        from_deepspeed({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "bias_correction": False}}})
+
+
 def test_scheduler_mappings():
     warm = from_deepspeed({"optimizer": {"type": "AdamW", "params": {"lr": 2e-3}},
                            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 50}}})
