@@ -60,6 +60,7 @@ def test_with_async_save_the_save_in_flight_is_committed_not_abandoned(tmp_path,
     assert not (save / f"iter_{last:07d}").exists()
 
 
+@pytest.mark.slow  # the one-process cases run by default; this one with pytest -m slow (the suite's budget)
 def test_bf16_on_two_ranks_stops_with_one_line_naming_both(tmp_path):
     ranks = _world2(MOCK + BLOW_UP + ["--bf16", "--train-iters", "30"])
     line = _one_error_line(ranks, code=3)

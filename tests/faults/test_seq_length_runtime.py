@@ -116,6 +116,9 @@ def _hf_export(tmp_path, monkeypatch, capsys, model: List[str]) -> Path:
     return tmp_path / "imported"
 
 
+# The in-process cases above cover both position kinds; the from-hf imports and the torchrun run
+# are with the slow tests (pytest -m slow), for the suite's time budget.
+@pytest.mark.slow
 def test_a_from_hf_import_fine_tunes_at_another_length(tmp_path, monkeypatch, capsys):
     imported = _hf_export(tmp_path, monkeypatch, capsys, ROPE + ["--seq-length", "128"])
     _ok(_train(ROPE + ["--seq-length", "32", "--max-position-embeddings", "64", "--load", imported, "--finetune",
@@ -123,8 +126,6 @@ def test_a_from_hf_import_fine_tunes_at_another_length(tmp_path, monkeypatch, ca
     assert (tmp_path / "ft" / "latest").read_text().strip() == "iter_0000002"
 
 
-# The in-process cases above cover both position kinds; these two run with the slow tests (pytest -m slow),
-# for the suite's time budget.
 @pytest.mark.slow
 def test_a_learned_from_hf_import_fine_tunes_within_its_table(tmp_path, monkeypatch, capsys):
     imported = _hf_export(tmp_path, monkeypatch, capsys, LEARNED + ["--seq-length", "64"])
