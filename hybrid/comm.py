@@ -54,7 +54,7 @@ from hybrid.comm_p2p import PointToPointCollectives
 from hybrid.comm_tensors import nbytes as _nbytes
 from hybrid.comm_tensors import untracked as _untracked
 from hybrid.compression import Quantization
-from hybrid.group_table import AxisGroups
+from hybrid.group_table import AliasedGroups, AxisGroups
 
 # torch 2.13 renamed the flat-tensor collectives; older releases (>= 2.4) have only the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -82,6 +82,19 @@ class Communicator:
         self._messages = PointToPointCollectives(groups, self)
         self._names: Dict[Tuple[str, str], OpName] = {}
         self._peers: Dict[Tuple[str, int], int] = {}  # (axis, group rank) -> global rank, checked once per peer
+        self._real_axis: Callable[[str], str] = str  # the axis that answers for an aliased one (aliased())
+
+    def aliased(self, groups: "AliasedGroups") -> "Communicator":
+        """This communicator over ``groups``, an :class:`~hybrid.group_table.AliasedGroups` of its own: the same
+        byte counts, waits and in-flight operations, with each aliased axis answered (and counted) by its real
+        one. :meth:`hybrid.topology.Topology.expert_data_view` makes its communicator so."""
+        view = Communicator.__new__(Communicator)
+        view.__dict__.update(self.__dict__)
+        view._groups = groups
+        view._messages = PointToPointCollectives(groups, view)
+        view._names, view._peers = {}, {}
+        view._real_axis = groups.real_axis
+        return view
 
     @property
     def timeout(self) -> Optional[datetime.timedelta]:
@@ -111,9 +124,10 @@ class Communicator:
         return self._traffic.inter_node_total()
 
     def _record(self, op: str, axis: str, nbytes: int, wire_factor: float, peer: Optional[int] = None,
-                fan_out: Optional[List[int]] = None, each: Optional[int] = None) -> None:
+                fan_out: Optional[List[int]] = None, each: Optional[int] = None,
+                sends: Optional[Dict[int, int]] = None) -> None:
         """Count one operation (:meth:`hybrid.comm_accounting.Traffic.record`)."""
-        self._traffic.record(op, axis, nbytes, wire_factor, peer, fan_out, each)
+        self._traffic.record(op, self._real_axis(axis), nbytes, wire_factor, peer, fan_out, each, sends)
 
     def backend(self, axis: str) -> Optional[str]:
         """The backend of ``axis``'s group (``"gloo"``, ``"nccl"``), or None without a process group."""
@@ -130,7 +144,7 @@ class Communicator:
         key = (op, axis)
         name = self._names.get(key)
         if name is None:  # the same few names on every step: made once
-            name = self._names[key] = OpName(op, axis, tuple(self._groups.group_ranks(axis)))
+            name = self._names[key] = OpName(op, self._real_axis(axis), tuple(self._groups.group_ranks(axis)))
         return name
 
     def _guard(self, name: OpName) -> Guard:
@@ -299,6 +313,28 @@ class Communicator:
             output.copy_(input)
             return Handle() if async_op else None
         return self._all_to_all("all_to_all", _untracked(output), _untracked(input), axis, async_op, None)
+
+    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
+                     input_splits: Sequence[int], axis: str, async_op: bool = False,
+                     op: str = "all_to_all_v") -> Optional[Handle]:
+        """An all-to-all with variable splits along dim 0: ``input_splits[i]`` rows of ``input`` (in order) go to
+        rank ``i`` of ``axis``, and ``output_splits[i]`` rows of ``output`` come from it (this rank's own are
+        copied). Counted as ``op`` with the bytes each peer receives (what the MoE token dispatch moves)."""
+        n = self.size(axis)
+        if len(input_splits) != n or len(output_splits) != n or sum(input_splits) != input.shape[0] or \
+                sum(output_splits) != output.shape[0] or input.shape[1:] != output.shape[1:]:
+            raise ValueError(f"all_to_all_v over {axis}: splits {list(input_splits)} -> {list(output_splits)} do "
+                             f"not cut input {tuple(input.shape)} and output {tuple(output.shape)} into {n} parts")
+        if n == 1:
+            output.copy_(input)
+            return Handle() if async_op else None
+        row = _nbytes(input) // max(1, input.shape[0]) if input.shape[0] else input[0:1].numel() * input.element_size()
+        ranks = self._groups.group_ranks(axis)
+        self._record(op, axis, _nbytes(input), 0.0, sends={r: k * row for r, k in zip(ranks, input_splits)})
+        out_s, in_s = [int(k) for k in output_splits], [int(k) for k in input_splits]
+        return self._launch(op, axis, lambda a: dist.all_to_all_single(
+            _untracked(output), _untracked(input), output_split_sizes=out_s, input_split_sizes=in_s,
+            group=self._group(axis), async_op=a), async_op)
 
     def _all_to_all(self, op: str, output: torch.Tensor, input: torch.Tensor, axis: str, async_op: bool,
                     finish: Optional[Callable[[], None]]) -> Optional[Handle]:

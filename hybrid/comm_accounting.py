@@ -62,10 +62,24 @@ class Traffic:
         return {f"{op}/{axis}": dataclasses.asdict(s) for (op, axis), s in sorted(self._stats.items())}
 
     def record(self, op: str, axis: str, nbytes: int, wire_factor: float, peer: Optional[int] = None,
-               fan_out: Optional[List[int]] = None, each: Optional[int] = None) -> None:
+               fan_out: Optional[List[int]] = None, each: Optional[int] = None,
+               sends: Optional[Dict[int, int]] = None) -> None:
         """Count one operation. ``peer``: the global rank a point-to-point transfer goes to; ``fan_out``: the
         global ranks that each receive ``each`` bytes (default ``nbytes``) straight from this rank (a
-        broadcast's root, every peer of an all-to-all)."""
+        broadcast's root, every peer of an all-to-all); ``sends``: global rank -> the bytes it receives straight
+        from this rank, when they differ (an all-to-all with variable splits; ``wire_factor`` is then unused)."""
+        if sends is not None:
+            me = self._groups.rank
+            to_others = sum(b for r, b in sends.items() if r != me)
+            s = self._stats[(op, axis)]
+            s.calls += 1
+            s.payload_bytes += nbytes
+            s.wire_bytes += to_others
+            nodes = self._groups.nodes
+            crossing = sum(b for r, b in sends.items() if nodes.node_of(r) != nodes.node_of(me))
+            s.inter_node_bytes += crossing
+            self._inter_node_sent += crossing
+            return
         s = self._stats[(op, axis)]
         s.calls += 1
         s.payload_bytes += nbytes

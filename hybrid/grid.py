@@ -53,10 +53,11 @@ from typing import Dict, List, Optional, Sequence
 
 # The axes of the rank formula, innermost (fastest-varying) first.
 RANK_ORDER = ("tp", "cp", "dp", "pp")
-# The axes the topology builds process groups for.
-AXES = ("tp", "dp", "pp", "mp", "embed", "world")
-# Axes of the grid's arithmetic whose process groups nothing builds yet (context and expert parallelism).
-GRID_ONLY_AXES = ("cp", "dp_cp", "ep", "edp")
+# The axes the topology builds process groups for (``ep`` and ``edp``: expert parallelism, whose groups are
+# built only when ``ep > 1``; otherwise ``ep`` is each rank alone and ``edp`` its ``dp`` group).
+AXES = ("tp", "dp", "pp", "mp", "embed", "world", "ep", "edp")
+# Axes of the grid's arithmetic whose process groups nothing builds yet (context parallelism).
+GRID_ONLY_AXES = ("cp", "dp_cp")
 # The data-parallel group split by node (see Nodes.node_axis_groups): the ranks of this rank's dp group on
 # its own node, and the ranks of its dp group at the same position on every node.
 NODE_AXES = ("dp_node", "dp_cross")
@@ -130,6 +131,16 @@ def data_parallel_size(world: int, tp: int = 1, pp: int = 1, cp: int = 1) -> int
     return world // replica
 
 
+def expert_parallel_problem(dp: int, cp: int, ep: int) -> Optional[str]:
+    """Why ``ep`` expert-parallel ranks cannot share out the experts among ``dp * cp`` data ranks, or None.
+    The one statement of the rule (the grid, :class:`hybrid.layout.ParallelLayout` and the trainer read it)."""
+    if (dp * cp) % ep:
+        return (f"--expert-model-parallel-size {ep} must divide the data-parallel ranks dp*cp = {dp}*{cp} = "
+                f"{dp * cp}: expert parallelism shares the experts out among the ranks that hold the same dense "
+                f"parameters; choose a divisor of {dp * cp}")
+    return None
+
+
 # ---- coordinates -------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -165,9 +176,9 @@ class Grid:
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "pp", "cp", "ep"):
             _check_size(name, getattr(self, name))
-        if self.data_ranks % self.ep:
-            raise TopologyError(f"ep={self.ep} must divide the data-parallel ranks dp*cp = {self.dp}*{self.cp} = "
-                                f"{self.data_ranks}: expert parallelism shares the experts out among them")
+        problem = expert_parallel_problem(self.dp, self.cp, self.ep)
+        if problem:
+            raise TopologyError(problem)
 
     @classmethod
     def build(cls, world_size: int, tp: int = 1, pp: int = 1, dp: Optional[int] = None, cp: int = 1,
@@ -376,4 +387,4 @@ class Nodes:
 
 __all__ = ["AXES", "GRID_ONLY_AXES", "NODE_AXES", "RANK_ORDER", "Coord", "ExpertCoord", "Grid", "Nodes",
            "TopologyError", "WorldSizeError", "check_axis", "data_parallel_size", "divides_world", "tp_sub_size",
-           "tp_subaxis", "world_size_of"]
+           "tp_subaxis", "world_size_of", "expert_parallel_problem"]

@@ -98,3 +98,44 @@ class GroupTable:
         if ranks is None:
             ranks = self._own[axis] = tuple(self._ranks_of(axis, self.rank))
         return ranks
+
+
+class AliasedGroups:
+    """``base`` (an :class:`AxisGroups`) with some axes answered by others: ``{"dp": "edp"}`` makes the ``dp``
+    axis the ``edp`` groups (:meth:`hybrid.topology.Topology.expert_data_view`). :meth:`real_axis` names the
+    axis that answers, for byte counts and error messages."""
+
+    def __init__(self, base: AxisGroups, aliases: Dict[str, str]):
+        self.base = base
+        self.aliases = dict(aliases)
+        self.rank = base.rank
+        self.nodes = base.nodes
+        self.grid = getattr(base, "grid", None)
+
+    def real_axis(self, axis: str) -> str:
+        return self.aliases.get(axis, axis)
+
+    def group(self, axis: str) -> object:
+        return self.base.group(self.real_axis(axis))
+
+    def size(self, axis: str) -> int:
+        return self.base.size(self.real_axis(axis))
+
+    def rank_in(self, axis: str) -> int:
+        return self.base.rank_in(self.real_axis(axis))
+
+    def group_ranks(self, axis: str, rank: Optional[int] = None) -> List[int]:
+        return self.base.group_ranks(self.real_axis(axis), rank)
+
+    def has(self, axis: str) -> bool:
+        return self.base.has(self.real_axis(axis))
+
+    def add(self, axis: str, group: object) -> None:
+        self.base.add(self.real_axis(axis), group)
+
+    @property
+    def node_axes(self) -> bool:
+        return False
+
+    def release(self) -> List[object]:
+        return []

@@ -19,7 +19,7 @@ import dataclasses
 import enum
 from typing import Any, Dict, Optional, Tuple
 
-from hybrid.grid import world_size_of
+from hybrid.grid import expert_parallel_problem, world_size_of
 
 
 class LayoutError(ValueError):
@@ -187,12 +187,16 @@ class ParallelLayout:
     pp: int = 1
     zero_stage: ZeroStage = ZeroStage.DISABLED
     precision: str = "fp32"
+    ep: int = 1  # expert parallel: the ep consecutive dp ranks that share out the experts (hybrid.grid)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "dp", "pp"):
+        for name in ("tp", "dp", "pp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"layout {name} must be an integer >= 1, got {value!r}")
+        problem = expert_parallel_problem(self.dp, 1, self.ep)
+        if problem:
+            raise LayoutError(problem)
         object.__setattr__(self, "zero_stage", zero_stage(self.zero_stage, "layout zero_stage"))
         if self.precision not in PRECISIONS:
             raise LayoutError(f"layout precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
@@ -214,11 +218,15 @@ class ParallelLayout:
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
-        return f"tp={self.tp} dp={self.dp} pp={self.pp} zero={int(self.zero_stage)} {self.precision}"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"tp={self.tp} dp={self.dp} pp={self.pp}{ep} zero={int(self.zero_stage)} {self.precision}"
 
     def to_json(self) -> Dict[str, Any]:
-        return {"tp": self.tp, "dp": self.dp, "pp": self.pp, "zero_stage": int(self.zero_stage),
-                "precision": self.precision}
+        out = {"tp": self.tp, "dp": self.dp, "pp": self.pp, "zero_stage": int(self.zero_stage),
+               "precision": self.precision}
+        if self.ep > 1:  # written only where it means something: a dense run's metadata stays as it was
+            out["ep"] = self.ep
+        return out
 
     @classmethod
     def from_json(cls, data: Any) -> "ParallelLayout":

@@ -92,6 +92,20 @@ def get_tp_meta(param: torch.Tensor) -> TPMeta:
     return getattr(param, _ATTR, REPLICATED)
 
 
+# An expert parameter of an MoE layer: only the ranks of one ``ep`` position hold it, so its gradient is reduced,
+# and its optimizer state partitioned, over ``edp`` (hybrid.topology.Topology.expert_data_view), not ``dp``.
+_EXPERT_ATTR = "_hybrid_expert"
+
+
+def set_expert(param: torch.Tensor) -> torch.Tensor:
+    setattr(param, _EXPERT_ATTR, True)
+    return param
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    return getattr(param, _EXPERT_ATTR, False)
+
+
 def padded_size(logical: int, meta: TPMeta, tp: int) -> int:
     unit = meta.pad_multiple * tp
     return -(-logical // unit) * unit

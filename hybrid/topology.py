@@ -13,11 +13,17 @@ adjacent (they share a node and its fast links)::
 :class:`~hybrid.group_table.GroupTable` and hands that table, not itself, to
 the :class:`~hybrid.comm.Communicator` that every collective goes through.
 The axes are listed in :mod:`hybrid.grid`; the topology builds groups for
-``tp``, ``dp``, ``pp``, ``mp``, ``embed`` and ``world``, for ``dp_node`` and
-``dp_cross`` on request (:meth:`Topology.enable_node_axes`), and for ``tp/k``
-(:meth:`Topology.enable_tp_subgroups`). The context- and expert-parallel axes
-(``cp``, ``ep``) exist in the grid's arithmetic only so far: a topology's sizes
-along them are 1.
+``tp``, ``dp``, ``pp``, ``mp``, ``embed``, ``world``, ``ep`` and ``edp``, for
+``dp_node`` and ``dp_cross`` on request (:meth:`Topology.enable_node_axes`),
+and for ``tp/k`` (:meth:`Topology.enable_tp_subgroups`). The context-parallel
+axis (``cp``) exists in the grid's arithmetic only so far: a topology's size
+along it is 1.
+
+Expert parallelism (``ep``) adds no ranks: the ``ep`` consecutive ranks of a
+``dp`` group share out the experts of every MoE layer, and the ``dp / ep``
+ranks at the same ``ep`` position (``edp``, expert data parallel) hold the
+same experts. :meth:`Topology.expert_data_view` is this topology seen by the
+optimizer of the expert parameters: its ``dp`` axis is ``edp``.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch.distributed as dist
 
 from hybrid.comm import Communicator
 from hybrid.grid import AXES, NODE_AXES, Coord, Grid, Nodes, TopologyError, WorldSizeError, tp_subaxis
-from hybrid.group_table import GroupTable
+from hybrid.group_table import AliasedGroups, GroupTable
 from hybrid.layout import ParallelLayout
 
 # The grid's names, read from here by the code written before hybrid.grid existed.
@@ -59,12 +65,12 @@ class Topology:
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: Optional[int] = None, *,
                  timeout_s: Optional[float] = None, ranks_per_node: Optional[int] = None,
-                 allow_tp_across_nodes: bool = False):
+                 allow_tp_across_nodes: bool = False, ep: int = 1):
         if dist.is_available() and dist.is_initialized():
             world_size, rank = dist.get_world_size(), dist.get_rank()
         else:
             world_size, rank = 1, 0
-        self.grid = Grid.build(world_size, tp=tp, pp=pp, dp=dp)
+        self.grid = Grid.build(world_size, tp=tp, pp=pp, dp=dp, ep=ep)
         self.rank = rank
         self.coord = self.grid.coord_of(rank)
         self.nodes = Nodes.build(world_size, ranks_per_node)
@@ -104,11 +110,14 @@ class Topology:
         # group in the same order and keeps only the ones it belongs to. Without
         # an explicit timeout a group gets the backend's default (30 minutes for
         # gloo), not the one the job configured: give it the communicator's.
-        for axis in ("tp", "dp", "pp", "mp", "embed"):
+        for axis in ("tp", "dp", "pp", "mp", "embed") + (("ep", "edp") if self.grid.ep > 1 else ()):
             for ranks in self.grid.all_groups(axis):
                 group = dist.new_group(ranks, timeout=self.comm.timeout) if len(ranks) > 1 else None
                 if self.rank in ranks:
                     self.groups.add(axis, group)
+        if self.grid.ep == 1:  # no expert parallelism: each rank holds every expert, its dp group their copies
+            self.groups.add("ep", None)
+            self.groups.add("edp", self.groups.group("dp"))
         self.groups.add("world", dist.group.WORLD)
 
     def enable_node_axes(self) -> None:
@@ -152,6 +161,20 @@ class Topology:
                 if self.rank in ranks:
                     self.groups.add(axis, group)
         return axis
+
+    def expert_data_view(self) -> "Topology":
+        """This topology as the optimizer of the expert parameters sees it: its ``dp`` axis (groups, size, rank,
+        collectives) is ``edp``, the ranks that hold the same experts; every other axis is this topology's.
+        It shares this topology's process groups and communicator (one byte count, one set of waits, the
+        traffic reported under ``edp``) and closes nothing. At ``ep = 1`` it is this topology."""
+        if self.grid.ep == 1:
+            return self
+        view = Topology.__new__(_DataAxisView)
+        view.__dict__.update(self.__dict__)
+        view.groups = AliasedGroups(self.groups, {"dp": "edp"})
+        view.comm = self.comm.aliased(view.groups)
+        view._parent = self
+        return view
 
     def close(self) -> None:
         """Wait for this rank's in-flight operations, then destroy its per-axis process groups.
@@ -197,9 +220,11 @@ class Topology:
     tp_size = property(lambda self: self.grid.tp)
     dp_size = property(lambda self: self.grid.dp)
     pp_size = property(lambda self: self.grid.pp)
+    ep_size = property(lambda self: self.grid.ep)
     tp_rank = property(lambda self: self.coord.tp)
     dp_rank = property(lambda self: self.coord.dp)
     pp_rank = property(lambda self: self.coord.pp)
+    ep_rank = property(lambda self: self.grid.expert_coord(self.rank).ep)
 
     @property
     def device(self) -> torch.device:
@@ -213,12 +238,34 @@ class Topology:
     def layout(self, zero_stage: int = 0, precision: str = "fp32") -> ParallelLayout:
         """This job's :class:`~hybrid.layout.ParallelLayout` with the given ZeRO stage and precision (validated)."""
         return ParallelLayout(tp=self.tp_size, dp=self.dp_size, pp=self.pp_size, zero_stage=zero_stage,
-                              precision=precision)
+                              precision=precision, ep=self.ep_size)
 
     def describe(self) -> str:
+        ep = f" ep={self.ep_size}" if self.ep_size > 1 else ""
         return (f"world={self.world_size} tp={self.tp_size} dp={self.dp_size} "
-                f"pp={self.pp_size} rank={self.rank} coord=(tp={self.tp_rank}, "
+                f"pp={self.pp_size}{ep} rank={self.rank} coord=(tp={self.tp_rank}, "
                 f"dp={self.dp_rank}, pp={self.pp_rank})")
 
     def __repr__(self) -> str:
         return f"Topology({self.describe()})"
+
+
+class _DataAxisView(Topology):
+    """A :class:`Topology` whose ``dp`` axis is another axis (:meth:`Topology.expert_data_view`)."""
+
+    dp_size = property(lambda self: self.groups.size("dp"))
+    dp_rank = property(lambda self: self.groups.rank_in("dp"))
+
+    def enable_node_axes(self) -> None:
+        raise TopologyError("two-level reduction (zero.two_level_reduce) and the secondary partition "
+                            "(zero.hpz_partition_size) split the dense parameters' dp group by node; the expert "
+                            "parameters' edp group has no such split yet: leave them off with expert parallelism")
+
+    def enable_tp_subgroups(self, size: int) -> str:
+        return self._parent.enable_tp_subgroups(size)
+
+    def expert_data_view(self) -> "Topology":
+        return self
+
+    def close(self) -> None:
+        """The groups belong to the topology this view was made from: it closes them."""

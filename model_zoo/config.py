@@ -25,6 +25,7 @@ and the planner. A new field is one :func:`setting` line with its help.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from hybrid.tp_units import split_units
@@ -41,6 +42,13 @@ RECOMPUTE_LEVELS = {"none": 0, "full": 2, "selective": 1}
 RECOMPUTE = tuple(RECOMPUTE_LEVELS)
 RECOMPUTE_LEAST_FIRST = tuple(sorted(RECOMPUTE, key=RECOMPUTE_LEVELS.__getitem__))  # the planner's order
 ROPE_SCALINGS = ("none", "linear", "llama3")
+# Mixture of Experts (model_zoo.moe): the router's score functions, the balancing losses (Megatron's
+# --moe-router-load-balancing-type: the Switch/GShard loss over each micro-batch, the same over each sequence, or
+# none), the policies that choose which tokens an expert over capacity drops, and the token dispatchers.
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+MOE_DROP_POLICIES = ("probs", "position")
+MOE_DISPATCHERS = ("alltoall", "allgather")
 
 # What a setting is, in its field's metadata "kind":
 SHAPE = "shape"  # decides tensor shapes: a checkpoint loads only into the same value
@@ -142,7 +150,90 @@ class GPTConfig:
     vocab_pad_multiple: int = setting(128, kind=RUNTIME, trainer=False,
                                       help="the vocabulary is padded to a multiple of this times the TP size")
 
+    # ---- Mixture of Experts (model_zoo.moe; Megatron-Core's names) ------------------------------------
+    num_experts: Optional[int] = setting(None, kind=SHAPE, ge=1,
+                                         help="routed experts of each MoE layer (unset: a dense model)")
+    moe_ffn_hidden_size: Optional[int] = setting(None, kind=SHAPE, ge=1,
+                                                 help="hidden size of each routed expert's MLP (unset: "
+                                                      "--ffn-hidden-size)")
+    # N: layers 0, N, 2N, ... are MoE; or one 0/1 per layer (DeepSeek's first k dense: [0]*k + [1]*(L-k)).
+    # The trainer's --moe-layer-freq reads Megatron's spelling of both (parse_moe_layer_freq).
+    moe_layer_freq: Any = setting(1, kind=SHAPE, trainer=False,
+                                  help="which layers are MoE: N (every N-th layer from layer 0) or a 0/1 per "
+                                       "layer, as Megatron's '([0]*3+[1]*29)'")
+    moe_router_topk: int = setting(2, kind=FUNCTION, ge=1, help="experts each token is routed to")
+    moe_router_score_function: str = setting("softmax", kind=FUNCTION,
+                                             help="router scores: softmax or sigmoid (DeepSeek-V3)")
+    moe_router_pre_softmax: bool = setting(False, kind=FUNCTION, switch=True,
+                                           help="softmax scores: weight each chosen expert by its softmax over all "
+                                                "experts (Qwen2-MoE); default: renormalised over the chosen k "
+                                                "(Mixtral, Qwen3-MoE). Sigmoid scores are always renormalised")
+    moe_router_topk_scaling_factor: Optional[float] = setting(None, kind=FUNCTION, gt=0.0,
+                                                              help="multiply the top-k weights by this (DeepSeek's "
+                                                                   "routed_scaling_factor)")
+    moe_router_enable_expert_bias: bool = setting(False, kind=TRAINING, switch=True,
+                                                  help="aux-loss-free balancing: a per-expert bias, added to the "
+                                                       "scores only to choose experts, moves each step toward the "
+                                                       "mean load (DeepSeek-V3)")
+    moe_router_bias_update_rate: float = setting(1e-3, kind=TRAINING, gt=0.0,
+                                                 help="how far the expert bias moves per step")
+    moe_router_load_balancing_type: str = setting("aux_loss", kind=TRAINING,
+                                                  help="balancing loss: aux_loss (Switch/GShard, over each "
+                                                       "micro-batch), seq_aux_loss (over each sequence) or none")
+    moe_aux_loss_coeff: float = setting(0.0, kind=TRAINING, ge=0.0, help="coefficient of the balancing loss")
+    moe_z_loss_coeff: Optional[float] = setting(None, kind=TRAINING, ge=0.0,
+                                                help="coefficient of the router z-loss (unset: off)")
+    moe_expert_capacity_factor: Optional[float] = setting(None, kind=TRAINING, gt=0.0,
+                                                          help="unset: dropless; else each expert takes at most "
+                                                               "ceil(factor * seq_length * topk / num_experts) "
+                                                               "tokens of each sequence and drops the rest")
+    moe_token_drop_policy: str = setting("probs", kind=TRAINING,
+                                         help="which tokens an expert over capacity keeps: probs (the highest "
+                                              "weights) or position (the earliest)")
+    moe_shared_expert_intermediate_size: Optional[int] = setting(None, kind=SHAPE, ge=1,
+                                                                 help="hidden size of the shared expert every "
+                                                                      "token passes through (Qwen2-MoE, DeepSeek; "
+                                                                      "unset: none)")
+    moe_shared_expert_gate: bool = setting(False, kind=SHAPE, switch=True,
+                                           help="a sigmoid gate [1, h] on the shared expert's output (Qwen2-MoE)")
+    expert_tensor_parallel_size: Optional[int] = setting(None, kind=TRAINING, ge=1,
+                                                         help="split each expert's MLP over this many TP ranks: "
+                                                              "the TP size (unset) or 1 (experts whole on every "
+                                                              "TP rank)")
+    moe_grouped_gemm: bool = setting(False, kind=RUNTIME, switch=True,
+                                     help="run a rank's experts as one grouped matrix product (torch._grouped_mm) "
+                                          "instead of a loop")
+    moe_token_dispatcher_type: str = setting("alltoall", kind=RUNTIME,
+                                             help="alltoall (allgather is accepted and runs as alltoall: the "
+                                                  "same tokens reach the same experts)")
+    moe_quantized_dispatch: bool = setting(False, kind=RUNTIME, switch=True,
+                                           help="send tokens to their experts and back as int8 blocks with one "
+                                                "scale each (hybrid.compression); experts compute on the "
+                                                "dequantized values")
+
     # ---- derived sizes ---------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def moe_layer_pattern(self) -> Tuple[bool, ...]:
+        """For each layer, whether its MLP is an MoE layer (all False for a dense model)."""
+        if not self.is_moe:
+            return (False,) * self.num_layers
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            return tuple(i % freq == 0 for i in range(self.num_layers))
+        return tuple(bool(v) for v in freq)
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """Hidden size of each routed expert's MLP: ``moe_ffn_hidden_size``, or :attr:`ffn_size`."""
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_size
+
+    def expert_tp(self, tp_size: int) -> int:
+        """The TP ranks each expert's MLP is split over: ``expert_tensor_parallel_size``, or ``tp_size``."""
+        return self.expert_tensor_parallel_size if self.expert_tensor_parallel_size is not None else tp_size
+
     @property
     def ffn_size(self) -> int:
         if self.ffn_hidden_size is not None:
@@ -247,6 +338,9 @@ class GPTConfig:
         if self.sequence_parallel and self.seq_length % tp_size != 0:
             raise ValueError(f"GPTConfig.seq_length={self.seq_length} must be divisible by the tensor-parallel "
                              f"size tp={tp_size} when sequence_parallel=True")
+        problem = moe_problem(self, tp_size)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     # ---- (de)serialisation ------------------------------------------------------------
@@ -267,6 +361,110 @@ class GPTConfig:
         if unknown:
             raise ValueError(f"unknown GPTConfig keys {unknown}; valid keys are {sorted(known)}")
         return dataclasses.replace(self, **changes)
+
+
+# ---- Mixture of Experts: the rules, and Megatron's spelling of the layer pattern ------------------------------------
+def moe_problem(config: GPTConfig, tp_size: int = 1) -> Optional[str]:
+    """Why ``config``'s MoE settings cannot run at ``tp_size``, in one line naming the flag and the fix; None
+    when they can (or the model is dense)."""
+    c = config
+    if not c.is_moe:
+        return None
+    e = c.num_experts
+    if not isinstance(e, int) or isinstance(e, bool) or e < 1:
+        return f"--num-experts must be a positive integer, got {e!r}"
+    if not isinstance(c.moe_router_topk, int) or not 1 <= c.moe_router_topk <= e:
+        return (f"--moe-router-topk {c.moe_router_topk!r} must lie in [1, --num-experts {e}]: a token cannot go to "
+                f"more experts than there are")
+    for key, allowed, flag in (("moe_router_score_function", MOE_SCORE_FUNCTIONS, "--moe-router-score-function"),
+                               ("moe_router_load_balancing_type", MOE_BALANCING,
+                                "--moe-router-load-balancing-type"),
+                               ("moe_token_drop_policy", MOE_DROP_POLICIES, "--moe-token-drop-policy"),
+                               ("moe_token_dispatcher_type", MOE_DISPATCHERS, "--moe-token-dispatcher-type")):
+        if getattr(c, key) not in allowed:
+            return f"{flag} {getattr(c, key)!r} is not one of {', '.join(allowed)}"
+    if c.moe_expert_capacity_factor is not None and not c.moe_expert_capacity_factor > 0:
+        return (f"--moe-expert-capacity-factor {c.moe_expert_capacity_factor!r} must be > 0 (leave it unset for "
+                f"dropless routing)")
+    pattern = c.moe_layer_freq
+    if isinstance(pattern, bool) or not (isinstance(pattern, int) and pattern >= 1 or isinstance(
+            pattern, (list, tuple)) and len(pattern) == c.num_layers and all(v in (0, 1) for v in pattern)):
+        return (f"--moe-layer-freq {pattern!r} must be a positive integer N (every N-th layer is MoE) or one 0/1 "
+                f"per layer ({c.num_layers} of them)")
+    etp = c.expert_tp(tp_size)
+    if etp not in (1, tp_size):
+        return (f"--expert-tensor-parallel-size {etp} must be 1 (each expert whole on every TP rank) or the "
+                f"tensor-parallel size {tp_size}")
+    if c.expert_ffn_size % etp:
+        return (f"--moe-ffn-hidden-size {c.expert_ffn_size} must be divisible by the expert tensor-parallel size "
+                f"{etp}")
+    shared = c.moe_shared_expert_intermediate_size
+    if shared is not None and shared % tp_size:
+        return (f"--moe-shared-expert-intermediate-size {shared} must be divisible by the tensor-parallel size "
+                f"{tp_size}")
+    if c.moe_shared_expert_gate and shared is None:
+        return "--moe-shared-expert-gate needs a shared expert: set --moe-shared-expert-intermediate-size"
+    return None
+
+
+def parse_moe_layer_freq(text: Any) -> Any:
+    """Megatron's ``--moe-layer-freq``: an integer N, or a list expression of 0s and 1s built from ``[..]``,
+    ``*`` by an integer and ``+`` (``"([0]*3+[1]*29)"``, ``"[1,0,1,0]"``), read without evaluating code.
+    Returns the int or a tuple of 0/1; ValueError naming the text otherwise."""
+    if isinstance(text, (int, list, tuple)) and not isinstance(text, bool):
+        return tuple(text) if isinstance(text, list) else text
+    source = str(text).strip().strip("'\"")
+    if source.isdigit():
+        return int(source)
+    tokens = re.findall(r"\d+|[\[\]()*+,]|\S", source)
+    pos = 0
+
+    def peek() -> Optional[str]:
+        return tokens[pos] if pos < len(tokens) else None
+
+    def take(expected: Optional[str] = None) -> str:
+        nonlocal pos
+        tok = peek()
+        if tok is None or (expected is not None and tok != expected):
+            raise ValueError(f"--moe-layer-freq {text!r}: expected {expected or 'more'} at token {pos}")
+        pos += 1
+        return tok
+
+    def term() -> List[int]:
+        tok = peek()
+        if tok == "(":
+            take("(")
+            items = expr()
+            take(")")
+        elif tok == "[":
+            take("[")
+            items = [int(take())]
+            while peek() == ",":
+                take(",")
+                items.append(int(take()))
+            take("]")
+        else:
+            raise ValueError(f"--moe-layer-freq {text!r}: expected '[' or '(' at token {pos}")
+        while peek() == "*":
+            take("*")
+            count = take()
+            if not count.isdigit():
+                raise ValueError(f"--moe-layer-freq {text!r}: a list repeats by an integer, got {count!r}")
+            items = items * int(count)
+        return items
+
+    def expr() -> List[int]:
+        items = term()
+        while peek() == "+":
+            take("+")
+            items = items + term()
+        return items
+
+    out = expr()
+    if pos != len(tokens) or any(v not in (0, 1) for v in out):
+        raise ValueError(f"--moe-layer-freq {text!r}: expected N or a list expression of 0s and 1s such as "
+                         f"'([0]*3+[1]*29)'")
+    return tuple(out)
 
 
 # ---- the kinds, and what they mean for a checkpoint ------------------------------------------------------------

@@ -62,6 +62,18 @@ _PRESETS: Dict[str, Callable[[], GPTConfig]] = {
     "qwen3-0.6b": lambda: _llama_style(hidden=1024, layers=28, heads=16, groups=8, ffn=3072, vocab=151936, seq=4096,
                                        theta=1000000.0, eps=1e-6, kv_channels=128, qk_norm=True).replace(
         tie_embeddings=True),
+    # Mixture of Experts. tiny-moe: the demo's MoE, 4 SwiGLU experts of 256 channels, top-2, every layer.
+    "tiny-moe": lambda: _llama_style(hidden=128, layers=4, heads=8, ffn=352, vocab=4096, seq=128, num_experts=4,
+                                     moe_ffn_hidden_size=256, moe_router_topk=2, moe_aux_loss_coeff=1e-2),
+    # Mixtral 8x7B: 8 experts of 14336 channels, top-2 renormalised, every layer
+    "mixtral-8x7b": lambda: _llama_style(hidden=4096, layers=32, heads=32, groups=8, ffn=14336, vocab=32000,
+                                         seq=4096, theta=1000000.0, eps=1e-5, num_experts=8, moe_router_topk=2,
+                                         moe_aux_loss_coeff=0.02),
+    # Qwen3-30B-A3B: 128 experts of 768 channels, top-8 renormalised, heads of 128 channels, q/k norms
+    "qwen3-30b-a3b": lambda: _llama_style(hidden=2048, layers=48, heads=32, groups=4, ffn=6144, vocab=151936,
+                                          seq=4096, theta=1000000.0, eps=1e-6, kv_channels=128, qk_norm=True,
+                                          num_experts=128, moe_ffn_hidden_size=768, moe_router_topk=8,
+                                          moe_aux_loss_coeff=0.001),
 }
 
 # Exact published counts where one exists (Hugging Face checkpoints); the large
@@ -81,6 +93,8 @@ ROUNDED_PARAMS: Dict[str, str] = {
     "qwen2-7b": "7.62",
     "mistral-nemo-12b": "12.2",
     "qwen3-0.6b": "0.6",
+    "mixtral-8x7b": "46.7",
+    "qwen3-30b-a3b": "30.5",
 }
 NOMINAL_PARAMS: Dict[str, float] = {
     "megatron-8.3b": 8.3e9,

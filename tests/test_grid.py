@@ -96,7 +96,7 @@ def test_a_known_layout_with_context_and_expert_parallelism():
 
 def test_the_rank_order_is_megatrons():
     assert RANK_ORDER == ("tp", "cp", "dp", "pp")
-    assert set(GRID_ONLY_AXES) == {"cp", "dp_cp", "ep", "edp"}
+    assert set(GRID_ONLY_AXES) == {"cp", "dp_cp"}
 
 
 # ---- the product rule -------------------------------------------------------------------------
@@ -117,8 +117,8 @@ def test_data_parallel_size_is_the_world_over_one_replica():
     (lambda: Grid.build(16, tp=2, cp=2, dp=3), r"tp\*cp\*dp\*pp = 2\*2\*3\*1 = 12 does not equal the world size 16"),
     (lambda: data_parallel_size(8, cp=0), r"cp must be an integer >= 1, got 0"),
     (lambda: Grid.build(8, ep=True), r"ep must be an integer >= 1, got True"),
-    (lambda: Grid(tp=1, dp=3, pp=1, ep=2), r"ep=2 must divide the data-parallel ranks dp\*cp = 3\*1 = 3"),
-    (lambda: Grid.build(12, tp=2, cp=3, ep=4), r"ep=4 must divide the data-parallel ranks dp\*cp = 2\*3 = 6"),
+    (lambda: Grid(tp=1, dp=3, pp=1, ep=2), r"--expert-model-parallel-size 2 must divide the data-parallel ranks dp\*cp = 3\*1 = 3"),
+    (lambda: Grid.build(12, tp=2, cp=3, ep=4), r"--expert-model-parallel-size 4 must divide the data-parallel ranks dp\*cp = 2\*3 = 6"),
 ])
 def test_bad_sizes_are_refused_in_one_line(call, match):
     with pytest.raises(TopologyError, match=match) as info:
