@@ -74,7 +74,8 @@ def setting(default: Any = dataclasses.MISSING, *, kind: str, help: str, flag: O
     ``flag``: the trainer's flag, Megatron-LM's name (default ``--`` and the field's name, dashed); the key is the
     flag's name with underscores. ``switch``: the trainer key is a switch that sets the field to this value
     (``--swiglu`` sets ``mlp`` to ``"swiglu"``); else it takes a value, unset by default (the preset's).
-    ``trainer=False``: no trainer key. ``rules``: ``ge``/``gt``/``lt`` bounds the trainer checks its value against.
+    ``trainer=False``: no trainer key. ``rules``: ``ge``/``gt``/``lt`` bounds the trainer checks its value against,
+    and ``convert``: a function from the key's given text (or value) to the field's value, raising ValueError.
     ``help``: the trainer flag's help, which also documents the field.
     """
     if kind not in KINDS:
@@ -158,7 +159,7 @@ class GPTConfig:
                                                       "--ffn-hidden-size)")
     # N: layers 0, N, 2N, ... are MoE; or one 0/1 per layer (DeepSeek's first k dense: [0]*k + [1]*(L-k)).
     # The trainer's --moe-layer-freq reads Megatron's spelling of both (parse_moe_layer_freq).
-    moe_layer_freq: Any = setting(1, kind=SHAPE, trainer=False,
+    moe_layer_freq: Any = setting(1, kind=SHAPE, convert=lambda text: parse_moe_layer_freq(text),
                                   help="which layers are MoE: N (every N-th layer from layer 0) or a 0/1 per "
                                        "layer, as Megatron's '([0]*3+[1]*29)'")
     moe_router_topk: int = setting(2, kind=FUNCTION, ge=1, help="experts each token is routed to")
@@ -280,8 +281,9 @@ class GPTConfig:
         return -(-self.vocab_size // unit) * unit
 
     # ---- validation ---------------------------------------------------------------------
-    def validate(self, tp_size: int = 1) -> "GPTConfig":
-        """Raise ``ValueError`` naming the key and the rule when the config cannot run at ``tp_size``."""
+    def validate(self, tp_size: int = 1, ep_size: int = 1) -> "GPTConfig":
+        """Raise ``ValueError`` naming the key and the rule when the config cannot run at ``tp_size`` tensor-
+        and ``ep_size`` expert-parallel ranks."""
         for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "seq_length", "vocab_pad_multiple"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -338,7 +340,7 @@ class GPTConfig:
         if self.sequence_parallel and self.seq_length % tp_size != 0:
             raise ValueError(f"GPTConfig.seq_length={self.seq_length} must be divisible by the tensor-parallel "
                              f"size tp={tp_size} when sequence_parallel=True")
-        problem = moe_problem(self, tp_size)
+        problem = moe_problem(self, tp_size, ep_size)
         if problem is not None:
             raise ValueError(problem)
         return self
@@ -364,15 +366,23 @@ class GPTConfig:
 
 
 # ---- Mixture of Experts: the rules, and Megatron's spelling of the layer pattern ------------------------------------
-def moe_problem(config: GPTConfig, tp_size: int = 1) -> Optional[str]:
-    """Why ``config``'s MoE settings cannot run at ``tp_size``, in one line naming the flag and the fix; None
-    when they can (or the model is dense)."""
+def moe_problem(config: GPTConfig, tp_size: int = 1, ep_size: int = 1) -> Optional[str]:
+    """Why ``config``'s MoE settings cannot run at ``tp_size`` tensor- and ``ep_size`` expert-parallel ranks, in
+    one line naming the flag and the fix; None when they can. The one statement of how the experts divide over
+    ``ep`` (the trainer and the model read it; ``hybrid.grid.expert_parallel_problem`` says how ``ep`` divides the
+    data-parallel ranks)."""
     c = config
     if not c.is_moe:
+        if ep_size != 1:
+            return (f"--expert-model-parallel-size {ep_size} shares out the experts of an MoE model, and this model "
+                    f"is dense (--num-experts unset): set --num-experts, or leave --expert-model-parallel-size 1")
         return None
     e = c.num_experts
     if not isinstance(e, int) or isinstance(e, bool) or e < 1:
         return f"--num-experts must be a positive integer, got {e!r}"
+    if e % ep_size:
+        return (f"--num-experts {e} must be divisible by --expert-model-parallel-size {ep_size}: each "
+                f"expert-parallel rank holds num_experts / ep whole experts; choose an ep that divides {e}")
     if not isinstance(c.moe_router_topk, int) or not 1 <= c.moe_router_topk <= e:
         return (f"--moe-router-topk {c.moe_router_topk!r} must lie in [1, --num-experts {e}]: a token cannot go to "
                 f"more experts than there are")
@@ -398,6 +408,12 @@ def moe_problem(config: GPTConfig, tp_size: int = 1) -> Optional[str]:
     if c.expert_ffn_size % etp:
         return (f"--moe-ffn-hidden-size {c.expert_ffn_size} must be divisible by the expert tensor-parallel size "
                 f"{etp}")
+    if tp_size > 1 and not c.sequence_parallel:
+        return (f"an MoE model at --tensor-model-parallel-size {tp_size} needs --sequence-parallel: each TP rank "
+                f"routes its own share of the tokens")
+    if c.bias:
+        return ("MoE experts have no biases (a bias added per expert would be summed over the TP ranks that share "
+                "its partial outputs): add --disable-bias-linear")
     shared = c.moe_shared_expert_intermediate_size
     if shared is not None and shared % tp_size:
         return (f"--moe-shared-expert-intermediate-size {shared} must be divisible by the tensor-parallel size "

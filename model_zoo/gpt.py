@@ -13,6 +13,8 @@ Parameter names (a converter maps them to other formats)::
     layers.{i}.post_attention_norm.{weight,bias}
     layers.{i}.mlp.in_proj.{weight,bias}      [f/tp, h] (GELU) or [2f/tp, h] ([gate; up], stride 2)
     layers.{i}.mlp.out_proj.weight            [h, f/tp]    row-parallel (bias [h] replicated)
+    layers.{i}.mlp.router.weight, .experts.{e}.*, .shared_expert.*   an MoE layer's (model_zoo.moe,
+                                              docs/moe.md): experts named by global index, this ep rank's only
     final_norm.{weight,bias}
     lm_head.weight                            [V_p/tp, h]  untied models only
 
@@ -45,6 +47,7 @@ from hybrid.tensor_parallel.mappings import copy_to_tp_region, gather_from_tp_re
 from hybrid.pipeline.split import StageSplit, split_layers
 from hybrid.tensor_parallel.random import RNGTracker, checkpoint
 from model_zoo.config import GPTConfig
+from model_zoo.moe import AuxLossScale
 from model_zoo.qkv_layout import qkv_layout
 from model_zoo.transformer import TransformerLayer, dropout, make_norm, rope_cos_sin, rope_inv_freq
 
@@ -155,7 +158,11 @@ class GPTModel(nn.Module):
         layout = qkv_layout(config)
         for _, _, k in param_meta.replicated_runs(layout.tp_meta(), layout.out_features, topology.tp_size):
             topology.enable_tp_subgroups(k)
-        self.layers = LayerStack({i: TransformerLayer(config, topology, self.rng_tracker, device, dtype)
+        # MoE layers (config.moe_layer_pattern) share one balancing-loss gradient scale (model_zoo.moe)
+        self.moe_aux_scale = AuxLossScale() if config.is_moe else None
+        pattern = config.moe_layer_pattern()
+        self.layers = LayerStack({i: TransformerLayer(config, topology, self.rng_tracker, device, dtype,
+                                                      moe_aux_scale=self.moe_aux_scale if pattern[i] else None)
                                   for i in self.split.layers_of_rank(stage)})
         self.final_norm = make_norm(config, topology, device, dtype) if self.is_last_stage else None
         self.lm_head = None
@@ -173,6 +180,11 @@ class GPTModel(nn.Module):
     def materialize(self, device=None, dtype=None, only=None) -> "GPTModel":
         """(Re)initialise parameters from ``(self.seed, name)``; meta parameters become real on ``device``."""
         tp_init.materialize(self, self.seed, self.topology, device=device, dtype=dtype, only=only)
+        for module in self.modules():  # buffers made on the meta device (the MoE router's expert bias) start at 0
+            for key, buf in list(module._buffers.items()):
+                if buf is not None and buf.is_meta:
+                    module._buffers[key] = torch.zeros(buf.shape, dtype=buf.dtype,
+                                                       device=device if device is not None else self.topology.device)
         return self
 
     # ---- shapes -----------------------------------------------------------------------------------

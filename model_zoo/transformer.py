@@ -195,19 +195,25 @@ class ParallelMLP(nn.Module):
 
 # ---- one layer ------------------------------------------------------------------------------------
 class TransformerLayer(nn.Module):
-    """Pre-norm block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``.
+    """Pre-norm block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``; ``mlp`` is an MoE layer
+    (:class:`model_zoo.moe.MoELayer`) when ``moe_aux_scale`` (the model's balancing-loss scale) is given.
 
     Input and output ``[s, b, h]``, or ``[s/tp, b, h]`` under sequence
     parallelism (the residual stream is then sharded and its dropout draws
     from the per-TP-rank stream; otherwise from the shared stream).
     """
 
-    def __init__(self, config: GPTConfig, topology: "Topology", tracker: RNGTracker, device=None, dtype=None):
+    def __init__(self, config: GPTConfig, topology: "Topology", tracker: RNGTracker, device=None, dtype=None,
+                 moe_aux_scale=None):
         super().__init__()
         self.input_norm = make_norm(config, topology, device, dtype)
         self.attention = ParallelAttention(config, topology, tracker, device, dtype)
         self.post_attention_norm = make_norm(config, topology, device, dtype)
-        self.mlp = ParallelMLP(config, topology, device, dtype)
+        if moe_aux_scale is not None:  # an MoE layer (model_zoo.moe) in place of the MLP
+            from model_zoo.moe import MoELayer
+            self.mlp = MoELayer(config, topology, tracker, moe_aux_scale, output_init(config), device, dtype)
+        else:
+            self.mlp = ParallelMLP(config, topology, device, dtype)
         self.hidden_dropout = config.hidden_dropout
         self.tracker = tracker
         self.dropout_stream = "tp" if config.sequence_parallel else "shared"

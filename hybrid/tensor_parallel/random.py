@@ -73,6 +73,9 @@ class RNGTracker:
         self.seed = int(seed)
         self._seeds = {s: _stream_seed(self.seed, s, topology) for s in STREAMS}
         self._states: Dict[_Key, torch.Tensor] = {}
+        # True while a checkpointed call is recomputed in backward: what a forward counts (an MoE layer's routing
+        # statistics) is counted once, in the forward pass
+        self.recomputing = False
 
     def _initial_state(self, stream: str, device: torch.device) -> torch.Tensor:
         gen = torch.Generator(device=device)
@@ -121,9 +124,11 @@ def _replay_contexts(tracker: RNGTracker):
         # replay from the forward-time snapshot, then put the current states back.
         current = tracker.get_states()
         tracker.set_states(captured["states"])
+        tracker.recomputing = True
         try:
             yield
         finally:
+            tracker.recomputing = False
             tracker.set_states(current)
 
     return forward_ctx(), recompute_ctx()

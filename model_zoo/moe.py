@@ -1,0 +1,500 @@
+"""The Mixture-of-Experts layer: a router, routed experts shared out over ``"ep"``, and an optional shared expert.
+
+The design (routing, capacity, dispatch, balancing, statistics) is written
+out in ``docs/moe.md``; the settings are :class:`model_zoo.config.GPTConfig`'s
+``moe_*`` fields. Activations are ``[s/tp, b, h]`` (an MoE model at TP > 1
+runs with sequence parallelism) or ``[s, b, h]`` at TP 1. Tokens are counted
+``t = position * b + sequence`` (the ``[s, b]`` order flattened).
+
+Collectives: the router's gradient and the statistics are summed over
+``"tp"`` (each TP rank routes its own sequence shard); with the experts split
+over TP the tokens and their routing are all-gathered over ``"tp"`` and the
+experts' partial outputs reduce-scattered back; tokens travel to their
+experts and back by all-to-all over ``"ep"`` (``moe_dispatch/ep``,
+``moe_combine/ep``; their gradients ``moe_dispatch_grad/ep``,
+``moe_combine_grad/ep``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid import param_meta
+from hybrid.tensor_parallel import init as tp_init
+from hybrid.tensor_parallel.all_to_all import all_to_all_v
+from hybrid.tensor_parallel.mappings import (copy_to_tp_region, gather_from_sequence_parallel_region,
+                                             reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region)
+from hybrid.tensor_parallel.random import RNGTracker
+from model_zoo.config import GPTConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hybrid.topology import Topology
+
+
+# ---- the balancing losses' gradient scale ----------------------------------------------------------------------
+class AuxLossScale:
+    """The factor the balancing losses' gradients carry: the language-model loss's (loss scale / accumulation
+    steps), set by the engine before backward (:func:`set_aux_loss_scale`); one per model."""
+
+    def __init__(self) -> None:
+        self.value = 1.0
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``x``; backward also gives ``aux`` (a scalar) the gradient ``scale.value``: the loss joins the
+    backward pass at its layer, on whichever pipeline stage holds it."""
+
+    @staticmethod
+    def forward(ctx, x, aux, scale):
+        ctx.scale = scale.value
+        ctx.aux_shape = aux.shape
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_full(ctx.aux_shape, ctx.scale, dtype=torch.float32), None
+
+
+# ---- statistics -------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class MoEStats:
+    """One layer's routing since its last :meth:`reset`, over this rank's tokens (``MoELayer.token_axes`` sum
+    them to the global batch's). Tensors on the layer's device, float64."""
+
+    tokens_per_expert: torch.Tensor  # [E] assignments before dropping
+    dropped: torch.Tensor  # assignments dropped (over capacity)
+    assignments: torch.Tensor  # assignments made (tokens * topk)
+    aux_loss: torch.Tensor  # the balancing loss summed over micro-batches (no coefficient)
+    z_loss: torch.Tensor  # the router z-loss summed over micro-batches (no coefficient)
+    micro_batches: int = 0
+    step_tokens: Optional[torch.Tensor] = None  # [E] this step's assignments (the expert bias update reads them)
+
+    @classmethod
+    def zeros(cls, num_experts: int, device) -> "MoEStats":
+        z = lambda *shape: torch.zeros(shape, dtype=torch.float64, device=device)  # noqa: E731
+        return cls(z(num_experts), z(), z(), z(), z(), 0, z(num_experts))
+
+    def reset(self) -> None:
+        """Start a new interval (the step counts are the expert bias's, reset by it)."""
+        for t in (self.tokens_per_expert, self.dropped, self.assignments, self.aux_loss, self.z_loss):
+            t.zero_()
+        self.micro_batches = 0
+
+
+# ---- routing (plain functions: the reference tests call them too) ---------------------------------------------
+@dataclasses.dataclass
+class Routing:
+    """The router's decisions for ``T`` tokens: ``experts`` ``[T, k]`` (int64), ``weights`` ``[T, k]`` (fp32, with
+    gradient), ``probs`` ``[T, E]`` (the scores as probabilities, for the balancing loss) and ``logits``
+    ``[T, E]`` (fp32)."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    probs: torch.Tensor
+    logits: torch.Tensor
+
+
+def route(logits: torch.Tensor, config: GPTConfig, expert_bias: Optional[torch.Tensor] = None) -> Routing:
+    """Choose ``config.moe_router_topk`` experts per token from ``logits`` ``[T, E]`` (fp32).
+
+    Scores are the softmax or sigmoid of the logits; the top k are chosen by
+    score plus ``expert_bias`` (when given: it only chooses). Weights: softmax
+    scores renormalised over the chosen k unless ``moe_router_pre_softmax``;
+    sigmoid scores always renormalised (k > 1); then times
+    ``moe_router_topk_scaling_factor``.
+    """
+    k = config.moe_router_topk
+    if config.moe_router_score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+        probs = scores
+    else:
+        scores = torch.sigmoid(logits)
+        probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    choose = scores if expert_bias is None else scores + expert_bias
+    experts = torch.topk(choose.detach(), k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    renormalise = config.moe_router_score_function == "sigmoid" or not config.moe_router_pre_softmax
+    if renormalise and k > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if config.moe_router_topk_scaling_factor is not None:
+        weights = weights * config.moe_router_topk_scaling_factor
+    return Routing(experts, weights, probs, logits)
+
+
+def capacity(config: GPTConfig, seq_length: int) -> Optional[int]:
+    """Assignments each expert takes of one sequence: ``ceil(factor * s * k / E)``; None when dropless."""
+    factor = config.moe_expert_capacity_factor
+    if factor is None:
+        return None
+    return math.ceil(factor * seq_length * config.moe_router_topk / config.num_experts)
+
+
+def keep_mask(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, cap: int, policy: str) -> torch.Tensor:
+    """Which assignments of whole sequences survive the capacity: ``experts``, ``weights`` ``[s, b, k]`` ->
+    bool ``[s, b, k]``. Per sequence and expert, ``probs`` keeps the ``cap`` highest weights (ties: the earlier
+    position, then the earlier choice), ``position`` the ``cap`` earliest (position, then choice)."""
+    s, b, k = experts.shape
+    e = experts.permute(1, 0, 2).reshape(b, s * k)  # per sequence, assignments in (position, choice) order
+    group = (torch.arange(b, device=e.device).unsqueeze(1) * num_experts + e).reshape(-1)
+    order = torch.arange(b * s * k, device=e.device)
+    if policy == "probs":
+        w = weights.detach().permute(1, 0, 2).reshape(-1)
+        order = torch.sort(-w, stable=True).indices  # the highest weight first, ties in assignment order
+    order = order[torch.sort(group[order], stable=True).indices]  # then grouped by (sequence, expert)
+    g = group[order]
+    first = torch.searchsorted(g, g, right=False)  # each group's first index in the sorted order
+    rank = torch.arange(g.numel(), device=e.device) - first
+    keep = torch.empty(g.numel(), dtype=torch.bool, device=e.device)
+    keep[order] = rank < cap
+    return keep.reshape(b, s, k).permute(1, 0, 2)
+
+
+def balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int, tokens: int,
+                   per_sequence: int = 0, reduce=None) -> torch.Tensor:
+    """The Switch/GShard loss ``E * sum_e f_e * P_e`` (1 when balanced): ``f_e`` the share of the assignments
+    ``experts`` ``[T, k]`` that go to expert ``e``, ``P_e`` the mean of ``probs`` ``[T, E]``, over ``tokens``
+    tokens. ``per_sequence = b``: over each of the ``b`` sequences of ``[s, b]``-ordered tokens (``tokens`` is
+    then a sequence's length), averaged over them. ``reduce``: sums the partial ``[.., E]`` statistics over the
+    ranks that hold the rest of the tokens (forward sum, identity backward)."""
+    k = experts.shape[1]
+    one_hot = F.one_hot(experts, num_experts).to(probs.dtype).sum(1)  # [T, E]: assignments per token
+    if per_sequence:
+        counts = one_hot.view(-1, per_sequence, num_experts).sum(0)  # [b, E]
+        prob_sum = probs.view(-1, per_sequence, num_experts).sum(0)
+    else:
+        counts, prob_sum = one_hot.sum(0, keepdim=True), probs.sum(0, keepdim=True)  # [1, E]
+    if reduce is not None:
+        counts, prob_sum = reduce(counts), reduce(prob_sum)
+    f, p = counts.detach() / (tokens * k), prob_sum / tokens
+    return (num_experts * (f * p).sum(-1)).mean()
+
+
+def z_loss(logits: torch.Tensor, reduce=None, tokens: Optional[int] = None) -> torch.Tensor:
+    """``mean_t logsumexp(logits_t)^2`` over ``logits`` ``[T, E]`` (``reduce``, ``tokens``: the sum over ranks and
+    the whole token count when the tokens are spread over them)."""
+    sq = torch.logsumexp(logits, dim=-1).square().sum()
+    if reduce is not None:
+        sq = reduce(sq)
+    return sq / (tokens if tokens is not None else logits.shape[0])
+
+
+# ---- experts ------------------------------------------------------------------------------------------------
+class ExpertLinear(nn.Module):
+    """One projection of an expert: ``weight`` ``[out, in]`` (this rank's TP piece, as ``tp_meta`` says)."""
+
+    def __init__(self, shape: Tuple[int, int], init: tp_init.Initializer, meta: dict, device, dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        param_meta.set_tp_meta(self.weight, **meta)
+        param_meta.set_expert(self.weight)
+        tp_init.set_initializer(self.weight, init)
+
+
+class Expert(nn.Module):
+    """A routed expert's MLP (GELU or SwiGLU, no bias): ``in_proj`` ``[b f'/etp, h]`` (SwiGLU ``[gate; up]``,
+    stride 2), ``out_proj`` ``[h, f'/etp]``. Tokens ``[n, h]`` -> ``[n, h]``, partial over ``"tp"`` when
+    ``etp > 1``. ``sum_over_tp``: the expert is whole on every TP rank and each routes its own tokens, so its
+    gradient is summed over ``"tp"``."""
+
+    def __init__(self, config: GPTConfig, topology: "Topology", etp: int, output_init: tp_init.Initializer,
+                 device=None, dtype=None):
+        super().__init__()
+        h, f, blocks = config.hidden_size, config.expert_ffn_size, config.mlp_input_blocks
+        split = etp > 1
+        self.swiglu = config.mlp == "swiglu"
+        self.topology = topology
+        self.sum_over_tp = not split and topology.tp_size > 1
+        self.in_proj = ExpertLinear((blocks * f // etp, h), tp_init.normal(config.init_std),
+                                    dict(dim=0, stride=blocks) if split else {}, device, dtype)
+        self.out_proj = ExpertLinear((h, f // etp), output_init, dict(dim=1) if split else {}, device, dtype)
+
+    def weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        w_in, w_out = self.in_proj.weight, self.out_proj.weight
+        if self.sum_over_tp:
+            w_in, w_out = copy_to_tp_region(w_in, self.topology), copy_to_tp_region(w_out, self.topology)
+        return w_in, w_out
+
+    def activation(self, y: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(y, approximate="tanh")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w_in, w_out = self.weights()
+        return F.linear(self.activation(F.linear(x, w_in)), w_out)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous (torch._grouped_mm's backward needs it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm takes (no float64)
+
+
+def run_experts(tokens: torch.Tensor, counts: List[int], experts: List[Expert], grouped: bool) -> torch.Tensor:
+    """Tokens ``[n, h]`` grouped by expert (``counts[j]`` rows for ``experts[j]``, in order) -> ``[n, h]``.
+
+    The one place that chooses how a rank's experts compute: one grouped
+    matrix product per projection (``torch._grouped_mm``, when ``grouped`` and
+    torch offers it for the dtype) or a loop over the experts (each expert module called, so
+    hooks on it run: ZeRO-3 gathers its weights there).
+    """
+    if grouped and hasattr(torch, "_grouped_mm") and tokens.shape[0] > 0 and tokens.dtype in _GROUPED_DTYPES:
+        pairs = [e.weights() for e in experts]
+        offs = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
+        w_in = torch.stack([w for w, _ in pairs]).transpose(1, 2)  # [E_l, h, b f']
+        w_out = torch.stack([w for _, w in pairs]).transpose(1, 2)  # [E_l, f', h]
+        mid = torch._grouped_mm(_ContiguousGrad.apply(tokens), w_in, offs=offs)
+        return torch._grouped_mm(_ContiguousGrad.apply(experts[0].activation(mid)), w_out, offs=offs)
+    pieces = tokens.split(list(counts))
+    return torch.cat([expert(piece) for expert, piece in zip(experts, pieces)])
+
+
+# ---- the layer -----------------------------------------------------------------------------------------------
+class Router(nn.Module):
+    """``weight`` ``[E, h]`` (replicated), and ``expert_bias`` ``[E]`` fp32 (a buffer: the aux-loss-free
+    balancing bias, zero unless ``moe_router_enable_expert_bias``)."""
+
+    def __init__(self, config: GPTConfig, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, device=device, dtype=dtype))
+        param_meta.set_tp_meta(self.weight)
+        tp_init.set_initializer(self.weight, tp_init.normal(config.init_std))
+        self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32, device=device))
+
+
+class ExpertStack(nn.Module):
+    """This rank's routed experts, named by their global index (``experts.{e}``), iterated in order."""
+
+    def __init__(self, experts: dict):
+        super().__init__()
+        for e in sorted(experts):
+            self.add_module(str(e), experts[e])
+
+    def local(self) -> List[Expert]:
+        return list(self._modules.values())
+
+
+class MoELayer(nn.Module):
+    """The MoE block in place of a layer's MLP: input and output ``[s/tp, b, h]`` (``[s, b, h]`` at TP 1).
+
+    See the module docstring and ``docs/moe.md``. ``aux_scale``: the model's
+    :class:`AuxLossScale`. ``token_axes``: the axes over which this rank's
+    statistics sum to the whole batch's.
+    """
+
+    def __init__(self, config: GPTConfig, topology: "Topology", tracker: RNGTracker, aux_scale: AuxLossScale,
+                 output_init: tp_init.Initializer, device=None, dtype=None):
+        super().__init__()
+        from model_zoo.transformer import ParallelMLP  # the shared expert is a dense MLP of its own width
+
+        self.config, self.topology, self.tracker, self.aux_scale = config, topology, tracker, aux_scale
+        E, ep = config.num_experts, topology.ep_size
+        if E % ep:
+            raise ValueError(f"--num-experts {E} must be divisible by --expert-model-parallel-size {ep}: each "
+                             f"expert-parallel rank holds the same number of experts")
+        self.tp = topology.tp_size
+        self.etp = config.expert_tp(self.tp)
+        self.local_count = E // ep
+        first = topology.ep_rank * self.local_count
+        self.local_range = (first, first + self.local_count)
+        self.router = Router(config, device, dtype)
+        self.experts = ExpertStack({e: Expert(config, topology, self.etp, output_init, device, dtype)
+                                    for e in range(*self.local_range)})
+        shared = config.moe_shared_expert_intermediate_size
+        self.shared_expert = ParallelMLP(config.replace(ffn_hidden_size=shared), topology, device, dtype) \
+            if shared is not None else None
+        self.shared_expert_gate = None
+        if config.moe_shared_expert_gate:
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False, device=device, dtype=dtype)
+            param_meta.set_tp_meta(self.shared_expert_gate.weight)
+            tp_init.set_initializer(self.shared_expert_gate.weight, tp_init.normal(config.init_std))
+        self.token_axes = ("dp", "tp") if self.tp > 1 else ("dp",)
+        self.stats = MoEStats.zeros(E, device if device is not None and torch.device(device).type != "meta"
+                                    else "cpu")
+
+    # ---- pieces ----------------------------------------------------------------------------------------
+    def _sum_over_tp(self, t: torch.Tensor) -> torch.Tensor:
+        """Forward: the sum over ``"tp"`` (each rank routed its own sequence shard); backward: identity."""
+        return reduce_from_tp_region(t, self.topology) if self.tp > 1 else t
+
+    def _whole_sequences(self, t: torch.Tensor) -> torch.Tensor:
+        """``[s/tp, b, ...]`` -> ``[s, b, ...]`` (all-gather over ``"tp"``, no gradient)."""
+        if self.tp == 1:
+            return t
+        with torch.no_grad():
+            return gather_from_sequence_parallel_region(t.contiguous(), self.topology, reduce_scatter_grad=False)
+
+    def _losses(self, routing: Routing, s_local: int, b: int) -> Tuple[Optional[torch.Tensor], torch.Tensor,
+                                                                        torch.Tensor]:
+        """(the coefficient-weighted sum of the balancing losses or None, the balancing and z-loss values)."""
+        cfg = self.config
+        reduce = self._sum_over_tp if self.tp > 1 else None
+        total, aux_value, z_value = None, routing.logits.new_zeros(()), routing.logits.new_zeros(())
+        kind = cfg.moe_router_load_balancing_type
+        if kind != "none" and cfg.moe_aux_loss_coeff > 0:
+            per_sequence = kind == "seq_aux_loss"
+            aux = balancing_loss(routing.probs, routing.experts, cfg.num_experts,
+                                 tokens=s_local * self.tp * (1 if per_sequence else b),
+                                 per_sequence=b if per_sequence else 0, reduce=reduce)
+            total, aux_value = cfg.moe_aux_loss_coeff * aux, aux.detach()
+        if cfg.moe_z_loss_coeff:
+            z = z_loss(routing.logits, reduce=reduce, tokens=s_local * b * self.tp)
+            total = cfg.moe_z_loss_coeff * z if total is None else total + cfg.moe_z_loss_coeff * z
+            z_value = z.detach()
+        return total, aux_value, z_value
+
+    def _dispatch(self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                  keep: Optional[torch.Tensor]) -> torch.Tensor:
+        """Tokens ``[T, h]`` routed as ``experts``/``weights`` ``[T, k]`` (assignments outside ``keep`` dropped)
+        -> the weighted sum of their experts' outputs ``[T, h]``."""
+        T, k = experts.shape
+        h, E, ep = tokens.shape[1], self.config.num_experts, self.topology.ep_size
+        flat = experts.reshape(-1)
+        assign = torch.arange(T * k, device=tokens.device)
+        if keep is not None:
+            assign = assign[keep.reshape(-1)]
+        order = torch.sort(flat[assign], stable=True).indices
+        assign = assign[order]  # kept assignments, grouped by expert (then by token)
+        counts = torch.bincount(flat[assign], minlength=E)
+        routed = tokens.index_select(0, torch.div(assign, k, rounding_mode="floor"))  # [N, h]
+        local = self.experts.local()
+        if ep == 1:
+            out = run_experts(routed, counts.tolist(), local, self.config.moe_grouped_gemm)
+        else:
+            out = self._across_ep(routed, counts)
+        weighted = out * weights.reshape(-1).index_select(0, assign).unsqueeze(1).to(out.dtype)
+        slots = out.new_zeros(T * k, h).index_copy(0, assign, weighted)  # dropped assignments stay zero
+        return slots.view(T, k, h).sum(1)  # the k choices added in choice order, whatever the layout
+
+    def _across_ep(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Send the routed tokens ``[N, h]`` (grouped by global expert, ``counts`` ``[E]``) to their experts' ep
+        ranks, run them there, and bring the outputs back in the same order."""
+        topo, ep, n_local = self.topology, self.topology.ep_size, self.local_count
+        send = counts.view(ep, n_local).contiguous()
+        recv = torch.empty_like(send)
+        topo.comm.all_to_all_single(recv, send, "ep")  # how many tokens each rank sends each of my experts
+        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        arrived = all_to_all_v(routed, out_splits, in_splits, topo, "ep", op="moe_dispatch",
+                               back_op="moe_dispatch_grad")
+        # arrived rows: by source rank, then by my local expert; regroup by local expert
+        expert_of_row = torch.arange(n_local, device=routed.device).repeat(ep).repeat_interleave(recv.reshape(-1))
+        regroup = torch.sort(expert_of_row, stable=True).indices
+        out = run_experts(arrived.index_select(0, regroup), recv.sum(0).tolist(), self.experts.local(),
+                          self.config.moe_grouped_gemm)
+        back = out.index_select(0, torch.argsort(regroup))
+        return all_to_all_v(back, in_splits, out_splits, topo, "ep", op="moe_combine", back_op="moe_combine_grad")
+
+    # ---- forward -------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg, topo = self.config, self.topology
+        s_local, b, h = x.shape
+        k = cfg.moe_router_topk
+        weight = copy_to_tp_region(self.router.weight, topo) if self.tp > 1 else self.router.weight
+        dt = torch.promote_types(x.dtype, torch.float32)
+        logits = F.linear(x.reshape(-1, h).to(dt), weight.to(dt))  # [T_local, E], in fp32 (or wider)
+        bias = self.router.expert_bias if cfg.moe_router_enable_expert_bias else None
+        routing = route(logits, cfg, bias)
+        aux, aux_value, z_value = self._losses(routing, s_local, b)
+
+        experts, weights = routing.experts.view(s_local, b, k), routing.weights.view(s_local, b, k)
+        cap = capacity(cfg, s_local * self.tp)
+        keep_whole = None
+        if cap is not None:
+            keep_whole = keep_mask(self._whole_sequences(experts), self._whole_sequences(weights),
+                                   cfg.num_experts, cap, cfg.moe_token_drop_policy)  # [s, b, k]
+        if self.etp > 1:
+            # the experts are split over TP: every TP rank runs every token of the TP group through its piece
+            tokens = gather_from_sequence_parallel_region(x, topo).reshape(-1, h)
+            experts_t = self._whole_sequences(experts).reshape(-1, k)
+            weights_t = gather_from_sequence_parallel_region(weights.contiguous(), topo).reshape(-1, k)
+            keep_t = None if keep_whole is None else keep_whole.reshape(-1, k)
+            y = reduce_scatter_to_sequence_parallel_region(self._dispatch(tokens, experts_t, weights_t, keep_t)
+                                                           .view(-1, b, h), topo)
+        else:
+            keep_local = None
+            if keep_whole is not None:
+                rows = slice(topo.tp_rank * s_local, (topo.tp_rank + 1) * s_local) if self.tp > 1 else slice(None)
+                keep_local = keep_whole[rows].reshape(-1, k)
+            y = self._dispatch(x.reshape(-1, h), routing.experts, routing.weights, keep_local).view(s_local, b, h)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                gate_w = self.shared_expert_gate.weight
+                gate_w = copy_to_tp_region(gate_w, topo) if self.tp > 1 else gate_w
+                shared = torch.sigmoid(F.linear(x, gate_w)) * shared
+            y = y + shared
+        if not self.tracker.recomputing:
+            self._count(routing.experts, keep_whole, s_local, b, aux_value, z_value)
+        if aux is not None and self.training and torch.is_grad_enabled():
+            y = _AttachAuxLoss.apply(y, aux, self.aux_scale)
+        return y
+
+    @torch.no_grad()
+    def _count(self, experts: torch.Tensor, keep_whole: Optional[torch.Tensor], s_local: int, b: int,
+               aux_value: torch.Tensor, z_value: torch.Tensor) -> None:
+        st = self.stats
+        counts = torch.bincount(experts.reshape(-1), minlength=self.config.num_experts).to(st.tokens_per_expert)
+        st.tokens_per_expert += counts
+        st.step_tokens += counts
+        st.assignments += experts.numel()
+        if keep_whole is not None:
+            rows = slice(self.topology.tp_rank * s_local, (self.topology.tp_rank + 1) * s_local)
+            st.dropped += (~keep_whole[rows]).sum().to(st.dropped)
+        # the loss values are the same on every TP rank: count them on one, as the token counts sum over tp
+        if self.topology.tp_rank == 0 or self.tp == 1:
+            st.aux_loss += aux_value.to(st.aux_loss)
+            st.z_loss += z_value.to(st.z_loss)
+        st.micro_batches += 1
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
+        """After a step: move the expert bias toward the mean load, with this step's assignments summed over every
+        rank that routes tokens (all-reduce over ``token_axes``), identically on every rank; then forget them."""
+        st, cfg = self.stats, self.config
+        if cfg.moe_router_enable_expert_bias:
+            load = st.step_tokens.clone()
+            for axis in self.token_axes:
+                self.topology.comm.all_reduce(load, axis)
+            self.router.expert_bias += cfg.moe_router_bias_update_rate * torch.sign(load.mean() - load).to(
+                self.router.expert_bias)
+        st.step_tokens.zero_()
+
+
+# ---- the model's MoE layers ----------------------------------------------------------------------------------
+def moe_layers(model: nn.Module) -> List[Tuple[int, MoELayer]]:
+    """``(global layer index, layer)`` of the MoE layers this rank's share of ``model`` holds, in order."""
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, MoELayer):
+            out.append((int(name.split(".")[1]), module))
+    return out
+
+
+def set_aux_loss_scale(model: nn.Module, value: float) -> None:
+    """The balancing losses' gradients are multiplied by ``value`` (the engine's loss scale / accumulation)."""
+    scale = getattr(model, "moe_aux_scale", None)
+    if scale is not None:
+        scale.value = float(value)
+
+
+def update_expert_biases(model: nn.Module) -> None:
+    """Every MoE layer's :meth:`MoELayer.update_expert_bias` (collective over ``dp``, and ``tp`` at TP > 1):
+    call once after every optimizer step, on every rank."""
+    for _, layer in moe_layers(model):
+        layer.update_expert_bias()
