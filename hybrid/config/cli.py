@@ -31,12 +31,13 @@ from hybrid.config.derive import derive_for_training
 from hybrid.config.errors import ConfigError, one_error_for_all, suggestion
 from hybrid.config.flags import Given, Leaf, Spelling, apply_given, get_path, has_key, put
 from hybrid.config.load import check_deepspeed_dtypes, is_deepspeed_style, read_config_file
-from hybrid.config.megatron_flags import (DENSE_MOE_NOTE, FSDP_PREFETCH_NOTE, MEGATRON_FLAGS, MOE_FAMILY,
-                                          RESPELLINGS, TOKENIZER_NOT_YET, TOKENIZER_SPELLINGS, family_of,
-                                          megatron_verdicts)
+from hybrid.config.megatron_flags import (DENSE_MOE_NOTE, FSDP_PREFETCH_NOTE, MEGATRON_FLAGS, MOE_FAMILIES,
+                                          MOE_FAMILY, MOE_VALUES_NOT_HERE, ONE_EXPERT_NOTE, RESPELLINGS,
+                                          TOKENIZER_NOT_YET, TOKENIZER_SPELLINGS, family_of, megatron_verdicts)
 from hybrid.config.parse import parse_section
 from hybrid.config.schema import HybridConfig
-from hybrid.config.spellings import FLAT_NAMES, SECTIONS, SPELLINGS
+from hybrid.config.spellings import FLAT_NAMES, LEAVES, SECTIONS, SPELLINGS
+from hybrid.config.trainer_sections import MOE_MODEL_KEYS
 from hybrid.config.validate import validate
 
 CONFIG_FLAG = "--config"
@@ -177,10 +178,9 @@ def config_from_command_line(argv: Optional[Sequence[str]] = None, prog: str = "
     megatron = _megatron_given(given)
     accepted, refusals = megatron_verdicts(megatron)
     found += accepted
-    refused = list(refusals)
-    experts = dict(megatron).get("--num-experts")
-    unknown = _refuse_families(extras, dense=experts is None or experts == "1", refused=refused, notes=found)
-    problems += [ConfigError(line) for line in refused]
+    problems += [ConfigError(line) for line in refusals]
+    unknown, families = _sort_unrecognized(extras)
+    at = len(problems)  # where the lines of the refused families go, beside the other refused flags
     _read_megatron_values(given, dests, found, problems)
     path, ds_path = given.pop("config", None), given.pop("deepspeed_config", None)
     tree: Dict[str, Any] = {}
@@ -196,12 +196,14 @@ def config_from_command_line(argv: Optional[Sequence[str]] = None, prog: str = "
                 if not has_key(tree, key):
                     put(tree, key, value)
         _settings_that_mean_off(tree, found, megatron_fsdp="--use-megatron-fsdp" in dict(megatron))
+        _moe_settings(tree, found, problems)
         cfg = derive_for_training(parse_section(HybridConfig, tree, ""))
         (validate if check is None else check)(cfg)
         if (path or ds_path) and given:
             check_deepspeed_dtypes(path or ds_path, cfg.precision, given_by="the command line")
     except ConfigError as err:
         problems.append(err)
+    problems[at:at] = _refuse_families(families, _is_dense(tree), found)
     if unknown:
         parser.error(_unrecognized(unknown) + ("" if not problems else "; and " + str(_one_error(problems))))
     if problems:
@@ -260,12 +262,12 @@ def _respelled(argv: List[str], notes: List[str], problems: List[ConfigError]) -
     return out
 
 
-def _refuse_families(extras: List[str], dense: bool, refused: List[str], notes: List[str]) -> List[str]:
-    """Sort the arguments argparse did not know: Megatron-LM flags of a refused family
-    (:data:`~hybrid.config.megatron_flags.MEGATRON_FAMILIES`), with the values that follow them, add a line to
-    ``refused`` each (MoE flags on a dense model add a note instead); returns the rest, unrecognized."""
-    refused_lines = list(refused)
+def _sort_unrecognized(extras: List[str]) -> Tuple[List[str], List[Tuple[str, Any]]]:
+    """Sort the arguments argparse did not know: ``(unknown, families)``, the unrecognized ones and, each with
+    the values that follow it, the Megatron-LM flags of a refused family
+    (:data:`~hybrid.config.megatron_flags.MEGATRON_FAMILIES`) as ``(shown, family)``."""
     unknown: List[str] = []
+    families: List[Tuple[str, Any]] = []
     i = 0
     while i < len(extras):
         flag = extras[i].split("=")[0]
@@ -278,12 +280,76 @@ def _refuse_families(extras: List[str], dense: bool, refused: List[str], notes: 
         shown = " ".join([flag] + values)
         if family is None:
             unknown.append(shown)
-        elif family is MOE_FAMILY and dense:
-            notes.append(f"{shown} ({DENSE_MOE_NOTE})")
         else:
-            refused_lines.append(f"{shown} is a Megatron-LM flag hybrid does not take: {family.reason}")
-    refused[:] = refused_lines
-    return unknown
+            families.append((shown, family))
+    return unknown, families
+
+
+def _refuse_families(families: List[Tuple[str, Any]], dense: bool, notes: List[str]) -> List[ConfigError]:
+    """An error for each flag of a refused family (:func:`_sort_unrecognized`), naming its reason; on a
+    ``dense`` model the MoE families' flags add a note instead."""
+    refused = []
+    for shown, family in families:
+        if family in MOE_FAMILIES and dense:
+            notes.append(f"{shown} ({DENSE_MOE_NOTE})")
+            continue
+        near = difflib.get_close_matches(shown.split()[0], list(SPELLINGS), n=1, cutoff=_NEAR) \
+            if family is MOE_FAMILY else []  # a misspelt MoE key (--moe-routr-topk) is refused with a hint
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        refused.append(ConfigError(f"{shown} is a Megatron-LM flag hybrid does not take: {family.reason}{hint}"))
+    return refused
+
+
+def _is_dense(tree: Dict[str, Any]) -> bool:
+    """Whether the partial ``tree`` describes a dense model: ``model.num_experts`` unset or 1 (Megatron-DeepSpeed's
+    ``--num-experts 1`` is the dense MLP), and no MoE preset."""
+    experts = get_path(tree, "model.num_experts")  # a flag's value is still its text here
+    if experts is not None and str(experts).strip() != "1":
+        return False
+    preset = get_path(tree, "model.preset")
+    if preset is None:
+        return True
+    from model_zoo.presets import get_preset, list_presets
+
+    return str(preset) not in list_presets() or not get_preset(str(preset)).is_moe  # an unknown one: named later
+
+
+def _moe_settings(tree: Dict[str, Any], notes: List[str], problems: List[ConfigError]) -> None:
+    """The MoE settings of the partial ``tree``, whose model is dense or not (:func:`_is_dense`).
+
+    On a dense model every MoE key given changes nothing: each is removed with a note (as Megatron-LM ignores
+    them), ``--num-experts 1`` and ``--expert-model-parallel-size 1`` too (a larger one stays, for the rule that
+    refuses it). On an MoE model, a value Megatron-Core takes and hybrid does not
+    (:data:`~hybrid.config.megatron_flags.MOE_VALUES_NOT_HERE`) is added to ``problems`` with what to use."""
+    dense = _is_dense(tree)
+    for key in ("model.num_experts", "expert_parallel_size") + MOE_MODEL_KEYS:
+        if not has_key(tree, key):
+            continue
+        flag = LEAVES[key].flag
+        value = get_path(tree, key)
+        shown = flag if value is True else f"{flag} {_describe(value)}"
+        if dense:
+            if key == "expert_parallel_size" and str(value).strip() != "1":
+                continue  # refused by the model's rule: expert parallelism needs experts
+            if value is not False:
+                why = ONE_EXPERT_NOTE if key == "model.num_experts" else \
+                    "one expert-parallel rank: " + DENSE_MOE_NOTE if key == "expert_parallel_size" else DENSE_MOE_NOTE
+                notes.append(f"{shown} ({why})")
+            _remove(tree, key)
+            continue
+        why = MOE_VALUES_NOT_HERE.get(flag, {}).get(str(value).strip().lower())
+        if why is not None:
+            problems.append(ConfigError(f"{shown} is a Megatron-LM setting hybrid does not take: {why}",
+                                        keys=(key,)))
+            _remove(tree, key)
+
+
+def _remove(tree: Dict[str, Any], key: str) -> None:
+    *path, leaf = key.split(".")
+    node = tree
+    for part in path:
+        node = node[part]
+    del node[leaf]
 
 
 def _read_megatron_values(given: Dict[str, Any], dests: Mapping[str, Spelling], notes: List[str],

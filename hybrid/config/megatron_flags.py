@@ -62,8 +62,17 @@ _RETAIN = "--keep-last K keeps the newest K checkpoints, each complete and resum
 _PER_LAYER = "--recompute-granularity full recomputes every layer, each its own checkpoint"
 _FP8 = ("hybrid trains in bf16, fp16 or fp32 (--bf16, --fp16): fp8 and fp4 training (Transformer Engine's scaling "
         "recipes) are not implemented")
-MOE = "Mixture-of-Experts is not implemented yet (issue: MoE)"
-_DENSE = "hybrid trains dense models only: " + MOE
+# ---- Mixture of Experts: Megatron-Core's MoE flags that set no key (the keys: docs/moe.md, model.num_experts...)
+MOE = "hybrid's MoE settings are Megatron-Core's that docs/moe.md lists"
+_NO_EP_OVERLAP = ("hybrid does not overlap the expert-parallel all-to-alls with compute; the values trained are the "
+                  "same")
+_GROUP_LIMITED = ("group-limited (device- or node-limited) routing is not implemented: each token chooses its "
+                  "--moe-router-topk experts among all --num-experts; remove it")
+_UPCYCLING = ("upcycling a dense checkpoint into an MoE model is not implemented: train the MoE model from its own "
+              "initialisation")
+_DEEPEP = ("DeepEP and Megatron's flex dispatcher are not used: hybrid dispatches tokens with its own all-to-all "
+           "(--moe-token-dispatcher-type alltoall)")
+_MDS_MOE = "a Megatron-DeepSpeed MoE flag; hybrid reads Megatron-Core's: "
 _GPT_OSS = ("gpt-oss's variants (learnable softmax sinks, sliding-window attention, the clamped quick-GeGLU MLP) "
             "are not in model_zoo")
 _FSDP = ("Megatron-FSDP's own buffers and groups: hybrid's sharded data parallelism is ZeRO (--use-megatron-fsdp "
@@ -154,9 +163,48 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
     _accepted("--context-parallel-size", "one context-parallel rank: the sequence is not split", values=("1",),
               refusal="hybrid has no context parallelism; --sequence-parallel splits the activations over the "
                       "tensor-parallel group"),
-    _accepted("--num-experts", "one expert is the dense MLP", values=("1",), refusal=_DENSE),
-    _accepted("--expert-model-parallel-size", "one expert-parallel rank: nothing is split", values=("1",),
-              refusal=_DENSE),
+    # Mixture of Experts (--num-experts, --expert-model-parallel-size and the moe_* keys are keys of their own)
+    _accepted("--moe-permute-fusion", "hybrid orders the tokens by expert with torch ops; there is no fused "
+                                      "permutation kernel, and the tokens each expert receives are the same"),
+    _accepted("--moe-router-fusion", _FUSION_ON),
+    _accepted("--moe-router-dtype", "the router computes its logits, scores and weights in fp32 always (docs/moe.md)",
+              values=("fp32",), refusal="hybrid's router computes in fp32; fp64 routing is not implemented"),
+    _accepted("--moe-use-legacy-grouped-gemm", "--moe-grouped-gemm runs hybrid's one grouped implementation "
+                                               "(torch._grouped_mm)"),
+    _accepted("--moe-shared-expert-overlap", "hybrid runs the shared expert beside the routed ones without "
+                                             "overlapping the dispatch; the values are the same"),
+    _accepted("--overlap-moe-expert-parallel-comm", _NO_EP_OVERLAP),
+    _accepted("--delay-wgrad-compute", "it schedules weight gradients for Megatron's expert-parallel overlap; "
+                                       + _NO_EP_OVERLAP),
+    _accepted("--moe-per-layer-logging", "hybrid reports the balancing and z-loss values beside the language-model "
+                                         "loss; each MoE layer's own statistics are its stats "
+                                         "(model_zoo.moe.moe_layers)"),
+    _accepted("--moe-pad-expert-input-to-capacity", "padding each expert's tokens to its capacity with zeros "
+                                                    "changes the shapes of the expert matmuls, not their results"),
+    _accepted("--moe-router-padding-for-fp8", "it pads each expert's tokens to a multiple of 16 for FP8 matmuls "
+                                              "with zero-weight tokens; hybrid has no FP8 matmuls, and the padding "
+                                              "changes no value"),
+    _accepted("--moe-deepep-num-sms", "a knob of DeepEP, which hybrid does not use", takes_value=True),
+    _accepted("--moe-pad-experts-for-cuda-graph-inference", "an inference setting (CUDA graphs at decode); "
+                                                             "training is the same"),
+    _accepted("--moe-upcycling-granularity", "no upcycling", values=("1",), refusal=_UPCYCLING),
+    _refused("--moe-router-num-groups", _GROUP_LIMITED, takes_value=True),
+    _refused("--moe-router-group-topk", _GROUP_LIMITED, takes_value=True),
+    _refused("--moe-router-topk-limited-devices", _GROUP_LIMITED, takes_value=True),
+    _refused("--moe-input-jitter-eps", "router input jitter is not implemented: the router sees the hidden states "
+                                       "as they are; remove it (--moe-z-loss-coeff regularises the router)",
+             takes_value=True),
+    _refused("--moe-use-upcycling", _UPCYCLING),
+    _refused("--moe-layer-recompute", "hybrid recomputes whole layers, each MoE layer with its experts: "
+                                      "--recompute-granularity full"),
+    _refused("--moe-extended-tp", "Megatron's deprecated extended tensor parallelism: --expert-tensor-parallel-size "
+                                  "splits each expert over the TP ranks (the default) or keeps it whole (1)"),
+    _refused("--moe-router-force-load-balancing", "routing by random logits (Megatron's benchmark mode) is not "
+                                                  "implemented; the router's own choices are trained"),
+    _refused("--moe-enable-deepep", _DEEPEP),
+    _refused("--moe-flex-dispatcher-backend", _DEEPEP, takes_value=True),
+    _refused("--moe-apply-probs-on-input", "hybrid weights each expert's output by its routing probability; "
+                                           "weighting its input instead (Llama 4) is not implemented"),
     _refused("--fp8-format", _FP8, takes_value=True),
     # Megatron-DeepSpeed's spellings (examples_deepspeed/); --deepspeed-config FILE is read by hybrid.config.cli
     _accepted("--deepspeed", "hybrid is the engine; the DeepSpeed settings are read from --deepspeed_config"),
@@ -221,10 +269,30 @@ class MegatronFamily:
         return flag in self.flags or flag.startswith(self.prefixes)
 
 
-MOE_FAMILY = MegatronFamily(MOE, flags=("--expert-tensor-parallel-size",), prefixes=("--moe-",))
+# MoE flags hybrid has no entry for: Megatron-DeepSpeed's (each naming Megatron-Core's counterpart), and any other
+# --moe-* flag (a newer Megatron-Core's). On a dense model (--num-experts unset or 1) they are noted, not refused.
+MDS_MOE_FAMILIES: Tuple[MegatronFamily, ...] = (
+    MegatronFamily(_MDS_MOE + "--expert-model-parallel-size", flags=("--moe-expert-parallel-size",)),
+    MegatronFamily(_MDS_MOE + "--moe-aux-loss-coeff", flags=("--moe-loss-coeff",)),
+    MegatronFamily(_MDS_MOE + "--moe-expert-capacity-factor (counted per sequence; no minimum capacity, and "
+                   "evaluation drops as training does); leave it unset for dropless routing",
+                   flags=("--moe-train-capacity-factor", "--moe-eval-capacity-factor", "--moe-min-capacity",
+                          "--disable-moe-token-dropping")),
+    MegatronFamily(_MDS_MOE + "--moe-layer-freq", flags=("--expert-interval",)),
+    MegatronFamily(_MDS_MOE + "--moe-router-topk", flags=("--topk",)),
+    MegatronFamily(_MDS_MOE + "--expert-tensor-parallel-size", flags=("--enable-expert-tensor-parallelism",)),
+    MegatronFamily("a Megatron-DeepSpeed MoE flag: pyramid and residual MoE (PR-MoE) are not implemented; "
+                   "hybrid's experts are --num-experts per MoE layer, with an optional shared expert "
+                   "(--moe-shared-expert-intermediate-size)", flags=("--mlp-type",)),
+    MegatronFamily(_MDS_MOE + "ZeRO partitions the expert parameters over their expert-data-parallel ranks by "
+                   "itself, and hybrid's dispatch is its own all-to-all",
+                   flags=("--create-moe-param-group", "--use-tutel")),
+)
+MOE_FAMILY = MegatronFamily("a Megatron-Core MoE flag hybrid has no counterpart of; " + MOE, prefixes=("--moe-",))
+MOE_FAMILIES = MDS_MOE_FAMILIES + (MOE_FAMILY,)
 MEGATRON_FAMILIES: Tuple[MegatronFamily, ...] = (
     MegatronFamily(_FP8, prefixes=("--fp8", "--fp4")),
-    MOE_FAMILY,
+    *MOE_FAMILIES,
     MegatronFamily(_GPT_OSS, flags=("--softmax-type", "--window-size", "--window-attn-skip-freq", "--enable-gpt-oss",
                                     "--quick-geglu", "--glu-linear-offset", "--activation-func-clamp-value",
                                     "--export-force-local-attention")),
@@ -278,6 +346,16 @@ TOKENIZER_SPELLINGS = {  # Megatron's tokenizer types that are one of hybrid's: 
 TOKENIZER_NOT_YET = {"tiktokenizer": "TikTokenizer is " + _NOT_YET + "give --tokenizer-type HuggingFaceTokenizer or "
                                       "SentencePieceTokenizer"}
 DENSE_MOE_NOTE = "no effect on a dense model (--num-experts unset or 1)"
+ONE_EXPERT_NOTE = "one expert is the dense MLP: the model is dense, as Megatron-DeepSpeed reads it"
+# Values of MoE keys that Megatron-Core takes and hybrid does not: flag -> value -> what to use instead
+MOE_VALUES_NOT_HERE: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    "--moe-router-load-balancing-type": MappingProxyType({
+        "sinkhorn": "S-BASE's Sinkhorn balancing is not implemented: give aux_loss, seq_aux_loss, or none with "
+                    "--moe-router-enable-expert-bias (aux-loss-free balancing)",
+        "global_aux_loss": "the balancing loss over the global batch is not implemented: give aux_loss (over each "
+                           "micro-batch) or seq_aux_loss (over each sequence)"}),
+    "--moe-token-dispatcher-type": MappingProxyType({"flex": _DEEPEP + "; alltoall or allgather"}),
+})
 
 
 def family_of(flag: str) -> Optional[MegatronFamily]:

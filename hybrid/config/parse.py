@@ -67,6 +67,11 @@ def parse_section(cls, data: Any, path: str):
 def convert(value: Any, annotation, key: str, metadata: Mapping = None):
     """Convert ``value`` to ``annotation`` or raise a ConfigError naming ``key`` and its flags."""
     metadata = metadata or {}
+    if value is not None and "convert" in metadata:  # a key read in its own spelling (--moe-layer-freq's pattern)
+        try:
+            return metadata["convert"](value)
+        except ValueError as e:
+            raise meta_error(f"config key '{key}': {e}", key, metadata) from None
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if dataclasses.is_dataclass(annotation):

@@ -382,6 +382,11 @@ class HybridConfig:
     tensor_parallel_size: Optional[int] = _field(None, ge=1, flag="--tensor-model-parallel-size",
                                                  help="TP ranks per model replica (adjacent ranks); unset: the "
                                                       "topology's, 1 when hybrid builds it")
+    expert_parallel_size: Optional[int] = _field(None, ge=1, flag="--expert-model-parallel-size",
+                                                 help="expert-parallel ranks: the consecutive data-parallel ranks "
+                                                      "that share out the experts of every MoE layer (it must "
+                                                      "divide the data-parallel size, and --num-experts by it); "
+                                                      "unset: the topology's, 1 when hybrid builds it")
     pipeline: PipelineConfig = _section(PipelineConfig, "pipeline parallelism")
     recompute: str = _field("none", choices=RECOMPUTE, flag="--recompute-granularity",
                             help="activation recomputation of the model (model_zoo models): none, full (every "

@@ -67,6 +67,11 @@ MODEL_KEYS: Tuple[ModelKey, ...] = tuple(
     ModelKey(flat_name(own_flag(f.name, f.metadata)), f.name, f.metadata.get("switch", dataclasses.MISSING))
     for f in dataclasses.fields(GPTConfig) if f.metadata["trainer"])
 
+# The MoE keys (Megatron-Core's names: moe_*, expert_*) but model.num_experts, the one that makes a model MoE: on a
+# dense model they change nothing (hybrid.config.cli notes and drops them).
+MOE_MODEL_KEYS: Tuple[str, ...] = tuple(f"model.{mk.key}" for mk in MODEL_KEYS
+                                        if mk.field.startswith(("moe_", "expert_")))
+
 
 def _model_section() -> type:
     """The ``model`` section: ``preset``, then one key per :data:`MODEL_KEYS` entry, in GPTConfig's field order,

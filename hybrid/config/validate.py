@@ -6,8 +6,10 @@ Three kinds, three functions:
   (``choices``, bounds), and the rules that tie keys together
   (:func:`_cross_key_rules`). Every load, override and command line runs it.
 * :func:`validate_world`: the rules that need the world size (the world
-  divides by the tensor-parallel size; the batch sizes fit the data-parallel
-  size, through :func:`hybrid.config.batch.resolve_batch`).
+  divides by the tensor-parallel size; the expert-parallel size divides the
+  data-parallel size, :func:`hybrid.grid.expert_parallel_problem`; the batch
+  sizes fit the data-parallel size, through
+  :func:`hybrid.config.batch.resolve_batch`).
 * :func:`validate_for_training`: what the trainer needs besides (a run length,
   a model, data, a batch size), then :func:`validate_world`.
 
@@ -32,7 +34,7 @@ from hybrid.config.errors import ConfigError, one_error_for_all, value_suggestio
 from hybrid.config.flags import key_error, meta_error
 from hybrid.compression import ONE_BIT_OPTIMIZERS, compression_problem, hpz_problem, onebit_problem
 from hybrid.config.schema import HybridConfig
-from hybrid.grid import WorldSizeError, data_parallel_size
+from hybrid.grid import WorldSizeError, data_parallel_size, expert_parallel_problem
 from hybrid.layout import offload_problem, overlap_param_gather_problem, pipeline_problem, reduce_once_problem
 
 
@@ -68,6 +70,10 @@ def validate_world(cfg: "HybridConfig", world_size: int) -> BatchSizes:
         raise error(f"world size {world_size} is not divisible by tensor_parallel_size x pipeline.size = {tp} x "
                     f"{pp}; start a multiple of {e.replica} processes or change the TP or pipeline size",
                     "tensor_parallel_size", "pipeline.size") from None
+    ep = cfg.expert_parallel_size or 1
+    problem = expert_parallel_problem(dp, 1, ep)
+    if problem:
+        raise error(f"{problem} (world size {world_size} = tp {tp} x pp {pp} x dp {dp})", "expert_parallel_size")
     return cfg.resolve_batch(dp)
 
 

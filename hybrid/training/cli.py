@@ -183,6 +183,7 @@ def _check_model(config: HybridConfig) -> None:
     from hybrid.training.model import keys_named_in, model_config
 
     try:
-        model_config(config, vocab_size=config.model.vocab_size or 1).validate(config.tensor_parallel_size or 1)
+        model_config(config, vocab_size=config.model.vocab_size or 1).validate(config.tensor_parallel_size or 1,
+                                                                               config.expert_parallel_size or 1)
     except ValueError as e:
         raise _error(f"model settings: {e}", *keys_named_in(str(e))) from None

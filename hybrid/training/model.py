@@ -26,13 +26,16 @@ def _model_zoo_value(gpt_key: str, value: Any) -> Any:
 
 
 def keys_named_in(message: str) -> List[str]:
-    """The config keys whose GPTConfig fields ``message`` (a GPTConfig.validate error) names, in the order it
-    names them (``tp``: validate's tensor-parallel size): so that the trainer's error can end with their flags."""
+    """The config keys whose GPTConfig fields or flags ``message`` (a GPTConfig.validate error) names, in the order
+    it names them (``tp``: validate's tensor-parallel size): so that the trainer's error can end with their flags."""
+    from hybrid.config.spellings import SPELLINGS
+
     by_gpt_name = {mk.field: f"model.{mk.key}" for mk in _VALUE_KEYS}
     by_gpt_name["tp"] = "tensor_parallel_size"
+    by_flag = {flag: s.leaf.key for flag, s in SPELLINGS.items()}  # the MoE rules name flags (--num-experts)
     named = []
-    for word in re.findall(r"[a-z_]+", message):
-        key = by_gpt_name.get(word)
+    for word in re.findall(r"--[a-z0-9-]+|[a-z_]+", message):
+        key = by_flag.get(word) if word.startswith("--") else by_gpt_name.get(word)
         if key is not None and key not in named:
             named.append(key)
     return named

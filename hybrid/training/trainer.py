@@ -93,7 +93,8 @@ class Trainer:
         # Unset tensor_parallel_size means 1 when hybrid builds the topology (as hybrid.initialize does).
         # The timeout reaches every TP/DP/PP group, not just the default one.
         self.topology = Topology(tp=config.tensor_parallel_size or 1, pp=config.pipeline.size or 1,
-                                 timeout_s=timeout_s, allow_tp_across_nodes=config.distributed.allow_tp_across_nodes)
+                                 timeout_s=timeout_s, allow_tp_across_nodes=config.distributed.allow_tp_across_nodes,
+                                 ep=config.expert_parallel_size or 1)
         topo = self.topology
         # Before the model is built, so that a refused start costs seconds: where --load resumes (an
         # unclear one is an error, never a silent fresh start), and the --save folder becomes this run's
@@ -109,7 +110,7 @@ class Trainer:
         # None without tokenizer files (mock data, --vocab-size)
         self.tokenizer = load_tokenizer(config.data.tokenizer)
         vocab = config.model.vocab_size or (self.tokenizer.vocab_size if self.tokenizer else None)
-        self.model_config = model_config(config, vocab or 0).validate(topo.tp_size)
+        self.model_config = model_config(config, vocab or 0).validate(topo.tp_size, topo.ep_size)
         from model_zoo import GPTModel, flops_per_token
 
         seed_everything(config.seed)

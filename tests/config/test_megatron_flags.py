@@ -85,7 +85,22 @@ def test_the_distributed_optimizer_yields_to_an_explicit_zero_stage():
                                       r".*; accepted: --recompute-method uniform$"),
     (["--recompute-num-layers", "4"], r"accepted: --recompute-num-layers 1$"),
     (["--context-parallel-size", "2"], r"no context parallelism"),
-    (["--num-experts", "8"], r"dense models only"),
+    (["--num-experts", "8", "--moe-router-num-groups", "4"], r"^--moe-router-num-groups 4 is a Megatron-LM flag "
+                                                             r"hybrid does not take: group-limited .* routing"),
+    (["--num-experts", "8", "--moe-router-load-balancing-type", "sinkhorn"],
+     r"^--moe-router-load-balancing-type sinkhorn is a Megatron-LM setting hybrid does not take: .*Sinkhorn.*: give "
+     r"aux_loss, seq_aux_loss"),
+    (["--num-experts", "8", "--moe-token-dispatcher-type", "flex"], r"flex dispatcher are not used.*alltoall"),
+    (["--num-experts", "8", "--moe-router-dtype", "fp64"], r"accepted: --moe-router-dtype fp32$"),
+    (["--num-experts", "8", "--moe-use-upcycling"], r"upcycling a dense checkpoint"),
+    (["--num-experts", "8", "--moe-layer-recompute"], r"--recompute-granularity full$"),
+    (["--num-experts", "8", "--moe-input-jitter-eps", "0.01"], r"router input jitter is not implemented"),
+    (["--num-experts", "8", "--moe-loss-coeff", "0.01"], r"a Megatron-DeepSpeed MoE flag; hybrid reads "
+                                                         r"Megatron-Core's: --moe-aux-loss-coeff$"),
+    (["--num-experts", "8", "--moe-future-knob", "3"], r"^--moe-future-knob 3 is a Megatron-LM flag hybrid does not "
+                                                       r"take: a Megatron-Core MoE flag hybrid has no counterpart"),
+    (["--num-experts", "8", "--moe-layer-freq", "[1]*3+[2]"], r"'model.moe_layer_freq': --moe-layer-freq "
+                                                              r"'\[1\]\*3\+\[2\]': expected N or a list"),
     (["--accumulate-allreduce-grads-in-fp32"], r"for fp32 gradients keep fp32 parameters with --autocast"),
     (["--use-rope-scaling"], r"give --rope-scaling llama3 --rope-scaling-factor 8 \(Megatron's default factor\)$"),
     (["--rotary-percent", "0.5"], r"hybrid rotates the whole head dimension; accepted: --rotary-percent 1.0 or 1$"),
@@ -189,6 +204,13 @@ SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4
     (["--context-parallel-size", "1"], "--context-parallel-size 1 (one context-parallel rank"),
     (["--expert-model-parallel-size", "1"], "--expert-model-parallel-size 1 (one expert-parallel rank"),
     (["--num-experts", "1", "--moe-router-topk", "1"], "--moe-router-topk 1 (no effect on a dense model"),
+    (["--num-experts", "1"], "--num-experts 1 (one expert is the dense MLP"),
+    (["--moe-router-pre-softmax", "--moe-loss-coeff", "0.01"], "--moe-loss-coeff 0.01 (no effect on a dense model"),
+    (["--num-experts", "1", "--moe-router-load-balancing-type", "sinkhorn"],
+     "--moe-router-load-balancing-type sinkhorn (no effect on a dense model"),
+    (["--num-experts", "4", "--moe-permute-fusion"], "--moe-permute-fusion (hybrid orders the tokens by expert"),
+    (["--num-experts", "4", "--moe-router-dtype", "fp32"], "--moe-router-dtype fp32 (the router computes"),
+    (["--num-experts", "4", "--moe-per-layer-logging"], "--moe-per-layer-logging (hybrid reports the balancing"),
     (["--empty-unused-memory-level", "2"], "--empty-unused-memory-level 2 (emptying the CUDA allocator's cache"),
     (["--tokenizer-type", "NullTokenizer", "--mock-data"], "--tokenizer-type NullTokenizer (no tokenizer is read"),
     (["--split", "'99,1,0'"], "--split '99,1,0' (read as 99,1,0"),
@@ -219,6 +241,7 @@ def test_what_the_noted_settings_mean():
 
 def test_refused_and_invalid_flags_are_listed_in_one_error():
     argv = SMALL + ["--fp8-format", "hybrid", "--fp8-param-gather", "--num-experts", "8", "--moe-router-topk", "2",
+                    "--moe-router-num-groups", "2", "--moe-router-load-balancing-type", "sinkhorn",
                     "--step-batch-size-schedule", "0:16", "2.4B:320", "--lr", "-1", "--window-size", "127,0"]
     with pytest.raises(ConfigError) as raised:
         config_from_command_line(argv)
@@ -226,9 +249,8 @@ def test_refused_and_invalid_flags_are_listed_in_one_error():
     assert message.startswith("7 settings need changing: (1) ") and "\n" not in message
     for part in ("--fp8-format hybrid is a Megatron-LM flag hybrid does not take: hybrid trains in bf16",
                  "--fp8-param-gather is a Megatron-LM flag hybrid does not take: hybrid trains in bf16",
-                 "--num-experts 8 is a Megatron-LM setting hybrid does not take: hybrid trains dense models only: "
-                 "Mixture-of-Experts is not implemented yet (issue: MoE)",
-                 "--moe-router-topk 2 is a Megatron-LM flag hybrid does not take: Mixture-of-Experts",
+                 "--moe-router-num-groups 2 is a Megatron-LM flag hybrid does not take: group-limited",
+                 "--moe-router-load-balancing-type sinkhorn is a Megatron-LM setting hybrid does not take: S-BASE's",
                  "--step-batch-size-schedule 0:16 2.4B:320 is a Megatron-LM flag",
                  "--window-size 127,0 is a Megatron-LM flag hybrid does not take: gpt-oss's variants",
                  "'optimizer.lr' must be > 0.0"):
@@ -243,7 +265,10 @@ def test_an_unknown_flag_exits_naming_the_refused_ones_too_and_a_hint_only_when_
            "hybrid is a Megatron-LM flag hybrid does not take" in err
     from hybrid.config.cli import _unrecognized
 
-    assert _unrecognized(["--moe-routr-topk 2"]) == "unrecognized arguments: --moe-routr-topk 2"  # not --min-loss-scale
+    assert _unrecognized(["--qwerty-asdf 2"]) == "unrecognized arguments: --qwerty-asdf 2"  # nothing near
+    with pytest.raises(ConfigError, match=r"^--moe-routr-topk 2 is a Megatron-LM flag hybrid does not take: a "
+                                          r"Megatron-Core MoE flag .* \(did you mean --moe-router-topk\?\)$"):
+        config_from_command_line(["--num-experts", "4", "--moe-routr-topk", "2"])  # a --moe-* flag: MoE's family
 
 
 def test_the_trainer_checks_the_world_in_the_same_error(monkeypatch):
