@@ -47,7 +47,7 @@ from hybrid.tensor_parallel.mappings import copy_to_tp_region, gather_from_tp_re
 from hybrid.pipeline.split import StageSplit, split_layers
 from hybrid.tensor_parallel.random import RNGTracker, checkpoint
 from model_zoo.config import GPTConfig
-from model_zoo.moe import AuxLossScale
+from model_zoo.moe import AuxLossScale, update_expert_biases
 from model_zoo.qkv_layout import qkv_layout
 from model_zoo.transformer import TransformerLayer, dropout, make_norm, rope_cos_sin, rope_inv_freq
 
@@ -186,6 +186,12 @@ class GPTModel(nn.Module):
                     module._buffers[key] = torch.zeros(buf.shape, dtype=buf.dtype,
                                                        device=device if device is not None else self.topology.device)
         return self
+
+    def after_optimizer_step(self) -> None:
+        """What the engine calls after every optimizer step, on every rank: the MoE layers' expert-bias update
+        (collective over ``dp``, and ``tp`` at TP > 1; nothing for a dense model)."""
+        if self.moe_aux_scale is not None:
+            update_expert_biases(self)
 
     # ---- shapes -----------------------------------------------------------------------------------
     @property

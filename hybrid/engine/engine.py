@@ -39,7 +39,7 @@ from hybrid.engine.checkpoint import EngineCheckpoints
 from hybrid.engine.parts import TrainingParts
 from hybrid.engine.precision import prepare_precision
 from hybrid.engine.rng import RandomState
-from hybrid.engine.stage import EngineStage, autocast
+from hybrid.engine.stage import EngineStage, autocast, scale_side_losses
 from hybrid.engine.step_logger import StepLogger
 from hybrid.layout import ParallelLayout, pipeline_problem
 from hybrid.optim.lr_schedule import LRSchedule, check_same_settings
@@ -157,6 +157,7 @@ class Engine:
         if self._awaiting_step:
             raise RuntimeError("engine.backward() was called twice without engine.step(); call engine.step() "
                                "after every backward (it counts the accumulation micro-steps)")
+        scale_side_losses(self.module, self.optimizer)
         self.optimizer.backward(loss)
         self._awaiting_step = True
         if self._logger.wants_loss:
@@ -275,6 +276,9 @@ class Engine:
         samples = self.global_batch_size
         weight_decay = self.wd_schedule.value_at(self.lr_schedule.iteration)
         updated = bool(self.optimizer.step(lr=lr, weight_decay=weight_decay))
+        after_step = getattr(self.module, "after_optimizer_step", None)
+        if after_step is not None:  # e.g. the MoE layers' expert-bias update (collective over dp and tp)
+            after_step()
         if updated:
             self.last_lr = lr
             self.lr_schedule.step(samples or 1)

@@ -31,6 +31,15 @@ def autocast(device_type: str, dtype: Optional[torch.dtype]):
     return torch.autocast(device_type=device_type, dtype=dtype)
 
 
+def scale_side_losses(module: torch.nn.Module, optimizer: "ZeroOptimizer") -> None:
+    """Give the losses a model adds to the backward pass at their own layers (an MoE layer's balancing losses:
+    ``module.moe_aux_scale``, see ``model_zoo.moe``) the factor the language-model loss gets from the optimizer:
+    the loss scale over the accumulation steps. Called before every backward pass."""
+    scale = getattr(module, "moe_aux_scale", None)
+    if scale is not None:
+        scale.value = optimizer.loss_scale / optimizer.gradient_accumulation_steps
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineStage:
     """This rank's pipeline stage as the executor computes it (a :class:`~hybrid.pipeline.StageCompute`).
@@ -61,6 +70,7 @@ class EngineStage:
     def backward(self, output: torch.Tensor, grad: Optional[torch.Tensor], chunk: int) -> None:
         """Backpropagate through the optimizer: the loss (``grad`` None, scaled there) or a part's output with the
         gradient received for it; ``chunk`` tells the optimizer which chunk's gradients are complete."""
+        scale_side_losses(self.module, self.optimizer)
         if grad is None:
             self.optimizer.backward(output, chunk=chunk)
         else:

@@ -35,17 +35,17 @@ def small_config(**overrides) -> GPTConfig:
     return GPTConfig(**base)
 
 
-def build_layer(config: GPTConfig, topo: Topology, seed: int = 7) -> MoELayer:
+def build_layer(config: GPTConfig, topo: Topology, seed: int = 7, dtype=torch.float64) -> MoELayer:
     layer = MoELayer(config, topo, RNGTracker(seed, topo), AuxLossScale(), tp_init.normal(0.02), device="cpu",
-                     dtype=torch.float64)
+                     dtype=dtype)
     tp_init.materialize(layer, seed, topo, prefix=PREFIX)
     return layer.train()
 
 
-def inputs(config: GPTConfig, batch: int, seed: int = 3):
+def inputs(config: GPTConfig, batch: int, seed: int = 3, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(config.seq_length, batch, config.hidden_size, generator=g, dtype=torch.float64)
-    cot = torch.randn(config.seq_length, batch, config.hidden_size, generator=g, dtype=torch.float64)
+    x = torch.randn(config.seq_length, batch, config.hidden_size, generator=g, dtype=dtype)
+    cot = torch.randn(config.seq_length, batch, config.hidden_size, generator=g, dtype=dtype)
     return x, cot
 
 
@@ -216,11 +216,11 @@ def _reference(config: GPTConfig, dp: int, batch: int):
     return torch.cat(outs, dim=1), x.grad, {n: p.grad for n, p in layer.named_parameters()}, layer.stats
 
 
-def _layout_worker(tp: int, ep: int, overrides: dict, batch: int):
+def _layout_worker(tp: int, ep: int, overrides: dict, batch: int, dtype=torch.float64):
     topo = Topology(tp=tp, ep=ep)
     cfg = small_config(sequence_parallel=tp > 1, **overrides)
-    layer = build_layer(cfg, topo)
-    x, cot = inputs(cfg, batch)
+    layer = build_layer(cfg, topo, dtype=dtype)
+    x, cot = inputs(cfg, batch, dtype=dtype)
     dp, s = topo.dp_size, cfg.seq_length
     bs, ss = slice(topo.dp_rank * batch // dp, (topo.dp_rank + 1) * batch // dp), \
         slice(topo.tp_rank * s // tp, (topo.tp_rank + 1) * s // tp)
@@ -229,13 +229,14 @@ def _layout_worker(tp: int, ep: int, overrides: dict, batch: int):
     (y * cot[ss, bs]).sum().backward()
     grads = {}
     for n, p in layer.named_parameters():
-        g = p.grad.clone()
+        g = p.grad.double()
         topo.comm.all_reduce(g, "edp" if param_meta.is_expert(p) else "dp")
         grads[n] = (g.numpy(), param_meta.get_tp_meta(p))
     report = topo.comm.report()
     # numpy arrays travel back by value (a tensor would by a shared-memory handle the exiting child closes)
-    return dict(y=y.detach().numpy(), xg=x_local.grad.numpy(), grads=grads, bs=bs, ss=ss, tp_rank=topo.tp_rank,
+    return dict(y=y.detach().double().numpy(), xg=x_local.grad.double().numpy(), grads=grads, bs=bs, ss=ss, tp_rank=topo.tp_rank,
                 dispatched=report.get("moe_dispatch/ep", {}).get("calls", 0), dropped=float(layer.stats.dropped),
+                wire=sum(v["wire_bytes"] for k, v in report.items() if k.startswith("moe_")),
                 counts=layer.stats.tokens_per_expert.numpy())
 
 
@@ -273,6 +274,21 @@ def test_ep2_matches_one_process():
 ])
 def test_layouts_match_one_process(tp, ep, overrides):
     _check_layout(tp=tp, ep=ep, world=4, overrides=overrides)
+
+
+def test_quantized_dispatch_moves_under_0_3x_the_bytes_and_stays_close():
+    """int8 blocks of 64 with an fp32 scale each: 1 + 4/64 bytes per fp32 value (0.27x) over the four exchanges
+    (dispatch and combine, forward and backward). Each dequantized value is within half a step, 1/254 of its
+    block's largest magnitude; through the two hops and one expert MLP (gains of O(1)) the layer's output stays
+    within a few of those steps."""
+    wide = {"hidden_size": 128}  # an fp32 model whose rows fill whole blocks, as real hidden sizes do
+    plain = run_distributed(_layout_worker, 2, 1, 2, wide, 4, torch.float32)
+    packed = run_distributed(_layout_worker, 2, 1, 2, {**wide, "moe_quantized_dispatch": True}, 4, torch.float32)
+    assert sum(r["wire"] for r in packed) <= 0.3 * sum(r["wire"] for r in plain)
+    for a, b in zip(plain, packed):
+        y, yq = torch.from_numpy(a["y"]), torch.from_numpy(b["y"])
+        err = (yq - y).abs().max().item() / y.abs().max().item()
+        assert 0 < err <= 8 / 254
 
 
 def test_bad_moe_settings_are_refused_in_one_line():
