@@ -19,6 +19,22 @@ not model. Model FLOPs per token, forward plus backward::
   unless ``kv_channels`` sets the head dim).
 
 Activation recomputation adds work but not model FLOPs, so it is not counted.
+
+**Mixture of Experts** (``docs/moe.md``). On the layers of
+``config.moe_layer_pattern()`` the MLP is replaced by the MoE layer:
+
+* router ``[E, h]`` (no bias);
+* ``E`` routed experts, each ``b f' h + f' h`` (``b`` = 2 for SwiGLU,
+  ``f'`` = ``expert_ffn_size``), with biases ``b f' + h`` when ``config.bias``;
+* the shared expert, a dense MLP of width ``fs``
+  (``moe_shared_expert_intermediate_size``): ``b fs h + fs h`` (biases as above),
+  and its sigmoid gate ``[1, h]`` (``moe_shared_expert_gate``).
+
+:func:`count_parameters` counts every expert (the model's size);
+:func:`active_parameters` those one token passes through: ``k`` of the ``E``
+routed experts (``moe_router_topk``), the rest unchanged. FLOPs use the active
+weights: ``N_matmul`` counts the router, ``k`` experts, the shared expert and
+its gate (:func:`moe_layer_parameters` is the one statement of these sizes).
 """
 
 from __future__ import annotations
@@ -33,8 +49,53 @@ from model_zoo.config import GPTConfig
 from model_zoo.qkv_layout import qkv_layout
 
 
+def mlp_parameters(config: GPTConfig, width: int, with_bias: bool = True) -> int:
+    """Parameters of one MLP of hidden ``width``: input projection ``[blocks * width, h]`` (SwiGLU: 2 blocks,
+    gate and up), output projection ``[h, width]``, and their biases when ``config.bias`` (``with_bias``)."""
+    h, blocks = config.hidden_size, config.mlp_input_blocks
+    bias = blocks * width + h if config.bias and with_bias else 0
+    return (blocks + 1) * width * h + bias
+
+
+def moe_layer_parameters(config: GPTConfig, with_bias: bool = True) -> dict:
+    """The parameters of one MoE layer by part (0 for a dense model): ``router`` ``E h``, ``expert`` one routed
+    expert (:func:`mlp_parameters` of ``expert_ffn_size``), ``experts`` all ``E`` of them, ``active_experts``
+    the ``k`` each token passes through, ``shared`` the shared expert with its gate. ``with_bias``: count the
+    biases (False: the matmul weights only)."""
+    if not config.is_moe:
+        return {"router": 0, "expert": 0, "experts": 0, "active_experts": 0, "shared": 0}
+    h, E, k = config.hidden_size, config.num_experts, config.moe_router_topk
+    expert = mlp_parameters(config, config.expert_ffn_size, with_bias)
+    fs = config.moe_shared_expert_intermediate_size
+    shared = mlp_parameters(config, fs, with_bias) if fs else 0
+    shared += h if config.moe_shared_expert_gate else 0
+    return {"router": E * h, "expert": expert, "experts": E * expert, "active_experts": k * expert,
+            "shared": shared}
+
+
+def moe_layers(config: GPTConfig) -> int:
+    """How many layers are MoE layers (``config.moe_layer_pattern()``; 0 for a dense model)."""
+    return sum(config.moe_layer_pattern())
+
+
+def expert_parameters(config: GPTConfig) -> int:
+    """Parameters of every routed expert of the model: what expert parallelism shares out over ``ep``."""
+    return moe_layers(config) * moe_layer_parameters(config)["experts"]
+
+
 def count_parameters(config: GPTConfig) -> int:
-    """Total parameters of the TP=1 model with the logical vocabulary (tied weights counted once)."""
+    """Total parameters of the TP=1 model with the logical vocabulary (tied weights counted once); an MoE
+    model's with every expert."""
+    return _parameters(config, active=False)
+
+
+def active_parameters(config: GPTConfig) -> int:
+    """Parameters one token passes through: :func:`count_parameters` with ``k`` of the ``E`` routed experts of
+    each MoE layer (the same as :func:`count_parameters` for a dense model)."""
+    return _parameters(config, active=True)
+
+
+def _parameters(config: GPTConfig, active: bool) -> int:
     h, f, L, V = config.hidden_size, config.ffn_size, config.num_layers, config.vocab_size
     b = 1 if config.bias else 0
     qkv = qkv_layout(config).out_features
@@ -42,10 +103,12 @@ def count_parameters(config: GPTConfig) -> int:
     norm = with_bias * h
     qk_norms = 2 * with_bias * config.head_dim if config.qk_norm else 0
     mlp_in = config.mlp_input_size
-    per_layer = (2 * norm + qk_norms
-                 + qkv * h + (qkv if config.attention_bias else 0) + config.attention_width * h + b * h  # attention
-                 + mlp_in * h + b * mlp_in + f * h + b * h)  # MLP
-    total = V * h + L * per_layer + norm
+    attention = (2 * norm + qk_norms
+                 + qkv * h + (qkv if config.attention_bias else 0) + config.attention_width * h + b * h)
+    mlp = mlp_in * h + b * mlp_in + f * h + b * h
+    moe = moe_layer_parameters(config)
+    moe_mlp = moe["router"] + moe["active_experts" if active else "experts"] + moe["shared"]
+    total = V * h + L * attention + norm + sum(moe_mlp if is_moe else mlp for is_moe in config.moe_layer_pattern())
     if config.position == "learned":
         total += config.num_positions * h
     if not config.tie_embeddings:
@@ -54,10 +117,14 @@ def count_parameters(config: GPTConfig) -> int:
 
 
 def matmul_parameters(config: GPTConfig) -> int:
-    """``N_matmul``: weights that take part in matmuls, the LM head counted once."""
+    """``N_matmul``: weights that take part in matmuls, the LM head counted once; on MoE layers the router,
+    the ``k`` routed experts a token passes through, the shared expert and its gate (the active weights)."""
     h, f, L, V = config.hidden_size, config.ffn_size, config.num_layers, config.vocab_size
     mlp = (config.mlp_input_size + f) * h  # input and output projections
-    return L * ((qkv_layout(config).out_features + config.attention_width) * h + mlp) + V * h
+    moe = moe_layer_parameters(config, with_bias=False)
+    moe_mlp = moe["router"] + moe["active_experts"] + moe["shared"]
+    mlps = sum(moe_mlp if is_moe else mlp for is_moe in config.moe_layer_pattern())
+    return L * (qkv_layout(config).out_features + config.attention_width) * h + mlps + V * h
 
 
 def flops_per_token(config: GPTConfig, seq_length: Optional[int] = None) -> int:

@@ -29,7 +29,10 @@ Per layer, no recomputation::
                       + 4R + pRd; torch's LayerNorm 2qR (its input is the qkv view). Without RoPE the flash
                       kernel keeps the normalised heads too, pRd; under the math kernel a norm keeping the qkv
                       view keeps the qkv output, unless the attention terms count it already
-    MLP               GELU 2pNf/t (pre- and post-activation); SwiGLU 4pNf/t
+    MLP               GELU 2pNf/t (pre- and post-activation); SwiGLU 4pNf/t; on an MoE layer the
+                      router, the routed tokens at their experts, the combine and the shared expert
+                      instead (hybrid.plan.moe.moe_layer_activation_bytes: balanced loads, or the
+                      dropless worst case; ``per_layer`` is then the larger of a dense and an MoE layer)
     hidden dropout    2 * m*N*h*r (two masks) when hidden_dropout > 0
 
 Selective recomputation keeps the attention core's inputs and output (the
@@ -140,6 +143,9 @@ class ActivationBytes:
     loss_workspace: int
     by_reference: int = 0
     rope_tables: int = 0
+    # An MoE layer's extra bytes when its routing is the dropless worst case rather than balanced
+    # (hybrid.plan.moe.received_rows): saved under no or selective recomputation, rebuilt under full.
+    routed_worst_extra: int = 0
 
     @property
     def total(self) -> int:
@@ -233,12 +239,13 @@ def _hidden_dropout(config: GPTConfig, x: _Dims, training: bool) -> float:
     return x.m * x.N * x.h * x.r if training and config.hidden_dropout > 0 else 0.0
 
 
-def layer_bytes(config: GPTConfig, x: _Dims, recompute: str, training: bool, profile: DeviceProfile) -> float:
-    """Bytes one transformer layer saves for backward."""
+def layer_bytes(config: GPTConfig, x: _Dims, recompute: str, training: bool, profile: DeviceProfile,
+                mlp: Optional[float] = None) -> float:
+    """Bytes one transformer layer saves for backward; ``mlp``: its MLP's (default the dense MLP's)."""
     if recompute == "full":
         return x.p * x.N * x.h * x.r
     return (2 * _norm_block(config, x, profile) + _attention(config, x, recompute, training, profile)
-            + _mlp(config, x) + 2 * _hidden_dropout(config, x, training))
+            + (_mlp(config, x) if mlp is None else mlp) + 2 * _hidden_dropout(config, x, training))
 
 
 def _embedding(config: GPTConfig, x: _Dims, training: bool) -> float:
@@ -257,11 +264,13 @@ def _head(config: GPTConfig, x: _Dims, profile: DeviceProfile) -> float:
 
 def activation_bytes(config: GPTConfig, micro_batch: int, *, tp: int = 1, sequence_parallel: Optional[bool] = None,
                      recompute: Optional[str] = None, precision: str = "bf16", training: bool = True,
-                     profile: DeviceProfile = CUDA) -> ActivationBytes:
+                     profile: DeviceProfile = CUDA, ep: int = 1, routing: str = "typical") -> ActivationBytes:
     """Activation bytes of one micro-batch of ``micro_batch`` sequences of ``config.seq_length`` on one TP rank.
 
     ``sequence_parallel`` and ``recompute`` default to the config's own;
-    ``precision`` is the dtype activations (and parameters) run in.
+    ``precision`` is the dtype activations (and parameters) run in. An MoE
+    model's layers route over ``ep`` expert-parallel ranks, ``routing``
+    ``typical`` (balanced) or ``worst`` (:func:`hybrid.plan.moe.received_rows`).
     """
     if precision not in DTYPE_BYTES:
         raise ValueError(f"precision must be one of {', '.join(DTYPE_BYTES)}, got {precision!r}")
@@ -271,16 +280,31 @@ def activation_bytes(config: GPTConfig, micro_batch: int, *, tp: int = 1, sequen
     if not isinstance(micro_batch, int) or micro_batch < 1:
         raise ValueError(f"micro batch size must be a positive integer, got {micro_batch!r}")
     sp = config.sequence_parallel if sequence_parallel is None else sequence_parallel
-    config.validate(tp)
+    (config.replace(sequence_parallel=sp) if config.is_moe else config).validate(tp)
     x = _dims(config, micro_batch, tp, sp, DTYPE_BYTES[precision], profile)
     logits = x.p * x.N * x.vocab_local
     rope_tables = 2 * x.p * x.b * x.s * x.d if config.position == "rope" else 0
+    per_layer = layer_bytes(config, x, recompute, training, profile)
+    layer_full = layer_bytes(config, x, "none", training, profile)
+    worst_extra = 0
+    if config.is_moe:
+        from hybrid.plan.moe import moe_layer_activation_bytes
+
+        def moe(case: str) -> int:
+            return moe_layer_activation_bytes(config, micro_batch, tp, sp, x.p, ep, case)
+
+        typical = moe(routing)
+        worst_extra = moe("worst") - typical
+        kinds = set(config.moe_layer_pattern())  # the larger of a dense and an MoE layer when both occur
+        per_layer = max(layer_bytes(config, x, recompute, training, profile, typical if k else None) for k in kinds)
+        layer_full = max(layer_bytes(config, x, "none", training, profile, typical if k else None) for k in kinds)
     return ActivationBytes(
-        per_layer=int(layer_bytes(config, x, recompute, training, profile)),
-        layer_full=int(layer_bytes(config, x, "none", training, profile)),
+        per_layer=int(per_layer),
+        layer_full=int(layer_full),
         embedding=int(_embedding(config, x, training)),
         head=int(_head(config, x, profile)),
         layers=config.num_layers,
         loss_workspace=int(logits + 8 * x.N * x.vocab_local),
         by_reference=rope_tables if recompute == "full" else 0,
-        rope_tables=int(rope_tables))
+        rope_tables=int(rope_tables),
+        routed_worst_extra=int(worst_extra))

@@ -98,5 +98,6 @@ class Candidate:
         if self.pp > 1:
             chunks = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
             pipeline = f" pp={self.pp} {self.pipeline_schedule}{chunks}"
-        return (f"tp={self.tp}{sp} dp={self.dp}{pipeline} zero={int(self.zero_stage)} offload={self.offload} "
+        ep = f" ep={self.parallel.ep}" if self.parallel.ep > 1 else ""
+        return (f"tp={self.tp}{sp} dp={self.dp}{ep}{pipeline} zero={int(self.zero_stage)} offload={self.offload} "
                 f"recompute={self.recompute} micro={self.micro_batch}")

@@ -15,10 +15,11 @@ from hybrid.plan.candidate import DEFAULT_PRECISION
 from hybrid.plan.cluster import Cluster, ClusterError, parse_size
 from hybrid.plan.layouts import RECOMPUTES, Choices, enumerate_layouts, plan, refused_placements, refused_stages
 from hybrid.plan.model_memory import OPTIMIZER_STATES
-from hybrid.plan.report import LEGEND, format_table, summary, to_json
+from hybrid.plan.estimate import moe_stage_problem
+from hybrid.plan.report import LEGEND, MOE_LEGEND, format_table, summary, to_json
 from hybrid.plan.setup import DEFAULT_SETUP, TrainingSetup, checkpoint_field, zero_field
 from model_zoo.config import GPTConfig
-from model_zoo.flops import count_parameters
+from model_zoo.flops import active_parameters, count_parameters, expert_parameters, flops_per_token
 from model_zoo.presets import get_preset, list_presets
 
 EXAMPLE = ("python -m hybrid.plan --model turing-nlg-17b --gpus 256 --gpus-per-node 16 --gpu-memory 32GiB "
@@ -127,7 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     ly.add_argument("--recompute", nargs="+", choices=RECOMPUTES, default=list(RECOMPUTES))
     _int_flag(ly, "--micro-batch", 1, nargs="+", help="micro batch sizes")
     _int_flag(ly, "--max-micro-batch", 1, default=16, help="largest micro batch tried when --micro-batch is not given")
-    ly.add_argument("--sequence-parallel", action="store_true", help="use sequence parallelism when tp > 1")
+    ly.add_argument("--sequence-parallel", action="store_true", help="use sequence parallelism when tp > 1 (an "
+                    "MoE model always does at tp > 1)")
+    _int_flag(ly, "--expert-model-parallel-size", 1, nargs="+", dest="ep",
+              help="expert-parallel sizes to consider for an MoE model (default: every divisor of dp that "
+                   "divides --num-experts)")
     ck = ap.add_argument_group("checkpoints")
     for key in ("async_save", "async_save_chunk_mb"):
         field = checkpoint_field(key)
@@ -264,7 +269,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         choices = Choices(tp=args.tp, pp=args.pp, pipeline_schedule=args.pipeline_schedule,
                           virtual_stages=args.virtual_stages, stages=args.zero_stage, offloads=args.offload, recomputes=args.recompute,
                           micro_batches=args.micro_batch, max_micro_batch=args.max_micro_batch,
-                          sequence_parallel=args.sequence_parallel, precision=args.precision)
+                          sequence_parallel=args.sequence_parallel, precision=args.precision, ep=args.ep)
         evaluations = plan(config, cluster, args.global_batch_size, setup, choices)
         placed = refused_placements(enumerate_layouts(config, cluster, args.global_batch_size, choices), cluster,
                                     setup)
@@ -272,6 +277,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     skipped = [f"skipped ZeRO stage {stage}: {why}" for stage, why in refused_stages(args.zero_stage, setup).items()]
+    skipped += [f"skipped ZeRO stage {stage}: {moe_stage_problem(config, stage)}" for stage in args.zero_stage
+                if moe_stage_problem(config, stage)]
     skipped += [f"skipped tp={tp} x dp={dp}: {why}" for (tp, dp), why in placed.items()]
     if args.json:
         for line in skipped:
@@ -283,6 +290,12 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"L={config.num_layers}, heads={config.num_heads}"
           f"{'' if config.kv_channels is None else f' of {config.head_dim} channels'}, seq {config.seq_length}, "
           f"global batch {args.global_batch_size}, {args.precision}, {args.optimizer}")
+    if config.is_moe:
+        print(f"MoE: {config.num_experts} experts of {config.expert_ffn_size} channels, top-{config.moe_router_topk}, "
+              f"{sum(config.moe_layer_pattern())} of {config.num_layers} layers; "
+              f"{active_parameters(config) / 1e9:.2f}B active parameters per token "
+              f"({expert_parameters(config) / 1e9:.2f}B in routed experts); "
+              f"{flops_per_token(config) / 1e9:.1f} GFLOP per token")
     print(f"cluster: {cluster.describe()}")
     print(f"assumptions: {cluster.assumptions()}; fragmentation allowance {args.fragmentation:g} of transients; "
           f"{args.device} device profile{_compression(setup)}")
@@ -294,4 +307,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(summary(evaluations))
     print()
     print(LEGEND)
+    if config.is_moe:
+        print(MOE_LEGEND)
     return 0

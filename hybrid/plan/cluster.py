@@ -131,19 +131,19 @@ class Cluster:
     def host(self) -> HostLink:
         return HostLink(bytes_per_s=self.pcie_gbps * 1e9, cpu_adam_params_per_s=self.cpu_adam_rate / self.node_size)
 
-    def placement(self, tp: int, dp: int, pp: int = 1) -> Placement:
+    def placement(self, tp: int, dp: int, pp: int = 1, ep: int = 1) -> Placement:
         """The ``tp × dp`` ranks of one pipeline stage (every GPU when ``pp`` is 1) on this cluster's nodes. The
         rank order puts the pipeline outermost: a stage fills whole nodes, or several stages share one node
         (:func:`stage_fits_nodes`)."""
         if pp == 1:
-            return Placement(tp=tp, dp=dp, nodes=self.nodes, ranks_per_node=self.node_size)
+            return Placement(tp=tp, dp=dp, nodes=self.nodes, ranks_per_node=self.node_size, ep=ep)
         stage = tp * dp
         problem = stage_fits_nodes(stage, self.node_size)
         if problem:
             raise ClusterError(problem)
         if stage % self.node_size == 0:
-            return Placement(tp=tp, dp=dp, nodes=stage // self.node_size, ranks_per_node=self.node_size)
-        return Placement(tp=tp, dp=dp, nodes=1, ranks_per_node=stage)
+            return Placement(tp=tp, dp=dp, nodes=stage // self.node_size, ranks_per_node=self.node_size, ep=ep)
+        return Placement(tp=tp, dp=dp, nodes=1, ranks_per_node=stage, ep=ep)
 
     def describe(self) -> str:
         host = f", {format_bytes(self.cpu_memory)} host memory per node" if self.cpu_memory else ""

@@ -65,11 +65,23 @@ unit over ``dp_node`` (``all_gather/dp_node``, the unit's ``N*p`` bytes, never
 quantized: it rebuilds the values the forward gather produced) instead of over
 ``dp``; forward's gathers, the post-step gathers and the reduce-scatters are
 unchanged (:func:`stage3_gather_axis`).
+
+Mixture of Experts (:func:`moe_volume`, formulas in :mod:`hybrid.plan.moe`):
+the token all-to-alls over ``ep`` under the communicator's names
+(``moe_dispatch/ep``, ``moe_combine/ep`` forward, again under full
+recomputation; ``moe_dispatch_grad/ep``, ``moe_combine_grad/ep`` backward),
+each ``T k h p`` bytes with ``T k h p / ep`` to each peer when the loads are
+balanced, plus the per-expert token counts exchanged before each dispatch
+(``all_to_all/ep``, ``8 E / ep`` bytes to each peer); at ``tp > 1`` the
+router's gradient summed over ``tp`` and, with whole experts on every TP rank
+(``etp = 1``), each local expert's weight gradients too. The experts'
+gradients are reduced over ``edp`` as :func:`dp_volume` reduces the dense
+ones over ``dp`` (:func:`expert_dp_volume`).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 from hybrid import param_meta
 from hybrid.compression import Quantization
@@ -324,11 +336,57 @@ def tp_volume(config: GPTConfig, micro_batch: int, tp: int, *, sequence_parallel
     return report
 
 
+def moe_volume(config: GPTConfig, candidate: Candidate, micro_batches: int, report: Optional[Report] = None,
+               layers: Optional[Sequence[int]] = None) -> Report:
+    """The MoE layers' collectives of one step (the module docstring) on one rank; ``layers``: a pipeline
+    rank's (default all). Balanced routing: a real step's all-to-all payloads are exactly these for the
+    dispatch (every chosen row leaves through it), and their sum over the ``ep`` group for the combine."""
+    from hybrid.plan.moe import a2a_calls, all_to_all_bytes, moe_layers_of
+
+    report = {} if report is None else report
+    if not config.is_moe:
+        return report
+    ep, tp, k = candidate.parallel.ep, candidate.tp, micro_batches
+    moe = moe_layers_of(config, layers)
+    p = DTYPE_BYTES[candidate.precision]
+    forward = k * moe * (a2a_calls(candidate.recompute) - 1)
+    backward = k * moe
+    each = all_to_all_bytes(config, candidate.micro_batch, tp, candidate.sequence_parallel, p) // ep
+    for op, calls in (("moe_dispatch", forward), ("moe_combine", forward), ("moe_dispatch_grad", backward),
+                      ("moe_combine_grad", backward)):
+        _add_all_to_all(report, op, "ep", ep, each, calls=calls)
+    _add_all_to_all(report, "all_to_all", "ep", ep, 8 * config.num_experts // ep, calls=forward)
+    if tp > 1:
+        h = config.hidden_size
+        _add(report, "all_reduce", "tp", tp, config.num_experts * h * p, calls=k * moe)  # the router's gradient
+        if config.expert_tp(tp) == 1:  # whole experts on every TP rank: their gradients summed over tp
+            f, blocks = config.expert_ffn_size, config.mlp_input_blocks
+            local = config.num_experts // ep
+            _add(report, "all_reduce", "tp", tp, blocks * f * h * p, calls=k * moe * local)
+            _add(report, "all_reduce", "tp", tp, f * h * p, calls=k * moe * local)
+    return report
+
+
+def expert_dp_volume(layout: FlatLayout, stage: int, micro_batches: int = 1, report: Optional[Report] = None,
+                     reduce_once: bool = False, gradients: Optional[Quantization] = None,
+                     weights: Optional[Quantization] = None) -> Report:
+    """The routed experts' data-parallel collectives of one step: :func:`dp_volume` of their flat layout over
+    the ``edp`` ranks that hold the same experts (``layout.dp``), under the axis ``edp``."""
+    report = {} if report is None else report
+    for name, entry in dp_volume(layout, stage, micro_batches, reduce_once=reduce_once, gradients=gradients,
+                                 weights=weights).items():
+        op, _ = name.split("/")
+        target = _entry(report, op, "edp", "peer_bytes" in entry)
+        for key, value in entry.items():
+            target[key] = target.get(key, 0) + value
+    return report
+
+
 def step_volume(config: GPTConfig, layout: Union[FlatLayout, Stage3Layout], candidate: Candidate,
                 micro_batches: int, reduce_once: bool = False, gradients: Optional[Quantization] = None,
                 weights: Optional[Quantization] = None, node_split: Optional[Tuple[int, int]] = None,
                 hpz: int = 1, momentum: Optional[Quantization] = None, keep: Optional[int] = None,
-                pp_rank: int = 0) -> Report:
+                pp_rank: int = 0, experts: Optional[FlatLayout] = None) -> Report:
     """Every collective of one step (``micro_batches`` micro-batches of ``candidate``): data-parallel,
     tensor-parallel and the gradient-norm all-reduce. ``layout``: the candidate's flat or stage-3 layout;
     ``reduce_once``: ``zero.reduce_once`` (stage 2 reduces once per step); ``gradients`` / ``weights``: the
@@ -336,7 +394,9 @@ def step_volume(config: GPTConfig, layout: Union[FlatLayout, Stage3Layout], cand
     dp ranks per node and nodes under ``zero.two_level_reduce`` (None: off); ``hpz``: ``zero.hpz_partition_size``
     (stage 3; 1: off); ``momentum``: 1-bit Adam's compressed phase; ``keep``: stage 3's keep window
     (:func:`dp_volume`); ``pp_rank``: with a pipeline, the rank whose step it is (``layout`` is its
-    own), which adds :func:`pipeline_volume`."""
+    own), which adds :func:`pipeline_volume`; ``experts``: an MoE model's expert layout over ``edp``
+    (:func:`hybrid.plan.estimate.expert_layout`), whose reductions :func:`expert_dp_volume` adds, with the
+    MoE layers' own collectives (:func:`moe_volume`)."""
     report: Report = {}
     dp_volume(layout, candidate.zero_stage, micro_batches, report, tied_head=config.tie_embeddings,
               reduce_once=reduce_once, gradients=gradients, weights=weights, node_split=node_split, hpz=hpz,
@@ -351,6 +411,11 @@ def step_volume(config: GPTConfig, layout: Union[FlatLayout, Stage3Layout], cand
     tp_volume(config, candidate.micro_batch, candidate.tp, sequence_parallel=candidate.sequence_parallel,
               recompute=candidate.recompute, precision=candidate.precision, micro_batches=micro_batches,
               report=report, whole_replay=candidate.traits.parameters, **share)
+    if config.is_moe:
+        layers = candidate.stage_split(config).layers_of_rank(pp_rank) if candidate.pp > 1 else None
+        moe_volume(config, candidate, micro_batches, report, layers)
+        if experts is not None:
+            expert_dp_volume(experts, candidate.zero_stage, micro_batches, report, reduce_once, gradients, weights)
     _add(report, "all_reduce", "world", candidate.parallel.world_size, 8)  # the float64 squared gradient norm
     return report
 

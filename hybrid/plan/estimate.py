@@ -83,12 +83,13 @@ import dataclasses
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from hybrid.dtypes import DTYPE_BYTES
-from hybrid.layout import partition_count
+from hybrid.layout import partition_count, stage_traits
 from hybrid.plan.activations import ActivationBytes, DeviceProfile, activation_bytes
 from hybrid.plan.candidate import Candidate
 from hybrid.plan.compressed import FP32, chunk, gather_buffers, reduction_buffers
 from hybrid.plan.model_memory import (FlatLayout, Stage3Layout, StateBytes, fitting_prefix, flat_layout, shard_shapes,
                                       snapshot_bytes, stage3_layout, stage3_state_bytes, state_bytes)
+from hybrid.plan.moe import moe_layers_of, split_expert_shapes
 from hybrid.plan.pipeline_stages import stage_share, transfers
 from hybrid.plan.setup import TrainingSetup
 from hybrid.plan.zero_collectives import reduces_by_scatter, reduces_every_micro_batch
@@ -118,6 +119,14 @@ class MemoryEstimate:
     in_flight: int = 1  # micro-batch chunks whose activations are held then
     posted_receives: int = 0  # pipeline receive buffers posted ahead of their use (DeviceProfile.receives_ahead)
     next_forward: int = 0  # stage 3: bytes of the next forward's first units, gathered between steps
+    # MoE: what the peak adds when every MoE layer's routing is the dropless worst case instead of balanced
+    # (hybrid.plan.moe.received_rows), held for as many layers and micro-batches as the schedule holds
+    routed_worst: int = 0
+
+    @property
+    def worst_total(self) -> int:
+        """:attr:`total` under the dropless worst-case routing: ``routed_worst`` more (no allowance on it)."""
+        return self.total + self.routed_worst
 
     @property
     def weights(self) -> int:
@@ -365,13 +374,46 @@ def largest_layer_weight(config: GPTConfig) -> int:
 def zero_layout(config: GPTConfig, candidate: Candidate, setup: TrainingSetup = TrainingSetup(),
                 pp_rank: int = 0) -> Union[FlatLayout, Stage3Layout]:
     """How the candidate's ZeRO optimizer lays one rank's parameters out (pipeline rank ``pp_rank``'s, with a
-    pipeline): in units when its stage partitions the parameters, else in flat buffers."""
+    pipeline): in units when its stage partitions the parameters, else in flat buffers. An MoE model's routed
+    experts are left out: :func:`expert_layout` lays them out over ``edp``."""
     if candidate.traits.parameters:
+        problem = moe_stage_problem(config, candidate.zero_stage)
+        if problem:
+            raise ValueError(problem)
         return stage3_layout(config, candidate.tp, candidate.dp, candidate.precision,
                              setup.stage3_persistence_threshold, setup.weight_decay)
     split = candidate.stage_split(config) if candidate.pp > 1 else None
-    return flat_layout(shard_shapes(config, candidate.tp, split, pp_rank), candidate.dp, candidate.precision,
-                       setup.bucket_size, setup.weight_decay, tied_head=split is not None and split.holds_head(pp_rank))
+    dense, _ = split_expert_shapes(shard_shapes(config, candidate.tp, split, pp_rank), config, candidate.parallel.ep)
+    return flat_layout(dense, candidate.dp, candidate.precision, setup.bucket_size, setup.weight_decay,
+                       tied_head=split is not None and split.holds_head(pp_rank))
+
+
+def moe_stage_problem(config: GPTConfig, stage: int) -> Optional[str]:
+    """Why the planner cannot plan ``config`` at ZeRO ``stage`` (None when it can): stage 3's units of an MoE
+    model's experts are not modelled."""
+    if config.is_moe and stage_traits(stage).parameters:
+        return (f"ZeRO stage {int(stage)} of an MoE model is not planned (its experts' units over edp are not "
+                f"modelled); plan stages 0-2")
+    return None
+
+
+def expert_layout(config: GPTConfig, candidate: Candidate, setup: TrainingSetup = TrainingSetup(),
+                  pp_rank: int = 0) -> Optional[FlatLayout]:
+    """The flat buffers of the routed experts one rank holds (ep rank 0's: every ep rank holds as many), over
+    the ``edp = dp / ep`` ranks that hold the same experts; None for a dense model."""
+    if not config.is_moe:
+        return None
+    ep = candidate.parallel.ep
+    split = candidate.stage_split(config) if candidate.pp > 1 else None
+    _, experts = split_expert_shapes(shard_shapes(config, candidate.tp, split, pp_rank), config, ep)
+    if not experts:
+        return None
+    return flat_layout(experts, candidate.dp // ep, candidate.precision, setup.bucket_size, setup.weight_decay)
+
+
+def add_states(a: StateBytes, b: StateBytes) -> StateBytes:
+    """Two groups' state bytes (dense and expert) together, field by field."""
+    return StateBytes(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(StateBytes)})
 
 
 def _model_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, pp_rank: int = 0,
@@ -381,11 +423,20 @@ def _model_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, 
     parameters the library's copies of the reductions in flight at the end of backward and the tensors they
     hold then: receive buffers, or the quantized reductions' packed buffers; last, per transformer layer from
     the last, the communication bytes beside the layer's moment in backward: :attr:`GradientFlow.layers`, or
-    :attr:`FlatGradientFlow.layers`)``."""
+    :attr:`FlatGradientFlow.layers`)``. An MoE model's expert state (:func:`expert_layout`, partitioned over
+    ``edp``) is added to the state; its reductions in flight are not replayed."""
     layout = zero_layout(config, candidate, setup, pp_rank)
     if candidate.traits.parameters:
         return _unit_state(config, candidate, setup, layout, micro_batches)
-    return _flat_state(candidate, setup, layout)
+    out = _flat_state(candidate, setup, layout)
+    experts = expert_layout(config, candidate, setup, pp_rank)
+    if experts is None:
+        return out
+    expert_state = state_bytes(experts, candidate.zero_stage, precision=candidate.precision,
+                               offload=candidate.offload, optimizer=setup.optimizer, momentum=setup.momentum,
+                               compiled_adam=setup.compiled_adam, host_is_device=setup.profile.host_is_device,
+                               reduce_once=setup.whole_gradients, quantization_block=setup.quantization_block)
+    return (add_states(out[0], expert_state),) + tuple(out[1:])
 
 
 def _unit_state(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, units: Stage3Layout,
@@ -520,7 +571,7 @@ def _activations(config: GPTConfig, candidate: Candidate, setup: TrainingSetup) 
     """What one micro-batch of ``candidate`` saves through the whole model on one TP rank."""
     return activation_bytes(config, candidate.micro_batch, tp=candidate.tp,
                             sequence_parallel=candidate.sequence_parallel, recompute=candidate.recompute,
-                            precision=candidate.precision, profile=setup.profile)
+                            precision=candidate.precision, profile=setup.profile, ep=candidate.parallel.ep)
 
 
 def _estimate(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, act: ActivationBytes, held: int, *,
@@ -605,7 +656,18 @@ def _estimate(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, act
     return MemoryEstimate(candidate, state, act, peak_comm, forward, backward, step,
                           int(setup.fragmentation * transient), untracked,
                           _snapshot(config, candidate, setup, pp_rank), pp_rank, held, in_flight, posted_receives,
-                          _next_forward(config, candidate, setup))
+                          _next_forward(config, candidate, setup), _routed_worst(config, candidate, act, in_flight))
+
+
+def _routed_worst(config: GPTConfig, candidate: Candidate, act: ActivationBytes, in_flight: int) -> int:
+    """:attr:`MemoryEstimate.routed_worst`: the worst case's extra bytes per MoE layer, for each MoE layer of the
+    rank and micro-batch in flight whose activations are saved, or the one layer full recomputation
+    rebuilds."""
+    if not act.routed_worst_extra:
+        return 0
+    if candidate.recompute == "full":
+        return act.routed_worst_extra
+    return act.routed_worst_extra * -(-moe_layers_of(config) // candidate.pp) * in_flight
 
 
 def _snapshot(config: GPTConfig, candidate: Candidate, setup: TrainingSetup, pp_rank: int = 0) -> int:

@@ -15,6 +15,11 @@ A layout is valid when:
 * ``dp = gpus / (tp x pp)`` is whole and divides the global batch;
 * the micro batch divides ``global_batch / dp`` (the rest is gradient
   accumulation);
+* an MoE model's expert-parallel size ``ep`` divides ``dp`` and
+  ``num_experts`` (:func:`hybrid.plan.moe.expert_parallel_sizes`; every such
+  size is tried unless ``Choices.ep`` names some); a dense model has ``ep = 1``
+  only; ZeRO stage 3 is not planned for an MoE model
+  (:func:`hybrid.plan.estimate.moe_stage_problem`);
 * offload is used only where the stage allows it
   (:func:`hybrid.layout.offload_problem`);
 * the ZeRO compression settings can run at the stage
@@ -51,7 +56,8 @@ from hybrid.layout import (OFFLOAD_DEVICES, ZERO_STAGES, LayoutError, ParallelLa
 from hybrid.plan.candidate import DEFAULT_PRECISION, Candidate
 from hybrid.plan.cluster import Cluster, stage_fits_nodes
 from hybrid.plan.comm_volume import Report
-from hybrid.plan.estimate import MemoryEstimate, estimate_memory
+from hybrid.plan.estimate import MemoryEstimate, estimate_memory, moe_stage_problem
+from hybrid.plan.moe import as_run, expert_parallel_sizes
 from hybrid.plan.predict import placement_problem, predict
 from hybrid.plan.setup import TrainingSetup
 from hybrid.plan.timing import StepTime
@@ -60,7 +66,7 @@ from model_zoo.config import RECOMPUTE_LEAST_FIRST, GPTConfig
 # The recomputation choices, cheapest first (the order layouts are enumerated in).
 RECOMPUTES = RECOMPUTE_LEAST_FIRST  # model_zoo's choices, least recomputed first
 # The axes of data-parallel traffic: the dp group, and the two levels of zero.two_level_reduce.
-DP_AXES = ("dp", "dp_node", "dp_cross")
+DP_AXES = ("dp", "dp_node", "dp_cross", "edp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +85,12 @@ class Choices:
     sequence_parallel: bool = False
     # One precision, not a choice: the step-time model does not price it, so it could not rank precisions.
     precision: str = DEFAULT_PRECISION
+    ep: Optional[Sequence[int]] = None  # expert-parallel sizes of an MoE model (None: every valid one)
 
     def __post_init__(self):
         # The enumeration divides by these sizes; the command line's flags refuse them on their own, but a
         # Choices built in code would otherwise end in a ZeroDivisionError far from its cause.
-        sizes = {"tp": self.tp, "pp": self.pp, "virtual_stages": self.virtual_stages,
+        sizes = {"tp": self.tp, "pp": self.pp, "virtual_stages": self.virtual_stages, "ep": self.ep,
                  "micro_batches": self.micro_batches, "max_micro_batch": (self.max_micro_batch,)}
         for name, values in sizes.items():
             bad = [v for v in values or () if not isinstance(v, int) or isinstance(v, bool) or v < 1]
@@ -102,6 +109,7 @@ class Evaluation:
     fits: bool
     host_fits: bool
     accumulation: int
+    moe: bool = False  # the model is an MoE model (the table then shows its columns)
 
     @property
     def dp_wire_bytes(self) -> float:
@@ -111,6 +119,16 @@ class Evaluation:
     @property
     def tp_wire_bytes(self) -> float:
         return sum(v["wire_bytes"] for k, v in self.comm.items() if k.endswith("/tp"))
+
+    @property
+    def ep_wire_bytes(self) -> float:
+        """What a rank sends over its ep group: the MoE token all-to-alls (0 for a dense model)."""
+        return sum(v["wire_bytes"] for k, v in self.comm.items() if k.endswith("/ep"))
+
+    @property
+    def ep_inter_node_bytes(self) -> float:
+        """What the busiest node sends off it per step in the ep all-to-alls."""
+        return sum(c.inter_node_bytes_per_node for c in self.time.collectives if c.name.endswith("/ep"))
 
     @property
     def tokens_per_s(self) -> float:
@@ -125,7 +143,7 @@ def tensor_parallel_sizes(config: GPTConfig, cluster: Cluster) -> List[int]:
         if cluster.node_size % tp or cluster.gpus % tp:
             continue
         try:
-            config.validate(tp)
+            as_run(config, tp).validate(tp)
         except ValueError:
             continue
         sizes.append(tp)
@@ -137,7 +155,7 @@ def spans_whole_nodes(config: GPTConfig, cluster: Cluster, tp: int) -> bool:
     if tp <= cluster.node_size or tp % cluster.node_size or cluster.gpus % tp:
         return False
     try:
-        config.validate(tp)
+        as_run(config, tp).validate(tp)
     except ValueError:
         return False
     return True
@@ -175,15 +193,23 @@ def enumerate_layouts(config: GPTConfig, cluster: Cluster, global_batch: int,
         per_rank = global_batch // dp
         micros = [m for m in (choices.micro_batches or _divisors(per_rank, choices.max_micro_batch))
                   if per_rank % m == 0]
-        sp = choices.sequence_parallel and tp > 1
-        for stage, offload, recompute, micro in itertools.product(choices.stages, choices.offloads,
-                                                                  choices.recomputes, micros):
+        # an MoE model at tp > 1 runs with sequence parallelism (model_zoo.config.moe_problem)
+        sp = (choices.sequence_parallel or config.is_moe) and tp > 1
+        for stage, offload, recompute, micro, ep in itertools.product(
+                choices.stages, choices.offloads, choices.recomputes, micros,
+                expert_parallel_sizes(config, dp, choices.ep)):
             if offload in OFFLOAD_DEVICES and offload_problem(stage, offload) or pipeline_problem(stage, pp):
                 continue  # the stage cannot offload or pipeline (an unknown device is refused by Candidate below)
-            parallel = ParallelLayout(tp=tp, dp=dp, pp=pp, zero_stage=stage, precision=choices.precision)
+            if moe_stage_problem(config, stage):
+                continue
+            parallel = ParallelLayout(tp=tp, dp=dp, pp=pp, zero_stage=stage, precision=choices.precision, ep=ep)
             layouts.append(Candidate(parallel, offload=offload, recompute=recompute, micro_batch=micro,
                                      sequence_parallel=sp, pipeline_schedule=choices.pipeline_schedule,
                                      virtual_stages=chunks))
+    if not layouts and config.is_moe and choices.ep:
+        raise LayoutError(f"no --expert-model-parallel-size in {list(choices.ep)} divides both a data-parallel "
+                          f"size and --num-experts {config.num_experts} (or only ZeRO stage 3 was asked for, "
+                          f"which is not planned for an MoE model)")
     if not layouts:
         raise LayoutError(f"no layout divides --global-batch-size {global_batch}: it must be a multiple of the "
                           f"data-parallel size gpus/tp for some tp in {tps} (and of the --micro-batch given)")
@@ -211,11 +237,11 @@ def evaluate(config: GPTConfig, candidate: Candidate, cluster: Cluster, setup: T
     micro_batches = global_batch // (candidate.dp * candidate.micro_batch)
     memory = estimate_memory(config, candidate, setup, micro_batches)
     step = predict(config, candidate, global_batch, setup,
-                   cluster.placement(candidate.tp, candidate.dp, candidate.pp),
+                   cluster.placement(candidate.tp, candidate.dp, candidate.pp, candidate.parallel.ep),
                    cluster.link, cluster.flops_per_s, cluster.host)
     host_fits = cluster.cpu_memory is None or memory.host * cluster.node_size <= cluster.cpu_memory
     return Evaluation(candidate, memory, step.comm, step.time, memory.total <= cluster.usable_memory, host_fits,
-                      step.accumulation)
+                      step.accumulation, config.is_moe)
 
 
 def rank(evaluations: Iterable[Evaluation]) -> List[Evaluation]:

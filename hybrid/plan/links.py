@@ -88,15 +88,17 @@ class HostLink:
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """``tp × dp`` ranks on ``nodes`` nodes of ``ranks_per_node`` ranks (pp = 1)."""
+    """``tp × dp`` ranks on ``nodes`` nodes of ``ranks_per_node`` ranks (pp = 1); ``ep``: the expert-parallel
+    size, whose groups (``ep`` consecutive dp ranks, :mod:`hybrid.grid`) the ``ep`` and ``edp`` axes follow."""
 
     tp: int
     dp: int
     nodes: int
     ranks_per_node: int
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "dp", "nodes", "ranks_per_node"):
+        for name in ("tp", "dp", "nodes", "ranks_per_node", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LinkError(f"{name} must be a positive integer, got {value!r}")
@@ -106,7 +108,7 @@ class Placement:
 
     @property
     def grid(self) -> Grid:
-        return Grid(tp=self.tp, dp=self.dp, pp=1)
+        return Grid(tp=self.tp, dp=self.dp, pp=1, ep=self.ep)
 
     def group_size(self, axis: str) -> int:
         if axis in NODE_AXES:
@@ -122,31 +124,31 @@ class Placement:
     def crossing_senders(self, axis: str) -> Tuple[int, ...]:
         """Per node, how many of its ranks send to a ring successor on another node in a collective over
         ``axis`` (all groups of the axis run at once)."""
-        return _crossing_senders(self.tp, self.dp, self.ranks_per_node, axis)
+        return _crossing_senders(self.tp, self.dp, self.ranks_per_node, axis, self.ep)
 
     def remote_peers(self, axis: str) -> Tuple[int, ...]:
         """Per node, summed over its ranks, the peers of each rank's ``axis`` group that sit on other nodes:
         the chunks a node sends off it in one all-to-all over ``axis``."""
-        return _peer_counts(self.tp, self.dp, self.ranks_per_node, axis)[0]
+        return _peer_counts(self.tp, self.dp, self.ranks_per_node, axis, self.ep)[0]
 
     def local_peers(self, axis: str) -> int:
         """The most peers of one rank's ``axis`` group on the rank's own node: the chunks a rank sends over
         its own link in one all-to-all."""
-        return _peer_counts(self.tp, self.dp, self.ranks_per_node, axis)[1]
+        return _peer_counts(self.tp, self.dp, self.ranks_per_node, axis, self.ep)[1]
 
 
-def _groups(tp: int, dp: int, ranks_per_node: int, axis: str):
+def _groups(tp: int, dp: int, ranks_per_node: int, axis: str, ep: int = 1):
     """Every group of ``axis``, global ranks in group-rank order (the node axes: :mod:`hybrid.plan.two_level`)."""
     if axis in NODE_AXES:
         return node_axis_groups(tp, dp, ranks_per_node, axis)
-    return Grid(tp=tp, dp=dp, pp=1).all_groups(axis)
+    return Grid(tp=tp, dp=dp, pp=1, ep=ep).all_groups(axis)
 
 
 @functools.lru_cache(maxsize=None)
-def _crossing_senders(tp: int, dp: int, ranks_per_node: int, axis: str) -> Tuple[int, ...]:
+def _crossing_senders(tp: int, dp: int, ranks_per_node: int, axis: str, ep: int = 1) -> Tuple[int, ...]:
     nodes = Nodes(ranks_per_node)
     counts = [0] * (tp * dp // ranks_per_node)
-    for ring in _groups(tp, dp, ranks_per_node, axis):
+    for ring in _groups(tp, dp, ranks_per_node, axis, ep):
         for rank in ring:
             if nodes.ring_hop_crosses(ring, rank):
                 counts[nodes.node_of(rank)] += 1
@@ -154,12 +156,12 @@ def _crossing_senders(tp: int, dp: int, ranks_per_node: int, axis: str) -> Tuple
 
 
 @functools.lru_cache(maxsize=None)
-def _peer_counts(tp: int, dp: int, ranks_per_node: int, axis: str) -> Tuple[Tuple[int, ...], int]:
+def _peer_counts(tp: int, dp: int, ranks_per_node: int, axis: str, ep: int = 1) -> Tuple[Tuple[int, ...], int]:
     """(per node, its ranks' group peers on other nodes, summed; the most group peers one rank has on its node)."""
     nodes = Nodes(ranks_per_node)
     remote = [0] * (tp * dp // ranks_per_node)
     local = 0
-    for group in _groups(tp, dp, ranks_per_node, axis):
+    for group in _groups(tp, dp, ranks_per_node, axis, ep):
         for rank in group:
             peers = [r for r in group if r != rank]
             away = sum(nodes.node_of(r) != nodes.node_of(rank) for r in peers)

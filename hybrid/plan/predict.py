@@ -20,7 +20,7 @@ from typing import Optional, Union
 from hybrid.layout import LayoutError, ParallelLayout, reduce_once_problem
 from hybrid.plan.candidate import Candidate
 from hybrid.plan.comm_volume import Report, step_volume
-from hybrid.plan.estimate import zero_layout
+from hybrid.plan.estimate import expert_layout, zero_layout
 from hybrid.plan.links import HostLink, LinkSpec, Placement
 from hybrid.plan.model_memory import FlatLayout, Stage3Layout
 from hybrid.plan.setup import TrainingSetup
@@ -79,7 +79,7 @@ def predict(config: GPTConfig, candidate: Candidate, global_batch: int, setup: T
                            gradients=setup.gradient_quant, weights=setup.weight_quant,
                            node_split=placement.node_split if setup.two_level_reduce else None,
                            hpz=setup.hpz_partition_size, momentum=setup.momentum_quant, keep=setup.stage3_keep,
-                           pp_rank=pp_rank)
+                           pp_rank=pp_rank, experts=expert_layout(config, candidate, setup, pp_rank))
         time = step_time(config, candidate, comm, global_batch=global_batch, micro_batches=accumulation,
                          layout=layout, placement=placement, link=link, flops_per_s=flops_per_s,
                          host=host, reduce_once=setup.whole_gradients, hpz=setup.hpz_partition_size,
@@ -111,5 +111,5 @@ def predict_step_time(model_config: GPTConfig, layout: ParallelLayout, micro_bat
     candidate = Candidate(layout, micro_batch=micro_batch, recompute=recompute, sequence_parallel=sequence_parallel,
                           pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages)
     setup = dataclasses.replace(setup or TrainingSetup(), reduce_once=reduce_once)
-    placement = Placement(tp=layout.tp, dp=layout.dp, nodes=nodes, ranks_per_node=ranks_per_node)
+    placement = Placement(tp=layout.tp, dp=layout.dp, nodes=nodes, ranks_per_node=ranks_per_node, ep=layout.ep)
     return predict(model_config, candidate, global_batch, setup, placement, link, achieved_flops_per_s).time

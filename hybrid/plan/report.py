@@ -41,6 +41,22 @@ COLUMNS = [
     ("tok/s", 8, lambda i, e: _rate(e.tokens_per_s)),
 ]
 
+# An MoE model's columns, each inserted after the column it names: the expert-parallel size, the worst-case total
+# (dropless routing sending every token of the ep group to one rank's experts), the bytes a GPU sends in the token
+# all-to-alls and what of them each node sends off it.
+MOE_COLUMNS = [
+    ("pp", ("ep", 3, lambda i, e: f"{e.candidate.parallel.ep}")),
+    ("total", ("worst", 6, lambda i, e: f"{e.memory.worst_total / GIB:.2f}")),
+    ("TP GB", ("EP GB", 6, lambda i, e: f"{e.ep_wire_bytes / 1e9:.1f}")),
+    ("EP GB", ("EPx GB", 6, lambda i, e: f"{e.ep_inter_node_bytes / 1e9:.1f}")),
+]
+
+MOE_LEGEND = """\
+MoE: ep = expert-parallel size (ep consecutive dp ranks share out the experts; their ZeRO state is partitioned
+over edp = dp/ep); memory assumes balanced routing, worst = total when every token of the ep group picks this
+rank's experts (dropless bound, every MoE layer at once); EP GB = bytes each GPU sends in the token all-to-alls
+per step (dispatch and combine, forward and backward), EPx GB = what each node sends off it of those."""
+
 LEGEND = """\
 Memory columns are GiB per GPU and add up to total: weights, grads, optim = fp32 master + optimizer state
 on the GPU, activ = activations and workspaces at the peak, comm = gradient buckets (stage 2) and, at the
@@ -62,11 +78,20 @@ def _rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s / 1e3:.1f}k" if tokens_per_s >= 1e4 else f"{tokens_per_s:.0f}"
 
 
+def columns(moe: bool) -> list:
+    """The table's columns: :data:`COLUMNS`, with :data:`MOE_COLUMNS` for an MoE model."""
+    out = list(COLUMNS)
+    for after, column in MOE_COLUMNS if moe else ():
+        out.insert(next(k for k, c in enumerate(out) if c[0] == after) + 1, column)
+    return out
+
+
 def format_table(evaluations: Sequence[Evaluation], top: int) -> str:
-    head = " ".join(f"{h:>{w}s}" for h, w, _ in COLUMNS)
+    cols = columns(any(e.moe for e in evaluations))
+    head = " ".join(f"{h:>{w}s}" for h, w, _ in cols)
     lines = [head, "-" * len(head)]
     for i, e in enumerate(evaluations[:top], 1):
-        lines.append(" ".join(f"{cell(i, e):>{w}s}" for _, w, cell in COLUMNS))
+        lines.append(" ".join(f"{cell(i, e):>{w}s}" for _, w, cell in cols))
     return "\n".join(lines)
 
 
@@ -93,6 +118,10 @@ def to_json(evaluations: Sequence[Evaluation]) -> str:
                      "offload": e.candidate.offload, "recompute": e.candidate.recompute,
                      "micro_batch": e.candidate.micro_batch, "gradient_accumulation_steps": e.accumulation,
                      "sequence_parallel": e.candidate.sequence_parallel,
+                     **({"ep": e.candidate.parallel.ep, "edp": e.candidate.dp // e.candidate.parallel.ep,
+                         "worst_case_routing_total": e.memory.worst_total,
+                         "ep_wire_bytes": e.ep_wire_bytes, "ep_inter_node_bytes_per_node": e.ep_inter_node_bytes}
+                        if e.moe else {}),
                      "bytes": {"weights": m.weights, "grads": m.grads, "master": m.state.master,
                                "optimizer_states": m.state.optimizer_states,
                                "activations_per_micro_batch": m.activations.total, "transient": m.transient,

@@ -197,11 +197,13 @@ def exposed_seconds(times: Dict[str, float], candidate: Candidate, compute: floa
     the step).
     """
     exposed = dict(times)
-    gathers = [n for n in times if n.startswith("all_gather/") and n.endswith("/dp")]
+    gathers = [n for n in times if n.startswith("all_gather/") and n.endswith(("/dp", "/edp"))]
     # Launched as the buckets fill: the reductions over dp, and a two-level reduction's first step inside the
     # node; its step across nodes (dp_cross) and stage 0's all-gather inside the node run when it is waited on.
     # 1-bit Adam's momentum exchange (all_to_all, and its all_gather) runs in the step, after backward: exposed.
-    reductions = [n for n in times if n.split("/")[1] in ("dp", "dp_node")
+    # An MoE model's expert gradients reduce over edp as the dense ones over dp; its token all-to-alls over ep
+    # sit on the critical path (each layer waits for its tokens): exposed.
+    reductions = [n for n in times if n.split("/")[1] in ("dp", "dp_node", "edp")
                   and not n.startswith(("all_gather/", "all_to_all/"))]
     if candidate.traits.parameters:
         forward = sum(times[n] for n in gathers) * forward_gather_share
