@@ -51,7 +51,7 @@ from hybrid.compression import (ONE_BIT_OPTIMIZERS, compression_problem, gradien
 from hybrid.layout import (STAGE_TRAITS, StageTraits, ZeroStage, offload_problem, overlap_param_gather_problem,
                            reduce_once_problem, zero_stage)
 from hybrid.topology import Topology, TopologyError
-from hybrid.zero.flat_buffer import ParamRecord, ZeroConfigError
+from hybrid.zero.flat_buffer import ParamFilter, ParamRecord, ZeroConfigError
 from hybrid.zero.grad_norm import clip_factor
 from hybrid.zero.inner import InnerOptimizer
 from hybrid.zero.loss_scaler import LossScaler
@@ -117,14 +117,18 @@ class ZeroOptimizer(abc.ABC):
     engine decides at run time (the loss scaler of fp16, the clip norm, the
     accumulation count of this layout, the weight-decay exemption rule, and on
     an interleaved pipeline stage its ``chunks`` and the parameters each one's
-    backward reaches, ``chunk_params``: see :meth:`set_chunks`).
+    backward reaches, ``chunk_params``: see :meth:`set_chunks`). ``params``
+    (``(name, parameter) -> bool``) limits the optimizer to the parameters it
+    accepts; the others are left to another optimizer over the same model (the
+    expert parameters of an MoE model: :mod:`hybrid.zero.expert_split`).
     """
 
     def __init__(self, model: torch.nn.Module, topology: Topology, zero: ZeroConfig, optimizer: OptimizerConfig,
                  *, no_weight_decay: Optional[NoDecayFn] = None, loss_scaler: Optional[LossScaler] = None,
                  clip_grad: float = 0.0, gradient_accumulation_steps: int = 1, use_fused_kernels: bool = True,
                  master_dtype: torch.dtype = torch.float32, chunks: int = 1,
-                 chunk_params: Optional[Sequence[Sequence[torch.nn.Parameter]]] = None):
+                 chunk_params: Optional[Sequence[Sequence[torch.nn.Parameter]]] = None,
+                 params: Optional[ParamFilter] = None):
         self.stage: ZeroStage = check_zero_config(zero)
         _check_runtime(topology, loss_scaler, clip_grad, gradient_accumulation_steps, master_dtype)
         self.traits: StageTraits = STAGE_TRAITS[self.stage]
@@ -142,6 +146,10 @@ class ZeroOptimizer(abc.ABC):
                                     weight_decay=optimizer.weight_decay_range[0], momentum=optimizer.momentum,
                                     use_kernels=use_fused_kernels, bias_correction=optimizer.bias_correction)
         self.model = model
+        self.param_filter = params
+        # parameters another optimizer owns (rejected by the filter): a whole-model load or save skips them
+        self._foreign = frozenset() if params is None else frozenset(
+            id(p) for name, p in model.named_parameters() if not params(name, p))
         self.topology = topology
         self.comm = topology.comm
         self.offload_optimizer = zero.offload_optimizer

@@ -35,7 +35,7 @@ from hybrid.zero.base import BackwardPass, ZeroOptimizer
 from hybrid.zero.buckets import FullGradReducer, PartitionedGradReducer
 from hybrid.zero.deferred_gather import DeferredParamGather
 from hybrid.zero.flat_buffer import build_flat_groups, collect_trainable, dtype_name, param_chunk_sets
-from hybrid.zero.grad_norm import GradNorm
+from hybrid.zero.grad_norm import GradNorm, world_sum
 from hybrid.zero.offload import ChunkOffload, host_device, poison_requested
 from hybrid.zero.onebit import OneBitAdam
 from hybrid.zero.zero_one_adam import ZeroOneAdam, ZeroOneSchedule
@@ -64,9 +64,9 @@ class FlatZeroOptimizer(ZeroOptimizer):
         self.part = topology.dp_rank if traits.optimizer_states else 0
 
         self.groups = build_flat_groups(model, self.partition_count, dp, zero.bucket_size, self.decays,
-                                        self.no_weight_decay, self.chunk_params)
+                                        self.no_weight_decay, self.chunk_params, select=self.param_filter)
         self.param_index = sorted((r for g in self.groups for r in g.records), key=lambda r: r.position)
-        self._frozen = collect_trainable(model)[1]
+        self._frozen = collect_trainable(model, self.param_filter)[1]
         self._sync_replicas()
         host = host_device(self.offload_optimizer, self.groups[0].device)
         self.partitions = [GroupPartition(g, self.part, self.master_dtype, master_device=host) for g in self.groups]
@@ -198,16 +198,29 @@ class FlatZeroOptimizer(ZeroOptimizer):
             return self._local_norm.global_sq() * self.topology.dp_size
         return self.grad_norm.global_sq()
 
+    def local_grad_sq(self) -> torch.Tensor:
+        """This rank's share of the squared gradient norm (a float64 scalar; no communication): the expert split
+        adds both halves' shares before its one all-reduce."""
+        return self.grad_norm.local_sq()
+
     def _grad_zeros(self) -> Optional[int]:
         # a local step's gradients are each rank's own: no whole gradient exists to count
         return None if self._local_gradients() else self.grad_norm.global_zeros()
 
+    def local_grad_zeros(self) -> torch.Tensor:
+        """This rank's share of the whole gradient's exact zeros (a float64 scalar; no communication)."""
+        return self.grad_norm.local_zeros()
+
     def _params_sq(self) -> float:
+        return world_sum(self.local_params_sq(), self.topology)
+
+    def local_params_sq(self) -> torch.Tensor:
+        """This rank's share of the squared master-weight norm (a float64 scalar; no communication)."""
         if self.weight_quant is not None and any(part.aliased for part in self.partitions):
             # aliased masters are this rank's parameter chunks, which only a quantized gather rewrites: a plain one
             # reads them and writes the other ranks' chunks, so --log-params-norm need not wait for it every step
             self.wait_for_weights()
-        return self._master_norm.global_sq()
+        return self._master_norm.local_sq()
 
     def _apply_update(self, factor: float) -> None:
         # factor carries the 1/dp of a DP sum; for local gradients the 1-bit exchanges' own mean supplies it

@@ -40,6 +40,9 @@ from hybrid.param_meta import TPMeta, get_tp_meta, is_pipeline_tied
 ALIGN_BYTES = 128  # every chunk starts on a 128-byte boundary (vector loads, NCCL/gloo fast paths)
 
 NoDecayFn = Callable[[str, torch.nn.Parameter], bool]
+# Which of a model's parameters one optimizer takes (``(name, parameter) -> bool``); the rest belong to another
+# (:mod:`hybrid.zero.expert_split`: dense and expert parameters). None: every parameter.
+ParamFilter = Callable[[str, torch.nn.Parameter], bool]
 
 
 class ZeroConfigError(ValueError):
@@ -281,14 +284,17 @@ class FlatGroup:
         return min(self.records[r].position for r in self.segments[segment].records)
 
 
-def collect_trainable(model: torch.nn.Module) -> Tuple[List[Tuple[str, torch.nn.Parameter]],
-                                                       List[torch.nn.Parameter]]:
+def collect_trainable(model: torch.nn.Module, select: Optional[ParamFilter] = None
+                      ) -> Tuple[List[Tuple[str, torch.nn.Parameter]], List[torch.nn.Parameter]]:
     """Trainable parameters in registration order (tied ones once), and the frozen ones.
 
-    Raises :class:`ZeroConfigError` when nothing is trainable.
+    ``select``: only the parameters it accepts are listed (trainable or frozen); the others belong to another
+    optimizer. Raises :class:`ZeroConfigError` when nothing is trainable.
     """
     trainable, frozen = [], []
     for name, p in model.named_parameters():  # removes duplicates: a tied weight keeps its first name
+        if select is not None and not select(name, p):
+            continue
         if p.requires_grad:
             trainable.append((name, p))
         else:
@@ -301,16 +307,18 @@ def collect_trainable(model: torch.nn.Module) -> Tuple[List[Tuple[str, torch.nn.
 
 def build_flat_groups(model: torch.nn.Module, parts: int, pad_parts: int, bucket_numel: int,
                       use_weight_decay: bool, no_weight_decay: Optional[NoDecayFn],
-                      chunk_params: Optional[Sequence[Sequence[torch.nn.Parameter]]] = None) -> List[FlatGroup]:
+                      chunk_params: Optional[Sequence[Sequence[torch.nn.Parameter]]] = None,
+                      select: Optional[ParamFilter] = None) -> List[FlatGroup]:
     """Rebind every trainable parameter of ``model`` to a view into a flat group buffer.
 
     ``parts`` is how many flat partitions the state is cut into; segments are
     padded for ``pad_parts`` (a multiple of ``parts``), so that stage 0 (one
     part) lays out and communicates exactly the same bytes as stages 1-2.
     ``chunk_params``: the parameters each model chunk of an interleaved
-    pipeline stage reaches; segments end where those chunks change.
+    pipeline stage reaches; segments end where those chunks change. ``select``: the parameters this
+    optimizer takes (:func:`collect_trainable`).
     """
-    trainable, _ = collect_trainable(model)
+    trainable, _ = collect_trainable(model, select)
     chunk_sets = param_chunk_sets([p for _, p in trainable], chunk_params)
     devices = {p.device for _, p in trainable}
     if len(devices) > 1:

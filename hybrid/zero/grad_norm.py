@@ -93,9 +93,13 @@ class GradNorm:
         """Squared L2 norm of the whole gradient (one all-reduce over ``world``)."""
         return world_sum(self.local_sq(), self.topology)
 
+    def local_zeros(self) -> torch.Tensor:
+        """This rank's share of the whole gradient's exact zeros, a float64 scalar tensor."""
+        return local_zeros(self.exact_views, self.device)
+
     def global_zeros(self) -> int:
         """How many elements of the whole gradient are exactly zero (one all-reduce over ``world``)."""
-        return int(world_sum(local_zeros(self.exact_views, self.device), self.topology))
+        return int(world_sum(self.local_zeros(), self.topology))
 
 
 def local_sq(views: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:

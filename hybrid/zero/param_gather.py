@@ -101,6 +101,13 @@ class _SavedView:
     stride: Tuple[int, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class _OuterSaved:
+    """What a nested gatherer keeps for a tensor its outer gatherer packed (:attr:`ParamGatherer.outer`)."""
+
+    saved: object
+
+
 class ParamGatherer:
     """Gathers, prefetches and releases the units of one model (see the module docstring).
 
@@ -112,12 +119,17 @@ class ParamGatherer:
 
     def __init__(self, units: List[Unit], chunks: List[torch.Tensor], comm: Communicator, order: OrderCheck,
                  max_live_numel: int, prefetch_numel: int, quant: Optional[Quantization] = None,
-                 secondary: Optional[SecondaryPartition] = None, reuse_numel: int = 0):
+                 secondary: Optional[SecondaryPartition] = None, reuse_numel: int = 0,
+                 outer: Optional["ParamGatherer"] = None):
         self.units = units
         self.chunks = chunks
         self.comm = comm
         self.quant = quant  # zero.quantized_weights: gathers travel in this format
         self.secondary = secondary  # zero.hpz_partition_size > 1: backward re-gathers inside the node
+        # outer: the gatherer of the rest of the same model, whose forward encloses this one's (the expert
+        # split's dense half); autograd calls only the innermost saved-tensor hooks, so this one's pass what
+        # they do not own on to it
+        self.outer = outer
         self.order = order
         self.max_live_numel = max_live_numel
         self.prefetch_numel = prefetch_numel
@@ -558,17 +570,23 @@ class ParamGatherer:
 
     # ---- saved tensors --------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
-        if not self._storage or t.is_sparse or t.device.type == "meta":
-            return t
-        try:
-            i = self._storage.get(t.untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError):
-            return t
+        i = self._unit_holding(t)
         if i is None:
-            return t
+            return t if self.outer is None else _OuterSaved(self.outer._pack(t))
         return _SavedView(i, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
 
+    def _unit_holding(self, t: torch.Tensor) -> Optional[int]:
+        """The unit whose gathered buffer ``t`` lives in, or None."""
+        if not self._storage or t.is_sparse or t.device.type == "meta":
+            return None
+        try:
+            return self._storage.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            return None
+
     def _unpack(self, saved):
+        if isinstance(saved, _OuterSaved):
+            return self.outer._unpack(saved.saved)
         if not isinstance(saved, _SavedView):
             return saved
         buf = self.ensure(saved.unit)

@@ -88,13 +88,16 @@ class Stage3Optimizer(ZeroOptimizer):
     """
 
     def __init__(self, model: torch.nn.Module, topology, zero, optimizer, *, verify_order: bool = True,
-                 partition_init=None, **runtime):
+                 partition_init=None, nested_in: Optional["Stage3Optimizer"] = None, **runtime):
         super().__init__(model, topology, zero, optimizer, **runtime)
         dp, self.part = topology.dp_size, topology.dp_rank
         self.partition_count = dp
+        # nested_in: another Stage3Optimizer over the rest of the same model (the expert split's dense half);
+        # this one's forward hooks run inside that one's (see _register_module_hooks)
+        self._nested_in = nested_in
 
         self.units, self._frozen = build_units(model, dp, zero.persistence_threshold, self.decays,
-                                               self.no_weight_decay)
+                                               self.no_weight_decay, self.param_filter)
         biggest = max((u for u in self.units if not u.persistent), key=lambda u: u.numel, default=None)
         if biggest is not None and zero.max_live_parameters < biggest.numel:
             raise ZeroConfigError(f"max_live_parameters={zero.max_live_parameters} elements cannot hold module "
@@ -115,7 +118,8 @@ class Stage3Optimizer(ZeroOptimizer):
         self.secondary = self._secondary_partition(zero.hpz_partition_size)
         self.gatherer = ParamGatherer(self.units, chunks, self.comm, self.order, zero.max_live_parameters,
                                       zero.prefetch_bucket_size, quant=self.weight_quant, secondary=self.secondary,
-                                      reuse_numel=zero.max_reuse_distance)
+                                      reuse_numel=zero.max_reuse_distance,
+                                      outer=None if nested_in is None else nested_in.gatherer)
         self._hooks = self._register_module_hooks()
         self._record_of = {rec.name: (u.index, r) for u in self.units for r, rec in enumerate(u.records)}
         self._name_of_param = {id(p): rec.name for u in self.units for rec, p in zip(u.records, u.params)}
@@ -187,6 +191,11 @@ class Stage3Optimizer(ZeroOptimizer):
         self._master_norm_views = [self.master[a:b] for a, b in norm_runs]  # the masters share the layout
 
     def _register_module_hooks(self) -> list:
+        """Forward hooks gathering each unit around its module, and the root module's around the whole forward.
+
+        A nested optimizer (``nested_in``) enters its forward after the other's and leaves it before (its root
+        post-hook runs first), so that the saved-tensor hooks and the checkpoint early-stop switch each one
+        enters are left in the reverse order."""
         unit_of_module = {u.module_name: u.index for u in self.units if not u.persistent}
         g = self.gatherer
         hooks = [g.watch_reads(self.model)]  # parameters read outside their module (tied, shared)
@@ -198,7 +207,8 @@ class Stage3Optimizer(ZeroOptimizer):
                     g.module_pre(unit)
 
                 hooks.append(module.register_forward_pre_hook(root_pre))
-                hooks.append(module.register_forward_hook(lambda m, a, o: g.exit_forward()))
+                hooks.append(module.register_forward_hook(lambda m, a, o: g.exit_forward(),
+                                                          prepend=self._nested_in is not None))
             elif unit is not None:
                 hooks.append(module.register_forward_pre_hook(lambda m, a, unit=unit: g.module_pre(unit)))
                 hooks.append(module.register_forward_hook(lambda m, a, o: g.module_post()))
@@ -228,13 +238,25 @@ class Stage3Optimizer(ZeroOptimizer):
         self.gatherer.refresh_persistent(while_waiting=self.gatherer.prefetch_next_forward)
 
     def _global_sq(self) -> float:
-        return world_sum(local_sq(self._norm_views, self.reducer.grads.device), self.topology)
+        return world_sum(self.local_grad_sq(), self.topology)
+
+    def local_grad_sq(self) -> torch.Tensor:
+        """This rank's share of the squared gradient norm (a float64 scalar; no communication)."""
+        return local_sq(self._norm_views, self.reducer.grads.device)
 
     def _grad_zeros(self) -> int:
-        return int(world_sum(local_zeros(self._norm_views, self.reducer.grads.device), self.topology))
+        return int(world_sum(self.local_grad_zeros(), self.topology))
+
+    def local_grad_zeros(self) -> torch.Tensor:
+        """This rank's share of the whole gradient's exact zeros (a float64 scalar; no communication)."""
+        return local_zeros(self._norm_views, self.reducer.grads.device)
 
     def _params_sq(self) -> float:
-        return world_sum(local_sq(self._master_norm_views, self.master.device), self.topology)
+        return world_sum(self.local_params_sq(), self.topology)
+
+    def local_params_sq(self) -> torch.Tensor:
+        """This rank's share of the squared master-weight norm (a float64 scalar; no communication)."""
+        return local_sq(self._master_norm_views, self.master.device)
 
     # ---- whole parameters on demand -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -402,6 +424,8 @@ class Stage3Optimizer(ZeroOptimizer):
                            f"{unexpected[:5]}")
         rest = {}
         for key, tensor in own.items():
+            if id(tensor) in self._foreign:
+                continue  # another optimizer's parameter (the expert split's other half) loads it
             name = self._name_of_param.get(id(tensor))
             if name is None:
                 rest[key] = state[key]

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from hybrid.param_meta import TPMeta, get_tp_meta
-from hybrid.zero.flat_buffer import (ParamRecord, Segment, ZeroConfigError, align_elements, collect_trainable,
-                                     param_parts)
+from hybrid.zero.flat_buffer import (ParamFilter, ParamRecord, Segment, ZeroConfigError, align_elements,
+                                     collect_trainable, param_parts)
 
 NoDecayFn = Callable[[str, torch.nn.Parameter], bool]
 PERSISTENT_UNIT_NAME = "<persistent>"
@@ -108,13 +108,15 @@ def _owners(model: nn.Module, trainable_ids: Dict[int, int]) -> List[Tuple[str, 
 
 
 def build_units(model: nn.Module, dp: int, persistence_threshold: int, use_weight_decay: bool,
-                no_weight_decay: Optional[NoDecayFn]) -> Tuple[List[Unit], List[nn.Parameter]]:
+                no_weight_decay: Optional[NoDecayFn], select: Optional[ParamFilter] = None
+                ) -> Tuple[List[Unit], List[nn.Parameter]]:
     """Cut ``model``'s trainable parameters into units (see the module docstring); also return the frozen ones.
 
     Pure bookkeeping: no tensor is copied or moved. Every unit's
-    ``partition_offset`` is filled in.
+    ``partition_offset`` is filled in. ``select``: the parameters this optimizer takes
+    (:func:`~hybrid.zero.flat_buffer.collect_trainable`).
     """
-    trainable, frozen = collect_trainable(model)
+    trainable, frozen = collect_trainable(model, select)
     dtypes = {p.dtype for _, p in trainable}
     if len(dtypes) > 1:
         raise ZeroConfigError(f"ZeRO stage 3 needs every trainable parameter in one dtype, got "
