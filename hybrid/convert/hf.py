@@ -3,7 +3,9 @@
 Export (:func:`export_to_hf`) picks the architecture from the model's
 switches (GPT-2 switches -> ``GPT2LMHeadModel``, Llama switches ->
 ``LlamaForCausalLM`` or, when asked or imported from one,
-``MistralForCausalLM``; with a q/k/v bias -> ``Qwen2ForCausalLM``), streams every HF tensor out of the checkpoint (fused
+``MistralForCausalLM``; with a q/k/v bias -> ``Qwen2ForCausalLM``; with query/key norms ->
+``Qwen3ForCausalLM``; with experts -> ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` or
+``Qwen3MoeForCausalLM``, :mod:`hybrid.convert.hf_moe`), streams every HF tensor out of the checkpoint (fused
 ``[q; k; v]`` and ``[gate; up]`` are read chunk by chunk, straight from the
 TP pieces), writes ``model.safetensors`` (sharded with the standard index
 past ``max_shard_bytes``) and ``config.json``, and copies the SentencePiece
@@ -33,7 +35,7 @@ import torch
 from hybrid import param_meta
 from hybrid.checkpoint import CheckpointReader, CheckpointWriter
 from hybrid.checkpoint.atomic import write_bytes_atomic
-from hybrid.convert import hf_gpt2, hf_llama
+from hybrid.convert import hf_gpt2, hf_llama, hf_moe
 from hybrid.convert.consolidate import WEIGHT, CheckpointSource, ConversionError
 from hybrid.convert.hf_common import Link
 from hybrid.convert.hf_io import DEFAULT_MAX_SHARD_BYTES, HFDirectory, read_json, write_sharded
@@ -46,7 +48,7 @@ from hybrid.topology import Topology
 from hybrid.tokenizer_files import TokenizerSpec
 from model_zoo.config import GPTConfig
 
-MAPS = (hf_gpt2,) + hf_llama.FAMILIES
+MAPS = (hf_gpt2,) + hf_llama.FAMILIES + hf_moe.FAMILIES
 
 
 @dataclasses.dataclass
@@ -146,7 +148,10 @@ def export_to_hf(load, output, *, dtype: Optional[str] = None, max_shard_bytes: 
     out.mkdir(parents=True, exist_ok=True)
     with CheckpointSource(reader) as src:
         links = arch.links(cfg)
-        _check_same_names(set(src.tensors), {link.hybrid for link in links}, reader.path)
+        # Saved tensors that carry nothing the HF model computes with (the MoE router's unused expert bias)
+        unexported = getattr(arch, "unexported", lambda name, cfg: False)
+        _check_same_names({n for n in src.tensors if not unexported(n, cfg)}, {link.hybrid for link in links},
+                          reader.path)
         total = sum(nbytes_of(src.tensors[link.hybrid].full_shape, out_dtype) for link in links)
         bar = open_bar(progress, f"to-hf {arch.ARCHITECTURE}", total)
         try:
@@ -229,6 +234,8 @@ def import_from_hf(input_dir, save, *, tp: int = 1, dtype: Optional[str] = None,
     hf_config = read_json(where)
     arch = map_for_hf(hf_config, where)  # the model first: no point reading weights of an unknown one
     cfg = arch.config_from_hf(hf_config, where)
+    if cfg.is_moe and tp > 1:  # an MoE model splits over TP only with sequence parallelism (model_zoo.config)
+        cfg = cfg.replace(sequence_parallel=True)
     try:  # first on its own, so that a model no layout can build is not blamed on --tp
         cfg.validate(1)
     except (TypeError, ValueError) as e:
@@ -238,6 +245,8 @@ def import_from_hf(input_dir, save, *, tp: int = 1, dtype: Optional[str] = None,
     except ValueError as e:
         raise ConversionError(f"{where} describes a model that cannot be split over --tp {tp}: {e}") from None
     hf = HFDirectory(input_dir)
+    if hasattr(arch, "adapt"):  # other namings of the same tensors (hybrid.convert.hf_moe: fused experts)
+        arch.adapt(hf, cfg)
     layout = gpt_param_layout(cfg)
     links = arch.links(cfg)
     _check_hf_tensors(hf, arch, cfg, links, layout)

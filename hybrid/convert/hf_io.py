@@ -5,7 +5,11 @@ Reading (:class:`HFDirectory`) accepts what ``save_pretrained`` writes:
 ``model.safetensors.index.json``, or the older ``pytorch_model.bin`` (also
 sharded with its index), opened with ``torch.load(weights_only=True,
 mmap=True)`` so that no pickled code runs and only the tensors read are
-paged in. Tensors are read one at a time.
+paged in. Tensors are read one at a time. A tensor may also be presented
+under another name, or as a run of rows of a larger one (:meth:`HFDirectory.alias`):
+the MoE maps read ``transformers`` 5's fused expert tensors
+(``experts.gate_up_proj`` ``[E, 2f, h]``) as the per-expert tensors the Hub
+checkpoints hold, each read straight from its rows of the file.
 
 Writing (:func:`write_sharded`) follows the same convention: one
 ``model.safetensors`` up to ``max_shard_bytes`` (5 GB by default, like
@@ -74,6 +78,10 @@ class HFDirectory:
         self._shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
         for name, file in self.files.items():
             self._shapes[name] = self._describe(name, file)
+        # alias name -> (stored tensor, first row of it viewed as [-1, last dim]); the stored tensors aliased
+        # are read only through their aliases, and no longer listed by names()
+        self._aliases: Dict[str, Tuple[str, int]] = {}
+        self._hidden: set = set()
 
     def _discover(self) -> Dict[str, Path]:
         for index_name, single in ((SAFETENSORS_INDEX, SAFETENSORS), (BIN_INDEX, BIN)):
@@ -142,7 +150,34 @@ class HFDirectory:
 
     # ---- access --------------------------------------------------------------------------------
     def names(self) -> List[str]:
-        return list(self.files)
+        """The tensors as presented: stored ones, less those read through aliases, plus the aliases."""
+        return [n for n in self.files if n not in self._hidden]
+
+    def alias(self, name: str, stored: str, first_row: int = 0, shape: Optional[Tuple[int, ...]] = None) -> None:
+        """Present rows ``[first_row, first_row + prod(shape[:-1]))`` of the stored tensor ``stored``, viewed as
+        ``[-1, stored's last dim]``, as tensor ``name`` of ``shape`` (default: ``stored``'s own shape: a new name).
+
+        ``shape[-1]`` must be ``stored``'s last dim: the rows are then contiguous in the file, and reading a run
+        of ``name``'s rows reads those bytes alone. ``stored`` leaves :meth:`names` (it is read through its
+        aliases); it stays readable under its own name.
+        """
+        full = self.shape(stored)
+        shape = tuple(full if shape is None else shape)
+        if stored in self._aliases:  # an alias of an alias: rows of the same stored tensor
+            stored, first_row = self._aliases[stored][0], self._aliases[stored][1] + first_row
+            full = self.shape(stored)
+        rows = math.prod(shape[:-1])
+        if not full or not shape or shape[-1] != full[-1] or first_row < 0 or \
+                (first_row + rows) * full[-1] > math.prod(full):
+            raise ConversionError(f"internal: {name} {list(shape)} is not rows from {first_row} of {stored} "
+                                  f"{list(full)}")
+        if name in self.files:
+            raise ConversionError(f"{self.path} holds both {name} and {stored}, which stand for the same weights; "
+                                  f"keep one")
+        self.files[name] = self.files[stored]
+        self._shapes[name] = (shape, self.dtype(stored))
+        self._aliases[name] = (stored, first_row)
+        self._hidden.add(stored)
 
     def shape(self, name: str) -> Tuple[int, ...]:
         return self._shapes[name][0]
@@ -168,6 +203,9 @@ class HFDirectory:
         file = self.files[name]
         if tuple(out.shape) != self.shape(name):
             raise ConversionError(f"internal: {name} has shape {list(self.shape(name))}, not {list(out.shape)}")
+        if name in self._aliases:
+            self.read_rows_into(name, 0, out.shape[0] if out.dim() else 1, out)
+            return
         if file.suffix == ".safetensors":
             if out.dtype == self.dtype(name) and out.is_contiguous():
                 self._read_safetensors(file, name, out)
@@ -187,19 +225,48 @@ class HFDirectory:
         """Fill ``out`` with rows ``[lo, hi)`` (dim 0) of tensor ``name``, reading only those rows where the
         file allows (safetensors, ``out`` contiguous in the stored dtype)."""
         file = self.files.get(name)
-        if file is not None and file.suffix == ".safetensors" and out.dtype == self.dtype(name) \
+        if name in self._aliases:
+            self._read_alias_rows(name, lo, hi, out)
+        elif file is not None and file.suffix == ".safetensors" and out.dtype == self.dtype(name) \
                 and out.is_contiguous() and tuple(out.shape) == (hi - lo,) + self.shape(name)[1:]:
             self._read_safetensors(file, name, out, lo, hi)
         else:
             out.copy_(self.get(name)[lo:hi])
 
+    def _read_alias_rows(self, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Rows ``[lo, hi)`` of the alias ``name``: rows of its stored tensor viewed as ``[-1, last dim]``."""
+        stored, first = self._aliases[name]
+        shape, file = self.shape(name), self.files[name]
+        per_row = math.prod(shape[1:-1]) if len(shape) > 1 else 1  # stored rows in one row of the alias
+        a, b = first + lo * per_row, first + hi * per_row
+        if tuple(out.shape) != (hi - lo,) + tuple(shape[1:]):
+            raise ConversionError(f"internal: rows {lo}:{hi} of {name} {list(shape)} do not fit {list(out.shape)}")
+        if file.suffix != ".safetensors":
+            rows = self._bin(file)[stored].reshape(-1, shape[-1])[a:b]  # a view of the memory map
+            out.copy_(rows.reshape(out.shape))
+            self._touched += rows.numel() * rows.element_size()
+            if self._touched > self._budget:
+                self._bins.clear()
+                self._touched = 0
+            return
+        direct = out.dtype == self.dtype(name) and out.is_contiguous()
+        into = out if direct else torch.empty(out.shape, dtype=self.dtype(name))
+        self._read_safetensors(file, stored, into, a, b, row_elems=shape[-1])
+        if not direct:
+            out.copy_(into)
+
     def _read_safetensors(self, file: Path, name: str, out: torch.Tensor, lo: int = 0,
-                          hi: Optional[int] = None) -> None:
-        """Read rows ``[lo, hi)`` (default: all) of ``name`` into the contiguous ``out`` of its dtype."""
+                          hi: Optional[int] = None, row_elems: Optional[int] = None) -> None:
+        """Read rows ``[lo, hi)`` (default: all) of ``name`` into the contiguous ``out`` of its dtype.
+
+        A row is ``row_elems`` elements (default: ``prod(shape[1:])``, the rows of dim 0)."""
         start, end = self._data_offsets(file)[name]
         shape = self.shape(name)
-        row = math.prod(shape[1:]) * out.element_size() if shape else out.element_size()
-        rows = shape[0] if shape else 1
+        if row_elems is None:
+            row = math.prod(shape[1:]) * out.element_size() if shape else out.element_size()
+            rows = shape[0] if shape else 1
+        else:
+            row, rows = row_elems * out.element_size(), math.prod(shape) // row_elems
         hi = rows if hi is None else hi
         mine = out.reshape(-1).view(torch.uint8).numpy()  # a byte view of out's memory: the read fills out
         if end - start != rows * row or mine.nbytes != (hi - lo) * row:

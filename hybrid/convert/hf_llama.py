@@ -63,7 +63,12 @@ class LlamaFamily:
 
     def mismatches(self, cfg: GPTConfig) -> List[str]:
         return [f"{k}={getattr(cfg, k)!r} ({self.ARCHITECTURE} has {v!r})" for k, v in self.switches().items()
-                if getattr(cfg, k) != v]
+                if getattr(cfg, k) != v] + self.mlp_mismatches(cfg)
+
+    def mlp_mismatches(self, cfg: GPTConfig) -> List[str]:
+        """Why ``cfg``'s MLPs are not this family's: a dense family takes no experts (the mixtures of experts are
+        :mod:`hybrid.convert.hf_moe`'s)."""
+        return [f"num_experts={cfg.num_experts} ({self.ARCHITECTURE} is dense)"] if cfg.is_moe else []
 
     def hf_config(self, cfg: GPTConfig, dtype_name: str) -> Dict[str, Any]:
         scaling = _hf_rope_scaling(cfg)
@@ -148,17 +153,28 @@ class LlamaFamily:
             out += [
                 Link(f"{dst}attention.out_proj.weight", (f"{src}self_attn.o_proj.weight",)),
                 Link(f"{dst}post_attention_norm.weight", (f"{src}post_attention_layernorm.weight",)),
-                Link(f"{dst}mlp.in_proj.weight", (f"{src}mlp.gate_proj.weight", f"{src}mlp.up_proj.weight")),
-                Link(f"{dst}mlp.out_proj.weight", (f"{src}mlp.down_proj.weight",)),
             ]
+            out += self.mlp_links(cfg, i)
         out.append(Link("final_norm.weight", ("model.norm.weight",)))
         if not cfg.tie_embeddings:
             out.append(Link("lm_head.weight", ("lm_head.weight",)))
         return out
 
+    def mlp_links(self, cfg: GPTConfig, i: int) -> List[Link]:
+        """Layer ``i``'s MLP (the SwiGLU ``[gate; up]`` and down projections); the MoE families replace it."""
+        return swiglu_links(f"model.layers.{i}.mlp.", f"layers.{i}.mlp.", ("gate_proj", "up_proj", "down_proj"))
+
     def ignored(self, name: str, cfg: GPTConfig) -> bool:
         # A tied head duplicates embed_tokens; rotary_emb.inv_freq is a buffer some releases saved.
         return (name == "lm_head.weight" and cfg.tie_embeddings) or name.endswith("rotary_emb.inv_freq")
+
+
+def swiglu_links(src: str, dst: str, names: Tuple[str, str, str]) -> List[Link]:
+    """One SwiGLU MLP: hybrid ``{dst}in_proj.weight`` ``[gate; up]`` and ``{dst}out_proj.weight`` from the HF
+    ``{src}{gate}.weight``, ``{src}{up}.weight`` and ``{src}{down}.weight`` of ``names = (gate, up, down)``."""
+    gate, up, down = names
+    return [Link(f"{dst}in_proj.weight", (f"{src}{gate}.weight", f"{src}{up}.weight")),
+            Link(f"{dst}out_proj.weight", (f"{src}{down}.weight",))]
 
 
 LLAMA = LlamaFamily("LlamaForCausalLM", "llama", qkv_bias=False,
