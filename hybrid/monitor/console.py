@@ -6,6 +6,7 @@ import math
 from typing import Optional
 
 from hybrid.monitor.interval import IntervalSummary
+from hybrid.monitor.moe import format_moe_part
 
 
 def _opt(value: Optional[float], fmt: str) -> str:
@@ -21,7 +22,8 @@ def format_train_line(s: IntervalSummary) -> str:
         mem rss 1.20 GiB | peak rss 1.31 GiB
 
     (on one line); ``num zeros: N | params norm: X`` follow the grad norm when they were measured
-    (``--log-num-zeros-in-grad``, ``--log-params-norm``).
+    (``--log-num-zeros-in-grad``, ``--log-params-norm``); an MoE model's routing
+    (:func:`hybrid.monitor.moe.format_moe_part`) ends the line.
     """
     width = len(str(s.train_iters))
     mfu = "n/a" if s.mfu is None else f"{100 * s.mfu:.2f}% ({s.peak.source} peak)"
@@ -44,6 +46,8 @@ def format_train_line(s: IntervalSummary) -> str:
     ]
     if s.memory is not None:
         parts.append(s.memory.describe())
+    if s.moe:
+        parts.append(format_moe_part(s.moe))
     return " | ".join(parts)
 
 

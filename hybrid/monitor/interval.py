@@ -1,7 +1,8 @@
 """Per-iteration metrics and their summary over one log interval.
 
 Loss and iteration time are averaged over the interval; learning rate, grad
-norm, loss scale, batch size, params norm and gradient zeros are the last iteration's values; skipped and
+norm, loss scale, batch size, params norm, gradient zeros and the MoE routing report are the last iteration's
+values (the MoE one covers the whole interval: the layers count from one report to the next); skipped and
 NaN iterations are counted. Iterations whose optimizer step was skipped
 (fp16 overflow) or whose loss is not finite are left out of the loss average.
 """
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from hybrid.monitor.flops import PeakFlops, model_flops_utilization, tflops_per_device
 from hybrid.monitor.memory import MemoryStats
+from hybrid.monitor.moe import MoELayerReport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,9 @@ class IterationMetrics:
     skipped: bool = False
     params_norm: Optional[float] = None  # None: not measured (--log-params-norm off)
     num_zeros: Optional[int] = None  # zeros in the gradient; None: not counted (--log-num-zeros-in-grad off)
+    # An MoE model's routing since the previous report, every MoE layer (hybrid.training.moe_report); given at the
+    # iterations that end a log interval, None elsewhere and for a dense model
+    moe: Optional[Tuple[MoELayerReport, ...]] = None
 
     @property
     def is_nan(self) -> bool:
@@ -67,6 +72,7 @@ class IntervalSummary:
     memory: Optional[MemoryStats]
     params_norm: Optional[float] = None
     num_zeros: Optional[int] = None
+    moe: Optional[Tuple[MoELayerReport, ...]] = None  # the interval's MoE routing (its last iteration's report)
 
 
 class IntervalAccumulator:
@@ -108,4 +114,5 @@ class IntervalAccumulator:
             skipped_iters=sum(m.skipped for m in items), nan_iters=sum(m.is_nan for m in items),
             iteration_time_s=total_time / len(items), tokens_per_sec=tokens_per_sec,
             tokens_per_sec_per_device=per_device, tflops_per_device=tflops, mfu=mfu,
-            peak=self.peak, memory=memory, params_norm=last.params_norm, num_zeros=last.num_zeros)
+            peak=self.peak, memory=memory, params_norm=last.params_norm, num_zeros=last.num_zeros,
+            moe=last.moe or None)

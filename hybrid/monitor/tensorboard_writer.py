@@ -27,6 +27,21 @@ The tag set is fixed (dashboards and tests rely on it):
 ``checkpoint/bytes``       size of the whole checkpoint (every rank's files)
 =========================  ============================================
 
+An MoE model adds, at each log interval (``hybrid.monitor.moe``):
+
+=====================================  ==================================================
+``moe/layer_{i}/load_max_over_mean``   layer i: the most loaded expert's assignments over the mean
+``moe/layer_{i}/load_min_over_mean``   layer i: the least loaded expert's over the mean
+``moe/layer_{i}/dropped_fraction``     layer i: assignments dropped over capacity (not dropless)
+``moe/layer_{i}/aux_loss``             layer i: balancing loss, mean per micro-batch, no coefficient
+``moe/layer_{i}/z_loss``               layer i: router z-loss, likewise
+``moe/load_max_over_mean``             the highest of the layers'
+``moe/load_min_over_mean``             the lowest of the layers'
+``moe/aux_loss``, ``moe/z_loss``       summed over the MoE layers (every pipeline stage's)
+=====================================  ==================================================
+
+(``i`` the global layer index; a loss the model does not compute is not written).
+
 The checkpoint tags are written at the iteration that was saved, once the
 save is complete (a background save: when the trainer collects it).
 
@@ -42,6 +57,7 @@ from typing import Any, Dict, Mapping, Optional
 
 from hybrid.monitor.console import perplexity
 from hybrid.monitor.interval import IntervalSummary
+from hybrid.monitor.moe import moe_scalars
 
 TRAIN_TAGS = (
     "train/lm_loss", "train/lr", "train/grad_norm", "train/params_norm", "train/num_zeros", "train/loss_scale",
@@ -108,6 +124,9 @@ class TensorBoardWriter:
     def write_train(self, s: IntervalSummary) -> None:
         for tag, value in train_scalars(s).items():
             self._scalar(tag, value, s.iteration)
+        if s.moe:
+            for tag, value in moe_scalars(s.moe).items():
+                self._scalar(tag, value, s.iteration)
 
     def write_evaluation(self, split: str, iteration: int, lm_loss: float) -> None:
         for tag, value in zip(evaluation_tags(split), (lm_loss, perplexity(lm_loss))):

@@ -16,6 +16,7 @@ from hybrid.monitor.console import format_evaluation_line, format_train_line
 from hybrid.monitor.flops import PeakFlops
 from hybrid.monitor.interval import IntervalAccumulator, IntervalSummary, IterationMetrics
 from hybrid.monitor.memory import MemoryStats, read_memory_stats
+from hybrid.monitor.moe import format_moe_layer_line
 from hybrid.monitor.tensorboard_writer import TensorBoardWriter
 
 
@@ -36,6 +37,8 @@ class TrainingMonitor:
         device: the training device, for memory statistics.
         print_fn: receives each console line.
         memory_fn: returns a :class:`MemoryStats` snapshot for ``device``.
+        moe_per_layer: also print one line per MoE layer after each training line (``--moe-per-layer-logging``;
+            TensorBoard gets every layer's tags either way).
     """
 
     def __init__(self, *, train_iters: int, log_interval: int, is_logging_rank: bool,
@@ -43,7 +46,8 @@ class TrainingMonitor:
                  peak: Optional[PeakFlops] = None, tensorboard_dir: Optional[str] = None,
                  device: Optional[torch.device] = None,
                  print_fn: Callable[[str], None] = _print_line,
-                 memory_fn: Callable[[Optional[torch.device]], MemoryStats] = read_memory_stats):
+                 memory_fn: Callable[[Optional[torch.device]], MemoryStats] = read_memory_stats,
+                 moe_per_layer: bool = False):
         if train_iters < 0:  # 0: a run that only evaluates (--skip-train at iteration 0)
             raise ValueError(f"train_iters must be >= 0, got {train_iters}")
         if log_interval < 1:
@@ -56,6 +60,7 @@ class TrainingMonitor:
         self._tb = (TensorBoardWriter(tensorboard_dir)
                     if is_logging_rank and tensorboard_dir is not None else None)
         self.peak = peak
+        self.moe_per_layer = moe_per_layer
         self.last_summary: Optional[IntervalSummary] = None
 
     def announce(self) -> None:
@@ -70,13 +75,17 @@ class TrainingMonitor:
         if self._tb is not None:
             self._tb.write_hparams(hparams)
 
+    def ends_interval(self, iteration: int) -> bool:
+        """Whether :meth:`record` of ``iteration`` reports (every rank may ask: collective statistics such as
+        the MoE routing's are gathered for exactly these iterations)."""
+        return iteration % self.log_interval == 0 or iteration == self.train_iters
+
     def record(self, metrics: IterationMetrics) -> Optional[str]:
         """Add one iteration; at the end of a log interval print and return its line."""
         if not self.is_logging_rank:
             return None
         self._acc.add(metrics)
-        it = metrics.iteration
-        if it % self.log_interval != 0 and it != self.train_iters:
+        if not self.ends_interval(metrics.iteration):
             return None
         return self.flush_interval()
 
@@ -88,6 +97,9 @@ class TrainingMonitor:
         self.last_summary = summary
         line = format_train_line(summary)
         self._print(line)
+        if self.moe_per_layer and summary.moe:
+            for report in summary.moe:
+                self._print(format_moe_layer_line(report))
         if self._tb is not None:
             self._tb.write_train(summary)
         return line

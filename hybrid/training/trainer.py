@@ -43,6 +43,7 @@ from hybrid.training.health import DivergenceGuard, TrainingDiverged, non_finite
 from hybrid.training.load_target import hf_model_message, is_hf_model_folder, same_folder
 from hybrid.training.loss_spike import LossSpikeGuard
 from hybrid.training.model import model_config
+from hybrid.training.moe_report import MoEReporter, moe_not_counted
 from hybrid.training.profile import StepProfile, profile_line, steady_state_start
 from hybrid.training.seeding import seed_everything
 from hybrid.training.summary import count_exempt, optimizer_line
@@ -116,6 +117,7 @@ class Trainer:
         seed_everything(config.seed)
         split = split_from_config(config.pipeline, self.model_config.num_layers, topo.pp_size)
         self.model = GPTModel(self.model_config, topo, device=topo.device, seed=config.seed, split=split)
+        self.moe_report = MoEReporter.for_model(self.model, self.model_config, topo)  # None: a dense model
         # Counted on the whole parameters, before an optimizer may partition them.
         self._decay_exempt = count_exempt(self.model.named_parameters(), no_weight_decay_rule(config, None))
         self.engine = hybrid.initialize(self.model, config, topology=topo)
@@ -295,10 +297,11 @@ class Trainer:
         sampler = GlobalBatchSampler(len(dataset), 0, self.batch.micro_batch_size,
                                      self.batch.global_batch_size, self.topology.dp_rank, self.topology.dp_size)
         losses = []
-        for k, micro_batches in enumerate(iter_global_batches(dataset, sampler)):
-            if k >= self.config.eval.iters:
-                break
-            losses.append(engine.eval_batch(self._model_inputs(micro_batches)))
+        with moe_not_counted(self.moe_report):  # the MoE report and expert bias count training's routing alone
+            for k, micro_batches in enumerate(iter_global_batches(dataset, sampler)):
+                if k >= self.config.eval.iters:
+                    break
+                losses.append(engine.eval_batch(self._model_inputs(micro_batches)))
         engine.train()
         mean = torch.tensor(sum(losses) / len(losses), dtype=torch.float32, device=device)
         self.topology.comm.all_reduce(mean, "dp", op="avg")
@@ -371,7 +374,10 @@ class Trainer:
                 loss_scale=self.engine.loss_scale if config.precision == "fp16" else None,
                 skipped=self.engine.skipped_steps > skipped_before,
                 params_norm=self.engine.get_params_norm() if config.logging.log_params_norm else None,
-                num_zeros=self.engine.get_num_zeros_in_grad()))
+                num_zeros=self.engine.get_num_zeros_in_grad(),
+                # collective: every rank gathers the MoE routing where the monitor reports
+                moe=self.moe_report.gather() if self.moe_report and self.monitor.ends_interval(self.iteration)
+                else None))
             diverged = self.guard.check(self.iteration, self.engine.skipped_steps > skipped_before, loss, topo,
                                         grad_norm=self.engine.get_grad_norm(),
                                         own_losses=self.engine.last_pipeline_stats.losses)
