@@ -140,3 +140,24 @@ def test_an_expert_parallel_run_trains_and_records_ep_in_its_layout(tmp_path):
     assert len([line for line in proc.stdout.splitlines() if line.startswith("iteration")]) == 2
     metadata = json.loads((tmp_path / "ckpt" / "iter_0000002" / "metadata.json").read_text())
     assert metadata["layout"]["ep"] == 2 and metadata["model_config"]["num_experts"] == 4
+
+
+def test_every_moe_flag_docs_training_md_names_is_a_key_an_entry_or_a_family():
+    """docs/training.md's Mixture of Experts section names flags; each is a key's, a MEGATRON_FLAGS entry's (with
+    the verdict the section gives) or a refused family's."""
+    import re
+
+    from hybrid.config.megatron_flags import MEGATRON_FLAGS, family_of
+    from hybrid.config.spellings import SPELLINGS
+
+    text = (REPO / "docs" / "training.md").read_text().split("## Mixture of Experts")[1].split("\n## ")[0]
+    entries = {f.flag: f for f in MEGATRON_FLAGS}
+    accepted = text.split("**accepted, no effect**")[1].split("* **refused**")[0]
+    refused = text.split("* **refused**")[1].split("* **Megatron-DeepSpeed's**")[0]
+    for flag in set(re.findall(r"--[a-z][a-z0-9-]+", text)) - {"--nnodes", "--nproc-per-node"}:  # torchrun's
+        assert flag in SPELLINGS or flag in entries or family_of(flag) is not None, flag
+    for flag in re.findall(r"--[a-z][a-z0-9-]+", accepted):
+        assert entries[flag].accepted, flag
+    for flag in set(re.findall(r"--[a-z][a-z0-9-]+", refused)) - set(SPELLINGS):
+        entry = entries.get(flag)
+        assert entry is None and family_of(flag) is not None or not entry.accepted or entry.values, flag
