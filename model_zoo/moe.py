@@ -52,18 +52,19 @@ class AuxLossScale:
 
 
 class _AttachAuxLoss(torch.autograd.Function):
-    """Identity on ``x``; backward also gives ``aux`` (a scalar) the gradient ``scale.value``: the loss joins the
-    backward pass at its layer, on whichever pipeline stage holds it."""
+    """Identity on ``x``; backward also gives ``aux`` (a scalar) the gradient ``scale.value``, read when backward
+    runs (the engine sets it then): the loss joins the backward pass at its layer, on whichever pipeline stage
+    holds it."""
 
     @staticmethod
     def forward(ctx, x, aux, scale):
-        ctx.scale = scale.value
+        ctx.scale = scale
         ctx.aux_shape = aux.shape
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, grad.new_full(ctx.aux_shape, ctx.scale, dtype=torch.float32), None
+        return grad, grad.new_full(ctx.aux_shape, ctx.scale.value, dtype=torch.float32), None
 
 
 # ---- statistics -------------------------------------------------------------------------------------------------
