@@ -103,6 +103,17 @@ def gpt_param_layout(cfg: GPTConfig) -> Dict[str, Tuple[Tuple[int, ...], param_m
             for name, p in model.named_parameters()}
 
 
+def gpt_buffer_layout(cfg: GPTConfig) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+    """The persistent buffers ``GPTModel(cfg)`` saves beside its parameters (the MoE routers' ``expert_bias``):
+    their shapes and dtypes (meta device)."""
+    from model_zoo import GPTModel
+
+    model = GPTModel(cfg, Topology.local(), device="meta")
+    params = {name for name, _ in model.named_parameters()}
+    return {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()
+            if name not in params and isinstance(t, torch.Tensor)}
+
+
 def _hf_shape(link: Link, index: int, full_shape: Tuple[int, ...]) -> Tuple[int, ...]:
     lo, hi = link.row_range(index, full_shape[0])
     shape = (hi - lo,) + tuple(full_shape[1:])
@@ -250,6 +261,7 @@ def import_from_hf(input_dir, save, *, tp: int = 1, dtype: Optional[str] = None,
     layout = gpt_param_layout(cfg)
     links = arch.links(cfg)
     _check_hf_tensors(hf, arch, cfg, links, layout)
+    buffers = _fresh_buffers(arch, cfg)
     out_dtype = DTYPES[_check_dtype(dtype)] if dtype else hf.dtype(links[0].hf[0])
     if out_dtype not in PRECISION_OF_DTYPE:
         raise ConversionError(f"{hf.path} holds {out_dtype} weights; pass --dtype fp32, bf16 or fp16")
@@ -257,7 +269,8 @@ def import_from_hf(input_dir, save, *, tp: int = 1, dtype: Optional[str] = None,
     # as a job's save: a job saving into the same folder would delete this import's files as leftovers
     with new_checkpoint_in(save, 0, force=force):
         writer = CheckpointWriter(save, 0, ParallelLayout(tp=tp, dp=1, precision=PRECISION_OF_DTYPE[out_dtype]))
-        total = tp * sum(nbytes_of(layout[link.hybrid][0], out_dtype) for link in links)
+        total = tp * (sum(nbytes_of(layout[link.hybrid][0], out_dtype) for link in links)
+                      + sum(nbytes_of(t.shape, t.dtype) for t in buffers.values()))
         bar = open_bar(progress, f"from-hf {arch.ARCHITECTURE} to tp={tp}", total)
         index = []
         try:
@@ -275,6 +288,9 @@ def import_from_hf(input_dir, save, *, tp: int = 1, dtype: Optional[str] = None,
                     if rank == 0:
                         index.append({"name": link.hybrid, "shape": list(local), "dtype": HF_DTYPE_NAMES[out_dtype],
                                       "tp_meta": meta.to_json()})
+                for name, value in buffers.items():  # whole on every TP rank and, as the engine saves them,
+                    # not in the parameter index (which lists what the optimizer holds)
+                    sources[name] = tracked(value.shape, value.dtype, value.clone, bar)
                 with read_ahead(sources) as ahead:
                     records.append(writer.write_model_shard(ahead, rank))
             writer.commit(records, model_config=cfg.to_dict(), param_index=index,
@@ -329,6 +345,17 @@ def _hybrid_full(hf: HFDirectory, link: Link, full_shape: Tuple[int, ...], dtype
         rows = full[slice(*link.row_range(i, full_shape[0]))]
         hf.read_into(name, rows.t() if link.transpose else rows)
     return full
+
+
+def _fresh_buffers(arch, cfg: GPTConfig) -> Dict[str, torch.Tensor]:
+    """The values the map gives the model's persistent buffers (those of a fresh model: HF has none of them),
+    checked against the buffers ``GPTModel(cfg)`` saves."""
+    buffers = getattr(arch, "buffers", lambda cfg: {})(cfg)
+    expected = gpt_buffer_layout(cfg)
+    if {n: (tuple(t.shape), t.dtype) for n, t in buffers.items()} != expected:  # a bug, not a user error
+        raise ConversionError(f"internal: {arch.ARCHITECTURE} gives the buffers {sorted(buffers)[:5]}, "
+                              f"model_zoo.GPTModel saves {sorted(expected)[:5]}")
+    return buffers
 
 
 def _check_hf_tensors(hf: HFDirectory, arch, cfg: GPTConfig, links, layout) -> None:

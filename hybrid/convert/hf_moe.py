@@ -46,6 +46,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Tuple
 
+import torch
+
 from hybrid.convert.consolidate import ConversionError
 from hybrid.convert.hf_common import Link, refuse, setting
 from hybrid.convert.hf_llama import LlamaFamily, swiglu_links
@@ -195,6 +197,12 @@ class MoEFamily(LlamaFamily):
                         hf.alias(f"{want}experts.{e}.{gate}.weight", up_name, e * 2 * f, (f, h))
                         hf.alias(f"{want}experts.{e}.{up}.weight", up_name, e * 2 * f + f, (f, h))
                         hf.alias(f"{want}experts.{e}.{down}.weight", down_name, e * h, (h, f))
+
+    def buffers(self, cfg: GPTConfig) -> Dict[str, torch.Tensor]:
+        """What import writes for the model's buffers: each MoE layer's router ``expert_bias`` ``[E]`` fp32, zero
+        (a fresh model's: HF routes without one)."""
+        return {f"layers.{i}.mlp.router.expert_bias": torch.zeros(cfg.num_experts, dtype=torch.float32)
+                for i, moe in enumerate(cfg.moe_layer_pattern()) if moe}
 
     def unexported(self, name: str, cfg: GPTConfig) -> bool:
         """The router's ``expert_bias`` buffer, which checkpoints save: export refuses a model that routes with
