@@ -176,9 +176,6 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
     _accepted("--overlap-moe-expert-parallel-comm", _NO_EP_OVERLAP),
     _accepted("--delay-wgrad-compute", "it schedules weight gradients for Megatron's expert-parallel overlap; "
                                        + _NO_EP_OVERLAP),
-    _accepted("--moe-per-layer-logging", "hybrid reports the balancing and z-loss values beside the language-model "
-                                         "loss; each MoE layer's own statistics are its stats "
-                                         "(model_zoo.moe.moe_layers)"),
     _accepted("--moe-pad-expert-input-to-capacity", "padding each expert's tokens to its capacity with zeros "
                                                     "changes the shapes of the expert matmuls, not their results"),
     _accepted("--moe-router-padding-for-fp8", "it pads each expert's tokens to a multiple of 16 for FP8 matmuls "

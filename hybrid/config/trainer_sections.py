@@ -280,6 +280,10 @@ class LoggingConfig:
     log_num_zeros_in_grad: bool = _field(False, flag="--log-num-zeros-in-grad",
                                          help="report how many elements of each step's gradient are exactly zero "
                                               "(one more pass over the gradient per step)")
+    moe_per_layer_logging: bool = _field(False, flag="--moe-per-layer-logging",
+                                         help="an MoE model: after each log line, one line per MoE layer (its load "
+                                              "over experts, dropped share, balancing and z-loss values); the log "
+                                              "line itself shows the worst layer")
 
 
 @dataclasses.dataclass

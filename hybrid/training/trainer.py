@@ -157,7 +157,8 @@ class Trainer:
             train_iters=self.train_iters, log_interval=config.logging.log_interval,
             is_logging_rank=topo.rank == 0, seq_length=self.model_config.seq_length, world_size=topo.world_size,
             flops_per_token=flops_per_token(self.model_config), peak=peak,
-            tensorboard_dir=config.logging.tensorboard_dir, device=topo.device)
+            tensorboard_dir=config.logging.tensorboard_dir, device=topo.device,
+            moe_per_layer=config.logging.moe_per_layer_logging)
         self.history = []  # (iteration, DP-averaged lm loss) of this run, for callers and tests
         self.evaluations = []  # (split, iteration, loss) of each evaluation, "valid" or "test"
         self.profile = StepProfile(self.topology.comm, steady_state_start(

@@ -210,7 +210,6 @@ SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4
      "--moe-router-load-balancing-type sinkhorn (no effect on a dense model"),
     (["--num-experts", "4", "--moe-permute-fusion"], "--moe-permute-fusion (hybrid orders the tokens by expert"),
     (["--num-experts", "4", "--moe-router-dtype", "fp32"], "--moe-router-dtype fp32 (the router computes"),
-    (["--num-experts", "4", "--moe-per-layer-logging"], "--moe-per-layer-logging (hybrid reports the balancing"),
     (["--empty-unused-memory-level", "2"], "--empty-unused-memory-level 2 (emptying the CUDA allocator's cache"),
     (["--tokenizer-type", "NullTokenizer", "--mock-data"], "--tokenizer-type NullTokenizer (no tokenizer is read"),
     (["--split", "'99,1,0'"], "--split '99,1,0' (read as 99,1,0"),

@@ -26,7 +26,9 @@ def test_the_moe_keys_reach_the_model():
                             "1e-2", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
                             "--moe-router-bias-update-rate", "0.01", "--moe-expert-capacity-factor", "1.5",
                             "--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate",
-                            "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"], world_size=2)
+                            "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                            "--moe-per-layer-logging"], world_size=2)
+    assert cfg.logging.moe_per_layer_logging  # the monitor's per-layer lines (hybrid.monitor.moe)
     gpt = model_config(cfg, vocab_size=64)
     assert (gpt.num_experts, gpt.moe_router_topk, gpt.moe_layer_freq) == (4, 1, (0, 1))
     assert gpt.moe_layer_pattern() == (False, True)
@@ -132,12 +134,13 @@ def test_an_expert_parallel_run_trains_and_records_ep_in_its_layout(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     argv = MOE + ["--expert-model-parallel-size", "2", "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
-                  "--log-interval", "1"]
+                  "--log-interval", "1", "--moe-per-layer-logging"]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "hybrid.train", *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "tp=1 dp=2 pp=1 ep=2" in proc.stdout
     assert len([line for line in proc.stdout.splitlines() if line.startswith("iteration")]) == 2
+    assert len([line for line in proc.stdout.splitlines() if line.startswith("moe layer ")]) == 2 * 2  # per layer
     metadata = json.loads((tmp_path / "ckpt" / "iter_0000002" / "metadata.json").read_text())
     assert metadata["layout"]["ep"] == 2 and metadata["model_config"]["num_experts"] == 4
 
