@@ -136,7 +136,10 @@ class ExpertSplitOptimizer(ZeroOptimizer):
         self.param_index = self.dense.param_index
         self.model_state_is_copy = self.dense.model_state_is_copy
         self._expert_keys = {key for key, t in model.state_dict(keep_vars=True).items()
-                             if isinstance(t, torch.nn.Parameter) and t.requires_grad and is_expert(t)}
+                             if isinstance(t, torch.nn.Parameter) and is_expert(t)}
+        # the expert weights the other ep ranks of this rank's group hold (a model file holds them all)
+        self._other_expert_keys = set().union(*self.comm.all_gather_object(sorted(self._expert_keys), "ep")) \
+            - self._expert_keys
         self._finish_setup()
 
     # ---- the training step ----------------------------------------------------------------------------
@@ -264,19 +267,36 @@ class ExpertSplitOptimizer(ZeroOptimizer):
 
     # ---- whole weights in and out ----------------------------------------------------------------------
     def model_state_for_save(self) -> Optional[Dict[str, torch.Tensor]]:
-        """``model.state_dict()`` with this rank's experts; under stage 3 on DP rank 0 only (both halves gather
-        their units: every rank must call it), None elsewhere."""
+        """``model.state_dict()`` with the experts of EVERY ep rank, as one process holding the whole model (this
+        TP and pipeline shard) would write it; on DP rank 0, the one that writes the model file.
+
+        Every rank must call it: under stage 3 both halves gather their units (over ``dp`` and ``edp``), and
+        the ranks of DP rank 0's ``ep`` group (``edp`` rank 0) send their experts to it (host copies, an
+        object all-gather over ``ep``). So a model file is the same at every ``ep`` size, and a weights-only
+        load finds each rank's experts in it (:meth:`load_model_state`). Other ranks get their own shard
+        (stages 0-2: what the file does not need) or None (stage 3).
+        """
         dense = self.dense.model_state_for_save()
         expert = self.expert.model_state_for_save()
+        if self.expert.topology.dp_rank != 0:
+            return dense  # not in DP rank 0's ep group: no file takes these experts from here
+        if expert is None:
+            raise AssertionError("edp rank 0 must hold its experts' whole weights")
+        mine = {k: expert[k].detach().to("cpu", copy=True) for k in sorted(self._expert_keys)}
+        others = self.comm.all_gather_object(mine, "ep")
         if dense is None:
             return None
-        if expert is None:  # stage 3: dp rank 0 is edp rank 0 of its ep group too, so both keep
-            raise AssertionError("dp rank 0 must hold its experts' whole weights")
-        return {k: expert[k] if k in self._expert_keys else v for k, v in dense.items()}
+        merged = {k: v for k, v in dense.items() if k not in self._expert_keys}
+        for part in others:
+            merged.update(part)
+        return merged
 
     def load_model_state(self, state: Dict[str, torch.Tensor]) -> None:
-        """Load a whole ``model.state_dict()`` of this rank's shard (its experts); both halves' masters follow."""
+        """Load a whole-model ``state_dict`` of this TP and pipeline shard (:meth:`model_state_for_save`: every
+        ep rank's experts): this rank takes its own experts and the dense weights; both halves' masters follow.
+        A state without the other ep ranks' experts (one rank's ``model.state_dict()``) loads as well."""
         self.fence_writes()
+        state = {k: v for k, v in state.items() if k not in self._other_expert_keys}
         if STAGE_TRAITS[self.stage].parameters:
             for half in self.halves:
                 half.load_model_state(state)  # each writes its own parameters, both the buffers

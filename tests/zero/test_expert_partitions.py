@@ -188,8 +188,14 @@ def _resume(stage):
     opt2.load_state_dict(saved)
     b = more(model2, opt2)
     header = {k: saved[k] for k in ("format", "ep_size", "ep_rank", "edp_size", "edp_rank")}
+    # the model file's state: every ep rank's experts on DP rank 0; each rank loads its own back from it
+    whole = opt.model_state_for_save()
+    whole = topo.comm.all_gather_object(whole, "world")[0]  # what DP rank 0 wrote, read by every rank
+    model3, _, opt3 = _build(stage)
+    opt3.load_model_state(whole)
     return {"a": a, "b": b, "header": header, "expert_index": [r["name"] for r in saved["expert"]["param_index"]],
-            "has_dense_index": "param_index" not in saved["dense"] and bool(saved["param_index"])}
+            "has_dense_index": "param_index" not in saved["dense"] and bool(saved["param_index"]),
+            "whole_keys": sorted(whole), "reloaded": _params(model3, opt3)}
 
 
 def _refusals():
@@ -294,6 +300,8 @@ def test_resume_is_bit_identical(fast):
         assert {n.split(".")[1] for n in got["expert_index"]} == {str(2 * (rank % EP)), str(2 * (rank % EP) + 1)}
         for name, value in got["a"].items():
             assert (value == got["b"][name]).all(), name
+            assert (value == got["reloaded"][name]).all(), name  # weights-only load of the model file
+        assert got["whole_keys"] == sorted(ToyMoE().state_dict())  # every expert, as one process holds them
 
 
 def test_refusals_name_the_key(fast):
