@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--output", required=True, help="FILE.safetensors")
 
     h = sub.add_parser("to-hf", help="a Hugging Face transformers directory (GPT2LMHeadModel, LlamaForCausalLM, "
-                                     "MistralForCausalLM, Qwen2ForCausalLM)")
+                                     "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
+                                     "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)")
     h.add_argument("--load", required=True, help="save directory or DIR/iter_N")
     h.add_argument("--output", required=True, help="directory to write config.json and model*.safetensors into")
     h.add_argument("--dtype", choices=PRECISIONS, help="tensor dtype (default: the run's precision)")
@@ -85,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "MistralForCausalLM; default: the one it was imported from, else the "
                                           "first that fits)")
 
-    i = sub.add_parser("from-hf", help="import a Hugging Face GPT-2, Llama, Mistral or Qwen2 directory (for --load "
-                                       "--finetune)")
+    i = sub.add_parser("from-hf", help="import a Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, "
+                                       "Qwen2-MoE or Qwen3-MoE directory (for --load --finetune)")
     i.add_argument("--input", required=True, help="directory with config.json and safetensors or pytorch_model.bin")
     i.add_argument("--save", required=True, help="save directory for the hybrid checkpoint")
     i.add_argument("--tp", type=int, default=1, help="tensor-parallel size to shard for (default 1)")

@@ -1,4 +1,5 @@
-"""What an architecture map (:mod:`~hybrid.convert.hf_gpt2`, the families of :mod:`~hybrid.convert.hf_llama`) provides.
+"""What an architecture map (:mod:`~hybrid.convert.hf_gpt2`, the families of :mod:`~hybrid.convert.hf_llama` and
+:mod:`~hybrid.convert.hf_moe`) provides.
 
 A map relates the *full* (TP-merged, unpadded) hybrid state of a
 :class:`model_zoo.GPTModel` to a Hugging Face ``transformers`` state dict,
@@ -13,6 +14,15 @@ tensor by tensor, with :class:`Link` records. Each map module defines:
 * ``links(config) -> list[Link]``;
 * ``ignored(name, config) -> bool``: HF tensors that carry no information
   of their own (a tied head, old attention-mask buffers).
+
+and may define (the MoE families do):
+
+* ``adapt(hf_directory, config)``: present other namings HF reads of the
+  same tensors under the names ``links`` uses (``HFDirectory.alias``);
+* ``buffers(config) -> dict[str, Tensor]``: what import writes for the
+  model's persistent buffers (checked against ``GPTModel``'s);
+* ``unexported(name, config) -> bool``: saved hybrid tensors export leaves
+  out because the HF model computes without them.
 """
 
 from __future__ import annotations

@@ -180,7 +180,8 @@ class MoEFamily(LlamaFamily):
             want = f"model.layers.{i}.{self.moe_prefixes[0]}."
             for prefix in self.moe_prefixes:
                 base = f"model.layers.{i}.{prefix}."
-                fused = {base + "experts.gate_up_proj": (e_count, 2 * f, h), base + "experts.down_proj": (e_count, h, f)}
+                fused = {base + "experts.gate_up_proj": (e_count, 2 * f, h),
+                         base + "experts.down_proj": (e_count, h, f)}
                 if base != want:  # another prefix for the same module (Mixtral's mlp.): the same names under it
                     for n in sorted(n for n in names if n.startswith(base) and n not in fused):
                         hf.alias(want + n[len(base):], n)
@@ -232,5 +233,6 @@ QWEN2_MOE = MoEFamily("Qwen2MoeForCausalLM", "qwen2_moe", qkv_bias=True,
                       window_switch="use_sliding_window", shared_expert=True)
 QWEN3_MOE = MoEFamily("Qwen3MoeForCausalLM", "qwen3_moe", qkv_bias=False,
                       fixed=(("attention_bias", False), ("sliding_window", None), ("use_sliding_window", False)),
-                      window_switch="use_sliding_window", qk_norm=True, experts_keys=("num_experts", "num_local_experts"))
+                      window_switch="use_sliding_window", qk_norm=True,
+                      experts_keys=("num_experts", "num_local_experts"))
 FAMILIES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE)
