@@ -511,7 +511,7 @@ def initialize(model: torch.nn.Module, config: ConfigSource = None, topology: Op
     ``topology``: the parallel layout. Without one, the process group is
     started from torchrun's environment (single process otherwise) with the
     ``distributed`` section's collective timeout, and a topology with
-    ``tensor_parallel_size``, ``pipeline.size`` and
+    ``tensor_parallel_size``, ``pipeline.size``, ``expert_parallel_size`` and
     ``distributed.allow_tp_across_nodes`` is built. A TP model must be
     built on the same topology that is passed here.
 
@@ -529,14 +529,14 @@ def initialize(model: torch.nn.Module, config: ConfigSource = None, topology: Op
         timeout_s = cfg.distributed.timeout_minutes * 60
         init_distributed(timeout_s=timeout_s)
         # the timeout reaches every TP/DP/PP group too, not only the default one
-        topology = Topology(tp=cfg.tensor_parallel_size or 1, pp=cfg.pipeline.size or 1, timeout_s=timeout_s,
+        topology = Topology(tp=cfg.tensor_parallel_size or 1, pp=cfg.pipeline.size or 1,
+                            ep=cfg.expert_parallel_size or 1, timeout_s=timeout_s,
                             allow_tp_across_nodes=cfg.distributed.allow_tp_across_nodes)
-    elif cfg.pipeline.size is not None and cfg.pipeline.size != topology.pp_size:
-        raise ConfigError(f"config key 'pipeline.size' is {cfg.pipeline.size} but the topology has "
-                          f"pp={topology.pp_size}; leave the key unset to use the topology's, or build the "
-                          f"Topology with pp={cfg.pipeline.size}")
-    elif cfg.tensor_parallel_size is not None and cfg.tensor_parallel_size != topology.tp_size:
-        raise ConfigError(f"config key 'tensor_parallel_size' is {cfg.tensor_parallel_size} but the topology "
-                          f"has tp={topology.tp_size}; leave the key unset to use the topology's, or build the "
-                          f"Topology with tp={cfg.tensor_parallel_size}")
+    else:
+        for key, wanted, axis, built in (("pipeline.size", cfg.pipeline.size, "pp", topology.pp_size),
+                                         ("tensor_parallel_size", cfg.tensor_parallel_size, "tp", topology.tp_size),
+                                         ("expert_parallel_size", cfg.expert_parallel_size, "ep", topology.ep_size)):
+            if wanted is not None and wanted != built:
+                raise ConfigError(f"config key {key!r} is {wanted} but the topology has {axis}={built}; leave the "
+                                  f"key unset to use the topology's, or build the Topology with {axis}={wanted}")
     return Engine(model, cfg, topology, no_weight_decay=no_weight_decay)
