@@ -148,7 +148,15 @@ def _run(stage, **kwargs):
 
     model, topo, opt = _build(stage, **kwargs)
     early_stop = getattr(checkpoint, "_enable_checkpoint_early_stop", None)
-    out = train_zero(model, opt, topo, STEPS, micro=2, gas=1)
+    opt.count_grad_zeros = True
+    zeros = []
+
+    def first_zeros(step, loss):  # before step 1's backward: step 0's count
+        if step == 1:
+            zeros.append(opt.get_num_zeros_in_grad())
+        return loss
+
+    out = train_zero(model, opt, topo, STEPS, micro=2, gas=1, loss_hook=first_zeros)
     # stage 3: both halves' forwards enter and leave torch's switch; it ends as it began
     assert getattr(checkpoint, "_enable_checkpoint_early_stop", None) == early_stop
     report = opt.comm_report()
@@ -165,7 +173,7 @@ def _run(stage, **kwargs):
                                                                                         half.partition_count),
             "expert_numel": expert_numel, "expert_memory": half.memory_report(), "memory": opt.memory_report(),
             "dense_memory": opt.dense.memory_report(), "num_parameters": opt.num_parameters(),
-            "params_norm": opt.params_norm()}
+            "params_norm": opt.params_norm(), "first_zeros": zeros[0]}
 
 
 def _resume(stage):
@@ -212,10 +220,28 @@ def _refusals():
     return out
 
 
+def _bf16_memory():
+    """ZeRO-1 on a bf16 model: the fp32 masters of each rank's experts are 1/edp of them (one training step)."""
+    from hybrid import Topology
+    from tests.zero.common import make_zero
+
+    topo = Topology(ep=EP)
+    model = ToyMoE(topo).to(torch.bfloat16)
+    opt = make_zero(model, topo, stage=1, lr=LR, weight_decay=WD, no_weight_decay=no_decay, bucket_size=BUCKET)
+    train_zero(model, opt, topo, 1, micro=2, gas=1)
+    mem = opt.expert.memory_report()
+    padded = sum(g.numel for g in opt.expert.groups)
+    return {"master": mem["master"], "states": mem["optimizer_states"], "padded": padded,
+            "used": sum(s.used for g in opt.expert.groups for s in g.segments),
+            "numel": sum(p.numel() for n, p in model.named_parameters() if n.startswith("experts."))}
+
+
 def _suite(cases):
     res = {}
     for case in cases:
-        if case == "resume":
+        if case == "bf16":
+            res[case] = _bf16_memory()
+        elif case == "resume":
             res[case] = _resume(2)
         elif case == "refusals":
             res[case] = _refusals()
@@ -243,14 +269,26 @@ def fast():
 
 @pytest.fixture(scope="module")
 def slow():
-    return run_distributed(_suite, WORLD, SLOW, timeout=600)
+    return run_distributed(_suite, WORLD, SLOW + ["bf16"], timeout=600)
+
+
+def _reference_first_zeros() -> int:
+    """Exactly-zero elements of the first step's whole gradient in one process (embedding rows of tokens the
+    batch lacks, and so on)."""
+    model = ToyMoE()
+    x, y = token_batch(0, 2 * WORLD)
+    model(x, y).backward()
+    return sum(int((p.grad == 0).sum()) for p in model.parameters())
 
 
 def _check_parity(results, reference, case):
     _, ref_norms, ref_params = reference
     assert min(ref_norms) > CLIP  # clipping acts on every step: the global norm decides every update
     tol = adam_trajectory_tolerance(STEPS, LR)
+    zeros = _reference_first_zeros()
+    assert zeros > 0
     for r in results:
+        assert r[case]["first_zeros"] == zeros  # each element counted once, dense over dp and experts over edp
         got = r[case]
         assert got["class"] == "ExpertSplitOptimizer"
         # one global norm, the same on every rank, equal to the single process's (fp32 sums in another order)
@@ -325,6 +363,16 @@ def test_other_stages_match_single_process_adamw(slow, reference, case):
             assert got["expert_memory"]["host_bytes"] > 0
         if case[0] == 3:  # the expert modules are partitioned over edp and gathered for use
             assert got["expert_memory"]["peak_live_parameters"] > 0
+
+
+@pytest.mark.slow
+def test_bf16_expert_masters_are_one_edp_share(slow):
+    for r in slow:
+        got = r["bf16"]
+        assert got["used"] == got["numel"]  # the expert half holds this rank's experts and nothing else
+        # fp32 masters and two fp32 moments of 1/edp of the (padded) expert buffers
+        assert got["master"] == 4 * got["padded"] // (WORLD // EP)
+        assert got["states"] == 2 * got["master"]
 
 
 # ---- the engine's checkpoints with model_zoo's MoE layer ---------------------------------------------------------
