@@ -2,7 +2,8 @@
 # The main job: pretrain the `tiny` GPT (or MODEL) on this machine's CPUs, end to end, with nothing downloaded.
 #   1. builds a corpus from the docstrings of the Python standard library (tools/make_stdlib_corpus.py)
 #   2. trains a SentencePiece tokenizer and preprocesses the corpus into an indexed dataset
-#   3. pretrains with TP=2 x DP=2 and ZeRO-1 on 4 CPU processes (torchrun, gloo); PP=2 makes it TP=2 x PP=2
+#   3. pretrains with TP=2 x DP=2 and ZeRO-1 on 4 CPU processes (torchrun, gloo); PP=2 makes it TP=2 x PP=2;
+#      an MoE preset (MODEL=tiny-moe) runs its experts expert-parallel: EP=2 by default, with sequence parallelism
 #   4. writes TensorBoard logs and checkpoints
 #   5. prints where they are and a text sample from the trained model
 # It sets up .venv on first use (launch_scripts/setup_env.sh).
@@ -13,12 +14,15 @@
 #                                 default (runs/tiny, runs/tiny-gqa, runs/tiny-pp2, ...). A folder holding
 #                                 another variant's checkpoints is refused, naming WORK_DIR: this script
 #                                 starts from scratch and would overwrite them
-#   MODEL           [tiny]        model_zoo preset: tiny (GPT-2 style), llama-tiny, or tiny-gqa (Llama 3 style:
-#                                 grouped-query attention, 8 query heads sharing 2 key/value heads, RoPE scaling)
+#   MODEL           [tiny]        model_zoo preset: tiny (GPT-2 style), llama-tiny, tiny-gqa (Llama 3 style:
+#                                 grouped-query attention, 8 query heads sharing 2 key/value heads, RoPE scaling),
+#                                 or tiny-moe (Mixture of Experts: 4 experts, top-2, every layer)
 #   NPROC           [4]           processes (CPU ranks)
 #   MASTER_PORT     [a free port] rendezvous port on 127.0.0.1
 #   TP              [2]           tensor-model-parallel size
 #   PP              [1]           pipeline-parallel size (stages; DP = NPROC / (TP x PP))
+#   EP              [2 for an MoE preset, else 1]  expert-parallel size (divides DP; -epN in the folder name
+#                                 when not the default)
 #   ZERO_STAGE      [1]
 #   TRAIN_ITERS     [300]         optimizer steps (CI lowers it)
 #   MICRO_BATCH     [4]
@@ -45,6 +49,9 @@ VARIANT="$MODEL"
 if [ "$TP" != 2 ]; then VARIANT="$VARIANT-tp$TP"; fi
 if [ "$PP" != 1 ]; then VARIANT="$VARIANT-pp$PP"; fi
 if [ "$ZERO_STAGE" != 1 ]; then VARIANT="$VARIANT-zero$ZERO_STAGE"; fi
+case "$MODEL" in *moe*) EP_DEFAULT=2 ;; *) EP_DEFAULT=1 ;; esac
+EP="${EP:-$EP_DEFAULT}"
+if [ "$EP" != "$EP_DEFAULT" ]; then VARIANT="$VARIANT-ep$EP"; fi
 if [ "$NPROC" != 4 ]; then VARIANT="$VARIANT-np$NPROC"; fi
 WORK_DIR="${WORK_DIR:-runs/$VARIANT}"
 TRAIN_ITERS="${TRAIN_ITERS:-300}"
@@ -62,7 +69,7 @@ SETUP="${SETUP:-1}"
 EXTRA_ARGS="${EXTRA_ARGS:-}"
 
 # What makes a run another run's: the trainer starts from scratch here and would overwrite its checkpoints.
-RUN_KEY="MODEL=$MODEL TP=$TP PP=$PP ZERO_STAGE=$ZERO_STAGE NPROC=$NPROC SEQ_LENGTH=$SEQ_LENGTH VOCAB_SIZE=$VOCAB_SIZE"
+RUN_KEY="MODEL=$MODEL TP=$TP PP=$PP EP=$EP ZERO_STAGE=$ZERO_STAGE NPROC=$NPROC SEQ_LENGTH=$SEQ_LENGTH VOCAB_SIZE=$VOCAB_SIZE"
 RUN_FILE="$WORK_DIR/demo_run.txt"
 if [ -e "$WORK_DIR/checkpoints/latest" ] && [ "$(cat "$RUN_FILE" 2>/dev/null)" != "$RUN_KEY" ]; then
   held="$(cat "$RUN_FILE" 2>/dev/null || echo "a run this script did not record")"
@@ -70,10 +77,15 @@ if [ -e "$WORK_DIR/checkpoints/latest" ] && [ "$(cat "$RUN_FILE" 2>/dev/null)" !
        "($RUN_KEY) would overwrite: set WORK_DIR to a new folder, or delete $WORK_DIR/checkpoints" >&2
   exit 1
 fi
-echo "hybrid demo: pretraining $MODEL on $NPROC CPU processes (TP=$TP, PP=$PP, ZeRO-$ZERO_STAGE) into $WORK_DIR"
+echo "hybrid demo: pretraining $MODEL on $NPROC CPU processes (TP=$TP, PP=$PP, EP=$EP, ZeRO-$ZERO_STAGE) into" \
+     "$WORK_DIR"
 if [ "$SETUP" = "1" ]; then
   source launch_scripts/setup_env.sh
 fi
+# An MoE model splits its tokens over the TP ranks (sequence parallelism) before routing them: docs/moe.md
+MOE_ARGS=""
+if [ "$EP" != 1 ]; then MOE_ARGS="--expert-model-parallel-size $EP"; fi
+if [ "$EP_DEFAULT" = 2 ] && [ "$TP" != 1 ]; then MOE_ARGS="$MOE_ARGS --sequence-parallel"; fi
 MASTER_PORT="${MASTER_PORT:-$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
 mkdir -p "$WORK_DIR"
 echo "$RUN_KEY" >"$RUN_FILE"
@@ -91,7 +103,7 @@ python tools/preprocess_data.py --input "$WORK_DIR/corpus.jsonl" --tokenizer-mod
   --output-prefix "$WORK_DIR/corpus" --append-eod --workers 2 --no-progress
 stage_done
 
-stage "3/4 pretraining $MODEL: $NPROC CPU processes, TP=$TP, PP=$PP, ZeRO-$ZERO_STAGE, $TRAIN_ITERS iterations"
+stage "3/4 pretraining $MODEL: $NPROC CPU processes, TP=$TP, PP=$PP, EP=$EP, ZeRO-$ZERO_STAGE, $TRAIN_ITERS iterations"
 # One intra-op thread per rank: the ranks already share the cores. The c10d rendezvous listens on the
 # loopback address only (torchrun --standalone would take any interface).
 # shellcheck disable=SC2086
@@ -105,7 +117,7 @@ OMP_NUM_THREADS=1 torchrun --nnodes 1 --nproc-per-node "$NPROC" \
   --data-path "$WORK_DIR/corpus_text_document" --split 90,5,5 --tokenizer-model "$WORK_DIR/tokenizer.model" \
   --save "$WORK_DIR/checkpoints" --save-interval "$SAVE_INTERVAL" --keep-last 2 \
   --eval-interval "$EVAL_INTERVAL" --eval-iters 4 --log-interval "$LOG_INTERVAL" --log-params-norm \
-  --log-num-zeros-in-grad --tensorboard-dir "$WORK_DIR/tensorboard" --seed 1234 $EXTRA_ARGS
+  --log-num-zeros-in-grad --tensorboard-dir "$WORK_DIR/tensorboard" --seed 1234 $MOE_ARGS $EXTRA_ARGS
 stage_done
 
 stage "4/4 a sample from the trained model (greedy: the most likely next token each time)"

@@ -212,12 +212,15 @@ class Expert(nn.Module):
                  device=None, dtype=None):
         super().__init__()
         h, f, blocks = config.hidden_size, config.expert_ffn_size, config.mlp_input_blocks
-        split = etp > 1
+        # Split over TP as the dense MLP is, whenever the experts follow the TP size (at TP 1 too: the metadata
+        # says how any TP size cuts them, which checkpoints and conversion read); whole only by
+        # --expert-tensor-parallel-size 1.
+        split = config.expert_tensor_parallel_size is None or etp > 1
         self.swiglu = config.mlp == "swiglu"
         self.topology = topology
-        self.sum_over_tp = not split and topology.tp_size > 1
+        self.sum_over_tp = etp == 1 and topology.tp_size > 1
         self.in_proj = ExpertLinear((blocks * f // etp, h), tp_init.normal(config.init_std),
-                                    dict(dim=0, stride=blocks) if split else {}, device, dtype)
+                                    dict(dim=0, stride=blocks) if split else {}, device, dtype)  # [gate; up]
         self.out_proj = ExpertLinear((h, f // etp), output_init, dict(dim=1) if split else {}, device, dtype)
 
     def weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -282,6 +285,16 @@ class Router(nn.Module):
         param_meta.set_tp_meta(self.weight)
         tp_init.set_initializer(self.weight, tp_init.normal(config.init_std))
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32, device=device))
+
+    def _apply(self, fn, recurse=True):
+        # The bias stays fp32 when the model is cast (a bf16 run): a step of 1e-3 is below half of bf16's spacing
+        # once the bias reaches 0.5, and the update would stop moving it. Device moves still apply.
+        kept = self.expert_bias
+        super()._apply(fn, recurse)
+        moved = self._buffers["expert_bias"]
+        if moved.dtype != torch.float32:
+            self._buffers["expert_bias"] = kept.to(device=moved.device)
+        return self
 
 
 class ExpertStack(nn.Module):
