@@ -8,6 +8,11 @@ from the stage's traits (:data:`hybrid.layout.STAGE_TRAITS`):
 * :class:`~hybrid.zero.stage3.Stage3Optimizer` for stage 3, where each rank
   keeps only its partition of the parameters and gathers whole ones per module.
 
+Under expert parallelism a third, :class:`~hybrid.zero.expert_split.ExpertSplitOptimizer`,
+runs one of those over the dense parameters and ``dp`` and another over the
+expert parameters and ``edp`` (each limited by the ``params`` filter), and the
+step below once over both.
+
 Usage per global batch (``gradient_accumulation_steps`` micro-batches)::
 
     for micro_batch in global_batch_slice_of_this_dp_rank:

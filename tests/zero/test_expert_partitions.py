@@ -217,6 +217,19 @@ def _refusals():
             out[key] = None
         except ZeroConfigError as e:
             out[key] = str(e)
+    # stage 3 gathers a module's own parameters together: a module with both kinds is refused, naming it
+    from hybrid import Topology
+    from hybrid.param_meta import set_expert
+    from tests.zero.common import make_zero
+
+    topo = Topology(ep=EP)
+    model = ToyMoE(topo)
+    set_expert(model.norm.weight)
+    try:
+        make_zero(model, topo, stage=3, lr=LR)
+        out["mixed"] = None
+    except ZeroConfigError as e:
+        out["mixed"] = str(e)
     return out
 
 
@@ -348,6 +361,7 @@ def test_refusals_name_the_key(fast):
     assert "zero.two_level_reduce" in got["two_level_reduce"]
     assert "zero.hpz_partition_size" in got["hpz"]
     assert "optimizer.type = 'onebit_adam'" in got["onebit"]
+    assert "zero.stage = 3" in got["mixed"] and "norm hold both" in got["mixed"]
 
 
 @pytest.mark.slow
