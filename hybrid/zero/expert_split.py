@@ -54,8 +54,9 @@ _STAGE3_ONLY = ("verify_order", "partition_init")
 
 
 def has_expert_parameters(model: torch.nn.Module) -> bool:
-    """Whether any trainable parameter of ``model`` is an expert parameter (:func:`hybrid.param_meta.is_expert`)."""
-    return any(p.requires_grad and is_expert(p) for p in model.parameters())
+    """Whether any parameter of ``model`` is an expert parameter (:func:`hybrid.param_meta.is_expert`), trainable
+    or frozen: a frozen one must not be synchronised over ``dp`` either."""
+    return any(is_expert(p) for p in model.parameters())
 
 
 def _dense(name: str, p: torch.nn.Parameter) -> bool:
@@ -106,6 +107,9 @@ class ExpertSplitOptimizer(ZeroOptimizer):
             raise ZeroConfigError(problem)
         if runtime.get("params") is not None:
             raise ZeroConfigError("params: the expert split chooses each half's parameters itself")
+        if not any(p.requires_grad and is_expert(p) for p in model.parameters()):
+            raise ZeroConfigError("expert parallelism with every expert parameter frozen (requires_grad=False) is "
+                                  "not supported yet: train at least one expert weight, or run at ep = 1")
         # stage 3's own arguments go to the halves only
         super().__init__(model, topology, zero, optimizer,
                          **{k: v for k, v in runtime.items() if k not in _STAGE3_ONLY})
