@@ -197,7 +197,8 @@ class GPTConfig:
                                                                       "unset: none)")
     moe_shared_expert_gate: bool = setting(False, kind=SHAPE, switch=True,
                                            help="a sigmoid gate [1, h] on the shared expert's output (Qwen2-MoE)")
-    expert_tensor_parallel_size: Optional[int] = setting(None, kind=TRAINING, ge=1,
+    # a shape setting: it decides how checkpoints cut the experts (split like the dense MLP, or whole)
+    expert_tensor_parallel_size: Optional[int] = setting(None, kind=SHAPE, ge=1,
                                                          help="split each expert's MLP over this many TP ranks: "
                                                               "the TP size (unset) or 1 (experts whole on every "
                                                               "TP rank)")
