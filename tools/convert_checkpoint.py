@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--target-dp", type=int, help="data-parallel size (default: the saved one)")
     # Which stages an offline reshard can write is hybrid.convert.reshard's rule; it explains a refusal.
     r.add_argument("--target-zero-stage", type=int, help="ZeRO stage (default: the saved one)")
+    r.add_argument("--target-ep", type=int,
+                   help="expert-parallel size, the loading job's --expert-model-parallel-size (default: the saved one)")
     r.add_argument("--zero-bucket-size", type=int,
                    help="the loading job's --zero-bucket-size (default: the saved run's)")
     # The loading job's pipeline settings, spelled as its own flags (hybrid.convert.reshard.SPLIT_KEYS).
@@ -128,7 +130,7 @@ def run(args) -> str:
         pipeline = {key: getattr(args, f"pipeline_{key}") for key, _ in _pipeline_leaves()}
         out = reshard_checkpoint(args.load, args.save, target_tp=args.target_tp, target_dp=args.target_dp,
                                  target_zero_stage=args.target_zero_stage, bucket_size=args.zero_bucket_size,
-                                 pipeline={k: v for k, v in pipeline.items() if v is not None}, progress=progress,
+                                 target_ep=args.target_ep, pipeline={k: v for k, v in pipeline.items() if v is not None}, progress=progress,
                                  force=args.force)
         return f"wrote {out}"
     if args.command == "to-fp32":

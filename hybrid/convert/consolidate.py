@@ -44,10 +44,16 @@ from hybrid.checkpoint.unreadable import load_checkpoint_torch_file, open_checkp
 from hybrid.dtypes import DTYPE_OF_SAFETENSORS_CODE
 from hybrid.param_meta import REPLICATED, TPMeta, full_size_of
 from hybrid.convert.ranges import assemble, check_same_layout, copy_rows, piece_size
+from hybrid.zero.expert_split import STATE_FORMAT as EXPERT_STATE_FORMAT
+from hybrid.zero.expert_split import EP_RANK_KEY, expert_file_dp_rank, expert_index_entries, is_expert_entry
 
 WEIGHT = "weight"
 MASTER = "master"
 ZERO_STATE_FORMAT = "hybrid.zero/1"
+# An expert-parallel run's optimizer files: {"format": EXPERT_STATE_FORMAT, "dense": <ZERO_STATE_FORMAT state>,
+# "expert": <ZERO_STATE_FORMAT state>, ...} (hybrid.zero.expert_split.ExpertSplitOptimizer.state_dict)
+STATE_FORMATS = (ZERO_STATE_FORMAT, EXPERT_STATE_FORMAT)
+DENSE, EXPERT = "dense", "expert"  # the sub-states of an expert-parallel optimizer file
 
 
 class ConversionError(CheckpointError):
@@ -133,15 +139,22 @@ class _PartitionFiles:
             name = optimizer_file(self.reader.layout, tp_rank, dp_rank, pp_rank)
             path = self.reader.verify(name)
             sd = load_checkpoint_torch_file(path, mmap=True)
-            if not isinstance(sd, dict) or sd.get("format") != ZERO_STATE_FORMAT:
+            if not isinstance(sd, dict) or sd.get("format") not in STATE_FORMATS:
                 raise CheckpointFormatError(f"{path} is not a ZeRO optimizer state (format "
                                             f"{sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r}, "
-                                            f"expected {ZERO_STATE_FORMAT!r})")
+                                            f"expected one of {list(STATE_FORMATS)})")
             self._open[key] = sd
         return self._open[key]
 
-    def flat(self, tp_rank: int, dp_rank: int, group: int, key: str, pp_rank: int = 0) -> torch.Tensor:
+    def half(self, tp_rank: int, dp_rank: int, pp_rank: int = 0, half: str = DENSE) -> dict:
+        """One rank's flat state: the file's own (a plain ZeRO state), or its ``half`` sub-state (an
+        expert-parallel run's: ``"dense"`` or ``"expert"``)."""
         sd = self.state(tp_rank, dp_rank, pp_rank)
+        return sd[half] if sd.get("format") == EXPERT_STATE_FORMAT else sd
+
+    def flat(self, tp_rank: int, dp_rank: int, group: int, key: str, pp_rank: int = 0,
+             half: str = DENSE) -> torch.Tensor:
+        sd = self.half(tp_rank, dp_rank, pp_rank, half)
         groups = sd["groups"]
         if not 0 <= group < len(groups) or key not in groups[group]:
             have = sorted(k for k, v in groups[group].items() if isinstance(v, torch.Tensor)) \
@@ -184,7 +197,7 @@ class CheckpointSource:
         self.index: Dict[str, dict] = {}  # name -> index entry, from the stage the name is read from
         self.tensors: Dict[str, SavedTensor] = {}
         for stage in range(layout.pp):
-            index = index_by_name(reader.stage_param_index(stage))
+            index = index_by_name(self._stage_index(stage))
             headers = [reader.model_shard_header(t, stage) for t in range(layout.tp)]
             for name in self._ordered_names(headers[0], index):
                 if name in self.tensors:  # a tied weight's copy on the last stage: the first stage's is read
@@ -194,9 +207,30 @@ class CheckpointSource:
                 self.tensors[name] = self._describe(name, headers, meta_fallback, stage)
 
     # ---- description ----------------------------------------------------------------------------
+    def _stage_index(self, stage: int) -> Any:
+        """Pipeline stage ``stage``'s parameter index from metadata.json. An expert-parallel checkpoint saved
+        before metadata.json indexed its experts holds the dense half's records alone: each ep rank's expert
+        records are then taken from that rank's optimizer file (TP rank 0, DP rank ``ep_rank``), whose expert
+        sub-state keeps them."""
+        index = self.reader.stage_param_index(stage)
+        layout = self.layout
+        if layout.ep == 1 or not isinstance(index, list) or any(is_expert_entry(e) for e in index) \
+                or not self.reader.has_optimizer_state:
+            return index
+        if self._partitions.state(0, 0, stage).get("format") != EXPERT_STATE_FORMAT:
+            return index
+        experts = [e for r in range(layout.ep)
+                   for e in expert_index_entries(self._partitions.half(0, r, stage, EXPERT)["param_index"], r)]
+        return list(index) + experts
+
     @staticmethod
     def _ordered_names(header: dict, index: Dict[str, dict]) -> List[str]:
-        indexed = sorted((n for n in header if n in index), key=lambda n: index[n].get("position", 0))
+        # dense records in their order, then the experts of each ep rank in theirs (positions count within
+        # each half of an expert-parallel run)
+        def order(n: str):
+            e = index[n]
+            return (e.get(EP_RANK_KEY, -1), e.get("position", 0))
+        indexed = sorted((n for n in header if n in index), key=order)
         return indexed + sorted(n for n in header if n not in index)
 
     def _describe(self, name: str, headers: List[dict], meta_fallback, stage: int) -> SavedTensor:
@@ -247,14 +281,19 @@ class CheckpointSource:
         return self.has_optimizer_state and self.layout.precision != "fp32"
 
     def optimizer_header(self) -> dict:
-        """Everything but the tensors of the (TP 0, DP 0) optimizer file: counters, hyperparameters, scaler."""
+        """Everything but the tensors of the (TP 0, DP 0) optimizer file: counters, hyperparameters, scaler.
+        For an expert-parallel run's file: its dense half's header with the run's counters and loss scaler
+        (kept at the top level: the halves run no step of their own)."""
         sd = self._partitions.state(0, 0)
-        return {k: v for k, v in sd.items() if k != "groups"}
+        if sd.get("format") == EXPERT_STATE_FORMAT:
+            top = {k: sd[k] for k in ("global_steps", "skipped_steps", "loss_scaler")}
+            sd = dict(sd[DENSE], **top)
+        return {k: v for k, v in sd.items() if k not in ("groups", "param_index")}
 
     def state_keys(self) -> List[str]:
         """The per-parameter optimizer tensors saved: ``master`` first, then the moments."""
-        sd = self._partitions.state(0, 0)
-        keys = [k for k, v in sd["groups"][0].items() if isinstance(v, torch.Tensor)]
+        groups = self._partitions.half(0, 0, 0, DENSE)["groups"] or self._partitions.half(0, 0, 0, EXPERT)["groups"]
+        keys = [k for k, v in groups[0].items() if isinstance(v, torch.Tensor)]
         return [MASTER] + sorted(k for k in keys if k != MASTER)
 
     # ---- reading ---------------------------------------------------------------------------------
@@ -382,8 +421,13 @@ class CheckpointSource:
             a, b = max(lo, part["param_start"]), min(hi, part["param_end"])
             if a >= b:
                 continue
-            # Stage 0 saves one whole partition per rank (part 0): DP rank 0's file holds it.
-            flat = self._partitions.flat(tp_rank, part["part"], rec["group"], key, t.stage)
+            # Stage 0 saves one whole partition per rank (part 0): DP rank 0's file holds it (an expert's:
+            # the first DP rank of its ep rank). An expert's part counts edp ranks.
+            if is_expert_entry(rec):
+                dp_rank = expert_file_dp_rank(part["part"], rec[EP_RANK_KEY], self.layout.ep)
+                flat = self._partitions.flat(tp_rank, dp_rank, rec["group"], key, t.stage, EXPERT)
+            else:
+                flat = self._partitions.flat(tp_rank, part["part"], rec["group"], key, t.stage)
             start = part["partition_offset"] + a - part["param_start"]
             end = part["partition_offset"] + part["param_end"] - part["param_start"]
             if end > flat.numel():

@@ -46,11 +46,12 @@ from hybrid.checkpoint.rng import restored_rank, tracker_streams_for
 from hybrid.config.errors import ConfigError
 from hybrid.config.parse import config_from_dict
 from hybrid.config.schema import HybridConfig, PipelineConfig
-from hybrid.convert.consolidate import CheckpointSource, ConversionError, Target
+from hybrid.convert.consolidate import EXPERT_STATE_FORMAT, CheckpointSource, ConversionError, Target
 from hybrid.convert.output import ProgressFactory, nbytes_of, new_checkpoint_in, open_bar, read_ahead, tracked
-from hybrid.convert.stages import StageShare, pipeline_shares
+from hybrid.convert.stages import StageShare, dense_share, expert_share, pipeline_shares
 from hybrid.layout import STAGE_TRAITS, LayoutError, ParallelLayout, ZeroStage, pipeline_problem, zero_stage
 from hybrid.param_meta import TPMeta, split_units
+from hybrid.zero.expert_split import expert_index_entries
 from hybrid.zero.flat_buffer import align_elements, dtype_name, group_classes, place_group
 
 DEFAULT_BUCKET_SIZE = HybridConfig().zero.bucket_size  # the trainer's --zero-bucket-size default
@@ -120,13 +121,53 @@ def _numel(shape) -> int:
     return n
 
 
+@dataclasses.dataclass
+class RankPlan:
+    """What one pipeline rank's optimizer files hold in the target layout: the ``(param_index, groups)`` of
+    :func:`plan_partitions` for the whole share, or, for an expert-parallel rank whose share holds experts,
+    for its dense half (over ``dp``) and for each ep rank's expert half (over ``edp = dp / ep``)."""
+
+    dense: Tuple[List[dict], List[dict]]
+    experts: Optional[List[Tuple[List[dict], List[dict]]]] = None  # per ep rank; None: one plain optimizer
+
+    def metadata_index(self) -> List[dict]:
+        """The stage's metadata.json index: the dense records, then every ep rank's expert records
+        (:func:`hybrid.zero.expert_split.expert_index_entries`)."""
+        index = list(self.dense[0])
+        for r, (experts, _) in enumerate(self.experts or ()):
+            index += expert_index_entries(experts, r)
+        return index
+
+    def halves(self) -> List[Tuple[List[dict], List[dict]]]:
+        return [self.dense] + list(self.experts or ())
+
+
+def _is_moe(model_config: Optional[Mapping[str, Any]]) -> bool:
+    return bool((model_config or {}).get("num_experts"))
+
+
+def plan_rank(src: CheckpointSource, target: ParallelLayout, bucket_size: int, share: StageShare) -> RankPlan:
+    """The optimizer partitions of one pipeline rank's ``share`` in ``target``: as
+    :class:`~hybrid.zero.expert_split.ExpertSplitOptimizer` lays them out where ``target.ep > 1`` and the
+    share trains experts (the dense half over ``dp``, each ep rank's experts over ``edp``, a layout of
+    ``dp / ep`` ranks), else as one optimizer over ``dp``."""
+    if target.ep == 1 or not share.experts:
+        return RankPlan(plan_partitions(src, target, bucket_size, share))
+    num_experts = int(src.reader.model_config["num_experts"])
+    edp = target.replace(dp=target.dp // target.ep, ep=1)
+    return RankPlan(plan_partitions(src, target, bucket_size, dense_share(share)),
+                    [plan_partitions(src, edp, bucket_size, expert_share(share, r, num_experts, target.ep))
+                     for r in range(target.ep)])
+
+
 def reshard_checkpoint(load, save, *, target_tp: int, target_dp: Optional[int] = None,
                        target_zero_stage: Optional[int] = None, bucket_size: Optional[int] = None,
-                       pipeline: Optional[Mapping[str, Any]] = None,
+                       pipeline: Optional[Mapping[str, Any]] = None, target_ep: Optional[int] = None,
                        progress: Optional[ProgressFactory] = None, force: bool = False) -> Path:
     """Write the checkpoint at ``load`` into save directory ``save`` in the target layout.
 
-    ``target_dp`` and ``target_zero_stage`` default to the saved ones;
+    ``target_ep``: the expert-parallel size (``--expert-model-parallel-size`` of the loading job; default: the
+    saved one). ``target_dp`` and ``target_zero_stage`` default to the saved ones;
     ``bucket_size`` to the saved run's ``--zero-bucket-size``. ``pipeline``: the
     loading job's pipeline settings, keys of the config's ``pipeline`` section
     (``size``, ``layers_per_virtual_stage``, ``layers_per_stage``); ``size``
@@ -141,22 +182,26 @@ def reshard_checkpoint(load, save, *, target_tp: int, target_dp: Optional[int] =
     saved = reader.layout
     args = reader.trainer_state.get("client", {}).get("args", {}) or {}
     pipe = _target_pipeline(saved, args, pipeline or {})
-    target = _target_layout(saved, target_tp, target_dp, target_zero_stage, pipe.size)
+    target = _target_layout(saved, target_tp, target_dp, target_zero_stage, pipe.size, target_ep)
     if bucket_size is None:  # 0 is refused by _check_target, not taken for "unset"
         bucket_size = saved_setting(args, "zero.bucket_size") or DEFAULT_BUCKET_SIZE
     _check_target(target, bucket_size, reader, Path(save))
     with CheckpointSource(reader) as src:
-        shares = pipeline_shares(reader.model_config, pipe, target.pp)[1] if target.pp > 1 \
-            else [whole_model_share(src)]
+        # An MoE model's shares come from the model itself at any pipeline size: the experts' places in the
+        # optimizer's order (and, at ep > 1, which half holds each) are the model's.
+        shares = pipeline_shares(reader.model_config, pipe, target.pp)[1] \
+            if target.pp > 1 or _is_moe(reader.model_config) else [whole_model_share(src)]
         _check_entries(src, shares)
         with_optimizer = src.has_optimizer_state
-        plans = [plan_partitions(src, target, bucket_size, share) if with_optimizer
-                 else (_weights_index(src, target, share), []) for share in shares]
+        plans = [plan_rank(src, target, bucket_size, share) if with_optimizer
+                 else RankPlan((_weights_index(src, target, share), [])) for share in shares]
         keys = src.state_keys() if with_optimizer else []
         total = sum(nbytes_of(src.tensors[n].full_shape, src.tensors[n].dtype) for share in shares
                     for n in share.entries)
-        total += sum(g["partition_numel"] * 4 * len(keys) * target.tp * target.dp for _, groups in plans
-                     for g in groups)
+        # each dp rank's file holds its dense partition and (at ep > 1) one of its ep rank's expert partitions
+        total += sum(g["partition_numel"] * 4 * len(keys) * target.tp * target.dp
+                     // (1 if plan.experts is None or h == 0 else target.ep)
+                     for plan in plans for h, (_, groups) in enumerate(plan.halves()) for g in groups)
         # as a job's save: a job saving into the same folder would delete this rewrite's files as leftovers
         with new_checkpoint_in(save, reader.iteration, force=force):
             bar = open_bar(progress, f"reshard to {target.describe()}", total)
@@ -164,14 +209,15 @@ def reshard_checkpoint(load, save, *, target_tp: int, target_dp: Optional[int] =
             try:
                 writer.prepare()
                 records = []
-                for p, (share, (index, groups)) in enumerate(zip(shares, plans)):
+                for p, (share, plan) in enumerate(zip(shares, plans)):
                     for t in range(target.tp):
                         with read_ahead(_model_sources(src, target, t, share, bar)) as sources:
                             records.append(writer.write_model_shard(sources, t, p))
                         if with_optimizer:
-                            records += _write_partitions(writer, src, target, t, p, index, groups, keys, bar)
+                            records += _write_partitions(writer, src, target, t, p, plan, keys, bar)
                 records += _write_rank_states(writer, reader, target)
-                param_index = [index for index, _ in plans] if target.pp > 1 else plans[0][0]
+                indexes = [plan.metadata_index() for plan in plans]
+                param_index = indexes if target.pp > 1 else indexes[0]
                 writer.commit(records, consumed_samples=reader.consumed_samples, model_config=reader.model_config,
                               param_index=param_index, trainer_state=_trainer_state(reader, target, args, pipe))
             finally:
@@ -201,13 +247,15 @@ def _target_pipeline(saved: ParallelLayout, args: dict, given: Mapping[str, Any]
 
 
 def _target_layout(saved: ParallelLayout, tp: int, dp: Optional[int], stage: Optional[int],
-                   pp: int) -> ParallelLayout:
+                   pp: int, ep: Optional[int] = None) -> ParallelLayout:
     """The saved layout with the requested sizes and stage (the precision stays)."""
     try:
         stage = saved.zero_stage if stage is None else zero_stage(stage, "--target-zero-stage")
-        return saved.replace(tp=tp, dp=saved.dp if dp is None else dp, pp=pp, zero_stage=stage)
+        return saved.replace(tp=tp, dp=saved.dp if dp is None else dp, pp=pp, zero_stage=stage,
+                             ep=saved.ep if ep is None else ep)
     except LayoutError as e:
-        raise ConversionError(f"cannot reshard to --target-tp {tp!r} --target-dp {dp!r}: {e}") from None
+        raise ConversionError(f"cannot reshard to --target-tp {tp!r} --target-dp {dp!r} --target-ep {ep!r}: "
+                              f"{e}") from None
 
 
 def _check_target(target: ParallelLayout, bucket_size: int, reader: CheckpointReader, save: Path) -> None:
@@ -223,6 +271,10 @@ def _check_target(target: ParallelLayout, bucket_size: int, reader: CheckpointRe
             f"modules, which an offline tool does not have; load the checkpoint as it is into that run (it "
             f"reshards on load), or reshard to stage {', '.join(str(int(s)) for s in OFFLINE_STAGES)} here")
     cfg = reader.model_config or {}
+    experts = cfg.get("num_experts")
+    if target.ep > 1 and not (isinstance(experts, int) and experts % target.ep == 0):
+        raise ConversionError(f"--target-ep {target.ep}: each expert-parallel rank holds num_experts / ep whole "
+                              f"experts, but the model has num_experts={experts}; choose an ep that divides it")
     for key in ("num_heads", "ffn_hidden_size"):
         value = cfg.get(key)
         if isinstance(value, int) and value % target.tp:
@@ -262,33 +314,70 @@ def _model_sources(src: CheckpointSource, target: ParallelLayout, tp_rank: int, 
 
 
 def _write_partitions(writer: CheckpointWriter, src: CheckpointSource, target: ParallelLayout, tp_rank: int,
-                      pp_rank: int, index: List[dict], groups: List[dict], keys: List[str], bar) -> list:
+                      pp_rank: int, plan: RankPlan, keys: List[str], bar) -> list:
+    """Every optimizer file of (``tp_rank``, ``pp_rank``), one DP rank's at a time."""
     header = src.optimizer_header()
     records = []
-    # Without partitioned optimizer state every DP rank holds all of it: build it once, write it dp times.
     partitioned = target.traits.optimizer_states
-    parts = range(target.partition_count)
-    for part in parts:
-        flats = [{k: torch.zeros(g["partition_numel"], dtype=torch.float32) for k in keys} for g in groups]
-        for entry in index:
-            mine = [p for p in entry["parts"] if p["part"] == part]
-            if not mine:
-                continue
-            tgt = Target(TPMeta.from_json(entry["tp_meta"]), target.tp, tp_rank)
-            for k in keys:
-                local = src.read(entry["name"], k, target=tgt).reshape(-1)
-                for p in mine:
-                    n = p["param_end"] - p["param_start"]
-                    flats[entry["group"]][k][p["partition_offset"]: p["partition_offset"] + n] = \
-                        local[p["param_start"]: p["param_end"]]
-        dp_ranks = [part] if partitioned else range(target.dp)
-        for dp_rank in dp_ranks:
-            state = {**header, "stage": int(target.zero_stage), "partition_count": target.partition_count,
-                     "part": part, "dp_size": target.dp, "dp_rank": dp_rank, "tp_size": target.tp,
-                     "tp_rank": tp_rank, "groups": [{**g, **f} for g, f in zip(groups, flats)]}
-            records.append(writer.write_optimizer_shard(state, tp_rank, dp_rank, pp_rank))
-            bar.update(sum(g["partition_numel"] * 4 * len(keys) for g in groups))
+    index, groups = plan.dense
+    if plan.experts is None:
+        # Without partitioned optimizer state every DP rank holds all of it: build it once, write it dp times.
+        for part in range(target.partition_count):
+            flats = _partition_flats(src, target, tp_rank, part, index, groups, keys)
+            for dp_rank in ([part] if partitioned else range(target.dp)):
+                state = _half_header(header, target, tp_rank, part, target.dp, dp_rank, flats)
+                records.append(writer.write_optimizer_shard(state, tp_rank, dp_rank, pp_rank))
+                bar.update(sum(g["partition_numel"] * 4 * len(keys) for g in groups))
+        return records
+    # An expert-parallel rank (hybrid.zero.expert_split): its dense partition over dp, its ep rank's expert
+    # partition over edp (the ep consecutive dp ranks of an edp position hold different experts).
+    edp = target.dp // target.ep
+    for dp_rank in range(target.dp):
+        edp_rank, ep_rank = divmod(dp_rank, target.ep)
+        dense_part, expert_part = (dp_rank, edp_rank) if partitioned else (0, 0)
+        expert_index, expert_groups = plan.experts[ep_rank]
+        dense = _half_header(header, target, tp_rank, dense_part, target.dp, dp_rank,
+                             _partition_flats(src, target, tp_rank, dense_part, index, groups, keys))
+        expert = _half_header(header, target, tp_rank, expert_part, edp, edp_rank,
+                              _partition_flats(src, target, tp_rank, expert_part, expert_index, expert_groups, keys))
+        expert["param_index"] = expert_index  # the expert half checks it on load (metadata.json has it too)
+        for half in (dense, expert):  # the run's counters and scaler live at the top (the halves take no step)
+            half["loss_scaler"] = None
+        state = {"format": EXPERT_STATE_FORMAT, "stage": int(target.zero_stage), "dense": dense, "expert": expert,
+                 "dp_size": target.dp, "dp_rank": dp_rank, "tp_size": target.tp, "tp_rank": tp_rank,
+                 "ep_size": target.ep, "ep_rank": ep_rank, "edp_size": edp, "edp_rank": edp_rank,
+                 "global_steps": header["global_steps"], "skipped_steps": header["skipped_steps"],
+                 "loss_scaler": header["loss_scaler"]}
+        records.append(writer.write_optimizer_shard(state, tp_rank, dp_rank, pp_rank))
+        bar.update(sum(g["partition_numel"] * 4 * len(keys) for g in groups + expert_groups))
     return records
+
+
+def _half_header(header: dict, target: ParallelLayout, tp_rank: int, part: int, dp: int, dp_rank: int,
+                 groups: List[dict]) -> dict:
+    """One ZeRO optimizer state (``hybrid.zero/1``): partition ``part`` over ``dp`` ranks, around ``groups``."""
+    return {**header, "stage": int(target.zero_stage), "partition_count": dp if target.traits.optimizer_states
+            else 1, "part": part, "dp_size": dp, "dp_rank": dp_rank, "tp_size": target.tp, "tp_rank": tp_rank,
+            "groups": groups}
+
+
+def _partition_flats(src: CheckpointSource, target: ParallelLayout, tp_rank: int, part: int, index: List[dict],
+                     groups: List[dict], keys: List[str]) -> List[dict]:
+    """Partition ``part``'s flat groups (``groups`` with each of ``keys`` as a tensor) for TP rank ``tp_rank``,
+    filled from ``src`` parameter by parameter through ``index``'s parts."""
+    flats = [{k: torch.zeros(g["partition_numel"], dtype=torch.float32) for k in keys} for g in groups]
+    for entry in index:
+        mine = [p for p in entry["parts"] if p["part"] == part]
+        if not mine:
+            continue
+        tgt = Target(TPMeta.from_json(entry["tp_meta"]), target.tp, tp_rank)
+        for k in keys:
+            local = src.read(entry["name"], k, target=tgt).reshape(-1)
+            for p in mine:
+                n = p["param_end"] - p["param_start"]
+                flats[entry["group"]][k][p["partition_offset"]: p["partition_offset"] + n] = \
+                    local[p["param_start"]: p["param_end"]]
+    return [{**g, **f} for g, f in zip(groups, flats)]
 
 
 def _write_rank_states(writer: CheckpointWriter, reader: CheckpointReader, target: ParallelLayout) -> list:

@@ -14,6 +14,12 @@ trainable parameters in the optimizer's order
 reach each of them (:func:`hybrid.pipeline.chunks.chunk_parameters`).
 
 Names and order do not depend on the TP size, so the models are built at TP 1.
+
+Nor on the expert-parallel size: the model is built at ``ep = 1`` (a model
+file holds every expert), and an expert-parallel rank's optimizer halves are
+the share's dense parameters (:func:`dense_share`) and its own experts
+(:func:`expert_share`), each in the share's order: the order in which
+:class:`~hybrid.zero.expert_split.ExpertSplitOptimizer`'s halves register them.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Any, FrozenSet, List, Mapping, Optional, Tuple
 
 from hybrid.config.errors import ConfigError
 from hybrid.convert.consolidate import ConversionError
-from hybrid.param_meta import is_pipeline_tied
+from hybrid.param_meta import is_expert, is_pipeline_tied
 from hybrid.pipeline.chunks import chunk_parameters
 from hybrid.pipeline.split import StageSplit, split_from_config
 from hybrid.zero.flat_buffer import collect_trainable, param_chunk_sets
@@ -44,6 +50,44 @@ class StageShare:
     trainable: Tuple[str, ...]
     tied: FrozenSet[str] = frozenset()
     chunks: Optional[Tuple[FrozenSet[int], ...]] = None
+    experts: FrozenSet[str] = frozenset()  # the trainable expert parameters (hybrid.param_meta.is_expert)
+
+    def select(self, keep) -> "StageShare":
+        """The share of the trainable parameters ``keep(name)`` accepts (their order and chunk sets kept);
+        ``entries`` stay whole (the model file holds every entry of the stage)."""
+        kept = [i for i, n in enumerate(self.trainable) if keep(n)]
+        return dataclasses.replace(
+            self, trainable=tuple(self.trainable[i] for i in kept),
+            tied=frozenset(n for n in self.tied if keep(n)), experts=frozenset(n for n in self.experts if keep(n)),
+            chunks=None if self.chunks is None else tuple(self.chunks[i] for i in kept))
+
+
+_EXPERTS = ".experts."
+
+
+def expert_of(name: str) -> int:
+    """The global index ``e`` of the routed expert parameter ``layers.{i}.mlp.experts.{e}.*`` (docs/moe.md's
+    names: experts are named by their global index)."""
+    try:
+        return int(name.split(_EXPERTS, 1)[1].split(".", 1)[0])
+    except (IndexError, ValueError):
+        raise ConversionError(f"{name!r} is marked as an expert parameter but is not named "
+                              f"'layers.{{i}}.mlp.experts.{{e}}.*'") from None
+
+
+def expert_rank(name: str, num_experts: int, ep: int) -> int:
+    """The ep rank holding expert parameter ``name``: expert ``e`` lives on ep rank ``e // (E / ep)``."""
+    return expert_of(name) // (num_experts // ep)
+
+
+def dense_share(share: StageShare) -> StageShare:
+    """What the dense half of an expert-parallel rank's optimizer holds: every trainable non-expert."""
+    return share.select(lambda n: n not in share.experts)
+
+
+def expert_share(share: StageShare, ep_rank: int, num_experts: int, ep: int) -> StageShare:
+    """What the expert half of ep rank ``ep_rank``'s optimizer holds: its own experts."""
+    return share.select(lambda n: n in share.experts and expert_rank(n, num_experts, ep) == ep_rank)
 
 
 def pipeline_shares(model_config: Mapping[str, Any], pipeline, pp: int) -> Tuple[StageSplit, List[StageShare]]:
@@ -71,5 +115,6 @@ def pipeline_shares(model_config: Mapping[str, Any], pipeline, pp: int) -> Tuple
         chunk_sets = param_chunk_sets([p for _, p in trainable], chunk_params, chunks)
         shares.append(StageShare(entries=tuple(model.state_dict()), trainable=tuple(n for n, _ in trainable),
                                  tied=frozenset(n for n, p in trainable if is_pipeline_tied(p)),
-                                 chunks=None if chunk_sets is None else tuple(chunk_sets)))
+                                 chunks=None if chunk_sets is None else tuple(chunk_sets),
+                                 experts=frozenset(n for n, p in trainable if is_expert(p))))
     return split, shares

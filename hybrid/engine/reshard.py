@@ -74,7 +74,9 @@ def load_resharded(parts: TrainingParts, reader: CheckpointReader, *, load_optim
               for name, t in entries.items()}
     # Entries the parameter index does not describe (frozen parameters, buffers) split like the current ones.
     with CheckpointSource(reader, meta_fallback=lambda name: metas.get(name, REPLICATED)) as src:
-        _check_names(src, entries, reader, parts.model_config, whole=topo.pp_size == 1)
+        # an expert-parallel run holds its own experts: the other ep ranks' are in the checkpoint, not here
+        _check_names(src, entries, reader, parts.model_config, whole=topo.pp_size == 1,
+                     elsewhere=getattr(opt, "other_expert_keys", frozenset()))
         if load_optimizer and not src.has_optimizer_state:
             raise ConversionError(f"{reader.path} holds no optimizer state (it was saved for inference or "
                                   f"imported); load it for its weights only (--finetune)")
@@ -103,10 +105,10 @@ def load_resharded(parts: TrainingParts, reader: CheckpointReader, *, load_optim
 
 # ---- checks ---------------------------------------------------------------------------------------
 def _check_names(src: CheckpointSource, entries: Dict[str, torch.Tensor], reader: CheckpointReader,
-                 model_config, whole: bool) -> None:
-    """The checkpoint must hold exactly the model's entries; ``whole=False`` (one pipeline stage of the
-    model): at least this stage's."""
-    saved, current = set(src.tensors), set(entries)
+                 model_config, whole: bool, elsewhere=frozenset()) -> None:
+    """The checkpoint must hold exactly the model's entries and ``elsewhere`` (the experts the other ep ranks
+    hold); ``whole=False`` (one pipeline stage of the model): at least this stage's."""
+    saved, current = set(src.tensors), set(entries) | set(elsewhere)
     missing, extra = sorted(current - saved), sorted(saved - current) if whole else []
     if not missing and not extra:
         return
@@ -153,8 +155,29 @@ def _partition_state(opt: "ZeroOptimizer", src: CheckpointSource, topo, keys: Li
 
     ``keys``: the optimizer tensors to take from the checkpoint (the others stay as this optimizer has them:
     zero moments for a fresh one). ``restore_counters``: also take step counts and the loss scaler.
+
+    An expert-parallel optimizer (:class:`~hybrid.zero.expert_split.ExpertSplitOptimizer`) gets each half's
+    state filled the same way (the dense half's partition over ``dp``, this ep rank's experts' over ``edp``:
+    each half's records say where), under its own header. Every parameter is read from wherever the saved
+    layout kept it (any ep size: the index locates each expert's partitions).
     """
+    halves = getattr(opt, "halves", None)
+    if halves is None:
+        return _half_state(opt, opt.state_dict(), src, topo, keys, restore_counters)
     template = opt.state_dict()
+    state = dict(template, dense=_half_state(opt.dense, template["dense"], src, topo, keys, restore_counters),
+                 expert=_half_state(opt.expert, template["expert"], src, topo, keys, restore_counters))
+    if restore_counters:
+        header = src.optimizer_header()
+        for k in ("global_steps", "skipped_steps", "loss_scaler"):
+            state[k] = header[k]
+    return state
+
+
+def _half_state(opt: "ZeroOptimizer", template: dict, src: CheckpointSource, topo, keys: List[str],
+                restore_counters: bool) -> dict:
+    """:func:`_partition_state` for one flat optimizer ``opt`` whose state is ``template`` (its own
+    ``state_dict()``, or an expert-parallel optimizer's half of it)."""
     wanted = [MASTER] + list(opt.inner.state_names)
     saved_keys = src.state_keys()
     absent = [k for k in keys if k in wanted and k not in saved_keys]
@@ -188,8 +211,10 @@ def _partition_state(opt: "ZeroOptimizer", src: CheckpointSource, topo, keys: Li
         groups.append({**{k: v for k, v in tmpl.items() if not isinstance(v, torch.Tensor)}, **flats})
     state = dict(template, groups=groups)
     if restore_counters:
-        for k in ("step", "global_steps", "skipped_steps", "loss_scaler"):
+        for k in ("step", "global_steps", "skipped_steps"):
             state[k] = header[k]
+        if template.get("loss_scaler") is not None or header["loss_scaler"] is None:
+            state["loss_scaler"] = header["loss_scaler"]  # the halves of an expert split keep none of their own
         state["optimizer"] = dict(template["optimizer"], type=header["optimizer"]["type"],
                                   lr=header["optimizer"]["lr"])
     return state

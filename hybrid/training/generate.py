@@ -32,10 +32,14 @@ def load_model(load_dir) -> "torch.nn.Module":
     config = GPTConfig.from_dict(reader.model_config).replace(sequence_parallel=False, recompute="none")
     model = GPTModel(config, Topology.local(), device="meta")
     state = {}
+    # the parameters in fp32, and the persistent buffers (an MoE router's fp32 expert bias) as the model keeps them
+    persistent = set(model.state_dict(keep_vars=True))
+    tensors = [(name, p, torch.float32) for name, p in model.named_parameters()]
+    tensors += [(name, b, b.dtype) for name, b in model.named_buffers() if name in persistent]
     with CheckpointSource(reader) as src:
-        for name, p in model.named_parameters():
+        for name, t, dtype in tensors:
             # the piece of a one-rank layout: at TP=1 the padded vocabulary keeps its own padding
-            state[name] = src.read_weight(name, Target(param_meta.get_tp_meta(p), 1, 0), dtype=torch.float32)
+            state[name] = src.read_weight(name, Target(param_meta.get_tp_meta(t), 1, 0), dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
 

@@ -50,6 +50,8 @@ from hybrid.zero.grad_norm import world_sum
 from hybrid.zero.stage3 import Stage3Optimizer
 
 STATE_FORMAT = "hybrid.zero.experts/1"
+# The key marking an expert entry of metadata.json's parameter index: the ep rank whose files hold its state.
+EP_RANK_KEY = "ep_rank"
 _STAGE3_ONLY = ("verify_order", "partition_init")
 
 
@@ -91,6 +93,29 @@ def mixed_modules(model: torch.nn.Module) -> List[str]:
         if len(kinds) > 1:
             out.append(name or "<root>")
     return out
+
+
+def expert_index_entries(records: Sequence[dict], ep_rank: int) -> List[dict]:
+    """The ``metadata.json`` entries of one ep rank's expert records (``ParamRecord.to_json``).
+
+    Each is the record as the expert half of ep rank ``ep_rank`` keeps it (TP-local ``shape``, ``dtype``,
+    ``tp_meta``, ``weight_decay``; ``group``, ``segment``, ``offset``, ``parts`` and ``position`` in that half's
+    flat groups) plus :data:`EP_RANK_KEY`: its partition ``part`` lives in the optimizer file of DP rank
+    ``part * ep + ep_rank`` (:func:`expert_file_dp_rank`), under the state's ``"expert"`` sub-state."""
+    return [dict(r, **{EP_RANK_KEY: ep_rank}) for r in records]
+
+
+def is_expert_entry(entry: dict) -> bool:
+    """Whether a ``metadata.json`` index entry describes an expert of an expert-parallel checkpoint (its
+    optimizer state in the ``"expert"`` sub-states); dense entries and every entry of an ``ep = 1``
+    checkpoint are read as before."""
+    return EP_RANK_KEY in entry
+
+
+def expert_file_dp_rank(part: int, ep_rank: int, ep_size: int) -> int:
+    """The DP rank whose optimizer file holds partition ``part`` (an ``edp`` rank) of ep rank ``ep_rank``'s
+    experts: the ``ep`` consecutive DP ranks of an ``edp`` position share out the experts (:mod:`hybrid.grid`)."""
+    return part * ep_size + ep_rank
 
 
 class ExpertSplitOptimizer(ZeroOptimizer):
@@ -135,15 +160,21 @@ class ExpertSplitOptimizer(ZeroOptimizer):
                                          **sub, **extra)
         self.halves: Tuple[ZeroOptimizer, ZeroOptimizer] = (self.dense, self.expert)
         self.partition_count, self.part = self.dense.partition_count, self.dense.part
-        # metadata.json records one parameter index per pipeline stage (the engine pops it from the state):
-        # the dense half's, the same on every rank of the stage; the expert half's stays in each rank's state
-        self.param_index = self.dense.param_index
+        # The records this optimizer steps (the engine's reshard and load checks walk them): the dense half's
+        # on every rank of the stage, then this ep rank's experts'.
+        self.param_index = list(self.dense.param_index) + list(self.expert.param_index)
         self.model_state_is_copy = self.dense.model_state_is_copy
         self._expert_keys = {key for key, t in model.state_dict(keep_vars=True).items()
                              if isinstance(t, torch.nn.Parameter) and is_expert(t)}
-        # the expert weights the other ep ranks of this rank's group hold (a model file holds them all)
-        self._other_expert_keys = set().union(*self.comm.all_gather_object(sorted(self._expert_keys), "ep")) \
-            - self._expert_keys
+        # What metadata.json records (one index per pipeline stage, the same on every rank of the stage): the
+        # dense half's records, then every ep rank's expert records (expert_index_entries), gathered once here
+        # with the expert names the other ep ranks hold (a model file holds them all).
+        mine = {"keys": sorted(self._expert_keys), "ep_rank": self.topology.ep_rank,
+                "index": [r.to_json() for r in self.expert.param_index]}
+        shared = sorted(self.comm.all_gather_object(mine, "ep"), key=lambda m: m["ep_rank"])
+        self._other_expert_keys = set().union(*(m["keys"] for m in shared)) - self._expert_keys
+        self.saved_index: List[dict] = [r.to_json() for r in self.dense.param_index] + [
+            e for m in shared for e in expert_index_entries(m["index"], m["ep_rank"])]
         self._finish_setup()
 
     # ---- the training step ----------------------------------------------------------------------------
@@ -228,15 +259,18 @@ class ExpertSplitOptimizer(ZeroOptimizer):
 
         ``{"format": STATE_FORMAT, "dense": ..., "expert": ..., "param_index": ...}``: ``dense`` and
         ``expert`` are the halves' own states (:meth:`FlatZeroOptimizer.state_dict
-        <hybrid.zero.flat.FlatZeroOptimizer.state_dict>` or stage 3's), ``dense`` less its ``param_index``,
-        which is the top-level one (the engine keeps it in ``metadata.json``, one per pipeline stage); the
-        expert half's index differs between ``ep`` ranks and stays in its state. ``ep_size``, ``ep_rank``,
+        <hybrid.zero.flat.FlatZeroOptimizer.state_dict>` or stage 3's), ``dense`` less its ``param_index``.
+        The top-level ``param_index`` (the engine keeps it in ``metadata.json``, one per pipeline stage, the
+        same on every rank of the stage) is the dense half's records followed by every ep rank's expert
+        records (:func:`expert_index_entries`: where each expert's partitions lie). The expert half's own
+        index (this ep rank's experts) also stays in its state. ``ep_size``, ``ep_rank``,
         ``edp_size``, ``edp_rank`` say which experts (``ep_rank``) and which partition of them (``edp_rank``)
-        the state holds, so that a reshard can place them. The counters and the loss scaler are the
-        top-level ones (the halves run no step of their own).
+        the state holds. The counters and the loss scaler are the top-level ones (the halves run no step of
+        their own). Collective-free (the other ep ranks' records were gathered at construction).
         """
         dense = self.dense.state_dict(lazy)
-        index = dense.pop("param_index")
+        dense.pop("param_index")
+        index = [dict(e) for e in self.saved_index]
         topo = self.topology
         view = self.expert.topology
         return {"format": STATE_FORMAT, "stage": int(self.stage), "dense": dense,
@@ -260,14 +294,34 @@ class ExpertSplitOptimizer(ZeroOptimizer):
                              f"{saved[2]}, but this rank is ep rank {mine[1]} of {mine[0]}, edp rank {mine[3]} of "
                              f"{mine[2]}; reshard the checkpoint first")
         self.fence_writes()
-        self.dense.load_state_dict({**sd["dense"], "param_index": sd["param_index"]})
+        # metadata.json's index holds the dense records and every ep rank's experts' (checkpoints saved before
+        # the experts were indexed there: the dense ones alone); the dense half checks its own
+        dense_index = [e for e in sd["param_index"] if not is_expert_entry(e)]
+        self.dense.load_state_dict({**sd["dense"], "param_index": dense_index})
         self.expert.load_state_dict(sd["expert"])
         self._load_counters(sd)
 
     def index_mismatch(self, saved: Sequence[dict]) -> Optional[str]:
-        """Against the dense half's index (the one ``metadata.json`` keeps); the expert half's is checked when
-        its state loads."""
-        return self.dense.index_mismatch(saved)
+        """A ``metadata.json`` index (:meth:`state_dict`'s ``param_index``) against both halves: its dense
+        entries against the dense half's index, this ep rank's expert entries against the expert half's. An
+        index without expert entries (saved before they were recorded there) is checked for its dense part;
+        the expert half's own index is checked when its state loads."""
+        dense = [e for e in saved if not is_expert_entry(e)]
+        problem = self.dense.index_mismatch(dense)
+        experts = [e for e in saved if is_expert_entry(e)]
+        if problem is None and experts:
+            # (called where the saved layout is this one: the same ep size)
+            mine = [{k: v for k, v in e.items() if k != EP_RANK_KEY} for e in experts
+                    if e[EP_RANK_KEY] == self.topology.ep_rank]
+            if not mine:
+                return f"the checkpoint holds no expert state for ep rank {self.topology.ep_rank}"
+            problem = self.expert.index_mismatch(mine)
+        return problem
+
+    @property
+    def other_expert_keys(self) -> frozenset:
+        """The names of the expert weights the other ep ranks of this rank's group hold (not in this module)."""
+        return frozenset(self._other_expert_keys)
 
     # ---- whole weights in and out ----------------------------------------------------------------------
     def model_state_for_save(self) -> Optional[Dict[str, torch.Tensor]]:
