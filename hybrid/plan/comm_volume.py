@@ -375,7 +375,7 @@ def expert_dp_volume(layout: FlatLayout, stage: int, micro_batches: int = 1, rep
     report = {} if report is None else report
     for name, entry in dp_volume(layout, stage, micro_batches, reduce_once=reduce_once, gradients=gradients,
                                  weights=weights).items():
-        op, _ = name.split("/")
+        op, _ = name.split("/", 1)
         target = _entry(report, op, "edp", "peer_bytes" in entry)
         for key, value in entry.items():
             target[key] = target.get(key, 0) + value

@@ -207,7 +207,7 @@ def split_by_link(report: Report, placement: Placement) -> Dict[str, CollectiveL
     entries with ``peer_bytes``, bytes sent to each peer) by the peers on other nodes."""
     split = {}
     for name, entry in report.items():
-        op, axis = name.split("/")
+        op, axis = name.split("/", 1)  # "op/tp/2": the axis is "tp/2"
         n = placement.group_size(axis)
         wire = float(entry["wire_bytes"])
         if "peer_bytes" in entry:  # an all-to-all: every peer gets its chunk straight from the rank
