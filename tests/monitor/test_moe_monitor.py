@@ -47,7 +47,7 @@ def test_a_router_sending_every_token_to_one_expert_is_reported_and_flagged_in_t
     tb = tmp_path / "tb"
     trainer = _trainer(SHAPE + RUN + ["--moe-router-topk", "1", "--moe-router-enable-expert-bias",
                                       "--train-iters", "4", "--log-interval", "2", "--eval-interval", "100",
-                                      "--tensorboard-dir", str(tb)])
+                                      "--tensorboard-dir", str(tb), "--moe-per-layer-logging"])
     from model_zoo.moe import moe_layers
 
     layers = moe_layers(trainer.model)
@@ -56,9 +56,13 @@ def test_a_router_sending_every_token_to_one_expert_is_reported_and_flagged_in_t
         layer.router.expert_bias.copy_(torch.tensor([20.0, 0.0, 0.0, 0.0]))
     capsys.readouterr()
     trainer.train()
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("iteration")]
+    out = capsys.readouterr().out.splitlines()
+    lines = [line for line in out if line.startswith("iteration")]
     assert len(lines) == 2
     first = lines[0]
+    at = out.index(first)  # --moe-per-layer-logging: a line per layer after it
+    assert [line.split(" | ")[:2] for line in out[at + 1:at + 3]] == [
+        [f"moe layer {i}", "load max/mean: 4.00 ROUTING COLLAPSED"] for i in (0, 1)]
     assert first.startswith("iteration 2/4")
     assert "moe load max/mean: 4.00 min/mean: 0.00 (layer 0) ROUTING COLLAPSED (max/mean >= 2.50" in first
     assert "moe aux loss: " in first and "moe z loss" not in first  # the preset's aux coefficient, no z-loss
@@ -258,3 +262,35 @@ def test_balancing_works_short_version(tmp_path, capsys):
     capsys.readouterr()
     ok, lines = bench.verdict(figures, bound=collapse_threshold(E, 2))
     assert ok, "\n".join(lines)
+
+
+# ---- the counts of every rank that routes tokens: dp and tp -------------------------------------------------------
+def _report_of_run(argv):
+    trainer = _trainer(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    trainer.train()
+    summary = trainer.monitor.last_summary
+    return None if summary is None else summary.moe
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"], []],
+                         ids=["tp2-sp", "dp2"])
+def test_two_ranks_report_what_one_process_does(layout):
+    """One iteration of 2 micro-batches on 2 ranks (each TP rank routing its own sequence half; or each DP rank one
+    micro-batch) reports the one-process run's loads and losses: the counts summed over ``tp`` or ``dp``, the loss
+    values counted once per micro-batch. The routing is the same up to float32 rounding of the hidden states
+    (TP sums in another order), which may move an assignment at a near tie: the loads agree within 2 assignments
+    of the mean 32 (16 tokens x 4 sequences x top-2 / 4 experts); the losses to 1e-4 relative (fp32 rounding of
+    sums over 64 tokens and 4 experts, far inside)."""
+    argv = SHAPE + RUN + ["--train-iters", "1", "--log-interval", "1", "--eval-interval", "100",
+                          "--moe-z-loss-coeff", "1e-3"]
+    reference = _report_of_run(argv)
+    reports = run_distributed(_report_of_run, 2, argv + layout, timeout=240)[0]
+    assert [r.layer for r in reports] == [r.layer for r in reference] == [0, 1]
+    mean = 16 * 4 * 2 / E
+    for got, want in zip(reports, reference):
+        assert got.micro_batches == want.micro_batches == 2
+        assert abs(got.load_max_over_mean - want.load_max_over_mean) <= 2 / mean
+        assert abs(got.load_min_over_mean - want.load_min_over_mean) <= 2 / mean
+        assert got.aux_loss == pytest.approx(want.aux_loss, rel=1e-4)
+        assert got.z_loss == pytest.approx(want.z_loss, rel=1e-4)
