@@ -116,20 +116,21 @@ def bench_child(c: Contender, args) -> Dict:
     config = {"micro_batch_size": args.micro_batch, "optimizer": {"lr": args.lr}}
     engine = hybrid.initialize(model, config, topology=topo)
     rank = topo.dp_rank
-    times, blocked, losses = [], [], []
+    times, cpu, blocked, losses = [], [], [], []
     comm = None
     for s in range(args.warmup + args.steps):
         ids = batch(s, args)[rank * args.micro_batch:(rank + 1) * args.micro_batch]
         b0 = topo.comm.blocked_seconds()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()  # process time: every thread, gloo's included
         loss = engine(ids, ids)
         engine.backward(loss)
         engine.step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         blocked.append(topo.comm.blocked_seconds() - b0)
         losses.append(float(loss.detach()))
         comm = engine.comm_report()
-    return {"times": times[args.warmup:], "blocked": blocked[args.warmup:], "losses": losses,
+    return {"times": times[args.warmup:], "cpu": cpu[args.warmup:], "blocked": blocked[args.warmup:], "losses": losses,
             "peak_mb": _status_mb("VmHWM"), "comm": comm,
             "params_local": sum(p.numel() for p in model.parameters()),
             "zero_stage": engine.config.zero.stage}
@@ -140,13 +141,100 @@ def summarise(per_rank: List[Dict]) -> Dict:
     slowest = [max(r["times"][i] for r in per_rank) for i in range(steps)]
     blocked = [statistics.mean(r["blocked"][i] for r in per_rank) for i in range(steps)]
     comm: Dict[str, float] = {}
+    inter: Dict[str, float] = {}
     for r in per_rank:
         for k, v in (r["comm"] or {}).items():
             comm[k] = comm.get(k, 0.0) + v["wire_bytes"]
-    return {"median_ms": 1e3 * statistics.median(slowest), "blocked_ms": 1e3 * statistics.median(blocked),
+            inter[k] = inter.get(k, 0.0) + v.get("inter_node_bytes", 0.0)
+    cpu = [sum(r["cpu"][i] for r in per_rank) for i in range(steps)]  # CPU seconds of all ranks together
+    return {"comm_inter_node_bytes": inter, "cpu_ms": 1e3 * statistics.median(cpu), "median_ms": 1e3 * statistics.median(slowest), "blocked_ms": 1e3 * statistics.median(blocked),
             "peak_mb": max(r["peak_mb"] for r in per_rank), "comm_wire_bytes": comm,
             "losses": [statistics.mean(r["losses"][i] for r in per_rank) for i in range(len(per_rank[0]["losses"]))],
             "params_local": max(r["params_local"] for r in per_rank), "zero_stage": per_rank[0]["zero_stage"]}
+
+
+# ---- the emulated 2-node cluster (tools/emulated_cluster.py) ---------------------------------------------------
+WORKER_PREFIX = "moe_speed worker: "
+
+
+def worker(args) -> int:
+    """Under torchrun (one agent per emulated node): run contender ``--worker`` and print every rank's figures
+    from rank 0 as one ``moe_speed worker: {json}`` line."""
+    import torch.distributed as dist
+
+    import hybrid
+
+    torch.set_num_threads(1)
+    hybrid.init_distributed(backend="gloo")
+    c = next(c for c in CONTENDERS if c.name == args.worker)
+    mine = bench_child(c, args)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if dist.get_rank() == 0:
+        print(WORKER_PREFIX + json.dumps(every), flush=True)
+    dist.barrier()
+    return 0
+
+
+def worker_argv(c: Contender, args) -> List[str]:
+    keys = ("experts", "expert_ffn", "topk", "hidden", "layers", "seq", "micro_batch", "vocab_cap", "lr")
+    return [os.path.abspath(__file__), f"--worker={c.name}", f"--steps={args.cluster_steps}",
+            f"--warmup={args.warmup}", *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]]
+
+
+def cluster_main(args, chosen: List[Contender]) -> List[str]:
+    """Every contender on 2 emulated nodes x 2 ranks at each ``--cluster`` rate, interleaved rounds; its lines."""
+    from tools import emulated_cluster as tool
+
+    try:
+        tool.check_available()
+    except tool.ClusterUnavailable as e:
+        return [f"emulated cluster: skipped, not available here: {e}"]
+    out = []
+    for rate in [r.strip() for r in args.cluster.split(",") if r.strip()]:
+        runs: Dict[str, Dict[int, Dict]] = {}
+        link: Dict[str, List[float]] = {}
+        with tool.EmulatedCluster(nodes=2, ranks_per_node=2, rate=rate) as cluster:
+            for r in range(args.cluster_rounds):
+                for c in (chosen if r % 2 == 0 else list(reversed(chosen))):
+                    res = cluster.run(worker_argv(c, args), timeout_s=args.cluster_timeout, cwd=REPO)
+                    line = next((ln for ln in res.nodes[0].output.splitlines() if ln.startswith(WORKER_PREFIX)), None)
+                    if not res.ok or line is None:
+                        print(f"[{rate}, round {r + 1}] {c.name}: FAILED {res.describe()[-400:]}", flush=True)
+                        continue
+                    row = summarise(json.loads(line[len(WORKER_PREFIX):]))
+                    runs.setdefault(c.name, {})[r] = row
+                    tx = sum(v["tx_bytes"] for v in res.link_bytes.values())
+                    link.setdefault(c.name, []).append(tx / (args.warmup + args.cluster_steps))
+                    print(f"[{rate}, round {r + 1}, {res.wall_s:.0f}s] {c.name}: {row['median_ms']:.0f} ms/step, "
+                          f"link {tx / 1e6:.1f} MB", flush=True)
+        out += [f"", f"Emulated 2 nodes x 2 ranks, link {rate} (tc tbf, both directions), {args.cluster_rounds} "
+                     f"interleaved rounds x {args.cluster_steps} steps after {args.warmup}; ranks 0,1 on node 0, "
+                     f"2,3 on node 1: EP 2 groups stay inside a node, EP 4 spans both",
+                "",
+                "| contender | ms/step median (min-max) | paired ratio | exposed comm ms | inter-node MB/step "
+                "(comm model, by op) | link MB/step (veth tx, both nodes, incl. start-up / steps) |",
+                "|---|---|---|---|---|---|"]
+        for c in chosen:
+            rs = runs.get(c.name)
+            if not rs:
+                continue
+            meds = [v["median_ms"] for v in rs.values()]
+            ratio_txt = ""
+            for den in (["dense"] if c.moe else []) + (["moe-ep1"] if c.ep > 1 else []):
+                pr = paired_ratio({k: v["median_ms"] for k, v in rs.items()},
+                                  {k: v["median_ms"] for k, v in runs.get(den, {}).items()})
+                if pr is not None:
+                    ratio_txt += f"vs {den} {pr.format()} "
+            last = rs[max(rs)]
+            inter = last["comm_inter_node_bytes"]
+            itxt = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in sorted(inter.items()) if v > 0)
+            out.append(f"| {c.name} | {statistics.median(meds):.0f} ({min(meds):.0f}-{max(meds):.0f}) | "
+                       f"{ratio_txt.strip()} | {statistics.median(v['blocked_ms'] for v in rs.values()):.0f} | "
+                       f"total {sum(inter.values()) / 1e6:.2f}: {itxt} | {statistics.median(link[c.name]) / 1e6:.2f} |")
+        args.cluster_results = getattr(args, "cluster_results", {})
+        args.cluster_results[rate] = {n: {str(k + 1): v for k, v in rs.items()} for n, rs in runs.items()}
+    return out
 
 
 QUICK = {"steps": 2, "warmup": 1, "rounds": 1, "layers": 2}
@@ -171,6 +259,13 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--only", default="", help="comma-separated contender names")
     ap.add_argument("--quick", action="store_true", help="tiny run of the machinery: " + str(QUICK))
     ap.add_argument("--json", default=os.path.join(REPO, "benchmarks", "results", "moe_speed.json"))
+    ap.add_argument("--cluster", default="", help="also run every contender on 2 emulated nodes x 2 ranks at these "
+                                                  "link rates (comma-separated, e.g. 200mbit,50mbit; needs root)")
+    ap.add_argument("--cluster-only", action="store_true", help="skip the local (unshaped) runs")
+    ap.add_argument("--cluster-steps", type=int, default=4)
+    ap.add_argument("--cluster-rounds", type=int, default=2)
+    ap.add_argument("--cluster-timeout", type=float, default=600.0, help="seconds per emulated-cluster run")
+    ap.add_argument("--worker", default="", help="internal: run this contender under torchrun")
     args = ap.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
@@ -192,7 +287,7 @@ def main(argv=None) -> int:
               "dense": flops.count_parameters(dcfg), "moe_flops_per_token": flops.flops_per_token(mcfg),
               "dense_flops_per_token": flops.flops_per_token(dcfg)}
     ideal = counts["moe_flops_per_token"] / counts["dense_flops_per_token"]
-    for r in range(args.rounds):
+    for r in range(0 if args.cluster_only else args.rounds):
         order = chosen if r % 2 == 0 else list(reversed(chosen))
         for c in order:
             t0 = time.time()
@@ -216,27 +311,31 @@ def main(argv=None) -> int:
            f"{counts['dense']:,} (active difference: the routers, {counts['moe_active'] - counts['dense']:,}); "
            f"model FLOPs/token MoE {counts['moe_flops_per_token']:,} dense {counts['dense_flops_per_token']:,}: "
            f"ideal MoE/dense step ratio {ideal:.3f}", ""]
-    head = ("| contender | ms/step median (min-max over rounds) | paired ratio | exposed comm ms | "
-            "comm MB/step (4 ranks) by op/axis | params/rank | peak RSS/rank | final loss |")
-    out += [head, "|---|---|---|---|---|---|---|---|"]
-    pairs = {"moe-ep1": "dense", "moe-ep2": "moe-ep1", "moe-ep4": "moe-ep1"}
+    head = ("| contender | ms/step median (min-max over rounds) | paired ratio | CPU ms/step, 4 ranks | paired CPU "
+            "ratio | exposed comm ms | comm MB/step (4 ranks) by op/axis | params/rank | peak RSS/rank | final loss |")
+    out += [head, "|---|---|---|---|---|---|---|---|---|---|"]
     table = {}
     for c in chosen:
         rs = runs.get(c.name)
         if not rs:
             continue
         meds = [v["median_ms"] for v in rs.values()]
-        ratio_txt = ""
+        cpus = [v["cpu_ms"] for v in rs.values()]
+        ratio_txt, cpu_txt = "", ""
         ratios = {}
-        for num, den in ([(c.name, "dense")] if c.moe else []) + ([(c.name, "moe-ep1")] if c.ep > 1 else []):
+        for den in (["dense"] if c.moe else []) + (["moe-ep1"] if c.ep > 1 else []):
             pr = paired_ratio({r: v["median_ms"] for r, v in rs.items()},
                               {r: v["median_ms"] for r, v in runs.get(den, {}).items()})
+            pc = paired_ratio({r: v["cpu_ms"] for r, v in rs.items()},
+                              {r: v["cpu_ms"] for r, v in runs.get(den, {}).items()})
             if pr is not None:
-                ratios[den] = pr.as_dict()
+                ratios[den] = {"wall": pr.as_dict(), "cpu": pc.as_dict()}
                 ratio_txt += f"vs {den} {pr.format()} "
+                cpu_txt += f"vs {den} {pc.format()} "
         last = rs[max(rs)]
         comm = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in sorted(last["comm_wire_bytes"].items()) if v > 0)
         table[c.name] = {"median_ms": statistics.median(meds), "min_ms": min(meds), "max_ms": max(meds),
+                         "cpu_ms": statistics.median(cpus), "cpu_min_ms": min(cpus), "cpu_max_ms": max(cpus),
                          "ratios": ratios, "blocked_ms": statistics.median(v["blocked_ms"] for v in rs.values()),
                          "comm_MB": {k: v / 1e6 for k, v in last["comm_wire_bytes"].items()},
                          "comm_total_MB": sum(last["comm_wire_bytes"].values()) / 1e6,
@@ -244,12 +343,15 @@ def main(argv=None) -> int:
                          "final_loss": last["losses"][-1], "zero_stage": last["zero_stage"]}
         t = table[c.name]
         out.append(f"| {c.name} | {t['median_ms']:.0f} ({t['min_ms']:.0f}-{t['max_ms']:.0f}) | {ratio_txt.strip()} | "
+                   f"{t['cpu_ms']:.0f} ({t['cpu_min_ms']:.0f}-{t['cpu_max_ms']:.0f}) | {cpu_txt.strip()} | "
                    f"{t['blocked_ms']:.0f} | total {t['comm_total_MB']:.2f}: {comm} | {t['params_local']:,} | "
                    f"{t['peak_mb']:.0f} MB | {t['final_loss']:.4f} |")
     out.append("")
     out.append(f"paired ratio: per round, this contender's median step time over the named one's; median (min-max) "
                f"over rounds. Ideal MoE/dense: {ideal:.3f}. ZeRO stage (hybrid's default): "
                f"{next(iter(table.values()))['zero_stage'] if table else 'n/a'}.")
+    if args.cluster:
+        out += cluster_main(args, chosen)
     for name, fs in failures.items():
         out.append(f"FAILED {name}: " + "; ".join(f"round {r + 1}: {m}" for r, m in fs.items()))
     print("\n".join(out))
@@ -260,10 +362,13 @@ def main(argv=None) -> int:
                        "started": started.isoformat(timespec="seconds"), "args": vars(args), "counts": counts,
                        "ideal_moe_over_dense": ideal, "table": table, "loadavg_start": load_start,
                        "runs": {n: {str(r + 1): v for r, v in rs.items()} for n, rs in runs.items()},
-                       "failures": failures, "text": "\n".join(out)}, f, indent=1, default=str)
+                       "failures": failures, "cluster": getattr(args, "cluster_results", {}),
+                       "text": "\n".join(out)}, f, indent=1, default=str)
         print(f"results: {args.json}")
     return 1 if failures else 0
 
 
 if __name__ == "__main__":
+    if "--worker" in " ".join(sys.argv):
+        sys.exit(worker(parse()))
     sys.exit(main())

@@ -38,7 +38,12 @@ contender once, in reversed order on odd rounds); a contender's round is
 barrier, its time the slowest rank's. Per contender: the median over rounds
 of the per-round medians, and the min-max of the per-round medians; the
 ratio is PAIRED (hybrid / DeepSpeed within each round; median and min-max
-over rounds, ``benchmarks/paired.py``).
+over rounds, ``benchmarks/paired.py``). Beside the wall time, each step's CPU
+time (``time.process_time``: every thread of the process, so gloo's too, and
+no time spent blocked) summed over the ranks: on a machine whose cores other
+jobs share, wall time swings with their load, while the CPU work a step does
+moves much less, so its paired ratio is the steadier comparison of the two
+implementations' own cost.
 
 Peak RSS cannot be told apart in one process that built both layers, so
 ``--contenders NAME`` runs one contender alone in its own process group
@@ -71,6 +76,7 @@ import gc
 import json
 import math
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -275,8 +281,9 @@ def inputs(args, rank: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def run_steps(layer: Layer, data, n: int) -> List[float]:
-    """``n`` forward+backward steps of ``layer``, each opened by a barrier; this rank's seconds per step."""
+def run_steps(layer: Layer, data, n: int, cpu: Optional[List[float]] = None) -> List[float]:
+    """``n`` forward+backward steps of ``layer``, each opened by a barrier; this rank's seconds per step (and
+    its CPU seconds per step, every thread of the process, appended to ``cpu``)."""
     import torch.distributed as dist
 
     times = []
@@ -284,9 +291,11 @@ def run_steps(layer: Layer, data, n: int) -> List[float]:
         x, g = data[i % len(data)]
         x = x.clone().requires_grad_(True)  # the input gradient is part of the work (the layer below needs it)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         layer.step(x, g)
         times.append(time.perf_counter() - t0)
+        if cpu is not None:
+            cpu.append(time.process_time() - c0)
         layer.module.zero_grad(set_to_none=True)
     return times
 
@@ -413,12 +422,16 @@ def worker(args) -> int:
             lay = layers[n]
             run_steps(lay, data, args.warmup)
             lay.reset()
-            t = slowest(run_steps(lay, data, args.steps))
+            cpu: List[float] = []
+            t = slowest(run_steps(lay, data, args.steps, cpu))
+            cpu_t = torch.tensor(cpu, dtype=torch.float64)
+            dist.all_reduce(cpu_t)  # summed over ranks: the CPU work of the step, waiting excluded
             sent = torch.tensor([float(lay.a2a_bytes()) / args.steps], dtype=torch.float64)
             dist.all_reduce(sent)  # summed over ranks
             drop = torch.tensor(lay.dropped(), dtype=torch.float64)
             dist.all_reduce(drop)
             result["rounds"][n].append({"median_ms": 1e3 * statistics.median(t), "step_ms": [1e3 * v for v in t],
+                                        "cpu_ms": 1e3 * statistics.median(cpu_t.tolist()),
                                         "a2a_bytes_per_step_all_ranks": sent.item(),
                                         "dropped_fraction": drop[0].item() / max(drop[1].item(), 1.0)})
             if rank == 0:
@@ -446,12 +459,14 @@ def worker(args) -> int:
 # ---- the driver ---------------------------------------------------------------------------------------------
 def summarise(res: dict) -> dict:
     """Per contender: median over rounds of the per-round medians, their min-max; paired ratios per mode."""
-    out = {"contenders": {}, "ratios": {}}
+    out = {"contenders": {}, "ratios": {}, "cpu_ratios": {}}
     for n, rounds in res["rounds"].items():
         if not rounds:
             continue
         med = [r["median_ms"] for r in rounds]
+        cpu = [r["cpu_ms"] for r in rounds]
         out["contenders"][n] = {"median_ms": statistics.median(med), "min_ms": min(med), "max_ms": max(med),
+                                "cpu_ms": statistics.median(cpu), "cpu_min_ms": min(cpu), "cpu_max_ms": max(cpu),
                                 "a2a_MB_per_step": statistics.median(r["a2a_bytes_per_step_all_ranks"]
                                                                      for r in rounds) / 1e6,
                                 "dropped_fraction": statistics.median(r["dropped_fraction"] for r in rounds)}
@@ -460,6 +475,8 @@ def summarise(res: dict) -> dict:
         if h and d:
             pr = paired_ratio({i: r["median_ms"] for i, r in enumerate(h)}, {i: r["median_ms"] for i, r in enumerate(d)})
             out["ratios"][mode] = pr.as_dict() | {"text": pr.format()}
+            pc = paired_ratio({i: r["cpu_ms"] for i, r in enumerate(h)}, {i: r["cpu_ms"] for i, r in enumerate(d)})
+            out["cpu_ratios"][mode] = pc.as_dict() | {"text": pc.format()}
     return out
 
 
@@ -471,7 +488,7 @@ def torchrun_cmd(world: int, extra: List[str]) -> List[str]:
 def launch(world: int, extra: List[str], out: str, timeout: float) -> Tuple[Optional[dict], str, str]:
     """Run one torchrun; (its JSON if complete, the command as text, the tail of its output)."""
     cmd = torchrun_cmd(world, extra + ["--out", out])
-    text = "DS_ACCELERATOR=cpu torchrun " + " ".join(cmd[3:])  # as typed in the DeepSpeed environment
+    text = "DS_ACCELERATOR=cpu torchrun " + shlex.join(cmd[3:])  # as typed in the DeepSpeed environment
     if os.path.exists(out):
         os.remove(out)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
@@ -498,18 +515,21 @@ def worker_flags(args) -> List[str]:
 def fmt_table(world: int, timing: dict, summ: dict, rss: Dict[str, dict]) -> List[str]:
     lines = [f"EP {world} (world {world}, one rank per EP position, 1 torch thread per rank)", "",
              "| contender | fwd+bwd ms/step, median (min-max over rounds) | hybrid/DeepSpeed paired ratio | "
-             "all-to-all MB/step (all ranks) | dropped | peak RSS/rank, own process group (growth from build) |",
-             "|---|---|---|---|---|---|"]
+             "CPU ms/step, all ranks | paired CPU ratio | all-to-all MB/step (all ranks) | dropped | "
+             "peak RSS/rank, own process group (growth from build) |",
+             "|---|---|---|---|---|---|---|---|"]
     for n in CONTENDERS:
         c = summ["contenders"].get(n)
         if c is None:
             continue
         mode = n.split()[1]
         ratio = summ["ratios"].get(mode, {}).get("text", "") if n.startswith("hybrid") else ""
+        cratio = summ["cpu_ratios"].get(mode, {}).get("text", "") if n.startswith("hybrid") else ""
         r = rss.get(n)
         rtxt = (f"{max(p['peak_mb'] for p in r):.0f} MB ({max(p['peak_mb'] - p['before_build_mb'] for p in r):.0f} MB)"
                 if r else "n/a")
         lines.append(f"| {n} | {c['median_ms']:.2f} ({c['min_ms']:.2f}-{c['max_ms']:.2f}) | {ratio} | "
+                     f"{c['cpu_ms']:.1f} ({c['cpu_min_ms']:.1f}-{c['cpu_max_ms']:.1f}) | {cratio} | "
                      f"{c['a2a_MB_per_step']:.2f} | {100 * c['dropped_fraction']:.1f}% | {rtxt} |")
     par = timing.get("parity", {})
     if par:
