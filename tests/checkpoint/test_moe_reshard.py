@@ -132,6 +132,7 @@ def _continued(root: str, load: str, tp: int, ep: int, stage: int) -> dict:
            "steps": [half.inner.step_count for half in getattr(opt, "halves", (opt,))]}
     out["losses"] = _steps(engine, topo, N, N + M)
     out["final"] = _weights(engine, model, topo)
+    engine.save_checkpoint(os.path.join(root, f"saved_tp{tp}_ep{ep}_zero{stage}"), N + M)  # read back by the test
     engine.close()
     topo.close()
     return out
@@ -242,6 +243,7 @@ def test_ep2_checkpoint_reads_every_expert_and_reshards_offline(tmp_path):
 
 
 SLOW_LAYOUTS = {
+    "ep2_same": (1, 2, 1),  # the same layout: the exact path, its index check covering the experts too
     "ep1_dp4": (1, 1, 1),
     "ep4": (1, 4, 1),
     "tp2_ep2": (2, 2, 1),
@@ -251,6 +253,19 @@ SLOW_LAYOUTS = {
 
 @pytest.mark.slow  # ~1 min at world 4 on two cores
 def test_ep2_checkpoint_continues_in_other_layouts(tmp_path):
+    """Resharded on load into each of SLOW_LAYOUTS; each continuation's own checkpoint (a TP=2 x EP=2 one
+    among them: experts split over TP) reads back, through CheckpointSource, as the weights it trained."""
+    from hybrid.checkpoint import CheckpointReader
+    from hybrid.convert.consolidate import CheckpointSource
+
     runs = run_distributed(_slow, WORLD, str(tmp_path), SLOW_LAYOUTS, timeout=600)
-    for name in SLOW_LAYOUTS:
-        _check_continued(runs, [r[name] for r in runs])
+    for name, (tp, ep, stage) in SLOW_LAYOUTS.items():
+        cont = [r[name] for r in runs]
+        _check_continued(runs, cont)
+        final = _merge(cont, "final")
+        with CheckpointSource(CheckpointReader(tmp_path / f"saved_tp{tp}_ep{ep}_zero{stage}")) as src:
+            assert set(src.tensors) == set(final)
+            for key, want in final.items():
+                assert max_ratio(src.read(key), want, EXACT) == 0, f"{name}: {key} read back"
+                if src.has_state(key):  # fp32: the master is the weight
+                    assert max_ratio(src.read(key, "master"), want, EXACT) == 0, f"{name}: master of {key}"
