@@ -32,6 +32,16 @@ Reproduce (from the repository root)::
 
     python benchmarks/moe_speed.py                  # 3 rounds x 8 steps
     python benchmarks/moe_speed.py --quick          # the machinery end to end (not a measurement)
+    python benchmarks/moe_speed.py --cluster-only --cluster 200mbit,50mbit --cluster-rounds 2 \
+        --cluster-steps 4 --warmup 1                 # the emulated 2-node cluster (root; ~15 min)
+
+The cluster part runs every contender as one torchrun agent per emulated node
+(``tools/emulated_cluster.py``: 2 nodes x 2 ranks, the link shaped with ``tc
+tbf``; this file with ``--worker NAME`` is the per-rank program). Ranks 0 and 1
+are node 0: EP 2 keeps the token all-to-all inside a node and sends the expert
+gradients (``edp``) across; EP 4 sends tokens across and reduces no expert
+gradient. It reports the communicator's inter-node bytes by op and what the
+veth counters saw.
 
 Results: ``--json`` (default ``benchmarks/results/moe_speed.json``).
 """
@@ -147,7 +157,8 @@ def summarise(per_rank: List[Dict]) -> Dict:
             comm[k] = comm.get(k, 0.0) + v["wire_bytes"]
             inter[k] = inter.get(k, 0.0) + v.get("inter_node_bytes", 0.0)
     cpu = [sum(r["cpu"][i] for r in per_rank) for i in range(steps)]  # CPU seconds of all ranks together
-    return {"comm_inter_node_bytes": inter, "cpu_ms": 1e3 * statistics.median(cpu), "median_ms": 1e3 * statistics.median(slowest), "blocked_ms": 1e3 * statistics.median(blocked),
+    return {"comm_inter_node_bytes": inter, "cpu_ms": 1e3 * statistics.median(cpu),
+            "median_ms": 1e3 * statistics.median(slowest), "blocked_ms": 1e3 * statistics.median(blocked),
             "peak_mb": max(r["peak_mb"] for r in per_rank), "comm_wire_bytes": comm,
             "losses": [statistics.mean(r["losses"][i] for r in per_rank) for i in range(len(per_rank[0]["losses"]))],
             "params_local": max(r["params_local"] for r in per_rank), "zero_stage": per_rank[0]["zero_stage"]}

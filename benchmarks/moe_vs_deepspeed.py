@@ -70,7 +70,6 @@ accepts a run whose JSON is complete.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import json
@@ -473,7 +472,8 @@ def summarise(res: dict) -> dict:
     for mode in MODES:
         h, d = res["rounds"].get(f"hybrid {mode}"), res["rounds"].get(f"deepspeed {mode}")
         if h and d:
-            pr = paired_ratio({i: r["median_ms"] for i, r in enumerate(h)}, {i: r["median_ms"] for i, r in enumerate(d)})
+            pr = paired_ratio({i: r["median_ms"] for i, r in enumerate(h)},
+                              {i: r["median_ms"] for i, r in enumerate(d)})
             out["ratios"][mode] = pr.as_dict() | {"text": pr.format()}
             pc = paired_ratio({i: r["cpu_ms"] for i, r in enumerate(h)}, {i: r["cpu_ms"] for i, r in enumerate(d)})
             out["cpu_ratios"][mode] = pc.as_dict() | {"text": pc.format()}
@@ -608,7 +608,8 @@ def driver(args) -> int:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1, default=str)
     head = (f"{started:%Y-%m-%d %H:%M}-{datetime.datetime.now().astimezone():%H:%M} {started.tzname()}, "
-            f"{os.cpu_count()} CPU cores, load average at start {' '.join(f'{v:.2f}' for v in results['loadavg_start'])}"
+            f"{os.cpu_count()} CPU cores, load average at start "
+            f"{' '.join(f'{v:.2f}' for v in results['loadavg_start'])}"
             f"; h={args.hidden}, {args.experts} SwiGLU experts of {args.expert_ffn}, top-{args.topk}, "
             f"[s, b] = [{args.seq}, {args.micro_batch}] tokens per rank, capacity factor {args.capacity_factor}, "
             f"aux coeff {args.aux}, fp32; {args.rounds} interleaved rounds x {args.steps} steps after "
