@@ -130,8 +130,8 @@ def run(args) -> str:
         pipeline = {key: getattr(args, f"pipeline_{key}") for key, _ in _pipeline_leaves()}
         out = reshard_checkpoint(args.load, args.save, target_tp=args.target_tp, target_dp=args.target_dp,
                                  target_zero_stage=args.target_zero_stage, bucket_size=args.zero_bucket_size,
-                                 target_ep=args.target_ep, pipeline={k: v for k, v in pipeline.items() if v is not None}, progress=progress,
-                                 force=args.force)
+                                 target_ep=args.target_ep, pipeline={k: v for k, v in pipeline.items() if v is not None},
+                                 progress=progress, force=args.force)
         return f"wrote {out}"
     if args.command == "to-fp32":
         from hybrid.convert.fp32 import export_fp32
