@@ -80,6 +80,8 @@ buckets of :func:`stage3_gradient_flow`, which replays the unquantized path.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from hybrid.dtypes import DTYPE_BYTES
@@ -383,9 +385,21 @@ def zero_layout(config: GPTConfig, candidate: Candidate, setup: TrainingSetup = 
         return stage3_layout(config, candidate.tp, candidate.dp, candidate.precision,
                              setup.stage3_persistence_threshold, setup.weight_decay)
     split = candidate.stage_split(config) if candidate.pp > 1 else None
-    dense, _ = split_expert_shapes(shard_shapes(config, candidate.tp, split, pp_rank), config, candidate.parallel.ep)
-    return flat_layout(dense, candidate.dp, candidate.precision, setup.bucket_size, setup.weight_decay,
-                       tied_head=split is not None and split.holds_head(pp_rank))
+    return _flat_layouts(json.dumps(config.to_dict(), sort_keys=True), candidate.tp, candidate.dp,
+                         candidate.parallel.ep, candidate.precision, setup.bucket_size, setup.weight_decay, split,
+                         pp_rank)[0]
+
+
+@functools.lru_cache(maxsize=256)
+def _flat_layouts(config_json: str, tp: int, dp: int, ep: int, precision: str, bucket_size: int,
+                  weight_decay: bool, split, pp_rank: int) -> Tuple[FlatLayout, Optional[FlatLayout]]:
+    """The dense parameters' flat layout over ``dp`` and the routed experts' over ``edp = dp / ep`` (None for a
+    dense model), worked out once per model and layout: the candidates of a plan share them."""
+    config = GPTConfig.from_dict(json.loads(config_json))
+    dense, experts = split_expert_shapes(shard_shapes(config, tp, split, pp_rank), config, ep)
+    tied = split is not None and split.holds_head(pp_rank)
+    return (flat_layout(dense, dp, precision, bucket_size, weight_decay, tied_head=tied),
+            flat_layout(experts, dp // ep, precision, bucket_size, weight_decay) if experts else None)
 
 
 def moe_stage_problem(config: GPTConfig, stage: int) -> Optional[str]:
@@ -403,12 +417,10 @@ def expert_layout(config: GPTConfig, candidate: Candidate, setup: TrainingSetup 
     the ``edp = dp / ep`` ranks that hold the same experts; None for a dense model."""
     if not config.is_moe:
         return None
-    ep = candidate.parallel.ep
     split = candidate.stage_split(config) if candidate.pp > 1 else None
-    _, experts = split_expert_shapes(shard_shapes(config, candidate.tp, split, pp_rank), config, ep)
-    if not experts:
-        return None
-    return flat_layout(experts, candidate.dp // ep, candidate.precision, setup.bucket_size, setup.weight_decay)
+    return _flat_layouts(json.dumps(config.to_dict(), sort_keys=True), candidate.tp, candidate.dp,
+                         candidate.parallel.ep, candidate.precision, setup.bucket_size, setup.weight_decay, split,
+                         pp_rank)[1]
 
 
 def add_states(a: StateBytes, b: StateBytes) -> StateBytes:

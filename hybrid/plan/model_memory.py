@@ -98,47 +98,26 @@ def shard_shapes(config: GPTConfig, tp: int, split: Optional[StageSplit] = None,
     resized the way :func:`hybrid.param_meta.shard` cuts them. An MoE model's
     routed experts are all listed (an ``ep = 1`` rank's view;
     :func:`hybrid.plan.moe.split_expert_shapes` keeps one ep rank's), each cut
-    over the expert tensor-parallel size (:func:`hybrid.plan.moe.expert_local_shape`);
-    where ``model_zoo`` still builds an MoE layer's MLP as a dense one, that
-    MLP is replaced by :func:`hybrid.plan.moe.analytic_moe_shapes`.
+    over the expert tensor-parallel size (``GPTConfig.expert_tp``). Worked out
+    once per model, size and stage (the planner asks for every candidate).
     """
-    from hybrid.plan.moe import analytic_moe_shapes, as_run, expert_local_shape, is_expert_name
+    return list(_shard_shapes(json.dumps(config.to_dict(), sort_keys=True), tp, split, pp_rank))
 
+
+@functools.lru_cache(maxsize=256)
+def _shard_shapes(config_json: str, tp: int, split: Optional[StageSplit], pp_rank: int) -> Tuple[ParamShape, ...]:
+    from hybrid.plan.moe import as_run, is_expert_name
+
+    config = GPTConfig.from_dict(json.loads(config_json))
     as_run(config, tp).validate(tp)
-    built = _full_model_params(json.dumps(config.to_dict(), sort_keys=True), split, pp_rank)
     etp = config.expert_tp(tp)
-    analytic = config.is_moe and not any(is_expert_name(name) for name, *_ in built)
-    pattern = config.moe_layer_pattern()
-    out, replaced = [], set()
-    for name, shape, meta, tied, chunks in built:
-        layer = layer_index(name)
-        if analytic and layer >= 0 and pattern[layer] and name.startswith(f"layers.{layer}.mlp."):
-            if layer not in replaced:  # the dense MLP the model builds for now: the MoE layer instead
-                replaced.add(layer)
-                for moe_name, moe_shape, expert in analytic_moe_shapes(config, layer):
-                    out.append(ParamShape(moe_name, _moe_local_shape(moe_name, moe_shape, expert, tp, etp),
-                                          False, chunks))
-            continue
-        if is_expert_name(name):
-            out.append(ParamShape(name, expert_local_shape(name, shape, etp), tied, chunks))
-            continue
+    out = []
+    for name, shape, meta, tied, chunks in _full_model_params(config_json, split, pp_rank):
         local = list(shape)
         if meta.partitioned:
-            local[meta.dim] = param_meta.piece_size(meta, shape[meta.dim], tp)
+            local[meta.dim] = param_meta.piece_size(meta, shape[meta.dim], etp if is_expert_name(name) else tp)
         out.append(ParamShape(name, tuple(local), tied, chunks))
-    return out
-
-
-def _moe_local_shape(name: str, shape: Tuple[int, ...], expert: bool, tp: int, etp: int) -> Tuple[int, ...]:
-    """One rank's shape of a parameter of :func:`hybrid.plan.moe.analytic_moe_shapes`: experts over ``etp``,
-    the shared expert over ``tp`` as a dense MLP, the router and the gate whole."""
-    from hybrid.plan.moe import expert_local_shape
-
-    if expert:
-        return expert_local_shape(name, shape, etp)
-    if ".shared_expert." in name:
-        return expert_local_shape(name, shape, tp)
-    return shape
+    return tuple(out)
 
 
 def no_decay_1d(p: ParamShape) -> bool:

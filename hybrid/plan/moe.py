@@ -46,7 +46,8 @@ from __future__ import annotations
 import math
 from typing import List, Optional, Sequence, Tuple
 
-from model_zoo.config import GPTConfig
+from hybrid.grid import expert_parallel_problem
+from model_zoo.config import GPTConfig, moe_problem
 
 # The two cases of routed-token activations the planner reports: even loads, and the dropless bound.
 ROUTING_CASES = ("typical", "worst")
@@ -64,66 +65,16 @@ def expert_index(name: str) -> int:
 
 
 def expert_parallel_sizes(config: GPTConfig, dp: int, wanted: Optional[Sequence[int]] = None) -> List[int]:
-    """The expert-parallel sizes a layout of ``dp`` data-parallel ranks can use: divisors of ``dp``
-    (:func:`hybrid.grid.expert_parallel_problem`) that divide ``num_experts`` (each ep rank holds ``E / ep`` whole
-    experts), within ``wanted`` when given; ``[1]`` for a dense model."""
-    if not config.is_moe:
-        return [1]
-    sizes = [ep for ep in range(1, dp + 1) if dp % ep == 0 and config.num_experts % ep == 0]
-    return [ep for ep in sizes if wanted is None or ep in wanted]
+    """The expert-parallel sizes a layout of ``dp`` data-parallel ranks can use (those :func:`moe_problem_at`
+    accepts), within ``wanted`` when given; ``[1]`` for a dense model."""
+    return [ep for ep in range(1, dp + 1)
+            if moe_problem_at(config, dp, ep) is None and (wanted is None or ep in wanted)]
 
 
 def moe_problem_at(config: GPTConfig, dp: int, ep: int) -> Optional[str]:
-    """Why ``ep`` cannot share out ``config``'s experts at ``dp`` (None when it can)."""
-    if ep == 1:
-        return None
-    if not config.is_moe:
-        return f"--expert-model-parallel-size {ep} needs an MoE model (--num-experts); use 1 for a dense model"
-    if dp % ep:
-        return (f"--expert-model-parallel-size {ep} must divide the data-parallel size {dp}; choose a divisor of "
-                f"{dp}")
-    if config.num_experts % ep:
-        return (f"--expert-model-parallel-size {ep} must divide --num-experts {config.num_experts}: every ep "
-                f"rank holds num_experts / ep whole experts")
-    return None
-
-
-def analytic_moe_shapes(config: GPTConfig, layer: int) -> List[Tuple[str, Tuple[int, ...], bool]]:
-    """``(name, TP=1 shape, is_expert)`` of the parameters of MoE layer ``layer``'s MLP, named as
-    ``docs/moe.md`` names them, in the order router, experts, shared expert, gate. What the planner uses
-    while ``model_zoo`` builds the MoE layer as a dense MLP (before ``model_zoo/moe.py``)."""
-    h, E, f = config.hidden_size, config.num_experts, config.expert_ffn_size
-    blocks = config.mlp_input_blocks
-    pre = f"layers.{layer}.mlp"
-    out: List[Tuple[str, Tuple[int, ...], bool]] = [(f"{pre}.router.weight", (E, h), False)]
-
-    def mlp(prefix: str, width: int, expert: bool) -> None:
-        out.append((f"{prefix}.in_proj.weight", (blocks * width, h), expert))
-        if config.bias:
-            out.append((f"{prefix}.in_proj.bias", (blocks * width,), expert))
-        out.append((f"{prefix}.out_proj.weight", (h, width), expert))
-        if config.bias:
-            out.append((f"{prefix}.out_proj.bias", (h,), expert))
-
-    for e in range(E):
-        mlp(f"{pre}.experts.{e}", f, True)
-    fs = config.moe_shared_expert_intermediate_size
-    if fs:
-        mlp(f"{pre}.shared_expert", fs, False)
-        if config.moe_shared_expert_gate:
-            out.append((f"{pre}.shared_expert_gate.weight", (1, h), False))
-    return out
-
-
-def expert_local_shape(name: str, shape: Tuple[int, ...], etp: int) -> Tuple[int, ...]:
-    """An expert parameter's shape on one rank: the input projection split along its output rows, the output
-    projection along its input columns, over ``etp`` ranks; the output bias whole (``docs/moe.md``)."""
-    local = list(shape)
-    if ".in_proj." in name:
-        local[0] //= etp
-    elif name.endswith("out_proj.weight"):
-        local[1] //= etp
-    return tuple(local)
+    """Why ``ep`` cannot share out ``config``'s experts at ``dp`` (None when it can): the grid's rule
+    (:func:`hybrid.grid.expert_parallel_problem`) and the model's (:func:`model_zoo.config.moe_problem`)."""
+    return expert_parallel_problem(dp, 1, ep) or moe_problem(config, 1, ep)
 
 
 def split_expert_shapes(shapes: Sequence, config: GPTConfig, ep: int, ep_rank: int = 0):
