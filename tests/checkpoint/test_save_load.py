@@ -217,7 +217,9 @@ def test_file_names_of_a_layout():
     ({"tp": 2, "dp": 2, "pp": 1, "zero_stage": 4, "precision": "bf16"}, "zero_stage must be 0, 1, 2 or 3, got 4"),
     ({"tp": 2, "dp": 2, "pp": 1, "zero_stage": 1, "precision": "fp8"}, "precision must be one of"),
     ({"tp": 0, "dp": 2, "pp": 1, "zero_stage": 1, "precision": "bf16"}, "tp must be an integer >= 1"),
-    ({"tp": 2, "dp": 2, "pp": 1, "zero_stage": 1, "precision": "bf16", "ep": 2}, r"unknown keys \['ep'\]"),
+    ({"tp": 2, "dp": 2, "pp": 1, "zero_stage": 1, "precision": "bf16", "cp": 2}, r"unknown keys \['cp'\]"),
+    ({"tp": 2, "dp": 3, "pp": 1, "zero_stage": 1, "precision": "bf16", "ep": 2},
+     r"--expert-model-parallel-size 2 must divide the data-parallel ranks"),
     ([2, 2], "layout must be a JSON object"),
 ])
 def test_a_bad_layout_in_the_manifest_names_the_file(tmp_path, layout, match):
