@@ -190,6 +190,13 @@ def z_loss(logits: torch.Tensor, reduce=None, tokens: Optional[int] = None) -> t
     return sq / (tokens if tokens is not None else logits.shape[0])
 
 
+def computed_losses(config: GPTConfig) -> Tuple[bool, bool]:
+    """(balancing loss, z-loss): whether an MoE layer of ``config`` computes each (the layer's rule, which the
+    monitor reads too: a loss not computed is reported as absent, not as 0)."""
+    return (config.moe_router_load_balancing_type != "none" and config.moe_aux_loss_coeff > 0,
+            bool(config.moe_z_loss_coeff))
+
+
 # ---- experts ------------------------------------------------------------------------------------------------
 class ExpertLinear(nn.Module):
     """One projection of an expert: ``weight`` ``[out, in]`` (this rank's TP piece, as ``tp_meta`` says)."""
@@ -368,13 +375,14 @@ class MoELayer(nn.Module):
         reduce = self._sum_over_tp if self.tp > 1 else None
         total, aux_value, z_value = None, routing.logits.new_zeros(()), routing.logits.new_zeros(())
         kind = cfg.moe_router_load_balancing_type
-        if kind != "none" and cfg.moe_aux_loss_coeff > 0:
+        with_aux, with_z = computed_losses(cfg)
+        if with_aux:
             per_sequence = kind == "seq_aux_loss"
             aux = balancing_loss(routing.probs, routing.experts, cfg.num_experts,
                                  tokens=s_local * self.tp * (1 if per_sequence else b),
                                  per_sequence=b if per_sequence else 0, reduce=reduce)
             total, aux_value = cfg.moe_aux_loss_coeff * aux, aux.detach()
-        if cfg.moe_z_loss_coeff:
+        if with_z:
             z = z_loss(routing.logits, reduce=reduce, tokens=s_local * b * self.tp)
             total = cfg.moe_z_loss_coeff * z if total is None else total + cfg.moe_z_loss_coeff * z
             z_value = z.detach()
@@ -461,7 +469,7 @@ class MoELayer(nn.Module):
                 gate_w = copy_to_tp_region(gate_w, topo) if self.tp > 1 else gate_w
                 shared = torch.sigmoid(F.linear(x, gate_w)) * shared
             y = y + shared
-        if not self.tracker.recomputing:
+        if self.training and not self.tracker.recomputing:  # training's routing, counted once (not evaluation's)
             self._count(routing.experts, keep_whole, s_local, b, aux_value, z_value)
         if aux is not None and self.training and torch.is_grad_enabled():
             y = _AttachAuxLoss.apply(y, aux, self.aux_scale)

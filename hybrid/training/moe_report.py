@@ -15,30 +15,23 @@ whole global batch's, of every MoE layer of every pipeline stage:
    stage's rows side by side, on every rank (the logging rank among them).
 
 Every rank calls :meth:`MoEReporter.gather` at the same iterations (the ends of
-log intervals); all collectives go through ``topology.comm``.
+log intervals); all collectives go through ``topology.comm``. The layers count
+training's routing only (not an evaluation's, which runs in eval mode).
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from hybrid.monitor.moe import MoELayerReport
+from model_zoo.moe import computed_losses
 
 # Columns of the table after the E per-expert loads
 _DROPPED, _ASSIGNMENTS, _AUX, _Z, _LOSS_MICRO_BATCHES = range(5)
 _EXTRA = 5
-
-
-def computes_losses(config) -> Tuple[bool, bool]:
-    """(balancing loss, z-loss): whether the MoE layers of ``config`` (a ``GPTConfig``) compute them, the
-    conditions of ``model_zoo.moe.MoELayer._losses``. A value the layer does not compute stays 0 in its stats;
-    the report says None instead of a misleading 0."""
-    aux = config.moe_router_load_balancing_type != "none" and config.moe_aux_loss_coeff > 0
-    return aux, bool(config.moe_z_loss_coeff)
 
 
 class MoEReporter:
@@ -56,7 +49,7 @@ class MoEReporter:
         self.layers = moe_layers(model)
         self.pattern = config.moe_layer_pattern()  # [num_layers] bool: which layers are MoE (every stage agrees)
         self.num_experts, self.topk = config.num_experts, config.moe_router_topk
-        self.aux_computed, self.z_computed = computes_losses(config)
+        self.aux_computed, self.z_computed = computed_losses(config)
 
     @classmethod
     def for_model(cls, model: nn.Module, config, topology) -> Optional["MoEReporter"]:
@@ -121,41 +114,3 @@ class MoEReporter:
                 z_loss=float(extra[_Z]) / loss_mbs if self.z_computed and loss_mbs else None,
                 micro_batches=int(loss_mbs)))
         return tuple(out)
-
-    @contextlib.contextmanager
-    def not_counted(self) -> Iterator[None]:
-        """Routing inside the block (an evaluation's forward passes) is not counted: the layers' statistics, and
-        the assignments of the step in progress that the expert bias update reads, are as they were before it."""
-        saved = [(layer.stats, _snapshot(layer.stats)) for _, layer in self.layers]
-        try:
-            yield
-        finally:
-            for stats, snap in saved:
-                _restore(stats, snap)
-
-
-_TENSOR_FIELDS = ("tokens_per_expert", "dropped", "assignments", "aux_loss", "z_loss", "step_tokens")
-
-
-def _snapshot(stats) -> dict:
-    snap = {name: getattr(stats, name).clone() for name in _TENSOR_FIELDS if getattr(stats, name) is not None}
-    snap["micro_batches"] = stats.micro_batches
-    return snap
-
-
-def _restore(stats, snap: dict) -> None:
-    for name, value in snap.items():
-        if name == "micro_batches":
-            stats.micro_batches = value
-        else:
-            getattr(stats, name).copy_(value)
-
-
-@contextlib.contextmanager
-def moe_not_counted(reporter: Optional[MoEReporter]) -> Iterator[None]:
-    """:meth:`MoEReporter.not_counted`, or nothing for a dense model (``reporter`` None)."""
-    if reporter is None:
-        yield
-    else:
-        with reporter.not_counted():
-            yield

@@ -43,7 +43,7 @@ from hybrid.training.health import DivergenceGuard, TrainingDiverged, non_finite
 from hybrid.training.load_target import hf_model_message, is_hf_model_folder, same_folder
 from hybrid.training.loss_spike import LossSpikeGuard
 from hybrid.training.model import model_config
-from hybrid.training.moe_report import MoEReporter, moe_not_counted
+from hybrid.training.moe_report import MoEReporter
 from hybrid.training.profile import StepProfile, profile_line, steady_state_start
 from hybrid.training.seeding import seed_everything
 from hybrid.training.summary import count_exempt, optimizer_line
@@ -298,11 +298,11 @@ class Trainer:
         sampler = GlobalBatchSampler(len(dataset), 0, self.batch.micro_batch_size,
                                      self.batch.global_batch_size, self.topology.dp_rank, self.topology.dp_size)
         losses = []
-        with moe_not_counted(self.moe_report):  # the MoE report and expert bias count training's routing alone
-            for k, micro_batches in enumerate(iter_global_batches(dataset, sampler)):
-                if k >= self.config.eval.iters:
-                    break
-                losses.append(engine.eval_batch(self._model_inputs(micro_batches)))
+        # (in eval mode the MoE layers do not count their routing: the report and the expert bias see training's)
+        for k, micro_batches in enumerate(iter_global_batches(dataset, sampler)):
+            if k >= self.config.eval.iters:
+                break
+            losses.append(engine.eval_batch(self._model_inputs(micro_batches)))
         engine.train()
         mean = torch.tensor(sum(losses) / len(losses), dtype=torch.float32, device=device)
         self.topology.comm.all_reduce(mean, "dp", op="avg")

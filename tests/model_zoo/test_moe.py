@@ -186,6 +186,20 @@ def test_the_model_builds_moe_layers_where_the_pattern_says_and_trains():
     assert router.grad is not None and router.grad.abs().sum() > 0
 
 
+def test_evaluation_routes_without_counting():
+    """In eval mode a layer's statistics (the monitor's, and the step's loads the expert bias reads) stay as
+    training left them."""
+    cfg = small_config()
+    layer = build_layer(cfg, Topology.local())
+    x, _ = inputs(cfg, batch=2)
+    layer(x)
+    counts, step = layer.stats.tokens_per_expert.clone(), layer.stats.step_tokens.clone()
+    with torch.no_grad():
+        layer.eval()(x)
+    assert torch.equal(layer.stats.tokens_per_expert, counts) and torch.equal(layer.stats.step_tokens, step)
+    assert layer.stats.micro_batches == 1
+
+
 def test_the_balancing_loss_reaches_the_router_gradient():
     """With only the balancing loss as objective (zero cotangent), the router still gets its gradient, scaled by
     the model's aux-loss scale."""
