@@ -54,10 +54,10 @@ from typing import Dict, List, Optional, Sequence
 # The axes of the rank formula, innermost (fastest-varying) first.
 RANK_ORDER = ("tp", "cp", "dp", "pp")
 # The axes the topology builds process groups for (``ep`` and ``edp``: expert parallelism, whose groups are
-# built only when ``ep > 1``; otherwise ``ep`` is each rank alone and ``edp`` its ``dp`` group).
-AXES = ("tp", "dp", "pp", "mp", "embed", "world", "ep", "edp")
-# Axes of the grid's arithmetic whose process groups nothing builds yet (context parallelism).
-GRID_ONLY_AXES = ("cp", "dp_cp")
+# built only when ``ep > 1``, otherwise ``ep`` is each rank alone and ``edp`` its ``dp`` group; ``cp`` and
+# ``dp_cp``: context parallelism, built only when ``cp > 1``, otherwise ``cp`` is each rank alone and ``dp_cp``
+# its ``dp`` group).
+AXES = ("tp", "dp", "pp", "mp", "embed", "world", "ep", "edp", "cp", "dp_cp")
 # The data-parallel group split by node (see Nodes.node_axis_groups): the ranks of this rank's dp group on
 # its own node, and the ranks of its dp group at the same position on every node.
 NODE_AXES = ("dp_node", "dp_cross")
@@ -90,9 +90,9 @@ def tp_sub_size(axis: str) -> Optional[int]:
 
 def check_axis(axis: str) -> None:
     """Raise :class:`TopologyError` unless ``axis`` names an axis of this module."""
-    if axis not in AXES and axis not in GRID_ONLY_AXES and axis not in NODE_AXES and tp_sub_size(axis) is None:
+    if axis not in AXES and axis not in NODE_AXES and tp_sub_size(axis) is None:
         raise TopologyError(f"unknown axis {axis!r}; expected one of "
-                            f"{', '.join(AXES + GRID_ONLY_AXES + NODE_AXES)} or tp/k")
+                            f"{', '.join(AXES + NODE_AXES)} or tp/k")
 
 
 def _check_size(name: str, value) -> None:
@@ -385,6 +385,6 @@ class Nodes:
             warnings.warn("allowed by --allow-tp-across-nodes: " + message, stacklevel=3)
 
 
-__all__ = ["AXES", "GRID_ONLY_AXES", "NODE_AXES", "RANK_ORDER", "Coord", "ExpertCoord", "Grid", "Nodes",
+__all__ = ["AXES", "NODE_AXES", "RANK_ORDER", "Coord", "ExpertCoord", "Grid", "Nodes",
            "TopologyError", "WorldSizeError", "check_axis", "data_parallel_size", "divides_world", "tp_sub_size",
            "tp_subaxis", "world_size_of", "expert_parallel_problem"]

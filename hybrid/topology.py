@@ -13,11 +13,12 @@ adjacent (they share a node and its fast links)::
 :class:`~hybrid.group_table.GroupTable` and hands that table, not itself, to
 the :class:`~hybrid.comm.Communicator` that every collective goes through.
 The axes are listed in :mod:`hybrid.grid`; the topology builds groups for
-``tp``, ``dp``, ``pp``, ``mp``, ``embed``, ``world``, ``ep`` and ``edp``, for
-``dp_node`` and ``dp_cross`` on request (:meth:`Topology.enable_node_axes`),
-and for ``tp/k`` (:meth:`Topology.enable_tp_subgroups`). The context-parallel
-axis (``cp``) exists in the grid's arithmetic only so far: a topology's size
-along it is 1.
+``tp``, ``dp``, ``pp``, ``mp``, ``embed``, ``world``, ``ep``, ``edp``, ``cp``
+and ``dp_cp``, for ``dp_node`` and ``dp_cross`` on request
+(:meth:`Topology.enable_node_axes`), and for ``tp/k``
+(:meth:`Topology.enable_tp_subgroups`). Context parallelism (``cp``) splits
+each sequence over the ``cp`` ranks between ``tp`` and ``dp`` in the rank
+order; the ``dp * cp`` ranks that hold the same parameters are ``dp_cp``.
 
 Expert parallelism (``ep``) adds no ranks: the ``ep`` consecutive ranks of a
 ``dp`` group share out the experts of every MoE layer, and the ``dp / ep``
@@ -65,12 +66,12 @@ class Topology:
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: Optional[int] = None, *,
                  timeout_s: Optional[float] = None, ranks_per_node: Optional[int] = None,
-                 allow_tp_across_nodes: bool = False, ep: int = 1):
+                 allow_tp_across_nodes: bool = False, ep: int = 1, cp: int = 1):
         if dist.is_available() and dist.is_initialized():
             world_size, rank = dist.get_world_size(), dist.get_rank()
         else:
             world_size, rank = 1, 0
-        self.grid = Grid.build(world_size, tp=tp, pp=pp, dp=dp, ep=ep)
+        self.grid = Grid.build(world_size, tp=tp, pp=pp, dp=dp, ep=ep, cp=cp)
         self.rank = rank
         self.coord = self.grid.coord_of(rank)
         self.nodes = Nodes.build(world_size, ranks_per_node)
@@ -110,14 +111,21 @@ class Topology:
         # group in the same order and keeps only the ones it belongs to. Without
         # an explicit timeout a group gets the backend's default (30 minutes for
         # gloo), not the one the job configured: give it the communicator's.
-        for axis in ("tp", "dp", "pp", "mp", "embed") + (("ep", "edp") if self.grid.ep > 1 else ()):
+        optional = (("cp", "dp_cp") if self.grid.cp > 1 else ()) + (("ep", "edp") if self.grid.ep > 1 else ())
+        for axis in ("tp", "dp", "pp", "mp", "embed") + optional:
             for ranks in self.grid.all_groups(axis):
                 group = dist.new_group(ranks, timeout=self.comm.timeout) if len(ranks) > 1 else None
                 if self.rank in ranks:
                     self.groups.add(axis, group)
-        if self.grid.ep == 1:  # no expert parallelism: each rank holds every expert, its dp group their copies
+        if self.grid.cp == 1:  # no context parallelism: each rank holds whole sequences, its dp group the copies
+            self.groups.add("cp", None)
+            self.groups.add("dp_cp", self.groups.group("dp"))
+        if self.grid.ep == 1 and self.grid.cp == 1:  # every rank holds every expert, its dp group their copies
             self.groups.add("ep", None)
             self.groups.add("edp", self.groups.group("dp"))
+        elif self.grid.ep == 1:  # the experts' copies are every rank that holds the same parameters
+            self.groups.add("ep", None)
+            self.groups.add("edp", self.groups.group("dp_cp"))
         self.groups.add("world", dist.group.WORLD)
 
     def enable_node_axes(self) -> None:
@@ -221,6 +229,8 @@ class Topology:
     dp_size = property(lambda self: self.grid.dp)
     pp_size = property(lambda self: self.grid.pp)
     ep_size = property(lambda self: self.grid.ep)
+    cp_size = property(lambda self: self.grid.cp)
+    cp_rank = property(lambda self: self.coord.cp)
     tp_rank = property(lambda self: self.coord.tp)
     dp_rank = property(lambda self: self.coord.dp)
     pp_rank = property(lambda self: self.coord.pp)
@@ -242,9 +252,11 @@ class Topology:
 
     def describe(self) -> str:
         ep = f" ep={self.ep_size}" if self.ep_size > 1 else ""
+        cp = f" cp={self.cp_size}" if self.cp_size > 1 else ""
+        cp_coord = f", cp={self.cp_rank}" if self.cp_size > 1 else ""
         return (f"world={self.world_size} tp={self.tp_size} dp={self.dp_size} "
-                f"pp={self.pp_size}{ep} rank={self.rank} coord=(tp={self.tp_rank}, "
-                f"dp={self.dp_rank}, pp={self.pp_rank})")
+                f"pp={self.pp_size}{cp}{ep} rank={self.rank} coord=(tp={self.tp_rank}, "
+                f"dp={self.dp_rank}, pp={self.pp_rank}{cp_coord})")
 
     def __repr__(self) -> str:
         return f"Topology({self.describe()})"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.grid import (GRID_ONLY_AXES, RANK_ORDER, Coord, ExpertCoord, Grid, TopologyError, WorldSizeError,
+from hybrid.grid import (AXES, RANK_ORDER, Coord, ExpertCoord, Grid, TopologyError, WorldSizeError,
                          data_parallel_size, divides_world, world_size_of)
 from hybrid.layout import ParallelLayout
 
@@ -96,7 +96,7 @@ def test_a_known_layout_with_context_and_expert_parallelism():
 
 def test_the_rank_order_is_megatrons():
     assert RANK_ORDER == ("tp", "cp", "dp", "pp")
-    assert set(GRID_ONLY_AXES) == {"cp", "dp_cp"}
+    assert {"cp", "dp_cp", "ep", "edp"} <= set(AXES)  # every axis of the arithmetic has its process groups
 
 
 # ---- the product rule -------------------------------------------------------------------------

@@ -95,15 +95,20 @@ def test_a_topology_answers_its_own_groups_like_the_grid_and_hands_out_copies():
         assert topo.group_ranks("pp", rank=(pp_rank + 1) % 3) == [0, 1, 2]
 
 
+AXES_CHECKED = ("tp", "dp", "mp", "world", "cp", "dp_cp", "ep", "edp")
+# (tp, cp, ep) at world 4: plain TP sizes, then the context- and expert-parallel axes alone and together
+LAYOUTS = ((1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2), (1, 1, 2))
+
+
 def _check_groups_all_tp():
-    return {tp: _check_groups(Topology(tp=tp)) for tp in (1, 2, 4)}
+    return {layout: _check_groups(Topology(tp=layout[0], cp=layout[1], ep=layout[2])) for layout in LAYOUTS}
 
 
 def _check_groups(topo):
     import torch.distributed as dist
 
     out = {}
-    for axis in ("tp", "dp", "mp", "world"):
+    for axis in AXES_CHECKED:
         # Every group reduces exactly its members' ranks.
         t = torch.tensor([float(topo.rank)])
         topo.comm.all_reduce(t, axis)
@@ -117,11 +122,14 @@ def _check_groups(topo):
 
 def test_process_groups_match_the_grid():
     results = run_distributed(_check_groups_all_tp, 4)
-    for rank, tp in itertools.product(range(4), (1, 2, 4)):
-        res = results[rank][tp]
-        for axis in ("tp", "dp", "mp", "world"):
-            got, expected, _, _ = res[axis]
-            assert got == expected, (rank, axis)
+    for rank, layout in itertools.product(range(4), LAYOUTS):
+        res = results[rank][layout]
+        tp, cp, ep = layout
+        grid = Grid(tp=tp, dp=4 // (tp * cp), pp=1, cp=cp, ep=ep)
+        for axis in AXES_CHECKED:
+            got, expected, _, size = res[axis]
+            assert got == expected == float(sum(grid.group_ranks(axis, rank))), (rank, layout, axis)
+            assert size == grid.size(axis), (rank, layout, axis)
         assert res["gathered_tp"] == [float(r) for r in res["tp_ranks"]]
         assert res["tp"][2] == rank % tp
 
