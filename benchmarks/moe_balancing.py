@@ -64,6 +64,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 from convergence import (GLOBAL_BATCH, LR, MICRO_BATCH, SEED, SEQ_LENGTH,  # noqa: E402  the demo's settings
                          prepare_data)
+from hybrid.argument_parser import ArgumentParser  # noqa: E402
 from hybrid.monitor.moe import collapse_threshold  # noqa: E402
 
 MODEL = "tiny-moe"
@@ -226,7 +227,7 @@ def markdown(args, figures: Dict[str, Tuple[float, float]], losses: Dict[str, Op
 
 
 def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=200, help="optimizer steps of each run (default 200)")
     ap.add_argument("--only", default=",".join(DEFAULT_RUNS),
                     help=f"comma-separated runs of {', '.join(RUNS)} (default: {','.join(DEFAULT_RUNS)})")

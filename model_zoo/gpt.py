@@ -49,7 +49,8 @@ from hybrid.tensor_parallel.random import RNGTracker, checkpoint
 from model_zoo.config import GPTConfig
 from model_zoo.moe import AuxLossScale, update_expert_biases
 from model_zoo.qkv_layout import qkv_layout
-from model_zoo.transformer import TransformerLayer, dropout, make_norm, rope_cos_sin, rope_inv_freq
+from model_zoo.rope import rope_cos_sin, rope_inv_freq
+from model_zoo.transformer import TransformerLayer, dropout, make_norm
 
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.topology import Topology

@@ -33,6 +33,7 @@ from hybrid.tensor_parallel.mappings import (copy_to_tp_region, gather_from_sequ
                                              reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region)
 from hybrid.tensor_parallel.random import RNGTracker
 from model_zoo.config import GPTConfig
+from model_zoo.mlp import ParallelMLP  # the shared expert is a dense MLP of its own width
 
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.topology import Topology
@@ -327,8 +328,6 @@ class MoELayer(nn.Module):
     def __init__(self, config: GPTConfig, topology: "Topology", tracker: RNGTracker, aux_scale: AuxLossScale,
                  output_init: tp_init.Initializer, device=None, dtype=None):
         super().__init__()
-        from model_zoo.transformer import ParallelMLP  # the shared expert is a dense MLP of its own width
-
         self.config, self.topology, self.tracker, self.aux_scale = config, topology, tracker, aux_scale
         E, ep = config.num_experts, topology.ep_size
         if E % ep:

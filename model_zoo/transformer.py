@@ -7,8 +7,7 @@ and MLP columns are split over the ``"tp"`` ranks.
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,55 +18,13 @@ from hybrid.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinea
 from hybrid.tensor_parallel.norms import LayerNorm, RMSNorm
 from hybrid.tensor_parallel.random import RNGTracker, checkpoint
 from model_zoo.config import GPTConfig
+from model_zoo.mlp import ParallelMLP, output_init  # noqa: F401 (importers read them here)
+from model_zoo.moe import MoELayer
 from model_zoo.qkv_layout import qkv_layout
+from model_zoo.rope import Rope, apply_rope, rope_cos_sin, rope_inv_freq  # noqa: F401 (importers read them here)
 
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.topology import Topology
-
-Rope = Optional[Tuple[torch.Tensor, torch.Tensor]]
-
-
-# ---- rotary positions (the Llama convention: rotate halves, not interleaved pairs) ---------
-def rope_inv_freq(config: GPTConfig, device=None) -> torch.Tensor:
-    """The ``head_dim / 2`` rotation frequencies ``theta^(-2i/d)`` (fp32), scaled as ``config.rope_scaling`` says.
-
-    ``linear``: all divided by ``rope_scaling_factor``. ``llama3`` (the Llama 3.1
-    rule): with wavelength ``w = 2 pi / f`` and ``L = rope_original_max_positions``,
-    frequencies with ``w > L / low_freq_factor`` are divided by the factor,
-    those with ``w < L / high_freq_factor`` kept, and those between blended:
-    ``(1 - a) f / factor + a f`` with ``a = (L / w - low) / (high - low)``.
-    """
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float, device=device) / d))
-    factor = config.rope_scaling_factor
-    if config.rope_scaling == "linear":
-        return inv_freq / factor
-    if config.rope_scaling == "llama3":
-        low, high, context = config.rope_low_freq_factor, config.rope_high_freq_factor, \
-            config.rope_original_max_positions
-        wavelen = 2 * math.pi / inv_freq
-        blend = ((context / wavelen - low) / (high - low)).clamp(0.0, 1.0)  # 0: long waves, 1: short ones
-        return (1 - blend) * inv_freq / factor + blend * inv_freq
-    return inv_freq
-
-
-def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> Tuple[
-        torch.Tensor, torch.Tensor]:
-    """``cos``, ``sin`` ``[b, 1, s, head_dim]`` for ``position_ids`` ``[b, s]``, computed in fp32."""
-    freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[b, heads, s, d]`` by the angles in ``cos``/``sin`` ``[b, 1, s, d]``."""
-    return x * cos + _rotate_half(x) * sin
-
 
 # ---- shared helpers --------------------------------------------------------------------------
 def dropout(x: torch.Tensor, p: float, training: bool, tracker: RNGTracker, stream: str) -> torch.Tensor:
@@ -87,12 +44,6 @@ def make_norm(config: GPTConfig, topology: "Topology", device, dtype, per_head: 
                        dtype=dtype)
     return LayerNorm(size, topology, eps=config.norm_eps, bias=config.bias, sequence_parallel=sp,
                      per_head=per_head, device=device, dtype=dtype)
-
-
-def output_init(config: GPTConfig) -> tp_init.Initializer:
-    """Projections that write into the residual stream get a depth-scaled std when configured."""
-    std = config.init_std / math.sqrt(2.0 * config.num_layers) if config.scaled_output_init else config.init_std
-    return tp_init.normal(std)
 
 
 # ---- attention ---------------------------------------------------------------------------------
@@ -161,38 +112,6 @@ class ParallelAttention(nn.Module):
         return self.out_proj(ctx)
 
 
-# ---- MLP ------------------------------------------------------------------------------------------
-class ParallelMLP(nn.Module):
-    """GELU (tanh) or SwiGLU MLP with the hidden columns split over ``"tp"``.
-
-    ``in_proj``: column-parallel ``[f/tp, h]`` (GELU) or ``[2f/tp, h]`` with
-    full layout ``[gate; up]`` (SwiGLU, stride 2). ``out_proj``:
-    row-parallel ``[h, f/tp]``. Input and output ``[s(/tp), b, h]``.
-    """
-
-    def __init__(self, config: GPTConfig, topology: "Topology", device=None, dtype=None):
-        super().__init__()
-        h, f = config.hidden_size, config.ffn_size
-        self.swiglu = config.mlp == "swiglu"
-        sp = config.sequence_parallel
-        self.in_proj = ColumnParallelLinear(h, config.mlp_input_size, topology, bias=config.bias,
-                                            sequence_parallel=sp, stride=config.mlp_input_blocks,
-                                            weight_init=tp_init.normal(config.init_std), device=device,
-                                            dtype=dtype)
-        self.out_proj = RowParallelLinear(f, h, topology, bias=config.bias, input_is_parallel=True,
-                                          sequence_parallel=sp, weight_init=output_init(config), device=device,
-                                          dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.in_proj(x)
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        else:
-            y = F.gelu(y, approximate="tanh")
-        return self.out_proj(y)
-
-
 # ---- one layer ------------------------------------------------------------------------------------
 class TransformerLayer(nn.Module):
     """Pre-norm block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``; ``mlp`` is an MoE layer
@@ -210,7 +129,6 @@ class TransformerLayer(nn.Module):
         self.attention = ParallelAttention(config, topology, tracker, device, dtype)
         self.post_attention_norm = make_norm(config, topology, device, dtype)
         if moe_aux_scale is not None:  # an MoE layer (model_zoo.moe) in place of the MLP
-            from model_zoo.moe import MoELayer
             self.mlp = MoELayer(config, topology, tracker, moe_aux_scale, output_init(config), device, dtype)
         else:
             self.mlp = ParallelMLP(config, topology, device, dtype)

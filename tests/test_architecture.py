@@ -299,7 +299,7 @@ def test_no_import_cycles():
 
 # Modules of plain data and rules (no torch): what configuration code may read besides itself.
 PLAIN_DATA = ("hybrid.layout", "hybrid.compression", "hybrid.argument_parser", "hybrid.tokenizer_files", "hybrid.grid",
-              "hybrid.tp_units", "model_zoo.config")
+              "hybrid.tp_units", "model_zoo.config", "model_zoo.presets")
 
 
 def _imports_outside(prefixes, allowed):

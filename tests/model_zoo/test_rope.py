@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from model_zoo import GPTConfig
-from model_zoo.transformer import apply_rope, rope_cos_sin, rope_inv_freq
+from model_zoo.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 EPS32 = torch.finfo(torch.float32).eps
 BASE = dict(vocab_size=64, hidden_size=256, num_layers=1, num_heads=2, position="rope", rope_theta=500000.0)
