@@ -228,7 +228,7 @@ class GPTModel(nn.Module):
         return next(self.parameters()).dtype
 
     # ---- forward ----------------------------------------------------------------------------------
-    def _check(self, input_ids, labels, loss_mask, position_ids) -> None:
+    def _check(self, input_ids, labels, loss_mask, position_ids, document_ids=None) -> None:
         cfg, tp = self.config, self.topology.tp_size
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be an integer tensor [batch, seq], got {input_ids.dtype} "
@@ -239,7 +239,8 @@ class GPTModel(nn.Module):
         if cfg.sequence_parallel and s % tp != 0:
             raise ValueError(f"sequence length {s} must be divisible by the tensor-parallel size tp={tp} "
                              f"when sequence_parallel=True")
-        for name, t in (("labels", labels), ("loss_mask", loss_mask), ("position_ids", position_ids)):
+        for name, t in (("labels", labels), ("loss_mask", loss_mask), ("position_ids", position_ids),
+                        ("document_ids", document_ids)):
             if t is not None and tuple(t.shape) != (b, s):
                 raise ValueError(f"{name} must have the shape of input_ids {(b, s)}, got {tuple(t.shape)}")
         if loss_mask is not None and labels is None:
@@ -250,8 +251,8 @@ class GPTModel(nn.Module):
                              f"{int(input_ids.min())}, max {int(input_ids.max())}")
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                loss_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                loss_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run the model on ``input_ids`` ``[b, s]``.
 
         With ``labels`` ``[b, s]`` returns the scalar loss
@@ -260,15 +261,19 @@ class GPTModel(nn.Module):
         returns this rank's vocab-parallel logits ``[b, s, V_p/tp]`` (columns
         ``[r*V_p/tp, (r+1)*V_p/tp)`` of the padded vocabulary; padded columns
         are ``-inf``). :meth:`gather_logits` assembles ``[b, s, vocab_size]``.
+        ``document_ids`` ``[b, s]``: attention stays inside each packed document
+        (:mod:`model_zoo.document_attention`); ``position_ids`` then usually
+        restart with each document (``--reset-position-ids``).
         """
         if self.split.num_parts != 1:
             raise RuntimeError(f"this model is one stage of a {self.split.num_parts}-part pipeline: run it "
                                f"through the pipeline executor (Engine.train_batch), which calls forward_part")
-        return self.forward_part(0, None, input_ids, labels, loss_mask, position_ids)
+        return self.forward_part(0, None, input_ids, labels, loss_mask, position_ids, document_ids)
 
     def forward_part(self, part: int, hidden: Optional[torch.Tensor], input_ids: torch.Tensor,
                      labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None,
-                     position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     position_ids: Optional[torch.Tensor] = None,
+                     document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run pipeline part ``part`` (one of this stage's, :attr:`split`) on one micro-batch.
 
         The first part starts from ``input_ids`` ``[b, s]`` (``hidden`` is None); every other part from the
@@ -278,7 +283,7 @@ class GPTModel(nn.Module):
         cfg, topo = self.config, self.topology
         first, end = self.split.ranges[part]
         if part == 0:
-            self._check(input_ids, labels, loss_mask, position_ids)
+            self._check(input_ids, labels, loss_mask, position_ids, document_ids)
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
@@ -293,9 +298,9 @@ class GPTModel(nn.Module):
                         "tp" if cfg.sequence_parallel else "shared")
         for layer in (self.layers.by_index(i) for i in range(first, end)):
             if cfg.recompute == "full":
-                x = checkpoint(layer, x, rope, tracker=self.rng_tracker)
+                x = checkpoint(layer, x, rope, document_ids, tracker=self.rng_tracker)
             else:
-                x = layer(x, rope)
+                x = layer(x, rope, document_ids)
         if part != self.split.num_parts - 1:
             return x
         x = self.final_norm(x)

@@ -7,7 +7,7 @@ and MLP columns are split over the ``"tp"`` ranks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ from hybrid.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinea
 from hybrid.tensor_parallel.norms import LayerNorm, RMSNorm
 from hybrid.tensor_parallel.random import RNGTracker, checkpoint
 from model_zoo.config import GPTConfig
+from model_zoo.document_attention import document_attention
 from model_zoo.mlp import ParallelMLP, output_init  # noqa: F401 (importers read them here)
 from model_zoo.moe import MoELayer
 from model_zoo.qkv_layout import qkv_layout
@@ -83,17 +84,21 @@ class ParallelAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q ``[b, heads/tp, s, d]``, k and v ``[b, groups, s, d]`` -> ``[b, heads/tp, s, d]``;
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q ``[b, heads/tp, s, d]``, k and v ``[b, groups, s, d]`` -> ``[b, heads/tp, s, d]``; causal, and inside
+        each packed document when ``document_ids`` ``[b, s]`` is given (:mod:`model_zoo.document_attention`);
         dropout from the per-TP-rank stream."""
         p = self.attention_dropout if self.training else 0.0
         gqa = {"enable_gqa": True} if self.local_groups != self.local_heads else {}
+        if document_ids is not None:
+            return document_attention(q, k, v, document_ids, dropout_p=p, tracker=self.tracker, **gqa)
         if p == 0.0:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         with self.tracker.fork("tp", q.device):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, **gqa)
 
-    def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope = None, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [s, b, (heads/tp + 2 groups) * d], the whole sequence even under SP
         s, b = qkv.shape[0], qkv.shape[1]
         d = self.head_dim
@@ -105,9 +110,9 @@ class ParallelAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.selective_recompute:
-            ctx = checkpoint(self._core, q, k, v, tracker=self.tracker)
+            ctx = checkpoint(self._core, q, k, v, document_ids, tracker=self.tracker)
         else:
-            ctx = self._core(q, k, v)
+            ctx = self._core(q, k, v, document_ids)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * d)
         return self.out_proj(ctx)
 
@@ -139,6 +144,6 @@ class TransformerLayer(nn.Module):
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.hidden_dropout, self.training, self.tracker, self.dropout_stream)
 
-    def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
-        x = x + self._drop(self.attention(self.input_norm(x), rope))
+    def forward(self, x: torch.Tensor, rope: Rope = None, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self._drop(self.attention(self.input_norm(x), rope, document_ids))
         return x + self._drop(self.mlp(self.post_attention_norm(x)))
