@@ -170,16 +170,25 @@ class Topology:
                     self.groups.add(axis, group)
         return axis
 
+    def data_view(self) -> "Topology":
+        """This topology as the optimizer of the parameters every rank of a replica holds sees it: its ``dp``
+        axis is ``dp_cp``, the ``dp * cp`` ranks that hold the same parameters (under context parallelism each
+        sequence is split over the ``cp`` ranks, so their gradients are partial sums too and ZeRO partitions over
+        all of them, as Megatron's distributed optimizer does). At ``cp = 1`` it is this topology."""
+        return self if self.grid.cp == 1 else self._view("dp_cp")
+
     def expert_data_view(self) -> "Topology":
         """This topology as the optimizer of the expert parameters sees it: its ``dp`` axis (groups, size, rank,
         collectives) is ``edp``, the ranks that hold the same experts; every other axis is this topology's.
         It shares this topology's process groups and communicator (one byte count, one set of waits, the
-        traffic reported under ``edp``) and closes nothing. At ``ep = 1`` it is this topology."""
-        if self.grid.ep == 1:
-            return self
+        traffic reported under ``edp``) and closes nothing. At ``ep = 1`` it is :meth:`data_view`."""
+        return self.data_view() if self.grid.ep == 1 else self._view("edp")
+
+    def _view(self, data_axis: str) -> "Topology":
+        """This topology with its ``dp`` axis answered by ``data_axis`` (sharing groups and communicator)."""
         view = Topology.__new__(_DataAxisView)
         view.__dict__.update(self.__dict__)
-        view.groups = AliasedGroups(self.groups, {"dp": "edp"})
+        view.groups = AliasedGroups(self.groups, {"dp": data_axis})
         view.comm = self.comm.aliased(view.groups)
         view._parent = self
         return view
@@ -263,21 +272,27 @@ class Topology:
 
 
 class _DataAxisView(Topology):
-    """A :class:`Topology` whose ``dp`` axis is another axis (:meth:`Topology.expert_data_view`)."""
+    """A :class:`Topology` whose ``dp`` axis is another axis (:meth:`Topology.data_view`,
+    :meth:`Topology.expert_data_view`)."""
 
     dp_size = property(lambda self: self.groups.size("dp"))
     dp_rank = property(lambda self: self.groups.rank_in("dp"))
 
     def enable_node_axes(self) -> None:
-        raise TopologyError("two-level reduction (zero.two_level_reduce) and the secondary partition "
-                            "(zero.hpz_partition_size) split the dense parameters' dp group by node; the expert "
-                            "parameters' edp group has no such split yet: leave them off with expert parallelism")
+        axis = self.groups.real_axis("dp")
+        raise TopologyError(f"two-level reduction (zero.two_level_reduce) and the secondary partition "
+                            f"(zero.hpz_partition_size) split the dp group by node; the {axis} group this optimizer "
+                            f"partitions over (expert or context parallelism) has no such split yet: leave them off "
+                            f"with expert or context parallelism")
 
     def enable_tp_subgroups(self, size: int) -> str:
         return self._parent.enable_tp_subgroups(size)
 
+    def data_view(self) -> "Topology":
+        return self._parent.data_view()
+
     def expert_data_view(self) -> "Topology":
-        return self
+        return self._parent.expert_data_view()
 
     def close(self) -> None:
         """The groups belong to the topology this view was made from: it closes them."""

@@ -100,8 +100,9 @@ class Engine:
         optimizer_config = dataclasses.replace(config.optimizer, lr=self.lr_schedule.lr)
         # an interleaved pipeline stage's chunks: the optimizer lays its segments out by them
         chunks, chunk_params = chunk_parameters(model, topology.pp_rank)
+        # Under context parallelism the parameters' data-parallel group is dp x cp (Topology.data_view)
         self.optimizer = build_zero_optimizer(
-            model, topology, config.zero, optimizer_config,
+            model, topology.data_view(), config.zero, optimizer_config,
             no_weight_decay=no_weight_decay_rule(config, no_weight_decay), loss_scaler=build_loss_scaler(config),
             clip_grad=config.clip_grad, gradient_accumulation_steps=self.gradient_accumulation_steps,
             use_fused_kernels=config.use_fused_kernels, chunks=chunks, chunk_params=chunk_params)
