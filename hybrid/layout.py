@@ -173,6 +173,16 @@ def pipeline_problem(stage: int, pp: int) -> Optional[str]:
     return None
 
 
+def context_parallel_checkpoint_problem(cp: int) -> Optional[str]:
+    """Why a run at ``cp`` context-parallel ranks cannot save or load a checkpoint yet (None when it can): its ZeRO
+    partitions span dp x cp ranks, and :class:`ParallelLayout` (what a checkpoint records) has no cp."""
+    if cp > 1:
+        return (f"checkpoints of a context-parallel run (--context-parallel-size {cp}) are not written yet: its "
+                f"ZeRO partitions span dp x cp ranks, which the checkpoint layout does not record; train without "
+                f"--save and --load, or save and load at --context-parallel-size 1")
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelLayout:
     """How one job lays its ranks out and partitions its state.

@@ -5,15 +5,16 @@ biases, tied embeddings) and the Llama family (RoPE, RMSNorm, SwiGLU, no
 biases, untied head), with grouped-query attention (``num_query_groups``
 key/value heads shared by the query heads; 1 is multi-query), a head dim
 other than ``hidden_size / num_heads`` (``kv_channels``), RoPE scaling
-(linear, or Llama 3's frequency-dependent rule) and a QKV bias of its own
+(linear, Llama 3's frequency-dependent rule, or YaRN with its attention
+factor: model_zoo.rope) and a QKV bias of its own
 (``qkv_bias``: Qwen2 has it with no other bias), and query/key norms
 (``qk_norm``: Qwen3; Megatron's ``--qk-layernorm``). :meth:`GPTConfig.validate`
 checks it against a tensor-parallel size and names the offending keys.
 
 The one home of the model description, plain data (no torch): each field is
 declared with :func:`setting`, whose metadata says what kind of setting it is
-(:data:`KINDS`: a shape, what the weights compute, initialisation, runtime or
-training) and gives the trainer's flag and help, from which
+(:data:`KINDS`: a shape, what the weights compute, the rotary context,
+initialisation, runtime or training) and gives the trainer's flag and help, from which
 ``hybrid.config.trainer_sections`` derives the trainer's ``model`` section.
 The checkpoint check (:func:`load_conflicts`) and the resharding hints
 (:data:`SHAPE_FIELDS`) read the kinds; the recompute choices
@@ -41,7 +42,7 @@ MLPS = tuple(MLP_INPUT_BLOCKS)
 RECOMPUTE_LEVELS = {"none": 0, "full": 2, "selective": 1}
 RECOMPUTE = tuple(RECOMPUTE_LEVELS)
 RECOMPUTE_LEAST_FIRST = tuple(sorted(RECOMPUTE, key=RECOMPUTE_LEVELS.__getitem__))  # the planner's order
-ROPE_SCALINGS = ("none", "linear", "llama3")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 # Mixture of Experts (model_zoo.moe): the router's score functions, the balancing losses (Megatron's
 # --moe-router-load-balancing-type: the Switch/GShard loss over each micro-batch, the same over each sequence, or
 # none), the policies that choose which tokens an expert over capacity drops, and the token dispatchers.
@@ -49,15 +50,22 @@ MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 MOE_DROP_POLICIES = ("probs", "position")
 MOE_DISPATCHERS = ("alltoall", "allgather")
+# Context parallelism (hybrid.context_parallel): ring attention (p2p) or all-to-all over the heads (a2a, Ulysses).
+CP_COMM_TYPES = ("p2p", "a2a")
 
 # What a setting is, in its field's metadata "kind":
 SHAPE = "shape"  # decides tensor shapes: a checkpoint loads only into the same value
-FUNCTION = "function"  # what the weights compute, no shape depends on it (RoPE base, norm epsilon): the same
+FUNCTION = "function"  # what the weights compute, no shape depends on it (norm epsilon): the same
+# How positions become rotations (RoPE base and scaling): any value loads, and the load prints a note naming the
+# checkpoint's value and the new one (load_notes). A long-context phase changes exactly these when it continues a
+# pretrained checkpoint (Llama 3.1's llama3 scaling, Qwen's YaRN, a larger base), so it is no conflict; a change
+# by mistake is still visible.
+CONTEXT = "context"
 INIT = "init"  # how fresh weights are drawn: any value loads (the checkpoint's weights replace them)
 RUNTIME = "runtime"  # how the model runs (sequence length, recomputation, vocabulary padding): any value loads
 TRAINING = "training"  # how it is trained (dropout, sequence parallelism): any value loads, and the trainer's
 #                        --use-checkpoint-args leaves it to the run
-KINDS = (SHAPE, FUNCTION, INIT, RUNTIME, TRAINING)
+KINDS = (SHAPE, FUNCTION, CONTEXT, INIT, RUNTIME, TRAINING)
 
 
 def swiglu_ffn_size(hidden_size: int, multiple_of: int = 256) -> int:
@@ -111,20 +119,46 @@ class GPTConfig:
     norm: str = setting("layernorm", kind=SHAPE, flag="--normalization",
                         help="layernorm or rmsnorm (any case: Megatron's LayerNorm, RMSNorm)")
     norm_eps: float = setting(1e-5, kind=FUNCTION, gt=0.0, flag="--norm-epsilon", help="epsilon of LayerNorm/RMSNorm")
-    rope_theta: float = setting(10000.0, kind=FUNCTION, gt=0.0, flag="--rotary-base",
+    rope_theta: float = setting(10000.0, kind=CONTEXT, gt=0.0, flag="--rotary-base",
                                 help="base (theta) of rotary position embeddings")
-    # RoPE scaling: "linear" divides every frequency by rope_scaling_factor; "llama3" divides only the low
-    # frequencies (wavelength > rope_original_max_positions / rope_low_freq_factor), keeps the high ones
-    # (wavelength < rope_original_max_positions / rope_high_freq_factor) and blends in between.
-    rope_scaling: str = setting("none", kind=FUNCTION,
-                                help="RoPE frequency scaling: none, linear or llama3 (Llama 3.1's rule)")
-    rope_scaling_factor: float = setting(1.0, kind=FUNCTION, gt=0.0, help="divisor of the scaled RoPE frequencies")
-    rope_low_freq_factor: float = setting(1.0, kind=FUNCTION, gt=0.0,
+    # RoPE scaling (model_zoo.rope.rope_inv_freq): "linear" divides every frequency by rope_scaling_factor; "llama3"
+    # divides only the low frequencies (wavelength > rope_original_max_positions / rope_low_freq_factor), keeps the
+    # high ones (wavelength < rope_original_max_positions / rope_high_freq_factor) and blends in between; "yarn"
+    # keeps the dims that turn more than rope_yarn_beta_fast times over rope_original_max_positions, divides those
+    # that turn fewer than rope_yarn_beta_slow times, ramps linearly in between, and multiplies cos and sin by the
+    # attention factor (rope_attention_factor).
+    rope_scaling: str = setting("none", kind=CONTEXT,
+                                help="RoPE frequency scaling: none, linear, llama3 (Llama 3.1's rule) or yarn")
+    rope_scaling_factor: float = setting(1.0, kind=CONTEXT, gt=0.0,
+                                         help="divisor of the scaled RoPE frequencies (yarn: new context / "
+                                              "original context; Megatron's --rotary-scaling-factor)")
+    rope_low_freq_factor: float = setting(1.0, kind=CONTEXT, gt=0.0,
                                           help="llama3 scaling: wavelengths past original/this are scaled")
-    rope_high_freq_factor: float = setting(4.0, kind=FUNCTION, gt=0.0,
+    rope_high_freq_factor: float = setting(4.0, kind=CONTEXT, gt=0.0,
                                            help="llama3 scaling: wavelengths below original/this are kept")
-    rope_original_max_positions: int = setting(8192, kind=FUNCTION, ge=1,
-                                               help="llama3 scaling: the original context length")
+    rope_original_max_positions: int = setting(8192, kind=CONTEXT, ge=1,
+                                               help="llama3 and yarn scaling: the original context length "
+                                                    "(Megatron's --yarn-original-max-position-embeddings)")
+    rope_yarn_beta_fast: float = setting(32.0, kind=CONTEXT, gt=0.0, flag="--yarn-beta-fast",
+                                         help="yarn scaling: dims turning more often than this over the original "
+                                              "context keep their frequency")
+    rope_yarn_beta_slow: float = setting(1.0, kind=CONTEXT, gt=0.0, flag="--yarn-beta-slow",
+                                         help="yarn scaling: dims turning less often than this over the original "
+                                              "context are divided by the factor")
+    rope_yarn_truncate: bool = setting(True, kind=CONTEXT, flag="--no-yarn-correction-range-round-to-int",
+                                       switch=False, help="yarn scaling: do not round the ramp's ends to whole "
+                                                          "dims (Hugging Face's truncate: false)")
+    # The attention factor (the YaRN paper's sqrt(1/t), on cos and sin, so on q.k twice): 0.1 m ln(s) + 1 for
+    # m = rope_yarn_mscale, divided by the same for m = rope_yarn_mscale_all_dim (1 when that is 0), s the factor.
+    rope_yarn_mscale: float = setting(1.0, kind=CONTEXT, gt=0.0, flag="--mscale",
+                                      help="yarn scaling: m of the attention factor's numerator, 0.1 m ln(factor) "
+                                           "+ 1")
+    rope_yarn_mscale_all_dim: float = setting(0.0, kind=CONTEXT, ge=0.0, flag="--mscale-all-dim",
+                                              help="yarn scaling: m of the attention factor's denominator (0: "
+                                                   "none; DeepSeek's mscale_all_dim)")
+    rope_attention_factor: Optional[float] = setting(None, kind=CONTEXT, gt=0.0, trainer=False,
+                                                     help="yarn scaling: the factor on cos and sin itself (Hugging "
+                                                          "Face's attention_factor; unset: from the mscales)")
     mlp: str = setting("gelu", kind=SHAPE, flag="--swiglu", switch="swiglu",  # gelu: the tanh approximation
                        help="SwiGLU MLP instead of GELU")
     qkv_bias: Optional[bool] = setting(None, kind=SHAPE, flag="--add-qkv-bias", switch=True,  # None: as bias
@@ -208,6 +242,9 @@ class GPTConfig:
     moe_token_dispatcher_type: str = setting("alltoall", kind=RUNTIME,
                                              help="alltoall (allgather is accepted and runs as alltoall: the "
                                                   "same tokens reach the same experts)")
+    cp_comm_type: str = setting("p2p", kind=RUNTIME,
+                                help="context-parallel attention: p2p (key/value blocks around a ring) or a2a "
+                                     "(all-to-all: heads scatter, the sequence gathers)")
     moe_quantized_dispatch: bool = setting(False, kind=RUNTIME, switch=True,
                                            help="send tokens to their experts and back as int8 blocks with one "
                                                 "scale each (hybrid.compression); experts compute on the "
@@ -282,9 +319,9 @@ class GPTConfig:
         return -(-self.vocab_size // unit) * unit
 
     # ---- validation ---------------------------------------------------------------------
-    def validate(self, tp_size: int = 1, ep_size: int = 1) -> "GPTConfig":
-        """Raise ``ValueError`` naming the key and the rule when the config cannot run at ``tp_size`` tensor-
-        and ``ep_size`` expert-parallel ranks."""
+    def validate(self, tp_size: int = 1, ep_size: int = 1, cp_size: int = 1) -> "GPTConfig":
+        """Raise ``ValueError`` naming the key and the rule when the config cannot run at ``tp_size`` tensor-,
+        ``ep_size`` expert- and ``cp_size`` context-parallel ranks."""
         for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "seq_length", "vocab_pad_multiple"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -310,6 +347,9 @@ class GPTConfig:
                              f"that divides num_heads={self.num_heads}")
         if self.rope_scaling not in ROPE_SCALINGS:
             raise ValueError(f"GPTConfig.rope_scaling={self.rope_scaling!r} is not one of {', '.join(ROPE_SCALINGS)}")
+        problem = yarn_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
         if not self.rope_scaling_factor > 0 or not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor \
                 or not (isinstance(self.rope_original_max_positions, int) and self.rope_original_max_positions > 0):
             raise ValueError(f"GPTConfig RoPE scaling needs rope_scaling_factor > 0 "
@@ -341,7 +381,7 @@ class GPTConfig:
         if self.sequence_parallel and self.seq_length % tp_size != 0:
             raise ValueError(f"GPTConfig.seq_length={self.seq_length} must be divisible by the tensor-parallel "
                              f"size tp={tp_size} when sequence_parallel=True")
-        problem = moe_problem(self, tp_size, ep_size)
+        problem = moe_problem(self, tp_size, ep_size) or context_parallel_problem(self, tp_size, cp_size)
         if problem is not None:
             raise ValueError(problem)
         return self
@@ -424,6 +464,58 @@ def moe_problem(config: GPTConfig, tp_size: int = 1, ep_size: int = 1) -> Option
     return None
 
 
+def context_parallel_problem(config: GPTConfig, tp_size: int = 1, cp_size: int = 1) -> Optional[str]:
+    """Why ``config`` cannot split its sequences over ``cp_size`` context-parallel ranks (at ``tp_size``), in one
+    line naming the flag and the fix; None when it can (or ``cp_size`` is 1). Each rank holds chunks ``r`` and
+    ``2 cp - 1 - r`` of ``2 cp`` equal chunks (hybrid.context_parallel), so all do the same causal work."""
+    c, cp = config, cp_size
+    if c.cp_comm_type not in CP_COMM_TYPES:
+        return (f"--cp-comm-type {c.cp_comm_type!r} is not one of {', '.join(CP_COMM_TYPES)} (Megatron's allgather "
+                f"and a2a+p2p are not implemented: use p2p, the ring)")
+    if cp == 1:
+        return None
+    if c.seq_length % (2 * cp):
+        return (f"--seq-length {c.seq_length} must be divisible by 2 x --context-parallel-size = {2 * cp}: each "
+                f"context-parallel rank holds two of {2 * cp} equal chunks of every sequence")
+    if c.sequence_parallel and (c.seq_length // cp) % tp_size:
+        return (f"--seq-length {c.seq_length} / --context-parallel-size {cp} = {c.seq_length // cp} tokens per rank "
+                f"must be divisible by --tensor-model-parallel-size {tp_size} under --sequence-parallel")
+    if c.attention_dropout > 0:
+        return (f"--attention-dropout {c.attention_dropout} with --context-parallel-size {cp}: attention dropout "
+                f"is not implemented across context-parallel blocks; set --attention-dropout 0")
+    if c.cp_comm_type == "a2a":
+        heads, groups = c.num_heads // tp_size, max(1, c.query_groups // tp_size)
+        if heads % cp or (groups % cp and cp % groups):
+            return (f"--cp-comm-type a2a scatters the attention heads over --context-parallel-size {cp}: the "
+                    f"{heads} query heads and {groups} key/value groups per tensor-parallel rank (--num-attention-"
+                    f"heads {c.num_heads}, --num-query-groups {c.query_groups}, tp {tp_size}) must be divisible by "
+                    f"it (or the groups divide it); use --cp-comm-type p2p")
+    return None
+
+
+def yarn_problem(config: GPTConfig) -> Optional[str]:
+    """Why ``config``'s YaRN settings are unusable, in one line naming the fields; None when they are fine.
+
+    The attention factor's two conventions agree only where the denominator's m is 0 with the numerator's 1, or
+    both are non-zero: Hugging Face ignores ``mscale`` unless ``mscale_all_dim`` is set, Megatron-Core does not.
+    Other pairs are refused rather than read one way (an import writes what Hugging Face computes).
+    """
+    c = config
+    if not 0 < c.rope_yarn_beta_slow <= c.rope_yarn_beta_fast:
+        return (f"GPTConfig yarn scaling needs 0 < rope_yarn_beta_slow <= rope_yarn_beta_fast (--yarn-beta-slow "
+                f"{c.rope_yarn_beta_slow}, --yarn-beta-fast {c.rope_yarn_beta_fast})")
+    if not c.rope_yarn_mscale > 0 or not c.rope_yarn_mscale_all_dim >= 0:
+        return (f"GPTConfig.rope_yarn_mscale ({c.rope_yarn_mscale}) must be > 0 and rope_yarn_mscale_all_dim "
+                f"({c.rope_yarn_mscale_all_dim}) >= 0")
+    if c.rope_yarn_mscale_all_dim == 0 and c.rope_yarn_mscale != 1:
+        return (f"GPTConfig.rope_yarn_mscale={c.rope_yarn_mscale} with rope_yarn_mscale_all_dim=0: Hugging Face "
+                f"ignores mscale without mscale_all_dim, Megatron-Core does not; set --mscale-all-dim, or set "
+                f"rope_attention_factor to the factor meant")
+    if c.rope_attention_factor is not None and not c.rope_attention_factor > 0:
+        return f"GPTConfig.rope_attention_factor must be > 0 or unset, got {c.rope_attention_factor!r}"
+    return None
+
+
 def parse_moe_layer_freq(text: Any) -> Any:
     """Megatron's ``--moe-layer-freq``: an integer N, or a list expression of 0s and 1s built from ``[..]``,
     ``*`` by an integer and ``+`` (``"([0]*3+[1]*29)"``, ``"[1,0,1,0]"``), read without evaluating code.
@@ -491,7 +583,8 @@ def fields_of_kind(*kinds: str) -> Tuple[str, ...]:
 
 
 SHAPE_FIELDS = fields_of_kind(SHAPE)
-ANY_VALUE_ON_LOAD = fields_of_kind(INIT, RUNTIME, TRAINING)  # a checkpoint loads whatever the model says of these
+ANY_VALUE_ON_LOAD = fields_of_kind(CONTEXT, INIT, RUNTIME, TRAINING)  # a checkpoint loads whatever these say
+NOTED_ON_LOAD = fields_of_kind(CONTEXT)  # ... and a change of these is printed (load_notes)
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.default is not dataclasses.MISSING}
 
 
@@ -517,7 +610,8 @@ def as_weights_see_it(settings: Mapping[str, Any]) -> Dict[str, Any]:
 def load_conflicts(saved: Mapping[str, Any], current: Mapping[str, Any]) -> List[str]:
     """Why the weights of a model with ``saved`` settings cannot load into one with ``current`` (each a
     :meth:`GPTConfig.to_dict`; a key of another release counts as a shape): one phrase per setting, by key;
-    [] when they load. Settings of :data:`ANY_VALUE_ON_LOAD` may differ; a learned position table must keep
+    [] when they load. Settings of :data:`ANY_VALUE_ON_LOAD` may differ (the RoPE ones with a note:
+    :func:`load_notes`); a learned position table must keep
     its rows, and one shorter than the new ``seq_length`` is refused naming both."""
     then, now = as_weights_see_it(saved), as_weights_see_it(current)
     out = []
@@ -530,6 +624,20 @@ def load_conflicts(saved: Mapping[str, Any], current: Mapping[str, Any]) -> List
         else:
             out.append(f"{key}: checkpoint {then.get(key)!r}, current model {now.get(key)!r}")
     return out
+
+
+def load_notes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> List[str]:
+    """What a load of a checkpoint with ``saved`` settings into a model with ``current`` ones changes of
+    :data:`NOTED_ON_LOAD` (each a :meth:`GPTConfig.to_dict`; a key the checkpoint lacks has its default): one
+    phrase per setting naming both values, [] when none changes or the current model has no rotary positions.
+    The loader prints them; :func:`load_conflicts` does not refuse them."""
+    def get(settings: Mapping[str, Any], key: str) -> Any:
+        return settings.get(key, _DEFAULTS.get(key))
+
+    if get(current, "position") != "rope":
+        return []
+    return [f"{key}: checkpoint {get(saved, key)!r}, now {get(current, key)!r}" for key in NOTED_ON_LOAD
+            if get(saved, key) != get(current, key)]
 
 
 def _table_conflict(saved_rows: int, rows: int, seq_length: int) -> str:

@@ -160,9 +160,6 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
     _refused("--accumulate-allreduce-grads-in-fp32", "hybrid accumulates and reduces gradients in the parameters' "
                                                      "dtype; for fp32 gradients keep fp32 parameters with "
                                                      "--autocast"),
-    _accepted("--context-parallel-size", "one context-parallel rank: the sequence is not split", values=("1",),
-              refusal="hybrid has no context parallelism; --sequence-parallel splits the activations over the "
-                      "tensor-parallel group"),
     # Mixture of Experts (--num-experts, --expert-model-parallel-size and the moe_* keys are keys of their own)
     _accepted("--moe-permute-fusion", "hybrid orders the tokens by expert with torch ops; there is no fused "
                                       "permutation kernel, and the tokens each expert receives are the same"),
@@ -234,8 +231,6 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
     _refused("--apply-layernorm-1p", "hybrid applies norm weights as stored (no 1 + w reparameterisation)"),
     _refused("--calculate-per-token-loss", "hybrid's loss is the mean over each micro-batch's tokens, then over "
                                            "micro-batches and data-parallel ranks"),
-    _refused("--reset-attention-mask", "hybrid attends causally across the documents packed into a sample (no "
-                                       "per-document mask); --reset-position-ids restarts the positions"),
     _refused("--no-save-optim", _ALL_STATE),
     _refused("--no-save-rng", _ALL_STATE),
     _refused("--save-retain-interval", _RETAIN, takes_value=True),

@@ -387,6 +387,11 @@ class HybridConfig:
                                                       "that share out the experts of every MoE layer (it must "
                                                       "divide the data-parallel size, and --num-experts by it); "
                                                       "unset: the topology's, 1 when hybrid builds it")
+    context_parallel_size: Optional[int] = _field(None, ge=1, flag="--context-parallel-size",
+                                                  help="context-parallel ranks: each sequence is split over them "
+                                                       "(two chunks per rank, load-balanced for causal attention; "
+                                                       "--cp-comm-type chooses the attention); unset: the "
+                                                       "topology's, 1 when hybrid builds it")
     pipeline: PipelineConfig = _section(PipelineConfig, "pipeline parallelism")
     recompute: str = _field("none", choices=RECOMPUTE, flag="--recompute-granularity",
                             help="activation recomputation of the model (model_zoo models): none, full (every "

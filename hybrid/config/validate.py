@@ -35,7 +35,8 @@ from hybrid.config.flags import key_error, meta_error
 from hybrid.compression import ONE_BIT_OPTIMIZERS, compression_problem, hpz_problem, onebit_problem
 from hybrid.config.schema import HybridConfig
 from hybrid.grid import WorldSizeError, data_parallel_size, expert_parallel_problem
-from hybrid.layout import offload_problem, overlap_param_gather_problem, pipeline_problem, reduce_once_problem
+from hybrid.layout import (context_parallel_checkpoint_problem, offload_problem, overlap_param_gather_problem,
+                           pipeline_problem, reduce_once_problem)
 
 
 def validate(cfg: "HybridConfig") -> None:
@@ -63,17 +64,20 @@ def validate_world(cfg: "HybridConfig", world_size: int) -> BatchSizes:
     error = _errors(cfg)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise error(f"the world size must be an integer >= 1, got {world_size!r}")
-    tp, pp = cfg.tensor_parallel_size or 1, cfg.pipeline.size or 1
+    tp, pp, cp = cfg.tensor_parallel_size or 1, cfg.pipeline.size or 1, cfg.context_parallel_size or 1
     try:
-        dp = data_parallel_size(world_size, tp=tp, pp=pp)
+        dp = data_parallel_size(world_size, tp=tp, pp=pp, cp=cp)
     except WorldSizeError as e:
-        raise error(f"world size {world_size} is not divisible by tensor_parallel_size x pipeline.size = {tp} x "
-                    f"{pp}; start a multiple of {e.replica} processes or change the TP or pipeline size",
-                    "tensor_parallel_size", "pipeline.size") from None
+        sizes = ("tensor_parallel_size x pipeline.size", f"{tp} x {pp}") if cp == 1 else \
+            ("tensor_parallel_size x context_parallel_size x pipeline.size", f"{tp} x {cp} x {pp}")
+        raise error(f"world size {world_size} is not divisible by {sizes[0]} = {sizes[1]}; start a multiple of "
+                    f"{e.replica} processes or change the TP, context-parallel or pipeline size",
+                    "tensor_parallel_size", "pipeline.size", *(("context_parallel_size",) if cp > 1 else ())) from None
     ep = cfg.expert_parallel_size or 1
-    problem = expert_parallel_problem(dp, 1, ep)
+    problem = expert_parallel_problem(dp, cp, ep)
     if problem:
-        raise error(f"{problem} (world size {world_size} = tp {tp} x pp {pp} x dp {dp})", "expert_parallel_size")
+        replica = f"tp {tp} x pp {pp} x dp {dp}" + (f" x cp {cp}" if cp > 1 else "")
+        raise error(f"{problem} (world size {world_size} = {replica})", "expert_parallel_size")
     return cfg.resolve_batch(dp)
 
 
@@ -387,6 +391,9 @@ def _training_requirements(cfg: "HybridConfig", problems: List[ConfigError]) -> 
               "'model.preset'", "data.tokenizer_model", "data.vocab_file", "model.vocab_size", "model.preset")
     _data_rules(cfg, error)
     ckpt = cfg.checkpoint
+    problem = context_parallel_checkpoint_problem(cfg.context_parallel_size or 1)
+    if problem and (ckpt.save is not None or ckpt.load is not None):
+        error(problem, "context_parallel_size", "checkpoint.save", "checkpoint.load")
     for key in ("finetune", "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
         if getattr(ckpt, key) and ckpt.load is None:
             error(f"config key 'checkpoint.{key}' changes how a checkpoint is loaded; it needs "

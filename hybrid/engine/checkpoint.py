@@ -24,15 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Protocol
 
 import torch
 
 from hybrid.checkpoint import BackgroundSaver, CheckpointError, CheckpointReader, SaveReport, save_checkpoint
+from hybrid.layout import context_parallel_checkpoint_problem
 from hybrid.engine.parts import TrainingParts
 from hybrid.optim.lr_schedule import ScheduleSettingsDiffer
-from model_zoo.config import load_conflicts
+from model_zoo.config import load_conflicts, load_notes
 
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.config.trainer_sections import CheckpointConfig
@@ -110,6 +112,7 @@ class EngineCheckpoints:
         The directory is complete when the saver reports it
         (:meth:`~hybrid.checkpoint.BackgroundSaver.poll`).
         """
+        _refuse_context_parallel(self.parts.topology)
         background = self.background_saver()
         parts, topo = self.parts, self.parts.topology
         started = time.perf_counter()  # a background save's blocking time counts collecting the state
@@ -162,11 +165,12 @@ class EngineCheckpoints:
         load_progress = load_optimizer if load_progress is None else load_progress
         load_rng = load_optimizer if load_rng is None else load_rng
         parts, topo = self.parts, self.parts.topology
+        _refuse_context_parallel(topo)
         reader = CheckpointReader(load_dir)
         saved = reader.model_config
         if saved:
             saved = {**_model_defaults(parts), **saved}
-        _check_model_config(saved, _model_config(parts), reader.path)
+        _check_model_config(saved, _model_config(parts), reader.path, announce=topo.rank == 0)
         parts.optimizer.fence_writes()  # resharding writes module tensors directly: a background copy must be done
         if reader.layout.to_json() != self.layout.to_json() or \
                 (load_optimizer and not _same_flat_partitions(parts, reader)):
@@ -219,6 +223,12 @@ class EngineCheckpoints:
                 logging.getLogger(__name__).error("%s", e)
 
 
+def _refuse_context_parallel(topology) -> None:
+    problem = context_parallel_checkpoint_problem(topology.cp_size)
+    if problem:
+        raise CheckpointError(problem)
+
+
 def _same_flat_partitions(parts: TrainingParts, reader: CheckpointReader) -> bool:
     """Whether the saved optimizer partitions, in this engine's own layout, hold each parameter where this
     engine's optimizer does, on every rank (one all-reduce over ``"world"``, so that all ranks take the same
@@ -232,9 +242,13 @@ def _same_flat_partitions(parts: TrainingParts, reader: CheckpointReader) -> boo
     return flag.item() == 0.0
 
 
-def _check_model_config(saved: Optional[Mapping[str, Any]], current: Optional[Mapping[str, Any]], path) -> None:
+def _check_model_config(saved: Optional[Mapping[str, Any]], current: Optional[Mapping[str, Any]], path,
+                        announce: bool = True) -> None:
     if not saved or not current:
         return
+    if announce:  # a long-context phase changes the RoPE settings on purpose; say so once, naming both values
+        for note in load_notes(saved, current):
+            print(f"hybrid: note: loading {path} with changed RoPE settings: {note}", file=sys.stderr, flush=True)
     diffs = load_conflicts(saved, current)  # model_zoo's kinds: runtime and training settings may differ
     if diffs:
         raise CheckpointError(f"the checkpoint {path} holds a different model than the one being trained: "

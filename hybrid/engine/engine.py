@@ -512,7 +512,7 @@ def initialize(model: torch.nn.Module, config: ConfigSource = None, topology: Op
     ``topology``: the parallel layout. Without one, the process group is
     started from torchrun's environment (single process otherwise) with the
     ``distributed`` section's collective timeout, and a topology with
-    ``tensor_parallel_size``, ``pipeline.size``, ``expert_parallel_size`` and
+    ``tensor_parallel_size``, ``pipeline.size``, ``expert_parallel_size``, ``context_parallel_size`` and
     ``distributed.allow_tp_across_nodes`` is built. A TP model must be
     built on the same topology that is passed here.
 
@@ -531,12 +531,13 @@ def initialize(model: torch.nn.Module, config: ConfigSource = None, topology: Op
         init_distributed(timeout_s=timeout_s)
         # the timeout reaches every TP/DP/PP group too, not only the default one
         topology = Topology(tp=cfg.tensor_parallel_size or 1, pp=cfg.pipeline.size or 1,
-                            ep=cfg.expert_parallel_size or 1, timeout_s=timeout_s,
+                            ep=cfg.expert_parallel_size or 1, cp=cfg.context_parallel_size or 1, timeout_s=timeout_s,
                             allow_tp_across_nodes=cfg.distributed.allow_tp_across_nodes)
     else:
         for key, wanted, axis, built in (("pipeline.size", cfg.pipeline.size, "pp", topology.pp_size),
                                          ("tensor_parallel_size", cfg.tensor_parallel_size, "tp", topology.tp_size),
-                                         ("expert_parallel_size", cfg.expert_parallel_size, "ep", topology.ep_size)):
+                                         ("expert_parallel_size", cfg.expert_parallel_size, "ep", topology.ep_size),
+                                         ("context_parallel_size", cfg.context_parallel_size, "cp", topology.cp_size)):
             if wanted is not None and wanted != built:
                 raise ConfigError(f"config key {key!r} is {wanted} but the topology has {axis}={built}; leave the "
                                   f"key unset to use the topology's, or build the Topology with {axis}={wanted}")

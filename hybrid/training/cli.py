@@ -184,6 +184,7 @@ def _check_model(config: HybridConfig) -> None:
 
     try:
         model_config(config, vocab_size=config.model.vocab_size or 1).validate(config.tensor_parallel_size or 1,
-                                                                               config.expert_parallel_size or 1)
+                                                                               config.expert_parallel_size or 1,
+                                                                               config.context_parallel_size or 1)
     except ValueError as e:
         raise _error(f"model settings: {e}", *keys_named_in(str(e))) from None

@@ -36,7 +36,7 @@ from hybrid.monitor import IterationMetrics, TrainingMonitor, resolve_peak_flops
 from hybrid.pipeline.split import split_from_config
 from hybrid.topology import Topology
 from hybrid.training.cli import parse_args, validate
-from hybrid.training.data import build_data
+from hybrid.training.data import build_data, packed_document_ids
 from hybrid.training.exit import ExitConditions
 from hybrid.training.failure import flag_context, quiet_unless, run_main
 from hybrid.training.health import DivergenceGuard, TrainingDiverged, non_finite_weights_message
@@ -95,7 +95,7 @@ class Trainer:
         # The timeout reaches every TP/DP/PP group, not just the default one.
         self.topology = Topology(tp=config.tensor_parallel_size or 1, pp=config.pipeline.size or 1,
                                  timeout_s=timeout_s, allow_tp_across_nodes=config.distributed.allow_tp_across_nodes,
-                                 ep=config.expert_parallel_size or 1)
+                                 ep=config.expert_parallel_size or 1, cp=config.context_parallel_size or 1)
         topo = self.topology
         # Before the model is built, so that a refused start costs seconds: where --load resumes (an
         # unclear one is an error, never a silent fresh start), and the --save folder becomes this run's
@@ -111,7 +111,7 @@ class Trainer:
         # None without tokenizer files (mock data, --vocab-size)
         self.tokenizer = load_tokenizer(config.data.tokenizer)
         vocab = config.model.vocab_size or (self.tokenizer.vocab_size if self.tokenizer else None)
-        self.model_config = model_config(config, vocab or 0).validate(topo.tp_size, topo.ep_size)
+        self.model_config = model_config(config, vocab or 0).validate(topo.tp_size, topo.ep_size, topo.cp_size)
         from model_zoo import GPTModel, flops_per_token
 
         seed_everything(config.seed)
@@ -275,9 +275,15 @@ class Trainer:
 
     # ---- one iteration ----------------------------------------------------------------------------
     def _model_inputs(self, micro_batches) -> list:
+        """Each micro-batch's keyword arguments of the model's ``forward_part``, on the device; with
+        ``data.reset_attention_mask`` the ``document_ids`` ``[b, s]`` that keep attention inside each packed
+        document (:func:`~hybrid.training.data.packed_document_ids`)."""
         device = self.topology.device
+        documents = self.config.data.reset_attention_mask
         return [{"input_ids": mb["tokens"].to(device), "labels": mb["labels"].to(device),
-                 "loss_mask": mb["loss_mask"].to(device), "position_ids": mb["position_ids"].to(device)}
+                 "loss_mask": mb["loss_mask"].to(device), "position_ids": mb["position_ids"].to(device),
+                 **({"document_ids": packed_document_ids(mb["tokens"], self.tokenizer.eod_id).to(device)}
+                    if documents else {})}
                 for mb in micro_batches]
 
     def _train_step(self, micro_batches) -> float:

@@ -84,7 +84,6 @@ def test_the_distributed_optimizer_yields_to_an_explicit_zero_stage():
     (["--recompute-method", "block"], r"^--recompute-method block is a Megatron-LM setting hybrid does not take: "
                                       r".*; accepted: --recompute-method uniform$"),
     (["--recompute-num-layers", "4"], r"accepted: --recompute-num-layers 1$"),
-    (["--context-parallel-size", "2"], r"no context parallelism"),
     (["--num-experts", "8", "--moe-router-num-groups", "4"], r"^--moe-router-num-groups 4 is a Megatron-LM flag "
                                                              r"hybrid does not take: group-limited .* routing"),
     (["--num-experts", "8", "--moe-router-load-balancing-type", "sinkhorn"],
@@ -201,7 +200,6 @@ SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4
 
 @pytest.mark.parametrize("argv,noted", [
     (["--sequence-parallel"], "--sequence-parallel (turned off: "),
-    (["--context-parallel-size", "1"], "--context-parallel-size 1 (one context-parallel rank"),
     (["--expert-model-parallel-size", "1"], "--expert-model-parallel-size 1 (one expert-parallel rank"),
     (["--num-experts", "1", "--moe-router-topk", "1"], "--moe-router-topk 1 (no effect on a dense model"),
     (["--num-experts", "1"], "--num-experts 1 (one expert is the dense MLP"),
