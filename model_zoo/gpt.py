@@ -44,12 +44,14 @@ from hybrid.tensor_parallel import init as tp_init
 from hybrid.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from hybrid.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
 from hybrid.tensor_parallel.mappings import copy_to_tp_region, gather_from_tp_region
+from hybrid.context_parallel.loss import context_parallel_mean
+from hybrid.context_parallel.split import split_for_rank
 from hybrid.pipeline.split import StageSplit, split_layers
 from hybrid.tensor_parallel.random import RNGTracker, checkpoint
 from model_zoo.config import GPTConfig
 from model_zoo.moe import AuxLossScale, update_expert_biases
 from model_zoo.qkv_layout import qkv_layout
-from model_zoo.rope import rope_cos_sin, rope_inv_freq
+from model_zoo.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
 from model_zoo.transformer import TransformerLayer, dropout, make_norm
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -217,9 +219,11 @@ class GPTModel(nn.Module):
             yield self.head_weight()
 
     def activation_shape(self, batch: int, seq: int) -> torch.Size:
-        """The ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism) tensor passed between pipeline parts."""
-        cfg = self.config
-        return torch.Size((seq // self.topology.tp_size if cfg.sequence_parallel else seq, batch, cfg.hidden_size))
+        """The ``[s/cp, b, h]`` (``[s/(cp tp), b, h]`` under sequence parallelism) tensor passed between pipeline
+        parts (``cp``: the context-parallel ranks, each holding its share of every sequence)."""
+        cfg, topo = self.config, self.topology
+        local = seq // topo.cp_size
+        return torch.Size((local // topo.tp_size if cfg.sequence_parallel else local, batch, cfg.hidden_size))
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -279,6 +283,11 @@ class GPTModel(nn.Module):
         The first part starts from ``input_ids`` ``[b, s]`` (``hidden`` is None); every other part from the
         previous part's ``hidden`` (:meth:`activation_shape`). The last part returns what :meth:`forward`
         returns; the others their output activation.
+
+        Under context parallelism (``topology.cp_size > 1``) every rank of a ``"cp"`` group is given the same
+        whole sequences and keeps its two chunks of each (:mod:`hybrid.context_parallel.split`): token, position,
+        document, label and mask alike; the loss is the whole sequences' (:mod:`hybrid.context_parallel.loss`) and
+        the logits are this rank's positions' (in its local order).
         """
         cfg, topo = self.config, self.topology
         first, end = self.split.ranges[part]
@@ -287,9 +296,13 @@ class GPTModel(nn.Module):
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
+        if topo.cp_size > 1:  # this rank's share of every sequence
+            input_ids, labels, loss_mask, position_ids, document_ids = (
+                None if t is None else split_for_rank(t, topo, seq_dim=1)
+                for t in (input_ids, labels, loss_mask, position_ids, document_ids))
         rope = None
         if cfg.position == "rope" and end > first:
-            rope = rope_cos_sin(position_ids, rope_inv_freq(cfg), self.activation_dtype)
+            rope = rope_cos_sin(position_ids, rope_inv_freq(cfg), self.activation_dtype, rope_attention_factor(cfg))
 
         x = hidden
         if part == 0:
@@ -310,6 +323,10 @@ class GPTModel(nn.Module):
             return self._mask_padding(logits).transpose(0, 1).contiguous()
         mask = None if loss_mask is None else loss_mask.t()
         # The logits are this forward's own (nothing saved them for backward): the loss may overwrite them.
+        if topo.cp_size > 1:
+            token_loss = vocab_parallel_cross_entropy(logits, labels.t(), topo, vocab_size=cfg.vocab_size,
+                                                      overwrite_logits=True)
+            return context_parallel_mean(token_loss, mask, topo)
         return vocab_parallel_cross_entropy(logits, labels.t(), topo, vocab_size=cfg.vocab_size, loss_mask=mask,
                                             reduction="mean", overwrite_logits=True)
 

@@ -246,10 +246,10 @@ def _check_model_config(saved: Optional[Mapping[str, Any]], current: Optional[Ma
                         announce: bool = True) -> None:
     if not saved or not current:
         return
-    if announce:  # a long-context phase changes the RoPE settings on purpose; say so once, naming both values
-        for note in load_notes(saved, current):
-            print(f"hybrid: note: loading {path} with changed RoPE settings: {note}", file=sys.stderr, flush=True)
     diffs = load_conflicts(saved, current)  # model_zoo's kinds: runtime and training settings may differ
     if diffs:
         raise CheckpointError(f"the checkpoint {path} holds a different model than the one being trained: "
                               + "; ".join(diffs) + ". Use the model settings the checkpoint was saved with.")
+    if announce:  # a long-context phase changes the RoPE settings on purpose: say so once, naming both values
+        for note in load_notes(saved, current):
+            print(f"hybrid: note: {path} continues with other RoPE settings: {note}", file=sys.stderr, flush=True)

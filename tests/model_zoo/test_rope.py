@@ -83,7 +83,7 @@ def test_rotation_is_the_rotate_half_convention():
 
 
 def test_bad_scaling_settings_are_refused():
-    with pytest.raises(ValueError, match="rope_scaling='yarn' is not one of none, linear, llama3"):
-        GPTConfig(**dict(BASE, rope_scaling="yarn")).validate()
+    with pytest.raises(ValueError, match="rope_scaling='dynamic' is not one of none, linear, llama3, yarn"):
+        GPTConfig(**dict(BASE, rope_scaling="dynamic")).validate()
     with pytest.raises(ValueError, match="rope_low_freq_factor < rope_high_freq_factor"):
         GPTConfig(**dict(BASE, rope_scaling="llama3", rope_low_freq_factor=4.0)).validate()
