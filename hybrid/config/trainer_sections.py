@@ -134,7 +134,13 @@ class DataConfig:
                                  help="do not train on predicting the token after an end-of-document")
     reset_position_ids: bool = _field(False, flag="--reset-position-ids",
                                       help="restart the position ids after each end-of-document token of a sample "
-                                           "(attention still spans the documents packed into it)")
+                                           "(attention still spans the documents packed into it unless "
+                                           "data.reset_attention_mask)")
+    reset_attention_mask: bool = _field(False, flag="--reset-attention-mask",
+                                        help="attention stays inside each document packed into a sample: a token "
+                                             "after an end-of-document token starts the next document, the "
+                                             "end-of-document token belongs to the one it ends (docs/data.md, "
+                                             "'Packed documents')")
     mock: bool = _field(False, flag="--mock-data", help="random tokens instead of data.path (benchmarks, smoke "
                                                         "tests)")
     cache_path: Optional[str] = _field(None, flag="--data-cache-path",
@@ -144,7 +150,8 @@ class DataConfig:
                                             "notice); every rank must see the same directory")
 
     PATH_KEYS: ClassVar[Tuple[str, ...]] = ("path", "train_path", "valid_path", "test_path")  # name data files
-    EOD_KEYS: ClassVar[Tuple[str, ...]] = ("eod_mask_loss", "reset_position_ids")  # read the end-of-document id
+    # the settings that read the end-of-document id
+    EOD_KEYS: ClassVar[Tuple[str, ...]] = ("eod_mask_loss", "reset_position_ids", "reset_attention_mask")
 
     @property
     def tokenizer(self) -> TokenizerSpec:
