@@ -48,7 +48,7 @@ from hybrid.context_parallel.loss import context_parallel_mean
 from hybrid.context_parallel.split import split_for_rank
 from hybrid.pipeline.split import StageSplit, split_layers
 from hybrid.tensor_parallel.random import RNGTracker, checkpoint
-from model_zoo.config import GPTConfig
+from model_zoo.config import GPTConfig, context_parallel_problem
 from model_zoo.moe import AuxLossScale, update_expert_biases
 from model_zoo.qkv_layout import qkv_layout
 from model_zoo.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
@@ -240,6 +240,9 @@ class GPTModel(nn.Module):
         b, s = input_ids.shape
         if cfg.position == "learned" and s > cfg.num_positions:
             raise ValueError(f"sequence length {s} exceeds max_position_embeddings={cfg.num_positions}")
+        problem = context_parallel_problem(cfg.replace(seq_length=s), tp, self.topology.cp_size)
+        if problem:
+            raise ValueError(f"this batch's sequence length {s}: {problem}")
         if cfg.sequence_parallel and s % tp != 0:
             raise ValueError(f"sequence length {s} must be divisible by the tensor-parallel size tp={tp} "
                              f"when sequence_parallel=True")

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid.context_parallel import context_parallel_attention
 from hybrid.tensor_parallel import init as tp_init
 from hybrid.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from hybrid.tensor_parallel.norms import LayerNorm, RMSNorm
@@ -70,6 +71,8 @@ class ParallelAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.selective_recompute = config.recompute == "selective"
         self.tracker = tracker
+        # context parallelism: attention over the sequence split across the "cp" ranks (hybrid.context_parallel)
+        self.topology, self.cp_comm_type = topology, config.cp_comm_type
         sp = config.sequence_parallel
         self.qkv_proj = ColumnParallelLinear(h, layout.out_features, topology, bias=config.attention_bias,
                                              sequence_parallel=sp, **layout.tp_split(),
@@ -91,6 +94,8 @@ class ParallelAttention(nn.Module):
         dropout from the per-TP-rank stream."""
         p = self.attention_dropout if self.training else 0.0
         gqa = {"enable_gqa": True} if self.local_groups != self.local_heads else {}
+        if self.topology.cp_size > 1:
+            return context_parallel_attention(q, k, v, self.topology, self.cp_comm_type, document_ids)
         if document_ids is not None:
             return document_attention(q, k, v, document_ids, dropout_p=p, tracker=self.tracker, **gqa)
         if p == 0.0:
