@@ -166,6 +166,7 @@ class RingAttention(torch.autograd.Function):
                 o_i, lse_i = _flash(q[:, :, block.rows], _expand_groups(kv[0][:, :, block.cols], nq),
                                     _expand_groups(kv[1][:, :, block.cols], nq), 0.0, block.causal,
                                     attn_mask=block.mask, scale=scale)
+                ctx.lse_dtype = lse_i.dtype  # what the kernel's backward takes back (fp32 for bf16 inputs)
                 lse_i = lse_i.to(acc)
                 if block.seen is not None:
                     lse_i = lse_i.masked_fill(~block.seen.unsqueeze(1), float("-inf"))
@@ -194,7 +195,7 @@ class RingAttention(torch.autograd.Function):
         ring = _Ring(ctx.topo)
         acc = accumulation_dtype(q.dtype)
         grad_out = grad_out.contiguous()
-        lse_q = lse.to(q.dtype)
+        lse_q = lse.to(ctx.lse_dtype)
         dq = torch.zeros(b, nq, S, d, dtype=acc, device=q.device)
         kv, docs = torch.stack([k, v]), document_ids
         dkv_in: Optional[torch.Tensor] = None
