@@ -117,3 +117,23 @@ def test_the_trainer_keeps_the_packed_documents_apart(tmp_path):
 def test_reset_attention_mask_needs_end_of_document_tokens(argv, match):
     with pytest.raises(ConfigError, match=match):
         validate(parse_args(MODEL + argv), world_size=1)
+
+
+def test_the_ranks_of_a_context_parallel_group_read_the_same_samples():
+    """Item 7: the trainer's sampler slices each global batch by the dp coordinate (Topology.dp_rank is
+    Grid.coord_of(rank).dp), and the cp ranks of a group differ only in their cp coordinate, so each reads the
+    whole of the same samples (and keeps its chunks of them)."""
+    from hybrid.data import GlobalBatchSampler
+    from hybrid.grid import Grid
+
+    grid = Grid(tp=2, dp=2, pp=1, cp=2)
+    reads = {}
+    for rank in range(grid.world_size):
+        coord = grid.coord_of(rank)
+        sampler = GlobalBatchSampler(64, 0, 2, 8, coord.dp, grid.dp)
+        reads.setdefault((coord.tp, coord.dp, coord.pp), []).append(list(sampler))
+    assert len(reads) == 4
+    for group in reads.values():  # the two cp ranks of each (tp, dp, pp)
+        assert len(group) == 2 and group[0] == group[1]
+    dp0, dp1 = reads[(0, 0, 0)][0], reads[(0, 1, 0)][0]
+    assert dp0 != dp1  # while data-parallel ranks read different samples
