@@ -5,7 +5,7 @@ The four share one layout and differ in their switches: rotary positions
 (rotate-halves convention, the one HF uses, so q and k need no permutation),
 RMSNorm, SwiGLU MLP and no MLP or output biases; grouped-query attention
 (``num_key_value_heads`` = hybrid's ``num_query_groups``) and RoPE scaling
-(``linear``, ``llama3``); config.json's ``head_dim``, where it is not
+(``linear``, ``llama3``, ``yarn`` with its attention factor: :func:`_yarn_from_hf`); config.json's ``head_dim``, where it is not
 ``hidden_size / num_attention_heads``, is hybrid's ``kv_channels``. Qwen2 adds a bias to q, k and v (hybrid's
 ``qkv_bias``); Qwen3 an RMSNorm over each query and key head (``qk_norm``). Mistral and the Qwens may declare
 a sliding attention window,
@@ -39,11 +39,14 @@ from model_zoo.config import GPTConfig, swiglu_ffn_size
 from model_zoo.qkv_layout import qkv_layout
 
 # HF rope_type -> hybrid rope_scaling, and the HF keys of its parameters -> GPTConfig fields
-_ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
+_ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
 _ROPE_KEYS = {"linear": (("factor", "rope_scaling_factor"),),
               "llama3": (("factor", "rope_scaling_factor"), ("low_freq_factor", "rope_low_freq_factor"),
                          ("high_freq_factor", "rope_high_freq_factor"),
-                         ("original_max_position_embeddings", "rope_original_max_positions"))}
+                         ("original_max_position_embeddings", "rope_original_max_positions")),
+              "yarn": (("factor", "rope_scaling_factor"),
+                       ("original_max_position_embeddings", "rope_original_max_positions"),
+                       ("beta_fast", "rope_yarn_beta_fast"), ("beta_slow", "rope_yarn_beta_slow"))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +195,17 @@ def _hf_rope_scaling(cfg: GPTConfig):
     if cfg.rope_scaling == "none":
         return None
     hf_type = next(k for k, v in _ROPE_TYPES.items() if v == cfg.rope_scaling)
-    return {"rope_type": hf_type, **{hf_key: getattr(cfg, key) for hf_key, key in _ROPE_KEYS[cfg.rope_scaling]}}
+    out = {"rope_type": hf_type, **{hf_key: getattr(cfg, key) for hf_key, key in _ROPE_KEYS[cfg.rope_scaling]}}
+    if cfg.rope_scaling == "yarn":
+        # Written only where they differ from what transformers assumes when a key is absent (its attention
+        # factor from factor alone, truncated ramp ends), so that a config.json stays as a release writes it.
+        if cfg.rope_yarn_mscale_all_dim:
+            out.update(mscale=cfg.rope_yarn_mscale, mscale_all_dim=cfg.rope_yarn_mscale_all_dim)
+        if cfg.rope_attention_factor is not None:
+            out["attention_factor"] = float(cfg.rope_attention_factor)
+        if not cfg.rope_yarn_truncate:
+            out["truncate"] = False
+    return out
 
 
 def _rope_from_hf(hf: Dict[str, Any], where: str) -> Dict[str, Any]:
@@ -205,9 +218,34 @@ def _rope_from_hf(hf: Dict[str, Any], where: str) -> Dict[str, Any]:
     theta = setting(params, "rope_theta", f"{where} ({source})", "a number", None)
     out: Dict[str, Any] = {"rope_theta": theta or setting(hf, "rope_theta", where, "a number", 10000.0),
                            "rope_scaling": _ROPE_TYPES[kind]}
+    if kind == "yarn":
+        return {**out, **_yarn_from_hf(hf, params, f"{where} ({source})")}
     for hf_key, key in _ROPE_KEYS.get(_ROPE_TYPES[kind], ()):
         out[key] = setting(params, hf_key, f"{where} ({source})",
                            "an integer" if key == "rope_original_max_positions" else "a number")
     if params.get("attention_factor") not in (None, 1.0):
         raise refuse(where, f"{source}.attention_factor", params["attention_factor"], "hybrid scales no attention")
+    return out
+
+
+def _yarn_from_hf(hf: Dict[str, Any], params: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """GPTConfig's yarn fields from the rope parameters ``params`` of config.json ``hf``, read as transformers
+    reads them (modeling_rope_utils): the original context from a top-level ``original_max_position_embeddings``
+    first, then the parameters', else ``max_position_embeddings``; ``factor`` required (transformers 5 refuses a
+    yarn without one); a missing (or 0) ``beta_fast``/``beta_slow`` 32/1; ``mscale`` counts
+    only together with a non-zero ``mscale_all_dim`` (else the attention factor is ``0.1 ln(factor) + 1``), and
+    an ``attention_factor`` replaces both."""
+    positions = setting(hf, "max_position_embeddings", where, "an integer")
+    original = setting(hf, "original_max_position_embeddings", where, "an integer", None) or \
+        setting(params, "original_max_position_embeddings", where, "an integer", positions)
+    out: Dict[str, Any] = {
+        "rope_original_max_positions": original, "rope_scaling_factor": setting(params, "factor", where, "a number"),
+        "rope_yarn_beta_fast": setting(params, "beta_fast", where, "a number", None) or 32.0,
+        "rope_yarn_beta_slow": setting(params, "beta_slow", where, "a number", None) or 1.0,
+        "rope_yarn_truncate": setting(params, "truncate", where, "true or false", True),
+        "rope_attention_factor": setting(params, "attention_factor", where, "a number", None)}
+    mscale = setting(params, "mscale", where, "a number", None)
+    mscale_all_dim = setting(params, "mscale_all_dim", where, "a number", None)
+    if mscale and mscale_all_dim:
+        out.update(rope_yarn_mscale=mscale, rope_yarn_mscale_all_dim=mscale_all_dim)
     return out
