@@ -10,7 +10,7 @@ int8            the same rows packed in int8 blocks of ``model_zoo.moe.DISPATCH_
                 scale each (``hybrid.compression.Quantization(8, DISPATCH_BLOCK)``), dequantized on arrival
 ==============  ==========================================================================================
 
-Three parts (``--parts``, default all three):
+Two parts (``--parts``, default both):
 
 * ``cluster`` -- bytes and step time on 2 emulated nodes x 2 ranks (``tools/emulated_cluster.py``: one network
   namespace per node, named ``<--prefix>-node<K>``, joined by a veth pair shaped with ``tc tbf`` at each
@@ -37,16 +37,21 @@ Three parts (``--parts``, default all three):
 
 * ``loss`` -- validation loss of the demo (``launch_scripts/pretrain_gpt_tiny.sh`` with ``MODEL=tiny-moe``: the
   standard library's docstrings, a SentencePiece tokenizer, TP 2 x DP 2 with EP 2 and sequence parallelism,
-  ZeRO-1, ``--loss-iters`` iterations, evaluated on the validation split at the end), once plain and once with
-  ``EXTRA_ARGS=--moe-quantized-dispatch``, on loopback (one node). ``--loss-mode parallel`` (default) starts
-  both scripts at once, so both see the same machine load and their wall times compare; ``sequential`` runs
-  them back to back. Each run gets its own ``WORK_DIR`` under ``--work-dir`` (removed first).
+  ZeRO-1, ``--loss-iters`` iterations, evaluated on the validation split every 50 and at the end), once plain and
+  once with ``EXTRA_ARGS=--moe-quantized-dispatch``, on loopback (one node), for each of ``--seeds`` (the first
+  the demo's 1234; another is appended to ``EXTRA_ARGS``, the last ``--seed`` wins). ``--seed`` also orders the
+  samples, so only the runs of one seed compare. ``--loss-mode parallel`` (default) starts a seed's runs at
+  once, so both see the same machine load and their wall times compare; ``sequential`` runs them back to back.
+  ``--loss-contenders fp32-tp1`` runs the control instead: fp32 at TP 1 x DP 4, the same function but for
+  rounding, which shows how far a harmless change moves the loss (``LOSS_ENV``). Each run gets its own
+  ``WORK_DIR`` under ``--work-dir`` (removed first).
 
 Reproduce (from the repository root, as root; ``flock /work/bench.lock`` on a shared machine)::
 
-    python benchmarks/moe_compressed_dispatch.py                                   # everything (~30 min here)
+    python benchmarks/moe_compressed_dispatch.py                     # both parts, seed 1234 (~25 min here)
     python benchmarks/moe_compressed_dispatch.py --parts cluster --rates 50mbit,200mbit --rounds 3
-    python benchmarks/moe_compressed_dispatch.py --parts loss --loss-iters 300
+    python benchmarks/moe_compressed_dispatch.py --parts loss --seeds 1234,1235,1236,1237
+    python benchmarks/moe_compressed_dispatch.py --parts loss --loss-contenders fp32-tp1 --seeds 1234,1235,1236,1237
     python benchmarks/moe_compressed_dispatch.py --parts cluster --rates 200mbit --rounds 1 --steps 2 \\
         --dispatch-passes 1 --json /tmp/mcd.json                                  # the machinery, quickly
 
@@ -63,6 +68,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -286,6 +292,12 @@ def cluster_part(args, results: dict, failures: List[str]) -> List[str]:
 
 
 # ---- validation loss of the demo ---------------------------------------------------------------------------------
+# EXTRA_ARGS and environment of each demo contender. fp32-tp1 is a control, not a contender: TP 1 x DP 4 (EP 2) in
+# place of TP 2 x DP 2 trains on the same global batches from the same initial weights, the same function but for
+# rounding (the matmuls split otherwise, gradients accumulated over one micro-batch per rank instead of two) and the
+# balancing loss's grouping of sequences into micro-batches: how far such harmless changes move this run's loss.
+LOSS_EXTRA = {"fp32": [], "int8": ["--moe-quantized-dispatch"], "fp32-tp1": []}
+LOSS_ENV = {"fp32-tp1": {"TP": "1"}}
 DEMO_SEED = 1234  # launch_scripts/pretrain_gpt_tiny.sh's --seed; another seed is appended to EXTRA_ARGS (last wins)
 
 
@@ -299,31 +311,35 @@ def _loss_pair(args, seed: int, failures: List[str]) -> Dict[str, dict]:
         tag = name if seed == DEMO_SEED else f"{name}-seed{seed}"
         work = os.path.join(args.work_dir, tag)
         shutil.rmtree(work, ignore_errors=True)
-        extra = (["--moe-quantized-dispatch"] if name == "int8" else []) + \
-            ([] if seed == DEMO_SEED else ["--seed", str(seed)])
-        env = dict(env_base, WORK_DIR=work, EXTRA_ARGS=" ".join(extra))
+        extra = LOSS_EXTRA[name] + ([] if seed == DEMO_SEED else ["--seed", str(seed)])
+        env = dict(env_base, WORK_DIR=work, EXTRA_ARGS=" ".join(extra), **LOSS_ENV.get(name, {}))
         logs[name] = os.path.join(args.work_dir, f"{tag}.log")
         started[name] = time.monotonic()
+        # a session of its own: an interrupted run's torchrun agent and ranks go with its process group
         procs[name] = subprocess.Popen(["bash", DEMO], cwd=REPO, env=env, stdout=open(logs[name], "w"),
-                                       stderr=subprocess.STDOUT)
+                                       stderr=subprocess.STDOUT, start_new_session=True)
         print(f"[loss, seed {seed}] {name}: started, EXTRA_ARGS={' '.join(extra)!r} (log {logs[name]})", flush=True)
 
+    names = [n.strip() for n in args.loss_contenders.split(",") if n.strip()]
     try:
-        for name in CONTENDERS:
+        for name in names:
             start(name)
             if args.loss_mode == "sequential":
                 procs[name].wait()
                 wall[name] = time.monotonic() - started[name]
-        for name in CONTENDERS:
+        for name in names:
             if name not in wall:
                 procs[name].wait()
                 wall[name] = time.monotonic() - started[name]
     finally:
-        for p in procs.values():  # interrupted: the scripts' torchrun agents end their ranks
+        for p in procs.values():  # interrupted: the script, its torchrun agent and the ranks
             if p.poll() is None:
-                p.terminate()
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
     rows = {}
-    for name in CONTENDERS:
+    for name in names:
         text = open(logs[name], errors="replace").read()
         valid = [(int(i), float(v)) for i, v in _VALID_RE.findall(text)]
         train = [(int(i), float(v), float(ms)) for i, v, ms in _TRAIN_RE.findall(text)]
@@ -347,13 +363,13 @@ def loss_part(args, results: dict, failures: List[str]) -> List[str]:
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     out = ["", f"### Validation loss, tiny-moe demo, {args.loss_iters} iterations, each seed's pair "
                f"{'side by side' if args.loss_mode == 'parallel' else 'back to back'}", "",
-           "| seed | contender | validation loss at each evaluation | final | int8 vs fp32 | wall s (training "
+           "| seed | contender | validation loss at each evaluation | final | vs fp32 (same seed) | wall s (training "
            "stage s) | ms/iteration (median of the logged ones) |",
            "|---|---|---|---|---|---|---|"]
     for seed in seeds:
         rows = _loss_pair(args, seed, failures)
         results[str(seed)] = rows
-        for name in CONTENDERS:
+        for name in [n.strip() for n in args.loss_contenders.split(",") if n.strip()]:
             if name not in rows:
                 out.append(f"| {seed} | {name} | FAILED | | | | |")
                 continue
@@ -365,12 +381,14 @@ def loss_part(args, results: dict, failures: List[str]) -> List[str]:
                        f"{r['final_valid']:.4f} | {'' if rel is None else f'{100 * rel:+.2f}%'} | {r['wall_s']:.0f} "
                        f"({r['train_s'] if r['train_s'] is not None else 'n/a'}) | "
                        f"{'n/a' if r['iteration_ms_median'] is None else round(r['iteration_ms_median'])} |")
-    fp32 = [results[str(s)]["fp32"]["final_valid"] for s in seeds if "fp32" in results.get(str(s), {})]
-    if len(fp32) > 1:
-        spread = (max(fp32) - min(fp32)) / statistics.mean(fp32)
-        results["fp32_seed_spread"] = spread
-        out += ["", f"fp32 across seeds: final validation loss {min(fp32):.4f}-{max(fp32):.4f} "
-                    f"({100 * spread:.2f}% of their mean): the spread a change of seed alone makes"]
+    # --seed also orders the data (hybrid/data/gpt_dataset.py), so the validation batches differ between seeds:
+    # only the two runs of one seed compare
+    rels = [results[str(s)]["int8"]["rel_vs_fp32"] for s in seeds
+            if "int8" in results.get(str(s), {}) and results[str(s)]["int8"].get("rel_vs_fp32") is not None]
+    if rels:
+        results["int8_vs_fp32"] = {"mean": statistics.mean(rels), "min": min(rels), "max": max(rels)}
+        out += ["", f"int8 vs fp32, final validation loss, over {len(rels)} seed(s): mean "
+                    f"{100 * statistics.mean(rels):+.2f}% (min {100 * min(rels):+.2f}%, max {100 * max(rels):+.2f}%)"]
     return out
 
 
@@ -404,6 +422,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefix", default="hmq", help="name prefix of the emulated cluster's namespaces")
     ap.add_argument("--loss-iters", type=int, default=300)
     ap.add_argument("--loss-mode", choices=("parallel", "sequential"), default="parallel")
+    ap.add_argument("--loss-contenders", default="fp32,int8",
+                    help=f"comma-separated, of {sorted(LOSS_EXTRA)} (fp32-tp1: a control, see LOSS_ENV)")
     ap.add_argument("--seeds", default=str(DEMO_SEED), help="comma-separated --seed values: one pair of demo runs "
                                                             "each (the first the demo's own)")
     ap.add_argument("--work-dir", default="/tmp/hmq_loss", help="the loss part's runs (WORK_DIR per contender)")
@@ -411,6 +431,9 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--worker", default="", help="internal: run this contender under torchrun")
     args = ap.parse_args(argv)
     bad = set(p.strip() for p in args.parts.split(",") if p.strip()) - {"cluster", "loss"}
+    unknown = set(n.strip() for n in args.loss_contenders.split(",") if n.strip()) - set(LOSS_EXTRA)
+    if unknown:
+        ap.error(f"--loss-contenders {args.loss_contenders}: unknown {sorted(unknown)}; give some of {sorted(LOSS_EXTRA)}")
     if bad:
         ap.error(f"--parts {args.parts}: unknown part(s) {sorted(bad)}; give cluster and/or loss")
     return args
@@ -418,6 +441,8 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    # SIGTERM unwinds like Ctrl-C: the loss part's runs are ended and the emulated cluster torn down on the way out
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     started = datetime.datetime.now().astimezone()
     load = os.getloadavg()
