@@ -5,8 +5,8 @@ The four share one layout and differ in their switches: rotary positions
 (rotate-halves convention, the one HF uses, so q and k need no permutation),
 RMSNorm, SwiGLU MLP and no MLP or output biases; grouped-query attention
 (``num_key_value_heads`` = hybrid's ``num_query_groups``) and RoPE scaling
-(``linear``, ``llama3``, ``yarn`` with its attention factor: :func:`_yarn_from_hf`); config.json's ``head_dim``, where it is not
-``hidden_size / num_attention_heads``, is hybrid's ``kv_channels``. Qwen2 adds a bias to q, k and v (hybrid's
+(``linear``, ``llama3``, ``yarn`` with its attention factor: :func:`_yarn_from_hf`); config.json's
+``head_dim``, where it is not ``hidden_size / num_attention_heads``, is hybrid's ``kv_channels``. Qwen2 adds a bias to q, k and v (hybrid's
 ``qkv_bias``); Qwen3 an RMSNorm over each query and key head (``qk_norm``). Mistral and the Qwens may declare
 a sliding attention window,
 which hybrid's full causal attention reproduces only when the window covers

@@ -197,8 +197,8 @@ def test_import_refuses_what_hybrid_cannot_reproduce(tmp_path):
     with pytest.raises(ConversionError, match="num_key_value_heads=3 is not supported.*must divide "
                                               "num_attention_heads=4"):
         import_from_hf(tmp_path / "hf", tmp_path / "ck")
-    cfg_path.write_text(json.dumps(dict(good, rope_parameters={"rope_type": "yarn", "factor": 4.0})))
-    with pytest.raises(ConversionError, match="rope_parameters.rope_type='yarn' is not supported"):
+    cfg_path.write_text(json.dumps(dict(good, rope_parameters={"rope_type": "dynamic", "factor": 4.0})))
+    with pytest.raises(ConversionError, match="rope_parameters.rope_type='dynamic' is not supported"):
         import_from_hf(tmp_path / "hf", tmp_path / "ck")
     cfg_path.write_text(json.dumps(dict(good, intermediate_size=128)))  # the config no longer fits the tensors
     with pytest.raises(ConversionError, match=r"gate_proj.weight has shape \[96, 64\], but config.json implies "
