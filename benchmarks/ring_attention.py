@@ -32,6 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from benchmarks.paired import PairedRatio  # noqa: E402
 from tests.multiproc import run_distributed  # noqa: E402
 
 
@@ -82,16 +83,24 @@ def main() -> None:
                       flush=True)
     print(f"\n{os.cpu_count()} cores, torch {torch.__version__}, heads {a.heads} x {a.head_dim}, fp32, "
           f"fwd+bwd, {a.rounds} rounds x {a.calls} calls")
-    print("| tokens | cp | attention fwd+bwd, ms (min-max) | vs cp 1 | ring waiting, % of attention (min-max) |")
-    print("|---|---|---|---|---|")
-    for s in a.lengths:
-        base = statistics.median(w for w, _ in rows[(a.cps[0], s)])
-        for cp in a.cps:
+    print(table(rows, a.lengths, a.cps))
+
+
+def table(rows, lengths, cps) -> str:
+    """The markdown table: per (tokens, cp) the median over rounds and min-max of the attention time, its ratio
+    to the first cp's time paired within each round (benchmarks/paired.py), and the waiting fraction."""
+    lines = ["| tokens | cp | attention fwd+bwd, ms (min-max) | time / cp 1's, paired per round | "
+             "ring waiting, % of attention (min-max) |", "|---|---|---|---|---|"]
+    for s in lengths:
+        base = [w for w, _ in rows[(cps[0], s)]]
+        for cp in cps:
             ws = [w for w, _ in rows[(cp, s)]]
             fr = [f for _, f in rows[(cp, s)]]
-            print(f"| {s} | {cp} | {statistics.median(ws) * 1e3:.0f} ({min(ws) * 1e3:.0f}-{max(ws) * 1e3:.0f}) | "
-                  f"{statistics.median(ws) / base:.2f}x | {100 * statistics.median(fr):.1f} "
-                  f"({100 * min(fr):.1f}-{100 * max(fr):.1f}) |")
+            paired = PairedRatio(tuple(range(len(ws))), tuple(w / b for w, b in zip(ws, base)))
+            lines.append(f"| {s} | {cp} | {statistics.median(ws) * 1e3:.0f} ({min(ws) * 1e3:.0f}-"
+                         f"{max(ws) * 1e3:.0f}) | {paired.format()} | {100 * statistics.median(fr):.1f} "
+                         f"({100 * min(fr):.1f}-{100 * max(fr):.1f}) |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
