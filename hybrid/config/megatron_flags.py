@@ -214,7 +214,8 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
     _accepted("--DDP-impl", "hybrid's data parallelism is its own (flat gradient buffers, ZeRO); there is no torch "
                             "DDP to choose", takes_value=True),
     _accepted("--rope-type", "model_zoo's rotary embedding is the standard one", values=("rope",),
-              refusal="model_zoo has no YaRN rotary embedding; --rope-scaling scales RoPE frequencies"),
+              refusal="YaRN is --rope-scaling yarn (with --rope-scaling-factor, --yarn-beta-fast, --yarn-beta-slow, "
+                      "--mscale, --mscale-all-dim), not a rotary type of its own"),
     _accepted("--logging-level", "the verbosity of Megatron's own Python loggers", takes_value=True),
     # Megatron-FSDP (examples/megatron_fsdp/): its sharding strategy is a ZeRO stage (RESPELLINGS)
     _accepted("--use-megatron-fsdp", "hybrid's sharded data parallelism is ZeRO; --data-parallel-sharding-strategy "
