@@ -20,7 +20,6 @@ Reproduce (from the repository root; ``flock /work/bench.lock`` on a shared mach
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -33,6 +32,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from benchmarks.paired import PairedRatio  # noqa: E402
+from hybrid.argument_parser import ArgumentParser  # noqa: E402
 from tests.multiproc import run_distributed  # noqa: E402
 
 
@@ -63,7 +63,7 @@ def child(lengths, heads: int, head_dim: int, calls: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768])
     p.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--heads", type=int, default=1)

@@ -69,7 +69,10 @@ SETUP="${SETUP:-1}"
 EXTRA_ARGS="${EXTRA_ARGS:-}"
 
 # What makes a run another run's: the trainer starts from scratch here and would overwrite its checkpoints.
-RUN_KEY="MODEL=$MODEL TP=$TP PP=$PP EP=$EP ZERO_STAGE=$ZERO_STAGE NPROC=$NPROC SEQ_LENGTH=$SEQ_LENGTH VOCAB_SIZE=$VOCAB_SIZE"
+# (EP only when expert-parallel: a dense run's key, and so its folder's record, stays what it was)
+EP_KEY=""
+if [ "$EP" != 1 ]; then EP_KEY=" EP=$EP"; fi
+RUN_KEY="MODEL=$MODEL TP=$TP PP=$PP$EP_KEY ZERO_STAGE=$ZERO_STAGE NPROC=$NPROC SEQ_LENGTH=$SEQ_LENGTH VOCAB_SIZE=$VOCAB_SIZE"
 RUN_FILE="$WORK_DIR/demo_run.txt"
 if [ -e "$WORK_DIR/checkpoints/latest" ] && [ "$(cat "$RUN_FILE" 2>/dev/null)" != "$RUN_KEY" ]; then
   held="$(cat "$RUN_FILE" 2>/dev/null || echo "a run this script did not record")"
@@ -77,8 +80,8 @@ if [ -e "$WORK_DIR/checkpoints/latest" ] && [ "$(cat "$RUN_FILE" 2>/dev/null)" !
        "($RUN_KEY) would overwrite: set WORK_DIR to a new folder, or delete $WORK_DIR/checkpoints" >&2
   exit 1
 fi
-echo "hybrid demo: pretraining $MODEL on $NPROC CPU processes (TP=$TP, PP=$PP, EP=$EP, ZeRO-$ZERO_STAGE) into" \
-     "$WORK_DIR"
+echo "hybrid demo: pretraining $MODEL on $NPROC CPU processes (TP=$TP, PP=$PP,${EP_KEY:+$EP_KEY,} ZeRO-$ZERO_STAGE)" \
+     "into $WORK_DIR"
 if [ "$SETUP" = "1" ]; then
   source launch_scripts/setup_env.sh
 fi
@@ -103,7 +106,7 @@ python tools/preprocess_data.py --input "$WORK_DIR/corpus.jsonl" --tokenizer-mod
   --output-prefix "$WORK_DIR/corpus" --append-eod --workers 2 --no-progress
 stage_done
 
-stage "3/4 pretraining $MODEL: $NPROC CPU processes, TP=$TP, PP=$PP, EP=$EP, ZeRO-$ZERO_STAGE, $TRAIN_ITERS iterations"
+stage "3/4 pretraining $MODEL: $NPROC CPU processes, TP=$TP, PP=$PP,${EP_KEY:+$EP_KEY,} ZeRO-$ZERO_STAGE, $TRAIN_ITERS iterations"
 # One intra-op thread per rank: the ranks already share the cores. The c10d rendezvous listens on the
 # loopback address only (torchrun --standalone would take any interface).
 # shellcheck disable=SC2086
