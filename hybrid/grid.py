@@ -141,6 +141,47 @@ def expert_parallel_problem(dp: int, cp: int, ep: int) -> Optional[str]:
     return None
 
 
+# ---- what the context-parallel axis asks of a model (hybrid.context_parallel; model_zoo.config reads these) ----
+
+# The context-parallel attentions: key/value blocks around a ring (p2p), or all-to-all over the heads (a2a).
+CP_COMM_TYPES = ("p2p", "a2a")
+
+
+def cp_comm_type_problem(comm_type: str) -> Optional[str]:
+    if comm_type not in CP_COMM_TYPES:
+        return (f"--cp-comm-type {comm_type!r} is not one of {', '.join(CP_COMM_TYPES)} (Megatron's allgather and "
+                f"a2a+p2p are not implemented: use p2p, the ring)")
+    return None
+
+
+def sequence_split_problem(seq_length: int, cp: int) -> Optional[str]:
+    """Why ``cp`` ranks cannot split sequences of ``seq_length`` tokens: each holds two of ``2 cp`` equal chunks
+    (the load-balanced causal split); None when they can."""
+    if seq_length % (2 * cp):
+        return (f"--seq-length {seq_length} must be divisible by 2 x --context-parallel-size = {2 * cp} (the "
+                f"load-balanced split cuts each sequence into 2 x cp equal chunks); pick a multiple of {2 * cp}")
+    return None
+
+
+def cp_dropout_problem(cp: int, attention_dropout: float) -> Optional[str]:
+    if cp > 1 and attention_dropout > 0:
+        return (f"--attention-dropout {attention_dropout} is not supported with --context-parallel-size {cp} "
+                f"(attention runs in blocks across ranks); set --attention-dropout 0")
+    return None
+
+
+def a2a_heads_problem(num_heads: int, num_groups: int, cp: int) -> Optional[str]:
+    """Why the all-to-all attention cannot scatter ``num_heads`` query heads and ``num_groups`` key/value groups
+    (those of one TP rank) over ``cp`` ranks: the heads must divide by ``cp``, the groups divide by it or divide
+    it (then they are replicated); None when it can."""
+    if num_heads % cp or (num_groups % cp and cp % num_groups):
+        return (f"--cp-comm-type a2a scatters heads over --context-parallel-size {cp}: the {num_heads} attention "
+                f"heads per tensor-parallel rank (--num-attention-heads over TP) must be divisible by it, and the "
+                f"{num_groups} key/value groups (--num-query-groups over TP) divisible by it or a divisor of it; use "
+                f"--cp-comm-type p2p or another cp")
+    return None
+
+
 # ---- coordinates -------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -387,4 +428,5 @@ class Nodes:
 
 __all__ = ["AXES", "NODE_AXES", "RANK_ORDER", "Coord", "ExpertCoord", "Grid", "Nodes",
            "TopologyError", "WorldSizeError", "check_axis", "data_parallel_size", "divides_world", "tp_sub_size",
-           "tp_subaxis", "world_size_of", "expert_parallel_problem"]
+           "tp_subaxis", "world_size_of", "expert_parallel_problem", "CP_COMM_TYPES", "a2a_heads_problem",
+           "cp_comm_type_problem", "cp_dropout_problem", "sequence_split_problem"]

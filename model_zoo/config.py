@@ -29,6 +29,7 @@ import dataclasses
 import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from hybrid.grid import a2a_heads_problem, cp_comm_type_problem, cp_dropout_problem, sequence_split_problem
 from hybrid.tp_units import split_units
 
 POSITIONS = ("learned", "rope")
@@ -50,8 +51,6 @@ MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 MOE_DROP_POLICIES = ("probs", "position")
 MOE_DISPATCHERS = ("alltoall", "allgather")
-# Context parallelism (hybrid.context_parallel): ring attention (p2p) or all-to-all over the heads (a2a, Ulysses).
-CP_COMM_TYPES = ("p2p", "a2a")
 
 # What a setting is, in its field's metadata "kind":
 SHAPE = "shape"  # decides tensor shapes: a checkpoint loads only into the same value
@@ -466,30 +465,21 @@ def moe_problem(config: GPTConfig, tp_size: int = 1, ep_size: int = 1) -> Option
 
 def context_parallel_problem(config: GPTConfig, tp_size: int = 1, cp_size: int = 1) -> Optional[str]:
     """Why ``config`` cannot split its sequences over ``cp_size`` context-parallel ranks (at ``tp_size``), in one
-    line naming the flag and the fix; None when it can (or ``cp_size`` is 1). Each rank holds chunks ``r`` and
-    ``2 cp - 1 - r`` of ``2 cp`` equal chunks (hybrid.context_parallel), so all do the same causal work."""
+    line naming the flag and the fix; None when it can (or ``cp_size`` is 1). The rules of the split and the
+    attentions are :mod:`hybrid.grid`'s (what hybrid.context_parallel checks too); this adds sequence
+    parallelism's."""
     c, cp = config, cp_size
-    if c.cp_comm_type not in CP_COMM_TYPES:
-        return (f"--cp-comm-type {c.cp_comm_type!r} is not one of {', '.join(CP_COMM_TYPES)} (Megatron's allgather "
-                f"and a2a+p2p are not implemented: use p2p, the ring)")
-    if cp == 1:
-        return None
-    if c.seq_length % (2 * cp):
-        return (f"--seq-length {c.seq_length} must be divisible by 2 x --context-parallel-size = {2 * cp}: each "
-                f"context-parallel rank holds two of {2 * cp} equal chunks of every sequence")
+    problem = cp_comm_type_problem(c.cp_comm_type)
+    if problem or cp == 1:
+        return problem
+    problem = sequence_split_problem(c.seq_length, cp) or cp_dropout_problem(cp, c.attention_dropout)
+    if problem:
+        return problem
     if c.sequence_parallel and (c.seq_length // cp) % tp_size:
         return (f"--seq-length {c.seq_length} / --context-parallel-size {cp} = {c.seq_length // cp} tokens per rank "
                 f"must be divisible by --tensor-model-parallel-size {tp_size} under --sequence-parallel")
-    if c.attention_dropout > 0:
-        return (f"--attention-dropout {c.attention_dropout} with --context-parallel-size {cp}: attention dropout "
-                f"is not implemented across context-parallel blocks; set --attention-dropout 0")
     if c.cp_comm_type == "a2a":
-        heads, groups = c.num_heads // tp_size, max(1, c.query_groups // tp_size)
-        if heads % cp or (groups % cp and cp % groups):
-            return (f"--cp-comm-type a2a scatters the attention heads over --context-parallel-size {cp}: the "
-                    f"{heads} query heads and {groups} key/value groups per tensor-parallel rank (--num-attention-"
-                    f"heads {c.num_heads}, --num-query-groups {c.query_groups}, tp {tp_size}) must be divisible by "
-                    f"it (or the groups divide it); use --cp-comm-type p2p")
+        return a2a_heads_problem(c.num_heads // tp_size, max(1, c.query_groups // tp_size), cp)
     return None
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from hybrid.context_parallel.ring_attention import ring_attention
+from hybrid.grid import CP_COMM_TYPES, cp_comm_type_problem, cp_dropout_problem
 from hybrid.context_parallel.split import (check_seq_length, gather_sequence, local_positions, split_for_rank,
                                            split_sequence)
 from hybrid.context_parallel.ulysses import check_heads, ulysses_attention
@@ -23,7 +24,7 @@ from hybrid.context_parallel.ulysses import check_heads, ulysses_attention
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.topology import Topology
 
-COMM_TYPES = ("p2p", "a2a")
+COMM_TYPES = CP_COMM_TYPES  # hybrid.grid's list
 
 __all__ = ["COMM_TYPES", "check_attention", "check_heads", "check_seq_length", "context_parallel_attention",
            "gather_sequence", "local_positions", "ring_attention", "split_for_rank", "split_sequence",
@@ -31,12 +32,11 @@ __all__ = ["COMM_TYPES", "check_attention", "check_heads", "check_seq_length", "
 
 
 def check_attention(comm_type: str, cp: int, attention_dropout: float = 0.0) -> None:
-    """Refuse (one line) a ``--cp-comm-type`` this package lacks, and dropout inside attention under cp."""
-    if comm_type not in COMM_TYPES:
-        raise ValueError(f"--cp-comm-type {comm_type!r} is not supported: use one of {', '.join(COMM_TYPES)}")
-    if cp > 1 and attention_dropout > 0:
-        raise ValueError(f"--attention-dropout {attention_dropout} is not supported with --context-parallel-size "
-                         f"{cp} (attention runs in blocks across ranks); set --attention-dropout 0")
+    """Refuse (one line) a ``--cp-comm-type`` this package lacks, and dropout inside attention under cp
+    (:mod:`hybrid.grid`'s rules)."""
+    problem = cp_comm_type_problem(comm_type) or cp_dropout_problem(cp, attention_dropout)
+    if problem:
+        raise ValueError(problem)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo: "Topology",

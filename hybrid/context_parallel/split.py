@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, List
 
 import torch
 
+from hybrid.grid import sequence_split_problem
+
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.topology import Topology
 
@@ -24,11 +26,10 @@ AXIS = "cp"
 
 
 def check_seq_length(seq_length: int, cp: int) -> None:
-    """Refuse (one line) a sequence that the ``2 * cp`` chunks cannot cut evenly."""
-    if seq_length % (2 * cp):
-        raise ValueError(f"--seq-length {seq_length} must be divisible by 2 x --context-parallel-size = {2 * cp} "
-                         f"(the load-balanced split cuts each sequence into 2 x cp equal chunks); pick a multiple "
-                         f"of {2 * cp}")
+    """Refuse (one line) a sequence that the ``2 * cp`` chunks cannot cut evenly (:mod:`hybrid.grid`'s rule)."""
+    problem = sequence_split_problem(seq_length, cp)
+    if problem:
+        raise ValueError(problem)
 
 
 def rank_chunks(cp: int, cp_rank: int) -> List[int]:

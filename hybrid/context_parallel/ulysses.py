@@ -26,17 +26,17 @@ import torch
 import torch.nn.functional as F
 
 from hybrid.context_parallel.split import AXIS, _all_gather_seq, natural_to_rank_order, rank_to_natural_order
+from hybrid.grid import a2a_heads_problem
 
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.topology import Topology
 
 
 def check_heads(num_heads: int, num_groups: int, cp: int) -> None:
-    """Refuse (one line) heads that the all-to-all cannot scatter over ``cp`` ranks."""
-    if num_heads % cp or (num_groups % cp and cp % num_groups):
-        raise ValueError(f"--cp-comm-type a2a scatters heads over --context-parallel-size {cp}: "
-                         f"--num-attention-heads ({num_heads}) must be divisible by it, and --num-query-groups "
-                         f"({num_groups}) divisible by it or a divisor of it; use --cp-comm-type p2p or another cp")
+    """Refuse (one line) heads that the all-to-all cannot scatter over ``cp`` ranks (:mod:`hybrid.grid`'s rule)."""
+    problem = a2a_heads_problem(num_heads, num_groups, cp)
+    if problem:
+        raise ValueError(problem)
 
 
 def _seq_to_heads(x: torch.Tensor, topo: "Topology") -> torch.Tensor:

@@ -146,8 +146,8 @@ def test_cp1_entry_point_is_plain_attention():
 def test_bad_settings_are_refused_in_one_line():
     cases = [
         (lambda: check_seq_length(100, 4), "--seq-length 100 must be divisible by 2 x --context-parallel-size = 8"),
-        (lambda: check_heads(6, 2, 4), "--num-attention-heads (6)"),
-        (lambda: check_heads(8, 3, 2), "--num-query-groups (3)"),
+        (lambda: check_heads(6, 2, 4), "the 6 attention heads per tensor-parallel rank"),
+        (lambda: check_heads(8, 3, 2), "the 3 key/value groups (--num-query-groups over TP)"),
         (lambda: check_attention("allgather", 2), "--cp-comm-type 'allgather'"),
         (lambda: check_attention("p2p", 2, 0.1), "--attention-dropout 0.1"),
         (lambda: local_positions(10, 2, 0), "--seq-length 10"),
