@@ -61,7 +61,13 @@ _PRESET = _field(None, flag="--model", help="a model_zoo preset (e.g. tiny, gpt2
                                             "settings override it")
 _ALIASES = {"position_embedding_type": (Alias("--use-rotary-position-embeddings", const="rope", compat=True,
                                               help="Megatron-LM's older spelling of --position-embedding-type "
-                                                   "rope"),)}
+                                                   "rope"),),
+            # Megatron-LM's YaRN spellings of the scaling's factor and original context
+            "rope_scaling_factor": (Alias("--rotary-scaling-factor", convert=float, compat=True,
+                                          help="Megatron-LM's spelling of --rope-scaling-factor (YaRN's factor)"),),
+            "rope_original_max_positions": (Alias("--yarn-original-max-position-embeddings", convert=int, compat=True,
+                                                  help="Megatron-LM's spelling of --rope-original-max-positions "
+                                                       "(YaRN's original context)"),)}
 
 MODEL_KEYS: Tuple[ModelKey, ...] = tuple(
     ModelKey(flat_name(own_flag(f.name, f.metadata)), f.name, f.metadata.get("switch", dataclasses.MISSING))

@@ -341,3 +341,10 @@ def test_key_problems_and_the_worlds_are_named_together():
     message = str(raised.value)
     assert message.startswith("2 config keys need changing: (1) give the run's length") and \
         "(2) world size 4 is not divisible by tensor_parallel_size x pipeline.size = 3 x 1" in message
+
+
+def test_megatrons_yarn_spellings_set_the_rope_keys():
+    cfg = config_from_command_line(["--rope-scaling", "yarn", "--rotary-scaling-factor", "4",
+                                    "--yarn-original-max-position-embeddings", "4096"])
+    assert (cfg.model.rope_scaling, cfg.model.rope_scaling_factor, cfg.model.rope_original_max_positions) == \
+        ("yarn", 4.0, 4096)
