@@ -46,7 +46,7 @@ DISPATCH_BLOCK = 64
 # ---- the balancing losses' gradient scale ----------------------------------------------------------------------
 class AuxLossScale:
     """The factor the balancing losses' gradients carry: the language-model loss's (loss scale / accumulation
-    steps), set by the engine before backward (:func:`set_aux_loss_scale`); one per model."""
+    steps), set by the engine before backward (``hybrid.engine.stage.scale_side_losses``); one per model."""
 
     def __init__(self) -> None:
         self.value = 1.0
@@ -513,13 +513,6 @@ def moe_layers(model: nn.Module) -> List[Tuple[int, MoELayer]]:
         if isinstance(module, MoELayer):
             out.append((int(name.split(".")[1]), module))
     return out
-
-
-def set_aux_loss_scale(model: nn.Module, value: float) -> None:
-    """The balancing losses' gradients are multiplied by ``value`` (the engine's loss scale / accumulation)."""
-    scale = getattr(model, "moe_aux_scale", None)
-    if scale is not None:
-        scale.value = float(value)
 
 
 def update_expert_biases(model: nn.Module) -> None:
