@@ -129,7 +129,7 @@ class GPTModel(nn.Module):
     """Decoder-only transformer; see the module docstring for parameters and layouts.
 
     ``GPTModel(config, topology, device=None, dtype=None, seed=1234)``
-    validates ``config`` against ``topology.tp_size`` and initialises every
+    validates ``config`` against the topology's TP, expert- and context-parallel sizes and initialises every
     parameter from ``(seed, name)`` (identical full model at any TP size),
     unless ``device="meta"``: then :meth:`materialize` does it later.
     ``seed`` also seeds the dropout streams (:class:`RNGTracker`).
@@ -141,7 +141,7 @@ class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig, topology: "Topology", device=None, dtype=None, seed: int = 1234,
                  split: Optional[StageSplit] = None):
         super().__init__()
-        config.validate(topology.tp_size)
+        config.validate(topology.tp_size, topology.ep_size, topology.cp_size)
         self.config, self.topology, self.seed = config, topology, int(seed)
         self.split = split if split is not None else split_layers(config.num_layers, topology.pp_size)
         if self.split.pp != topology.pp_size or sum(self.split.counts()) != config.num_layers:
