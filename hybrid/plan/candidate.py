@@ -38,6 +38,8 @@ class Candidate:
     sequence_parallel: bool = False
     pipeline_schedule: str = "1f1b"
     virtual_stages: int = 1
+    # context-parallel ranks splitting each sequence (hybrid.plan.context_parallel); ``parallel.dp`` excludes them
+    cp: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.parallel, ParallelLayout):
@@ -58,6 +60,8 @@ class Candidate:
             raise LayoutError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if not isinstance(self.micro_batch, int) or isinstance(self.micro_batch, bool) or self.micro_batch < 1:
             raise LayoutError(f"micro_batch must be an integer >= 1, got {self.micro_batch!r}")
+        if not isinstance(self.cp, int) or isinstance(self.cp, bool) or self.cp < 1:
+            raise LayoutError(f"cp (--context-parallel-size) must be an integer >= 1, got {self.cp!r}")
 
     @property
     def tp(self) -> int:
@@ -99,5 +103,6 @@ class Candidate:
             chunks = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
             pipeline = f" pp={self.pp} {self.pipeline_schedule}{chunks}"
         ep = f" ep={self.parallel.ep}" if self.parallel.ep > 1 else ""
-        return (f"tp={self.tp}{sp} dp={self.dp}{ep}{pipeline} zero={int(self.zero_stage)} offload={self.offload} "
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return (f"tp={self.tp}{sp}{cp} dp={self.dp}{ep}{pipeline} zero={int(self.zero_stage)} offload={self.offload} "
                 f"recompute={self.recompute} micro={self.micro_batch}")

@@ -16,7 +16,7 @@ from hybrid.plan.cluster import Cluster, ClusterError, parse_size
 from hybrid.plan.layouts import RECOMPUTES, Choices, enumerate_layouts, plan, refused_placements, refused_stages
 from hybrid.plan.model_memory import OPTIMIZER_STATES
 from hybrid.plan.estimate import moe_stage_problem
-from hybrid.plan.report import LEGEND, MOE_LEGEND, format_table, summary, to_json
+from hybrid.plan.report import CP_LEGEND, LEGEND, MOE_LEGEND, format_table, summary, to_json
 from hybrid.plan.setup import DEFAULT_SETUP, TrainingSetup, checkpoint_field, zero_field
 from model_zoo.config import GPTConfig
 from model_zoo.flops import active_parameters, count_parameters, expert_parameters, flops_per_token
@@ -133,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     _int_flag(ly, "--expert-model-parallel-size", 1, nargs="+", dest="ep",
               help="expert-parallel sizes to consider for an MoE model (default: every divisor of dp that "
                    "divides --num-experts)")
+    _int_flag(ly, "--context-parallel-size", 1, nargs="+", dest="cp", default=[1],
+              help="context-parallel sizes to consider: each sequence split over cp ranks (two of 2 x cp chunks "
+                   "each), key/value blocks passed around a ring (--cp-comm-type p2p); sizes the model or the "
+                   "GPUs cannot take are skipped (default 1: no context parallelism; e.g. "
+                   "--context-parallel-size 1 2 4 8)")
     ck = ap.add_argument_group("checkpoints")
     for key in ("async_save", "async_save_chunk_mb"):
         field = checkpoint_field(key)
@@ -269,7 +274,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         choices = Choices(tp=args.tp, pp=args.pp, pipeline_schedule=args.pipeline_schedule,
                           virtual_stages=args.virtual_stages, stages=args.zero_stage, offloads=args.offload, recomputes=args.recompute,
                           micro_batches=args.micro_batch, max_micro_batch=args.max_micro_batch,
-                          sequence_parallel=args.sequence_parallel, precision=args.precision, ep=args.ep)
+                          sequence_parallel=args.sequence_parallel, precision=args.precision, ep=args.ep,
+                          cp=tuple(args.cp))
         evaluations = plan(config, cluster, args.global_batch_size, setup, choices)
         placed = refused_placements(enumerate_layouts(config, cluster, args.global_batch_size, choices), cluster,
                                     setup)
@@ -309,4 +315,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(LEGEND)
     if config.is_moe:
         print(MOE_LEGEND)
+    if any(e.candidate.cp > 1 for e in evaluations):
+        print(CP_LEGEND)
     return 0

@@ -20,6 +20,10 @@ A layout is valid when:
   size is tried unless ``Choices.ep`` names some); a dense model has ``ep = 1``
   only; ZeRO stage 3 is not planned for an MoE model
   (:func:`hybrid.plan.estimate.moe_stage_problem`);
+* ``cp`` (context parallelism, ``Choices.cp``; 1 unless asked for) passes
+  :func:`hybrid.plan.context_parallel.cp_problem_at` (the model's and the
+  grid's rules) and ``tp x cp x dp x pp`` fills the GPUs; such a layout is
+  evaluated as :mod:`hybrid.plan.context_parallel` describes;
 * offload is used only where the stage allows it
   (:func:`hybrid.layout.offload_problem`);
 * the ZeRO compression settings can run at the stage
@@ -56,11 +60,13 @@ from hybrid.layout import (OFFLOAD_DEVICES, ZERO_STAGES, LayoutError, ParallelLa
 from hybrid.plan.candidate import DEFAULT_PRECISION, Candidate
 from hybrid.plan.cluster import Cluster, stage_fits_nodes
 from hybrid.plan.comm_volume import Report
+from hybrid.plan.context_parallel import (compute_scale, context_parallel_sizes, local_config, ring_bytes_per_layer,
+                                          ring_crossing_senders, ring_in_flight, ring_overlap)
 from hybrid.plan.estimate import MemoryEstimate, estimate_memory, moe_stage_problem
 from hybrid.plan.moe import as_run, expert_parallel_sizes
 from hybrid.plan.predict import placement_problem, predict
 from hybrid.plan.setup import TrainingSetup
-from hybrid.plan.timing import StepTime
+from hybrid.plan.timing import CollectiveTime, StepTime
 from model_zoo.config import RECOMPUTE_LEAST_FIRST, GPTConfig
 
 # The recomputation choices, cheapest first (the order layouts are enumerated in).
@@ -86,11 +92,12 @@ class Choices:
     # One precision, not a choice: the step-time model does not price it, so it could not rank precisions.
     precision: str = DEFAULT_PRECISION
     ep: Optional[Sequence[int]] = None  # expert-parallel sizes of an MoE model (None: every valid one)
+    cp: Sequence[int] = (1,)  # context-parallel sizes (--context-parallel-size; the valid ones of these are tried)
 
     def __post_init__(self):
         # The enumeration divides by these sizes; the command line's flags refuse them on their own, but a
         # Choices built in code would otherwise end in a ZeroDivisionError far from its cause.
-        sizes = {"tp": self.tp, "pp": self.pp, "virtual_stages": self.virtual_stages, "ep": self.ep,
+        sizes = {"tp": self.tp, "pp": self.pp, "virtual_stages": self.virtual_stages, "ep": self.ep, "cp": self.cp,
                  "micro_batches": self.micro_batches, "max_micro_batch": (self.max_micro_batch,)}
         for name, values in sizes.items():
             bad = [v for v in values or () if not isinstance(v, int) or isinstance(v, bool) or v < 1]
@@ -129,6 +136,16 @@ class Evaluation:
     def ep_inter_node_bytes(self) -> float:
         """What the busiest node sends off it per step in the ep all-to-alls."""
         return sum(c.inter_node_bytes_per_node for c in self.time.collectives if c.name.endswith("/ep"))
+
+    @property
+    def cp_wire_bytes(self) -> float:
+        """What a rank sends around its cp ring per step (0 without context parallelism)."""
+        return sum(v["wire_bytes"] for k, v in self.comm.items() if k.endswith("/cp"))
+
+    @property
+    def ring_exposed_s(self) -> float:
+        """Seconds per step the ring's transfers are not hidden behind the attention."""
+        return sum(c.exposed for c in self.time.collectives if c.name.endswith("/cp"))
 
     @property
     def tokens_per_s(self) -> float:
@@ -186,8 +203,17 @@ def enumerate_layouts(config: GPTConfig, cluster: Cluster, global_batch: int,
                           f"fills whole nodes of {cluster.node_size} or divides one, and split num_layers="
                           f"{config.num_layers} (pp x virtual stages must divide it when interleaved)")
     layouts = []
-    for tp, pp, chunks in sizes:
-        dp = data_parallel_size(cluster.gpus, tp=tp, pp=pp)
+    # an MoE model at tp > 1 runs with sequence parallelism (model_zoo.config.moe_problem)
+    cps = [(tp, pp, chunks, cp) for tp, pp, chunks in sizes
+           for cp in context_parallel_sizes(config, tp, (choices.sequence_parallel or config.is_moe) and tp > 1,
+                                            choices.cp)
+           if divides_world(cluster.gpus, tp=tp, pp=pp, cp=cp)]
+    if not cps:
+        raise LayoutError(f"no --context-parallel-size in {list(choices.cp)} fits: tp x cp x pp must divide the "
+                          f"{cluster.gpus} GPUs and --seq-length {config.seq_length} must split over cp (e.g. "
+                          f"{cp_problem_text(config, choices.cp)})")
+    for tp, pp, chunks, cp in cps:
+        dp = data_parallel_size(cluster.gpus, tp=tp, pp=pp, cp=cp)
         if global_batch % dp:
             continue
         per_rank = global_batch // dp
@@ -197,7 +223,7 @@ def enumerate_layouts(config: GPTConfig, cluster: Cluster, global_batch: int,
         sp = (choices.sequence_parallel or config.is_moe) and tp > 1
         for stage, offload, recompute, micro, ep in itertools.product(
                 choices.stages, choices.offloads, choices.recomputes, micros,
-                expert_parallel_sizes(config, dp, choices.ep)):
+                expert_parallel_sizes(config, dp * cp, choices.ep)):
             if offload in OFFLOAD_DEVICES and offload_problem(stage, offload) or pipeline_problem(stage, pp):
                 continue  # the stage cannot offload or pipeline (an unknown device is refused by Candidate below)
             if moe_stage_problem(config, stage):
@@ -205,7 +231,7 @@ def enumerate_layouts(config: GPTConfig, cluster: Cluster, global_batch: int,
             parallel = ParallelLayout(tp=tp, dp=dp, pp=pp, zero_stage=stage, precision=choices.precision, ep=ep)
             layouts.append(Candidate(parallel, offload=offload, recompute=recompute, micro_batch=micro,
                                      sequence_parallel=sp, pipeline_schedule=choices.pipeline_schedule,
-                                     virtual_stages=chunks))
+                                     virtual_stages=chunks, cp=cp))
     if not layouts and config.is_moe and choices.ep:
         raise LayoutError(f"no --expert-model-parallel-size in {list(choices.ep)} divides both a data-parallel "
                           f"size and --num-experts {config.num_experts} (or only ZeRO stage 3 was asked for, "
@@ -231,9 +257,17 @@ def _splits(config: GPTConfig, cluster: Cluster, tp: int, pp: int, chunks: int, 
     return True
 
 
+def cp_problem_text(config: GPTConfig, sizes: Sequence[int]) -> str:
+    """The first rule that refuses one of ``sizes`` at tp 1 (for the error when none fits)."""
+    from hybrid.plan.context_parallel import cp_problem_at
+    return next((p for p in (cp_problem_at(config, 1, cp, False) for cp in sizes) if p), "none refused at tp 1")
+
+
 def evaluate(config: GPTConfig, candidate: Candidate, cluster: Cluster, setup: TrainingSetup,
              global_batch: int) -> Evaluation:
     """Predict memory, communication and step time of one candidate layout (its busiest pipeline rank's)."""
+    if candidate.cp > 1:
+        return _evaluate_cp(config, candidate, cluster, setup, global_batch)
     micro_batches = global_batch // (candidate.dp * candidate.micro_batch)
     memory = estimate_memory(config, candidate, setup, micro_batches)
     step = predict(config, candidate, global_batch, setup,
@@ -259,7 +293,7 @@ def refused_placements(candidates: Iterable[Candidate], cluster: Cluster,
                        setup: TrainingSetup) -> Dict[Tuple[int, int], str]:
     """The ``(tp, dp)`` of ``candidates`` that ``setup`` cannot run on ``cluster``'s nodes, each with the
     reason (:func:`hybrid.plan.predict.placement_problem`)."""
-    sizes = sorted({(c.tp, c.dp, c.pp) for c in candidates})
+    sizes = sorted({(c.tp, c.dp * c.cp, c.pp) for c in candidates})  # the data ranks: dp x cp
     refused = {(tp, dp): placement_problem(setup, cluster.placement(tp, dp, pp)) for tp, dp, pp in sizes}
     return {size: why for size, why in refused.items() if why}
 
@@ -272,7 +306,51 @@ def plan(config: GPTConfig, cluster: Cluster, global_batch: int, setup: Training
     candidates = enumerate_layouts(config, cluster, global_batch, choices)
     refused = refused_stages({c.zero_stage for c in candidates}, setup)
     placed = refused_placements(candidates, cluster, setup)
-    allowed = [c for c in candidates if int(c.zero_stage) not in refused and (c.tp, c.dp) not in placed]
+    allowed = [c for c in candidates if int(c.zero_stage) not in refused and (c.tp, c.dp * c.cp) not in placed]
     if not allowed:
         raise LayoutError(next(iter({**refused, **placed}.values())))
     return rank(evaluate(config, candidate, cluster, setup, global_batch) for candidate in allowed)
+
+
+def _evaluate_cp(config: GPTConfig, candidate: Candidate, cluster: Cluster, setup: TrainingSetup,
+                 global_batch: int) -> Evaluation:
+    """:func:`evaluate` for a context-parallel candidate: the same layout with ``dp x cp`` data ranks training
+    ``cp x`` as many sequences of ``s / cp`` tokens, plus the ring's buffers, bytes and exposed seconds and the
+    attention's FLOPs over the whole sequence (:mod:`hybrid.plan.context_parallel`)."""
+    cp, tp, mb = candidate.cp, candidate.tp, candidate.micro_batch
+    run_config = local_config(config, cp)
+    run = dataclasses.replace(candidate, cp=1, parallel=dataclasses.replace(candidate.parallel,
+                                                                            dp=candidate.dp * cp))
+    run_batch = global_batch * cp
+    micro_batches = run_batch // (run.dp * mb)
+    memory = estimate_memory(run_config, run, setup, micro_batches)
+    ring = ring_in_flight(config, mb, tp, cp, candidate.precision)
+    forward, backward = memory.forward_peak + ring.forward, memory.backward_peak + ring.backward
+    grown = max(forward, backward, memory.step_peak) - memory.peak
+    memory = dataclasses.replace(memory, candidate=candidate, forward_peak=forward, backward_peak=backward,
+                                 fragmentation=memory.fragmentation + int(setup.fragmentation * grown))
+    placement = cluster.placement(tp, run.dp, candidate.pp, candidate.parallel.ep)
+    step = predict(run_config, run, run_batch, setup, placement, cluster.link, cluster.flops_per_s, cluster.host)
+    layers = -(-config.num_layers // candidate.pp)  # the slowest pipeline rank's layers
+    calls = layers * step.accumulation
+    overlap = ring_overlap(config, mb, tp, cp, candidate.dp, candidate.precision, candidate.recompute,
+                           cluster.node_size, cluster.link, cluster.flops_per_s)
+    sent = ring_bytes_per_layer(config, mb, tp, cp, candidate.precision, candidate.recompute).total * calls
+    comm = dict(step.comm)
+    comm["ring/cp"] = {"calls": calls, "payload_bytes": sent, "wire_bytes": float(sent)}
+    crossing = ring_crossing_senders(tp, cp, candidate.dp, cluster.node_size)
+    off_node = sent * crossing
+    exposed = overlap.exposed_s * calls
+    link = "inter" if overlap.crosses_nodes else "intra"
+    passes = 3 if candidate.recompute == "full" else 2
+    seconds = overlap.transfer_s * (cp - 1) * passes * calls
+    time = step.time
+    recomputed = 1 if candidate.recompute in ("selective", "full") else 0
+    time = dataclasses.replace(
+        time, compute=time.compute * compute_scale(config, cp, recomputed),
+        intra=time.intra + (exposed if link == "intra" else 0.0), inter=time.inter + (exposed if link == "inter" else 0.0),
+        inter_bytes_by_node=tuple(b + off_node for b in time.inter_bytes_by_node) or ((off_node,) if off_node else ()),
+        collectives=time.collectives + (CollectiveTime("ring/cp", link, seconds, exposed, off_node),))
+    host_fits = cluster.cpu_memory is None or memory.host * cluster.node_size <= cluster.cpu_memory
+    return Evaluation(candidate, memory, comm, time, memory.total <= cluster.usable_memory, host_fits,
+                      step.accumulation, config.is_moe)

@@ -51,6 +51,20 @@ MOE_COLUMNS = [
     ("EP GB", ("EPx GB", 6, lambda i, e: f"{e.ep_inter_node_bytes / 1e9:.1f}")),
 ]
 
+# A context-parallel plan's columns (hybrid.plan.context_parallel), inserted the same way: the cp size, the bytes
+# a GPU sends around its cp ring per step, and the seconds of them the attention does not hide.
+CP_COLUMNS = [
+    ("tp", ("cp", 3, lambda i, e: f"{e.candidate.cp}")),
+    ("TP GB", ("CP GB", 6, lambda i, e: f"{e.cp_wire_bytes / 1e9:.1f}")),
+    ("inter s", ("ring s", 6, lambda i, e: f"{e.ring_exposed_s:.2f}")),
+]
+
+CP_LEGEND = """\
+CP: cp = context-parallel size (each sequence split over cp ranks, two of 2 x cp chunks each; dp excludes cp,
+ZeRO partitions over dp x cp); activ includes the ring's blocks in flight; CP GB = bytes each GPU sends around its
+cp ring per step (key/value blocks forward and backward, the fp32 dK/dV sums backward); ring s = seconds per step
+the ring's transfers are not hidden behind the attention of the block in hand (counted in intra s or inter s)."""
+
 MOE_LEGEND = """\
 MoE: ep = expert-parallel size (ep consecutive dp ranks share out the experts; their ZeRO state is partitioned
 over edp = dp/ep); memory assumes balanced routing, worst = total when every token of the ep group picks this
@@ -78,16 +92,17 @@ def _rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s / 1e3:.1f}k" if tokens_per_s >= 1e4 else f"{tokens_per_s:.0f}"
 
 
-def columns(moe: bool) -> list:
-    """The table's columns: :data:`COLUMNS`, with :data:`MOE_COLUMNS` for an MoE model."""
+def columns(moe: bool, cp: bool = False) -> list:
+    """The table's columns: :data:`COLUMNS`, with :data:`MOE_COLUMNS` for an MoE model and :data:`CP_COLUMNS`
+    when a layout is context-parallel."""
     out = list(COLUMNS)
-    for after, column in MOE_COLUMNS if moe else ():
+    for after, column in (MOE_COLUMNS if moe else []) + (CP_COLUMNS if cp else []):
         out.insert(next(k for k, c in enumerate(out) if c[0] == after) + 1, column)
     return out
 
 
 def format_table(evaluations: Sequence[Evaluation], top: int) -> str:
-    cols = columns(any(e.moe for e in evaluations))
+    cols = columns(any(e.moe for e in evaluations), any(e.candidate.cp > 1 for e in evaluations))
     head = " ".join(f"{h:>{w}s}" for h, w, _ in cols)
     lines = [head, "-" * len(head)]
     for i, e in enumerate(evaluations[:top], 1):
@@ -122,6 +137,8 @@ def to_json(evaluations: Sequence[Evaluation]) -> str:
                          "worst_case_routing_total": e.memory.worst_total,
                          "ep_wire_bytes": e.ep_wire_bytes, "ep_inter_node_bytes_per_node": e.ep_inter_node_bytes}
                         if e.moe else {}),
+                     **({"cp": e.candidate.cp, "cp_wire_bytes": e.cp_wire_bytes,
+                         "ring_exposed_s": e.ring_exposed_s} if e.candidate.cp > 1 else {}),
                      "bytes": {"weights": m.weights, "grads": m.grads, "master": m.state.master,
                                "optimizer_states": m.state.optimizer_states,
                                "activations_per_micro_batch": m.activations.total, "transient": m.transient,

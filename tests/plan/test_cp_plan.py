@@ -1,0 +1,136 @@
+"""The planner with context parallelism: the 1/cp activation share plus the ring's blocks in flight, the ring's
+bytes by hand, the overlap rule, the layouts the rules refuse, and dense output without cp unchanged."""
+
+import json
+
+import pytest
+
+from hybrid.layout import LayoutError, ParallelLayout
+from hybrid.plan import Candidate, Choices, Cluster, TrainingSetup, estimate_memory, plan
+from hybrid.plan.activations import activation_bytes
+from hybrid.plan.cli import main
+from hybrid.plan.context_parallel import (block_bytes, cp_problem_at, ring_bytes_per_layer, ring_in_flight,
+                                          ring_overlap)
+from hybrid.plan.layouts import enumerate_layouts, evaluate
+from hybrid.plan.links import LinkSpec
+from model_zoo import get_preset
+
+GIB = 2**30
+# Llama-3-8B: h=4096, 32 layers, 32 query heads of d=128, 8 key/value groups.
+LLAMA = get_preset("llama3-8b").replace(seq_length=131072)
+
+
+def test_activation_share_is_one_cp_th_plus_the_ring_blocks():
+    cfg = get_preset("llama-tiny").replace(seq_length=4096)  # h=128, 8 heads, no grouping, RoPE, no dropout
+    cluster = Cluster(gpus=8, gpus_per_node=8, gpu_memory=80 * GIB)
+    setup = TrainingSetup()
+    whole = activation_bytes(cfg, 1, precision="bf16").total
+    for cp in (2, 4, 8):
+        candidate = Candidate(ParallelLayout(tp=1, dp=8 // cp, zero_stage=1, precision="bf16"), cp=cp)
+        e = evaluate(cfg, candidate, cluster, setup, global_batch=8 // cp)
+        # every saved tensor is per token of the rank's s/cp (no s^2 term without the math kernel)
+        assert e.memory.activations.total * cp == whole
+        # the same layout with dp x cp data ranks on s/cp-token sequences, plus the ring's buffers
+        plain = estimate_memory(cfg.replace(seq_length=4096 // cp),
+                                Candidate(ParallelLayout(tp=1, dp=8, zero_stage=1, precision="bf16")), setup, 1)
+        S = 4096 // cp
+        B = 2 * 1 * S * 8 * 16 * 2  # [2, mb, g, S, d] in bf16
+        dq = S * 8 * 16 * 4  # the running dq, fp32
+        assert block_bytes(cfg, 1, 1, cp, "bf16") == B
+        assert e.memory.forward_peak - plain.forward_peak == 2 * B
+        assert e.memory.backward_peak - plain.backward_peak == 2 * B + 2 * 2 * B + dq
+        # ZeRO-1 over dp x cp = 8 ranks whatever cp: the optimizer state does not grow as dp shrinks
+        assert e.memory.state == plain.state
+
+
+def test_ring_bytes_by_hand():
+    # cp 4 on 128K tokens: S = 32768; B = 2 * 32768 * 8 * 128 * 2 = 128 MiB; the dK/dV sum in fp32, 256 MiB
+    B, Bq = 2 * 32768 * 8 * 128 * 2, 2 * 32768 * 8 * 128 * 4
+    assert B == 128 << 20
+    ring = ring_bytes_per_layer(LLAMA, 1, 1, 4, "bf16")
+    assert (ring.forward, ring.backward, ring.recompute) == (3 * B, 3 * B + 4 * Bq, 0)
+    assert ring_bytes_per_layer(LLAMA, 1, 1, 4, "bf16", "full").recompute == 3 * B
+    # TP 2 halves the key/value groups a rank holds
+    assert ring_bytes_per_layer(LLAMA, 1, 2, 4, "bf16").forward == 3 * B // 2
+    assert ring_bytes_per_layer(LLAMA, 1, 1, 1, "bf16").total == 0
+    # per step: 32 layers x the accumulation steps
+    cluster = Cluster(gpus=32, gpus_per_node=8, gpu_memory=80 * GIB)
+    c = Candidate(ParallelLayout(tp=1, dp=8, zero_stage=1, precision="bf16"), cp=4)
+    e = evaluate(LLAMA, c, cluster, TrainingSetup(), global_batch=16)
+    assert e.accumulation == 2
+    assert e.comm["ring/cp"]["wire_bytes"] == 32 * 2 * (6 * B + 4 * Bq)
+    assert e.cp_wire_bytes == 32 * 2 * (6 * B + 4 * Bq)
+    assert ring_in_flight(LLAMA, 1, 1, 4, "bf16").forward == 2 * B
+
+
+def test_overlap_rule_by_hand():
+    B, Bq = 128 << 20, 256 << 20
+    flops = 40e12
+    attention = 4 * 2 * 16384 * 16384 * 32 * 128 / flops  # one 2L x L step, L = s / 2cp = 16384
+    fast = LinkSpec(intra_bytes_per_s=150e9, inter_bytes_per_s_per_node=100e9)
+    o = ring_overlap(LLAMA, 1, 1, 4, 8, "bf16", "none", 8, fast, flops)
+    assert o.attention_s == pytest.approx(attention) and o.transfer_s == pytest.approx(B / 150e9)
+    assert o.hidden and not o.crosses_nodes
+    slow = LinkSpec(intra_bytes_per_s=2e8, inter_bytes_per_s_per_node=100e9)
+    o = ring_overlap(LLAMA, 1, 1, 4, 8, "bf16", "none", 8, slow, flops)
+    expect = 3 * (max(0, B / 2e8 - attention) + max(0, (B + Bq) / 2e8 - 2 * attention))
+    assert o.exposed_s == pytest.approx(expect) and expect > 0
+    # cp 16 at tp 1 on nodes of 8: each of the two rings (ranks 0-15, 16-31) spans two nodes, and on each node
+    # one rank (7, 15, ...) sends off it: the node's link carries one block per step
+    o = ring_overlap(LLAMA, 1, 1, 16, 2, "bf16", "none", 8, LinkSpec(1e30, 1e9), flops)
+    B16 = B // 4
+    assert o.crosses_nodes and o.transfer_s == pytest.approx(B16 * 1 / 1e9)
+
+
+def test_layouts_refused_by_the_rules_never_appear():
+    cluster = Cluster(gpus=32, gpus_per_node=8, gpu_memory=80 * GIB)
+    # 12 * 1024 tokens: 2 x cp must divide it, so cp 16 and 32 (1024 is fine, 12288 / 64 = 192 too) -- use 3 * 2^k
+    cfg = LLAMA.replace(seq_length=6 * 1000)  # 6000 = 2^4 * 375: cp 16 needs 2 x 16 = 32 to divide it: no
+    wanted = (1, 2, 4, 8, 16)
+    layouts = enumerate_layouts(cfg, cluster, 32, Choices(cp=wanted, stages=(1,), recomputes=("none",)))
+    seen = {(c.tp, c.cp) for c in layouts}
+    assert {cp for _, cp in seen} == {1, 2, 4, 8}
+    for tp, cp in seen:
+        assert cp_problem_at(cfg, tp, cp, False) is None
+    assert cp_problem_at(cfg, 1, 16, False).startswith("--seq-length 6000 must be divisible by 2 x")
+    # under sequence parallelism s / cp must divide by tp too: 6000 / 8 = 750 is not a multiple of 4 or 8
+    sp = enumerate_layouts(cfg, cluster, 32, Choices(cp=wanted, stages=(1,), recomputes=("none",),
+                                                     sequence_parallel=True))
+    for c in sp:
+        assert (6000 // c.cp) % c.tp == 0
+    assert not any(c.cp == 8 and c.tp >= 4 for c in sp)
+    # a model with attention dropout cannot take cp > 1 at all
+    with pytest.raises(LayoutError, match="--context-parallel-size"):
+        enumerate_layouts(get_preset("gpt2-small").replace(seq_length=1024), cluster, 32, Choices(cp=(2, 4)))
+
+
+def _run(capsys, argv):
+    assert main(argv) == 0
+    return capsys.readouterr().out
+
+
+def test_dense_output_without_cp_is_unchanged(capsys):
+    argv = ["--model", "llama-tiny", "--gpus", "8", "--gpus-per-node", "8", "--gpu-memory", "8GiB",
+            "--global-batch-size", "16", "--zero-stage", "1", "--recompute", "none", "--top", "5"]
+    default = _run(capsys, argv)
+    one = _run(capsys, argv + ["--context-parallel-size", "1"])
+    assert default == one
+    header = next(line for line in default.splitlines() if line.strip().startswith("#"))
+    assert " cp " not in header and "CP GB" not in header and "CP:" not in default
+    rows = json.loads(_run(capsys, argv + ["--json"]))
+    assert rows and not any("cp" in r for r in rows)
+    with_cp = _run(capsys, argv + ["--context-parallel-size", "1", "2"])
+    assert "CP GB" in with_cp and "CP:" in with_cp
+
+
+def test_128k_llama3_8b_needs_cp(capsys):
+    argv = ["--model", "llama3-8b", "--seq-length", "131072", "--global-batch-size", "8", "--gpus", "32",
+            "--gpus-per-node", "8", "--gpu-memory", "80GiB", "--zero-stage", "1", "2", "3", "--recompute", "none",
+            "--context-parallel-size", "1", "2", "4", "8", "16", "32", "--json"]
+    rows = json.loads(_run(capsys, argv))
+    fitting = [r for r in rows if r["fits"]]
+    # 128K tokens split only by TP do not fit 80 GiB; the tokens a rank holds, s / (tp x cp), must be 4K-16K
+    assert fitting and all(r.get("cp", 1) > 1 and 8 <= r["tp"] * r["cp"] <= 32 for r in fitting)
+    assert min(r["bytes"]["total"] for r in rows if r.get("cp", 1) == 1) > 80 * GIB
+    best = fitting[0]
+    assert best["tp"] * best.get("cp", 1) * best["dp"] == 32
