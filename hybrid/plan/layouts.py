@@ -54,6 +54,7 @@ import itertools
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from hybrid.config.errors import ConfigError
+from hybrid.dtypes import DTYPE_BYTES
 from hybrid.grid import data_parallel_size, divides_world
 from hybrid.layout import (OFFLOAD_DEVICES, ZERO_STAGES, LayoutError, ParallelLayout, offload_problem,
                            pipeline_problem)
@@ -312,23 +313,47 @@ def plan(config: GPTConfig, cluster: Cluster, global_batch: int, setup: Training
     return rank(evaluate(config, candidate, cluster, setup, global_batch) for candidate in allowed)
 
 
+def as_data_ranks(candidate: Candidate) -> Candidate:
+    """``candidate`` with its ``dp x cp`` data ranks as ``dp`` and no cp: the layout a cp layout's state,
+    collectives and placement are evaluated as (:mod:`hybrid.plan.context_parallel`)."""
+    return dataclasses.replace(candidate, cp=1, parallel=dataclasses.replace(candidate.parallel,
+                                                                            dp=candidate.dp * candidate.cp))
+
+
+def estimate_cp_memory(config: GPTConfig, candidate: Candidate, setup: TrainingSetup = TrainingSetup(),
+                       micro_batches: Optional[int] = None) -> MemoryEstimate:
+    """:func:`hybrid.plan.estimate.estimate_memory` of a context-parallel ``candidate``: the ``s / cp``-token
+    sequences on ``dp x cp`` data ranks, and the moments the ring's buffers
+    (:func:`hybrid.plan.context_parallel.ring_in_flight`) are live: the last layer's attention, forward (every
+    layer's saved activations and the ring's forward buffers) and backward (the same, the ring's backward
+    buffers and the layer's incoming gradient, ``p S mb h / r``); a peak is the larger of such a moment and
+    the plain estimate's (the loss's, usually), with its fragmentation allowance."""
+    cp = candidate.cp
+    run_config = local_config(config, cp)
+    memory = estimate_memory(run_config, as_data_ranks(candidate), setup, micro_batches)
+    ring = ring_in_flight(config, candidate.micro_batch, candidate.tp, cp, candidate.precision)
+    layers = memory.state.device_total + memory.held_activations - memory.activations.head
+    p = DTYPE_BYTES[candidate.precision]
+    incoming = p * run_config.seq_length * candidate.micro_batch * config.hidden_size
+    if candidate.sequence_parallel and candidate.tp > 1:
+        incoming //= candidate.tp
+    forward = max(memory.forward_peak, layers + ring.forward)
+    backward = max(memory.backward_peak, layers + ring.backward + incoming)
+    grown = max(forward, backward, memory.step_peak) - memory.peak
+    return dataclasses.replace(memory, candidate=candidate, forward_peak=forward, backward_peak=backward,
+                               fragmentation=memory.fragmentation + int(setup.fragmentation * grown))
+
+
 def _evaluate_cp(config: GPTConfig, candidate: Candidate, cluster: Cluster, setup: TrainingSetup,
                  global_batch: int) -> Evaluation:
     """:func:`evaluate` for a context-parallel candidate: the same layout with ``dp x cp`` data ranks training
     ``cp x`` as many sequences of ``s / cp`` tokens, plus the ring's buffers, bytes and exposed seconds and the
     attention's FLOPs over the whole sequence (:mod:`hybrid.plan.context_parallel`)."""
     cp, tp, mb = candidate.cp, candidate.tp, candidate.micro_batch
-    run_config = local_config(config, cp)
-    run = dataclasses.replace(candidate, cp=1, parallel=dataclasses.replace(candidate.parallel,
-                                                                            dp=candidate.dp * cp))
+    run_config, run = local_config(config, cp), as_data_ranks(candidate)
     run_batch = global_batch * cp
     micro_batches = run_batch // (run.dp * mb)
-    memory = estimate_memory(run_config, run, setup, micro_batches)
-    ring = ring_in_flight(config, mb, tp, cp, candidate.precision)
-    forward, backward = memory.forward_peak + ring.forward, memory.backward_peak + ring.backward
-    grown = max(forward, backward, memory.step_peak) - memory.peak
-    memory = dataclasses.replace(memory, candidate=candidate, forward_peak=forward, backward_peak=backward,
-                                 fragmentation=memory.fragmentation + int(setup.fragmentation * grown))
+    memory = estimate_cp_memory(config, candidate, setup, micro_batches)
     placement = cluster.placement(tp, run.dp, candidate.pp, candidate.parallel.ep)
     step = predict(run_config, run, run_batch, setup, placement, cluster.link, cluster.flops_per_s, cluster.host)
     layers = -(-config.num_layers // candidate.pp)  # the slowest pipeline rank's layers
