@@ -43,7 +43,7 @@ difference is exposed, ``(cp - 1)`` times per pass and layer.
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 from hybrid.context_parallel.ring_attention import accumulation_dtype
 from hybrid.dtypes import DTYPE_BYTES, DTYPES
@@ -209,8 +209,3 @@ def ring_overlap(config: GPTConfig, micro_batch: int, tp: int, cp: int, dp: int,
     exposed = sum((cp - 1) * max(0.0, move - compute) for move, compute in passes)
     return RingOverlap(forward, attention, exposed, crossing > 0)
 
-
-def ring_summary(overlap: RingOverlap) -> Tuple[str, str]:
-    """(link, 'hidden' or the exposed milliseconds per layer) for the table."""
-    return ("inter" if overlap.crosses_nodes else "intra",
-            "hidden" if overlap.hidden else f"{overlap.exposed_s * 1e3:.2f}ms")

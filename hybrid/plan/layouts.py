@@ -373,7 +373,8 @@ def _evaluate_cp(config: GPTConfig, candidate: Candidate, cluster: Cluster, setu
     recomputed = 1 if candidate.recompute in ("selective", "full") else 0
     time = dataclasses.replace(
         time, compute=time.compute * compute_scale(config, cp, recomputed),
-        intra=time.intra + (exposed if link == "intra" else 0.0), inter=time.inter + (exposed if link == "inter" else 0.0),
+        intra=time.intra + (exposed if link == "intra" else 0.0),
+        inter=time.inter + (exposed if link == "inter" else 0.0),
         inter_bytes_by_node=tuple(b + off_node for b in time.inter_bytes_by_node) or ((off_node,) if off_node else ()),
         collectives=time.collectives + (CollectiveTime("ring/cp", link, seconds, exposed, off_node),))
     host_fits = cluster.cpu_memory is None or memory.host * cluster.node_size <= cluster.cpu_memory
