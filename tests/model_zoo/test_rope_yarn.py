@@ -198,6 +198,7 @@ def test_rope_settings_load_changed_with_a_note_naming_both_values():
     assert load_notes(learned.to_dict(), learned.replace(rope_theta=500000.0).to_dict()) == []
 
 
+@pytest.mark.slow  # two trainer runs; load_notes' own test above is the default run's case
 def test_the_trainer_continues_a_checkpoint_with_yarn_and_prints_the_change(tmp_path, monkeypatch, capsys):
     from tests.faults.test_seq_length_runtime import ROPE, _ok, _train
 
