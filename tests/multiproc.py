@@ -16,6 +16,11 @@ importing them, which at world 4 on two cores was most of a short test's
 time. Each child still gets the parent's environment as it is at the call,
 as a spawned one would. Benchmarks whose published figures were measured with
 fresh interpreters pass ``start="spawn"``.
+
+The rendezvous store is served by this (the parent) process, as torchrun's
+agent serves it, not by rank 0: a rank 0 that finishes first and exits would
+otherwise take the store with it while other ranks still create their groups
+through it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
+import datetime
+
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # What the fork server imports once, so that its children start with them loaded.
@@ -83,7 +91,15 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     if start == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server first starts
     results = ctx.Queue()
-    port = free_port()
+    store = None
+    if world_size > 1:
+        # Held until every child is joined below; the children connect to it as clients (the variable is torch's).
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+        port = store.port
+        env = {**(env or {}), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    else:
+        port = free_port()
     child_env = {**os.environ, **(env or {})}
     procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, kwargs, results,
                                                child_env, collective_timeout_s or timeout),
@@ -117,4 +133,5 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             if p.is_alive():
                 p.kill()
                 p.join()
+        del store
     return [out[r] for r in range(world_size)]
