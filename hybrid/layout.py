@@ -173,16 +173,6 @@ def pipeline_problem(stage: int, pp: int) -> Optional[str]:
     return None
 
 
-def context_parallel_checkpoint_problem(cp: int) -> Optional[str]:
-    """Why a run at ``cp`` context-parallel ranks cannot save or load a checkpoint yet (None when it can): its ZeRO
-    partitions span dp x cp ranks, and :class:`ParallelLayout` (what a checkpoint records) has no cp."""
-    if cp > 1:
-        return (f"checkpoints of a context-parallel run (--context-parallel-size {cp}) are not written yet: its "
-                f"ZeRO partitions span dp x cp ranks, which the checkpoint layout does not record; train without "
-                f"--save and --load, or save and load at --context-parallel-size 1")
-    return None
-
-
 @dataclasses.dataclass(frozen=True)
 class ParallelLayout:
     """How one job lays its ranks out and partitions its state.
@@ -190,6 +180,10 @@ class ParallelLayout:
     ``tp`` x ``dp`` x ``pp`` ranks (TP innermost, see :mod:`hybrid.grid`),
     the ZeRO stage over ``dp`` and the training precision. Validated on
     construction; ``to_json``/``from_json`` are the form checkpoints store.
+    There is no ``cp``: a context-parallel job's checkpoints record the layout of
+    its optimizer's data view, ``dp`` being the ``dp x cp`` ranks its ZeRO
+    partitions span (:meth:`hybrid.topology.Topology.data_view`,
+    :mod:`hybrid.engine.checkpoint`), since nothing saved depends on the sequence split.
     """
 
     tp: int

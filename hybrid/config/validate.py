@@ -35,8 +35,7 @@ from hybrid.config.flags import key_error, meta_error
 from hybrid.compression import ONE_BIT_OPTIMIZERS, compression_problem, hpz_problem, onebit_problem
 from hybrid.config.schema import HybridConfig
 from hybrid.grid import WorldSizeError, data_parallel_size, expert_parallel_problem
-from hybrid.layout import (context_parallel_checkpoint_problem, offload_problem, overlap_param_gather_problem,
-                           pipeline_problem, reduce_once_problem)
+from hybrid.layout import offload_problem, overlap_param_gather_problem, pipeline_problem, reduce_once_problem
 
 
 def validate(cfg: "HybridConfig") -> None:
@@ -391,9 +390,6 @@ def _training_requirements(cfg: "HybridConfig", problems: List[ConfigError]) -> 
               "'model.preset'", "data.tokenizer_model", "data.vocab_file", "model.vocab_size", "model.preset")
     _data_rules(cfg, error)
     ckpt = cfg.checkpoint
-    problem = context_parallel_checkpoint_problem(cfg.context_parallel_size or 1)
-    if problem and (ckpt.save is not None or ckpt.load is not None):
-        error(problem, "context_parallel_size", "checkpoint.save", "checkpoint.load")
     for key in ("finetune", "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
         if getattr(ckpt, key) and ckpt.load is None:
             error(f"config key 'checkpoint.{key}' changes how a checkpoint is loaded; it needs "

@@ -15,6 +15,14 @@ Loading into the layout that saved is exact: every tensor and generator is
 restored bit for bit, so the continued run is identical to one that never
 stopped. Another layout is loaded by :func:`hybrid.engine.reshard.load_resharded`.
 
+Context parallelism leaves no trace in a checkpoint: the ``cp`` ranks of a
+replica hold the same parameters and ZeRO partitions over all ``dp x cp`` of
+them (:meth:`~hybrid.topology.Topology.data_view`), so the files are written
+and read as those of a run at ``dp x cp`` data-parallel ranks, each rank at its
+data index ``cp_rank + cp * dp_rank`` (the rank order's, so the global ranks
+stay in file order). A CP2 x DP1 checkpoint is a DP2 one; ``docs/checkpoints.md``
+says why.
+
 :class:`EngineCheckpoints` is given the rank's :class:`~hybrid.engine.parts.TrainingParts`
 and the engine's state as one dict (:class:`TrainingState`), not the engine
 itself, and owns the background saver of ``checkpoint.async_save``.
@@ -31,8 +39,8 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Protocol
 import torch
 
 from hybrid.checkpoint import BackgroundSaver, CheckpointError, CheckpointReader, SaveReport, save_checkpoint
-from hybrid.layout import context_parallel_checkpoint_problem
 from hybrid.engine.parts import TrainingParts
+from hybrid.grid import Coord
 from hybrid.optim.lr_schedule import ScheduleSettingsDiffer
 from model_zoo.config import load_conflicts, load_notes
 
@@ -69,16 +77,20 @@ class EngineCheckpoints:
 
     ``parts``: what the files are written from and read into; ``state``: the engine's state as one dict;
     ``settings``: the config's ``checkpoint`` section (``async_save``, ``async_save_chunk_mb``), read at each
-    save; ``layout``: the engine's parallel layout; ``timeout_s``: the bound of every wait of a save, a
-    collective's, so that a hung disk ends in an error, never a hang.
+    save; ``layout``: the engine's parallel layout (its ZeRO stage and precision are recorded; its sizes are the
+    data view's, see the module docstring); ``timeout_s``: the bound of every wait of a save, a collective's, so
+    that a hung disk ends in an error, never a hang.
     """
 
     def __init__(self, parts: TrainingParts, state: TrainingState, settings: "CheckpointConfig",
                  layout: "ParallelLayout", timeout_s: float):
-        self.parts = parts
+        # Files are written and read as the optimizer partitions: over the data view's dp (dp x cp ranks)
+        view = parts.topology.data_view()
+        self.parts = dataclasses.replace(parts, topology=view)
+        self.coord = Coord(tp=view.tp_rank, dp=view.dp_rank, pp=view.pp_rank)
         self.state = state
         self.settings = settings
-        self.layout = layout
+        self.layout = view.layout(layout.zero_stage, layout.precision)
         self.timeout_s = timeout_s
         self.saver: Optional[BackgroundSaver] = None  # made at the first save with checkpoint.async_save
 
@@ -112,7 +124,6 @@ class EngineCheckpoints:
         The directory is complete when the saver reports it
         (:meth:`~hybrid.checkpoint.BackgroundSaver.poll`).
         """
-        _refuse_context_parallel(self.parts.topology)
         background = self.background_saver()
         parts, topo = self.parts, self.parts.topology
         started = time.perf_counter()  # a background save's blocking time counts collecting the state
@@ -131,7 +142,7 @@ class EngineCheckpoints:
                     consumed_samples=consumed_samples, model_config=_model_config(parts), param_index=param_index,
                     trainer_state=trainer_state, keep_last=keep_last, healthy=healthy)
         if background is None:
-            return save_checkpoint(save_dir, iteration, self.layout, topo.coord,
+            return save_checkpoint(save_dir, iteration, self.layout, self.coord,
                                    all_gather_object=topo.comm.all_gather_object,
                                    collective_timeout_s=self.timeout_s, **args)
         # The weights and the optimizer partition change only in the optimizer's update and in loads, behind its
@@ -143,7 +154,7 @@ class EngineCheckpoints:
             if args["model_state"] is not None:
                 buffers = {name for name, _ in parts.module.named_buffers(remove_duplicate=False)}
                 args["model_state"] = {k: v.clone() if k in buffers else v for k, v in args["model_state"].items()}
-        return background.submit(save_dir, iteration, self.layout, topo.coord,
+        return background.submit(save_dir, iteration, self.layout, self.coord,
                                  all_gather_object=topo.comm.all_gather_object, deferred=deferred,
                                  handed_over=handed_over, started=started, **args)
 
@@ -165,7 +176,6 @@ class EngineCheckpoints:
         load_progress = load_optimizer if load_progress is None else load_progress
         load_rng = load_optimizer if load_rng is None else load_rng
         parts, topo = self.parts, self.parts.topology
-        _refuse_context_parallel(topo)
         reader = CheckpointReader(load_dir)
         saved = reader.model_config
         if saved:
@@ -221,12 +231,6 @@ class EngineCheckpoints:
                 self.saver.wait()
             except Exception as e:  # noqa: BLE001 - logged: close must not replace an earlier error
                 logging.getLogger(__name__).error("%s", e)
-
-
-def _refuse_context_parallel(topology) -> None:
-    problem = context_parallel_checkpoint_problem(topology.cp_size)
-    if problem:
-        raise CheckpointError(problem)
 
 
 def _same_flat_partitions(parts: TrainingParts, reader: CheckpointReader) -> bool:
