@@ -39,7 +39,7 @@ from hybrid.convert import hf_gpt2, hf_llama, hf_moe
 from hybrid.convert.consolidate import WEIGHT, CheckpointSource, ConversionError
 from hybrid.convert.hf_common import Link
 from hybrid.convert.hf_io import DEFAULT_MAX_SHARD_BYTES, HFDirectory, read_json, write_sharded
-from hybrid.convert.hf_tokenizer_files import SENTENCEPIECE_FILE, tokenizer_files
+from hybrid.convert.hf_tokenizer_files import SENTENCEPIECE_FILE, TOKEN_ID_KEYS, tokenizer_files
 from hybrid.convert.output import ProgressFactory, nbytes_of, new_checkpoint_in, open_bar, read_ahead, tracked
 from hybrid.convert.ranges import piece_runs, piece_size
 from hybrid.dtypes import DTYPES, HF_DTYPE_NAMES, PRECISION_OF_DTYPE
@@ -154,7 +154,7 @@ def export_to_hf(load, output, *, dtype: Optional[str] = None, max_shard_bytes: 
     # Checked before any weight is written: a wrong file fails in a second, not after the export.
     if tokenizer is None and tokenizer_model is not None:
         tokenizer = TokenizerSpec(tokenizer_model=str(tokenizer_model))
-    files_of_tokenizer = tokenizer_files(tokenizer, cfg.vocab_size) if tokenizer is not None else {}
+    exported = tokenizer_files(tokenizer, cfg.vocab_size, cfg.seq_length) if tokenizer is not None else None
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     with CheckpointSource(reader) as src:
@@ -179,12 +179,18 @@ def export_to_hf(load, output, *, dtype: Optional[str] = None, max_shard_bytes: 
         finally:
             bar.close()
     config = arch.hf_config(cfg, HF_DTYPE_NAMES[out_dtype])
+    # The tokenizer's BOS / EOS (end of document) / pad ids: generate stops at EOS only when config.json and
+    # generation_config.json name it. Without a tokenizer they stay null (and the note says so).
+    token_ids = exported.token_ids if exported is not None else dict.fromkeys(TOKEN_ID_KEYS)
+    config.update(token_ids)
     write_bytes_atomic(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    write_bytes_atomic(out / "generation_config.json", (json.dumps(token_ids, indent=2) + "\n").encode())
     result = ExportResult(out, arch.ARCHITECTURE, files)
-    for name, data in files_of_tokenizer.items():
+    tokenizer_data = exported.files if exported is not None else {}
+    for name, data in tokenizer_data.items():
         write_bytes_atomic(out / name, data)  # the very bytes that were checked
-    result.tokenizer_files = tuple(out / name for name in files_of_tokenizer)
-    if not files_of_tokenizer:
+    result.tokenizer_files = tuple(out / name for name in tokenizer_data)
+    if not tokenizer_data:
         result.note = _no_tokenizer_note(reader, out)
     return result
 
