@@ -36,6 +36,11 @@ OpenMP over blocks, the same fp32 operations in the same order, so again bit-ide
 for each operation in :data:`CPU_KERNEL_OPS`, the ones it measured faster than the torch
 path (benchmarks/quantize_cpu.py); without the op (``HYBRID_KERNELS=off``, no compiler)
 they fall back to the torch path. ``use_kernel=False`` forces the torch path on any device.
+
+Each of ``pack``, ``unpack`` and ``unpack_sum`` checks its arguments and then makes one call
+of a ``torch.library`` custom op (``hybrid::quantize_pack``, ``hybrid::quantize_unpack``,
+``hybrid::quantize_unpack_sum``), which makes the kernel choice above and has a fake
+implementation, so ``torch.compile`` keeps the codec as single graph nodes.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from torch import Tensor
 
 # the wire size and the default block are the compression settings' (plain data, no torch)
 from hybrid.compression import BITS, DEFAULT_BLOCK, packed_bytes
+from hybrid.kernels.library import custom_op
 from hybrid.kernels.registry import default_registry
 
 QMAX = {8: 127, 4: 7}
@@ -235,30 +241,45 @@ def _pack_torch(x: Tensor, bits: int, block: int, wire: Tensor) -> None:
     wire[:, dbytes:] = scale.view(torch.uint8)
 
 
+@custom_op("quantize_pack")
+def _pack_op(x: Tensor, bits: int, block: int, use_kernel: bool) -> Tensor:
+    """``hybrid::quantize_pack``: x [rows, k] float -> uint8 [rows, wire_bytes(k, bits, block)].
+
+    The compiled op of x's device (cpu_quantize / cuda_quantize) when ``use_kernel`` and the
+    registry provides it, the torch path otherwise; all are bit-identical."""
+    _check_format(bits, block)
+    rows, k = x.shape
+    wire = torch.empty(rows, wire_bytes(k, bits, block), dtype=torch.uint8, device=x.device)
+    op = _cuda_op(x, bits, block, use_kernel)
+    cpu = None if op is not None else _cpu_op(x, "pack", use_kernel)
+    if op is None and cpu is None:
+        _pack_torch(x, bits, block, wire)
+        return wire
+    if x.dtype not in _FLOAT_INPUTS:
+        x = x.float()
+    if rows and k:
+        if cpu is not None:
+            cpu.pack(x.contiguous(), wire, bits, block, CPU_ISA)
+        else:
+            with _launch_context(x.device):
+                op.pack(x.contiguous(), wire, bits, block, _stream(x.device))
+    return wire
+
+
+@_pack_op.register_fake
+def _pack_fake(x: Tensor, bits: int, block: int, use_kernel: bool) -> Tensor:
+    return x.new_empty((x.shape[0], wire_bytes(x.shape[1], bits, block)), dtype=torch.uint8)
+
+
 def pack(x: Tensor, bits: int, block: int = DEFAULT_BLOCK, *, use_kernel: bool = True) -> Tensor:
     """Quantize ``x`` [rows, k] (fp32, fp16 or bf16; a 1-D ``x`` is one row) to uint8
     [rows, wire_bytes(k, bits, block)]: each row is its data bytes, then its fp32 scales as
-    raw little-endian bytes. Rows are independent."""
+    raw little-endian bytes. Rows are independent. One ``hybrid::quantize_pack`` call."""
     _check_format(bits, block)
     x2 = _as_rows(x, "x")
     if not x2.is_floating_point():
         raise TypeError(f"x must be a float tensor, got {x2.dtype}")
-    rows, k = x2.shape
-    wire = torch.empty(rows, wire_bytes(k, bits, block), dtype=torch.uint8, device=x2.device)
-    op = _cuda_op(x2, bits, block, use_kernel)
-    cpu = None if op is not None else _cpu_op(x2, "pack", use_kernel)
-    if op is None and cpu is None:
-        _pack_torch(x2, bits, block, wire)
-        return wire
-    if x2.dtype not in _FLOAT_INPUTS:
-        x2 = x2.float()
-    if rows and k:
-        if cpu is not None:
-            cpu.pack(x2.contiguous(), wire, bits, block, CPU_ISA)
-        else:
-            with _launch_context(x2.device):
-                op.pack(x2.contiguous(), wire, bits, block, _stream(x2.device))
-    return wire
+    return _pack_op(x2, bits, block, use_kernel)
 
 
 # -------------------------------------------------------------- torch: unpack --
@@ -355,15 +376,6 @@ def _unpack_sum_torch(wire: Tensor, k: int, bits: int, block: int, out: Tensor) 
             out[cols] = acc  # the one cast, round to nearest even
 
 
-def _decode_on_device(launch, wire: Tensor, out: Tensor, k: int, bits: int, block: int) -> None:
-    """Run the CUDA op ``launch`` (unpack or unpack_sum) into ``out``, through a contiguous copy when it is not."""
-    target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
-    with _launch_context(wire.device):
-        launch(wire.contiguous(), target, k, bits, block, _stream(wire.device))
-    if target is not out:
-        out.copy_(target)
-
-
 def _decode_on_host(launch, wire: Tensor, out: Tensor, k: int, bits: int, block: int) -> None:
     """Run the CPU op's ``launch`` (unpack or unpack_sum, which write contiguous fp32) into
     ``out``, through a contiguous fp32 copy when it is not one (a cast to fp16/bf16 rounds
@@ -375,29 +387,74 @@ def _decode_on_host(launch, wire: Tensor, out: Tensor, k: int, bits: int, block:
         out.copy_(target)
 
 
+def _decode_with(wire: Tensor, out: Tensor, k: int, bits: int, block: int, use_kernel: bool, what: str,
+                 torch_path) -> Tensor:
+    """Fill the new contiguous ``out`` from a checked ``wire`` with ``what`` (unpack or
+    unpack_sum): the compiled op of wire's device when there is one, else ``torch_path``."""
+    op = _cuda_op(wire, bits, block, use_kernel)
+    cpu = None if op is not None else _cpu_op(wire, what, use_kernel)
+    if op is None and cpu is None:
+        torch_path(wire, k, bits, block, out)
+    elif out.numel():
+        if op is not None:
+            with _launch_context(wire.device):
+                getattr(op, what)(wire.contiguous(), out, k, bits, block, _stream(wire.device))
+        else:
+            _decode_on_host(getattr(cpu, what), wire, out, k, bits, block)
+    return out
+
+
+@custom_op("quantize_unpack")
+def _unpack_op(wire: Tensor, k: int, bits: int, block: int, use_kernel: bool) -> Tensor:
+    """``hybrid::quantize_unpack``: wire uint8 [rows, wire_bytes(k, bits, block)] -> fp32 [rows, k]."""
+    _check_format(bits, block)
+    rows = wire.shape[0]
+    out = torch.empty(rows, k, dtype=torch.float32, device=wire.device)
+    return _decode_with(wire, out, k, bits, block, use_kernel, "unpack", _unpack_torch)
+
+
+@_unpack_op.register_fake
+def _unpack_fake(wire: Tensor, k: int, bits: int, block: int, use_kernel: bool) -> Tensor:
+    return wire.new_empty((wire.shape[0], k), dtype=torch.float32)
+
+
+@custom_op("quantize_unpack_sum")
+def _unpack_sum_op(wire: Tensor, k: int, bits: int, block: int, out_dtype: torch.dtype, use_kernel: bool) -> Tensor:
+    """``hybrid::quantize_unpack_sum``: wire uint8 [rows, wire_bytes(k, bits, block)] -> [k] of
+    ``out_dtype`` (fp32, fp16 or bf16), the rows dequantized and added in fp32 in row order."""
+    _check_format(bits, block)
+    rows = wire.shape[0]
+    out = torch.empty(k, dtype=out_dtype, device=wire.device)
+    if rows == 0:
+        return out.zero_()
+    return _decode_with(wire, out, k, bits, block, use_kernel, "unpack_sum", _unpack_sum_torch)
+
+
+@_unpack_sum_op.register_fake
+def _unpack_sum_fake(wire: Tensor, k: int, bits: int, block: int, out_dtype: torch.dtype,
+                     use_kernel: bool) -> Tensor:
+    return wire.new_empty((k,), dtype=out_dtype)
+
+
+def _into(result: Tensor, out: Optional[Tensor]) -> Tensor:
+    """``result``, or ``out`` after copying it there (the ops return new tensors, so that
+    compiled graphs hold them as functional nodes; a caller's ``out`` costs one copy)."""
+    if out is None:
+        return result
+    return out.copy_(result)
+
+
 def unpack(wire: Tensor, k: int, bits: int, block: int = DEFAULT_BLOCK, out: Optional[Tensor] = None, *,
            use_kernel: bool = True) -> Tensor:
     """Dequantize ``wire`` uint8 [rows, wire_bytes(k, bits, block)] (a 1-D wire is one row) to
-    fp32 [rows, k], written into ``out`` (fp32 [rows, k]) when given."""
+    fp32 [rows, k], written into ``out`` (fp32 [rows, k]) when given. One
+    ``hybrid::quantize_unpack`` call."""
     wire = _check_wire(wire, k, bits, block)
     rows = wire.shape[0]
-    if out is None:
-        out = torch.empty(rows, k, dtype=torch.float32, device=wire.device)
-    elif out.dtype != torch.float32 or tuple(out.shape) != (rows, k) or out.device != wire.device:
+    if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != (rows, k) or out.device != wire.device):
         raise ValueError(f"out must be float32 [{rows}, {k}] on {wire.device}, got {out.dtype} "
                          f"{tuple(out.shape)} on {out.device}")
-    op = _cuda_op(wire, bits, block, use_kernel)
-    if op is not None:
-        if rows and k:
-            _decode_on_device(op.unpack, wire, out, k, bits, block)
-        return out
-    cpu = _cpu_op(wire, "unpack", use_kernel)
-    if cpu is not None:
-        if rows and k:
-            _decode_on_host(cpu.unpack, wire, out, k, bits, block)
-        return out
-    _unpack_torch(wire, k, bits, block, out)
-    return out
+    return _into(_unpack_op(wire, k, bits, block, use_kernel), out)
 
 
 def unpack_sum(wire: Tensor, k: int, bits: int, block: int = DEFAULT_BLOCK, out: Optional[Tensor] = None, *,
@@ -405,28 +462,14 @@ def unpack_sum(wire: Tensor, k: int, bits: int, block: int = DEFAULT_BLOCK, out:
     """Dequantize every row of ``wire`` and add them in fp32, in row order 0, 1, ..., rows-1,
     into ``out`` [k] (fp32, or fp16/bf16: the fp32 sum is cast once, round to nearest even).
     The result is bit-identical to ``sum`` of the rows of ``unpack(wire, ...)`` taken in order;
-    quantized integers are never added. ``out`` defaults to a new fp32 tensor."""
+    quantized integers are never added. ``out`` defaults to a new fp32 tensor. One
+    ``hybrid::quantize_unpack_sum`` call."""
     wire = _check_wire(wire, k, bits, block)
-    rows = wire.shape[0]
-    if out is None:
-        out = torch.empty(k, dtype=torch.float32, device=wire.device)
-    elif out.dtype not in _OUT_DTYPES or tuple(out.shape) != (k,) or out.device != wire.device:
+    if out is not None and (out.dtype not in _OUT_DTYPES or tuple(out.shape) != (k,) or out.device != wire.device):
         raise ValueError(f"out must be fp32/fp16/bf16 [{k}] on {wire.device}, got {out.dtype} "
                          f"{tuple(out.shape)} on {out.device}")
-    if rows == 0:
-        return out.zero_()
-    op = _cuda_op(wire, bits, block, use_kernel)
-    if op is not None:
-        if k:
-            _decode_on_device(op.unpack_sum, wire, out, k, bits, block)
-        return out
-    cpu = _cpu_op(wire, "unpack_sum", use_kernel)
-    if cpu is not None:
-        if k:
-            _decode_on_host(cpu.unpack_sum, wire, out, k, bits, block)
-        return out
-    _unpack_sum_torch(wire, k, bits, block, out)
-    return out
+    out_dtype = torch.float32 if out is None else out.dtype
+    return _into(_unpack_sum_op(wire, k, bits, block, out_dtype, use_kernel), out)
 
 
 # ------------------------------------------------------------------- bounds --

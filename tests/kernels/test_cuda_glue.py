@@ -1,8 +1,9 @@
 """The Python side of the CUDA ops, exercised on CPU.
 
-A torch stand-in implements the norm kernels' contract (preallocated outputs, fp32
-statistics, the same backward formulas as csrc/cuda/layer_norm.cu), so the autograd
-wrapper and those formulas are checked by gradcheck without a GPU. The Adam launch table
+The norm ops (``hybrid::layer_norm_forward`` / ``rms_norm_forward`` and their backward ops)
+run on CPU tensors through the torch formulas that follow the kernels' contract (fp32
+statistics, the backward formulas of csrc/cuda/layer_norm.cu), so the registered autograd
+formula and those formulas are checked by gradcheck without a GPU. The Adam launch table
 is checked row by row. The kernels themselves run in benchmarks/gpu/check_kernels.py.
 """
 
@@ -13,58 +14,27 @@ import torch
 import torch.nn.functional as F
 
 from hybrid.kernels.cpu_adam import _device_table
-from hybrid.kernels.layer_norm import _FusedNorm, rms_norm_reference
+from hybrid.kernels.layer_norm import rms_norm_reference
 
 
-class StandInNormOp:
-    """Same arguments and math as the CUDA op, written with torch ops."""
-
-    def max_hidden(self, rms, has_bias, device):
-        return 1 << 30
-
-    def norm_forward(self, x, w, b, y, mean, rstd, eps, rms, stream):
-        assert x.is_contiguous() and x.dim() == 2 and stream == 0
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        xf = x.to(acc)
-        mu = torch.zeros(x.shape[0], dtype=acc) if rms else xf.mean(-1)
-        r = torch.rsqrt((xf - mu[:, None]).pow(2).mean(-1) + eps)
-        xhat = (xf - mu[:, None]) * r[:, None]
-        if rms:
-            y.copy_(w.to(acc) * xhat.to(x.dtype).to(acc))
-        else:
-            y.copy_(xhat * w.to(acc) + (0 if b is None else b.to(acc)))
-        if mean is not None:
-            mean.copy_(mu)
-        rstd.copy_(r)
-
-    def norm_backward(self, dy, x, w, mean, rstd, dx, dw, db, rms, stream):
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        d, xf, wf = dy.to(acc), x.to(acc), w.to(acc)
-        mu = torch.zeros_like(rstd, dtype=acc) if rms else mean.to(acc)
-        r = rstd.to(acc)[:, None]
-        xhat = (xf - mu[:, None]) * r
-        g = d * wf
-        mean_gx = (g * xhat).mean(-1, keepdim=True)
-        mean_g = 0 if rms else g.mean(-1, keepdim=True)
-        dx.copy_(r * (g - mean_g - xhat * mean_gx))
-        factor = xhat.to(x.dtype).to(acc) if rms else xhat
-        dw.copy_((d * factor).sum(0))
-        if db is not None:
-            db.copy_(d.sum(0))
+def fused_norm(x, w, b, eps, rms):
+    """The differentiable custom op, as layer_norm()/rms_norm() call it where the kernel runs."""
+    if rms:
+        return torch.ops.hybrid.rms_norm_forward(x, w, eps)[0]
+    return torch.ops.hybrid.layer_norm_forward(x, w, b, eps)[0]
 
 
 @pytest.mark.parametrize("rms,with_bias", [(False, False), (False, True), (True, False)],
                          ids=["layernorm", "layernorm-bias", "rmsnorm"])
-def test_fused_norm_wrapper_passes_gradcheck(rms, with_bias):
+def test_fused_norm_op_passes_gradcheck(rms, with_bias):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 7, dtype=torch.float64, generator=gen, requires_grad=True)
     w = torch.randn(7, dtype=torch.float64, generator=gen, requires_grad=True)
     b = torch.randn(7, dtype=torch.float64, generator=gen, requires_grad=True) if with_bias else None
-    op = StandInNormOp()
     inputs = (x, w) if b is None else (x, w, b)
 
     def fn(*args):
-        return _FusedNorm.apply(args[0], args[1], args[2] if len(args) > 2 else None, 1e-5, rms, op)
+        return fused_norm(args[0], args[1], args[2] if len(args) > 2 else None, 1e-5, rms)
 
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6)
     exact_rms = w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
@@ -72,20 +42,19 @@ def test_fused_norm_wrapper_passes_gradcheck(rms, with_bias):
     torch.testing.assert_close(fn(*inputs), ref, rtol=1e-12, atol=1e-12)
 
 
-def test_fused_norm_wrapper_dtypes_follow_the_torch_semantics():
-    op = StandInNormOp()
+def test_fused_norm_op_dtypes_follow_the_torch_semantics():
     x = torch.randn(5, 16).bfloat16().requires_grad_()
     w32 = torch.randn(16, requires_grad=True)
-    y = _FusedNorm.apply(x, w32, None, 1e-6, True, op)
+    y = fused_norm(x, w32, None, 1e-6, True)
     ref = rms_norm_reference(x, w32, 1e-6)
-    # The stand-in runs the reference's own ops in the same order (fp32 mean of squares, rsqrt,
-    # multiply, cast to bf16, fp32 weight multiply), so the wrapper must add no arithmetic: equal
-    # to the bit on any CPU. (A tolerance would have to admit a flipped last bf16 bit, 2^-8
-    # relative, and with it a missing cast before the weight multiply.)
+    # The torch formulas run the reference's own ops in the same order (fp32 mean of squares,
+    # rsqrt, multiply, cast to bf16, fp32 weight multiply), so the op must add no arithmetic:
+    # equal to the bit on any CPU. (A tolerance would have to admit a flipped last bf16 bit,
+    # 2^-8 relative, and with it a missing cast before the weight multiply.)
     assert y.dtype == ref.dtype == torch.float32 and torch.equal(y, ref)
     gx, gw = torch.autograd.grad(y.sum(), (x, w32))
     assert gx.dtype == torch.bfloat16 and gw.dtype == torch.float32
-    y_ln = _FusedNorm.apply(x, w32, torch.zeros(16), 1e-5, False, op)
+    y_ln = fused_norm(x, w32, torch.zeros(16), 1e-5, False)
     assert y_ln.dtype == torch.bfloat16 and y_ln.shape == x.shape
 
 
