@@ -252,7 +252,7 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
 class MegatronFamily:
     """Megatron-LM flags hybrid has no spelling of, refused with one reason: ``flags`` exactly, or any flag that
     starts with one of ``prefixes``. Their values are whatever follows them up to the next flag, so that a flag
-    with several values (``--step-batch-size-schedule 0:16 2.4B:320``) is refused whole."""
+    with several values (``--data-path2 0.5 A 0.5 B``) is refused whole."""
 
     reason: str
     flags: Tuple[str, ...] = ()
@@ -293,8 +293,6 @@ MEGATRON_FAMILIES: Tuple[MegatronFamily, ...] = (
                    prefixes=("--fsdp-", "--megatron-fsdp-")),
     MegatronFamily("the embedding and output layer's own learning rate is " + _NOT_YET + "remove it (they train at "
                    "--lr, like every other parameter)", flags=("--decoupled-lr", "--decoupled-min-lr")),
-    MegatronFamily("a batch-size schedule by consumed tokens is " + _NOT_YET + "--rampup-batch-size START "
-                   "INCREMENT SAMPLES ramps the global batch linearly", flags=("--step-batch-size-schedule",)),
     MegatronFamily("reducing fp32 gradients in bf16 is " + _NOT_YET + "hybrid reduces gradients in the dtype they "
                    "accumulate in (bf16 with --bf16)", flags=("--grad-reduce-in-bf16",)),
     MegatronFamily("TikTokenizer is " + _NOT_YET + "give --tokenizer-type HuggingFaceTokenizer or "

@@ -379,6 +379,11 @@ class HybridConfig:
         None, ge=1, help="START INCREMENT SAMPLES: ramp the global batch up from START by INCREMENT to "
                          "global_batch_size, in equal steps over the first SAMPLES samples (the micro batch stays; "
                          "the accumulation count follows)")
+    step_batch_size_schedule: List[str] = _field(
+        factory=list, help="THRESHOLD:SIZE ... (Megatron-LM's): the global batch is SIZE from THRESHOLD consumed "
+                           "tokens on (samples x model.seq_length; suffixes K, M, B, T), the first THRESHOLD 0; "
+                           "global_batch_size is the last SIZE (the micro batch stays; the accumulation count "
+                           "follows)")
     tensor_parallel_size: Optional[int] = _field(None, ge=1, flag="--tensor-model-parallel-size",
                                                  help="TP ranks per model replica (adjacent ranks); unset: the "
                                                       "topology's, 1 when hybrid builds it")
@@ -420,6 +425,28 @@ class HybridConfig:
     # ---- conveniences: only those this module's layer can serve. Parsing, overrides and the plain dict live in
     # hybrid.config.parse (config_from_dict, apply_overrides, to_plain): they validate, and validation reads
     # this schema, so a method here calling them would close an import cycle.
+    def batch_steps(self):
+        """``step_batch_size_schedule`` as ``(from samples, size)`` pairs (its thresholds are tokens: read with the
+        model's sequence length, ``model.seq_length`` or its preset's), or None when unset."""
+        from hybrid.config.batch import parse_step_schedule
+        from hybrid.config.errors import ConfigError
+        from hybrid.config.flags import key_error
+
+        if not self.step_batch_size_schedule:
+            return None
+        seq_length = self.model.seq_length
+        if seq_length is None and self.model.preset is not None:
+            from model_zoo.presets import get_preset
+
+            try:
+                seq_length = get_preset(self.model.preset).seq_length
+            except ValueError:
+                pass  # an unknown preset has its own error
+        try:
+            return parse_step_schedule(self.step_batch_size_schedule, seq_length)
+        except ConfigError as err:
+            raise key_error(type(self), err.message, *err.keys) from None
+
     def resolve_batch(self, dp_size: int):
         """Micro batch, accumulation steps and global batch for ``dp_size`` data-parallel ranks.
 
@@ -431,6 +458,6 @@ class HybridConfig:
 
         try:
             return resolve_batch(self.micro_batch_size, self.gradient_accumulation_steps,
-                                 self.global_batch_size, dp_size, self.rampup_batch_size)
+                                 self.global_batch_size, dp_size, self.rampup_batch_size, self.batch_steps())
         except ConfigError as err:
             raise key_error(type(self), err.message, *err.keys) from None

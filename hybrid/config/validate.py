@@ -29,7 +29,7 @@ import functools
 import math
 from typing import List, Mapping, Optional
 
-from hybrid.config.batch import BatchSizes, rampup_problem
+from hybrid.config.batch import BatchSizes, rampup_problem, step_schedule_problem
 from hybrid.config.errors import ConfigError, one_error_for_all, value_suggestion
 from hybrid.config.flags import key_error, meta_error
 from hybrid.compression import ONE_BIT_OPTIMIZERS, compression_problem, hpz_problem, onebit_problem
@@ -263,6 +263,13 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
         problem = rampup_problem(tuple(cfg.rampup_batch_size), glob)
         if problem:
             error(problem, "rampup_batch_size", "global_batch_size")
+    if cfg.step_batch_size_schedule:
+        try:
+            problem = step_schedule_problem(cfg.batch_steps(), glob, cfg.rampup_batch_size)
+            if problem:
+                error(problem[0], *problem[1])
+        except ConfigError as err:  # the schedule's own text
+            problems.append(err)
     if micro is not None and accum is not None and glob is not None and glob % (micro * accum) != 0:
         error(f"global_batch_size {glob} is not divisible by micro_batch_size {micro} x "
               f"gradient_accumulation_steps {accum} = {micro * accum}; global batch = micro batch x "

@@ -262,14 +262,14 @@ class Engine:
         executor = PipelineExecutor(self.topology, list(range(split.chunks)), self.config.pipeline.schedule,
                                     activation_shape=lambda mb: model.activation_shape(*mb["input_ids"].shape),
                                     activation_dtype=model.activation_dtype)
-        if self.batch.rampup is not None:
+        if self.batch.varies:
+            key = "rampup_batch_size" if self.batch.rampup is not None else "step_batch_size_schedule"
             for size, microbatches in zip(self.batch.schedule.sizes(), self.batch.accumulations()):
                 try:
                     executor.check_microbatches(microbatches)
                 except ConfigError as e:
-                    raise ConfigError(f"rampup_batch_size: its global batch {size} is {microbatches} "
-                                      f"micro-batches per data-parallel rank, and {e}",
-                                      keys=("rampup_batch_size",)) from None
+                    raise ConfigError(f"{key}: its global batch {size} is {microbatches} "
+                                      f"micro-batches per data-parallel rank, and {e}", keys=(key,)) from None
         return executor
 
     def _end_global_batch(self) -> bool:

@@ -33,7 +33,7 @@ FULL = {
                   "min_lr": 3e-5, "wsd_decay_style": "exponential", "wsd_decay_iters": None, "wsd_decay_samples": None,
                   "weight_decay_incr_iters": None, "weight_decay_incr_samples": None},
     "clip_grad": 1.0, "micro_batch_size": 2, "gradient_accumulation_steps": 4, "global_batch_size": 64,
-    "rampup_batch_size": [16, 16, 3000],
+    "rampup_batch_size": [16, 16, 3000], "step_batch_size_schedule": [],
     "tensor_parallel_size": 2, "expert_parallel_size": 2, "context_parallel_size": 2, "recompute": "selective",
     "pipeline": {"size": 2, "schedule": "interleaved", "layers_per_virtual_stage": 2, "layers_per_stage": None},
     "tensorboard": {"enabled": True, "output_path": "tb", "job_name": "run1"},

@@ -38,7 +38,7 @@ _PROFILE = {"--profile", "--profile-step-start", "--profile-step-end"}
 _TOKENS = {"--train-tokens", "--lr-decay-tokens", "--lr-warmup-tokens"}
 # script -> the features its first launch refuses (empty: accepted as it is)
 EXPECTED_SCRIPTS = {
-    "megatron_gpt3_175b": {"--step-batch-size-schedule"},
+    "megatron_gpt3_175b": set(),  # its --step-batch-size-schedule: tests/config/test_step_batch_schedule.py
     "megatron_llama3_8b_fp8_mock": _LLAMA3 | _PROFILE | {"--grad-reduce-in-bf16", "--tiktoken-pattern"},
     "megatron_llama3_8b_fp8_data": _LLAMA3 | _PROFILE | {"--grad-reduce-in-bf16"},
     "megatron_fsdp_llama3_8b_fp8_mock": _LLAMA3 | {"--tiktoken-pattern"},  # Megatron-FSDP itself is ZeRO stage 3
@@ -144,11 +144,21 @@ def test_each_script_is_accepted_or_refused_with_every_feature_in_one_launch(nam
 
 
 def test_a_refused_script_lists_the_problems_of_its_values_too(files):
-    """Beside the refused flags, a value no rule accepts (here the world size) is in the same error."""
-    argv = script_argv("megatron_gpt3_175b", files)
+    """Beside the refused flags, a value no rule accepts (here the global batch 64 on 3 data-parallel ranks of
+    micro-batches of 4) is in the same error."""
+    argv = script_argv("megatron_detxoify_finetune_1.3b", files)
     with pytest.raises(ConfigError) as raised:
-        parse_args(argv, world_size=8)
-    assert refused_features(raised.value) == {"--step-batch-size-schedule", "tensor_parallel_size"}
+        parse_args(argv, world_size=3)
+    assert refused_features(raised.value) == {"--data-path2", "micro_batch_size"}
+
+
+def test_the_gpt3_script_takes_its_step_wise_batch(files):
+    """Megatron-LM's GPT-3 175B script: its global batch grows from 16 to 1536 in steps of 2.4B tokens, each
+    2.4e9 / 2048 = 1171875 samples, at TP 8 x PP 16 on its 16 nodes (one micro-batch a data-parallel rank)."""
+    cfg = parse_args(script_argv("megatron_gpt3_175b", files), world_size=128)
+    batch = cfg.resolve_batch(1)
+    assert batch.steps == tuple((k * 1171875, n) for k, n in enumerate((16, 320, 624, 928, 1232, 1536)))
+    assert batch.accumulations() == (16, 320, 624, 928, 1232, 1536)
 
 
 def test_the_mixtral_script_trains_its_moe_as_megatron_core_would(files):

@@ -239,7 +239,7 @@ def test_what_the_noted_settings_mean():
 def test_refused_and_invalid_flags_are_listed_in_one_error():
     argv = SMALL + ["--fp8-format", "hybrid", "--fp8-param-gather", "--num-experts", "8", "--moe-router-topk", "2",
                     "--moe-router-num-groups", "2", "--moe-router-load-balancing-type", "sinkhorn",
-                    "--step-batch-size-schedule", "0:16", "2.4B:320", "--lr", "-1", "--window-size", "127,0"]
+                    "--data-path2", "0.5", "a", "0.5", "b", "--lr", "-1", "--window-size", "127,0"]
     with pytest.raises(ConfigError) as raised:
         config_from_command_line(argv)
     message = str(raised.value)
@@ -248,7 +248,7 @@ def test_refused_and_invalid_flags_are_listed_in_one_error():
                  "--fp8-param-gather is a Megatron-LM flag hybrid does not take: hybrid trains in bf16",
                  "--moe-router-num-groups 2 is a Megatron-LM flag hybrid does not take: group-limited",
                  "--moe-router-load-balancing-type sinkhorn is a Megatron-LM setting hybrid does not take: S-BASE's",
-                 "--step-batch-size-schedule 0:16 2.4B:320 is a Megatron-LM flag",
+                 "--data-path2 0.5 a 0.5 b is a Megatron-LM flag",
                  "--window-size 127,0 is a Megatron-LM flag hybrid does not take: gpt-oss's variants",
                  "'optimizer.lr' must be > 0.0"):
         assert part in message, part
