@@ -3,14 +3,16 @@
 #   1. builds a corpus from the docstrings of the Python standard library (tools/make_stdlib_corpus.py)
 #   2. trains a SentencePiece tokenizer and preprocesses the corpus into an indexed dataset
 #   3. pretrains with TP=2 x DP=2 and ZeRO-1 on 4 CPU processes (torchrun, gloo); PP=2 makes it TP=2 x PP=2;
-#      an MoE preset (MODEL=tiny-moe) runs its experts expert-parallel: EP=2 by default, with sequence parallelism
+#      an MoE preset (MODEL=tiny-moe) runs its experts expert-parallel: EP=2 by default, with sequence parallelism;
+#      CP=2 splits each sequence over 2 context-parallel ranks (TP=2 x CP=2, ring attention) and keeps attention
+#      inside each packed document (--reset-attention-mask)
 #   4. writes TensorBoard logs and checkpoints
 #   5. prints where they are and a text sample from the trained model
 # It sets up .venv on first use (launch_scripts/setup_env.sh).
 #
 # Environment (defaults in brackets):
 #   WORK_DIR        [runs/VARIANT] everything the run writes; each variant has its own folder: runs/MODEL, plus
-#                                 -tpN, -ppN, -zeroN, -npN for a TP, PP, ZERO_STAGE or NPROC other than the
+#                                 -tpN, -ppN, -cpN, -zeroN, -npN for a TP, PP, CP, ZERO_STAGE or NPROC other than the
 #                                 default (runs/tiny, runs/tiny-gqa, runs/tiny-pp2, ...). A folder holding
 #                                 another variant's checkpoints is refused, naming WORK_DIR: this script
 #                                 starts from scratch and would overwrite them
@@ -20,7 +22,9 @@
 #   NPROC           [4]           processes (CPU ranks)
 #   MASTER_PORT     [a free port] rendezvous port on 127.0.0.1
 #   TP              [2]           tensor-model-parallel size
-#   PP              [1]           pipeline-parallel size (stages; DP = NPROC / (TP x PP))
+#   PP              [1]           pipeline-parallel size (stages; DP = NPROC / (TP x CP x PP))
+#   CP              [1]           context-parallel size (--context-parallel-size: each sequence split over CP
+#                                 ranks; above 1 also --reset-attention-mask); -cpN in the folder name
 #   EP              [2 for an MoE preset, else 1]  expert-parallel size (divides DP; -epN in the folder name
 #                                 when not the default)
 #   ZERO_STAGE      [1]
@@ -44,10 +48,12 @@ MODEL="${MODEL:-tiny}"
 NPROC="${NPROC:-4}"
 TP="${TP:-2}"
 PP="${PP:-1}"
+CP="${CP:-1}"
 ZERO_STAGE="${ZERO_STAGE:-1}"
 VARIANT="$MODEL"
 if [ "$TP" != 2 ]; then VARIANT="$VARIANT-tp$TP"; fi
 if [ "$PP" != 1 ]; then VARIANT="$VARIANT-pp$PP"; fi
+if [ "$CP" != 1 ]; then VARIANT="$VARIANT-cp$CP"; fi
 if [ "$ZERO_STAGE" != 1 ]; then VARIANT="$VARIANT-zero$ZERO_STAGE"; fi
 case "$MODEL" in *moe*) EP_DEFAULT=2 ;; *) EP_DEFAULT=1 ;; esac
 EP="${EP:-$EP_DEFAULT}"
@@ -69,10 +75,12 @@ SETUP="${SETUP:-1}"
 EXTRA_ARGS="${EXTRA_ARGS:-}"
 
 # What makes a run another run's: the trainer starts from scratch here and would overwrite its checkpoints.
-# (EP only when expert-parallel: a dense run's key, and so its folder's record, stays what it was)
+# (EP and CP only when above 1: the key of a run without them, and so its folder's record, stays what it was)
 EP_KEY=""
 if [ "$EP" != 1 ]; then EP_KEY=" EP=$EP"; fi
-RUN_KEY="MODEL=$MODEL TP=$TP PP=$PP$EP_KEY ZERO_STAGE=$ZERO_STAGE NPROC=$NPROC SEQ_LENGTH=$SEQ_LENGTH VOCAB_SIZE=$VOCAB_SIZE"
+CP_KEY=""
+if [ "$CP" != 1 ]; then CP_KEY=" CP=$CP"; fi
+RUN_KEY="MODEL=$MODEL TP=$TP PP=$PP$CP_KEY$EP_KEY ZERO_STAGE=$ZERO_STAGE NPROC=$NPROC SEQ_LENGTH=$SEQ_LENGTH VOCAB_SIZE=$VOCAB_SIZE"
 RUN_FILE="$WORK_DIR/demo_run.txt"
 if [ -e "$WORK_DIR/checkpoints/latest" ] && [ "$(cat "$RUN_FILE" 2>/dev/null)" != "$RUN_KEY" ]; then
   held="$(cat "$RUN_FILE" 2>/dev/null || echo "a run this script did not record")"
@@ -80,7 +88,8 @@ if [ -e "$WORK_DIR/checkpoints/latest" ] && [ "$(cat "$RUN_FILE" 2>/dev/null)" !
        "($RUN_KEY) would overwrite: set WORK_DIR to a new folder, or delete $WORK_DIR/checkpoints" >&2
   exit 1
 fi
-echo "hybrid demo: pretraining $MODEL on $NPROC CPU processes (TP=$TP, PP=$PP,${EP_KEY:+$EP_KEY,} ZeRO-$ZERO_STAGE)" \
+echo "hybrid demo: pretraining $MODEL on $NPROC CPU processes (TP=$TP, PP=$PP,${CP_KEY:+$CP_KEY,}${EP_KEY:+$EP_KEY,}" \
+     "ZeRO-$ZERO_STAGE)" \
      "into $WORK_DIR"
 if [ "$SETUP" = "1" ]; then
   source launch_scripts/setup_env.sh
@@ -89,6 +98,10 @@ fi
 MOE_ARGS=""
 if [ "$EP" != 1 ]; then MOE_ARGS="--expert-model-parallel-size $EP"; fi
 if [ "$EP_DEFAULT" = 2 ] && [ "$TP" != 1 ]; then MOE_ARGS="$MOE_ARGS --sequence-parallel"; fi
+# Context parallelism with document masking: each rank holds 2 of the 2 x CP chunks of every sequence, and the
+# end-of-document tokens the preprocessing appended (--append-eod) separate the documents (docs/context_parallel.md)
+CP_ARGS=""
+if [ "$CP" != 1 ]; then CP_ARGS="--context-parallel-size $CP --reset-attention-mask"; fi
 MASTER_PORT="${MASTER_PORT:-$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
 mkdir -p "$WORK_DIR"
 echo "$RUN_KEY" >"$RUN_FILE"
@@ -106,7 +119,7 @@ python tools/preprocess_data.py --input "$WORK_DIR/corpus.jsonl" --tokenizer-mod
   --output-prefix "$WORK_DIR/corpus" --append-eod --workers 2 --no-progress
 stage_done
 
-stage "3/4 pretraining $MODEL: $NPROC CPU processes, TP=$TP, PP=$PP,${EP_KEY:+$EP_KEY,} ZeRO-$ZERO_STAGE, $TRAIN_ITERS iterations"
+stage "3/4 pretraining $MODEL: $NPROC CPU processes, TP=$TP, PP=$PP,${CP_KEY:+$CP_KEY,}${EP_KEY:+$EP_KEY,} ZeRO-$ZERO_STAGE, $TRAIN_ITERS iterations"
 # One intra-op thread per rank: the ranks already share the cores. The c10d rendezvous listens on the
 # loopback address only (torchrun --standalone would take any interface).
 # shellcheck disable=SC2086
@@ -120,7 +133,7 @@ OMP_NUM_THREADS=1 torchrun --nnodes 1 --nproc-per-node "$NPROC" \
   --data-path "$WORK_DIR/corpus_text_document" --split 90,5,5 --tokenizer-model "$WORK_DIR/tokenizer.model" \
   --save "$WORK_DIR/checkpoints" --save-interval "$SAVE_INTERVAL" --keep-last 2 \
   --eval-interval "$EVAL_INTERVAL" --eval-iters 4 --log-interval "$LOG_INTERVAL" --log-params-norm \
-  --log-num-zeros-in-grad --tensorboard-dir "$WORK_DIR/tensorboard" --seed 1234 $MOE_ARGS $EXTRA_ARGS
+  --log-num-zeros-in-grad --tensorboard-dir "$WORK_DIR/tensorboard" --seed 1234 $MOE_ARGS $CP_ARGS $EXTRA_ARGS
 stage_done
 
 stage "4/4 a sample from the trained model (greedy: the most likely next token each time)"
