@@ -28,6 +28,9 @@
 #   EP              [2 for an MoE preset, else 1]  expert-parallel size (divides DP; -epN in the folder name
 #                                 when not the default)
 #   ZERO_STAGE      [1]
+#   COMPILE         [0]           1: --torch-compile, each transformer block compiled by torch.compile (the same
+#                                 run and checkpoints; inductor's cache under WORK_DIR/checkpoints/compile-cache,
+#                                 docs/compile.md)
 #   TRAIN_ITERS     [300]         optimizer steps (CI lowers it)
 #   MICRO_BATCH     [4]
 #   GLOBAL_BATCH    [16]
@@ -102,6 +105,8 @@ if [ "$EP_DEFAULT" = 2 ] && [ "$TP" != 1 ]; then MOE_ARGS="$MOE_ARGS --sequence-
 # end-of-document tokens the preprocessing appended (--append-eod) separate the documents (docs/context_parallel.md)
 CP_ARGS=""
 if [ "$CP" != 1 ]; then CP_ARGS="--context-parallel-size $CP --reset-attention-mask"; fi
+COMPILE_ARGS=""
+if [ "${COMPILE:-0}" = 1 ]; then COMPILE_ARGS="--torch-compile"; fi
 MASTER_PORT="${MASTER_PORT:-$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
 mkdir -p "$WORK_DIR"
 echo "$RUN_KEY" >"$RUN_FILE"
@@ -133,7 +138,7 @@ OMP_NUM_THREADS=1 torchrun --nnodes 1 --nproc-per-node "$NPROC" \
   --data-path "$WORK_DIR/corpus_text_document" --split 90,5,5 --tokenizer-model "$WORK_DIR/tokenizer.model" \
   --save "$WORK_DIR/checkpoints" --save-interval "$SAVE_INTERVAL" --keep-last 2 \
   --eval-interval "$EVAL_INTERVAL" --eval-iters 4 --log-interval "$LOG_INTERVAL" --log-params-norm \
-  --log-num-zeros-in-grad --tensorboard-dir "$WORK_DIR/tensorboard" --seed 1234 $MOE_ARGS $CP_ARGS $EXTRA_ARGS
+  --log-num-zeros-in-grad --tensorboard-dir "$WORK_DIR/tensorboard" --seed 1234 $MOE_ARGS $CP_ARGS $COMPILE_ARGS $EXTRA_ARGS
 stage_done
 
 stage "4/4 a sample from the trained model (greedy: the most likely next token each time)"

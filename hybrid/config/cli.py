@@ -197,7 +197,7 @@ def config_from_command_line(argv: Optional[Sequence[str]] = None, prog: str = "
                     put(tree, key, value)
         _settings_that_mean_off(tree, found, megatron_fsdp="--use-megatron-fsdp" in dict(megatron))
         _moe_settings(tree, found, problems)
-        cfg = derive_for_training(parse_section(HybridConfig, tree, ""))
+        cfg = derive_for_training(parse_section(HybridConfig, tree, ""), notes=found)
         (validate if check is None else check)(cfg)
         if (path or ds_path) and given:
             check_deepspeed_dtypes(path or ds_path, cfg.precision, given_by="the command line")

@@ -81,8 +81,6 @@ _FSDP = ("Megatron-FSDP's own buffers and groups: hybrid's sharded data parallel
 _FSDP_KNOB = ("a buffer or NCCL-registration knob of Megatron-FSDP's communication; hybrid's flat ZeRO buffers are its "
               "own, and the values trained are the same")
 _NOT_YET = "not implemented yet (issue 53): "
-_TOKENS = (_NOT_YET + "give the schedule in samples (tokens / --seq-length): --train-samples, --lr-decay-samples, "
-           "--lr-warmup-samples")
 _PROFILE = ("hybrid writes no profiler traces; it prints where the iterations went (compute, exposed communication, "
             "memory) as one 'run profile' line at the end")
 _RECOMPUTE = ("hybrid recomputes every layer, each its own checkpoint (--recompute-granularity full: Megatron's "
@@ -297,7 +295,6 @@ MEGATRON_FAMILIES: Tuple[MegatronFamily, ...] = (
                    "accumulate in (bf16 with --bf16)", flags=("--grad-reduce-in-bf16",)),
     MegatronFamily("TikTokenizer is " + _NOT_YET + "give --tokenizer-type HuggingFaceTokenizer or "
                    "SentencePieceTokenizer (with --mock-data, no tokenizer is needed)", flags=("--tiktoken-pattern",)),
-    MegatronFamily(_TOKENS, flags=("--train-tokens", "--lr-decay-tokens", "--lr-warmup-tokens")),
     MegatronFamily(_PROFILE, flags=("--profile", "--profile-step-start", "--profile-step-end", "--profile-ranks",
                                     "--record-memory-history", "--memory-snapshot-path", "--use-pytorch-profiler")),
     MegatronFamily("hybrid leaves torch's default for bf16 matmul reductions (reduced precision allowed)",

@@ -233,6 +233,12 @@ class SchedulerConfig:
                                           help="consumed samples at which decay reaches min_lr, instead of "
                                                "decay_iters (the trainer derives it from run.train_samples when "
                                                "unset)")
+    warmup_tokens: Optional[int] = _field(None, ge=0, flag="--lr-warmup-tokens",
+                                          help="Megatron-DeepSpeed's warmup in consumed tokens: the trainer reads it "
+                                               "as warmup_samples, tokens / model.seq_length to the nearest sample")
+    decay_tokens: Optional[int] = _field(None, ge=1, flag="--lr-decay-tokens",
+                                         help="Megatron-DeepSpeed's decay length in consumed tokens: the trainer reads "
+                                              "it as decay_samples, tokens / model.seq_length to the nearest sample")
     min_lr: float = _field(0.0, ge=0.0, flag="--min-lr", help="learning rate at and after decay_iters")
     wsd_decay_style: str = _field("exponential", choices=WSD_DECAY_STYLES, flag="--lr-wsd-decay-style",
                                   help="WSD: the shape of the final anneal from the peak to min_lr")
@@ -425,6 +431,18 @@ class HybridConfig:
     # ---- conveniences: only those this module's layer can serve. Parsing, overrides and the plain dict live in
     # hybrid.config.parse (config_from_dict, apply_overrides, to_plain): they validate, and validation reads
     # this schema, so a method here calling them would close an import cycle.
+    def model_seq_length(self) -> Optional[int]:
+        """The model's training sequence length: ``model.seq_length``, else its preset's; None when neither is
+        known (an unknown preset has its own error)."""
+        if self.model.seq_length is not None or self.model.preset is None:
+            return self.model.seq_length
+        from model_zoo.presets import get_preset
+
+        try:
+            return get_preset(self.model.preset).seq_length
+        except ValueError:
+            return None
+
     def batch_steps(self):
         """``step_batch_size_schedule`` as ``(from samples, size)`` pairs (its thresholds are tokens: read with the
         model's sequence length, ``model.seq_length`` or its preset's), or None when unset."""
@@ -434,16 +452,8 @@ class HybridConfig:
 
         if not self.step_batch_size_schedule:
             return None
-        seq_length = self.model.seq_length
-        if seq_length is None and self.model.preset is not None:
-            from model_zoo.presets import get_preset
-
-            try:
-                seq_length = get_preset(self.model.preset).seq_length
-            except ValueError:
-                pass  # an unknown preset has its own error
         try:
-            return parse_step_schedule(self.step_batch_size_schedule, seq_length)
+            return parse_step_schedule(self.step_batch_size_schedule, self.model_seq_length())
         except ConfigError as err:
             raise key_error(type(self), err.message, *err.keys) from None
 

@@ -59,6 +59,15 @@ _DESCRIPTION = ("kind", "help", "trainer", "flag", "switch")
 # The model section's one key that is no GPTConfig field, and the further spellings of keys that are.
 _PRESET = _field(None, flag="--model", help="a model_zoo preset (e.g. tiny, gpt2-small, turing-nlg-17b); the shape "
                                             "settings override it")
+# How the model runs, not what it is (model_zoo.compile): no GPTConfig field, not taken from a checkpoint.
+_COMPILE_KEYS = (
+    ("compile", bool, _field(False, flag="--torch-compile",
+                             help="compile each transformer block with torch.compile (one compiled block reused by "
+                                  "every layer; docs/compile.md)")),
+    ("compile_cache_dir", Optional[str], _field(None, flag="--torch-compile-cache-dir",
+                                                help="with model.compile: inductor's cache folder, so that a "
+                                                     "restarted run compiles from its cache (unset: "
+                                                     "checkpoint.save/compile-cache, else inductor's default)")))
 _ALIASES = {"position_embedding_type": (Alias("--use-rotary-position-embeddings", const="rope", compat=True,
                                               help="Megatron-LM's older spelling of --position-embedding-type "
                                                    "rope"),),
@@ -84,7 +93,7 @@ def _model_section() -> type:
     with the field's flag, help and rules."""
     hints = typing.get_type_hints(GPTConfig)
     fields = {f.name: f for f in dataclasses.fields(GPTConfig)}
-    keys: List[Tuple[str, Any, Any]] = [("preset", Optional[str], _PRESET)]
+    keys: List[Tuple[str, Any, Any]] = [("preset", Optional[str], _PRESET), *_COMPILE_KEYS]
     for mk in MODEL_KEYS:
         meta = fields[mk.field].metadata
         spelling = dict(flag=own_flag(mk.field, meta), help=meta["help"], aliases=_ALIASES.get(mk.key, ()))
@@ -93,7 +102,8 @@ def _model_section() -> type:
         else:
             rules = {k: v for k, v in meta.items() if k not in _DESCRIPTION}
             keys.append((mk.key, Optional[hints[mk.field]], _field(None, **spelling, **rules)))
-    training = tuple(mk.key for mk in MODEL_KEYS if fields[mk.field].metadata["kind"] == TRAINING)
+    training = tuple(mk.key for mk in MODEL_KEYS if fields[mk.field].metadata["kind"] == TRAINING) + tuple(
+        key for key, _, _ in _COMPILE_KEYS)
     return dataclasses.make_dataclass("ModelConfig", keys, namespace={
         "__module__": __name__,
         "__doc__": "The model_zoo GPT the trainer builds: a preset, and/or shape settings that override it (one "
@@ -232,6 +242,10 @@ class RunConfig:
                                           help="samples to train on instead of train_iters: every whole global "
                                                "batch that fits (a batch ramp-up included); the learning-rate "
                                                "schedule then counts samples too")
+    train_tokens: Optional[int] = _field(None, ge=1, flag="--train-tokens",
+                                         help="Megatron-DeepSpeed's run length in tokens: the run ends after the step "
+                                              "whose samples (x model.seq_length) reach it, or earlier at train_iters "
+                                              "or train_samples (the trainer reads it as one of them)")
     exit_interval: Optional[int] = _field(None, ge=1, flag="--exit-interval",
                                           help="save and exit once the step count is a multiple of this")
     exit_duration_in_mins: Optional[float] = _field(None, gt=0.0, flag="--exit-duration-in-mins",

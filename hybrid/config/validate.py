@@ -30,6 +30,7 @@ import math
 from typing import List, Mapping, Optional
 
 from hybrid.config.batch import BatchSizes, rampup_problem, step_schedule_problem
+from hybrid.config.derive import TOKEN_KEYS, config_value, token_problem
 from hybrid.config.errors import ConfigError, one_error_for_all, value_suggestion
 from hybrid.config.flags import key_error, meta_error
 from hybrid.compression import ONE_BIT_OPTIMIZERS, compression_problem, hpz_problem, onebit_problem
@@ -263,6 +264,10 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
         problem = rampup_problem(tuple(cfg.rampup_batch_size), glob)
         if problem:
             error(problem, "rampup_batch_size", "global_batch_size")
+    for key in TOKEN_KEYS:  # a token count derive_for_training could not read as samples
+        problem = token_problem(cfg, key) if config_value(cfg, key) is not None else None
+        if problem:
+            error(problem, key, *(("model.seq_length",) if "seq_length" in problem else ()))
     if cfg.step_batch_size_schedule:
         try:
             problem = step_schedule_problem(cfg.batch_steps(), glob, cfg.rampup_batch_size)

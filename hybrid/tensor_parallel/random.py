@@ -134,6 +134,9 @@ def _replay_contexts(tracker: RNGTracker):
     return forward_ctx(), recompute_ctx()
 
 
+# torch.compile's checkpoint operator takes no RNG-replay context: a compiled block (model_zoo.compile) runs this
+# checkpoint eagerly, as one graph break; a compiled block checkpointed whole (full recompute) still runs compiled.
+@torch.compiler.disable
 def checkpoint(function, *args, tracker: RNGTracker, **kwargs):
     """``function(*args, **kwargs)`` without keeping its activations; recomputed in backward.
 

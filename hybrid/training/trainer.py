@@ -120,6 +120,12 @@ class Trainer:
         self.moe_report = MoEReporter.for_model(self.model, self.model_config, topo)  # None: a dense model
         # Counted on the whole parameters, before an optimizer may partition them.
         self._decay_exempt = count_exempt(self.model.named_parameters(), no_weight_decay_rule(config, None))
+        self.compile_report = None  # --torch-compile: each block compiled (model_zoo.compile), reported once
+        if config.model.compile:
+            from model_zoo.compile import compile_blocks, default_cache_dir
+
+            self.compile_report = compile_blocks(self.model, cache_dir=default_cache_dir(
+                config.model.compile_cache_dir, config.checkpoint.save))
         self.engine = hybrid.initialize(self.model, config, topology=topo)
         self.engine.count_grad_zeros = config.logging.log_num_zeros_in_grad
         run = config.run
@@ -384,6 +390,8 @@ class Trainer:
                 num_zeros=self.engine.get_num_zeros_in_grad(),
                 # collective: every rank gathers the MoE routing where the monitor reports
                 moe=self.moe_report.gather() if self.moe_report and self.monitor.ends_interval(self.iteration)
+            if self.compile_report is not None and len(self.history) == 1:  # the first step compiled the blocks
+                _log(topo, self.compile_report.line())
                 else None))
             diverged = self.guard.check(self.iteration, self.engine.skipped_steps > skipped_before, loss, topo,
                                         grad_norm=self.engine.get_grad_norm(),

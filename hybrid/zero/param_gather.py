@@ -440,6 +440,7 @@ class ParamGatherer:
         rest = self.traces.get("forward", [])[self._cursor:]
         return rest + self.traces.get("backward", []) if self._backward_follows else rest
 
+    @torch.compiler.disable  # inside a compiled block: one graph break, run eagerly (model_zoo.compile)
     def module_pre(self, unit: Optional[int]) -> None:
         frame: List[int] = []
         if unit is not None:
@@ -448,6 +449,7 @@ class ParamGatherer:
             frame.append(unit)
         self.frames.append(frame)
 
+    @torch.compiler.disable  # inside a compiled block: one graph break, run eagerly (model_zoo.compile)
     def module_post(self) -> None:
         if not self.frames:
             return
@@ -510,6 +512,7 @@ class ParamGatherer:
                 for module in modules:
                     self._rewatch(module)
 
+    @torch.compiler.disable  # inside a compiled block: one graph break, run eagerly (model_zoo.compile)
     def read(self, param) -> None:
         """An attribute read of ``param``: during a forward, outside our own bookkeeping, a use of its unit."""
         if self.watching and not self.busy:

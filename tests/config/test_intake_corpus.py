@@ -35,7 +35,6 @@ CONFIGS = sorted(p.stem for p in (CORPUS / "deepspeed").glob("*.json") if not p.
 _FP8 = {"--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"}
 _LLAMA3 = _FP8 | {"--apply-layernorm-1p", "--calculate-per-token-loss", "--decoupled-lr", "--decoupled-min-lr"}
 _PROFILE = {"--profile", "--profile-step-start", "--profile-step-end"}
-_TOKENS = {"--train-tokens", "--lr-decay-tokens", "--lr-warmup-tokens"}
 # script -> the features its first launch refuses (empty: accepted as it is)
 EXPECTED_SCRIPTS = {
     "megatron_gpt3_175b": set(),  # its --step-batch-size-schedule: tests/config/test_step_batch_schedule.py
@@ -52,8 +51,8 @@ EXPECTED_SCRIPTS = {
     "megatron_detxoify_finetune_1.3b": {"--data-path2"},
     "mds_pretrain_llama": set(),
     "mds_pretrain_llama2": set(),
-    "mds_rebase_gpt_125m": _TOKENS | {"--log-optimizer-states-to-tensorboard"},
-    "mds_moe_gpt_350m_dense": set(_TOKENS),
+    "mds_rebase_gpt_125m": {"--log-optimizer-states-to-tensorboard"},
+    "mds_moe_gpt_350m_dense": set(),  # its token-based schedule: test_the_token_counts_are_read_as_samples
     "mds_universal_ckpt_gpt_bf16": {"data_types.grad_accum_dtype"},
 }
 # config -> the DeepSpeed keys its intake refuses (empty: accepted)
@@ -159,6 +158,25 @@ def test_the_gpt3_script_takes_its_step_wise_batch(files):
     batch = cfg.resolve_batch(1)
     assert batch.steps == tuple((k * 1171875, n) for k, n in enumerate((16, 320, 624, 928, 1232, 1536)))
     assert batch.accumulations() == (16, 320, 624, 928, 1232, 1536)
+
+
+def test_the_token_counts_are_read_as_samples(files, capsys):
+    """Megatron-DeepSpeed's 350M dense MoE-example script gives its run and schedule in tokens at --seq-length
+    2048 and global batch 256: it trains while fewer than 300B tokens are consumed, 300e9 / 2048 = 146484375
+    samples, so 572205 steps (572204 x 256 = 146484224 fall short) of 146484480 samples, before its
+    --train-samples 439453125 would end it; warmup 375e6 / 2048 = 183105.47 samples (to the nearest: 183105),
+    decay 260e9 / 2048 = 126953125 samples exactly."""
+    cfg = parse_args(script_argv("mds_moe_gpt_350m_dense", files), world_size=8)
+    assert (cfg.run.train_samples, cfg.run.train_iters, cfg.run.train_tokens) == (146484480, None, None)
+    sched = cfg.scheduler
+    assert (sched.warmup_samples, sched.decay_samples, sched.warmup_tokens, sched.decay_tokens) == \
+        (183105, 126953125, None, None)
+    assert cfg.resolve_batch(8).schedule.steps_within(cfg.run.train_samples) == 572205
+    text = capsys.readouterr().err
+    assert "--lr-warmup-tokens 375000000 (read as --lr-warmup-samples 183105: tokens / --seq-length 2048, to the " \
+           "nearest sample)" in text
+    assert "--lr-decay-tokens 260000000000 (read as --lr-decay-samples 126953125: tokens / --seq-length 2048)" in text
+    assert "--train-tokens 300000000000 (read as --train-samples 146484480: the run ends after 572205 steps" in text
 
 
 def test_the_mixtral_script_trains_its_moe_as_megatron_core_would(files):

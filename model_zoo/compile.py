@@ -1,0 +1,136 @@
+"""Regional compilation: each transformer block of a :class:`~model_zoo.gpt.GPTModel` through ``torch.compile``.
+
+``compile_blocks(model)`` compiles :meth:`TransformerLayer.forward <model_zoo.transformer.TransformerLayer.forward>`
+once, as a function of the block (its parameters are graph inputs: dynamo's ``inline_inbuilt_nn_modules``), and
+points every block's ``forward`` at that one compiled function. Every block of a model has the same structure and
+shapes, so the first block's graph serves all of them: compile time does not grow with depth, and a block whose
+guards fail (another shape, another structure) is a recompile that :class:`CompileReport` counts. ``dynamic=False``:
+the shapes of a run are fixed (its micro-batch and sequence length), and static shapes give inductor the most room.
+
+What stays outside the graphs, and why: the block's own module hooks run eagerly around the compiled ``forward``
+(``nn.Module.__call__`` runs them, then calls ``forward``), and so does everything between blocks (the embedding,
+the loss, the pipeline's transfers). Inside a block, what dynamo cannot trace is marked ``torch.compiler.disable``
+where it is defined, so that each call is one graph break with nothing beneath it traced:
+
+* the communicator's collectives (:class:`hybrid.comm.Communicator`): the tensor-parallel all-reduces, sequence
+  parallelism's all-gathers and reduce-scatters. At TP1 none is reached (the tensor-parallel mappings are the
+  identity), so a dense block at TP1 under ZeRO 0-2 is one graph with no break;
+* ZeRO-3's gathers, from the hooks of the block's linear layers (:class:`hybrid.zero.param_gather.ParamGatherer`'s
+  ``module_pre``, ``module_post`` and ``read``);
+* selective recompute's checkpoint of the attention core (:func:`hybrid.tensor_parallel.random.checkpoint`: its
+  RNG-replay context is a closure dynamo's checkpoint operator does not take): the core runs eagerly under the
+  checkpoint, as without compilation. Full recompute checkpoints the whole compiled block from outside
+  (``GPTModel.forward_part``) and adds no break.
+
+The graph and break counts of each layout are measured and held by ``tests/compile/`` (docs/compile.md lists
+them); none grows with depth.
+
+Start-up refusals are :func:`compile_problem`'s (plain rules, read by config validation and by
+:func:`compile_blocks`). The inductor cache (the FX graph cache: a warm start compiles nothing again) lives where
+:func:`use_cache_dir` points it, before the first compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+from typing import TYPE_CHECKING, Dict, Optional
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from model_zoo.config import GPTConfig
+
+# The flag and config key every refusal names.
+FLAG = "--torch-compile"
+KEY = "model.compile"
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"  # inductor reads its cache folder from here at each compile
+
+
+def compile_problem(config: "GPTConfig", *, cp: int = 1) -> Optional[str]:
+    """Why ``config`` cannot be compiled block by block, in one line naming the flag and the fix; None when it can.
+
+    MoE blocks route a data-dependent number of tokens to each expert (dynamic shapes in every step) and
+    exchange them with ``all_to_all_v``; context parallelism's ring passes key/value blocks between ranks inside
+    the attention. Both would break every block into many small graphs: refused until they are made traceable.
+    """
+    if config.is_moe:
+        return (f"{FLAG} ({KEY}) does not compile MoE blocks yet (data-dependent routing); drop {FLAG} or "
+                f"train a dense model")
+    if cp > 1:
+        return (f"{FLAG} ({KEY}) does not compile context-parallel attention yet; drop {FLAG} or "
+                f"--context-parallel-size")
+    return None
+
+
+def use_cache_dir(path: Optional[str]) -> Optional[str]:
+    """Point inductor's caches (the FX graph cache among them) at ``path`` (created), before anything compiles;
+    None leaves inductor's default (``$TORCHINDUCTOR_CACHE_DIR`` or a folder under the temporary directory).
+    Returns the folder in use."""
+    if path is not None:
+        os.makedirs(path, exist_ok=True)
+        os.environ[CACHE_ENV] = os.path.abspath(path)
+    return os.environ.get(CACHE_ENV)
+
+
+def default_cache_dir(cache_dir: Optional[str], save_dir: Optional[str]) -> Optional[str]:
+    """The trainer's cache folder: ``model.compile_cache_dir`` when given, else ``compile-cache`` under the run's
+    ``checkpoint.save`` (a resumed run finds it there), else None (inductor's default)."""
+    if cache_dir is not None or save_dir is None:
+        return cache_dir
+    return os.path.join(save_dir, "compile-cache")
+
+
+@dataclasses.dataclass
+class CompileReport:
+    """What :func:`compile_blocks` compiled, and what compiling cost so far (dynamo's process-wide counters, less
+    their values when it was called)."""
+
+    blocks: int
+    backend: str
+    cache_dir: Optional[str]
+    _start: Dict[str, float]
+
+    @staticmethod
+    def _now() -> Dict[str, float]:
+        from torch._dynamo.utils import calculate_time_spent, counters
+
+        return {"graphs": counters["stats"]["unique_graphs"],
+                "breaks": sum(counters["graph_break"].values()),
+                "seconds": calculate_time_spent().get("total_wall_time", 0.0)}
+
+    def figures(self) -> Dict[str, float]:
+        """``graphs`` (distinct graphs compiled), ``breaks`` (graph breaks met while compiling), ``seconds`` (dynamo's
+        and inductor's compile time, forward and backward) since :func:`compile_blocks`."""
+        now = self._now()
+        return {k: now[k] - self._start[k] for k in ("graphs", "breaks", "seconds")}
+
+    def line(self) -> str:
+        f = self.figures()
+        cache = f", cache {self.cache_dir}" if self.cache_dir else ""
+        return (f"torch.compile: {self.blocks} transformer blocks as one compiled function ({self.backend}): "
+                f"{int(f['graphs'])} graph(s), {int(f['breaks'])} graph break(s), {f['seconds']:.1f} s compiling{cache}")
+
+
+def compile_blocks(model, *, backend: str = "inductor", cache_dir: Optional[str] = None) -> CompileReport:
+    """Compile ``model``'s transformer blocks (a :class:`~model_zoo.gpt.GPTModel`, this pipeline stage's blocks)
+    in place: one ``torch.compile`` of ``TransformerLayer.forward``, bound to each block. Call it before the first
+    forward. Raises ValueError (:func:`compile_problem`) on a model it does not compile."""
+    from model_zoo.transformer import TransformerLayer
+
+    topo = model.topology
+    problem = compile_problem(model.config, cp=topo.cp_size)
+    if problem:
+        raise ValueError(problem)
+    cache = use_cache_dir(cache_dir)
+    compiled = torch.compile(TransformerLayer.forward, backend=backend, dynamic=False)
+    blocks = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    for block in blocks:
+        block.forward = types.MethodType(compiled, block)
+    return CompileReport(len(blocks), backend, cache, CompileReport._now())
+
+
+def is_compiled(block) -> bool:
+    """Whether :func:`compile_blocks` compiled ``block`` (its ``forward`` is the compiled function)."""
+    return "forward" in vars(block)
