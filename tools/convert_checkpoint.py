@@ -6,6 +6,8 @@
     python tools/convert_checkpoint.py to-fp32 --load ckpt/iter_0001000 --output model_fp32.safetensors
     python tools/convert_checkpoint.py to-hf   --load ckpt --output hf_model [--tokenizer-model spm.model]
     python tools/convert_checkpoint.py from-hf --input hf_model --save ckpt_hf --tp 2
+    python tools/convert_checkpoint.py to-dcp  --load ckpt --output ckpt_dcp
+    python tools/convert_checkpoint.py from-dcp --input ckpt_dcp --save ckpt_back [--model-config model.json]
 
 ``--load`` takes a save directory (its ``latest``) or one ``DIR/iter_N``.
 Every subcommand streams one tensor at a time, shows a tqdm progress bar
@@ -95,11 +97,26 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--tp", type=int, default=1, help="tensor-parallel size to shard for (default 1)")
     i.add_argument("--dtype", choices=PRECISIONS, help="dtype (default: the HF weights' dtype)")
 
-    for s in (r, i):  # the subcommands that write a hybrid checkpoint, moving --save's latest
+    d = sub.add_parser("to-dcp", help="a torch.distributed.checkpoint folder, torchtitan's layout: the weights and, "
+                                      "for Adam, the moments and step (hybrid.convert.dcp)")
+    d.add_argument("--load", required=True, help="save directory or DIR/iter_N")
+    d.add_argument("--output", required=True, help="a new (or empty) folder for the DCP files")
+    d.add_argument("--dtype", choices=PRECISIONS, help="weight dtype (default: the fp32 masters of a bf16/fp16 run "
+                                                       "with optimizer state, else as saved)")
+    d.add_argument("--no-optimizer", action="store_true", help="write the weights alone")
+    e = sub.add_parser("from-dcp", help="import a torch.distributed.checkpoint folder (TP=1, DP=1; the Adam state "
+                                        "too where it holds one); nothing in it is unpickled but plain data")
+    e.add_argument("--input", required=True, help="the DCP folder (with its .metadata)")
+    e.add_argument("--save", required=True, help="save directory for the hybrid checkpoint")
+    e.add_argument("--model-config", help="JSON of the model's settings (a hybrid metadata.json's model_config; "
+                                          "default: the folder's hybrid_model_config.json, which to-dcp writes)")
+    e.add_argument("--dtype", choices=PRECISIONS, help="the run's precision (default: the weights' dtype)")
+
+    for s in (r, i, e):  # the subcommands that write a hybrid checkpoint, moving --save's latest
         s.add_argument("--force", action="store_true",
                        help="write into a --save folder that already holds checkpoints (its latest then names the "
                             "new one; default: refuse)")
-    for s in (r, f, h, i):
+    for s in (r, f, h, i, d, e):
         s.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -150,6 +167,20 @@ def run(args) -> str:
         if res.note:
             lines.append(f"note: {res.note}")
         return "\n".join(lines)
+    if args.command == "to-dcp":
+        from hybrid.convert.dcp import export_to_dcp
+
+        res = export_to_dcp(args.load, args.output, dtype=args.dtype, optimizer=not args.no_optimizer,
+                            progress=progress)
+        what = "weights and Adam state" if res["optimizer"] else "weights"
+        return f"wrote the {what} of {res['tensors']} tensors to {res['folder']}" + \
+            (f"\nnote: {res['note']}" if res["note"] else "")
+    if args.command == "from-dcp":
+        from hybrid.convert.dcp import import_from_dcp
+
+        out = import_from_dcp(args.input, args.save, model_config=args.model_config, dtype=args.dtype,
+                              force=args.force, progress=progress)
+        return f"wrote {out}; train from it with --load {args.save} (add --finetune for the weights alone)"
     from hybrid.convert.hf import import_from_hf
 
     out = import_from_hf(args.input, args.save, tp=args.tp, dtype=args.dtype, progress=progress, force=args.force)
