@@ -18,6 +18,7 @@ registered), so compiled graphs hold them; see docs/kernels.md, "Custom ops".
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Optional
 
 import torch
@@ -169,7 +170,7 @@ def _norm_backward(dy: Tensor, x: Tensor, weight: Tensor, mean: Optional[Tensor]
 
 
 def _stats_fake(x: Tensor) -> Tensor:
-    return x.new_empty((x.shape[:-1].numel(),), dtype=torch.float32)
+    return x.new_empty((math.prod(x.shape[:-1]),), dtype=torch.float32)  # Size.numel() would specialize
 
 
 @custom_op("layer_norm_forward")

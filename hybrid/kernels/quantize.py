@@ -88,7 +88,7 @@ if sys.byteorder != "little":  # the wire stores the scales as raw little-endian
 def _check_format(bits: int, block: int) -> None:
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits}")
-    if not isinstance(block, int) or block <= 0:
+    if not isinstance(block, (int, torch.SymInt)) or block <= 0:  # SymInt: a block dynamo made dynamic
         raise ValueError(f"block must be a positive int, got {block!r}")
     if bits == 4 and block % 2:
         raise ValueError(f"int4 needs an even block, got {block}")

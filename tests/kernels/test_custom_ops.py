@@ -2,9 +2,10 @@
 registered op's CPU path, and torch.compile(fullgraph=True) holding each op as one graph node
 with the eager result.
 
-CPU only. The ops' CUDA path (the cuda_norm and cuda_quantize kernels behind the same ops) is
-compiled, not run, here: tests/kernels/test_check_cuda.py compiles csrc/cuda, and
-benchmarks/gpu/check_kernels.py runs the kernels on a GPU.
+The ops' CUDA path (the cuda_norm and cuda_quantize kernels behind the same ops) is compiled,
+not run, on a machine without a GPU: tests/kernels/test_check_cuda.py compiles csrc/cuda;
+test_opcheck_cuda runs the same opchecks on CUDA tensors where a GPU is present, and
+benchmarks/gpu/check_kernels.py runs the kernels there.
 
 The quantize ops run the compiled cpu_quantize kernel when it builds (the default test
 environment builds it), the torch path otherwise; the norm ops run the torch formulas of the
@@ -54,13 +55,13 @@ def _sample_inputs():
     """name -> list of argument tuples covering each op's cases (dtypes, optional bias, partial blocks)."""
     x, w, b = _norm_inputs()
     xb, wb32, _ = _norm_inputs(torch.bfloat16, torch.float32, seed=2)
-    xt = x.transpose(0, 1)  # non-contiguous input: the outputs are contiguous, as the fakes say
+    xbt = xb.transpose(0, 1)  # non-contiguous input: the outputs are contiguous, as the fakes say
     mean, rstd = _forward_stats(x, w, b)
     dy = torch.randn(x.shape, generator=_gen(3))
     _, rstd_b = hybrid_ops.rms_norm_forward(xb, wb32, 1e-6)
     grad = lambda *ts: tuple(t.clone().requires_grad_() for t in ts)  # noqa: E731
     return {
-        "layer_norm_forward": [(*grad(x, w, b), 1e-5), (*grad(xt, w), None, 1e-5), (*grad(xb, wb32, wb32), 1e-5)],
+        "layer_norm_forward": [(*grad(x, w), None, 1e-5), (*grad(xbt, wb32, wb32), 1e-5)],
         "layer_norm_backward": [(dy, x, w, mean, rstd, True), (dy, x, w, mean, rstd, False)],
         "rms_norm_forward": [(*grad(x, w), 1e-6), (*grad(xb, wb32), 1e-6)],
         "rms_norm_backward": [(dy.to(torch.float32), xb, wb32, rstd_b)],
@@ -84,6 +85,21 @@ def test_every_registered_op_has_samples_and_lives_in_the_namespace():
     for name, op in library.REGISTERED.items():
         assert getattr(hybrid_ops, name).default is op._opoverload
         assert str(op._opoverload.namespace) == library.NAMESPACE
+
+
+def _on(device, args):
+    """The sample arguments moved to ``device`` (leaves that required grad still do)."""
+    return tuple(a.detach().to(device).requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                 for a in args)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the CUDA paths are compiled, not run, here")
+@pytest.mark.parametrize("name", sorted(_sample_inputs()))
+def test_opcheck_cuda(name):
+    """The same checks on CUDA tensors: the cuda_norm / cuda_quantize kernels behind the ops."""
+    for args in _sample_inputs()[name]:
+        result = torch.library.opcheck(library.REGISTERED[name], _on("cuda", args))
+        assert all(v == "SUCCESS" for v in result.values()), (name, args, result)
 
 
 @pytest.mark.parametrize("name", sorted(_sample_inputs()))
@@ -155,6 +171,26 @@ def test_compiled_codec_is_one_graph_holding_the_ops_and_bit_identical(bits, blo
         assert recorder.calls(op.default) == 1
     for g, w in zip(got, want):  # the same kernel runs in both: equal to the bit
         assert _same_bits(g, w)
+
+
+def test_codec_and_norm_ops_trace_with_dynamic_shapes():
+    """Under dynamic=True the row length, the block and the row count are symbols: the fakes
+    compute the wire and output shapes from them, one graph serves every size."""
+    torch._dynamo.reset()
+
+    def fn(x, w, block):
+        wire = Q.pack(x, 8, block)
+        y = hybrid_ops.layer_norm_forward(x, w, None, 1e-5)[0]
+        return wire, Q.unpack(wire, x.shape[-1], 8, block), Q.unpack_sum(wire, x.shape[-1], 8, block), y
+
+    recorder = GraphRecorder()
+    compiled = torch.compile(fn, backend=recorder, dynamic=True, fullgraph=True)
+    for rows, k, block in ((3, 300, 64), (5, 513, 64), (2, 77, 32)):
+        x, w = torch.randn(rows, k, generator=_gen(k)), torch.randn(k, generator=_gen(rows))
+        got, want = compiled(x, w, block), fn(x, w, block)
+        assert got[0].shape == (rows, Q.wire_bytes(k, 8, block))
+        assert all(_same_bits(g, r) for g, r in zip(got, want))
+    assert len(recorder.graphs) == 1
 
 
 @pytest.mark.slow  # inductor's C++ compile: ~9 s on two cores
