@@ -49,7 +49,11 @@ _MAPPED = {
                           "param_persistence_threshold": "zero.persistence_threshold",
                           "max_live_parameters": "zero.max_live_parameters",
                           "prefetch_bucket_size": "zero.prefetch_bucket_size",
-                          "max_reuse_distance": "zero.max_reuse_distance"},
+                          "max_reuse_distance": "zero.max_reuse_distance",
+                          # a consolidated 16-bit model written with each save (and DeepSpeed's other spellings)
+                          "stage3_gather_16bit_weights_on_model_save": "checkpoint.save_16bit_model",
+                          "gather_16bit_weights_on_model_save": "checkpoint.save_16bit_model",
+                          "stage3_gather_fp16_weights_on_model_save": "checkpoint.save_16bit_model"},
     "zero_optimization.offload_optimizer": {"device": "zero.offload_optimizer"},
     "fp16": {"loss_scale": "loss_scaling.loss_scale", "initial_scale_power": "loss_scaling.initial_scale_power",
              "loss_scale_window": "loss_scaling.loss_scale_window", "hysteresis": "loss_scaling.hysteresis",
@@ -72,8 +76,7 @@ _FIXED = {
          "zero_allow_untested_optimizer": False},
     "zero_optimization": {"contiguous_gradients": True, "reduce_scatter": True, "allgather_partitions": True,
                           # the off values of features listed in _UNSUPPORTED, whose hint the other values get
-                          "cpu_offload": False, "round_robin_gradients": False, "elastic_checkpoint": False,
-                          "stage3_gather_16bit_weights_on_model_save": False},
+                          "cpu_offload": False, "round_robin_gradients": False, "elastic_checkpoint": False},
     # hybrid pins host buffers whenever the model is on a CUDA device
     "zero_optimization.offload_optimizer": {"pin_memory": True},
     "fp16": {"auto_cast": False, "consecutive_hysteresis": False},
@@ -82,8 +85,6 @@ _FIXED = {
 
 _NOT_YET = "not implemented yet (issue 53)"
 _ISSUE_8 = "hybrid does not implement it (parameter offload, NVMe and sub-groups are out of scope); remove it"
-_CONSOLIDATE = ("hybrid saves sharded checkpoints and consolidates them offline (tools/convert_checkpoint.py to-fp32 "
-                "or to-hf); remove it")
 # Known DeepSpeed keys hybrid does not support, with what to do instead.
 _UNSUPPORTED = {
     "": {
@@ -107,21 +108,19 @@ _UNSUPPORTED = {
         "use_data_before_expert_parallelism": "Mixture-of-Experts is not implemented yet (issue: MoE); remove it",
     },
     "zero_optimization": {
-        "offload_param": f"parameter offload is {_NOT_YET}; remove it",
+        "offload_param": "ZeRO-3 parameter offload (the parameter partitions in host or NVMe memory, fetched for "
+                         "each module) is not implemented: hybrid's stage 3 keeps each rank's 1/dp of the parameters "
+                         "on its device; offload_optimizer.device cpu moves the fp32 masters and the optimizer "
+                         "state, most of the memory; remove it (or give device none)",
         "zenflow": "ZenFlow (offloading the updates of the less important gradients) is not implemented; hybrid "
                    "offloads the whole optimizer step (offload_optimizer.device cpu); remove it",
         "cpu_offload_params": _ISSUE_8, "cpu_offload_use_pin_memory": "remove it; host buffers are pinned on GPUs",
         "stage3_model_persistence_threshold": _ISSUE_8, "model_persistence_threshold": _ISSUE_8,
         "cpu_offload_param": _ISSUE_8, "pipeline_loading_checkpoint": "remove it",
-        "gather_16bit_weights_on_model_save": _CONSOLIDATE.replace("; remove it", "; a consolidated 16-bit model "
-                                                                   f"written with each save is {_NOT_YET}; remove it"),
         "leaf_module": "Mixture-of-Experts is not implemented yet (issue: MoE); remove it",
         "save_muon_momentum_buffer_in_memory": "hybrid has no Muon optimizer; remove it",
         "zero_quantized_nontrainable_weights": "hybrid trains every weight (none is frozen); remove it",
-        "zeropp_loco_param": "ZeRO++'s LoCo error feedback is not implemented; remove it", "stage3_gather_16bit_weights_on_model_save": _CONSOLIDATE.replace("; remove it", "; a consolidated "
-                                                                                 "16-bit model written with each "
-                                                                                 f"save is {_NOT_YET}; remove it"),
-        "stage3_gather_fp16_weights_on_model_save": _CONSOLIDATE, "sub_group_size": f"optimizer sub-groups (with parameter offload) are {_NOT_YET}; remove it",
+        "zeropp_loco_param": "ZeRO++'s LoCo error feedback is not implemented; remove it",
         "elastic_checkpoint": "remove it", "load_from_fp32_weights": "remove it",
         "round_robin_gradients": "remove it",
         "mics_shard_size": "remove it", "mics_hierarchical_params_gather": "remove it",
@@ -179,7 +178,11 @@ _NOTED = {
                                                  "untested client optimizer to allow"),
          "log_level": (str, "the verbosity of DeepSpeed's own logger")},
     "zero_optimization": {"contiguous_gradients": (bool, "hybrid's gradients always live in flat contiguous "
-                                                          "buffers; the values are the same")},
+                                                          "buffers; the values are the same"),
+                          "sub_group_size": ((int, float), "DeepSpeed's ZeRO-3 steps the optimizer over sub-groups of "
+                                                           "this many elements to bound the step's temporary memory; "
+                                                           "hybrid steps each rank's partition at once, and Adam's "
+                                                           "elementwise update gives the same values")},
     "fp16": {"auto_cast": (bool, "it casts the model's floating-point inputs to fp16; a GPT's inputs are token ids, "
                                  "which it leaves alone")},
 }
@@ -458,8 +461,10 @@ def _enabled_flag(section: Any, key: str) -> bool:
 
 
 def _switched_off(value: Any) -> bool:
-    """A feature section with ``"enabled": false``: the feature is off, as it is in hybrid."""
-    return isinstance(value, Mapping) and value.get("enabled") is False
+    """A feature section with ``"enabled": false``, or an offload section with ``"device": "none"``: the feature
+    is off, as it is in hybrid."""
+    return isinstance(value, Mapping) and (value.get("enabled") is False
+                                           or str(value.get("device", "")).lower() == "none")
 
 
 def _is_a(value: Any, kind) -> bool:

@@ -218,6 +218,12 @@ class CheckpointConfig:
                                    "to host memory (one copy of it); a thread writes, fsyncs and checksums it, and "
                                    "latest moves at the first step after every rank has written; at most one save "
                                    "in flight. Also read by the engine's save_checkpoint")
+    save_16bit_model: bool = _field(False, flag="--save-16bit-model",
+                                    help="with each save, also write the whole model consolidated (TP-merged, "
+                                         "unpadded, under the model's names) in the training precision (bf16, fp16; "
+                                         "fp32 runs: fp32) to iter_N/model_16bit.safetensors, from rank 0: "
+                                         "DeepSpeed's stage3_gather_16bit_weights_on_model_save. Also read by the "
+                                         "engine's save_checkpoint; not with async_save")
     async_save_chunk_mb: Optional[int] = _field(None, ge=1, flag="--async-save-chunk-mb",
                                                 help="with async_save: copy at most this many MiB per rank; the "
                                                      "files (model shard, optimizer partition) that do not fit are "

@@ -286,6 +286,11 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
         if value is not None and ckpt.save is None:
             error(f"config key 'checkpoint.{key}' needs 'checkpoint.save' (a directory to save in)",
                   f"checkpoint.{key}", "checkpoint.save")
+    if ckpt.save_16bit_model and ckpt.async_save:
+        error("config key 'checkpoint.save_16bit_model' writes the consolidated model from the finished checkpoint "
+              "as the save returns; a background save ('checkpoint.async_save') finishes later: give one of them, "
+              "or convert a finished checkpoint with tools/convert_checkpoint.py", "checkpoint.save_16bit_model",
+              "checkpoint.async_save")
     if ckpt.async_save_chunk_mb is not None and not ckpt.async_save:
         error("config key 'checkpoint.async_save_chunk_mb' bounds the host copy of a background save; it "
               "needs 'checkpoint.async_save'", "checkpoint.async_save_chunk_mb", "checkpoint.async_save")

@@ -21,18 +21,20 @@ from hybrid.convert.output import (ProgressFactory, nbytes_of, open_bar, read_ah
                                    write_safetensors_file)
 
 
-def export_fp32(load, output, *, progress: Optional[ProgressFactory] = None) -> Path:
-    """Write the checkpoint at ``load`` (a save dir or ``DIR/iter_N``) to ``output`` (.safetensors)."""
+def export_fp32(load, output, *, progress: Optional[ProgressFactory] = None,
+                dtype: torch.dtype = torch.float32) -> Path:
+    """Write the checkpoint at ``load`` (a save dir or ``DIR/iter_N``) to ``output`` (.safetensors), each tensor
+    rounded to ``dtype`` (from the fp32 masters, when saved)."""
     output = Path(output)
     if output.suffix != ".safetensors":
         raise ValueError(f"--output {output}: the consolidated file is safetensors; name it *.safetensors")
     output.parent.mkdir(parents=True, exist_ok=True)
     with CheckpointSource(CheckpointReader(load)) as src:
-        total = sum(nbytes_of(t.full_shape, torch.float32) for t in src.tensors.values())
+        total = sum(nbytes_of(t.full_shape, dtype) for t in src.tensors.values())
         bar = open_bar(progress, "to-fp32", total)
         try:
-            tensors = {name: tracked(t.full_shape, torch.float32,
-                                     lambda name=name: src.read_weight(name, dtype=torch.float32), bar)
+            tensors = {name: tracked(t.full_shape, dtype,
+                                     lambda name=name: src.read_weight(name, dtype=torch.float32).to(dtype), bar)
                        for name, t in src.tensors.items()}
             with read_ahead(tensors) as tensors:
                 write_safetensors_file(output, tensors, {

@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Protocol
 
 import torch
@@ -70,6 +71,9 @@ def _model_defaults(parts: TrainingParts) -> Dict[str, Any]:
     if not dataclasses.is_dataclass(config):
         return {}
     return {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
+
+
+MODEL_16BIT_FILE = "model_16bit.safetensors"  # checkpoint.save_16bit_model's file in each iter_N
 
 
 class EngineCheckpoints:
@@ -142,9 +146,12 @@ class EngineCheckpoints:
                     consumed_samples=consumed_samples, model_config=_model_config(parts), param_index=param_index,
                     trainer_state=trainer_state, keep_last=keep_last, healthy=healthy)
         if background is None:
-            return save_checkpoint(save_dir, iteration, self.layout, self.coord,
+            path = save_checkpoint(save_dir, iteration, self.layout, self.coord,
                                    all_gather_object=topo.comm.all_gather_object,
                                    collective_timeout_s=self.timeout_s, **args)
+            if getattr(self.settings, "save_16bit_model", False):
+                self._write_16bit_model(path)
+            return path
         # The weights and the optimizer partition change only in the optimizer's update and in loads, behind its
         # write fence: the writer copies them. Module buffers may change in forward: copied now.
         if parts.optimizer.model_state_is_copy:
@@ -157,6 +164,19 @@ class EngineCheckpoints:
         return background.submit(save_dir, iteration, self.layout, self.coord,
                                  all_gather_object=topo.comm.all_gather_object, deferred=deferred,
                                  handed_over=handed_over, started=started, **args)
+
+    def _write_16bit_model(self, path) -> None:
+        """``checkpoint.save_16bit_model``: rank 0 writes ``path/model_16bit.safetensors``, the whole model in the
+        training precision read back from the checkpoint just written (its fp32 masters rounded, as the weights
+        are); every rank waits for it (a world barrier), so that the save returns with the file in place."""
+        from hybrid.convert.fp32 import export_fp32
+        from hybrid.layout import PRECISION_DTYPES
+
+        topo = self.parts.topology
+        if topo.rank == 0:
+            dtype = getattr(torch, PRECISION_DTYPES[self.layout.precision])
+            export_fp32(path, Path(path) / MODEL_16BIT_FILE, dtype=dtype)
+        topo.comm.barrier()
 
     def load(self, load_dir, *, load_optimizer: bool = True, schedule: str = "check",
              load_progress: Optional[bool] = None, load_rng: Optional[bool] = None) -> Dict[str, Any]:

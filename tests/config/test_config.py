@@ -68,7 +68,7 @@ FULL = {
                    "keep_last": 2, "finetune": False, "no_load_optim": False, "no_load_rng": False,
                    "use_checkpoint_args": False,
                    "override_opt_param_scheduler": True, "use_checkpoint_opt_param_scheduler": False,
-                   "async_save": True, "async_save_chunk_mb": 256},
+                   "async_save": True, "save_16bit_model": False, "async_save_chunk_mb": 256},
     "run": {"train_iters": 100, "train_samples": None, "train_tokens": None, "exit_interval": 60, "exit_duration_in_mins": 30.0,
             "max_consecutive_skipped_steps": 20, "skip_train": False, "check_for_nan_in_loss_and_grad": False,
             "loss_spike_factor": 3.0, "loss_spike_window": 50},

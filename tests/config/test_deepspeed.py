@@ -205,9 +205,9 @@ def test_detection():
     ({"train_batch_size": 8, "zero_allow_untested_optimizer": "yes"}, r"'zero_allow_untested_optimizer' must be a "
                                                                       r"bool"),
     ({"train_batch_size": 8, "flops_profiler": {"enabled": True}}, r"'flops_profiler' is not supported"),
-    ({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}},
-     r"'zero_optimization\.stage3_gather_16bit_weights_on_model_save' is not supported by hybrid: hybrid saves "
-     r"sharded checkpoints and consolidates them offline \(tools/convert_checkpoint\.py to-fp32 or to-hf\)"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}},
+     r"'zero_optimization\.offload_param' is not supported by hybrid: ZeRO-3 parameter offload \(the parameter "
+     r"partitions in host or NVMe memory, fetched for each module\) is not implemented"),
     ({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, r"'optimizer\.params\.max_grad_norm' is "
                                                                         r"not supported by hybrid: clip with the "
                                                                         r"top-level gradient_clipping"),
@@ -283,6 +283,14 @@ COMMON_ZERO2 = {
     "flops_profiler": {"enabled": False, "profile_step": 1, "module_depth": -1, "top_modules": 3},
     "comms_logger": {"enabled": False, "verbose": False},
 }
+
+
+def test_the_16bit_model_key_and_parameter_offload_switched_off():
+    for key in ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                "stage3_gather_fp16_weights_on_model_save"):
+        cfg = load_config({"zero_optimization": {"stage": 3, key: True, "offload_param": {"device": "none"}}})
+        assert cfg.checkpoint.save_16bit_model is True and cfg.zero.stage == 3
+    assert load_config(COMMON_ZERO2).checkpoint.save_16bit_model is False
 
 
 def test_a_common_zero2_config_loads_with_its_switched_off_features_and_knobs():
