@@ -12,6 +12,8 @@ loss on. Tolerances as tests/engine/test_batch_ramp_dist.py derives them: Adam's
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from tests.multiproc import run_distributed
@@ -41,17 +43,26 @@ def _plain(tensors):
     return {n: t.detach().float().numpy().copy() for n, t in tensors.items()}
 
 
-def train(tp: int, pp: int, ep: int, stage: int, overrides: dict, cp: int = 1, base: dict = MOE):
+def train(tp: int, pp: int, ep: int, stage: int, overrides: dict, cp: int = 1, base: dict = MOE,
+          compiled: bool = False, extra: Optional[dict] = None):
+    """``compiled``: each transformer block through torch.compile (model_zoo.compile); ``extra``: more engine
+    config keys (a pipeline schedule, zero switches)."""
     import hybrid
     from hybrid.config.parse import config_from_dict
+    from hybrid.pipeline.split import split_from_config
     from hybrid.tensor_parallel.gather import full_state
     from model_zoo import GPTConfig, GPTModel
 
     topo = hybrid.Topology(tp=tp, pp=pp, ep=ep, cp=cp, timeout_s=60)
     zero = {"stage": stage, **({"persistence_threshold": 0} if stage == 3 else {})}
-    config = config_from_dict({**CFG, "zero": zero})
+    extra = dict(extra or {})
+    config = config_from_dict({**CFG, **extra, "zero": {**zero, **extra.pop("zero", {})}})
     cfg = GPTConfig(**{**base, "sequence_parallel": tp > 1, **overrides})
-    model = GPTModel(cfg, topo, seed=SEED)
+    model = GPTModel(cfg, topo, seed=SEED, split=split_from_config(config.pipeline, cfg.num_layers, pp))
+    if compiled:
+        from model_zoo.compile import compile_blocks
+
+        compile_blocks(model)
     engine = hybrid.initialize(model, config, topology=topo)
     ids, labels = data(base)
     share = GLOBAL // topo.dp_size
