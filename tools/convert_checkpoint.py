@@ -6,6 +6,8 @@
     python tools/convert_checkpoint.py to-fp32 --load ckpt/iter_0001000 --output model_fp32.safetensors
     python tools/convert_checkpoint.py to-hf   --load ckpt --output hf_model [--tokenizer-model spm.model]
     python tools/convert_checkpoint.py from-hf --input hf_model --save ckpt_hf --tp 2
+    python tools/convert_checkpoint.py from-deepspeed --input ds_ckpt --hf-config hf_model/config.json --save ckpt \
+                                              --tp 2 --dp 2 [--target-zero-stage 1]
     python tools/convert_checkpoint.py to-dcp  --load ckpt --output ckpt_dcp
     python tools/convert_checkpoint.py from-dcp --input ckpt_dcp --save ckpt_back [--model-config model.json]
 
@@ -112,11 +114,25 @@ def build_parser() -> argparse.ArgumentParser:
                                           "default: the folder's hybrid_model_config.json, which to-dcp writes)")
     e.add_argument("--dtype", choices=PRECISIONS, help="the run's precision (default: the weights' dtype)")
 
-    for s in (r, i, e):  # the subcommands that write a hybrid checkpoint, moving --save's latest
+    ds = sub.add_parser("from-deepspeed", help="a DeepSpeed ZeRO-1/2/3 checkpoint of a Hugging Face GPT-2 or Llama "
+                                               "(deepspeed.initialize) with its Adam state and step, to continue "
+                                               "training (hybrid.convert.from_deepspeed)")
+    ds.add_argument("--input", required=True, help="the folder DeepSpeed saved into (its latest) or a global_stepN")
+    ds.add_argument("--tag", help="the global_stepN folder to read (default: the one latest names)")
+    ds.add_argument("--hf-config", required=True, help="the model's Hugging Face config.json (or the folder with it)")
+    ds.add_argument("--save", required=True, help="save directory for the hybrid checkpoint")
+    # The loading job's layout, spelled as its own flags.
+    ds.add_argument("--tp", type=int, default=1, help="its --tensor-model-parallel-size (default 1)")
+    ds.add_argument("--dp", type=int, default=1, help="its data-parallel size (default 1)")
+    ds.add_argument("--pipeline-model-parallel-size", dest="pp", type=int, default=1, help="its pipeline size (1)")
+    ds.add_argument("--target-zero-stage", type=int, default=1, help="its --zero-stage (default 1)")
+    ds.add_argument("--zero-bucket-size", type=int, help="its --zero-bucket-size (default: the trainer's)")
+
+    for s in (r, i, ds, e):  # the subcommands that write a hybrid checkpoint, moving --save's latest
         s.add_argument("--force", action="store_true",
                        help="write into a --save folder that already holds checkpoints (its latest then names the "
                             "new one; default: refuse)")
-    for s in (r, f, h, i, d, e):
+    for s in (r, f, h, i, ds, d, e):
         s.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -181,6 +197,17 @@ def run(args) -> str:
         out = import_from_dcp(args.input, args.save, model_config=args.model_config, dtype=args.dtype,
                               force=args.force, progress=progress)
         return f"wrote {out}; train from it with --load {args.save} (add --finetune for the weights alone)"
+    if args.command == "from-deepspeed":
+        from hybrid.convert.from_deepspeed import convert_from_deepspeed
+        from hybrid.convert.reshard import DEFAULT_BUCKET_SIZE
+
+        out = convert_from_deepspeed(args.input, args.save, hf_config=args.hf_config, tp=args.tp, dp=args.dp,
+                                     pp=args.pp, target_zero_stage=args.target_zero_stage, tag=args.tag,
+                                     bucket_size=DEFAULT_BUCKET_SIZE if args.zero_bucket_size is None
+                                     else args.zero_bucket_size, progress=progress,
+                                     force=args.force)
+        return (f"wrote {out}; continue training from it with --load {args.save} --no-load-rng (DeepSpeed saves no "
+                f"random state) and the run's model, optimizer and learning-rate settings")
     from hybrid.convert.hf import import_from_hf
 
     out = import_from_hf(args.input, args.save, tp=args.tp, dtype=args.dtype, progress=progress, force=args.force)

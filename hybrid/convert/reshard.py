@@ -208,21 +208,30 @@ def reshard_checkpoint(load, save, *, target_tp: int, target_dp: Optional[int] =
             writer = CheckpointWriter(save, reader.iteration, target)
             try:
                 writer.prepare()
-                records = []
-                for p, (share, plan) in enumerate(zip(shares, plans)):
-                    for t in range(target.tp):
-                        with read_ahead(_model_sources(src, target, t, share, bar)) as sources:
-                            records.append(writer.write_model_shard(sources, t, p))
-                        if with_optimizer:
-                            records += _write_partitions(writer, src, target, t, p, plan, keys, bar)
+                records, param_index = write_shares(writer, src, target, shares, plans, keys, bar)
                 records += _write_rank_states(writer, reader, target)
-                indexes = [plan.metadata_index() for plan in plans]
-                param_index = indexes if target.pp > 1 else indexes[0]
                 writer.commit(records, consumed_samples=reader.consumed_samples, model_config=reader.model_config,
                               param_index=param_index, trainer_state=_trainer_state(reader, target, args, pipe))
             finally:
                 bar.close()
     return writer.iter_dir
+
+
+def write_shares(writer: CheckpointWriter, src: CheckpointSource, target: ParallelLayout, shares: List[StageShare],
+                 plans: List[RankPlan], keys: List[str], bar) -> Tuple[list, Any]:
+    """Every model file of ``target`` and, when ``keys`` (:meth:`CheckpointSource.state_keys`) are given, every
+    optimizer file, each pipeline rank's ``share`` laid out as its ``plan`` says, from ``src`` (anything with
+    :class:`CheckpointSource`'s ``tensors``, ``read`` and ``optimizer_header``). Returns the file records and
+    the parameter index for ``metadata.json`` (one per pipeline stage when ``target.pp > 1``)."""
+    records = []
+    for p, (share, plan) in enumerate(zip(shares, plans)):
+        for t in range(target.tp):
+            with read_ahead(_model_sources(src, target, t, share, bar)) as sources:
+                records.append(writer.write_model_shard(sources, t, p))
+            if keys:
+                records += _write_partitions(writer, src, target, t, p, plan, keys, bar)
+    indexes = [plan.metadata_index() for plan in plans]
+    return records, indexes if target.pp > 1 else indexes[0]
 
 
 def _target_pipeline(saved: ParallelLayout, args: dict, given: Mapping[str, Any]) -> PipelineConfig:

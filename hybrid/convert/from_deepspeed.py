@@ -1,0 +1,397 @@
+"""``from-deepspeed``: a DeepSpeed ZeRO checkpoint (stage 1, 2 or 3) as a hybrid checkpoint that training continues.
+
+What DeepSpeed saves (``engine.save_checkpoint(DIR)``; ``DIR/latest`` names the tag)::
+
+    DIR/global_stepN/mp_rank_00_model_states.pt                   stages 1-2: module, param_shapes, counters
+    DIR/global_stepN/zero_pp_rank_R_mp_rank_00_model_states.pt    stage 3: the same, one per DP rank
+    DIR/global_stepN/[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt   DP rank R's flat fp32 partitions
+
+Every file is read with :mod:`hybrid.convert.safe_pickle` (nothing in it runs).
+How the flat partitions are laid out is DeepSpeed's own ``zero_to_fp32.py``'s
+reconstruction (read for the facts; the code here is hybrid's):
+
+* **stages 1 and 2**: per parameter group ``g``, the group's flat vector is
+  the concatenation over DP ranks of ``single_partition_of_fp32_groups[g]``;
+  the group's parameters (``param_shapes[g]``, in order) lie in it one after
+  the other (plus ``param_alignment_paddings[g][i]`` elements after parameter
+  ``i`` where a release records them); the tail is padding. The Adam moments
+  (``base_optimizer_state["state"][g]["exp_avg"]`` / ``["exp_avg_sq"]``) are
+  flat partitions of the same layout;
+* **stage 3**: each parameter is split on its own: ``ceil(numel / world)``
+  elements on every rank (the last rank padded), placed one after the other in
+  each rank's groups (``fp32_flat_groups``, concatenated in group order); the
+  full parameter is the ranks' slices concatenated, cut to ``numel``. The
+  moments (``optimizer_state_dict["state"][g]``) follow the same layout.
+
+The fp32 masters and both moments are then renamed and rearranged to hybrid's
+parameters with the Hugging Face maps (:mod:`hybrid.convert.hf_gpt2`,
+:mod:`hybrid.convert.hf_llama`: the model's ``config.json`` says which), the
+same element permutation applied to all three, and written in the target
+layout by the offline reshard's writer (:func:`hybrid.convert.reshard.write_shares`):
+model files, ZeRO partitions planned by the optimizer's own rules, and
+``metadata.json`` with the iteration (DeepSpeed's ``global_steps``), consumed
+samples (``global_samples``), Adam's step and the learning-rate schedule's
+position. DeepSpeed saves no random state, so the checkpoint has no rank files:
+the loading job starts its generators from its seed (``--no-load-rng``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from hybrid.checkpoint import CheckpointWriter
+from hybrid.config.parse import config_from_dict
+from hybrid.convert import safe_pickle
+from hybrid.convert.consolidate import MASTER, WEIGHT, ZERO_STATE_FORMAT, ConversionError, SavedTensor, Target
+from hybrid.convert.hf import _fresh_buffers, _hybrid_full, gpt_param_layout, map_for_hf
+from hybrid.convert.hf_io import read_json
+from hybrid.convert.output import ProgressFactory, new_checkpoint_in, open_bar
+from hybrid.convert.reshard import DEFAULT_BUCKET_SIZE, RankPlan, _weights_index, plan_rank, write_shares
+from hybrid.convert.stages import pipeline_shares
+from hybrid.dtypes import DTYPES
+from hybrid.engine.builders import exclude_1d_params
+from hybrid.layout import LayoutError, ParallelLayout, zero_stage
+from hybrid.param_meta import REPLICATED, shard
+from hybrid.zero.flat_buffer import dtype_name
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+_RANK = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)")
+
+
+@dataclasses.dataclass
+class DeepSpeedState:
+    """A DeepSpeed ZeRO checkpoint reassembled: every trainable parameter whole, under DeepSpeed's names."""
+
+    path: Path  # the global_stepN folder
+    stage: int
+    world: int  # DP ranks that saved it
+    precision: str  # fp32, bf16 or fp16 (the run's ds_config)
+    state: Dict[str, Dict[str, torch.Tensor]]  # "master" / "exp_avg" / "exp_avg_sq" -> name -> fp32 tensor
+    shared: Dict[str, str]  # tied names -> the name holding the tensor (lm_head.weight -> transformer.wte.weight)
+    step: int  # Adam's step (its bias correction)
+    global_steps: int
+    global_samples: int
+    skipped_steps: int
+    optimizer: Dict[str, Any]  # hybrid's optimizer header entry: type, lr, betas, eps, weight_decay, momentum
+    scheduled: bool  # whether the run had a DeepSpeed learning-rate scheduler
+
+
+# ---- reading ---------------------------------------------------------------------------------------------
+def find_tag_dir(path, tag: Optional[str] = None) -> Path:
+    """The ``global_stepN`` folder of a DeepSpeed save: ``path/tag``, ``path/<latest>``, or ``path`` itself."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConversionError(f"--input {path} is not a directory (expected a DeepSpeed checkpoint folder)")
+    if tag is not None:
+        found = path / tag
+    elif any(path.glob("*model_states.pt")):
+        return path
+    elif (path / "latest").is_file():
+        found = path / (path / "latest").read_text().strip()
+    else:
+        raise ConversionError(f"--input {path} holds neither a 'latest' file nor *_model_states.pt files; pass the "
+                              f"folder DeepSpeed saved into (or its global_stepN folder), or --tag")
+    if not found.is_dir():
+        raise ConversionError(f"{found} does not exist (named by {'--tag' if tag else path / 'latest'})")
+    return found
+
+
+def _rank_of(file: Path) -> Tuple[int, int]:
+    m = _RANK.search(file.name)
+    if m is None:
+        raise ConversionError(f"{file}: not a DeepSpeed ZeRO file name (zero_pp_rank_R_mp_rank_M_...)")
+    return int(m.group(1)), int(m.group(2))
+
+
+def read_deepspeed(path, tag: Optional[str] = None) -> DeepSpeedState:
+    """Read and reassemble the DeepSpeed ZeRO checkpoint at ``path`` (see the module docstring)."""
+    folder = find_tag_dir(path, tag)
+    if any(folder.glob("layer_*")):
+        raise ConversionError(f"{folder} is a pipeline-parallel DeepSpeed checkpoint (layer_* files); from-deepspeed "
+                              f"reads ZeRO checkpoints of models wrapped by deepspeed.initialize without pipeline "
+                              f"stages")
+    optim_files = sorted(folder.glob("*_optim_states.pt"), key=_rank_of)
+    if not optim_files:
+        raise ConversionError(f"{folder} holds no *_optim_states.pt files: it was saved without ZeRO optimizer state, "
+                              f"which from-deepspeed needs to continue training")
+    if any(_rank_of(f)[1] != 0 for f in optim_files):
+        raise ConversionError(f"{folder} was saved with tensor (model) parallelism (mp_rank_01 files): from-deepspeed "
+                              f"reads checkpoints of one model-parallel rank")
+    model_files = sorted(folder.glob("*model_states.pt"))
+    model = safe_pickle.load(model_files[0])
+    optim = [safe_pickle.load(f)["optimizer_state_dict"] for f in optim_files]
+    first = optim[0]
+    stage = _stage(first, optim_files[0])
+    counts = first.get("partition_count")
+    world = max(counts) if isinstance(counts, list) else int(counts)
+    if world != len(optim_files):
+        raise ConversionError(f"{folder} holds {len(optim_files)} *_optim_states.pt files but was saved by {world} "
+                              f"data-parallel ranks; a rank's file is missing (or an older save was overwritten)")
+    if model.get("frozen_param_shapes"):
+        frozen = list(model["frozen_param_shapes"])
+        raise ConversionError(f"{model_files[0]} holds frozen parameters ({', '.join(frozen[:3])}); hybrid trains "
+                              f"every parameter, so from-deepspeed converts models without frozen ones")
+    shapes = [dict(group) for group in model["param_shapes"]]
+    if stage <= 2:
+        flats = [sd["single_partition_of_fp32_groups"] for sd in optim]
+        moments = [sd["base_optimizer_state"]["state"] for sd in optim]
+        merge = lambda per_rank, what: _merge_stage12(per_rank, shapes, first.get("param_alignment_paddings"),
+                                                      folder, what)  # noqa: E731
+        groups = first["base_optimizer_state"]["param_groups"]
+    else:
+        flats = [sd["fp32_flat_groups"] for sd in optim]
+        moments = [sd["optimizer_state_dict"]["state"] for sd in optim]
+        merge = lambda per_rank, what: _merge_stage3(per_rank, shapes, folder, what)  # noqa: E731
+        groups = first["optimizer_state_dict"]["param_groups"]
+    state = {MASTER: merge(flats, "the fp32 master weights")}
+    for key in MOMENTS:
+        try:
+            per_rank = [[s[g][key] for g in range(len(shapes))] for s in moments]
+        except (KeyError, IndexError, TypeError):
+            raise ConversionError(f"{optim_files[0]} holds no {key} for every parameter group: from-deepspeed "
+                                  f"continues Adam / AdamW runs") from None
+        state[key] = merge(per_rank, key)
+    steps = {int(s[g]["step"]) for s in moments for g in range(len(shapes)) if "step" in s[g]}
+    if len(steps) != 1:
+        raise ConversionError(f"{folder}: the parameter groups record Adam steps {sorted(steps)}, expected one")
+    return DeepSpeedState(
+        path=folder, stage=stage, world=world, precision=_precision(model.get("ds_config") or {}, model_files[0]),
+        state=state, shared=dict(model.get("shared_params") or {}), step=steps.pop(),
+        global_steps=int(model["global_steps"]), global_samples=int(model.get("global_samples") or 0),
+        skipped_steps=int(model.get("skipped_steps") or 0),
+        optimizer=_optimizer_settings(groups, model.get("ds_config") or {}, optim_files[0]),
+        scheduled=model.get("lr_scheduler") is not None)
+
+
+def _stage(sd: Mapping[str, Any], file: Path) -> int:
+    raw = sd.get("zero_stage")
+    if raw is None:  # the bf16 optimizer (ZeRO-1 under bf16) records no stage
+        if "single_partition_of_fp32_groups" in sd:
+            return 1
+        raise ConversionError(f"{file} is not a ZeRO optimizer state (no zero_stage)")
+    value = raw.value if isinstance(raw, safe_pickle.EnumValue) else raw
+    if value not in (1, 2, 3):
+        raise ConversionError(f"{file} was saved at ZeRO stage {value}; from-deepspeed reads stages 1, 2 and 3")
+    return int(value)
+
+
+def _precision(ds_config: Mapping[str, Any], file: Path) -> str:
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        raise ConversionError(f"{file} is from an fp16 run: from-deepspeed converts fp32 and bf16 runs (the fp16 "
+                              f"loss scaler's state has no counterpart yet)")
+    return "bf16" if (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled") else "fp32"
+
+
+def _optimizer_settings(groups: List[Mapping[str, Any]], ds_config: Mapping[str, Any], file: Path) -> Dict[str, Any]:
+    """Hybrid's optimizer header entry from DeepSpeed's (torch-style) parameter groups.
+
+    AdamW (decoupled decay) unless the groups or ds_config say plain Adam with L2 decay: torch's groups record
+    ``decoupled_weight_decay``; DeepSpeed's own Adam takes ``adam_w_mode`` (default true) in ds_config."""
+    first = groups[0]
+    params = (ds_config.get("optimizer") or {}).get("params") or {}
+    kind = (ds_config.get("optimizer") or {}).get("type", "").lower()
+    if "decoupled_weight_decay" in first:
+        decoupled = bool(first["decoupled_weight_decay"])
+    elif kind == "adam":
+        decoupled = bool(params.get("adam_w_mode", True))
+    else:
+        decoupled = True
+    if any(g.get("amsgrad") for g in groups):
+        raise ConversionError(f"{file}: the run used AMSGrad, which hybrid's Adam has no state for")
+    decays = sorted({float(g.get("weight_decay", 0.0)) for g in groups} - {0.0})
+    if len(decays) > 1:
+        raise ConversionError(f"{file}: the parameter groups decay at {decays}; hybrid applies one weight decay "
+                              f"(to every parameter but the 1-D ones)")
+    return {"type": "adamw" if decoupled else "adam", "lr": float(first["lr"]), "betas": list(first["betas"]),
+            "eps": float(first["eps"]), "weight_decay": decays[0] if decays else 0.0, "momentum": 0.0}
+
+
+def _merge_stage12(per_rank: List[List[torch.Tensor]], shapes: List[Dict[str, Any]], paddings, folder: Path,
+                   what: str) -> Dict[str, torch.Tensor]:
+    """Stages 1-2: ``per_rank[r][g]`` is rank r's flat partition of group g."""
+    out = {}
+    for g, group in enumerate(shapes):
+        flat = torch.cat([rank[g].reshape(-1).float() for rank in per_rank])
+        offset = 0
+        for i, (name, shape) in enumerate(group.items()):
+            numel = math.prod(shape)
+            if offset + numel > flat.numel():
+                raise ConversionError(f"{folder}: {what} of group {g} hold {flat.numel()} elements, fewer than its "
+                                      f"parameters need ({name} ends at {offset + numel})")
+            out[name] = flat[offset: offset + numel].view(tuple(shape)).clone()
+            offset += numel + (paddings[g][i] if paddings else 0)
+    return out
+
+
+def _merge_stage3(per_rank: List[List[torch.Tensor]], shapes: List[Dict[str, Any]], folder: Path,
+                  what: str) -> Dict[str, torch.Tensor]:
+    """Stage 3: ``per_rank[r]`` is rank r's groups, each parameter ``ceil(numel / world)`` elements of them."""
+    world = len(per_rank)
+    flats = [torch.cat([t.reshape(-1).float() for t in rank]) for rank in per_rank]
+    out, offset = {}, 0
+    for group in shapes:
+        for name, shape in group.items():
+            numel = math.prod(shape)
+            piece = -(-numel // world)
+            out[name] = torch.cat([f[offset: offset + piece] for f in flats])[:numel].view(tuple(shape)).clone()
+            offset += piece
+    if offset != flats[0].numel():
+        raise ConversionError(f"{folder}: {what} hold {flats[0].numel()} elements per rank, the parameters "
+                              f"{offset}; the model states and optimizer files do not belong together")
+    return out
+
+
+# ---- the hybrid side --------------------------------------------------------------------------------------
+class _Tensors:
+    """In-memory tensors under HF names, read the way :func:`hybrid.convert.hf._hybrid_full` reads a directory."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        out.copy_(self.tensors[name])
+
+
+class _MemorySource:
+    """Whole fp32 tensors under hybrid's names, with the parts of :class:`~hybrid.convert.CheckpointSource` the
+    offline writer reads: ``tensors``, ``read``, ``has_state``, ``state_keys``, ``optimizer_header``."""
+
+    def __init__(self, full: Dict[str, Dict[str, torch.Tensor]], layout: Dict[str, tuple], dtype: torch.dtype,
+                 buffers: Dict[str, torch.Tensor], header: dict, model_config: dict, path: Path):
+        self.full, self.buffers, self.header = full, buffers, header
+        self.reader = type("Reader", (), {"model_config": model_config, "path": path})()
+        self.tensors: Dict[str, SavedTensor] = {}
+        for name, (shape, meta) in layout.items():
+            decay = not exclude_1d_params(name, torch.empty(shape, device="meta"))  # the engine's default rule
+            record = {"name": name, "dtype": dtype_name(dtype), "weight_decay": decay, "tp_meta": meta.to_json()}
+            self.tensors[name] = SavedTensor(name, shape, dtype, meta, shape, record)
+        for name, t in buffers.items():
+            self.tensors[name] = SavedTensor(name, tuple(t.shape), t.dtype, REPLICATED, tuple(t.shape), None)
+
+    def has_state(self, name: str) -> bool:
+        return name in self.full[MASTER]
+
+    def state_keys(self) -> List[str]:
+        return [MASTER] + sorted(MOMENTS)
+
+    def optimizer_header(self) -> dict:
+        return dict(self.header)
+
+    def read(self, name: str, what: str = WEIGHT, *, target: Optional[Target] = None,
+             dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        if name in self.buffers:
+            return self.buffers[name].clone()
+        t = self.tensors[name]
+        full = self.full[MASTER if what == WEIGHT else what][name]
+        if what == WEIGHT:
+            full = full.to(t.dtype)  # the model file holds the masters rounded to the run's precision
+        piece = full.clone() if target is None else shard(full, target.meta, target.tp, target.rank)
+        return piece if dtype is None else piece.to(dtype)
+
+
+def _hf_names_check(ds: DeepSpeedState, links, arch, cfg) -> None:
+    have = set(ds.state[MASTER])
+    used = {n for link in links for n in link.hf}
+    missing = sorted(n for n in used - have if ds.shared.get(n) not in have)
+    unknown = sorted(n for n in have - used if not arch.ignored(n, cfg))
+    if missing or unknown:
+        parts = ([f"missing {', '.join(missing[:5])}"] if missing else []) + \
+                ([f"without a place in hybrid's model: {', '.join(unknown[:5])}"] if unknown else [])
+        raise ConversionError(f"{ds.path} does not hold the {arch.ARCHITECTURE} that --hf-config describes: "
+                              f"{'; '.join(parts)}")
+
+
+def _hybrid_state(ds: DeepSpeedState, links, layout) -> Dict[str, Dict[str, torch.Tensor]]:
+    """Masters and moments under hybrid's names: each link's HF tensors concatenated (and transposed), one
+    permutation of elements applied alike to all three."""
+    out = {}
+    for key, by_name in ds.state.items():
+        named = _Tensors({**{a: by_name[b] for a, b in ds.shared.items() if b in by_name}, **by_name})
+        out[key] = {link.hybrid: _hybrid_full(named, link, layout[link.hybrid][0], torch.float32) for link in links}
+    return out
+
+
+def target_layout(tp: int, dp: int, pp: int, target_zero_stage: int, bucket_size: int) -> ParallelLayout:
+    """The loading job's layout (fp32; the caller sets the run's precision), its flags named in any refusal."""
+    try:
+        target = ParallelLayout(tp=tp, dp=dp, pp=pp, zero_stage=zero_stage(target_zero_stage, "--target-zero-stage"))
+    except (ValueError, LayoutError) as e:
+        raise ConversionError(f"cannot write --tp {tp} --dp {dp} --pipeline-model-parallel-size {pp} "
+                              f"--target-zero-stage {target_zero_stage}: {e}") from None
+    if not isinstance(bucket_size, int) or isinstance(bucket_size, bool) or bucket_size < 1:
+        raise ConversionError(f"--zero-bucket-size must be an integer >= 1, got {bucket_size!r}")
+    return target
+
+
+def write_converted(src: _MemorySource, save, target: ParallelLayout, *, iteration: int, consumed_samples: int,
+                    trainer_state: dict, bucket_size: int, description: str, with_optimizer: bool = True,
+                    progress: Optional[ProgressFactory] = None, force: bool = False) -> Path:
+    """Write ``src`` (another framework's state under hybrid's names) into ``save`` as iteration ``iteration`` of
+    a ``target`` job with ``bucket_size``: model files, and with ``with_optimizer`` the ZeRO partitions the
+    optimizer's own rules plan (:func:`hybrid.convert.reshard.plan_rank`), each pipeline rank's share as its
+    model builds it. ``description`` names the source on the progress bar. Returns the iteration directory."""
+    model_config = src.reader.model_config
+    _, shares = pipeline_shares(model_config, config_from_dict({"pipeline": {"size": target.pp}}).pipeline, target.pp)
+    if with_optimizer:
+        plans, keys = [plan_rank(src, target, bucket_size, share) for share in shares], src.state_keys()
+    else:
+        plans, keys = [RankPlan((_weights_index(src, target, share), [])) for share in shares], []
+    total = sum(4 * t.numel() * (1 + len(keys)) for t in src.full[MASTER].values()) * target.tp
+    with new_checkpoint_in(save, iteration, force=force):
+        bar = open_bar(progress, f"{description} to {target.describe()}", total)
+        writer = CheckpointWriter(save, iteration, target)
+        try:
+            writer.prepare()
+            records, param_index = write_shares(writer, src, target, shares, plans, keys, bar)
+            writer.commit(records, consumed_samples=consumed_samples, model_config=model_config,
+                          param_index=param_index, trainer_state=trainer_state)
+        finally:
+            bar.close()
+    return writer.iter_dir
+
+
+def convert_from_deepspeed(input_dir, save, *, hf_config, tp: int = 1, dp: int = 1, target_zero_stage: int = 1,
+                           pp: int = 1, bucket_size: int = DEFAULT_BUCKET_SIZE, tag: Optional[str] = None,
+                           progress: Optional[ProgressFactory] = None, force: bool = False) -> Path:
+    """Write the DeepSpeed checkpoint ``input_dir`` as a hybrid checkpoint in ``save`` for a job of ``tp`` x
+    ``dp`` x ``pp`` ranks at ZeRO ``target_zero_stage`` with ``bucket_size`` (its ``--zero-bucket-size``).
+
+    ``hf_config``: the model's Hugging Face ``config.json`` (or the folder holding it): it names the
+    architecture and shapes. Returns the iteration directory (``save/latest`` points at it).
+    """
+    cfg_path = Path(hf_config)
+    cfg_path = cfg_path / "config.json" if cfg_path.is_dir() else cfg_path
+    hf = read_json(cfg_path)
+    arch = map_for_hf(hf, cfg_path)
+    cfg = arch.config_from_hf(hf, cfg_path)
+    target = target_layout(tp, dp, pp, target_zero_stage, bucket_size)
+    try:
+        cfg.validate(tp)
+    except ValueError as e:
+        raise ConversionError(f"{cfg_path} describes a model that cannot be split over --tp {tp}: {e}") from None
+    ds = read_deepspeed(input_dir, tag)
+    links = arch.links(cfg)
+    layout = gpt_param_layout(cfg)
+    _hf_names_check(ds, links, arch, cfg)
+    header = {"format": ZERO_STATE_FORMAT, "optimizer": ds.optimizer, "step": ds.step,
+              "global_steps": ds.global_steps, "skipped_steps": ds.skipped_steps, "loss_scaler": None}
+    src = _MemorySource(_hybrid_state(ds, links, layout), layout, DTYPES[ds.precision], _fresh_buffers(arch, cfg),
+                        header, cfg.to_dict(), ds.path)
+    schedule: Dict[str, Any] = {"iteration": ds.global_steps}
+    if not ds.scheduled:  # a constant rate: the loading job's settings are checked against it
+        schedule["settings"] = {"max_lr": ds.optimizer["lr"], "decay_style": "constant", "warmup_iters": 0,
+                                "unit": "steps"}
+    trainer_state = {"engine": {"global_step": ds.global_steps, "consumed_samples": ds.global_samples,
+                                "lr_schedule": schedule},
+                     "client": {},
+                     "imported_from": {"format": "deepspeed", "zero_stage": ds.stage, "world_size": ds.world,
+                                       "architecture": arch.ARCHITECTURE, "path": str(ds.path.resolve())}}
+    return write_converted(src, save, target.replace(precision=ds.precision), iteration=ds.global_steps,
+                           consumed_samples=ds.global_samples, trainer_state=trainer_state, bucket_size=bucket_size,
+                           description=f"from-deepspeed ZeRO-{ds.stage}", progress=progress, force=force)

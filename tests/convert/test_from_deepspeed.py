@@ -1,0 +1,177 @@
+"""``from-deepspeed`` (issue 52): a real DeepSpeed ZeRO-2 / ZeRO-3 checkpoint continues in hybrid like in DeepSpeed.
+
+The fixtures (tests/fixtures/deepspeed_zero{2,3}/, written by
+tests/fixtures/make_deepspeed_checkpoint.py with deepspeed 0.19.8 on 2 CPU
+ranks) hold a tiny Hugging Face GPT-2 trained 20 AdamW steps on hybrid's mock
+data and saved, and the losses of DeepSpeed's own next 10 steps. Converted,
+hybrid continues from iteration 20 on the same samples (the trainer's
+``--mock-data`` at the same seed: global batch ``i`` is samples ``[4i, 4i+4)``)
+with the same AdamW settings, and each of its 10 losses must lie within
+
+    2 * fwd * |loss_ds| + gamma(4) * |loss_ds| + grad_l1_i * adam_trajectory_tolerance(i, lr)
+
+of DeepSpeed's: ``fwd`` (tests/numerics.transformer_bound) bounds how far each
+framework's fp32 forward lies from the exact loss (twice: two computations),
+``gamma(4)`` the averaging of at most 4 per-rank / per-micro-batch losses, and
+the last term the first-order effect on the loss (``grad_l1_i``: the L1 norm of
+DeepSpeed's full gradient at that step, recorded by the fixture) of the weights'
+drift under different summation orders after ``i`` steps. Step 21 runs at the
+converted weights exactly, so there only rounding counts. A wrong Adam step
+count (bias correction), a moment left at zero or a transposed moment moves the
+losses by 1e-3 and more.
+
+The fast case converts ZeRO-2 for one process and continues there; the 4-process
+TP=2 x DP=2 ZeRO-1 continuations from both fixtures are slow.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybrid.checkpoint import CheckpointReader
+from hybrid.convert import safe_pickle
+from hybrid.convert.consolidate import MASTER, CheckpointSource, ConversionError
+from hybrid.convert.from_deepspeed import _merge_stage3, _merge_stage12, convert_from_deepspeed, read_deepspeed
+from hybrid.convert.hf_gpt2 import config_from_hf
+from tests.convert.test_cli import _tool  # the command line as a module
+from tests.multiproc import run_distributed
+from tests.numerics import adam_trajectory_tolerance, gamma, transformer_bound
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+def _fixture(stage):
+    root = FIXTURES / f"deepspeed_zero{stage}"
+    return root, json.loads((root / "run.json").read_text())
+
+
+def _trainer_args(run, load, tp, dp, stage):
+    """The DeepSpeed run's model and optimizer as trainer flags (the model's shape is checked on load)."""
+    return ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
+            "--vocab-size", "64", "--mock-data", "--seed", str(run["seed"]),
+            "--global-batch-size", str(run["world"] * run["micro_batch_size"]),
+            "--micro-batch-size", str(run["world"] * run["micro_batch_size"] // dp),
+            "--lr", str(run["lr"]), "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
+            "--adam-beta1", str(run["betas"][0]), "--adam-beta2", str(run["betas"][1]), "--adam-eps", str(run["eps"]),
+            "--weight-decay", str(run["weight_decay"]), "--clip-grad", "0",
+            "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--train-iters", str(run["steps"][-1]), "--eval-interval", "0", "--log-interval", "100",
+            "--peak-tflops", "1", "--tensor-model-parallel-size", str(tp), "--zero-stage", str(stage),
+            "--load", str(load), "--no-load-rng"]
+
+
+def _continue(argv):
+    from hybrid.training import Trainer, parse_args, validate
+
+    args = parse_args(argv)
+    validate(args, world_size=int(os.environ["WORLD_SIZE"]))
+    trainer = Trainer(args)
+    trainer.train()
+    return {"iterations": [it for it, _ in trainer.history], "losses": [loss for _, loss in trainer.history]}
+
+
+def _assert_continues_like_deepspeed(got, root, run):
+    cfg = config_from_hf(json.loads((root / "config.json").read_text()), "config.json")
+    tokens = run["world"] * run["micro_batch_size"] * cfg.seq_length
+    fwd = transformer_bound(cfg, tokens, part="loss")
+    assert got["iterations"] == run["steps"]
+    for i, (a, b) in enumerate(zip(got["losses"], run["losses"])):
+        bound = (2 * fwd + gamma(4)) * abs(b) + run["grad_l1"][i] * adam_trajectory_tolerance(i, run["lr"])
+        assert abs(a - b) <= bound, f"step {run['steps'][i]}: hybrid {a} vs DeepSpeed {b} (bound {bound:.3g})"
+
+
+def test_zero2_checkpoint_continues_in_one_process_like_deepspeed(tmp_path):
+    root, run = _fixture(2)
+    out = tmp_path / "converted"
+    convert_from_deepspeed(root / "checkpoint", out, hf_config=root / "config.json", tp=1, dp=1, target_zero_stage=0)
+    got = run_distributed(_continue, 1, _trainer_args(run, out, 1, 1, 0), timeout=120)[0]
+    _assert_continues_like_deepspeed(got, root, run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_checkpoint_continues_at_tp2_dp2_zero1_like_deepspeed(tmp_path, stage):
+    root, run = _fixture(stage)
+    out = tmp_path / "converted"
+    convert_from_deepspeed(root / "checkpoint", out, hf_config=root / "config.json", tp=2, dp=2, target_zero_stage=1)
+    assert CheckpointReader(out).layout.to_json() == {"tp": 2, "dp": 2, "pp": 1, "zero_stage": 1, "precision": "fp32"}
+    got = run_distributed(_continue, 4, _trainer_args(run, out, 2, 2, 1), timeout=240)[0]
+    _assert_continues_like_deepspeed(got, root, run)
+
+
+def test_converted_state_holds_deepspeeds_moments_step_and_counters(tmp_path):
+    root, run = _fixture(3)
+    ds = read_deepspeed(root / "checkpoint")
+    assert (ds.stage, ds.world, ds.step, ds.global_steps, ds.global_samples) == (3, 2, 20, 20, 80)
+    out = convert_from_deepspeed(root / "checkpoint", tmp_path / "c", hf_config=root / "config.json", tp=2, dp=2,
+                                 target_zero_stage=1)
+    reader = CheckpointReader(out)
+    assert (reader.iteration, reader.consumed_samples) == (20, 80)
+    assert reader.trainer_state["engine"]["lr_schedule"]["settings"]["max_lr"] == run["lr"]
+    assert reader.load_optimizer_shard(1, 1)["step"] == 20
+    with CheckpointSource(reader) as src:
+        for key in (MASTER, "exp_avg", "exp_avg_sq"):
+            # Conv1D's [in, out] is hybrid's [out, in]; the tied head is the embedding's single copy
+            qkv = src.read("layers.1.attention.qkv_proj.weight", key)
+            assert torch.equal(qkv, ds.state[key]["transformer.h.1.attn.c_attn.weight"].t())
+            assert torch.equal(src.read("embedding.word_embeddings.weight", key),
+                               ds.state[key]["transformer.wte.weight"])
+        assert ds.state["exp_avg_sq"]["transformer.h.0.mlp.c_fc.weight"].abs().sum() > 0
+
+
+def test_flat_partitions_reassemble_as_deepspeed_lays_them_out():
+    a, b = torch.arange(6.0).view(2, 3), torch.arange(100.0, 105.0)  # 6 and 5 elements
+    # stage 3: every parameter split on its own, ceil(numel / world) per rank, the last rank padded
+    rank0 = torch.cat([a.view(-1)[:3], b[:3]])
+    rank1 = torch.cat([a.view(-1)[3:], b[3:], torch.zeros(1)])
+    got = _merge_stage3([[rank0], [rank1]], [{"a": (2, 3), "b": (5,)}], Path("x"), "masters")
+    assert torch.equal(got["a"], a) and torch.equal(got["b"], b)
+    # stages 1-2: a group is one flat vector cut evenly over the ranks (alignment padding at its end, or after
+    # each parameter where recorded)
+    flat = torch.cat([a.view(-1), torch.zeros(2), b, torch.zeros(3)])  # 16 = 2 ranks x 8
+    got = _merge_stage12([[flat[:8]], [flat[8:]]], [{"a": (2, 3), "b": (5,)}], [[2, 0]], Path("x"), "masters")
+    assert torch.equal(got["a"], a) and torch.equal(got["b"], b)
+    with pytest.raises(ConversionError, match="fewer than its parameters need"):
+        _merge_stage12([[flat[:4]], [flat[4:8]]], [{"a": (2, 3), "b": (5,)}], [[2, 0]], Path("x"), "masters")
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_hostile_deepspeed_file_is_refused_and_nothing_runs(tmp_path):
+    root, _ = _fixture(2)
+    folder = tmp_path / "ds" / "global_step20"
+    folder.mkdir(parents=True)
+    (tmp_path / "ds" / "latest").write_text("global_step20")
+    for f in (root / "checkpoint" / "global_step20").iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    marker = tmp_path / "ran"
+    torch.save({"optimizer_state_dict": _RunsCode(marker)}, folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(safe_pickle.UnsafePickleError) as err:
+        convert_from_deepspeed(tmp_path / "ds", tmp_path / "out", hf_config=root / "config.json")
+    assert "\n" not in str(err.value) and f"the global {os.system.__module__}.system" in str(err.value)
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in str(err.value)
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_command_line_converts_and_refuses_bad_input_in_one_line(tmp_path, capsys):
+    root, _ = _fixture(2)
+    tool = _tool()
+    args = ["from-deepspeed", "--hf-config", str(root / "config.json"), "--no-progress"]
+    assert tool.main(args + ["--input", str(root / "checkpoint"), "--save", str(tmp_path / "c"), "--tp", "2"]) == 0
+    assert "--no-load-rng" in capsys.readouterr().out
+    assert CheckpointReader(tmp_path / "c").layout.tp == 2
+    assert tool.main(args + ["--input", str(tmp_path), "--save", str(tmp_path / "d")]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "error: --input" in err and "holds neither a 'latest' file nor *_model_states.pt files" in err
+    assert tool.main(args + ["--input", str(root / "checkpoint"), "--save", str(tmp_path / "e"), "--tp", "3"]) == 1
+    assert "--tp 3" in capsys.readouterr().err
