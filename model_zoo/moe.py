@@ -7,7 +7,10 @@ runs with sequence parallelism) or ``[s, b, h]`` at TP 1. Tokens are counted
 ``t = position * b + sequence`` (the ``[s, b]`` order flattened).
 
 Collectives: the router's gradient and the statistics are summed over
-``"tp"`` (each TP rank routes its own sequence shard); with the experts split
+``"tp"`` (each TP rank routes its own sequence shard), and over ``"cp"`` under
+context parallelism (each cp rank routes its chunks of every sequence: the
+balancing losses, the expert bias's load and the capacity are those of the whole
+sequences, as one process computes them); with the experts split
 over TP the tokens and their routing are all-gathered over ``"tp"`` and the
 experts' partial outputs reduce-scattered back; tokens travel to their
 experts and back by all-to-all over ``"ep"`` (``moe_dispatch/ep``,
@@ -27,6 +30,8 @@ from torch import nn
 
 from hybrid import param_meta
 from hybrid.compression import Quantization
+from hybrid.context_parallel.loss import sum_over_cp, with_cp_factor
+from hybrid.context_parallel.split import gather_sequence, local_positions
 from hybrid.tensor_parallel import init as tp_init
 from hybrid.tensor_parallel.all_to_all import all_to_all_v
 from hybrid.tensor_parallel.mappings import (copy_to_tp_region, gather_from_sequence_parallel_region,
@@ -346,7 +351,8 @@ class MoELayer(nn.Module):
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False, device=device, dtype=dtype)
             param_meta.set_tp_meta(self.shared_expert_gate.weight)
             tp_init.set_initializer(self.shared_expert_gate.weight, tp_init.normal(config.init_std))
-        self.token_axes = ("dp", "tp") if self.tp > 1 else ("dp",)
+        self.cp = topology.cp_size
+        self.token_axes = ("dp",) + (("cp",) if self.cp > 1 else ()) + (("tp",) if self.tp > 1 else ())
         # --moe-quantized-dispatch: tokens (and their gradients) cross the all-to-all as int8 blocks
         self.dispatch_quant = Quantization(8, DISPATCH_BLOCK) if config.moe_quantized_dispatch else None
         self.stats = MoEStats.zeros(E, device if device is not None and torch.device(device).type != "meta"
@@ -357,6 +363,24 @@ class MoELayer(nn.Module):
         """Forward: the sum over ``"tp"`` (each rank routed its own sequence shard); backward: identity."""
         return reduce_from_tp_region(t, self.topology) if self.tp > 1 else t
 
+    def _sum_over_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        """Forward: the sum over the ranks holding the rest of each micro-batch's sequences (``"tp"``, ``"cp"``);
+        backward: identity (each rank's share reaches its own tokens)."""
+        return sum_over_cp(self._sum_over_tp(t), self.topology)
+
+    def _keep(self, experts: torch.Tensor, weights: torch.Tensor, cap: int) -> torch.Tensor:
+        """Which of this cp rank's assignments ``[s/cp, b, k]`` (over the whole TP group) survive the capacity of
+        whole sequences: the routing of the whole sequences is gathered over ``"tp"`` and ``"cp"`` (no gradient)."""
+        experts, weights = self._whole_sequences(experts), self._whole_sequences(weights)
+        if self.cp > 1:
+            with torch.no_grad():
+                experts, weights = (gather_sequence(t.contiguous(), self.topology, seq_dim=0)
+                                    for t in (experts, weights))
+        keep = keep_mask(experts, weights, self.config.num_experts, cap, self.config.moe_token_drop_policy)
+        if self.cp == 1:
+            return keep
+        return keep.index_select(0, local_positions(keep.shape[0], self.cp, self.topology.cp_rank, keep.device))
+
     def _whole_sequences(self, t: torch.Tensor) -> torch.Tensor:
         """``[s/tp, b, ...]`` -> ``[s, b, ...]`` (all-gather over ``"tp"``, no gradient)."""
         if self.tp == 1:
@@ -364,24 +388,27 @@ class MoELayer(nn.Module):
         with torch.no_grad():
             return gather_from_sequence_parallel_region(t.contiguous(), self.topology, reduce_scatter_grad=False)
 
-    def _losses(self, routing: Routing, s_local: int, b: int) -> Tuple[Optional[torch.Tensor], torch.Tensor,
-                                                                        torch.Tensor]:
-        """(the coefficient-weighted sum of the balancing losses or None, the balancing and z-loss values)."""
+    def _losses(self, routing: Routing, whole: int, b: int) -> Tuple[Optional[torch.Tensor], torch.Tensor,
+                                                                      torch.Tensor]:
+        """(the coefficient-weighted sum of the balancing losses or None, the balancing and z-loss values) of
+        ``b`` sequences of ``whole`` tokens."""
         cfg = self.config
-        reduce = self._sum_over_tp if self.tp > 1 else None
+        reduce = self._sum_over_tokens if self.tp * self.cp > 1 else None
         total, aux_value, z_value = None, routing.logits.new_zeros(()), routing.logits.new_zeros(())
         kind = cfg.moe_router_load_balancing_type
         with_aux, with_z = computed_losses(cfg)
         if with_aux:
             per_sequence = kind == "seq_aux_loss"
             aux = balancing_loss(routing.probs, routing.experts, cfg.num_experts,
-                                 tokens=s_local * self.tp * (1 if per_sequence else b),
+                                 tokens=whole * (1 if per_sequence else b),
                                  per_sequence=b if per_sequence else 0, reduce=reduce)
             total, aux_value = cfg.moe_aux_loss_coeff * aux, aux.detach()
         if with_z:
-            z = z_loss(routing.logits, reduce=reduce, tokens=s_local * b * self.tp)
+            z = z_loss(routing.logits, reduce=reduce, tokens=whole * b)
             total = cfg.moe_z_loss_coeff * z if total is None else total + cfg.moe_z_loss_coeff * z
             z_value = z.detach()
+        if total is not None:  # the router's gradient on the cp ranks: partial sums, as the language-model loss's
+            total = with_cp_factor(total, self.topology)
         return total, aux_value, z_value
 
     def _dispatch(self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
@@ -436,14 +463,14 @@ class MoELayer(nn.Module):
         logits = F.linear(x.reshape(-1, h).to(dt), weight.to(dt))  # [T_local, E], in fp32 (or wider)
         bias = self.router.expert_bias if cfg.moe_router_enable_expert_bias else None
         routing = route(logits, cfg, bias)
-        aux, aux_value, z_value = self._losses(routing, s_local, b)
+        whole = s_local * self.tp * self.cp  # the sequence length: its tokens are on the tp x cp ranks
+        aux, aux_value, z_value = self._losses(routing, whole, b)
 
         experts, weights = routing.experts.view(s_local, b, k), routing.weights.view(s_local, b, k)
-        cap = capacity(cfg, s_local * self.tp)
-        keep_whole = None
+        cap = capacity(cfg, whole)
+        keep_whole = None  # [s/cp, b, k]: this cp rank's share of whole sequences (all of them at cp 1)
         if cap is not None:
-            keep_whole = keep_mask(self._whole_sequences(experts), self._whole_sequences(weights),
-                                   cfg.num_experts, cap, cfg.moe_token_drop_policy)  # [s, b, k]
+            keep_whole = self._keep(experts, weights, cap)
         if self.etp > 1:
             # the experts are split over TP: every TP rank runs every token of the TP group through its piece
             tokens = gather_from_sequence_parallel_region(x, topo).reshape(-1, h)
@@ -513,7 +540,8 @@ def moe_layers(model: nn.Module) -> List[Tuple[int, MoELayer]]:
 
 
 def update_expert_biases(model: nn.Module) -> None:
-    """Every MoE layer's :meth:`MoELayer.update_expert_bias` (collective over ``dp``, and ``tp`` at TP > 1):
+    """Every MoE layer's :meth:`MoELayer.update_expert_bias` (collective over its ``token_axes``: ``dp``, ``cp``
+    at cp > 1, ``tp`` at TP > 1):
     call once after every optimizer step, on every rank."""
     for _, layer in moe_layers(model):
         layer.update_expert_bias()

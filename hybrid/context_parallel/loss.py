@@ -53,6 +53,18 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
+def sum_over_cp(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
+    """``x`` summed over the ``"cp"`` group in forward (an all-reduce); backward: identity, each rank's share of
+    the gradient reaching its own tokens. ``x`` itself at cp 1."""
+    return _SumOverCP.apply(x, topo) if topo.cp_size > 1 else x
+
+
+def with_cp_factor(loss: torch.Tensor, topo: "Topology") -> torch.Tensor:
+    """``loss`` (a value of the whole sequences, equal on the ``"cp"`` ranks) whose gradient carries the factor
+    ``cp`` in backward (the module docstring); ``loss`` itself at cp 1."""
+    return _ScaleGrad.apply(loss, float(topo.cp_size)) if topo.cp_size > 1 else loss
+
+
 def context_parallel_mean(token_loss: torch.Tensor, mask: "torch.Tensor | None", topo: "Topology") -> torch.Tensor:
     """The mean of ``token_loss`` (this rank's tokens, any shape; times ``mask`` when given) over every token of
     the ``"cp"`` group, a scalar equal on its ranks; its gradient carries the factor ``cp`` (module docstring)."""
@@ -62,7 +74,6 @@ def context_parallel_mean(token_loss: torch.Tensor, mask: "torch.Tensor | None",
     else:
         numerator = (token_loss * mask).sum()
         count = mask.detach().sum().reshape(1).to(torch.float64)
-    numerator = _SumOverCP.apply(numerator.reshape(1), topo)
+    numerator = sum_over_cp(numerator.reshape(1), topo)
     topo.comm.all_reduce(count, AXIS)
-    loss = (numerator / count.to(numerator.dtype))[0]
-    return _ScaleGrad.apply(loss, float(topo.cp_size))
+    return with_cp_factor((numerator / count.to(numerator.dtype))[0], topo)
