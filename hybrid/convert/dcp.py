@@ -16,6 +16,7 @@ key                                                      value
 ``optimizer.param_groups.{fqn}.{lr,betas,eps,...}``      ``torch.optim.AdamW``'s group settings;
                                                          ``weight_decay`` 0 where hybrid applies none
 ``train_state.step``                                     the iteration (int32)
+``train_state.consumed_samples``                         hybrid's own: the samples consumed (int64)
 =======================================================  ===============================================
 
 ``fqn`` is hybrid's parameter name (``layers.0.attention.qkv_proj.weight``, the names of
@@ -65,12 +66,15 @@ METADATA_FILE = ".metadata"
 def _metadata_globals() -> Dict[str, Any]:
     """``{module.name: object}``: what a DCP ``.metadata`` pickle may name, each bound to a class that only
     holds data."""
-    from torch.distributed.checkpoint import filesystem, metadata
+    from torch.distributed.checkpoint import filesystem, metadata, planner
 
     out: Dict[str, Any] = {f"torch.distributed.checkpoint.metadata.{name}": getattr(metadata, name) for name in (
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
         "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")}
     out["torch.distributed.checkpoint.filesystem._StorageInfo"] = filesystem._StorageInfo
+    # Metadata.all_local_plans: the save plans a writer caches (megatron-core's torch_dist records them)
+    out.update({f"torch.distributed.checkpoint.planner.{name}": getattr(planner, name) for name in (
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")})
     out["torch.Size"] = torch.Size
     out["torch.serialization._get_layout"] = torch.serialization._get_layout  # name -> torch.strided & co.
     # the checkpoint id a writer recorded: a path, kept as a pure path (nothing touches the file system)
@@ -220,7 +224,9 @@ def export_to_dcp(load, output, *, dtype: Optional[str] = None, optimizer: bool 
                                                  f"map onto torch.optim.AdamW's"))
         finally:
             bar.close()
-    state[TRAIN_STATE] = {"step": torch.tensor(reader.iteration, dtype=torch.int32)}
+    state[TRAIN_STATE] = {"step": torch.tensor(reader.iteration, dtype=torch.int32),
+                          # hybrid's, beside torchtitan's step: where the data continues
+                          "consumed_samples": torch.tensor(reader.consumed_samples, dtype=torch.int64)}
     out.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
@@ -290,8 +296,7 @@ def import_from_dcp(input_dir, save, *, model_config=None, dtype: Optional[str] 
         wanted += [state_key.format(n, m) for n in params for m in MOMENTS + ("step",) if
                    state_key.format(n, m) in keys]
         wanted += [k for k in keys if k.startswith(f"{OPTIMIZER}.param_groups.")]
-    if f"{TRAIN_STATE}.step" in keys:
-        wanted.append(f"{TRAIN_STATE}.step")
+    wanted += [k for k in (f"{TRAIN_STATE}.step", f"{TRAIN_STATE}.consumed_samples") if k in keys]
     total = sum(nbytes_of(m.size, m.properties.dtype) for m in map(metadata.state_dict_metadata.get, wanted)
                 if hasattr(m, "properties"))  # the tensors' bytes (the settings are a few bytes each)
     bar = open_bar(progress, "from-dcp", total)
@@ -307,7 +312,7 @@ def import_from_dcp(input_dir, save, *, model_config=None, dtype: Optional[str] 
         raise ConversionError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if run_dtype not in PRECISION_OF_DTYPE:
         raise ConversionError(f"{folder} holds {weight_dtype} weights; pass --dtype fp32, bf16 or fp16")
-    iteration = int(values[f"{TRAIN_STATE}.step"]) if f"{TRAIN_STATE}.step" in values else 0
+    iteration, consumed = (int(values.get(f"{TRAIN_STATE}.{key}", 0)) for key in ("step", "consumed_samples"))
     source = {"format": "torch.distributed.checkpoint", "path": str(folder.resolve())}
     with new_checkpoint_in(save, iteration, force=force):
         if not with_optimizer:
@@ -315,7 +320,7 @@ def import_from_dcp(input_dir, save, *, model_config=None, dtype: Optional[str] 
                                                                   if prefix + n in values}, run_dtype, source)
         step = _one_step(values, params, state_key)
         moments = {n: {m: values[state_key.format(n, m)] for m in MOMENTS} for n in params}
-        return _write_with_optimizer(save, iteration, cfg, weights, moments, step,
+        return _write_with_optimizer(save, iteration, consumed, cfg, weights, moments, step,
                                      _group_settings(values, params), run_dtype, source,
                                      {n: values[prefix + n] for n in buffers if prefix + n in values})
 
@@ -361,7 +366,7 @@ def _write_weights(save, iteration: int, cfg, weights, buffers, dtype: torch.dty
     return writer.iter_dir
 
 
-def _write_with_optimizer(save, iteration: int, cfg, weights, moments, step: int, settings: dict,
+def _write_with_optimizer(save, iteration: int, consumed: int, cfg, weights, moments, step: int, settings: dict,
                           dtype: torch.dtype, source: dict, buffers) -> Path:
     """A TP=1, DP=1, ZeRO-1 checkpoint with the Adam state, saved by a one-process engine over the model: the
     optimizer's own flat layout, filled at the offsets its parameter index records."""
@@ -390,4 +395,4 @@ def _write_with_optimizer(save, iteration: int, cfg, weights, moments, step: int
                     piece[part["param_start"]: part["param_end"]]
     sd["step"] = step
     engine.optimizer.load_state_dict(sd)  # writes the masters into the parameters
-    return engine.save_checkpoint(save, iteration, consumed_samples=0, client_state={"imported_from": source})
+    return engine.save_checkpoint(save, iteration, consumed_samples=consumed, client_state={"imported_from": source})

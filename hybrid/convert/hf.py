@@ -8,9 +8,10 @@ switches (GPT-2 switches -> ``GPT2LMHeadModel``, Llama switches ->
 ``Qwen3MoeForCausalLM``, :mod:`hybrid.convert.hf_moe`), streams every HF tensor out of the checkpoint (fused
 ``[q; k; v]`` and ``[gate; up]`` are read chunk by chunk, straight from the
 TP pieces), writes ``model.safetensors`` (sharded with the standard index
-past ``max_shard_bytes``) and ``config.json``, and copies the SentencePiece
-model named by ``tokenizer_model`` (``--tokenizer-model``) to
-``tokenizer.model`` once it has loaded as one. The tokenizer path the run
+past ``max_shard_bytes``), ``config.json`` and ``generation_config.json``, and
+the run's tokenizer named on the command line, in the files ``AutoTokenizer``
+reads (:mod:`hybrid.convert.hf_tokenizer_files`), its BOS / EOS / pad ids in
+both configs. The tokenizer path the run
 recorded in ``metadata.json`` is never opened: it is an unverified string in
 a file anyone may edit, and copying whatever it names would export any local
 file.

@@ -67,7 +67,7 @@ def test_hybrid_to_dcp_reads_back_bit_for_bit_with_plain_torch(trained):
             decays = src.tensors[name].record["weight_decay"]
             assert plain["optimizer"][f"param_groups.{name}.weight_decay"] == (0.1 if decays else 0.0)
             assert plain["optimizer"][f"param_groups.{name}.betas"] == (0.9, 0.999)
-    assert plain["train_state"]["step"] == 2
+    assert plain["train_state"]["step"] == 2 and plain["train_state"]["consumed_samples"] == 4
     # the same through dcp.load into a state dict of the model's own (what a torchtitan job does)
     model_sd = {name: torch.empty_like(t) for name, t in plain.items() if isinstance(t, torch.Tensor)}
     with warnings.catch_warnings():
@@ -81,6 +81,7 @@ def test_dcp_to_hybrid_restores_weights_masters_moments_and_step(trained, tmp_pa
     with CheckpointSource(CheckpointReader(trained / "ck")) as a, CheckpointSource(CheckpointReader(out)) as b:
         assert b.optimizer_header()["step"] == a.optimizer_header()["step"] == 2
         assert b.layout.precision == "bf16" and CheckpointReader(out).iteration == 2
+        assert CheckpointReader(out).consumed_samples == 4
         for name in a.tensors:
             for what in STATES:
                 assert torch.equal(a.read(name, what), b.read(name, what)), (name, what)
@@ -228,3 +229,28 @@ def test_the_tool_round_trips_and_refuses_in_one_line(trained, tmp_path, capsys)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("convert_checkpoint from-dcp: error: ") and \
         "names the global builtins.print" in err
+
+
+@pytest.mark.slow
+def test_training_continues_through_dcp_bit_for_bit(tmp_path, monkeypatch, capsys):
+    """The trainer (one process) runs 2 iterations and saves; resumed for 2 more from that checkpoint and from its
+    to-dcp / from-dcp round trip, it ends with the same weights, masters and moments, bit for bit (the same data:
+    the consumed samples travel in train_state)."""
+    from tests.training.test_evaluation import _main
+
+    args = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--vocab-size", "512", "--mock-data", "--micro-batch-size", "1",
+            "--global-batch-size", "1", "--lr", "1e-3", "--eval-interval", "0"]
+    assert _main(args + ["--train-iters", "2", "--save", str(tmp_path / "run"), "--save-interval", "2"],
+                 monkeypatch, capsys)[0] == 0
+    export_to_dcp(tmp_path / "run", tmp_path / "dcp")
+    import_from_dcp(tmp_path / "dcp", tmp_path / "back")
+    for name in ("run", "back"):
+        assert _main(args + ["--train-iters", "4", "--load", str(tmp_path / name), "--save",
+                             str(tmp_path / f"{name}4")], monkeypatch, capsys)[0] == 0
+    with CheckpointSource(CheckpointReader(tmp_path / "run4")) as a, \
+            CheckpointSource(CheckpointReader(tmp_path / "back4")) as b:
+        assert CheckpointReader(tmp_path / "back4").consumed_samples == 4
+        for name in a.tensors:
+            for what in STATES:
+                assert torch.equal(a.read(name, what), b.read(name, what)), (name, what)

@@ -71,9 +71,14 @@ def test_llama_tokenizer_is_not_the_class_for_a_normalizing_sentencepiece_model(
     """Why the export names PreTrainedTokenizerFast: transformers' LlamaTokenizer rebuilds its own pipeline with no
     normalizer, so the model SentencePiece trains by default (nmt_nfkc, whitespace clean-up) encodes otherwise."""
     spm = train_sentencepiece(synthetic_documents(400, seed=1), tmp_path / "spm", VOCAB)
-    llama = transformers.LlamaTokenizer(vocab_file=spm, add_bos_token=False)
-    ours = SentencePieceTokenizer(spm)
-    assert llama("a  b   c").input_ids != ours.encode("a  b   c")
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "tokenizer.model").write_bytes(open(spm, "rb").read())
+    (tmp_path / "llama" / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "add_bos_token": False}))
+    llama, ours = transformers.AutoTokenizer.from_pretrained(tmp_path / "llama"), SentencePieceTokenizer(spm)
+    assert type(llama).__name__ == "LlamaTokenizer"
+    assert llama(TEXTS[0]).input_ids == ours.encode(TEXTS[0])  # plain words come out right
+    assert llama("a  b   c").input_ids != ours.encode("a  b   c")  # a run of spaces does not
 
 
 def test_gpt2_vocab_and_merges_travel_with_the_weights(tmp_path):
