@@ -3,7 +3,9 @@ preprocessing tool and text generation share (plain data; :mod:`hybrid.data.toke
 
 Megatron's spellings: ``--tokenizer-type SentencePieceTokenizer --tokenizer-model spm.model``;
 ``--tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt``;
-``--tokenizer-type HuggingFaceTokenizer --tokenizer-model MODEL_DIR`` (its ``tokenizer.json``). Type names are
+``--tokenizer-type HuggingFaceTokenizer --tokenizer-model MODEL_DIR`` (its ``tokenizer.json``);
+``--tokenizer-type TikTokenizer --tokenizer-model VOCAB.json --tiktoken-pattern v2`` (Megatron's tiktoken
+vocabulary, :mod:`hybrid.data.tiktokenizer`). Type names are
 case-insensitive (kept lower-case, as every choice of the configuration).
 """
 
@@ -16,7 +18,8 @@ from typing import Callable, Mapping, Optional, Tuple
 # each type, as Megatron spells it, and its files by the name of their setting (config key data.<name>, flag
 # --<name with dashes>)
 _TYPES = {"SentencePieceTokenizer": ("tokenizer_model",), "GPT2BPETokenizer": ("vocab_file", "merge_file"),
-          "HuggingFaceTokenizer": ("tokenizer_model",)}
+          "HuggingFaceTokenizer": ("tokenizer_model",), "TikTokenizer": ("tokenizer_model",)}
+TIKTOKEN_PATTERNS = ("v1", "v2")  # Megatron's --tiktoken-pattern choices (hybrid.data.tiktokenizer holds them)
 TOKENIZER_FILES: Mapping[str, Tuple[str, ...]] = MappingProxyType({n.lower(): f for n, f in _TYPES.items()})
 TOKENIZER_TYPES = tuple(TOKENIZER_FILES)
 _NAMES = {name.lower(): name for name in _TYPES}
@@ -38,6 +41,8 @@ class TokenizerSpec:
     tokenizer_model: Optional[str] = None
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
+    tiktoken_pattern: Optional[str] = None  # TikTokenizer: its pre-tokenizer, one of TIKTOKEN_PATTERNS
+    tiktoken_num_special_tokens: int = 1000  # TikTokenizer: the ids before the vocabulary's (Megatron's default)
 
     def __post_init__(self):
         kind = self.tokenizer_type
@@ -75,6 +80,9 @@ class TokenizerSpec:
             owners = " or ".join(_NAMES[t] for t, files in TOKENIZER_FILES.items() if foreign[0] in files)
             return (f"{name_of(foreign[0])} is a file of {owners}, but {kind} is {self.name}; set {kind} to "
                     f"{owners}, or give {mine}", (foreign[0], "tokenizer_type"))
+        if self.tokenizer_type == "tiktokenizer" and self.given and self.tiktoken_pattern not in TIKTOKEN_PATTERNS:
+            return (f"{self.name} splits text by Megatron's pattern before its merges: give "
+                    f"{name_of('tiktoken_pattern')} {' or '.join(TIKTOKEN_PATTERNS)}", ("tiktoken_pattern",))
         missing = [s for s in self.files if getattr(self, s) is None]
         if self.given and missing:
             return (f"{self.name} reads {mine}; {', '.join(name_of(s) for s in missing)} is missing",

@@ -293,8 +293,6 @@ MEGATRON_FAMILIES: Tuple[MegatronFamily, ...] = (
                    "--lr, like every other parameter)", flags=("--decoupled-lr", "--decoupled-min-lr")),
     MegatronFamily("reducing fp32 gradients in bf16 is " + _NOT_YET + "hybrid reduces gradients in the dtype they "
                    "accumulate in (bf16 with --bf16)", flags=("--grad-reduce-in-bf16",)),
-    MegatronFamily("TikTokenizer is " + _NOT_YET + "give --tokenizer-type HuggingFaceTokenizer or "
-                   "SentencePieceTokenizer (with --mock-data, no tokenizer is needed)", flags=("--tiktoken-pattern",)),
     MegatronFamily(_PROFILE, flags=("--profile", "--profile-step-start", "--profile-step-end", "--profile-ranks",
                                     "--record-memory-history", "--memory-snapshot-path", "--use-pytorch-profiler")),
     MegatronFamily("hybrid leaves torch's default for bf16 matmul reductions (reduced precision allowed)",
@@ -331,8 +329,7 @@ TOKENIZER_SPELLINGS = {  # Megatron's tokenizer types that are one of hybrid's: 
     "gptsentencepiecetokenizer": ("SentencePieceTokenizer", "a SentencePiece model"),
     "nulltokenizer": (None, "no tokenizer is read: the vocabulary is --vocab-size"),
 }
-TOKENIZER_NOT_YET = {"tiktokenizer": "TikTokenizer is " + _NOT_YET + "give --tokenizer-type HuggingFaceTokenizer or "
-                                      "SentencePieceTokenizer"}
+TOKENIZER_NOT_YET: Mapping[str, str] = {}  # Megatron tokenizer types still to come: lower-case name -> why
 DENSE_MOE_NOTE = "no effect on a dense model (--num-experts unset or 1)"
 ONE_EXPERT_NOTE = "one expert is the dense MLP: the model is dense, as Megatron-DeepSpeed reads it"
 # Values of MoE keys that Megatron-Core takes and hybrid does not: flag -> value -> what to use instead

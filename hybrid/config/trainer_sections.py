@@ -12,7 +12,7 @@ from typing import Any, ClassVar, List, Optional, Tuple
 from hybrid.config.fields import Alias
 from hybrid.config.fields import field as _field
 from hybrid.config.flags import flat_name, own_flag
-from hybrid.tokenizer_files import TOKENIZER_TYPES, TokenizerSpec
+from hybrid.tokenizer_files import TIKTOKEN_PATTERNS, TOKENIZER_TYPES, TokenizerSpec
 from model_zoo.config import TRAINING, GPTConfig
 
 # What a resumed run does with the checkpoint's learning-rate and weight-decay schedule settings: refuse ones that
@@ -137,8 +137,10 @@ class DataConfig:
                              "one sample is skipped, with a note)")
     tokenizer_type: Optional[str] = _field(None, choices=TOKENIZER_TYPES, flag="--tokenizer-type",
                                            help="SentencePieceTokenizer (reads tokenizer_model), GPT2BPETokenizer "
-                                                "(reads vocab_file and merge_file) or HuggingFaceTokenizer (reads "
-                                                "tokenizer_model: a model folder's tokenizer.json); unset: "
+                                                "(reads vocab_file and merge_file), HuggingFaceTokenizer (reads "
+                                                "tokenizer_model: a model folder's tokenizer.json) or TikTokenizer "
+                                                "(tokenizer_model: Megatron's tiktoken .json; tiktoken_pattern); "
+                                                "unset: "
                                                 "GPT2BPETokenizer when vocab_file or merge_file is given, else "
                                                 "SentencePieceTokenizer")
     tokenizer_model: Optional[str] = _field(None, flag="--tokenizer-model",
@@ -146,6 +148,13 @@ class DataConfig:
                                                  "HuggingFaceTokenizer (for the vocabulary size and the EOD id)")
     vocab_file: Optional[str] = _field(None, flag="--vocab-file", help="GPT2BPETokenizer: GPT-2's vocab.json")
     merge_file: Optional[str] = _field(None, flag="--merge-file", help="GPT2BPETokenizer: GPT-2's merges.txt")
+    tiktoken_pattern: Optional[str] = _field(None, choices=TIKTOKEN_PATTERNS, flag="--tiktoken-pattern",
+                                             help="TikTokenizer (tokenizer_model: Megatron's tiktoken vocabulary "
+                                                  ".json): Megatron's pre-tokenizer pattern, v1 or v2; no effect "
+                                                  "with another tokenizer")
+    tiktoken_num_special_tokens: int = _field(1000, ge=3, flag="--tiktoken-num-special-tokens",
+                                              help="TikTokenizer: the special ids before the vocabulary's (<unk>, "
+                                                   "<s>, </s>, then <SPECIAL_3>...)")
     eod_mask_loss: bool = _field(False, flag="--eod-mask-loss",
                                  help="do not train on predicting the token after an end-of-document")
     reset_position_ids: bool = _field(False, flag="--reset-position-ids",
@@ -172,7 +181,8 @@ class DataConfig:
     @property
     def tokenizer(self) -> TokenizerSpec:
         """The tokenizer these settings name (:class:`~hybrid.tokenizer_files.TokenizerSpec`)."""
-        return TokenizerSpec(self.tokenizer_type, self.tokenizer_model, self.vocab_file, self.merge_file)
+        return TokenizerSpec(self.tokenizer_type, self.tokenizer_model, self.vocab_file, self.merge_file,
+                             self.tiktoken_pattern, self.tiktoken_num_special_tokens)
 
 
 @dataclasses.dataclass

@@ -62,6 +62,7 @@ FULL = {
              "split": "98,2,0",
              "tokenizer_type": None,
              "tokenizer_model": "tok.model", "vocab_file": None, "merge_file": None,
+             "tiktoken_pattern": None, "tiktoken_num_special_tokens": 1000,
              "eod_mask_loss": True, "reset_position_ids": False, "reset_attention_mask": True, "mock": False,
              "cache_path": "cache"},
     "checkpoint": {"save": "ckpt", "load": "ckpt", "exit_on_missing_checkpoint": False, "save_interval": 50,

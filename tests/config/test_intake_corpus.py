@@ -38,15 +38,15 @@ _PROFILE = {"--profile", "--profile-step-start", "--profile-step-end"}
 # script -> the features its first launch refuses (empty: accepted as it is)
 EXPECTED_SCRIPTS = {
     "megatron_gpt3_175b": set(),  # its --step-batch-size-schedule: tests/config/test_step_batch_schedule.py
-    "megatron_llama3_8b_fp8_mock": _LLAMA3 | _PROFILE | {"--grad-reduce-in-bf16", "--tiktoken-pattern"},
+    "megatron_llama3_8b_fp8_mock": _LLAMA3 | _PROFILE | {"--grad-reduce-in-bf16"},
     "megatron_llama3_8b_fp8_data": _LLAMA3 | _PROFILE | {"--grad-reduce-in-bf16"},
-    "megatron_fsdp_llama3_8b_fp8_mock": _LLAMA3 | {"--tiktoken-pattern"},  # Megatron-FSDP itself is ZeRO stage 3
+    "megatron_fsdp_llama3_8b_fp8_mock": set(_LLAMA3),  # Megatron-FSDP itself is ZeRO stage 3
     "megatron_mixtral_8x7b": set(),  # its MoE flags are keys (docs/moe.md), at the 32 ranks its EP 8 x PP 4 needs
     # its MoE flags are keys or no-ops (--moe-permute-fusion...); gpt-oss's attention and MLP variants are not
     "megatron_gptoss_train": _FP8 | {
         "--export-force-local-attention", "--quick-geglu", "--glu-linear-offset",
         "--softmax-type", "--window-attn-skip-freq", "--activation-func-clamp-value", "--window-size",
-        "--enable-gpt-oss", "--tiktoken-pattern", "--accumulate-allreduce-grads-in-fp32",
+        "--enable-gpt-oss", "--accumulate-allreduce-grads-in-fp32",
         "--disable-bf16-reduced-precision-matmul"},
     "megatron_detxoify_finetune_1.3b": {"--data-path2"},
     "mds_pretrain_llama": set(),
