@@ -3,8 +3,8 @@
 ``transformers`` 5 maps a folder holding only ``tokenizer.model`` to a class that rebuilds a fixed pipeline:
 ``LlamaTokenizer`` has no normalizer, so a model trained with SentencePiece's default ``nmt_nfkc`` rule and
 whitespace clean-up (what ``tools/train_tokenizer.py`` trains) encodes most texts differently (4643 of the 6783
-documents of the demo's corpus; a newline, a double space, a ligature). The pipeline here follows the model's own settings, read
-from its protobuf (:func:`read_model`, no ``protobuf`` package needed):
+documents of the demo's corpus; a newline, a double space, a ligature). The pipeline here follows the model's own
+settings, read from its protobuf (:func:`read_model`, no ``protobuf`` package needed):
 
 * normalizer, in SentencePiece's order: the precompiled character map (NFKC and friends), removal of leading,
   trailing and repeated spaces, the dummy-prefix space, spaces escaped as ``▁``;

@@ -24,7 +24,8 @@ transformers = pytest.importorskip("transformers")
 # ones); characters NFKC maps (a ligature, a full-width letter); characters no vocabulary here has; special tokens'
 # text, which the run's tokenizers read as text
 TEXTS = ["Return the list of arguments.", "Hello world! It's 2026.", "  spaces\tand\nlines ", "a  b   c", " lead",
-         "naïve café 😀😀", "ﬁle Ａbc ①", "", "<s> </s> <unk>", f"one{EOD_TOKEN}two"] + synthetic_documents(10, seed=6)
+         "naïve café 😀😀", "ﬁle Ａbc ①", "", "<s> </s> <unk>",
+         f"one{EOD_TOKEN}two"] + synthetic_documents(10, seed=6)
 
 
 def _exported_ids(folder):
