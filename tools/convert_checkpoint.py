@@ -8,6 +8,7 @@
     python tools/convert_checkpoint.py from-hf --input hf_model --save ckpt_hf --tp 2
     python tools/convert_checkpoint.py from-deepspeed --input ds_ckpt --hf-config hf_model/config.json --save ckpt \
                                               --tp 2 --dp 2 [--target-zero-stage 1]
+    python tools/convert_checkpoint.py from-megatron --load megatron_ckpt --save ckpt --tp 2 --dp 2 [--no-load-optim]
     python tools/convert_checkpoint.py to-dcp  --load ckpt --output ckpt_dcp
     python tools/convert_checkpoint.py from-dcp --input ckpt_dcp --save ckpt_back [--model-config model.json]
 
@@ -121,18 +122,28 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--tag", help="the global_stepN folder to read (default: the one latest names)")
     ds.add_argument("--hf-config", required=True, help="the model's Hugging Face config.json (or the folder with it)")
     ds.add_argument("--save", required=True, help="save directory for the hybrid checkpoint")
-    # The loading job's layout, spelled as its own flags.
-    ds.add_argument("--tp", type=int, default=1, help="its --tensor-model-parallel-size (default 1)")
-    ds.add_argument("--dp", type=int, default=1, help="its data-parallel size (default 1)")
-    ds.add_argument("--pipeline-model-parallel-size", dest="pp", type=int, default=1, help="its pipeline size (1)")
-    ds.add_argument("--target-zero-stage", type=int, default=1, help="its --zero-stage (default 1)")
-    ds.add_argument("--zero-bucket-size", type=int, help="its --zero-bucket-size (default: the trainer's)")
 
-    for s in (r, i, ds, e):  # the subcommands that write a hybrid checkpoint, moving --save's latest
+    mg = sub.add_parser("from-megatron", help="a Megatron-LM (Megatron-Core GPT) checkpoint, --ckpt-format torch or "
+                                              "torch_dist, with its Adam state and step, to continue training "
+                                              "(hybrid.convert.from_megatron)")
+    mg.add_argument("--load", required=True, help="the Megatron-LM save folder (its latest_checkpointed_iteration.txt) "
+                                                  "or one iter_XXXXXXX")
+    mg.add_argument("--ckpt-step", type=int, help="the iteration to read (default: the one the tracker file names)")
+    mg.add_argument("--save", required=True, help="save directory for the hybrid checkpoint")
+    mg.add_argument("--no-load-optim", action="store_true",
+                    help="the weights alone (train from them with --finetune); default: with the Adam state")
+    for s in (ds, mg):  # the loading job's layout, spelled as its own flags
+        s.add_argument("--tp", type=int, default=1, help="its --tensor-model-parallel-size (default 1)")
+        s.add_argument("--dp", type=int, default=1, help="its data-parallel size (default 1)")
+        s.add_argument("--pipeline-model-parallel-size", dest="pp", type=int, default=1, help="its pipeline size (1)")
+        s.add_argument("--target-zero-stage", type=int, default=1, help="its --zero-stage (default 1)")
+        s.add_argument("--zero-bucket-size", type=int, help="its --zero-bucket-size (default: the trainer's)")
+
+    for s in (r, i, ds, mg, e):  # the subcommands that write a hybrid checkpoint, moving --save's latest
         s.add_argument("--force", action="store_true",
                        help="write into a --save folder that already holds checkpoints (its latest then names the "
                             "new one; default: refuse)")
-    for s in (r, f, h, i, ds, d, e):
+    for s in (r, f, h, i, ds, mg, d, e):
         s.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -208,6 +219,17 @@ def run(args) -> str:
                                      force=args.force)
         return (f"wrote {out}; continue training from it with --load {args.save} --no-load-rng (DeepSpeed saves no "
                 f"random state) and the run's model, optimizer and learning-rate settings")
+    if args.command == "from-megatron":
+        from hybrid.convert.from_megatron import convert_from_megatron
+        from hybrid.convert.reshard import DEFAULT_BUCKET_SIZE
+
+        out = convert_from_megatron(args.load, args.save, tp=args.tp, dp=args.dp, pp=args.pp,
+                                    target_zero_stage=args.target_zero_stage, iteration=args.ckpt_step,
+                                    bucket_size=DEFAULT_BUCKET_SIZE if args.zero_bucket_size is None
+                                    else args.zero_bucket_size, load_optimizer=not args.no_load_optim,
+                                    progress=progress, force=args.force)
+        how = "--finetune" if args.no_load_optim else "--no-load-rng (Megatron's random state is CUDA's)"
+        return f"wrote {out}; continue training from it with --load {args.save} {how} and the run's model settings"
     from hybrid.convert.hf import import_from_hf
 
     out = import_from_hf(args.input, args.save, tp=args.tp, dtype=args.dtype, progress=progress, force=args.force)
