@@ -110,7 +110,8 @@ class CompileReport:
         f = self.figures()
         cache = f", cache {self.cache_dir}" if self.cache_dir else ""
         return (f"torch.compile: {self.blocks} transformer blocks as one compiled function ({self.backend}): "
-                f"{int(f['graphs'])} graph(s), {int(f['breaks'])} graph break(s), {f['seconds']:.1f} s compiling{cache}")
+                f"{int(f['graphs'])} graph(s), {int(f['breaks'])} graph break(s), "
+                f"{f['seconds']:.1f} s compiling{cache}")
 
 
 def compile_blocks(model, *, backend: str = "inductor", cache_dir: Optional[str] = None) -> CompileReport:
@@ -130,7 +131,3 @@ def compile_blocks(model, *, backend: str = "inductor", cache_dir: Optional[str]
         block.forward = types.MethodType(compiled, block)
     return CompileReport(len(blocks), backend, cache, CompileReport._now())
 
-
-def is_compiled(block) -> bool:
-    """Whether :func:`compile_blocks` compiled ``block`` (its ``forward`` is the compiled function)."""
-    return "forward" in vars(block)

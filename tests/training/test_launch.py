@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from hybrid.checkpoint import CheckpointReader
 from tests.multiproc import free_port
 
@@ -184,3 +186,29 @@ def test_two_node_rendezvous_on_one_machine(tmp_path):
     assert "world=4 tp=2 dp=2" in log
     assert "iteration 3/3" in log
     assert CheckpointReader(tmp_path / "ckpt").layout.dp == 2
+
+
+@pytest.mark.slow  # inductor compiles on 4 ranks: a minute or more on 2 cores
+def test_tiny_demo_trains_compiled(tmp_path):
+    """The main job compiled (issue 51): COMPILE=1 compiles each transformer block (--torch-compile) on TP=2 x DP=2,
+    reports the compile once, learns, keeps inductor's cache under the checkpoint folder, and saves a checkpoint
+    the sample is generated from (eager)."""
+    work = tmp_path / "compiled"
+    proc = subprocess.run(["bash", str(REPO / "launch_scripts/pretrain_gpt_tiny.sh")], cwd=REPO, text=True,
+                          capture_output=True, timeout=900,
+                          env=_env(SETUP="0", COMPILE="1", WORK_DIR=str(work), TRAIN_ITERS="8", EVAL_INTERVAL="8",
+                                   SAVE_INTERVAL="8", LOG_INTERVAL="4", MAX_DOCUMENTS="1500", SEQ_LENGTH="64",
+                                   MAX_NEW_TOKENS="8"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    reports = [line for line in out.splitlines() if line.startswith("torch.compile: ")]
+    assert len(reports) == 1 and reports[0].startswith("torch.compile: 4 transformer blocks as one compiled "
+                                                       "function (inductor): "), reports
+    valid = [float(line.split("lm loss:")[1].split("|")[0]) for line in out.splitlines()
+             if line.startswith("validation at iteration")]
+    assert valid and valid[-1] < math.log(4096) - 0.3, valid  # learning: well below the untrained ln(vocab)
+    assert any((work / "checkpoints" / "compile-cache").iterdir())
+    reader = CheckpointReader(work / "checkpoints")
+    assert reader.iteration == 8
+    reader.verify_all()
+    assert "a sample from the trained model" in out
