@@ -9,6 +9,7 @@ it is memoised on those values, so changing them (as tests do) yields a fresh re
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from hybrid.kernels import ops
 from hybrid.kernels.build_lock import BuildLockTimeout
 from hybrid.kernels.builder import (BuildPlan, build_and_load, cxx_compiler, default_cache_root, default_csrc_dir,
                                     plan_build)
-from hybrid.kernels.modes import MODE_ENV, KernelBuildError, KernelMode, KernelUnavailableError, kernel_mode
+from hybrid.kernels.modes import CACHE_ENV, CSRC_ENV, MODE_ENV, KernelBuildError, KernelMode, KernelUnavailableError, kernel_mode
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,19 @@ def _registry_for(mode: KernelMode, cache_root: str, csrc: str, cxx: str) -> Ker
     return KernelRegistry(mode, Path(cache_root), Path(csrc))
 
 
+# The variables (and the working directory, for relative paths) the registry's settings derive from.
+_SETTING_ENVS = (MODE_ENV, CACHE_ENV, CSRC_ENV, "XDG_CACHE_HOME", "HOME", "CXX")
+
+
 def default_registry() -> KernelRegistry:
-    """The registry for the current environment variables."""
+    """The registry for the current environment variables.
+
+    Called on every kernel call (the norm and codec ops ask it each time), so the memo key is
+    the raw settings: resolving the cache and csrc paths costs file-system calls (tens of µs)."""
+    return _registry_for_settings(tuple(os.environ.get(name) for name in _SETTING_ENVS), os.getcwd())
+
+
+@lru_cache(maxsize=16)
+def _registry_for_settings(settings: tuple, cwd: str) -> KernelRegistry:
+    del settings, cwd  # the memo key only
     return _registry_for(kernel_mode(), str(default_cache_root()), str(default_csrc_dir()), cxx_compiler())
