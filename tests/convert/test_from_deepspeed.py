@@ -30,12 +30,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from hybrid.checkpoint import CheckpointReader
 from hybrid.convert import safe_pickle
-from hybrid.convert.consolidate import MASTER, CheckpointSource, ConversionError
+from hybrid.convert.consolidate import MASTER, WEIGHT, CheckpointSource, ConversionError
 from hybrid.convert.from_deepspeed import _merge_stage3, _merge_stage12, convert_from_deepspeed, read_deepspeed
+from hybrid.convert.hf import map_for_hf
 from hybrid.convert.hf_gpt2 import config_from_hf
+from hybrid.dtypes import DTYPES
 from tests.convert.test_cli import _tool  # the command line as a module
 from tests.multiproc import run_distributed
 from tests.numerics import adam_trajectory_tolerance, gamma, transformer_bound
@@ -102,24 +105,37 @@ def test_zero_checkpoint_continues_at_tp2_dp2_zero1_like_deepspeed(tmp_path, sta
     _assert_continues_like_deepspeed(got, root, run)
 
 
-def test_converted_state_holds_deepspeeds_moments_step_and_counters(tmp_path):
-    root, run = _fixture(3)
+@pytest.mark.parametrize("folder", ["deepspeed_zero2", "deepspeed_zero3", "deepspeed_llama_zero1_bf16"])
+def test_conversion_carries_deepspeeds_own_view_of_the_state(tmp_path, folder):
+    """Every master and moment equals, bit for bit, what DeepSpeed's own accessors returned at the save
+    (``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``: reference.safetensors), renamed and
+    rearranged as the HF map says (GPT-2's Conv1D transposed, Llama's q/k/v and gate/up stacked)."""
+    root = FIXTURES / folder
+    run = json.loads((root / "run.json").read_text())
+    reference = load_file(root / "reference.safetensors")
     ds = read_deepspeed(root / "checkpoint")
-    assert (ds.stage, ds.world, ds.step, ds.global_steps, ds.global_samples) == (3, 2, 20, 20, 80)
+    assert (ds.stage, ds.world, ds.step, ds.global_steps, ds.global_samples) == (run["stage"], 2, 20, 20, 80)
+    assert ds.precision == ("bf16" if run["bf16"] else "fp32")
+    for key, want in reference.items():
+        what, name = key.split("/", 1)
+        assert torch.equal(ds.state[what][name], want), key
     out = convert_from_deepspeed(root / "checkpoint", tmp_path / "c", hf_config=root / "config.json", tp=2, dp=2,
                                  target_zero_stage=1)
     reader = CheckpointReader(out)
-    assert (reader.iteration, reader.consumed_samples) == (20, 80)
+    assert (reader.iteration, reader.consumed_samples, reader.layout.precision) == (20, 80, ds.precision)
     assert reader.trainer_state["engine"]["lr_schedule"]["settings"]["max_lr"] == run["lr"]
     assert reader.load_optimizer_shard(1, 1)["step"] == 20
+    hf = json.loads((root / "config.json").read_text())
+    arch = map_for_hf(hf, "config.json")
     with CheckpointSource(reader) as src:
-        for key in (MASTER, "exp_avg", "exp_avg_sq"):
-            # Conv1D's [in, out] is hybrid's [out, in]; the tied head is the embedding's single copy
-            qkv = src.read("layers.1.attention.qkv_proj.weight", key)
-            assert torch.equal(qkv, ds.state[key]["transformer.h.1.attn.c_attn.weight"].t())
-            assert torch.equal(src.read("embedding.word_embeddings.weight", key),
-                               ds.state[key]["transformer.wte.weight"])
-        assert ds.state["exp_avg_sq"]["transformer.h.0.mlp.c_fc.weight"].abs().sum() > 0
+        for link in arch.links(arch.config_from_hf(hf, "config.json")):
+            want = {key: torch.cat([reference[f"{key}/{n}"].t() if link.transpose else reference[f"{key}/{n}"]
+                                    for n in link.hf]) for key in (MASTER, "exp_avg", "exp_avg_sq")}
+            for key, tensor in want.items():
+                assert torch.equal(src.read(link.hybrid, key), tensor), (link.hybrid, key)
+            # the model files hold the masters rounded to the run's precision
+            weight = src.read(link.hybrid, WEIGHT)
+            assert weight.dtype == DTYPES[ds.precision] and torch.equal(weight, want[MASTER].to(weight.dtype))
 
 
 def test_flat_partitions_reassemble_as_deepspeed_lays_them_out():
