@@ -66,7 +66,8 @@ _HANDLED = {"": {"zero_optimization", "fp16", "bf16", "optimizer", "scheduler", 
                  "communication_data_type", "activation_checkpointing"},
             "zero_optimization": {"offload_optimizer", "zero_quantized_gradients", "zero_quantized_weights",
                                   "cpu_offload"},
-            "fp16": {"enabled"}, "bf16": {"enabled"}, "optimizer": {"type", "params"},
+            "fp16": {"enabled"}, "bf16": {"enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states"},
+            "optimizer": {"type", "params"},
             "scheduler": {"type", "params"}, "data_types": {"grad_accum_dtype", "param_dtype", "buffer_dtype"}}
 
 # Settings hybrid always has: accepted at exactly this value.
@@ -129,9 +130,7 @@ _UNSUPPORTED = {
     },
     "fp16": {"fp16_master_weights_and_grads": "hybrid keeps fp32 master weights; remove it"},
     "bf16": {"immediate_grad_update": "remove it", "check_grad_overflow": "remove it",
-             "bf16_master_weights_and_grads": f"hybrid keeps fp32 master weights; bf16 ones are {_NOT_YET}; "
-                                              f"remove it",
-             "bf16_optimizer_states": f"hybrid keeps fp32 optimizer states; bf16 ones are {_NOT_YET}; remove it"},
+},
     "zero_optimization.offload_optimizer": {
         "ratio": "offloading a part of the optimizer state is not implemented: hybrid offloads all of it (device "
                  "cpu) or none; remove it",
@@ -521,10 +520,26 @@ def _precision(ds: Mapping) -> Optional[str]:
     return "fp16" if fp16 else "bf16" if bf16 else None
 
 
+_BF16_MASTERS = ("bf16_master_weights_and_grads", "bf16_optimizer_states")
+
+
 def _map_precision(ds: Mapping, put) -> None:
     precision = _precision(ds)
     if precision is not None:
         put("precision", precision, f"{precision}.enabled")
+    bf16 = ds.get("bf16") if isinstance(ds.get("bf16"), Mapping) else {}
+    given = {key: bf16[key] for key in _BF16_MASTERS if key in bf16}
+    for key, value in given.items():
+        if not isinstance(value, bool):
+            raise ConfigError(f"DeepSpeed key 'bf16.{key}' must be true or false, got {value!r}")
+    on = [key for key, value in given.items() if value]
+    if len(on) == 1:
+        raise ConfigError(f"DeepSpeed key 'bf16.{on[0]}' alone is not supported: hybrid keeps the optimizer state in "
+                          f"the masters' dtype, so bf16 masters come with bf16 optimizer states; set both "
+                          f"bf16.{_BF16_MASTERS[0]} and bf16.{_BF16_MASTERS[1]} true (zero.master_precision bf16), or "
+                          f"neither")
+    if on:
+        put("zero.master_precision", "bf16", f"bf16.{on[0]}")
 
 
 def _map_optimizer(opt: Mapping, put) -> None:

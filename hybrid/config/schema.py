@@ -51,6 +51,7 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")  # the shap
 WARMUP_STYLES = ("linear", "log")
 WD_INCR_STYLES = ("constant", "linear", "cosine")  # how the weight decay grows from its start to its end
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved")  # hybrid.pipeline.schedule maps each to its module
+MASTER_PRECISIONS = ("fp32", "bf16")  # zero.master_precision: bf16 masters and optimizer state are an opt-in mode
 
 __all__ = ["HybridConfig", "ZeroConfig", "OptimizerConfig", "SchedulerConfig", "LossScalingConfig",
            "TensorBoardConfig", "ModelConfig", "DataConfig", "CheckpointConfig", "RunConfig", "EvalConfig",
@@ -133,6 +134,11 @@ class ZeroConfig:
     offload_optimizer: str = _field("none", choices=OFFLOAD_DEVICES, flag="--offload-optimizer",
                                     help="cpu: fp32 master weights and optimizer state in host memory, stepped "
                                          "by the CPU Adam (stages 1-3)")
+    master_precision: str = _field("fp32", choices=MASTER_PRECISIONS, flag="--zero-master-precision",
+                               help="the optimizer's master weights and its state (Adam's moments): fp32, or bf16 "
+                                    "(opt-in, precision bf16 only: the bf16 parameters are their own masters and the "
+                                    "moments are bf16, half the optimizer memory; each update is rounded to bf16, "
+                                    "DeepSpeed's bf16_master_weights_and_grads with bf16_optimizer_states)")
     persistence_threshold: int = _field(100_000, ge=0, help="stage 3: parameters with at most this many elements "
                                                             "stay whole on every rank")
     max_live_parameters: int = _field(1_000_000_000, ge=1, help="stage 3: elements of gathered parameters held "

@@ -286,6 +286,12 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
         if value is not None and ckpt.save is None:
             error(f"config key 'checkpoint.{key}' needs 'checkpoint.save' (a directory to save in)",
                   f"checkpoint.{key}", "checkpoint.save")
+    master = cfg.zero.master_precision
+    if master != "fp32" and (cfg.precision != master or cfg.autocast or cfg.zero.offload_optimizer != "none"):
+        error(f"config key 'zero.master_precision' {master} keeps the {master} parameters as their own masters: it "
+              f"needs 'precision' {master} without 'autocast' and without 'zero.offload_optimizer' (got precision "
+              f"{cfg.precision}, autocast {str(cfg.autocast).lower()}, offload {cfg.zero.offload_optimizer})",
+              "zero.master_precision", "precision")
     if ckpt.save_16bit_model and ckpt.async_save:
         error("config key 'checkpoint.save_16bit_model' writes the consolidated model from the finished checkpoint "
               "as the save returns; a background save ('checkpoint.async_save') finishes later: give one of them, "

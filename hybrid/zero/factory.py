@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 
 from hybrid.config.schema import OptimizerConfig, ZeroConfig
-from hybrid.layout import STAGE_TRAITS
+from hybrid.layout import PRECISION_DTYPES, STAGE_TRAITS
 from hybrid.topology import Topology
 from hybrid.zero.base import ZeroOptimizer, check_zero_config
 from hybrid.zero.expert_split import ExpertSplitOptimizer, has_expert_parameters
@@ -30,6 +30,8 @@ def build_zero_optimizer(model: torch.nn.Module, topology: Topology, zero: Optio
     zero = zero if zero is not None else ZeroConfig()
     optimizer = optimizer if optimizer is not None else OptimizerConfig()
     stage = check_zero_config(zero)
+    # zero.master_precision: the masters' dtype, and so the optimizer state's (an explicit master_dtype wins)
+    runtime.setdefault("master_dtype", getattr(torch, PRECISION_DTYPES[zero.master_precision]))
     if topology.ep_size > 1 and has_expert_parameters(model):
         # experts reduce and partition over edp, the rest over dp (at ep = 1 edp is dp: one optimizer does)
         return ExpertSplitOptimizer(model, topology, zero, optimizer, **runtime)

@@ -20,7 +20,7 @@ FULL = {
              "overlap_param_gather": True,
              "quantized_gradients": "int4", "quantized_weights": "int8", "two_level_reduce": True,
              "quantization_block": 128, "hpz_partition_size": 1,
-             "offload_optimizer": "cpu",
+             "offload_optimizer": "cpu", "master_precision": "fp32",
              "persistence_threshold": 10, "max_live_parameters": 5000, "prefetch_bucket_size": 0,
              "max_reuse_distance": 7000},
     "optimizer": {"type": "adamw", "lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "bias_correction": False,

@@ -293,6 +293,19 @@ def test_the_16bit_model_key_and_parameter_offload_switched_off():
     assert load_config(COMMON_ZERO2).checkpoint.save_16bit_model is False
 
 
+def test_bf16_master_weights_and_optimizer_states_are_the_bf16_master_mode():
+    both = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
+    assert load_config(both).zero.master_precision == "bf16"
+    off = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}}
+    assert load_config(off).zero.master_precision == "fp32"
+    with pytest.raises(ConfigError, match=r"'bf16.bf16_master_weights_and_grads' alone is not supported: hybrid "
+                                          r"keeps the optimizer state in the masters' dtype"):
+        load_config({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}})
+    with pytest.raises(ConfigError, match=r"'zero.master_precision' bf16 keeps the bf16 parameters as their own"):
+        load_config({"fp16": {"enabled": True}, "bf16": {"bf16_master_weights_and_grads": True,
+                                                         "bf16_optimizer_states": True}})
+
+
 def test_a_common_zero2_config_loads_with_its_switched_off_features_and_knobs():
     cfg = load_config(COMMON_ZERO2)
     assert (cfg.zero.stage, cfg.zero.bucket_size, cfg.zero.offload_optimizer) == (2, 50000000, "none")
