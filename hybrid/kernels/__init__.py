@@ -4,6 +4,8 @@ quantization (:mod:`hybrid.kernels.quantize`).
 Ops build just in time (ninja, versioned cache) on first use; ``python -m hybrid.kernels
 build`` prebuilds and ``report`` shows what is available. ``HYBRID_KERNELS=auto|require|off``
 chooses between fallback-with-one-warning, error, and never using the compiled ops.
+Importing the package registers the ``torch.library`` custom ops (``torch.ops.hybrid.*``,
+:mod:`hybrid.kernels.library`), so a compiled graph loaded from a cache finds them.
 See docs/kernels.md.
 """
 
@@ -12,6 +14,7 @@ from hybrid.kernels.cpu_adam import adam_step, multi_tensor_adam
 from hybrid.kernels.layer_norm import layer_norm, rms_norm, rms_norm_reference
 from hybrid.kernels.modes import KernelBuildError, KernelMode, KernelUnavailableError, kernel_mode
 from hybrid.kernels.registry import KernelRegistry, OpStatus, default_registry
+from hybrid.kernels import library, quantize  # noqa: F401  (importing quantize registers hybrid::quantize_*)
 
 
 def status() -> list[OpStatus]:
