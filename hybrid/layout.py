@@ -180,10 +180,10 @@ class ParallelLayout:
     ``tp`` x ``dp`` x ``pp`` ranks (TP innermost, see :mod:`hybrid.grid`),
     the ZeRO stage over ``dp`` and the training precision. Validated on
     construction; ``to_json``/``from_json`` are the form checkpoints store.
-    There is no ``cp``: a context-parallel job's checkpoints record the layout of
-    its optimizer's data view, ``dp`` being the ``dp x cp`` ranks its ZeRO
-    partitions span (:meth:`hybrid.topology.Topology.data_view`,
-    :mod:`hybrid.engine.checkpoint`), since nothing saved depends on the sequence split.
+    There is no ``cp``: a context-parallel job's layout (and so its checkpoints') has
+    for ``dp`` the ``dp x cp`` ranks its ZeRO partitions span
+    (:meth:`hybrid.topology.Topology.layout`, :mod:`hybrid.engine.checkpoint`), since
+    nothing saved depends on the sequence split.
     """
 
     tp: int

@@ -255,8 +255,10 @@ class Topology:
         return torch.device("cpu")
 
     def layout(self, zero_stage: int = 0, precision: str = "fp32") -> ParallelLayout:
-        """This job's :class:`~hybrid.layout.ParallelLayout` with the given ZeRO stage and precision (validated)."""
-        return ParallelLayout(tp=self.tp_size, dp=self.dp_size, pp=self.pp_size, zero_stage=zero_stage,
+        """This job's :class:`~hybrid.layout.ParallelLayout` with the given ZeRO stage and precision (validated).
+        Its ``dp`` is the ``dp * cp`` ranks that hold the same parameters (:meth:`data_view`): what ZeRO partitions
+        over and what a checkpoint records (a layout has no cp: docs/checkpoints.md)."""
+        return ParallelLayout(tp=self.tp_size, dp=self.grid.data_ranks, pp=self.pp_size, zero_stage=zero_stage,
                               precision=precision, ep=self.ep_size)
 
     def describe(self) -> str:

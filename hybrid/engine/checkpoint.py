@@ -81,7 +81,7 @@ class EngineCheckpoints:
 
     ``parts``: what the files are written from and read into; ``state``: the engine's state as one dict;
     ``settings``: the config's ``checkpoint`` section (``async_save``, ``async_save_chunk_mb``), read at each
-    save; ``layout``: the engine's parallel layout (its ZeRO stage and precision are recorded; its sizes are the
+    save; ``layout``: the engine's parallel layout (:meth:`hybrid.topology.Topology.layout`: its ``dp`` is the
     data view's, see the module docstring); ``timeout_s``: the bound of every wait of a save, a collective's, so
     that a hung disk ends in an error, never a hang.
     """
@@ -94,7 +94,7 @@ class EngineCheckpoints:
         self.coord = Coord(tp=view.tp_rank, dp=view.dp_rank, pp=view.pp_rank)
         self.state = state
         self.settings = settings
-        self.layout = view.layout(layout.zero_stage, layout.precision)
+        self.layout = layout
         self.timeout_s = timeout_s
         self.saver: Optional[BackgroundSaver] = None  # made at the first save with checkpoint.async_save
 

@@ -28,6 +28,7 @@ from unittest import mock
 import pytest
 import torch
 
+from tests.engine.parity_training import MOE
 from tests.multiproc import run_distributed
 from tests.numerics import adam_trajectory_tolerance, max_ratio, record, transformer_bound
 
@@ -52,15 +53,17 @@ def _data():
     return ids, labels, starts.cumsum(1)
 
 
-def _engine(tp: int, cp: int, stage: int):
+def _engine(tp: int, cp: int, stage: int, ep: int = 1, seed: int = 5, topo=None):
+    """An engine training DENSE (at ``ep > 1`` the tiny MoE model of tests/engine/parity_training.py, with the
+    same vocabulary and sequence length) on ``topo`` (default: a new one of these sizes)."""
     import hybrid
     from hybrid.config.parse import config_from_dict
     from model_zoo import GPTConfig, GPTModel
 
-    topo = hybrid.Topology(tp=tp, cp=cp, timeout_s=60) if tp * cp > 1 or _distributed() else \
-        hybrid.Topology.local()
+    if topo is None:
+        topo = hybrid.Topology(tp=tp, cp=cp, ep=ep, timeout_s=60) if _distributed() else hybrid.Topology.local()
     zero = {"stage": stage, **({"persistence_threshold": 0} if stage == 3 else {})}
-    model = GPTModel(GPTConfig(**{**DENSE, "sequence_parallel": tp > 1}), topo, seed=5)
+    model = GPTModel(GPTConfig(**{**(MOE if ep > 1 else DENSE), "sequence_parallel": tp > 1}), topo, seed=seed)
     return hybrid.initialize(model, config_from_dict({**CFG, "zero": zero}), topology=topo), model, topo
 
 
@@ -91,23 +94,17 @@ def _params(engine, model, topo) -> dict:
         return {n: t.detach().float().numpy().copy() for n, t in full_state(model, topo).items()}
 
 
-def _save_run(tp: int, cp: int, stage: int, save_dir: str, resume: bool) -> dict:
+def _save_run(tp: int, cp: int, stage: int, save_dir: str, resume: bool, ep: int = 1) -> dict:
     """Train STEPS steps saving after SAVED; with ``resume``, then a new engine (other initial weights) loads that
     checkpoint and trains the remaining steps in the same processes."""
-    engine, model, topo = _engine(tp, cp, stage)
+    engine, model, topo = _engine(tp, cp, stage, ep)
     losses = _steps(engine, topo, 0, SAVED)
     engine.save_checkpoint(save_dir)
     losses += _steps(engine, topo, SAVED, STEPS)
     out = {"losses": losses, "params": _params(engine, model, topo), "layout": engine.checkpoints.layout.to_json()}
     engine.close()
     if resume:
-        import hybrid
-        from hybrid.config.parse import config_from_dict
-        from model_zoo import GPTConfig, GPTModel
-
-        zero = {"stage": stage, **({"persistence_threshold": 0} if stage == 3 else {})}
-        model = GPTModel(GPTConfig(**{**DENSE, "sequence_parallel": tp > 1}), topo, seed=99)
-        engine = hybrid.initialize(model, config_from_dict({**CFG, "zero": zero}), topology=topo)
+        engine, model, _ = _engine(tp, cp, stage, ep, seed=99, topo=topo)
         engine.load_checkpoint(save_dir)
         out["resumed"] = {"losses": _steps(engine, topo, SAVED, STEPS), "params": _params(engine, model, topo)}
         engine.close()
@@ -175,6 +172,18 @@ def test_cp2_x_dp2_zero3_checkpoint_resumes_bit_identically(tmp_path):
     whose model file DP rank 0 of the data view gathers."""
     for run in run_distributed(_save_run, 4, 1, 2, 3, str(tmp_path), True, timeout=300):
         _assert_bit_identical(run)
+
+
+@pytest.mark.slow
+def test_cp2_x_ep2_moe_checkpoint_resumes_bit_identically(tmp_path):
+    """A tiny MoE GPT at CP2 x EP2 (2 ranks: each cp rank holds half the experts): its optimizer files hold the
+    dense partition over the 2 data ranks and each ep rank's experts (docs/checkpoints.md); resumed, bit-identical."""
+    from hybrid.checkpoint import CheckpointReader
+
+    for run in run_distributed(_save_run, 2, 1, 2, 1, str(tmp_path), True, 2):
+        _assert_bit_identical(run)
+    layout = CheckpointReader(tmp_path).layout
+    assert (layout.dp, layout.ep) == (2, 2)
 
 
 def _bounds():
