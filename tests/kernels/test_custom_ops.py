@@ -94,7 +94,7 @@ def _on(device, args):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the CUDA paths are compiled, not run, here")
-@pytest.mark.parametrize("name", sorted(_sample_inputs()))
+@pytest.mark.parametrize("name", sorted(library.REGISTERED))  # every op; one without samples fails
 def test_opcheck_cuda(name):
     """The same checks on CUDA tensors: the cuda_norm / cuda_quantize kernels behind the ops."""
     for args in _sample_inputs()[name]:
@@ -102,7 +102,7 @@ def test_opcheck_cuda(name):
         assert all(v == "SUCCESS" for v in result.values()), (name, args, result)
 
 
-@pytest.mark.parametrize("name", sorted(_sample_inputs()))
+@pytest.mark.parametrize("name", sorted(library.REGISTERED))  # every op; one without samples fails
 def test_opcheck_cpu(name):
     """Schema, fake tensor (shapes, dtypes, strides), autograd registration and AOT dispatch
     with dynamic shapes, against the real CPU implementation."""
