@@ -23,6 +23,12 @@ class OpStats:
     inter_node_bytes: float = 0.0
 
 
+def profiler_label(op: str, axis: str) -> str:
+    """An operation's name in :meth:`Traffic.report` and its span in a profiler trace (``--profile``):
+    ``"all_reduce/dp"``."""
+    return f"{op}/{axis}"
+
+
 class Traffic:
     """Bytes per ``(operation, axis)`` since the last :meth:`reset`; bytes sent off the node and seconds
     blocked since it was made. ``groups``: whose ranks and nodes the inter-node bytes are counted with."""
@@ -59,7 +65,7 @@ class Traffic:
         all-reduce is counted as that reduce-scatter plus a ring all-gather).
         Summed over a node's ranks it is what the node's link carries.
         """
-        return {f"{op}/{axis}": dataclasses.asdict(s) for (op, axis), s in sorted(self._stats.items())}
+        return {profiler_label(op, axis): dataclasses.asdict(s) for (op, axis), s in sorted(self._stats.items())}
 
     def record(self, op: str, axis: str, nbytes: int, wire_factor: float, peer: Optional[int] = None,
                fan_out: Optional[List[int]] = None, each: Optional[int] = None,

@@ -57,7 +57,6 @@ _ALWAYS_WRITTEN = "is always written to TensorBoard (--tensorboard-dir)"
 _ROPE = "hybrid scales RoPE frequencies with --rope-scaling and --rope-scaling-factor: give "
 _ALL_STATE = ("every checkpoint holds the optimizer and RNG states, so that it resumes exactly; "
               "tools/convert_checkpoint.py exports the weights alone (to-fp32, to-hf)")
-_TENSORBOARD = "hybrid logs to TensorBoard (--tensorboard-dir)"
 _RETAIN = "--keep-last K keeps the newest K checkpoints, each complete and resumable"
 _PER_LAYER = "--recompute-granularity full recomputes every layer, each its own checkpoint"
 _FP8 = ("hybrid trains in bf16, fp16 or fp32 (--bf16, --fp16): fp8 and fp4 training (Transformer Engine's scaling "
@@ -81,8 +80,8 @@ _FSDP = ("Megatron-FSDP's own buffers and groups: hybrid's sharded data parallel
 _FSDP_KNOB = ("a buffer or NCCL-registration knob of Megatron-FSDP's communication; hybrid's flat ZeRO buffers are its "
               "own, and the values trained are the same")
 _NOT_YET = "not implemented yet (issue 53): "
-_PROFILE = ("hybrid writes no profiler traces; it prints where the iterations went (compute, exposed communication, "
-            "memory) as one 'run profile' line at the end")
+_MEMORY_HISTORY = ("hybrid records no CUDA allocator history: --profile writes a torch.profiler trace, and the "
+                   "'run profile' line at the end gives every rank's peak memory")
 _RECOMPUTE = ("hybrid recomputes every layer, each its own checkpoint (--recompute-granularity full: Megatron's "
               "--recompute-method uniform --recompute-num-layers 1), or the attention core (selective)")
 
@@ -240,9 +239,7 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
              takes_value=True),
     _refused("--adlr-autoresume", "SIGTERM and SIGINT (a scheduler's preemption) save a checkpoint and stop; "
                                   "--load resumes from it"),
-    _refused("--wandb-project", _TENSORBOARD, takes_value=True),
-    _refused("--wandb-exp-name", _TENSORBOARD, takes_value=True),
-    _refused("--wandb-save-dir", _TENSORBOARD, takes_value=True),
+    _accepted("--use-pytorch-profiler", "--profile writes a torch.profiler trace (hybrid has no nsys mode)"),
 )
 
 
@@ -293,8 +290,7 @@ MEGATRON_FAMILIES: Tuple[MegatronFamily, ...] = (
                    "--lr, like every other parameter)", flags=("--decoupled-lr", "--decoupled-min-lr")),
     MegatronFamily("reducing fp32 gradients in bf16 is " + _NOT_YET + "hybrid reduces gradients in the dtype they "
                    "accumulate in (bf16 with --bf16)", flags=("--grad-reduce-in-bf16",)),
-    MegatronFamily(_PROFILE, flags=("--profile", "--profile-step-start", "--profile-step-end", "--profile-ranks",
-                                    "--record-memory-history", "--memory-snapshot-path", "--use-pytorch-profiler")),
+    MegatronFamily(_MEMORY_HISTORY, flags=("--record-memory-history", "--memory-snapshot-path")),
     MegatronFamily("hybrid leaves torch's default for bf16 matmul reductions (reduced precision allowed)",
                    flags=("--disable-bf16-reduced-precision-matmul",)),
     MegatronFamily("hybrid writes no optimizer-state statistics; --log-params-norm and --log-num-zeros-in-grad are "

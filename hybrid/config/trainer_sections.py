@@ -327,6 +327,24 @@ class LoggingConfig:
                                          help="an MoE model: after each log line, one line per MoE layer (its load "
                                               "over experts, dropped share, balancing and z-loss values); the log "
                                               "line itself shows the worst layer")
+    wandb_project: Optional[str] = _field(None, flag="--wandb-project",
+                                          help="also log to Weights & Biases, this project: the same tags at the same "
+                                               "steps as TensorBoard, from rank 0 (needs pip install 'hybrid[wandb]'; "
+                                               "offline without an API key: docs/monitoring.md)")
+    wandb_exp_name: Optional[str] = _field(None, flag="--wandb-exp-name", help="the W&B run's name")
+    wandb_save_dir: Optional[str] = _field(None, flag="--wandb-save-dir",
+                                           help="where the W&B run folder goes (unset: checkpoint.save/wandb, else "
+                                                "./wandb)")
+    profile: bool = _field(False, flag="--profile",
+                           help="write a torch.profiler trace (Chrome trace JSON, for TensorBoard's profiler plugin "
+                                "and Perfetto) of iterations [profile_step_start, profile_step_end) on the ranks "
+                                "profile_ranks, into logging.tensorboard_dir")
+    profile_step_start: int = _field(10, ge=1, flag="--profile-step-start",
+                                     help="with logging.profile: the first iteration traced (as the log line counts)")
+    profile_step_end: int = _field(12, ge=2, flag="--profile-step-end",
+                                   help="with logging.profile: the iteration the trace stops before")
+    profile_ranks: List[int] = _field(factory=lambda: [0], flag="--profile-ranks",
+                                      help="with logging.profile: the global ranks that write a trace")
 
 
 @dataclasses.dataclass

@@ -1,7 +1,7 @@
-"""The trainer's monitor: one console line per log interval, and TensorBoard events.
+"""The trainer's monitor: one console line per log interval, TensorBoard events and W&B.
 
 Every rank may call it; only the rank built with ``is_logging_rank=True``
-keeps metrics, prints and writes event files (the others do nothing), so
+keeps metrics, prints and writes event files and the W&B run (the others do nothing), so
 callers need no rank checks around it. Values must already be reduced over
 ranks (the loss averaged over DP, the grad norm global) by the caller.
 """
@@ -17,7 +17,8 @@ from hybrid.monitor.flops import PeakFlops
 from hybrid.monitor.interval import IntervalAccumulator, IntervalSummary, IterationMetrics
 from hybrid.monitor.memory import MemoryStats, read_memory_stats
 from hybrid.monitor.moe import format_moe_layer_line
-from hybrid.monitor.tensorboard_writer import TensorBoardWriter
+from hybrid.monitor.scalars import ScalarStream
+from hybrid.monitor.tensorboard_writer import TensorBoardSink
 
 
 def _print_line(line: str) -> None:
@@ -39,6 +40,10 @@ class TrainingMonitor:
         memory_fn: returns a :class:`MemoryStats` snapshot for ``device``.
         moe_per_layer: also print one line per MoE layer after each training line (``--moe-per-layer-logging``;
             TensorBoard gets every layer's tags either way).
+        wandb_project: also log to Weights & Biases, this project (``--wandb-project``; None: no W&B); the run is
+            named ``wandb_exp_name`` and its folder goes in ``wandb_dir``
+            (:func:`hybrid.monitor.wandb_writer.wandb_dir`). It gets the same tags at the same steps as
+            TensorBoard (:class:`~hybrid.monitor.scalars.ScalarStream`).
     """
 
     def __init__(self, *, train_iters: int, log_interval: int, is_logging_rank: bool,
@@ -47,7 +52,8 @@ class TrainingMonitor:
                  device: Optional[torch.device] = None,
                  print_fn: Callable[[str], None] = _print_line,
                  memory_fn: Callable[[Optional[torch.device]], MemoryStats] = read_memory_stats,
-                 moe_per_layer: bool = False):
+                 moe_per_layer: bool = False, wandb_project: Optional[str] = None,
+                 wandb_exp_name: Optional[str] = None, wandb_dir: str = "wandb"):
         if train_iters < 0:  # 0: a run that only evaluates (--skip-train at iteration 0)
             raise ValueError(f"train_iters must be >= 0, got {train_iters}")
         if log_interval < 1:
@@ -57,8 +63,14 @@ class TrainingMonitor:
         self.device = device
         self._print, self._memory = print_fn, memory_fn
         self._acc = IntervalAccumulator(seq_length, world_size, flops_per_token, peak)
-        self._tb = (TensorBoardWriter(tensorboard_dir)
-                    if is_logging_rank and tensorboard_dir is not None else None)
+        sinks = []
+        if is_logging_rank and tensorboard_dir is not None:
+            sinks.append(TensorBoardSink(tensorboard_dir))
+        if is_logging_rank and wandb_project:
+            from hybrid.monitor.wandb_writer import WandbSink  # imports wandb: only when asked for
+
+            sinks.append(WandbSink(wandb_project, wandb_exp_name, wandb_dir, print_fn))
+        self._scalars = ScalarStream(sinks)  # every sink gets the same scalars (none: console only)
         self.peak = peak
         self.moe_per_layer = moe_per_layer
         self.last_summary: Optional[IntervalSummary] = None
@@ -71,9 +83,8 @@ class TrainingMonitor:
         self._print(f"MFU peak: {peak}")
 
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:
-        """Record the run's settings as a TensorBoard text table."""
-        if self._tb is not None:
-            self._tb.write_hparams(hparams)
+        """Record the run's settings (TensorBoard: a text table; W&B: the run's config)."""
+        self._scalars.write_hparams(hparams)
 
     def ends_interval(self, iteration: int) -> bool:
         """Whether :meth:`record` of ``iteration`` reports (every rank may ask: collective statistics such as
@@ -100,8 +111,7 @@ class TrainingMonitor:
         if self.moe_per_layer and summary.moe:
             for report in summary.moe:
                 self._print(format_moe_layer_line(report))
-        if self._tb is not None:
-            self._tb.write_train(summary)
+        self._scalars.write_train(summary)
         return line
 
     def record_evaluation(self, split: str, iteration: int, lm_loss: float) -> Optional[str]:
@@ -111,23 +121,20 @@ class TrainingMonitor:
             return None
         line = format_evaluation_line(split, iteration, lm_loss)
         self._print(line)
-        if self._tb is not None:
-            self._tb.write_evaluation(split, iteration, lm_loss)
+        self._scalars.write_evaluation(split, iteration, lm_loss)
         return line
 
     def record_checkpoint(self, iteration: int, blocking_s: float, write_s: float, nbytes: int) -> None:
-        """Report a complete checkpoint of ``iteration`` to TensorBoard (the trainer prints its own line)."""
-        if self._tb is not None:
-            self._tb.write_checkpoint(iteration, blocking_s, write_s, nbytes)
+        """Report a complete checkpoint of ``iteration`` to TensorBoard and W&B (the trainer prints its own
+        line)."""
+        self._scalars.write_checkpoint(iteration, blocking_s, write_s, nbytes)
 
     def flush(self) -> None:
-        if self._tb is not None:
-            self._tb.flush()
+        self._scalars.flush()
 
     def close(self) -> None:
-        """Flush and close the event file; safe to call more than once."""
-        if self._tb is not None:
-            self._tb.close()
+        """Flush and close the event file and the W&B run; safe to call more than once."""
+        self._scalars.close()
 
     def __enter__(self) -> "TrainingMonitor":
         return self

@@ -33,6 +33,7 @@ from hybrid.data import GlobalBatchSampler, iter_global_batches, load_tokenizer
 from hybrid.distributed import destroy_distributed
 from hybrid.engine.builders import no_weight_decay_rule
 from hybrid.monitor import IterationMetrics, TrainingMonitor, resolve_peak_flops
+from hybrid.monitor.wandb_writer import wandb_dir
 from hybrid.pipeline.split import split_from_config
 from hybrid.topology import Topology
 from hybrid.training.cli import parse_args, validate
@@ -46,6 +47,7 @@ from hybrid.training.model import model_config
 from hybrid.training.moe_report import MoEReporter
 from hybrid.training.profile import StepProfile, profile_line, steady_state_start
 from hybrid.training.seeding import seed_everything
+from hybrid.training.torch_profiler import TorchProfiler, check_settings
 from hybrid.training.summary import count_exempt, optimizer_line
 
 
@@ -97,6 +99,7 @@ class Trainer:
                                  timeout_s=timeout_s, allow_tp_across_nodes=config.distributed.allow_tp_across_nodes,
                                  ep=config.expert_parallel_size or 1, cp=config.context_parallel_size or 1)
         topo = self.topology
+        check_settings(config, topo.world_size)  # --profile's window and ranks, the wandb package
         # Before the model is built, so that a refused start costs seconds: where --load resumes (an
         # unclear one is an error, never a silent fresh start), and the --save folder becomes this run's
         # until train() ends (a second job saving there is refused).
@@ -164,12 +167,18 @@ class Trainer:
             is_logging_rank=topo.rank == 0, seq_length=self.model_config.seq_length, world_size=topo.world_size,
             flops_per_token=flops_per_token(self.model_config), peak=peak,
             tensorboard_dir=config.logging.tensorboard_dir, device=topo.device,
-            moe_per_layer=config.logging.moe_per_layer_logging)
+            moe_per_layer=config.logging.moe_per_layer_logging, wandb_project=config.logging.wandb_project,
+            wandb_exp_name=config.logging.wandb_exp_name,
+            wandb_dir=wandb_dir(config.logging.wandb_save_dir, config.checkpoint.save))
         self.history = []  # (iteration, DP-averaged lm loss) of this run, for callers and tests
         self.evaluations = []  # (split, iteration, loss) of each evaluation, "valid" or "test"
         self.profile = StepProfile(self.topology.comm, steady_state_start(
             config.optimizer.type, config.optimizer.freeze_step, self.iteration))
         self.run_profile: Optional[dict] = None  # the closing "run profile" figures, once train() has finished
+        log = config.logging  # --profile: a torch.profiler trace of iterations [start, end) on the chosen ranks
+        self.torch_profiler = TorchProfiler(start=log.profile_step_start, end=log.profile_step_end,
+                                            ranks=log.profile_ranks if log.profile else (), rank=topo.rank,
+                                            trace_dir=log.tensorboard_dir, first_iteration=self.iteration)
 
     @staticmethod
     def _check_starting_from_scratch(config: HybridConfig) -> None:
@@ -353,6 +362,7 @@ class Trainer:
             raise
         finally:
             self.exit.restore()
+            self.torch_profiler.close()
             self.monitor.close()
             self.engine.close()
             if self.save_lock is not None:
@@ -374,11 +384,14 @@ class Trainer:
             skipped_before = self.engine.skipped_steps
             batch_size = self.engine.global_batch_size
             self.guard.before_step()
+            self.torch_profiler.step(self.iteration + 1)
             self.profile.begin()
             loss = self._train_step(next(batches))
             self.profile.end()
             self.iteration += 1
             self.history.append((self.iteration, loss))
+            if self.compile_report is not None and len(self.history) == 1:  # the first step compiled the blocks
+                _log(topo, self.compile_report.line())
             self.monitor.record(IterationMetrics(
                 iteration=self.iteration, consumed_samples=self.consumed_samples, lm_loss=loss,
                 learning_rate=self.engine.last_lr if self.engine.last_lr is not None else self.engine.lr,
@@ -390,8 +403,6 @@ class Trainer:
                 num_zeros=self.engine.get_num_zeros_in_grad(),
                 # collective: every rank gathers the MoE routing where the monitor reports
                 moe=self.moe_report.gather() if self.moe_report and self.monitor.ends_interval(self.iteration)
-            if self.compile_report is not None and len(self.history) == 1:  # the first step compiled the blocks
-                _log(topo, self.compile_report.line())
                 else None))
             diverged = self.guard.check(self.iteration, self.engine.skipped_steps > skipped_before, loss, topo,
                                         grad_norm=self.engine.get_grad_norm(),
