@@ -84,7 +84,6 @@ _FIXED = {
     "optimizer.params": {"bias_correction": True, "amsgrad": False, "nesterov": False, "dampening": 0.0},
 }
 
-_NOT_YET = "not implemented yet (issue 53)"
 _ISSUE_8 = "hybrid does not implement it (parameter offload, NVMe and sub-groups are out of scope); remove it"
 # Known DeepSpeed keys hybrid does not support, with what to do instead.
 _UNSUPPORTED = {
@@ -192,7 +191,7 @@ _IGNORED_BY_DEEPSPEED = {"": {"cuda_visible_devices": "DeepSpeed's config does n
                               "disable_allgather": "DeepSpeed reads it and nothing acts on it"}}
 # Fixed keys whose other value is a feature not implemented yet: the reason, instead of "always behaves as".
 _FIXED_REASONS = {"optimizer.params.bias_correction": (
-    "only Adam, AdamW and OneBitAdam have a bias correction to switch off (hybrid's optimizer.bias_correction); "
+    "only Adam, AdamW, OneBitAdam and Lamb have a bias correction to switch off (hybrid's optimizer.bias_correction); "
     "remove it")}
 
 # DeepSpeed's dtype keys: the precision of one kind of tensor each, accepted when it is the one hybrid keeps at
@@ -214,12 +213,13 @@ _OPTIMIZER_PARAMS = {"adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode
                                     "comm_backend_name", "bias_correction"},
                      "zerooneadam": {"lr", "betas", "eps", "weight_decay", "var_freeze_step", "var_update_scaler",
                                      "local_step_scaler", "local_step_clipper", "cuda_aware", "comm_backend_name",
-                                     "bias_correction"}}
+                                     "bias_correction"},
+                     "lamb": {"lr", "betas", "eps", "weight_decay", "bias_correction", "max_coeff", "min_coeff"}}
 _SUPPORTED_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "onebitadam": "OneBitAdam",
-                         "zerooneadam": "ZeroOneAdam"}
+                         "zerooneadam": "ZeroOneAdam", "lamb": "Lamb"}
 # DeepSpeed names -> hybrid's optimizer.type where they differ
 _OPTIMIZER_TYPES = {"onebitadam": ONEBIT_ADAM, "zerooneadam": ZERO_ONE_ADAM}
-_UNSUPPORTED_OPTIMIZERS = ("lamb", "onebitlamb", "adagrad", "lion", "muadam",
+_UNSUPPORTED_OPTIMIZERS = ("onebitlamb", "adagrad", "lion", "muadam",
                            "muadamw", "musgd", "muon", "adafactor")
 
 
@@ -552,8 +552,7 @@ def _map_optimizer(opt: Mapping, put) -> None:
         hint = ("it is a DeepSpeed optimizer hybrid does not implement" if kind in _UNSUPPORTED_OPTIMIZERS
                 else f"unknown optimizer.{value_suggestion(type_name, _SUPPORTED_OPTIMIZERS.values())}")
         raise ConfigError(f"DeepSpeed optimizer.type {type_name!r} is not supported ({hint}); use one of "
-                          f"{', '.join(_SUPPORTED_OPTIMIZERS.values())}" + (f"; LAMB is {_NOT_YET}" if kind == "lamb"
-                                                                            else ""))
+                          f"{', '.join(_SUPPORTED_OPTIMIZERS.values())}")
     params = opt.get("params", {})
     if not isinstance(params, Mapping):
         raise ConfigError(f"DeepSpeed key 'optimizer.params' must be an object, got {params!r}")
@@ -569,10 +568,10 @@ def _map_optimizer(opt: Mapping, put) -> None:
         kind = "adamw" if adam_w_mode else "adam"
     put("optimizer.type", _OPTIMIZER_TYPES.get(kind, kind), "optimizer.type")
     # ZeroOneAdam's is accepted with no effect (_NO_EFFECT): its update has no bias correction to switch off
-    if "bias_correction" in params and kind in ("adam", "adamw", "onebitadam"):
+    if "bias_correction" in params and kind in ("adam", "adamw", "onebitadam", "lamb"):
         put("optimizer.bias_correction", params["bias_correction"], "optimizer.params.bias_correction")
     for key in ("lr", "betas", "eps", "weight_decay", "momentum", "freeze_step", "var_freeze_step",
-                "var_update_scaler", "local_step_scaler", "local_step_clipper"):
+                "var_update_scaler", "local_step_scaler", "local_step_clipper", "max_coeff", "min_coeff"):
         if key in params:
             put(f"optimizer.{key}", params[key], f"optimizer.params.{key}")
 

@@ -43,7 +43,7 @@ from model_zoo.config import RECOMPUTE  # the model description's (torch-free)
 
 # Choice lists owned by the configuration (the ZeRO stages, offload devices and
 # precisions are hybrid.layout's). hybrid.optim.lr_schedule imports the styles.
-OPTIMIZERS = ("adamw", "adam", "sgd", ONEBIT_ADAM, ZERO_ONE_ADAM)
+OPTIMIZERS = ("adamw", "adam", "sgd", ONEBIT_ADAM, ZERO_ONE_ADAM, "lamb")
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "wsd")
 # The styles that reach min_lr at a set length (the decay length); inverse-square-root decays without end.
 DECAY_STYLES_WITH_END = ("linear", "cosine", "wsd")
@@ -52,6 +52,17 @@ WARMUP_STYLES = ("linear", "log")
 WD_INCR_STYLES = ("constant", "linear", "cosine")  # how the weight decay grows from its start to its end
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved")  # hybrid.pipeline.schedule maps each to its module
 MASTER_PRECISIONS = ("fp32", "bf16")  # zero.master_precision: bf16 masters and optimizer state are an opt-in mode
+
+
+def lamb_problem(stage: int, offload: str) -> Optional[str]:
+    """Why LAMB cannot run at ZeRO ``stage`` with ``offload`` (zero.offload_optimizer), or None: its trust ratio
+    needs each parameter's norms, which the flat partitions of stages 0-2 give (a sum per parameter, all-reduced
+    over dp); stage 3's units and the host step are not built for it."""
+    if stage == 3:
+        return "LAMB runs at ZeRO stages 0-2 (its per-parameter norms over the flat partitions); use stage 2"
+    if offload != "none":
+        return "LAMB steps on the device; the host step (zero.offload_optimizer cpu) is Adam's"
+    return None
 
 __all__ = ["HybridConfig", "ZeroConfig", "OptimizerConfig", "SchedulerConfig", "LossScalingConfig",
            "TensorBoardConfig", "ModelConfig", "DataConfig", "CheckpointConfig", "RunConfig", "EvalConfig",
@@ -161,7 +172,9 @@ class OptimizerConfig:
     type: str = _field("adamw", choices=OPTIMIZERS, flag="--optimizer",
                        help="adamw (decoupled weight decay), adam (L2 weight decay added to the gradient), sgd, "
                             "onebit_adam (AdamW, then 1-bit compressed momentum after optimizer.freeze_step) or "
-                            "zero_one_adam (0/1 Adam: 1-bit exchanges, adaptive variance freezing, local steps)")
+                            "zero_one_adam (0/1 Adam: 1-bit exchanges, adaptive variance freezing, local steps) or "
+                            "lamb (DeepSpeed's LAMB: Adam's direction scaled per parameter by ||w|| / ||update||, "
+                            "clamped to [min_coeff, max_coeff]; ZeRO stages 0-2)")
     lr: float = _field(1e-3, gt=0.0, flag="--lr", help="peak learning rate (after warmup)")
     betas: Tuple[float, float] = _field(factory=lambda: (0.9, 0.999), flag="--adam-betas",
                                         help="Adam (beta1, beta2), each in [0, 1)",
@@ -169,10 +182,14 @@ class OptimizerConfig:
                                                  Alias("--adam-beta2", index=1,
                                                        help="Adam beta2 (optimizer.betas[1])")))
     eps: float = _field(1e-8, gt=0.0, flag="--adam-eps", help="Adam epsilon")
-    bias_correction: bool = _field(True, help="adamw, adam, onebit_adam: divide the moments by 1 - beta^t (true), "
+    bias_correction: bool = _field(True, help="adamw, adam, onebit_adam, lamb: divide the moments by 1 - beta^t (true), "
                                               "or step by lr * m / (sqrt(v) + eps) as they stand (false, DeepSpeed's "
                                               "optimizer.params.bias_correction: false)")
     weight_decay: float = _field(0.0, ge=0.0, flag="--weight-decay", help="weight decay coefficient")
+    max_coeff: float = _field(10.0, gt=0.0, flag="--lamb-max-coeff",
+                              help="lamb: the largest trust ratio ||w|| / ||update|| (DeepSpeed's max_coeff)")
+    min_coeff: float = _field(0.01, ge=0.0, flag="--lamb-min-coeff",
+                              help="lamb: the smallest trust ratio (DeepSpeed's min_coeff)")
     weight_decay_incr_style: str = _field("constant", choices=WD_INCR_STYLES, flag="--weight-decay-incr-style",
                                           help="constant, or how the weight decay grows from start_weight_decay "
                                                "to end_weight_decay over scheduler.weight_decay_incr_iters (or "

@@ -50,7 +50,7 @@ from typing import Callable, ContextManager, Dict, FrozenSet, List, Optional, Se
 
 import torch
 
-from hybrid.config.schema import OptimizerConfig, ZeroConfig
+from hybrid.config.schema import OptimizerConfig, ZeroConfig, lamb_problem
 from hybrid.compression import (ONE_BIT_OPTIMIZERS, compression_problem, gradient_quantization, hpz_problem,
                                 onebit_problem, weight_quantization)
 from hybrid.layout import (STAGE_TRAITS, StageTraits, ZeroStage, offload_problem, overlap_param_gather_problem,
@@ -145,11 +145,14 @@ class ZeroOptimizer(abc.ABC):
                 key, why = problem
                 raise ZeroConfigError(f"optimizer.type = {self.one_bit!r} with {key} = "
                                       f"{getattr(zero, key.split('.')[1])!r}: {why}")
+        if optimizer.type == "lamb" and lamb_problem(self.stage, zero.offload_optimizer):
+            raise ZeroConfigError(f"optimizer.type = 'lamb': {lamb_problem(self.stage, zero.offload_optimizer)}")
         # their moments are AdamW's, and 1-bit Adam's warm-up is AdamW
         self.inner = InnerOptimizer("adamw" if self.one_bit else optimizer.type, lr=optimizer.lr,
                                     betas=tuple(optimizer.betas), eps=optimizer.eps,
                                     weight_decay=optimizer.weight_decay_range[0], momentum=optimizer.momentum,
-                                    use_kernels=use_fused_kernels, bias_correction=optimizer.bias_correction)
+                                    use_kernels=use_fused_kernels, bias_correction=optimizer.bias_correction,
+                                    max_coeff=optimizer.max_coeff, min_coeff=optimizer.min_coeff)
         self.model = model
         self.param_filter = params
         # parameters another optimizer owns (rejected by the filter): a whole-model load or save skips them

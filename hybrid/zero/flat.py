@@ -34,7 +34,8 @@ import torch
 from hybrid.zero.base import BackwardPass, ZeroOptimizer
 from hybrid.zero.buckets import FullGradReducer, PartitionedGradReducer
 from hybrid.zero.deferred_gather import DeferredParamGather
-from hybrid.zero.flat_buffer import build_flat_groups, collect_trainable, dtype_name, param_chunk_sets
+from hybrid.zero.flat_buffer import (build_flat_groups, collect_trainable, dtype_name, param_chunk_sets,
+                                     param_owners)
 from hybrid.zero.grad_norm import GradNorm, world_sum
 from hybrid.zero.offload import ChunkOffload, host_device, poison_requested
 from hybrid.zero.onebit import OneBitAdam
@@ -94,10 +95,15 @@ class FlatZeroOptimizer(ZeroOptimizer):
             # step (_sum_tied_gradients): its group goes to the host there, with the segments not streamed.
             tied = {g.index for g in self.groups if g.tied and topology.size("embed") > 1}
             self.reducer.on_final = lambda g, s: None if g in tied else self._offload[g].grad_to_host(s)
+        lamb = self.inner.kind == "lamb"
         for k, (g, part) in enumerate(zip(self.groups, self.partitions)):
             lowp = part.param_chunks if not self._offload else self._offload[k].lowp
             self.inner.add_group(part.master_chunks, decay=g.weight_decay, lowp=None if part.aliased else lowp,
-                                 state_device=host)
+                                 state_device=host, param_owners=param_owners(g, self.part) if lamb else None,
+                                 param_count=len(g.records))
+        if lamb and self.partition_count > 1:
+            # each parameter's elements are spread over the dp ranks' chunks: sum their squares over dp
+            self.inner.norm_reduce = lambda sums: self.comm.all_reduce(sums, "dp")
         self.grad_norm = GradNorm(self.groups, self._grad_chunks, topology, self.part,
                                   counts_whole_gradient=traits.optimizer_states)
         # the masters are laid out as the gradient chunks: the same counting rule gives the parameter norm

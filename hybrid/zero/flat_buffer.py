@@ -305,6 +305,16 @@ def collect_trainable(model: torch.nn.Module, select: Optional[ParamFilter] = No
     return trainable, frozen
 
 
+def param_owners(group: "FlatGroup", part: int) -> List[torch.Tensor]:
+    """Per segment, part ``part``'s chunk of ``group``'s buffer as the record index (0..len(records)-1) of each
+    element, ``len(records)`` where it is padding (int64 on the group's device): what LAMB sums its
+    per-parameter norms by."""
+    owner = torch.full((group.numel,), len(group.records), dtype=torch.long, device=group.device)
+    for i, rec in enumerate(group.records):
+        owner[rec.offset: rec.offset + rec.numel] = i
+    return [group.chunk(owner, s, part) for s in range(len(group.segments))]
+
+
 def build_flat_groups(model: torch.nn.Module, parts: int, pad_parts: int, bucket_numel: int,
                       use_weight_decay: bool, no_weight_decay: Optional[NoDecayFn],
                       chunk_params: Optional[Sequence[Sequence[torch.nn.Parameter]]] = None,

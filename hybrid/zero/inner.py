@@ -26,13 +26,14 @@ Neither the compiled kernels nor torch's ops have that switch, so it runs on
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, List, Optional
 
 import torch
 from torch.optim.adam import adam as functional_adam
 from torch.optim.adamw import adamw as functional_adamw
 
-KINDS = ("adamw", "adam", "sgd")
+KINDS = ("adamw", "adam", "sgd", "lamb")
 
 
 def compiled_adam_available(device: torch.device) -> bool:
@@ -173,14 +174,57 @@ def _inner_sgd_step(params: List[torch.Tensor], grads: List[torch.Tensor],
     torch._foreach_add_(params, grads, alpha=-lr)
 
 
+def lamb_step(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs: List[torch.Tensor],
+              exp_avg_sqs: List[torch.Tensor], lowp: Optional[List[torch.Tensor]], owners: List[torch.Tensor],
+              count: int, reduce: Optional[Callable[[torch.Tensor], None]], *, lr: float, beta1: float, beta2: float,
+              eps: float, weight_decay: float, step: int, grad_factor: float, bias_correction: bool,
+              max_coeff: float, min_coeff: float) -> None:
+    """One LAMB update of flat master chunks in place, DeepSpeed's (its FusedLamb kernel's arithmetic).
+
+    With ``g`` the gradient times ``grad_factor``: ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``,
+    ``update = m / (sqrt(v) + eps) + weight_decay w``; each parameter's trust ratio is ``||w|| / ||update||`` over
+    its elements (both before the step), clamped to ``[min_coeff, max_coeff]``, 1 where either norm is 0; then
+    ``w -= step_size * ratio * update`` with ``step_size = lr sqrt(1 - b2^t) / (1 - b1^t)`` (bias correction) or
+    ``lr``. ``owners[i]``: the parameter (0..count-1) of each element of chunk ``i``, ``count`` for padding.
+    ``reduce``: sums the per-parameter partial sums of squares [2, count + 1] over the ranks that hold the other
+    parts of the parameters (the dp group), or None when this rank holds them whole. ``grads`` may be overwritten.
+    """
+    device, dtype = params[0].device, params[0].dtype
+    grads = [g.to(device=device, dtype=dtype) * grad_factor for g in grads]
+    torch._foreach_mul_(exp_avgs, beta1)
+    torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+    updates = torch._foreach_div(exp_avgs, torch._foreach_add(torch._foreach_sqrt(exp_avg_sqs), eps))
+    if weight_decay:
+        torch._foreach_add_(updates, params, alpha=weight_decay)
+    sums = torch.zeros(2, count + 1, dtype=torch.float32, device=device)  # rows: ||w||^2, ||update||^2
+    for w, u, owner in zip(params, updates, owners):
+        sums[0].index_add_(0, owner, w.float().square())
+        sums[1].index_add_(0, owner, u.float().square())
+    if reduce is not None:
+        reduce(sums)
+    w_norm, u_norm = sums.sqrt()
+    ratio = torch.where((w_norm > 0) & (u_norm > 0), (w_norm / u_norm).clamp(min_coeff, max_coeff),
+                        torch.ones_like(w_norm))
+    step_size = lr * math.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step) if bias_correction else lr
+    for w, u, owner in zip(params, updates, owners):
+        w.sub_(u * ratio[owner].to(dtype), alpha=step_size)
+    if lowp is not None:
+        torch._foreach_copy_(lowp, params)
+
+
 def _split(flat: torch.Tensor, numels: List[int]) -> List[torch.Tensor]:
     return list(torch.split(flat, numels))
 
 
 class _GroupState:
     def __init__(self, masters: List[torch.Tensor], lowp: Optional[List[torch.Tensor]], decays: bool,
-                 names: List[str], device: torch.device, owner: "InnerOptimizer"):
+                 names: List[str], device: torch.device, owner: "InnerOptimizer",
+                 param_owners: Optional[List[torch.Tensor]] = None, param_count: int = 0):
         self.masters = masters
+        self.param_owners = param_owners  # lamb: per chunk, the parameter of each element (param_count: padding)
+        self.param_count = param_count
         self.lowp = lowp
         self.decays = decays
         self._owner = owner
@@ -198,11 +242,15 @@ class _GroupState:
 
 
 class InnerOptimizer:
-    """AdamW, Adam or SGD over lists of flat master chunks, one list per flat group."""
+    """AdamW, Adam, SGD or LAMB over lists of flat master chunks, one list per flat group.
+
+    LAMB's groups need the parameter of each element (:meth:`add_group`'s ``param_owners``) and, where a rank
+    holds only part of its parameters, :attr:`norm_reduce` (the sum of its per-parameter partial sums over dp).
+    """
 
     def __init__(self, kind: str, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, momentum: float = 0.0, use_kernels: bool = True,
-                 bias_correction: bool = True):
+                 bias_correction: bool = True, max_coeff: float = 10.0, min_coeff: float = 0.01):
         if kind not in KINDS:
             raise ValueError(f"unknown optimizer {kind!r}; expected one of {', '.join(KINDS)} "
                              f"(config key optimizer.type)")
@@ -225,6 +273,8 @@ class InnerOptimizer:
         self.weight_decay = weight_decay
         self.momentum = momentum
         self.bias_correction = bool(bias_correction)  # Adam/AdamW: divide the moments by 1 - beta^t
+        self.max_coeff, self.min_coeff = float(max_coeff), float(min_coeff)  # LAMB's trust-ratio clamp
+        self.norm_reduce: Optional[Callable[[torch.Tensor], None]] = None  # LAMB: see the class docstring
         self.step_count = 0  # updates applied (skipped steps do not count)
         self.groups: List[_GroupState] = []
         self.use_kernels = use_kernels
@@ -232,22 +282,28 @@ class InnerOptimizer:
 
     @property
     def state_names(self) -> List[str]:
-        if self.kind in ("adamw", "adam"):
+        if self.kind in ("adamw", "adam", "lamb"):
             return ["exp_avg", "exp_avg_sq"]
         return ["momentum_buffer"] if self.momentum else []
 
     def add_group(self, masters: List[torch.Tensor], decay: bool, lowp: Optional[List[torch.Tensor]] = None,
-                  state_device: Optional[torch.device] = None) -> None:
+                  state_device: Optional[torch.device] = None, param_owners: Optional[List[torch.Tensor]] = None,
+                  param_count: int = 0) -> None:
         """Register one flat group's master chunks (1-D, all of the master dtype).
 
-        ``lowp``: chunks (same sizes) that must hold the rounded weights after every step.
+        ``lowp``: chunks (same sizes) that must hold the rounded weights after every step. ``param_owners``,
+        ``param_count``: LAMB's (int64 chunks, the parameter 0..param_count-1 of each element, param_count for
+        padding).
         """
+        if self.kind == "lamb" and param_owners is None:
+            raise ValueError("LAMB needs each group's param_owners: the parameter of each element")
         device = state_device if state_device is not None else masters[0].device
         if self.compiled is None:
             # the compiled kernels always correct the moments' bias: without it, torch's ops run instead
-            self.compiled = (self.use_kernels and self.kind != "sgd" and self.bias_correction
+            self.compiled = (self.use_kernels and self.kind in ("adamw", "adam") and self.bias_correction
                              and masters[0].dtype == torch.float32 and compiled_adam_available(masters[0].device))
-        self.groups.append(_GroupState(masters, lowp, decay, self.state_names, device, self))
+        self.groups.append(_GroupState(masters, lowp, decay, self.state_names, device, self, param_owners,
+                                       param_count))
 
     def step(self, grads: List[List[torch.Tensor]], grad_factor: float, lr: Optional[float] = None) -> None:
         """Update every group's masters from ``grads[g]`` (chunks matching the masters) times ``grad_factor``."""
@@ -255,7 +311,13 @@ class InnerOptimizer:
             self.lr = lr
         self.step_count += 1
         for group, g_chunks in zip(self.groups, grads):
-            if self.kind == "sgd":
+            if self.kind == "lamb":
+                lamb_step(group.masters, g_chunks, group.views["exp_avg"], group.views["exp_avg_sq"], group.lowp,
+                          group.param_owners, group.param_count, self.norm_reduce, lr=self.lr, beta1=self.betas[0],
+                          beta2=self.betas[1], eps=self.eps, weight_decay=group.weight_decay, step=self.step_count,
+                          grad_factor=grad_factor, bias_correction=self.bias_correction, max_coeff=self.max_coeff,
+                          min_coeff=self.min_coeff)
+            elif self.kind == "sgd":
                 master = group.masters[0]
                 if g_chunks[0].dtype != master.dtype or g_chunks[0].device != master.device:
                     g_chunks = [g.to(device=master.device, dtype=master.dtype) for g in g_chunks]

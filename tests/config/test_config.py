@@ -24,7 +24,7 @@ FULL = {
              "persistence_threshold": 10, "max_live_parameters": 5000, "prefetch_bucket_size": 0,
              "max_reuse_distance": 7000},
     "optimizer": {"type": "adamw", "lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "bias_correction": False,
-                  "weight_decay": 0.1,
+                  "weight_decay": 0.1, "max_coeff": 10.0, "min_coeff": 0.01,
                   "freeze_step": 50, "var_freeze_step": 60, "var_update_scaler": 8, "local_step_scaler": 100,
                   "local_step_clipper": 4, "decay_1d_params": True, "weight_decay_incr_style": "constant",
                   "start_weight_decay": None, "end_weight_decay": None},
@@ -164,7 +164,7 @@ def test_config_object_is_copied_and_revalidated():
     ({"zero_optimisation": {}}, r"Did you mean the DeepSpeed key 'zero_optimization'\?"),
     ({"precision": "bf61"}, r"'precision' must be one of fp32, bf16, fp16, got 'bf61'\. Did you mean 'bf16'\? "
                             r"\(set by --precision, --bf16, --fp16\)"),
-    ({"optimizer": {"type": "lamb"}}, r"'optimizer\.type' must be one of adamw, adam, sgd, onebit_adam, zero_one_adam, got 'lamb'"),
+    ({"optimizer": {"type": "lion"}}, r"'optimizer\.type' must be one of adamw, adam, sgd, onebit_adam, zero_one_adam, lamb, got 'lion'"),
     ({"recompute": "partial"}, r"'recompute' must be one of none, full, selective"),
     ({"scheduler": {"type": "cosin", "decay_iters": 10}}, r"Did you mean 'cosine'\?"),
     ({"scheduler": {"warmup_style": "exp"}}, r"'scheduler\.warmup_style' must be one of linear, log"),

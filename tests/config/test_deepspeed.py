@@ -143,7 +143,7 @@ def test_bias_correction_of_the_optimizers_without_one():
                          "optimizer": {"type": "ZeroOneAdam", "params": {"bias_correction": False}}})
     assert zo.optimizer.bias_correction is True
     with pytest.raises(ConfigError, match=r"'optimizer\.params\.bias_correction' = False is not supported: only "
-                                          r"Adam, AdamW and OneBitAdam"):
+                                          r"Adam, AdamW, OneBitAdam and Lamb"):
         from_deepspeed({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "bias_correction": False}}})
 
 
@@ -233,7 +233,7 @@ def test_detection():
     ({"fp16": {"enabled": True, "hysteresis": 0}}, r"'loss_scaling\.hysteresis' must be >= 1, got 0 "
                                                    r"\[from DeepSpeed key 'fp16\.hysteresis'\]"),
     ({"bf16": {"enabled": True, "immediate_grad_update": True}}, r"'bf16\.immediate_grad_update' is not supp"),
-    ({"optimizer": {"type": "Lamb", "params": {}}}, r"optimizer\.type 'Lamb' is not supported \(it is a DeepSpeed "
+    ({"optimizer": {"type": "Lion", "params": {}}}, r"optimizer\.type 'Lion' is not supported \(it is a DeepSpeed "
                                                     r"optimizer hybrid does not implement\)"),
     ({"optimizer": {"type": "AdamX", "params": {}}}, r"Did you mean 'Adam'\?"),
     ({"optimizer": {"type": 3, "params": {}}}, r"'optimizer\.type' must be one of Adam, AdamW, SGD"),

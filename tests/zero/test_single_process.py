@@ -174,7 +174,7 @@ def _model():
     ({"bucket_size": 0}, "zero.bucket_size"),
     ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
     ({"clip_grad": -1.0}, "clip_grad must be >= 0"),
-    ({"optimizer": "lamb"}, "optimizer.type"),
+    ({"optimizer": "lion"}, "optimizer.type"),
     ({"betas": (0.9, 1.5)}, "betas"),
     ({"lr": -1.0}, "optimizer.params.lr"),
     ({"momentum": 1.0}, "momentum"),
