@@ -40,6 +40,27 @@ def test_one_process_traces_the_window(tmp_path):
     assert any(name.startswith("aten::") for name in _names(events))  # the ops the iterations ran
 
 
+def test_the_communicator_guard_is_a_labelled_span_while_profiling():
+    """Every launch and wait of the communicator passes a Guard: under a profiler it is the span
+    ``{op}/{axis}`` around the call (here a 20 ms stand-in for the collective), and outside one no span at all."""
+    import time
+
+    import torch
+
+    from hybrid.comm import Guard, OpName
+
+    blocked = []
+    guard = Guard(OpName("reduce_scatter", "dp", (0, 1)), None, blocked.append)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with guard:
+            time.sleep(0.02)
+    (span,) = [e for e in prof.events() if e.name == "reduce_scatter/dp"]
+    # the span holds the whole call: at least the 20 ms slept (to the profiler clock's microsecond)
+    assert span.cpu_time_total >= 20e3 - 1 and blocked[0] >= 0.02
+    with guard:  # no profiler: nothing opened
+        assert guard._span is None
+
+
 @pytest.mark.slow
 def test_four_ranks_trace_the_chosen_ranks_with_labelled_collectives(tmp_path):
     """TP 2 x DP 2 at ZeRO 1, ranks 0 and 1 traced over iterations 3 and 4: a trace each, none from ranks 2 and

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hybrid.config import ConfigError
-from hybrid.monitor import wandb_writer
+from hybrid.monitor import CHECKPOINT_TAGS, TEST_TAGS, TRAIN_TAGS, VALID_TAGS, wandb_writer
 from tests.monitor.tiny_run import SMALL, train
 from tests.monitor.wandb_log import history
 from tests.multiproc import run_distributed
@@ -28,6 +28,15 @@ def _tensorboard(folder):
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
+def _same(tb, wb):
+    """The same tags, at the same steps, with the same values (TensorBoard keeps float32; W&B the float64 it was
+    given)."""
+    assert set(wb) == set(tb)
+    for tag, points in tb.items():
+        assert sorted(wb[tag]) == sorted(points), tag
+        assert all(np.float32(wb[tag][step]) == value for step, value in points.items()), tag
+
+
 def _wandb(run_file):
     """tag -> {iteration: value}, from the history rows (W&B's own keys, ``_step`` and the like, left out)."""
     out = {}
@@ -39,8 +48,10 @@ def _wandb(run_file):
     return out
 
 
-def test_offline_run_holds_what_tensorboard_holds(tmp_path, monkeypatch):
-    """The trainer at world 1: training, validation and checkpoint tags, and a single run folder."""
+@pytest.mark.slow
+def test_the_trainer_logs_to_both(tmp_path, monkeypatch):
+    """The trainer at world 1 (its wiring: the flags, the run folder under --wandb-save-dir): training,
+    validation and checkpoint tags, the same in both."""
     pytest.importorskip("wandb")
     _offline(monkeypatch, tmp_path)
     board, save, runs = str(tmp_path / "tb"), str(tmp_path / "ckpt"), str(tmp_path / "wb")
@@ -51,17 +62,14 @@ def test_offline_run_holds_what_tensorboard_holds(tmp_path, monkeypatch):
     (run_file,) = glob.glob(os.path.join(runs, "wandb", "offline-run-*", "run-*.wandb"))
     tb, wb = _tensorboard(board), _wandb(run_file)
     assert {"train/lm_loss", "valid/lm_loss", "checkpoint/bytes"} <= set(tb)
-    assert set(wb) == set(tb)
-    for tag, points in tb.items():
-        assert sorted(wb[tag]) == sorted(points), tag
-        # TensorBoard keeps float32; W&B the float64 it was given
-        assert all(np.float32(wb[tag][step]) == value for step, value in points.items()), tag
+    _same(tb, wb)
     assert sorted(tb["train/lm_loss"]) == [1, 2, 3, 4] and sorted(tb["checkpoint/bytes"]) == [2, 4]
 
 
-def test_a_point_reported_late_keeps_its_step(tmp_path, monkeypatch):
-    """A background save of iteration 2 reported after iteration 4 was logged: W&B's own step counter would drop
-    it; the iteration axis keeps it at 2, as TensorBoard does."""
+def test_offline_run_holds_what_tensorboard_holds(tmp_path, monkeypatch):
+    """The monitor with both sinks, offline: every train tag at every log step, validation, test, and a
+    background save of iteration 2 reported after iteration 4 was logged (W&B's own step counter would drop
+    it; the iteration axis keeps it at 2, as TensorBoard does). Read back, the two hold the same scalars."""
     pytest.importorskip("wandb")
     from hybrid.monitor import IterationMetrics, TrainingMonitor
 
@@ -71,12 +79,19 @@ def test_a_point_reported_late_keeps_its_step(tmp_path, monkeypatch):
                          wandb_project="p", wandb_dir=str(tmp_path / "wb")) as monitor:
         for it in range(1, 5):
             monitor.record(IterationMetrics(iteration=it, consumed_samples=it, lm_loss=5.0 - it / 3,
-                                            learning_rate=1e-3, batch_size=1, iteration_time_s=0.1))
+                                            learning_rate=1e-3 * it, batch_size=1, iteration_time_s=0.1 * it,
+                                            grad_norm=1.0 + it))
+            if it % 2 == 0:
+                monitor.record_evaluation("valid", it, 4.5 - it / 10)
+        monitor.record_evaluation("test", 4, 4.2)
         monitor.record_checkpoint(2, blocking_s=0.25, write_s=1.5, nbytes=1000)
     (run_file,) = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / "run-*.wandb"))
     tb, wb = _tensorboard(str(tmp_path / "tb")), _wandb(run_file)
     assert wb["checkpoint/write_s"] == tb["checkpoint/write_s"] == {2: 1.5}
-    assert {tag: sorted(points) for tag, points in wb.items()} == {tag: sorted(points) for tag, points in tb.items()}
+    _same(tb, wb)
+    assert set(tb) == set(TRAIN_TAGS) - {"train/params_norm", "train/num_zeros", "train/tflops_per_device",
+                                         "train/mfu"} | set(VALID_TAGS) | set(TEST_TAGS) | set(CHECKPOINT_TAGS)
+    assert sorted(tb["train/lm_loss"]) == [1, 2, 3, 4] and sorted(tb["valid/ppl"]) == [2, 4]
 
 
 def test_the_mode(tmp_path):
