@@ -154,6 +154,11 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
     # Megatron's full recompute of every layer, one checkpoint each, is hybrid's --recompute-granularity full
     _accepted("--recompute-method", _PER_LAYER, values=("uniform",), refusal=_RECOMPUTE),
     _accepted("--recompute-num-layers", _PER_LAYER, values=("1",), refusal=_RECOMPUTE),
+    _accepted("--grad-reduce-in-bf16", "with --bf16 hybrid accumulates the gradients in bf16 and reduces them over "
+                                       "the data-parallel ranks in bf16 already, which is what the flag asks of "
+                                       "Megatron's bf16 parameters (its gradient buffers in the parameters' dtype); "
+                                       "fp32 parameters keep fp32 gradients there too (tests/zero/"
+                                       "test_grad_reduce_bf16.py)"),
     _refused("--accumulate-allreduce-grads-in-fp32", "hybrid accumulates and reduces gradients in the parameters' "
                                                      "dtype; for fp32 gradients keep fp32 parameters with "
                                                      "--autocast"),
@@ -288,8 +293,6 @@ MEGATRON_FAMILIES: Tuple[MegatronFamily, ...] = (
                    prefixes=("--fsdp-", "--megatron-fsdp-")),
     MegatronFamily("the embedding and output layer's own learning rate is " + _NOT_YET + "remove it (they train at "
                    "--lr, like every other parameter)", flags=("--decoupled-lr", "--decoupled-min-lr")),
-    MegatronFamily("reducing fp32 gradients in bf16 is " + _NOT_YET + "hybrid reduces gradients in the dtype they "
-                   "accumulate in (bf16 with --bf16)", flags=("--grad-reduce-in-bf16",)),
     MegatronFamily(_MEMORY_HISTORY, flags=("--record-memory-history", "--memory-snapshot-path")),
     MegatronFamily("hybrid leaves torch's default for bf16 matmul reductions (reduced precision allowed)",
                    flags=("--disable-bf16-reduced-precision-matmul",)),
