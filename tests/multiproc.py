@@ -20,7 +20,9 @@ fresh interpreters pass ``start="spawn"``.
 The rendezvous store is served by this (the parent) process, as torchrun's
 agent serves it, not by rank 0: a rank 0 that finishes first and exits would
 otherwise take the store with it while other ranks still create their groups
-through it.
+through it. And a rank that finishes stays until every rank has (or the
+timeout passes): one that left at once would close its connections while a
+slower peer was still making them.
 """
 
 from __future__ import annotations
@@ -75,11 +77,27 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwa
         hybrid.init_distributed(timeout_s=timeout_s, backend="gloo" if world_size > 1 else None)
         out = fn(*args, **kwargs)
         results.put((rank, "ok", out))
+        if world_size > 1:
+            _wait_for_all(port, world_size, timeout_s)
         from hybrid.distributed import destroy_distributed
 
         destroy_distributed()
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, "error", traceback.format_exc()))
+
+
+def _wait_for_all(port: int, world_size: int, timeout_s: float) -> None:
+    """Return once every rank has called this (the parent's store counts them), or after ``timeout_s``."""
+    import torch.distributed as tdist
+
+    store = tdist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                           timeout=datetime.timedelta(seconds=timeout_s))
+    if store.add("harness/finished", 1) == world_size:
+        store.set("harness/all_finished", "1")
+    try:
+        store.wait(["harness/all_finished"])
+    except tdist.DistStoreError:
+        pass  # a rank that never finishes is the parent's to report
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
