@@ -333,8 +333,8 @@ class LoggingConfig:
                                                "offline without an API key: docs/monitoring.md)")
     wandb_exp_name: Optional[str] = _field(None, flag="--wandb-exp-name", help="the W&B run's name")
     wandb_save_dir: Optional[str] = _field(None, flag="--wandb-save-dir",
-                                           help="where the W&B run folder goes (unset: checkpoint.save/wandb, else "
-                                                "./wandb)")
+                                           help="the folder whose wandb/ holds the W&B run folder (unset: "
+                                                "checkpoint.save/wandb, else the working directory)")
     profile: bool = _field(False, flag="--profile",
                            help="write a torch.profiler trace (Chrome trace JSON, for TensorBoard's profiler plugin "
                                 "and Perfetto) of iterations [profile_step_start, profile_step_end) on the ranks "

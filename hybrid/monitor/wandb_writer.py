@@ -57,11 +57,11 @@ def wandb_mode(environ: Mapping[str, str] = os.environ) -> Tuple[str, str]:
 
 
 def wandb_dir(save_dir: Optional[str], checkpoint_save: Optional[str]) -> str:
-    """Where the run folder goes: ``--wandb-save-dir``, else ``<--save>/wandb`` (Megatron-LM's default), else
-    ``./wandb``."""
+    """The folder whose ``wandb/`` holds the run folder: ``--wandb-save-dir``, else ``<--save>/wandb``
+    (Megatron-LM's default), else the working directory (wandb's own default, ``./wandb/``)."""
     if save_dir:
         return save_dir
-    return os.path.join(checkpoint_save, "wandb") if checkpoint_save else "wandb"
+    return os.path.join(checkpoint_save, "wandb") if checkpoint_save else "."
 
 
 class WandbSink:
@@ -71,14 +71,23 @@ class WandbSink:
     def __init__(self, project: str, name: Optional[str], save_dir: str, print_fn=None):
         import wandb
 
+        from hybrid.config.errors import ConfigError
+
         mode, why = wandb_mode()
         os.makedirs(save_dir, exist_ok=True)
-        self._run = wandb.init(project=project, name=name or None, dir=save_dir, mode=mode)
+        try:
+            self._run = wandb.init(project=project, name=name or None, dir=save_dir, mode=mode)
+        except wandb.errors.Error as e:  # a key refused, no network: the user's to fix, in one line
+            cause = " ".join(str(e).split())[:300]
+            raise ConfigError(f"--wandb-project {project}: W&B could not start the run in {mode} mode ({why}): "
+                              f"{cause}; WANDB_MODE=offline logs locally, to upload later with wandb sync",
+                              keys=("logging.wandb_project",)) from e
         self._run.define_metric(STEP_KEY)
         self._run.define_metric("*", step_metric=STEP_KEY)
         self.mode, self.run_dir = mode, self._run.dir and os.path.dirname(self._run.dir)
         if print_fn is not None:
-            print_fn(f"W&B: {mode} ({why}), project {project}, run {self._run.name}, in {self.run_dir}")
+            print_fn(f"W&B: {mode} ({why}), project {project}, run {self._run.name or self._run.id}, in "
+                     f"{self.run_dir}")
 
     def add_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         self._run.log({STEP_KEY: step, **scalars})
