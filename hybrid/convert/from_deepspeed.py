@@ -51,7 +51,7 @@ from hybrid.convert import safe_pickle
 from hybrid.convert.consolidate import MASTER, WEIGHT, ZERO_STATE_FORMAT, ConversionError, SavedTensor, Target
 from hybrid.convert.hf import _fresh_buffers, _hybrid_full, gpt_param_layout, map_for_hf
 from hybrid.convert.hf_io import read_json
-from hybrid.convert.output import ProgressFactory, new_checkpoint_in, open_bar
+from hybrid.convert.output import ProgressFactory, nbytes_of, new_checkpoint_in, open_bar
 from hybrid.convert.reshard import DEFAULT_BUCKET_SIZE, RankPlan, _weights_index, plan_rank, write_shares
 from hybrid.convert.stages import pipeline_shares
 from hybrid.dtypes import DTYPES
@@ -342,7 +342,11 @@ def write_converted(src: _MemorySource, save, target: ParallelLayout, *, iterati
         plans, keys = [plan_rank(src, target, bucket_size, share) for share in shares], src.state_keys()
     else:
         plans, keys = [RankPlan((_weights_index(src, target, share), [])) for share in shares], []
-    total = sum(4 * t.numel() * (1 + len(keys)) for t in src.full[MASTER].values()) * target.tp
+    # what the bar counts: every TP piece of the model files, every DP rank's file of every partition
+    total = target.tp * sum(nbytes_of(src.tensors[n].target_shape(Target(src.tensors[n].meta, target.tp, 0)),
+                                      src.tensors[n].dtype) for share in shares for n in share.entries)
+    total += target.tp * target.dp * sum(g["partition_numel"] * 4 * len(keys) for plan in plans
+                                         for _, groups in plan.halves() for g in groups)
     with new_checkpoint_in(save, iteration, force=force):
         bar = open_bar(progress, f"{description} to {target.describe()}", total)
         writer = CheckpointWriter(save, iteration, target)
