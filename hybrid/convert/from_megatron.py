@@ -50,17 +50,14 @@ import argparse
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from hybrid.checkpoint import CheckpointWriter
 from hybrid.convert import safe_pickle
-from hybrid.convert.consolidate import MASTER, ZERO_STATE_FORMAT, ConversionError, Target
-from hybrid.convert.output import ProgressFactory, nbytes_of, new_checkpoint_in, open_bar
-from hybrid.convert.reshard import DEFAULT_BUCKET_SIZE, plan_rank, write_shares
-from hybrid.convert.stages import pipeline_shares
-from hybrid.layout import LayoutError, ParallelLayout, zero_stage
+from hybrid.convert.consolidate import MASTER, ZERO_STATE_FORMAT, ConversionError
+from hybrid.convert.output import ProgressFactory
+from hybrid.convert.reshard import DEFAULT_BUCKET_SIZE, OFFLINE_STAGES
 from model_zoo.config import GPTConfig
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's name for its "latest"
@@ -225,7 +222,8 @@ def _read_legacy(folder: Path, with_optimizer: bool) -> MegatronState:
 def _model_of(sd: Any, path: Path) -> Dict[str, torch.Tensor]:
     model = sd.get("model") if isinstance(sd, dict) else None
     if not isinstance(model, dict):
-        raise ConversionError(f"{path} holds no 'model' state dict (keys: {sorted(sd)[:6] if isinstance(sd, dict) else type(sd).__name__})")
+        found = sorted(sd)[:6] if isinstance(sd, dict) else type(sd).__name__
+        raise ConversionError(f"{path} holds no 'model' state dict (found {found})")
     if any(k.startswith("language_model.") for k in model):
         raise ConversionError(f"{path} is a pre-Megatron-Core (legacy 'language_model.*') model; from-megatron "
                               f"reads Megatron-Core GPT models (--use-mcore-models)")
@@ -358,22 +356,29 @@ def _read_torch_dist(folder: Path, with_optimizer: bool) -> MegatronState:
     values = load_dcp(folder, [k for k in tensor_keys if with_optimizer or not k.startswith("optimizer.")])
     layers = int(args["num_layers"])
     tensors: Dict[str, Dict[str, torch.Tensor]] = {"weight": _unstack({k: values[k] for k in model_keys}, layers)}
-    prefixes = {"exp_avg": "optimizer.state.exp_avg.", "exp_avg_sq": "optimizer.state.exp_avg_sq.",
-                MASTER: "optimizer.state.fp32_param."}
-    for key, prefix in prefixes.items():
-        found = {k[len(prefix):]: values[k] for k in values if k.startswith(prefix)}
+    # the fp32 masters: a bf16 run's plain optimizer (fp32_param), the distributed optimizer's (param)
+    prefixes = {"exp_avg": ("optimizer.state.exp_avg.",), "exp_avg_sq": ("optimizer.state.exp_avg_sq.",),
+                MASTER: ("optimizer.state.fp32_param.", "optimizer.state.param.")}
+    for key, starts in prefixes.items():
+        found = {k[len(p):]: values[k] for p in starts for k in values if k.startswith(p)}
         if found:
             tensors[key] = _unstack(found, layers)
     opt = common.get("optimizer") or {}
-    step = (opt.get("state") or {}).get("common_step")
+    sharding = opt.get("param_state_sharding_type")
+    if with_optimizer and sharding not in (None, "fully_reshardable"):
+        raise ConversionError(f"{folder}: the distributed optimizer's state was saved as {sharding!r} (flat buffers, "
+                              f"laid out by megatron-core's internals); from-megatron reads it per parameter: save "
+                              f"with --dist-ckpt-optim-fully-reshardable, or convert the weights with --no-load-optim")
+    groups = (opt.get("optimizer") or opt).get("param_groups") or []  # the distributed optimizer nests them
+    steps = {float(g["step"]) for g in groups if "step" in g}  # its step lives in the groups
+    if (opt.get("state") or {}).get("common_step") is not None:
+        steps.add(float(opt["state"]["common_step"]))
     has_state = with_optimizer and all(k in tensors for k in MOMENTS)
-    if with_optimizer and any(k.startswith("optimizer.") for k in tensor_keys) and not has_state:
-        raise ConversionError(f"{folder}: its optimizer state is not per parameter (optimizer.state.exp_avg.<name>); "
-                              f"a distributed optimizer saved with another --dist-ckpt-optim sharding: convert with "
-                              f"--no-load-optim")
+    if has_state and len(steps) != 1:
+        raise ConversionError(f"{folder / COMMON_FILE}: the optimizer's step is {sorted(steps) or 'missing'}; hybrid "
+                              f"keeps one step count")
     return MegatronState(folder, "torch_dist", args, int(common.get("iteration", 0) or 0), tensors,
-                         int(step) if has_state and step is not None else None, opt.get("param_groups") or [],
-                         common.get("opt_param_scheduler") or {})
+                         int(steps.pop()) if has_state else None, groups, common.get("opt_param_scheduler") or {})
 
 
 def _unstack(values: Mapping[str, torch.Tensor], layers: int) -> Dict[str, torch.Tensor]:
@@ -436,7 +441,8 @@ def config_from_args(args: Mapping[str, Any], where) -> GPTConfig:
         mlp="swiglu" if swiglu else "gelu", bias=bias,
         qkv_bias=True if args.get("add_qkv_bias") and not bias else None, qk_norm=bool(args.get("qk_layernorm")),
         tie_embeddings=not args.get("untie_embeddings_and_output_weights", False),
-        hidden_dropout=float(args.get("hidden_dropout", 0.0)), attention_dropout=float(args.get("attention_dropout", 0.0)),
+        hidden_dropout=float(args.get("hidden_dropout", 0.0)),
+        attention_dropout=float(args.get("attention_dropout", 0.0)),
         init_std=float(args.get("init_method_std", 0.02)))
     try:
         cfg.validate(1)
@@ -548,18 +554,16 @@ def convert_from_megatron(load, save, *, tp: int = 1, dp: int = 1, target_zero_s
     (``--no-load-optim``) writes the weights alone (train from them with ``--finetune``). Returns the iteration
     directory (``save/latest`` points at it).
     """
-    from hybrid.convert.from_deepspeed import _MemorySource  # in-memory tensors for the offline writer
+    # in-memory tensors under hybrid's names, written by the offline writer as from-deepspeed writes them
+    from hybrid.convert.from_deepspeed import _MemorySource, target_layout, write_converted
     from hybrid.convert.hf import gpt_buffer_layout, gpt_param_layout
-    from hybrid.config.parse import config_from_dict
     from hybrid.dtypes import DTYPES
 
-    try:
-        target = ParallelLayout(tp=tp, dp=dp, pp=pp, zero_stage=zero_stage(target_zero_stage, "--target-zero-stage"))
-    except (ValueError, LayoutError) as e:
-        raise ConversionError(f"cannot write --tp {tp} --dp {dp} --pipeline-model-parallel-size {pp} "
-                              f"--target-zero-stage {target_zero_stage}: {e}") from None
-    if not isinstance(bucket_size, int) or bucket_size < 1:
-        raise ConversionError(f"--zero-bucket-size must be an integer >= 1, got {bucket_size!r}")
+    target = target_layout(tp, dp, pp, target_zero_stage, bucket_size)
+    if target.zero_stage not in OFFLINE_STAGES:
+        raise ConversionError(f"--target-zero-stage {int(target.zero_stage)}: write stage "
+                              f"{', '.join(str(int(s)) for s in OFFLINE_STAGES)} here; a stage-3 job loads it and "
+                              f"reshards on load (its partition follows the model's modules)")
     state = read_megatron(load, iteration=iteration, optimizer=load_optimizer)
     cfg = config_from_args(state.args, state.path)
     try:
@@ -567,15 +571,15 @@ def convert_from_megatron(load, save, *, tp: int = 1, dp: int = 1, target_zero_s
     except ValueError as e:
         raise ConversionError(f"the model in {state.path} cannot be split over --tp {tp}: {e}") from None
     precision = _precision(state.args, state.path)
-    target = target.replace(precision=precision)
     layout = gpt_param_layout(cfg)
     if gpt_buffer_layout(cfg):
         raise ConversionError(f"internal: hybrid's model for {state.path} has buffers from-megatron does not fill")
     weights = to_hybrid(state.tensors["weight"], cfg, state.path)
     _check_same(weights, layout, state.path)
     with_optimizer = load_optimizer and state.has_optimizer_state
-    full = {MASTER: to_hybrid(state.tensors.get(MASTER) or state.tensors["weight"], cfg, state.path)}
-    full[MASTER] = {n: t.float() for n, t in full[MASTER].items()}
+    # the model files hold the masters rounded to the run's precision (a bf16 run's fp32 masters, when saved)
+    full = {MASTER: {n: t.float() for n, t in to_hybrid(state.tensors.get(MASTER) or state.tensors["weight"], cfg,
+                                                          state.path).items()}}
     header = {"format": ZERO_STATE_FORMAT, "step": 0, "global_steps": state.iteration, "skipped_steps": 0,
               "loss_scaler": None}
     if with_optimizer:
@@ -583,37 +587,17 @@ def convert_from_megatron(load, save, *, tp: int = 1, dp: int = 1, target_zero_s
             full[key] = to_hybrid(state.tensors[key], cfg, state.path)
             _check_same(full[key], layout, state.path, f"optimizer state {key}")
         header.update(optimizer=_optimizer_settings(state), step=int(state.step))
-    src = _MemorySource(full, layout, DTYPES[precision], {}, header, cfg.to_dict(), state.path)
-    _, shares = pipeline_shares(cfg.to_dict(), config_from_dict({"pipeline": {"size": pp}}).pipeline, pp)
-    if with_optimizer:
-        plans = [plan_rank(src, target, bucket_size, share) for share in shares]
-        keys = src.state_keys()
-    else:
-        from hybrid.convert.reshard import RankPlan, _weights_index
-
-        plans = [RankPlan((_weights_index(src, target, share), [])) for share in shares]
-        keys = []
     consumed = int(state.args.get("consumed_train_samples") or 0)
     trainer_state = {"engine": {"global_step": state.iteration, "consumed_samples": consumed,
                                 "lr_schedule": _lr_schedule(state)},
                      "client": {},
                      "imported_from": {"format": f"megatron-lm {state.format}", "path": str(state.path.resolve()),
                                        "optimizer": with_optimizer}}
-    # what write_shares reports: each TP rank's model pieces, then every rank's partitions of every state key
-    total = sum(nbytes_of(src.tensors[n].target_shape(Target(src.tensors[n].meta, tp, 0)), DTYPES[precision]) * tp
-                for share in shares for n in share.entries)
-    total += sum(g["partition_numel"] * 4 * len(keys) * tp * dp for plan in plans for g in plan.dense[1])
-    with new_checkpoint_in(save, state.iteration, force=force):
-        bar = open_bar(progress, f"from-megatron {state.format} to {target.describe()}", total)
-        writer = CheckpointWriter(save, state.iteration, target)
-        try:
-            writer.prepare()
-            records, param_index = write_shares(writer, src, target, shares, plans, keys, bar)
-            writer.commit(records, consumed_samples=consumed, model_config=cfg.to_dict(), param_index=param_index,
-                          trainer_state=trainer_state)
-        finally:
-            bar.close()
-    return writer.iter_dir
+    src = _MemorySource(full, layout, DTYPES[precision], {}, header, cfg.to_dict(), state.path)
+    return write_converted(src, save, target.replace(precision=precision), iteration=state.iteration,
+                           consumed_samples=consumed, trainer_state=trainer_state, bucket_size=bucket_size,
+                           description=f"from-megatron {state.format}", with_optimizer=with_optimizer,
+                           progress=progress, force=force)
 
 
 def _check_same(tensors: Mapping[str, torch.Tensor], layout: Mapping[str, Tuple[Tuple[int, ...], Any]], where,

@@ -1,10 +1,11 @@
 """``from-megatron`` (issue 52 item 2): a real Megatron-Core checkpoint, legacy and ``torch_dist``, continues in hybrid.
 
-The fixture (tests/fixtures/megatron_tp2/, written by tests/fixtures/make_megatron_checkpoint.py with
-megatron-core 0.16.1 on 2 gloo ranks) is a tiny Megatron-Core GPT with Llama's switches (RoPE, RMSNorm, SwiGLU,
-4 query heads in 2 groups, no biases, untied output layer) trained at TP=2 for 3 Adam steps (clipping at 1.0,
-decoupled weight decay) and saved in both formats, with Megatron's logits on a fixed input and the losses (and
-gradient L1 norms) of its next 3 steps.
+The fixtures (tests/fixtures/megatron_*/, written by tests/fixtures/make_megatron_checkpoint.py with
+megatron-core 0.16.1 on gloo ranks) are a tiny Megatron-Core GPT with Llama's switches (RoPE, RMSNorm, SwiGLU,
+4 query heads in 2 groups, no biases, untied output layer) trained for 3 Adam steps (clipping at 1.0, decoupled
+weight decay) and saved in both formats, with Megatron's logits on a fixed input and the losses (and gradient L1
+norms) of its next 3 steps: ``megatron_tp2`` at TP=2, ``megatron_tp2_pp2`` at TP=2 x PP=2, ``megatron_pp2_distopt``
+at PP=2 with the distributed optimizer (its legacy ``distrib_optim.pt`` is refused, its ``torch_dist`` state read).
 
 * **Logits**: the converted model's fp32 logits lie within ``2 * transformer_bound(logits) * max|logits|`` of
   Megatron's (each framework's forward is within one bound of the exact logits).
@@ -16,7 +17,7 @@ gradient L1 norms) of its next 3 steps.
   the mean over the tokens in each; the last term, as in tests/test_from_deepspeed.py, the first-order
   effect of the weights' drift under different summation orders ``k`` steps after the save; for the first
   step, ``k = 0``, the weights are Megatron's exactly). That bound is loose after the first step (a run that
-  drops the moments misses by 3.7e-3 against a bound of 8e-3), so the optimizer state itself is checked
+  drops the moments misses by 3.7e-3 against a bound of 9.0e-3), so the optimizer state itself is checked
   exactly: every moment and the step in the converted checkpoint are Megatron's, mapped by hand here.
 """
 
@@ -43,8 +44,8 @@ FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_tp2"
 LEGACY, TORCH_DIST = FIXTURE / "legacy", FIXTURE / "torch_dist"
 
 
-def _reference():
-    return torch.load(FIXTURE / "reference.pt", weights_only=True)
+def _reference(fixture: str = FIXTURE.name):
+    return torch.load(FIXTURE.parent / fixture / "reference.pt", weights_only=True)
 
 
 def _config(out) -> GPTConfig:
@@ -73,23 +74,22 @@ def _assert_continues_like_megatron(losses, ref, cfg):
         assert abs(got - want) <= bound, f"step {start + k}: hybrid {got} vs Megatron {want} (bound {bound:.3g})"
 
 
-def test_legacy_tp2_checkpoint_gives_megatrons_logits_and_continues_training(tmp_path):
-    ref = _reference()
-    out = convert_from_megatron(LEGACY, tmp_path / "c", tp=1, dp=1, target_zero_stage=1)
+def _assert_megatrons_logits(out, ref):
     cfg = _config(out)
-    reader = CheckpointReader(out)
-    assert (reader.iteration, reader.consumed_samples, reader.layout.tp) == (3, 12, 1)
-    with CheckpointSource(reader) as src:
+    with CheckpointSource(CheckpointReader(out)) as src:
         model = model_from_state(cfg, {n: src.read(n) for n in src.tensors})
     with torch.no_grad():
         logits = model(ref["probe"])
     bound = 2 * transformer_bound(cfg, ref["probe"].numel(), part="logits") * ref["logits"].abs().max().item()
     assert max_ratio(logits, ref["logits"], bound) <= 1.0
 
+
+def _continue_in_one_process(out, ref):
+    cfg = _config(out)
     topo = Topology.local()
     engine = hybrid.initialize(GPTModel(cfg, topo, seed=7), _engine_settings(ref), topology=topo)
     engine.load_checkpoint(out, load_rng=False)
-    assert engine.global_step == 3
+    assert engine.global_step == ref["saved_after"]
     losses = []
     for step in range(ref["saved_after"], len(ref["losses"])):
         loss = engine(ref["tokens"][step], labels=ref["labels"][step])
@@ -97,6 +97,64 @@ def test_legacy_tp2_checkpoint_gives_megatrons_logits_and_continues_training(tmp
         engine.step()
         losses.append(float(loss.detach()))
     _assert_continues_like_megatron(losses, ref, cfg)
+
+
+def test_legacy_tp2_checkpoint_gives_megatrons_logits_and_continues_training(tmp_path):
+    ref = _reference()
+    out = convert_from_megatron(LEGACY, tmp_path / "c", tp=1, dp=1, target_zero_stage=1)
+    reader = CheckpointReader(out)
+    assert (reader.iteration, reader.consumed_samples, reader.layout.tp) == (3, 12, 1)
+    _assert_megatrons_logits(out, ref)
+    _continue_in_one_process(out, ref)
+
+
+# TP=2 x PP=2 with Megatron's plain optimizer (both formats), and PP=2 with its distributed optimizer (torch_dist,
+# --dist-ckpt-optim-fully-reshardable: the fp32 masters and moments per parameter)
+PIPELINES = [("megatron_tp2_pp2", "legacy"), ("megatron_tp2_pp2", "torch_dist"), ("megatron_pp2_distopt", "torch_dist")]
+
+
+@pytest.mark.parametrize("fixture, fmt", PIPELINES)
+def test_pipeline_checkpoints_give_megatrons_logits(tmp_path, fixture, fmt):
+    ref = _reference(fixture)
+    out = convert_from_megatron(FIXTURE.parent / fixture / fmt, tmp_path / "c", tp=1)
+    reader = CheckpointReader(out)
+    assert reader.load_optimizer_shard(0, 0)["step"] == 3
+    _assert_megatrons_logits(out, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture, fmt", PIPELINES)
+def test_pipeline_checkpoints_continue_training(tmp_path, fixture, fmt):
+    ref = _reference(fixture)
+    _continue_in_one_process(convert_from_megatron(FIXTURE.parent / fixture / fmt, tmp_path / "c", tp=1), ref)
+
+
+def test_pipeline_stages_are_renumbered_and_written_in_a_pipeline_layout(tmp_path):
+    """Stage 1's local layer 0 is layer 1; written for a TP=2 x PP=2 hybrid job, every weight, master and moment
+    reads back as the one-process conversion's."""
+    root = FIXTURE.parent / "megatron_tp2_pp2" / "legacy"
+    stage1 = safe_pickle.load(root / "iter_0000003" / "mp_rank_00_001" / "model_optim_rng.pt")
+    assert "decoder.layers.0.mlp.linear_fc2.weight" in stage1["model"]
+    state = read_megatron(root)
+    assert torch.equal(state.tensors["weight"]["decoder.layers.1.mlp.linear_fc2.weight"][:, :32],
+                       stage1["model"]["decoder.layers.0.mlp.linear_fc2.weight"])
+    flat = convert_from_megatron(root, tmp_path / "flat", tp=1)
+    piped = convert_from_megatron(root, tmp_path / "piped", tp=2, dp=1, pp=2)
+    assert CheckpointReader(piped).layout.pp == 2
+    with CheckpointSource(CheckpointReader(flat)) as a, CheckpointSource(CheckpointReader(piped)) as b:
+        assert set(a.tensors) == set(b.tensors)
+        for name in a.tensors:
+            for what in ("weight", "master", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(a.read(name, what), b.read(name, what)), (name, what)
+
+
+def test_legacy_distributed_optimizer_state_is_refused_and_its_weights_convert(tmp_path):
+    root = FIXTURE.parent / "megatron_pp2_distopt"
+    with pytest.raises(ConversionError, match="distrib_optim.pt .*--no-load-optim"):
+        convert_from_megatron(root / "legacy", tmp_path / "c")
+    weights = convert_from_megatron(root / "legacy", tmp_path / "w", load_optimizer=False)
+    assert not CheckpointReader(weights).has_optimizer_state
+    _assert_megatrons_logits(weights, _reference("megatron_pp2_distopt"))
 
 
 def _legacy_rank(tp_rank: int) -> dict:
@@ -133,13 +191,16 @@ def test_converted_state_holds_megatrons_weights_moments_and_step(tmp_path):
     assert all(int(s["step"]) == 3 for s in ranks[0]["optimizer"]["state"].values())
 
 
-def test_torch_dist_reads_the_same_state_as_the_legacy_format():
-    legacy, dist = read_megatron(LEGACY), read_megatron(TORCH_DIST)
+@pytest.mark.parametrize("fixture", ["megatron_tp2", "megatron_tp2_pp2"])
+def test_torch_dist_reads_the_same_state_as_the_legacy_format(fixture):
+    """Legacy moments are matched to parameters by position (Megatron's weight-decay groups, per pipeline stage),
+    torch_dist's by name: the two must agree element for element."""
+    legacy, dist = (read_megatron(FIXTURE.parent / fixture / fmt) for fmt in ("legacy", "torch_dist"))
     assert (dist.format, dist.iteration, dist.step) == ("torch_dist", 3, 3)
-    cfg = config_from_args(legacy.args, LEGACY)
+    cfg = config_from_args(legacy.args, fixture)
     assert set(legacy.tensors) == set(dist.tensors) == {"weight", "exp_avg", "exp_avg_sq"}
     for key in legacy.tensors:
-        a, b = to_hybrid(legacy.tensors[key], cfg, LEGACY), to_hybrid(dist.tensors[key], cfg, TORCH_DIST)
+        a, b = to_hybrid(legacy.tensors[key], cfg, fixture), to_hybrid(dist.tensors[key], cfg, fixture)
         assert set(a) == set(b)
         for name in a:
             assert torch.equal(a[name], b[name]), (key, name)
