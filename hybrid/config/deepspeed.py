@@ -91,7 +91,9 @@ _UNSUPPORTED = {
         "amp": "use bf16.enabled or fp16.enabled", "activation_checkpointing":
         "set hybrid's 'recompute' (--recompute-granularity none|full|selective) instead", "flops_profiler": "remove it",
         "zero_allow_untested_optimizer": "remove it; hybrid builds the optimizer from 'optimizer'",
-        "zero_force_ds_cpu_optimizer": _ISSUE_8, "sparse_attention": "remove it", "wandb": "remove it",
+        "zero_force_ds_cpu_optimizer": _ISSUE_8, "sparse_attention": "remove it",
+        "wandb": "give hybrid-train --wandb-project PROJECT instead (the trainer's scalars, as TensorBoard gets them: "
+                 "docs/monitoring.md)",
         "csv_monitor": "remove it", "comet": "remove it", "comms_logger": "use engine.comm_report()",
         "elasticity": "remove it", "pipeline": "remove it",
         "seq_parallel_communication_data_type": "remove it", "checkpoint": "remove it",
