@@ -212,7 +212,7 @@ def _read_legacy(folder: Path, with_optimizer: bool) -> MegatronState:
                 states.setdefault(key, {}).update(_renumber(merged, offset))
         weights.update(_renumber(stage_weights, offset))
         offset += layers
-    tensors = {"weight": _drop_tied_copy(weights, args, pp), **states}
+    tensors = {"weight": _drop_tied_copy(weights, args), **states}
     for key in states:
         tensors[key] = {n: t for n, t in states[key].items() if n in tensors["weight"]}
     return MegatronState(folder, "torch", args, int(first.get("iteration", args.get("iteration", 0)) or 0), tensors,
@@ -279,7 +279,7 @@ def _renumber(tensors: Mapping[str, torch.Tensor], offset: int) -> Dict[str, tor
     return out
 
 
-def _drop_tied_copy(weights: Dict[str, torch.Tensor], args: Mapping[str, Any], pp: int) -> Dict[str, torch.Tensor]:
+def _drop_tied_copy(weights: Dict[str, torch.Tensor], args: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
     """A tied model's last stage keeps a copy of the embedding as ``output_layer.weight``: the first stage's wins."""
     if not args.get("untie_embeddings_and_output_weights") and "embedding.word_embeddings.weight" in weights:
         weights.pop("output_layer.weight", None)
@@ -565,6 +565,9 @@ def convert_from_megatron(load, save, *, tp: int = 1, dp: int = 1, target_zero_s
                               f"{', '.join(str(int(s)) for s in OFFLINE_STAGES)} here; a stage-3 job loads it and "
                               f"reshards on load (its partition follows the model's modules)")
     state = read_megatron(load, iteration=iteration, optimizer=load_optimizer)
+    if load_optimizer and not state.has_optimizer_state:
+        raise ConversionError(f"{state.path} holds no Adam state (saved with --no-save-optim?); convert its weights "
+                              f"with --no-load-optim and train from them with --finetune")
     cfg = config_from_args(state.args, state.path)
     try:
         cfg.validate(tp)
@@ -576,7 +579,7 @@ def convert_from_megatron(load, save, *, tp: int = 1, dp: int = 1, target_zero_s
         raise ConversionError(f"internal: hybrid's model for {state.path} has buffers from-megatron does not fill")
     weights = to_hybrid(state.tensors["weight"], cfg, state.path)
     _check_same(weights, layout, state.path)
-    with_optimizer = load_optimizer and state.has_optimizer_state
+    with_optimizer = load_optimizer
     # the model files hold the masters rounded to the run's precision (a bf16 run's fp32 masters, when saved)
     full = {MASTER: {n: t.float() for n, t in to_hybrid(state.tensors.get(MASTER) or state.tensors["weight"], cfg,
                                                           state.path).items()}}

@@ -246,6 +246,19 @@ def test_weights_alone_with_no_load_optim(tmp_path):
             assert torch.equal(src.read(name), full.read(name))
 
 
+def test_a_checkpoint_without_optimizer_state_asks_for_no_load_optim(tmp_path):
+    copy = tmp_path / "legacy"
+    shutil.copytree(LEGACY, copy)
+    for rank in range(2):  # as --no-save-optim saves them
+        path = copy / "iter_0000003" / f"mp_rank_{rank:02d}" / "model_optim_rng.pt"
+        state = safe_pickle.load(path)
+        del state["optimizer"]
+        torch.save(state, path)
+    with pytest.raises(ConversionError, match="holds no Adam state .*--no-load-optim"):
+        convert_from_megatron(copy, tmp_path / "c")
+    assert not CheckpointReader(convert_from_megatron(copy, tmp_path / "w", load_optimizer=False)).has_optimizer_state
+
+
 class _RunsCode:
     def __init__(self, marker):
         self.marker = marker
