@@ -208,3 +208,12 @@ def test_command_line_converts_and_refuses_bad_input_in_one_line(tmp_path, capsy
     assert "error: --input" in err and "holds neither a 'latest' file nor *_model_states.pt files" in err
     assert tool.main(args + ["--input", str(root / "checkpoint"), "--save", str(tmp_path / "e"), "--tp", "3"]) == 1
     assert "--tp 3" in capsys.readouterr().err
+    partial = tmp_path / "partial" / "global_step20"  # one rank's optimizer file lost
+    partial.mkdir(parents=True)
+    for f in (root / "checkpoint" / "global_step20").iterdir():
+        if "rank_1" not in f.name:
+            (partial / f.name).write_bytes(f.read_bytes())
+    assert tool.main(args + ["--input", str(partial), "--save", str(tmp_path / "f")]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "holds 1 *_optim_states.pt files but was saved by 2 data-parallel ranks" in err
