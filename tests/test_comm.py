@@ -89,7 +89,8 @@ def _hang_on_rank_zero():
 
 
 def test_harness_times_out_instead_of_hanging():
-    with pytest.raises(TimeoutError, match="ranks \\[0\\] never finished"):
+    # rank 1 returns at once, but on a loaded machine starting it can take the whole 8 s: it may be named too
+    with pytest.raises(TimeoutError, match=r"ranks \[0(, 1)?\] never finished"):
         run_distributed(_hang_on_rank_zero, 2, timeout=8)
 
 
