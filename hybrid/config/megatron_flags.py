@@ -79,7 +79,6 @@ _FSDP = ("Megatron-FSDP's own buffers and groups: hybrid's sharded data parallel
          "state partitioned over the data-parallel ranks)")
 _FSDP_KNOB = ("a buffer or NCCL-registration knob of Megatron-FSDP's communication; hybrid's flat ZeRO buffers are its "
               "own, and the values trained are the same")
-_NOT_YET = "not implemented yet (issue 53): "
 _MEMORY_HISTORY = ("hybrid records no CUDA allocator history: --profile writes a torch.profiler trace, and the "
                    "'run profile' line at the end gives every rank's peak memory")
 _RECOMPUTE = ("hybrid recomputes every layer, each its own checkpoint (--recompute-granularity full: Megatron's "
@@ -291,8 +290,6 @@ MEGATRON_FAMILIES: Tuple[MegatronFamily, ...] = (
                                     "--export-force-local-attention")),
     MegatronFamily(_FSDP, flags=("--outer-dp-sharding-strategy", "--num-distributed-optimizer-instances"),
                    prefixes=("--fsdp-", "--megatron-fsdp-")),
-    MegatronFamily("the embedding and output layer's own learning rate is " + _NOT_YET + "remove it (they train at "
-                   "--lr, like every other parameter)", flags=("--decoupled-lr", "--decoupled-min-lr")),
     MegatronFamily(_MEMORY_HISTORY, flags=("--record-memory-history", "--memory-snapshot-path")),
     MegatronFamily("hybrid leaves torch's default for bf16 matmul reductions (reduced precision allowed)",
                    flags=("--disable-bf16-reduced-precision-matmul",)),

@@ -34,7 +34,7 @@ from hybrid.config.derive import TOKEN_KEYS, config_value, token_problem
 from hybrid.config.errors import ConfigError, one_error_for_all, value_suggestion
 from hybrid.config.flags import key_error, meta_error
 from hybrid.compression import ONE_BIT_OPTIMIZERS, compression_problem, hpz_problem, onebit_problem
-from hybrid.config.schema import HybridConfig, lamb_problem
+from hybrid.config.schema import HybridConfig, decoupled_lr_problem, lamb_problem
 from hybrid.grid import WorldSizeError, data_parallel_size, expert_parallel_problem
 from hybrid.layout import offload_problem, overlap_param_gather_problem, pipeline_problem, reduce_once_problem
 
@@ -205,6 +205,9 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
         if not 0.0 <= beta < 1.0:
             error(f"config key 'optimizer.betas[{i}]' must be in [0, 1), got {beta!r}",
                   f"optimizer.betas[{i}]")
+    if decoupled_lr_problem(z.stage, opt):
+        error(f"config key 'optimizer.decoupled_lr' {decoupled_lr_problem(z.stage, opt)}", "optimizer.decoupled_lr",
+              "optimizer.decoupled_min_lr", "zero.stage", "optimizer.type")
     if opt.type == "lamb" and lamb_problem(z.stage, z.offload_optimizer):
         error(f"config key 'optimizer.type' lamb: {lamb_problem(z.stage, z.offload_optimizer)}", "optimizer.type",
               "zero.stage", "zero.offload_optimizer")

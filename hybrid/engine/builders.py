@@ -30,7 +30,8 @@ def build_lr_schedule(cfg: HybridConfig) -> LRSchedule:
     return LRSchedule(cfg.optimizer.lr, decay_style=s.type, warmup_iters=s.warmup_length,
                       warmup_style=s.warmup_style, warmup_start_lr=s.warmup_start_lr,
                       decay_iters=s.decay_length, min_lr=s.min_lr, unit=s.unit,
-                      wsd_decay_iters=s.wsd_length, wsd_decay_style=s.wsd_decay_style)
+                      wsd_decay_iters=s.wsd_length, wsd_decay_style=s.wsd_decay_style,
+                      decoupled_lr=cfg.optimizer.decoupled_lr, decoupled_min_lr=cfg.optimizer.decoupled_min_lr)
 
 
 def build_wd_schedule(cfg: HybridConfig) -> WeightDecaySchedule:

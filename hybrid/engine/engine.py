@@ -276,7 +276,8 @@ class Engine:
         lr = self.lr_schedule.lr
         samples = self.global_batch_size
         weight_decay = self.wd_schedule.value_at(self.lr_schedule.iteration)
-        updated = bool(self.optimizer.step(lr=lr, weight_decay=weight_decay))
+        updated = bool(self.optimizer.step(lr=lr, weight_decay=weight_decay,
+                                           decoupled_lr=self.lr_schedule.decoupled_lr))
         after_step = getattr(self.module, "after_optimizer_step", None)
         if after_step is not None:  # e.g. the MoE layers' expert-bias update (collective over dp and tp)
             after_step()

@@ -68,7 +68,8 @@ class LRSchedule:
     def __init__(self, max_lr: float, *, decay_style: str = "constant", warmup_iters: int = 0,
                  warmup_style: str = "linear", warmup_start_lr: float = 0.0,
                  decay_iters: Optional[int] = None, min_lr: float = 0.0, unit: str = "steps",
-                 wsd_decay_iters: Optional[int] = None, wsd_decay_style: str = "exponential"):
+                 wsd_decay_iters: Optional[int] = None, wsd_decay_style: str = "exponential",
+                 decoupled_lr: Optional[float] = None, decoupled_min_lr: Optional[float] = None):
         if decay_style not in DECAY_STYLES:
             raise ValueError(f"decay_style must be one of {', '.join(DECAY_STYLES)}, got {decay_style!r}")
         if warmup_style not in WARMUP_STYLES:
@@ -95,6 +96,10 @@ class LRSchedule:
             raise ValueError(f"wsd decay needs 1 <= wsd_decay_iters <= decay_iters - warmup_iters "
                              f"({decay_iters - warmup_iters}): the anneal ends at decay_iters and starts after "
                              f"the warmup; got {wsd_decay_iters!r}")
+        if decoupled_lr is not None and not 0 <= (min_lr if decoupled_min_lr is None else decoupled_min_lr) \
+                <= decoupled_lr:
+            raise ValueError(f"need 0 <= decoupled_min_lr ({decoupled_min_lr}, unset: min_lr {min_lr}) <= "
+                             f"decoupled_lr ({decoupled_lr})")
         if unit not in ("steps", "samples"):
             raise ValueError(f"unit must be 'steps' or 'samples', got {unit!r}")
         self.unit = unit
@@ -107,38 +112,50 @@ class LRSchedule:
         self.decay_iters = decay_iters
         self.wsd_decay_iters = wsd_decay_iters if decay_style == "wsd" else None
         self.wsd_decay_style = wsd_decay_style
+        # Megatron-LM's --decoupled-lr / --decoupled-min-lr: the embedding and output weights' peak and floor, on
+        # this same schedule (the floor defaults to min_lr)
+        self.decoupled = None if decoupled_lr is None else \
+            (float(decoupled_lr), float(min_lr if decoupled_min_lr is None else decoupled_min_lr))
         self.iteration = 0
 
-    def lr_at(self, i: int) -> float:
-        """The learning rate of optimizer step ``i`` (0-based)."""
+    def lr_at(self, i: int, peak: Optional[float] = None, floor: Optional[float] = None) -> float:
+        """The learning rate of optimizer step ``i`` (0-based); ``peak`` and ``floor`` in place of ``max_lr`` and
+        ``min_lr`` give the same schedule for another peak and floor (the decoupled rate's)."""
         if i < 0:
             raise ValueError(f"step index must be >= 0, got {i}")
+        max_lr = self.max_lr if peak is None else peak
+        min_lr = self.min_lr if floor is None else floor
         w, d = self.warmup_iters, self.decay_iters
         if i < w:
             if self.warmup_style == "linear":
                 frac = i / w
             else:
                 frac = math.log(i + 1) / math.log(w)
-            return self.warmup_start_lr + (self.max_lr - self.warmup_start_lr) * frac
+            return self.warmup_start_lr + (max_lr - self.warmup_start_lr) * frac
         if self.decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if d is not None and i > d:  # at d itself every decay with an end is exactly min_lr already
-            return self.min_lr
+            return min_lr
         if self.decay_style == "inverse-square-root":
-            return max(self.min_lr, self.max_lr * math.sqrt(max(w, 1) / max(i, 1)))
+            return max(min_lr, max_lr * math.sqrt(max(w, 1) / max(i, 1)))
         if self.decay_style == "wsd":
             anneal_start = d - self.wsd_decay_iters
             if i <= anneal_start:
-                return self.max_lr
+                return max_lr
             coeff = DECAY_SHAPES[self.wsd_decay_style]((i - anneal_start) / self.wsd_decay_iters)
         else:
             coeff = DECAY_SHAPES[self.decay_style]((i - w) / (d - w))
-        return self.min_lr + (self.max_lr - self.min_lr) * coeff
+        return min_lr + (max_lr - min_lr) * coeff
 
     @property
     def lr(self) -> float:
         """The learning rate the next optimizer step uses."""
         return self.lr_at(self.iteration)
+
+    @property
+    def decoupled_lr(self) -> Optional[float]:
+        """The embedding and output weights' rate for the next step (None without a decoupled rate)."""
+        return None if self.decoupled is None else self.lr_at(self.iteration, *self.decoupled)
 
     def step(self, samples: int = 1) -> float:
         """Advance past one optimizer step of ``samples`` samples (counted by a schedule in samples, ignored by
@@ -156,6 +173,8 @@ class LRSchedule:
                "warmup_start_lr": self.warmup_start_lr, "decay_iters": self.decay_iters, "unit": self.unit}
         if self.decay_style == "wsd":
             out.update(wsd_decay_iters=self.wsd_decay_iters, wsd_decay_style=self.wsd_decay_style)
+        if self.decoupled is not None:  # recorded only when set, so that it never blocks an older checkpoint's load
+            out.update(decoupled_lr=self.decoupled[0], decoupled_min_lr=self.decoupled[1])
         return out
 
     def state_dict(self) -> dict:

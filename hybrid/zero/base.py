@@ -50,7 +50,7 @@ from typing import Callable, ContextManager, Dict, FrozenSet, List, Optional, Se
 
 import torch
 
-from hybrid.config.schema import OptimizerConfig, ZeroConfig, lamb_problem
+from hybrid.config.schema import OptimizerConfig, ZeroConfig, decoupled_lr_problem, lamb_problem
 from hybrid.compression import (ONE_BIT_OPTIMIZERS, compression_problem, gradient_quantization, hpz_problem,
                                 onebit_problem, weight_quantization)
 from hybrid.layout import (STAGE_TRAITS, StageTraits, ZeroStage, offload_problem, overlap_param_gather_problem,
@@ -145,6 +145,8 @@ class ZeroOptimizer(abc.ABC):
                 key, why = problem
                 raise ZeroConfigError(f"optimizer.type = {self.one_bit!r} with {key} = "
                                       f"{getattr(zero, key.split('.')[1])!r}: {why}")
+        if decoupled_lr_problem(self.stage, optimizer):
+            raise ZeroConfigError(f"optimizer.decoupled_lr {decoupled_lr_problem(self.stage, optimizer)}")
         if optimizer.type == "lamb" and lamb_problem(self.stage, zero.offload_optimizer):
             raise ZeroConfigError(f"optimizer.type = 'lamb': {lamb_problem(self.stage, zero.offload_optimizer)}")
         # their moments are AdamW's, and 1-bit Adam's warm-up is AdamW
@@ -269,13 +271,15 @@ class ZeroOptimizer(abc.ABC):
             run()
         self._micro += 1
 
-    def step(self, lr: Optional[float] = None, weight_decay: Optional[float] = None) -> bool:
+    def step(self, lr: Optional[float] = None, weight_decay: Optional[float] = None,
+             decoupled_lr: Optional[float] = None) -> bool:
         """Apply the update of one global batch; returns False when it was skipped.
 
         A step is skipped when any gradient element anywhere in the world is
         inf or NaN (fp16 overflow, or a diverging bf16/fp32 run); the loss
         scaler then lowers the scale. ``lr`` sets the learning rate from now on,
-        ``weight_decay`` the decaying groups' weight decay (a growing weight decay).
+        ``weight_decay`` the decaying groups' weight decay (a growing weight decay), ``decoupled_lr`` the
+        embedding and output weights' rate under ``optimizer.decoupled_lr``.
         """
         gas = self.gradient_accumulation_steps
         if self._micro != self.backward_calls_per_step:
@@ -285,6 +289,10 @@ class ZeroOptimizer(abc.ABC):
             if lr < 0:
                 raise ValueError(f"learning rate must be >= 0, got {lr}")
             self.inner.lr = float(lr)
+        if decoupled_lr is not None:
+            if decoupled_lr < 0:
+                raise ValueError(f"decoupled learning rate must be >= 0, got {decoupled_lr}")
+            self.inner.decoupled_lr = float(decoupled_lr)
         if weight_decay is not None:
             if weight_decay < 0:
                 raise ValueError(f"weight decay must be >= 0, got {weight_decay}")

@@ -217,6 +217,7 @@ class ExpertSplitOptimizer(ZeroOptimizer):
         at the learning rate and weight decay the shared step set here."""
         for half in self.halves:
             half.inner.lr, half.inner.weight_decay = self.inner.lr, self.inner.weight_decay
+            half.inner.decoupled_lr = self.inner.decoupled_lr
             half._apply_update(factor)
 
     def zero_grad(self) -> None:

@@ -65,7 +65,8 @@ class FlatZeroOptimizer(ZeroOptimizer):
         self.part = topology.dp_rank if traits.optimizer_states else 0
 
         self.groups = build_flat_groups(model, self.partition_count, dp, zero.bucket_size, self.decays,
-                                        self.no_weight_decay, self.chunk_params, select=self.param_filter)
+                                        self.no_weight_decay, self.chunk_params, select=self.param_filter,
+                                        decoupled=optimizer.decoupled_lr is not None)
         self.param_index = sorted((r for g in self.groups for r in g.records), key=lambda r: r.position)
         self._frozen = collect_trainable(model, self.param_filter)[1]
         self._sync_replicas()
@@ -100,7 +101,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
             lowp = part.param_chunks if not self._offload else self._offload[k].lowp
             self.inner.add_group(part.master_chunks, decay=g.weight_decay, lowp=None if part.aliased else lowp,
                                  state_device=host, param_owners=param_owners(g, self.part) if lamb else None,
-                                 param_count=len(g.records))
+                                 param_count=len(g.records), decoupled_lr=g.decoupled_lr)
         if lamb and self.partition_count > 1:
             # each parameter's elements are spread over the dp ranks' chunks: sum their squares over dp
             self.inner.norm_reduce = lambda sums: self.comm.all_reduce(sums, "dp")

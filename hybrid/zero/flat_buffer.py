@@ -242,6 +242,7 @@ class FlatGroup:
         self.index = index
         self.dtype = dtype
         self.weight_decay = weight_decay
+        self.decoupled_lr = False  # steps at optimizer.decoupled_lr's schedule (build_flat_groups sets it)
         self.tied = tied
         self.parts = parts
         self.segments, placements = place_group([p.numel() for _, p, _ in named], parts, pad_parts, bucket_numel,
@@ -315,10 +316,18 @@ def param_owners(group: "FlatGroup", part: int) -> List[torch.Tensor]:
     return [group.chunk(owner, s, part) for s in range(len(group.segments))]
 
 
+def is_embedding_or_output(name: str, param: torch.nn.Parameter) -> bool:
+    """Megatron-LM's ``is_embedding_or_output_parameter``: the input embedding and the output layer's weight
+    (model_zoo's ``embedding.word_embeddings.weight``, ``output_layer.weight``; one parameter when tied), or a
+    parameter a model marks with that attribute. ``optimizer.decoupled_lr`` trains these at their own rate."""
+    return bool(getattr(param, "is_embedding_or_output_parameter", False)) or \
+        name.endswith(("word_embeddings.weight", "output_layer.weight"))
+
+
 def build_flat_groups(model: torch.nn.Module, parts: int, pad_parts: int, bucket_numel: int,
                       use_weight_decay: bool, no_weight_decay: Optional[NoDecayFn],
                       chunk_params: Optional[Sequence[Sequence[torch.nn.Parameter]]] = None,
-                      select: Optional[ParamFilter] = None) -> List[FlatGroup]:
+                      select: Optional[ParamFilter] = None, decoupled: bool = False) -> List[FlatGroup]:
     """Rebind every trainable parameter of ``model`` to a view into a flat group buffer.
 
     ``parts`` is how many flat partitions the state is cut into; segments are
@@ -326,7 +335,8 @@ def build_flat_groups(model: torch.nn.Module, parts: int, pad_parts: int, bucket
     part) lays out and communicates exactly the same bytes as stages 1-2.
     ``chunk_params``: the parameters each model chunk of an interleaved
     pipeline stage reaches; segments end where those chunks change. ``select``: the parameters this
-    optimizer takes (:func:`collect_trainable`).
+    optimizer takes (:func:`collect_trainable`). ``decoupled``: the embedding and output weights
+    (:func:`is_embedding_or_output`) get groups of their own, marked ``decoupled_lr``.
     """
     trainable, _ = collect_trainable(model, select)
     chunk_sets = param_chunk_sets([p for _, p in trainable], chunk_params)
@@ -343,8 +353,12 @@ def build_flat_groups(model: torch.nn.Module, parts: int, pad_parts: int, bucket
             raise ZeroConfigError(f"parameter {name!r} is on the meta device; materialise the model "
                                   f"before building the optimizer")
         decay = use_weight_decay and not (no_weight_decay is not None and no_weight_decay(name, p))
-        keys.append((p.dtype, decay, is_pipeline_tied(p)))
+        keys.append((p.dtype, decay, is_pipeline_tied(p), decoupled and is_embedding_or_output(name, p)))
     classes = group_classes(keys)
-    return [FlatGroup(i, dtype, decay, [(trainable[m][0], trainable[m][1], m) for m in members], parts, pad_parts,
-                      bucket_numel, tied, None if chunk_sets is None else [chunk_sets[m] for m in members])
-            for i, ((dtype, decay, tied), members) in enumerate(classes.items())]
+    groups = []
+    for i, ((dtype, decay, tied, own_lr), members) in enumerate(classes.items()):
+        group = FlatGroup(i, dtype, decay, [(trainable[m][0], trainable[m][1], m) for m in members], parts,
+                          pad_parts, bucket_numel, tied, None if chunk_sets is None else [chunk_sets[m] for m in members])
+        group.decoupled_lr = own_lr
+        groups.append(group)
+    return groups

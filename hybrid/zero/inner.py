@@ -221,8 +221,10 @@ def _split(flat: torch.Tensor, numels: List[int]) -> List[torch.Tensor]:
 class _GroupState:
     def __init__(self, masters: List[torch.Tensor], lowp: Optional[List[torch.Tensor]], decays: bool,
                  names: List[str], device: torch.device, owner: "InnerOptimizer",
-                 param_owners: Optional[List[torch.Tensor]] = None, param_count: int = 0):
+                 param_owners: Optional[List[torch.Tensor]] = None, param_count: int = 0,
+                 decoupled_lr: bool = False):
         self.masters = masters
+        self.decoupled_lr = decoupled_lr  # steps at the owner's decoupled_lr (embedding and output weights)
         self.param_owners = param_owners  # lamb: per chunk, the parameter of each element (param_count: padding)
         self.param_count = param_count
         self.lowp = lowp
@@ -239,6 +241,15 @@ class _GroupState:
     def weight_decay(self) -> float:
         """The optimizer's current weight decay for a decaying group (it may change between steps), else 0."""
         return self._owner.weight_decay if self.decays else 0.0
+
+    @property
+    def lr(self) -> float:
+        """This step's learning rate: the optimizer's, or its decoupled one for a decoupled group."""
+        if self.decoupled_lr:
+            if self._owner.decoupled_lr is None:
+                raise ValueError("a decoupled group (optimizer.decoupled_lr) needs the step's decoupled_lr")
+            return self._owner.decoupled_lr
+        return self._owner.lr
 
 
 class InnerOptimizer:
@@ -275,6 +286,7 @@ class InnerOptimizer:
         self.bias_correction = bool(bias_correction)  # Adam/AdamW: divide the moments by 1 - beta^t
         self.max_coeff, self.min_coeff = float(max_coeff), float(min_coeff)  # LAMB's trust-ratio clamp
         self.norm_reduce: Optional[Callable[[torch.Tensor], None]] = None  # LAMB: see the class docstring
+        self.decoupled_lr: Optional[float] = None  # the decoupled groups' rate this step (optimizer.decoupled_lr)
         self.step_count = 0  # updates applied (skipped steps do not count)
         self.groups: List[_GroupState] = []
         self.use_kernels = use_kernels
@@ -288,7 +300,7 @@ class InnerOptimizer:
 
     def add_group(self, masters: List[torch.Tensor], decay: bool, lowp: Optional[List[torch.Tensor]] = None,
                   state_device: Optional[torch.device] = None, param_owners: Optional[List[torch.Tensor]] = None,
-                  param_count: int = 0) -> None:
+                  param_count: int = 0, decoupled_lr: bool = False) -> None:
         """Register one flat group's master chunks (1-D, all of the master dtype).
 
         ``lowp``: chunks (same sizes) that must hold the rounded weights after every step. ``param_owners``,
@@ -303,7 +315,7 @@ class InnerOptimizer:
             self.compiled = (self.use_kernels and self.kind in ("adamw", "adam") and self.bias_correction
                              and masters[0].dtype == torch.float32 and compiled_adam_available(masters[0].device))
         self.groups.append(_GroupState(masters, lowp, decay, self.state_names, device, self, param_owners,
-                                       param_count))
+                                       param_count, decoupled_lr))
 
     def step(self, grads: List[List[torch.Tensor]], grad_factor: float, lr: Optional[float] = None) -> None:
         """Update every group's masters from ``grads[g]`` (chunks matching the masters) times ``grad_factor``."""
@@ -313,7 +325,7 @@ class InnerOptimizer:
         for group, g_chunks in zip(self.groups, grads):
             if self.kind == "lamb":
                 lamb_step(group.masters, g_chunks, group.views["exp_avg"], group.views["exp_avg_sq"], group.lowp,
-                          group.param_owners, group.param_count, self.norm_reduce, lr=self.lr, beta1=self.betas[0],
+                          group.param_owners, group.param_count, self.norm_reduce, lr=group.lr, beta1=self.betas[0],
                           beta2=self.betas[1], eps=self.eps, weight_decay=group.weight_decay, step=self.step_count,
                           grad_factor=grad_factor, bias_correction=self.bias_correction, max_coeff=self.max_coeff,
                           min_coeff=self.min_coeff)
@@ -321,14 +333,14 @@ class InnerOptimizer:
                 master = group.masters[0]
                 if g_chunks[0].dtype != master.dtype or g_chunks[0].device != master.device:
                     g_chunks = [g.to(device=master.device, dtype=master.dtype) for g in g_chunks]
-                _inner_sgd_step(group.masters, g_chunks, group.views.get("momentum_buffer"), lr=self.lr,
+                _inner_sgd_step(group.masters, g_chunks, group.views.get("momentum_buffer"), lr=group.lr,
                                 momentum=self.momentum, weight_decay=group.weight_decay,
                                 first=self.step_count == 1, grad_factor=grad_factor)
                 if group.lowp is not None:
                     torch._foreach_copy_(group.lowp, group.masters)
             else:
                 _inner_adam_step(group.masters, g_chunks, group.views["exp_avg"], group.views["exp_avg_sq"],
-                                 group.lowp, lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
+                                 group.lowp, lr=group.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
                                  weight_decay=group.weight_decay, step=self.step_count,
                                  adamw=self.kind == "adamw", grad_factor=grad_factor, compiled=bool(self.compiled),
                                  bias_correction=self.bias_correction)

@@ -24,7 +24,8 @@ FULL = {
              "persistence_threshold": 10, "max_live_parameters": 5000, "prefetch_bucket_size": 0,
              "max_reuse_distance": 7000},
     "optimizer": {"type": "adamw", "lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "bias_correction": False,
-                  "weight_decay": 0.1, "max_coeff": 10.0, "min_coeff": 0.01,
+                  "weight_decay": 0.1, "max_coeff": 10.0, "min_coeff": 0.01, "decoupled_lr": None,
+                  "decoupled_min_lr": None,
                   "freeze_step": 50, "var_freeze_step": 60, "var_update_scaler": 8, "local_step_scaler": 100,
                   "local_step_clipper": 4, "decay_1d_params": True, "weight_decay_incr_style": "constant",
                   "start_weight_decay": None, "end_weight_decay": None},
@@ -157,8 +158,9 @@ def test_config_object_is_copied_and_revalidated():
 @pytest.mark.parametrize("data,match", [
     ({"precison": "bf16"}, r"unknown config key 'precison'\. Did you mean 'precision'\?"),
     ({"optimizer": {"learning_rate": 1e-3}}, r"unknown config key 'optimizer\.learning_rate'\. Valid keys here: "
-                                             r"betas, bias_correction, decay_1d_params, end_weight_decay, eps, "
-                                             r"freeze_step, local_step_clipper"),
+                                             r"betas, bias_correction, decay_1d_params, decoupled_lr, "
+                                             r"decoupled_min_lr, end_weight_decay, eps, freeze_step, "
+                                             r"local_step_clipper"),
     ({"zero": {"stag": 1}}, r"unknown config key 'zero\.stag'\. Did you mean 'zero\.stage'\?"),
     ({"schedular": {}}, r"Did you mean 'scheduler'\?"),
     ({"zero_optimisation": {}}, r"Did you mean the DeepSpeed key 'zero_optimization'\?"),
