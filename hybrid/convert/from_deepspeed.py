@@ -109,6 +109,13 @@ def _rank_of(file: Path) -> Tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def _field(sd: Any, key: str, file: Path) -> Any:
+    if not isinstance(sd, Mapping) or key not in sd:
+        raise ConversionError(f"{file} holds no {key!r}: not a DeepSpeed ZeRO checkpoint file of the layout "
+                              f"from-deepspeed reads (deepspeed 0.19's)")
+    return sd[key]
+
+
 def read_deepspeed(path, tag: Optional[str] = None) -> DeepSpeedState:
     """Read and reassemble the DeepSpeed ZeRO checkpoint at ``path`` (see the module docstring)."""
     folder = find_tag_dir(path, tag)
@@ -125,7 +132,7 @@ def read_deepspeed(path, tag: Optional[str] = None) -> DeepSpeedState:
                               f"reads checkpoints of one model-parallel rank")
     model_files = sorted(folder.glob("*model_states.pt"))
     model = safe_pickle.load(model_files[0])
-    optim = [safe_pickle.load(f)["optimizer_state_dict"] for f in optim_files]
+    optim = [_field(safe_pickle.load(f), "optimizer_state_dict", f) for f in optim_files]
     first = optim[0]
     stage = _stage(first, optim_files[0])
     counts = first.get("partition_count")
@@ -137,16 +144,16 @@ def read_deepspeed(path, tag: Optional[str] = None) -> DeepSpeedState:
         frozen = list(model["frozen_param_shapes"])
         raise ConversionError(f"{model_files[0]} holds frozen parameters ({', '.join(frozen[:3])}); hybrid trains "
                               f"every parameter, so from-deepspeed converts models without frozen ones")
-    shapes = [dict(group) for group in model["param_shapes"]]
+    shapes = [dict(group) for group in _field(model, "param_shapes", model_files[0])]
     if stage <= 2:
-        flats = [sd["single_partition_of_fp32_groups"] for sd in optim]
-        moments = [sd["base_optimizer_state"]["state"] for sd in optim]
+        flats = [_field(sd, "single_partition_of_fp32_groups", f) for sd, f in zip(optim, optim_files)]
+        moments = [_field(_field(sd, "base_optimizer_state", f), "state", f) for sd, f in zip(optim, optim_files)]
         merge = lambda per_rank, what: _merge_stage12(per_rank, shapes, first.get("param_alignment_paddings"),
                                                       folder, what)  # noqa: E731
         groups = first["base_optimizer_state"]["param_groups"]
     else:
-        flats = [sd["fp32_flat_groups"] for sd in optim]
-        moments = [sd["optimizer_state_dict"]["state"] for sd in optim]
+        flats = [_field(sd, "fp32_flat_groups", f) for sd, f in zip(optim, optim_files)]
+        moments = [_field(_field(sd, "optimizer_state_dict", f), "state", f) for sd, f in zip(optim, optim_files)]
         merge = lambda per_rank, what: _merge_stage3(per_rank, shapes, folder, what)  # noqa: E731
         groups = first["optimizer_state_dict"]["param_groups"]
     state = {MASTER: merge(flats, "the fp32 master weights")}
@@ -163,7 +170,7 @@ def read_deepspeed(path, tag: Optional[str] = None) -> DeepSpeedState:
     return DeepSpeedState(
         path=folder, stage=stage, world=world, precision=_precision(model.get("ds_config") or {}, model_files[0]),
         state=state, shared=dict(model.get("shared_params") or {}), step=steps.pop(),
-        global_steps=int(model["global_steps"]), global_samples=int(model.get("global_samples") or 0),
+        global_steps=int(_field(model, "global_steps", model_files[0])), global_samples=int(model.get("global_samples") or 0),
         skipped_steps=int(model.get("skipped_steps") or 0),
         optimizer=_optimizer_settings(groups, model.get("ds_config") or {}, optim_files[0]),
         scheduled=model.get("lr_scheduler") is not None)
