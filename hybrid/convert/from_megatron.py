@@ -369,10 +369,11 @@ def _read_torch_dist(folder: Path, with_optimizer: bool) -> MegatronState:
         raise ConversionError(f"{folder}: the distributed optimizer's state was saved as {sharding!r} (flat buffers, "
                               f"laid out by megatron-core's internals); from-megatron reads it per parameter: save "
                               f"with --dist-ckpt-optim-fully-reshardable, or convert the weights with --no-load-optim")
-    groups = (opt.get("optimizer") or opt).get("param_groups") or []  # the distributed optimizer nests them
-    steps = {float(g["step"]) for g in groups if "step" in g}  # its step lives in the groups
-    if (opt.get("state") or {}).get("common_step") is not None:
-        steps.add(float(opt["state"]["common_step"]))
+    inner = opt.get("optimizer") or opt  # the bf16 and the distributed optimizers nest torch's state
+    groups = inner.get("param_groups") or []
+    steps = {float(g["step"]) for g in groups if "step" in g}  # the distributed optimizer's step is in its groups
+    if (inner.get("state") or {}).get("common_step") is not None:
+        steps.add(float(inner["state"]["common_step"]))
     has_state = with_optimizer and all(k in tensors for k in MOMENTS)
     if has_state and len(steps) != 1:
         raise ConversionError(f"{folder / COMMON_FILE}: the optimizer's step is {sorted(steps) or 'missing'}; hybrid "
