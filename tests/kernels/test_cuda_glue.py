@@ -9,12 +9,33 @@ is checked row by row. The kernels themselves run in benchmarks/gpu/check_kernel
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from hybrid.kernels.cpu_adam import _device_table
 from hybrid.kernels.layer_norm import rms_norm_reference
+
+LN = importlib.import_module("hybrid.kernels.layer_norm")  # the module (the package exports a function of this name)
+
+
+class StandInNormOp:
+    """The cuda_norm module's interface (2-D contiguous inputs, preallocated outputs, a stream
+    argument) over the norm ops' torch formulas. Tests put it where the kernel goes, so the ops'
+    kernel-launch branch runs on CPU; benchmarks/gpu/check_kernels.py --dry-run-cpu uses it too."""
+
+    def max_hidden(self, rms, has_bias, device):
+        return 1 << 30
+
+    def norm_forward(self, x, w, b, y, mean, rstd, eps, rms, stream):
+        assert x.is_contiguous() and x.dim() == 2 and y.is_contiguous() and stream == 0
+        LN._forward_torch(x, w, b, y, mean, rstd, eps, rms)
+
+    def norm_backward(self, dy, x, w, mean, rstd, dx, dw, db, rms, stream):
+        assert dy.is_contiguous() and x.is_contiguous() and dx.is_contiguous() and stream == 0
+        LN._backward_torch(dy, x, w, mean, rstd, dx, dw, db, rms)
 
 
 def fused_norm(x, w, b, eps, rms):
@@ -24,9 +45,13 @@ def fused_norm(x, w, b, eps, rms):
     return torch.ops.hybrid.layer_norm_forward(x, w, b, eps)[0]
 
 
+@pytest.mark.parametrize("branch", ["formulas", "kernel-branch"])
 @pytest.mark.parametrize("rms,with_bias", [(False, False), (False, True), (True, False)],
                          ids=["layernorm", "layernorm-bias", "rmsnorm"])
-def test_fused_norm_op_passes_gradcheck(rms, with_bias):
+def test_fused_norm_op_passes_gradcheck(monkeypatch, rms, with_bias, branch):
+    """``kernel-branch``: the ops hand the kernel's arguments to a stand-in with its interface."""
+    if branch == "kernel-branch":
+        monkeypatch.setattr(LN, "_kernel_for", lambda *args: StandInNormOp())
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 7, dtype=torch.float64, generator=gen, requires_grad=True)
     w = torch.randn(7, dtype=torch.float64, generator=gen, requires_grad=True)
