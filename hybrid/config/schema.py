@@ -54,16 +54,13 @@ PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved")  # hybrid.pipeline.schedul
 MASTER_PRECISIONS = ("fp32", "bf16")  # zero.master_precision: bf16 masters and optimizer state are an opt-in mode
 
 
-def decoupled_lr_problem(stage: int, optimizer: "OptimizerConfig") -> Optional[str]:
-    """Why ``optimizer.decoupled_lr`` cannot be honoured at ZeRO ``stage`` with ``optimizer`` (a sentence to follow
-    the key), or None: the embedding and output weights step in flat groups of their own (stages 0-2); the 1-bit
-    optimizers step all at one rate."""
+def decoupled_lr_problem(optimizer: "OptimizerConfig") -> Optional[str]:
+    """Why ``optimizer.decoupled_lr`` cannot be honoured with ``optimizer`` (a sentence to follow the key), or None:
+    the embedding and output weights step in optimizer groups of their own; the 1-bit optimizers step all at one
+    rate."""
     if optimizer.decoupled_lr is None:
         return "is unset, but optimizer.decoupled_min_lr needs it" if optimizer.decoupled_min_lr is not None \
             else None
-    if stage == 3:
-        return ("is not supported at ZeRO stage 3: the embedding and output weights' own rate needs flat groups of "
-                "their own, which stages 0-2 build; use zero stage 2, or remove it")
     if optimizer.type in (ONEBIT_ADAM, ZERO_ONE_ADAM):
         return (f"is not supported with {optimizer.type}: it steps every parameter at one rate; use adamw, adam, sgd "
                 f"or lamb")
@@ -205,7 +202,7 @@ class OptimizerConfig:
     decoupled_lr: Optional[float] = _field(None, ge=0.0, flag="--decoupled-lr",
                                            help="Megatron-LM's: the input embedding and output layer weights' own "
                                                 "peak learning rate, on the same schedule (warmup, decay) as lr; "
-                                                "unset: they train at lr (ZeRO stages 0-2)")
+                                                "unset: they train at lr")
     decoupled_min_lr: Optional[float] = _field(None, ge=0.0, flag="--decoupled-min-lr",
                                                help="Megatron-LM's: their floor instead of scheduler.min_lr (with "
                                                     "decoupled_lr)")

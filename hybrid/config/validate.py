@@ -205,9 +205,9 @@ def _cross_key_rules(cfg: "HybridConfig", problems: List[ConfigError]) -> None:
         if not 0.0 <= beta < 1.0:
             error(f"config key 'optimizer.betas[{i}]' must be in [0, 1), got {beta!r}",
                   f"optimizer.betas[{i}]")
-    if decoupled_lr_problem(z.stage, opt):
-        error(f"config key 'optimizer.decoupled_lr' {decoupled_lr_problem(z.stage, opt)}", "optimizer.decoupled_lr",
-              "optimizer.decoupled_min_lr", "zero.stage", "optimizer.type")
+    if decoupled_lr_problem(opt):
+        error(f"config key 'optimizer.decoupled_lr' {decoupled_lr_problem(opt)}", "optimizer.decoupled_lr",
+              "optimizer.decoupled_min_lr", "optimizer.type")
     if opt.type == "lamb" and lamb_problem(z.stage, z.offload_optimizer):
         error(f"config key 'optimizer.type' lamb: {lamb_problem(z.stage, z.offload_optimizer)}", "optimizer.type",
               "zero.stage", "zero.offload_optimizer")

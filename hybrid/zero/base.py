@@ -145,8 +145,8 @@ class ZeroOptimizer(abc.ABC):
                 key, why = problem
                 raise ZeroConfigError(f"optimizer.type = {self.one_bit!r} with {key} = "
                                       f"{getattr(zero, key.split('.')[1])!r}: {why}")
-        if decoupled_lr_problem(self.stage, optimizer):
-            raise ZeroConfigError(f"optimizer.decoupled_lr {decoupled_lr_problem(self.stage, optimizer)}")
+        if decoupled_lr_problem(optimizer):
+            raise ZeroConfigError(f"optimizer.decoupled_lr {decoupled_lr_problem(optimizer)}")
         if optimizer.type == "lamb" and lamb_problem(self.stage, zero.offload_optimizer):
             raise ZeroConfigError(f"optimizer.type = 'lamb': {lamb_problem(self.stage, zero.offload_optimizer)}")
         # their moments are AdamW's, and 1-bit Adam's warm-up is AdamW

@@ -30,7 +30,7 @@ import torch
 from hybrid import param_meta
 from hybrid.zero.assembled import AssembledTensor, assembled_or_copy
 from hybrid.zero.base import BackwardPass, ZeroOptimizer
-from hybrid.zero.flat_buffer import ZeroConfigError, dtype_name
+from hybrid.zero.flat_buffer import ZeroConfigError, dtype_name, is_embedding_or_output
 from hybrid.zero.grad_norm import local_sq, local_zeros, world_sum
 from hybrid.zero.offload import HostCopy, host_device
 from hybrid.zero.order_check import OrderCheck
@@ -67,6 +67,37 @@ def _partition_runs(units: List[Unit], dp_rank: int, tp_size: int, tp_rank: int)
                 if a < b:
                     norm_runs.append((base + a, base + b))
     return runs, norm_runs
+
+
+def _decoupled_runs(units: List[Unit], dp_rank: int) -> List[Tuple[int, int]]:
+    """This rank's elements of the embedding and output weights (:func:`is_embedding_or_output`), as sorted
+    ``(start, end)`` runs in partition coordinates: ``optimizer.decoupled_lr``'s groups."""
+    out = []
+    for u in units:
+        lo, hi = u.chunk_range(dp_rank)
+        base = u.partition_offset - lo
+        for rec in u.records:
+            a, b = max(lo, rec.offset), min(hi, rec.offset + rec.numel)
+            if a < b and is_embedding_or_output(rec.name, None):
+                out.append((base + a, base + b))
+    return sorted(out)
+
+
+def _cut_runs(runs, marked: List[Tuple[int, int]]):
+    """``runs`` ``(start, end, decay)`` cut at the sorted, disjoint runs ``marked``: ``(start, end, decay, inside)``."""
+    out = []
+    for a, b, decay in runs:
+        pos = a
+        for m_a, m_b in marked:
+            lo, hi = max(m_a, pos), min(m_b, b)
+            if lo < hi:
+                if pos < lo:
+                    out.append((pos, lo, decay, False))
+                out.append((lo, hi, decay, True))
+                pos = hi
+        if pos < b:
+            out.append((pos, b, decay, False))
+    return out
 
 
 class Stage3Optimizer(ZeroOptimizer):
@@ -131,6 +162,7 @@ class Stage3Optimizer(ZeroOptimizer):
                                          self.gatherer.shape_for_grad, self.gatherer.unshape, quant=self.grad_quant,
                                          two_level=self.two_level)
         self.reducer.attach_hooks()
+        self._decoupled = optimizer.decoupled_lr is not None  # the embedding and output weights' own rate
         self._setup_master(self.master_dtype, host)
         self._finish_setup()
 
@@ -164,6 +196,7 @@ class Stage3Optimizer(ZeroOptimizer):
 
     def _setup_master(self, master_dtype: torch.dtype, host: Optional[torch.device]) -> None:
         runs, norm_runs = _partition_runs(self.units, self.part, self.topology.tp_size, self.topology.tp_rank)
+        marked = _decoupled_runs(self.units, self.part) if self._decoupled else []
         master_device = host if host is not None else self.device
         self.aliased = master_dtype == self.dtype and master_device == self.device
         if self.aliased:
@@ -178,14 +211,14 @@ class Stage3Optimizer(ZeroOptimizer):
         grads = self.reducer.grads
         self._group_grads = []
         self._group_runs = []  # per inner group: its (start, end) runs of the partition, and whether it decays
-        for decay in (True, False):
-            sel = [(a, b) for a, b, d in runs if d == decay]
+        for decay, own_lr in ((True, False), (False, False), (True, True), (False, True)):
+            sel = [(a, b) for a, b, d, o in _cut_runs(runs, marked) if d == decay and o == own_lr]
             if not sel:
                 continue
             self._group_runs.append((sel, decay))
             self.inner.add_group([self.master[a:b] for a, b in sel], decay=decay,
                                  lowp=None if self.lowp is None else [self.lowp.host[a:b] for a, b in sel],
-                                 state_device=master_device)
+                                 state_device=master_device, decoupled_lr=own_lr)
             self._group_grads.append([grads[a:b] for a, b in sel])
         self._norm_views = [grads[a:b] for a, b in norm_runs]
         self._master_norm_views = [self.master[a:b] for a, b in norm_runs]  # the masters share the layout
