@@ -11,7 +11,8 @@ or given as one ``DIR/iter_XXXXXXX``:
   each a pickle of ``args`` (an ``argparse.Namespace``), ``iteration``, ``checkpoint_version``, ``model`` (the
   rank's piece of every weight, the stage's layers numbered from 0), ``optimizer`` (the rank's torch optimizer
   state: Adam's ``exp_avg`` / ``exp_avg_sq`` by parameter position, and ``fp32_from_fp16_params`` for a bf16 or
-  fp16 run), ``opt_param_scheduler`` and random state;
+  fp16 run), ``opt_param_scheduler`` and random state; a ``--use-distributed-optimizer`` run keeps its masters
+  and moments in ``distrib_optim.pt`` beside it (:func:`_distributed_optimizer`);
 * **torch_dist** (``megatron.core.dist_checkpointing``): a ``torch.distributed.checkpoint`` folder whose tensors
   are whole (the TP pieces are chunks of one global tensor; the layers stacked on a leading dim), plus
   ``common.pt`` (``args``, ``iteration``, the optimizer's step and groups). The optimizer's moments are
@@ -176,11 +177,6 @@ def _read_legacy(folder: Path, with_optimizer: bool) -> MegatronState:
     if missing:
         raise ConversionError(f"{folder} lacks {', '.join(missing[:4])}: a TP x PP = {tp} x {pp} checkpoint needs "
                               f"every rank's {LEGACY_FILE}")
-    if with_optimizer and any((f.parent / DISTRIBUTED_OPTIMIZER_FILE).exists() for f in ranks.values()):
-        raise ConversionError(f"{folder} was saved with --use-distributed-optimizer in the legacy format, whose "
-                              f"{DISTRIBUTED_OPTIMIZER_FILE} from-megatron does not read; convert its weights with "
-                              f"--no-load-optim, or save the run with --ckpt-format torch_dist (whose optimizer "
-                              f"state from-megatron reads)")
     first = safe_pickle.load(ranks[(0, 0)])
     args = _plain_args(first.get("args"), ranks[(0, 0)])
     if any(k.startswith("model") and k != "model" for k in first):
@@ -198,7 +194,9 @@ def _read_legacy(folder: Path, with_optimizer: bool) -> MegatronState:
         stage_weights = _merge_tp(models, names, args, ranks[(0, p)])
         opt = [sd.get("optimizer") for sd in per_rank] if with_optimizer else [None]
         if all(o is not None for o in opt):
-            by_rank = [_legacy_optimizer(o, models[t], names, ranks[(t, p)]) for t, o in enumerate(opt)]
+            by_rank = [_distributed_optimizer(o, models[t], names, ranks[(t, p)].parent / DISTRIBUTED_OPTIMIZER_FILE)
+                       if (ranks[(t, p)].parent / DISTRIBUTED_OPTIMIZER_FILE).exists()
+                       else _legacy_optimizer(o, models[t], names, ranks[(t, p)]) for t, o in enumerate(opt)]
             stage_step = {s for s, _, _ in by_rank}
             if step is not None:
                 stage_step.add(step)
@@ -297,7 +295,8 @@ def _legacy_optimizer(opt: Any, model: Mapping[str, torch.Tensor], names: List[s
     inner = opt["optimizer"] if "optimizer" in opt else opt
     if not isinstance(inner, dict) or "state" not in inner or "param_groups" not in inner:
         raise ConversionError(f"{where}: its 'optimizer' entry is not a torch optimizer state (keys "
-                              f"{sorted(opt)[:6]}); with --use-distributed-optimizer convert with --no-load-optim")
+                              f"{sorted(opt)[:6]}), and no {DISTRIBUTED_OPTIMIZER_FILE} (a --use-distributed-optimizer "
+                              f"run's state) is beside it; convert the weights with --no-load-optim")
     groups = inner["param_groups"]
     order = _group_order(groups, model, names, where)
     state = inner["state"]
@@ -321,6 +320,49 @@ def _legacy_optimizer(opt: Any, model: Mapping[str, torch.Tensor], names: List[s
     if len(steps) != 1 or None in steps:
         raise ConversionError(f"{where}: the parameters' Adam steps differ or are missing ({sorted(map(str, steps))})")
     return steps.pop(), out, [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
+# megatron-core's grad buffer (distributed.param_and_grad_buffer) starts every parameter at a multiple of this
+_PARAM_ALIGNMENT = 64
+
+
+def _distributed_optimizer(opt: Any, model: Mapping[str, torch.Tensor], names: List[str], path: Path):
+    """``(step, {key: {name: local tensor}}, groups)`` of one (TP, PP) rank's legacy ``distrib_optim.pt``: the
+    distributed optimizer's fp32 masters and moments gathered over DP into one flat buffer.
+
+    The buffer holds the rank's parameters in reverse registration order (the order of backprop), each
+    starting at a multiple of 64 elements; ``buckets_coalesced`` files leave the buckets' end padding out. Bucket
+    boundaries are not recorded, so each parameter's place is checked: its master must round to its weight.
+    """
+    state = safe_pickle.load(path)
+    buffers = [v for k, v in state.items() if isinstance(k, int)] if isinstance(state, dict) else []
+    if not state.get("buckets_coalesced") or len(buffers) != 1 or len(buffers[0]) != 1:
+        raise ConversionError(f"{path}: not one coalesced grad buffer of one dtype (found {len(buffers)} buffers); "
+                              f"from-megatron reads the dense model's; convert with --no-load-optim")
+    flat = next(iter(buffers[0].values()))
+    out: Dict[str, Dict[str, torch.Tensor]] = {MASTER: {}, **{k: {} for k in MOMENTS}}
+    offset = 0
+    for name in reversed(names):
+        offset = -(-offset // _PARAM_ALIGNMENT) * _PARAM_ALIGNMENT
+        weight = model[name]
+        for key, saved in ((MASTER, "param"),) + tuple((k, k) for k in MOMENTS):
+            out[key][name] = flat[saved][offset: offset + weight.numel()].view(weight.shape)
+        if out[MASTER][name].numel() != weight.numel() or \
+                not torch.equal(out[MASTER][name].to(weight.dtype), weight):
+            raise ConversionError(f"{path}: the master of {name} is not where megatron-core's buffer layout puts it "
+                                  f"(element {offset}: several buckets, --ddp-bucket-size?); convert with "
+                                  f"--no-load-optim")
+        offset += weight.numel()
+    if offset != int(flat["numel_unpadded"]):
+        raise ConversionError(f"{path} holds {flat['numel_unpadded']} elements, the parameters {offset}; convert "
+                              f"with --no-load-optim")
+    inner = opt.get("optimizer") or {}
+    groups = inner.get("param_groups") or []
+    steps = {float(g["step"]) for g in groups if "step" in g}
+    if len(steps) != 1:
+        raise ConversionError(f"{path.parent / LEGACY_FILE}: the distributed optimizer's step is "
+                              f"{sorted(steps) or 'missing'}")
+    return int(steps.pop()), out, [{k: v for k, v in g.items() if k != "params"} for g in groups]
 
 
 def _group_order(groups, model, names, where) -> Dict[int, str]:

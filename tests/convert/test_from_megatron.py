@@ -5,7 +5,7 @@ megatron-core 0.16.1 on gloo ranks) are a tiny Megatron-Core GPT with Llama's sw
 4 query heads in 2 groups, no biases, untied output layer) trained for 3 Adam steps (clipping at 1.0, decoupled
 weight decay) and saved in both formats, with Megatron's logits on a fixed input and the losses (and gradient L1
 norms) of its next 3 steps: ``megatron_tp2`` at TP=2, ``megatron_tp2_pp2`` at TP=2 x PP=2, ``megatron_pp2_distopt``
-at PP=2 with the distributed optimizer (its legacy ``distrib_optim.pt`` is refused, its ``torch_dist`` state read),
+at PP=2 with the distributed optimizer (legacy ``distrib_optim.pt``, ``torch_dist`` per parameter),
 ``megatron_bf16`` a ``--bf16`` run at TP=1 (bf16 weights, fp32 masters).
 
 * **Logits**: the converted model's fp32 logits lie within ``2 * transformer_bound(logits) * max|logits|`` of
@@ -109,9 +109,10 @@ def test_legacy_tp2_checkpoint_gives_megatrons_logits_and_continues_training(tmp
     _continue_in_one_process(out, ref)
 
 
-# TP=2 x PP=2 with Megatron's plain optimizer (both formats), and PP=2 with its distributed optimizer (torch_dist,
-# --dist-ckpt-optim-fully-reshardable: the fp32 masters and moments per parameter)
-PIPELINES = [("megatron_tp2_pp2", "legacy"), ("megatron_tp2_pp2", "torch_dist"), ("megatron_pp2_distopt", "torch_dist")]
+# TP=2 x PP=2 with Megatron's plain optimizer, and PP=2 with its distributed optimizer (legacy: distrib_optim.pt's
+# flat buffer; torch_dist with --dist-ckpt-optim-fully-reshardable: the fp32 masters and moments per parameter)
+PIPELINES = [("megatron_tp2_pp2", "legacy"), ("megatron_tp2_pp2", "torch_dist"), ("megatron_pp2_distopt", "legacy"),
+             ("megatron_pp2_distopt", "torch_dist")]
 
 
 @pytest.mark.parametrize("fixture, fmt", PIPELINES)
@@ -173,13 +174,18 @@ def test_a_bf16_run_converts_with_its_bf16_weights_and_fp32_masters(tmp_path):
     assert qkv["weight"].dtype == torch.bfloat16 and not torch.equal(qkv["master"].bfloat16().float(), qkv["master"])
 
 
-def test_legacy_distributed_optimizer_state_is_refused_and_its_weights_convert(tmp_path):
-    root = FIXTURE.parent / "megatron_pp2_distopt"
-    with pytest.raises(ConversionError, match="distrib_optim.pt .*--no-load-optim"):
-        convert_from_megatron(root / "legacy", tmp_path / "c")
-    weights = convert_from_megatron(root / "legacy", tmp_path / "w", load_optimizer=False)
-    assert not CheckpointReader(weights).has_optimizer_state
-    _assert_megatrons_logits(weights, _reference("megatron_pp2_distopt"))
+def test_a_distributed_optimizer_buffer_in_another_layout_is_refused(tmp_path):
+    """distrib_optim.pt records no bucket boundaries: a buffer whose masters are not where megatron-core's layout
+    puts them (here: shifted by one element) is refused, naming the file and --no-load-optim."""
+    copy = tmp_path / "legacy"
+    shutil.copytree(FIXTURE.parent / "megatron_pp2_distopt" / "legacy", copy)
+    path = copy / "iter_0000003" / "mp_rank_00_001" / "distrib_optim.pt"
+    state = safe_pickle.load(path)
+    flat = next(iter(state[0].values()))
+    flat["param"] = flat["param"].roll(1)
+    torch.save(state, path)
+    with pytest.raises(ConversionError, match="mp_rank_00_001/distrib_optim.pt: the master of .*--no-load-optim"):
+        convert_from_megatron(copy, tmp_path / "c")
 
 
 def _legacy_rank(tp_rank: int) -> dict:
@@ -216,14 +222,15 @@ def test_converted_state_holds_megatrons_weights_moments_and_step(tmp_path):
     assert all(int(s["step"]) == 3 for s in ranks[0]["optimizer"]["state"].values())
 
 
-@pytest.mark.parametrize("fixture", ["megatron_tp2", "megatron_tp2_pp2", "megatron_bf16"])
+@pytest.mark.parametrize("fixture", ["megatron_tp2", "megatron_tp2_pp2", "megatron_pp2_distopt", "megatron_bf16"])
 def test_torch_dist_reads_the_same_state_as_the_legacy_format(fixture):
-    """Legacy moments are matched to parameters by position (Megatron's weight-decay groups, per pipeline stage),
-    torch_dist's by name: the two must agree element for element."""
+    """Legacy moments are matched to parameters by position (Megatron's weight-decay groups, per pipeline stage;
+    the distributed optimizer's flat buffer), torch_dist's by name: the two must agree element for element."""
     legacy, dist = (read_megatron(FIXTURE.parent / fixture / fmt) for fmt in ("legacy", "torch_dist"))
     assert (dist.format, dist.iteration, dist.step) == ("torch_dist", 3, 3)
     cfg = config_from_args(legacy.args, fixture)
-    masters = {"master"} if fixture == "megatron_bf16" else set()  # a bf16 run's fp32 masters
+    # the fp32 masters of a bf16 run and of the distributed optimizer
+    masters = {"master"} if fixture in ("megatron_bf16", "megatron_pp2_distopt") else set()
     assert set(legacy.tensors) == set(dist.tensors) == {"weight", "exp_avg", "exp_avg_sq"} | masters
     for key in legacy.tensors:
         a, b = to_hybrid(legacy.tensors[key], cfg, fixture), to_hybrid(dist.tensors[key], cfg, fixture)
