@@ -79,12 +79,14 @@ def test_parts_compare_what_they_say_they_compare(dry_run):
         assert row["predicted_peak"] > 0 and abs(row["peak"] / row["predicted_peak"] - 1) <= 0.10
 
     # The dry run gives part 5 a budget of 0 s: its first size runs (nothing is known about the cost
-    # before), then the second micro batch and the other 3 settings (one model in the dry run: 2 recompute
-    # x 2 kernels) are recorded as skipped, and the part still reports ok.
+    # before), then the second micro batch and the other 4 settings (one model in the dry run: 2 recompute
+    # x 2 kernels, plus the compiled run at recompute none) are recorded as skipped, and the part still
+    # reports ok.
     mfu = _part(out, 5, "mfu")
     assert len(mfu["rows"]) == 1 and mfu["rows"][0]["micro_batch"] == 1
     assert any("flash" in k for k in mfu["rows"][0]["sdpa_kernels"])
-    assert len(mfu["skipped"]) == 1 + 3 and all("left of the 0 s budget" in s for s in mfu["skipped"])
+    assert len(mfu["skipped"]) == 1 + 4 and all("left of the 0 s budget" in s for s in mfu["skipped"])
+    assert any("kernels=compiled" in s for s in mfu["skipped"])
     assert mfu["info"]["measured_peak_tflops"] == _part(out, 1, "env")["info"]["matmul_bf16_tflops"]
 
 
