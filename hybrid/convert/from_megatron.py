@@ -88,8 +88,8 @@ _COLUMN, _ROW = ("self_attention.linear_qkv", "mlp.linear_fc1"), ("self_attentio
 class MegatronState:
     """A Megatron-LM checkpoint, TP-merged, in Megatron's names with global layer numbers (``decoder.layers.i.``).
 
-    ``tensors[key][name]``: ``key`` is ``"weight"`` (as saved), ``"master"`` (fp32 masters of a bf16/fp16 run)
-    or a moment; ``linear_fc1`` is already ``[gate; up]`` (the legacy per-rank interleave undone)."""
+    ``tensors[key][name]``: ``key`` is ``"weight"`` (as saved), ``"master"`` (the fp32 masters of a bf16 run or of
+    the distributed optimizer) or a moment; ``linear_fc1`` is already ``[gate; up]`` (the legacy per-rank interleave undone)."""
 
     path: Path
     format: str  # "torch" or "torch_dist"
@@ -122,14 +122,11 @@ def find_iteration_dir(path, iteration: Optional[int] = None) -> Path:
                                   f"(mp_rank_XX/{LEGACY_FILE} or torch_dist's .metadata); give the save folder "
                                   f"or one iter_XXXXXXX")
         text = tracker.read_text().strip()
-        name = "release" if text == "release" else None
-        if name is None:
-            if not text.isdigit():
-                raise ConversionError(f"{tracker} holds {text[:40]!r}, not an iteration number or 'release'")
-            iteration = int(text)
+        if text != "release" and not text.isdigit():
+            raise ConversionError(f"{tracker} holds {text[:40]!r}, not an iteration number or 'release'")
+        found = path / (text if text == "release" else f"iter_{int(text):07d}")
     else:
-        name = None
-    found = path / (name or f"iter_{iteration:07d}")
+        found = path / f"iter_{iteration:07d}"
     if not found.is_dir() or _format_of(found) is None:
         raise ConversionError(f"{found} is missing or holds no Megatron checkpoint files")
     return found
@@ -260,7 +257,7 @@ def _merge_tp(pieces: List[Mapping[str, torch.Tensor]], names: List[str], args: 
         if dim is None or len(parts) == 1:
             out[name] = parts[0]
             continue
-        if args.get("swiglu") and ".mlp.linear_fc1." in name and not name.endswith("layer_norm_weight"):
+        if args.get("swiglu") and ".mlp.linear_fc1." in name:  # its weight and bias (the norm is replicated)
             halves = [p.chunk(2, dim=0) for p in parts]
             out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
         else:

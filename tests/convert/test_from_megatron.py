@@ -269,6 +269,31 @@ def test_torch_dist_checkpoint_continues_at_tp2_dp2_zero1(tmp_path):
     _assert_continues_like_megatron(losses, ref, _config(out))
 
 
+def _train_with_the_trainer(argv):
+    from hybrid.training import Trainer, parse_args, validate
+
+    args = parse_args(argv)
+    validate(args, world_size=int(os.environ["WORLD_SIZE"]))
+    trainer = Trainer(args)
+    trainer.train()
+    return [it for it, _ in trainer.history]
+
+
+@pytest.mark.slow
+def test_the_trainer_continues_a_conversion_with_megatrons_flags(tmp_path):
+    """The documented flow: from-megatron, then hybrid.train with the Megatron run's own flags and --no-load-rng."""
+    out = tmp_path / "c"
+    assert _tool().main(["from-megatron", "--load", str(TORCH_DIST), "--save", str(out), "--no-progress"]) == 0
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+            "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+            "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--vocab-size", "128",
+            "--mock-data", "--global-batch-size", "4", "--micro-batch-size", "4", "--lr", "0.01",
+            "--lr-decay-style", "constant", "--weight-decay", "0.01", "--clip-grad", "1.0", "--train-iters", "5",
+            "--eval-interval", "0", "--log-interval", "100", "--peak-tflops", "1", "--load", str(out), "--no-load-rng"]
+    assert run_distributed(_train_with_the_trainer, 1, argv, timeout=120)[0] == [4, 5]
+
+
 def test_weights_alone_with_no_load_optim(tmp_path):
     out = convert_from_megatron(TORCH_DIST, tmp_path / "c", tp=2, load_optimizer=False)
     reader = CheckpointReader(out)
