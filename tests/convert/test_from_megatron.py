@@ -38,6 +38,7 @@ from hybrid.topology import Topology
 from model_zoo import GPTConfig, GPTModel
 from tests.convert.common import model_from_state
 from tests.convert.test_cli import _tool  # the command line as a module
+from tests.convert.test_from_deepspeed import _continue, _RunsCode  # the trainer's run; a pickle that runs code
 from tests.multiproc import run_distributed
 from tests.numerics import adam_trajectory_tolerance, gamma, max_ratio, transformer_bound
 
@@ -269,16 +270,6 @@ def test_torch_dist_checkpoint_continues_at_tp2_dp2_zero1(tmp_path):
     _assert_continues_like_megatron(losses, ref, _config(out))
 
 
-def _train_with_the_trainer(argv):
-    from hybrid.training import Trainer, parse_args, validate
-
-    args = parse_args(argv)
-    validate(args, world_size=int(os.environ["WORLD_SIZE"]))
-    trainer = Trainer(args)
-    trainer.train()
-    return [it for it, _ in trainer.history]
-
-
 @pytest.mark.slow
 def test_the_trainer_continues_a_conversion_with_megatrons_flags(tmp_path):
     """The documented flow: from-megatron, then hybrid.train with the Megatron run's own flags and --no-load-rng."""
@@ -291,7 +282,7 @@ def test_the_trainer_continues_a_conversion_with_megatrons_flags(tmp_path):
             "--mock-data", "--global-batch-size", "4", "--micro-batch-size", "4", "--lr", "0.01",
             "--lr-decay-style", "constant", "--weight-decay", "0.01", "--clip-grad", "1.0", "--train-iters", "5",
             "--eval-interval", "0", "--log-interval", "100", "--peak-tflops", "1", "--load", str(out), "--no-load-rng"]
-    assert run_distributed(_train_with_the_trainer, 1, argv, timeout=120)[0] == [4, 5]
+    assert run_distributed(_continue, 1, argv, timeout=120)[0]["iterations"] == [4, 5]
 
 
 def test_weights_alone_with_no_load_optim(tmp_path):
@@ -315,14 +306,6 @@ def test_a_checkpoint_without_optimizer_state_asks_for_no_load_optim(tmp_path):
     with pytest.raises(ConversionError, match="holds no Adam state .*--no-load-optim"):
         convert_from_megatron(copy, tmp_path / "c")
     assert not CheckpointReader(convert_from_megatron(copy, tmp_path / "w", load_optimizer=False)).has_optimizer_state
-
-
-class _RunsCode:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
 
 
 @pytest.mark.parametrize("fmt, victim", [("legacy", "iter_0000003/mp_rank_01/model_optim_rng.pt"),
