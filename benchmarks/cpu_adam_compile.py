@@ -28,7 +28,6 @@ recompiles every step until dynamo's cache limit and then runs eager.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -37,6 +36,7 @@ from typing import List
 import torch
 
 import hybrid.kernels as hk
+from hybrid.argument_parser import ArgumentParser
 from hybrid.kernels.registry import default_registry
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
@@ -127,7 +127,7 @@ def run_layout(name, sizes, rounds, steps):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--flat", type=int, default=4_000_000, help="params of the one-partition layout")
     ap.add_argument("--tensors", type=int, default=64, help="tensors of the many-tensor layout")
     ap.add_argument("--size", type=int, default=16384, help="params per tensor of the many-tensor layout")

@@ -55,7 +55,8 @@ from hybrid.convert.output import ProgressFactory, nbytes_of, new_checkpoint_in,
 from hybrid.convert.reshard import DEFAULT_BUCKET_SIZE, RankPlan, _weights_index, plan_rank, write_shares
 from hybrid.convert.stages import pipeline_shares
 from hybrid.dtypes import DTYPES
-from hybrid.engine.builders import exclude_1d_params
+from hybrid.layout import stage_traits
+from hybrid.optim.weight_decay import exclude_1d_params
 from hybrid.layout import LayoutError, ParallelLayout, zero_stage
 from hybrid.param_meta import REPLICATED, shard
 from hybrid.zero.flat_buffer import dtype_name
@@ -145,7 +146,7 @@ def read_deepspeed(path, tag: Optional[str] = None) -> DeepSpeedState:
         raise ConversionError(f"{model_files[0]} holds frozen parameters ({', '.join(frozen[:3])}); hybrid trains "
                               f"every parameter, so from-deepspeed converts models without frozen ones")
     shapes = [dict(group) for group in _field(model, "param_shapes", model_files[0])]
-    if stage <= 2:
+    if not stage_traits(stage).parameters:  # stages 1-2: whole fp32 partitions; stage 3 its own layout
         flats = [_field(sd, "single_partition_of_fp32_groups", f) for sd, f in zip(optim, optim_files)]
         moments = [_field(_field(sd, "base_optimizer_state", f), "state", f) for sd, f in zip(optim, optim_files)]
         merge = lambda per_rank, what: _merge_stage12(per_rank, shapes, first.get("param_alignment_paddings"),

@@ -10,6 +10,7 @@ from hybrid.config.errors import ConfigError
 from hybrid.config.schema import HybridConfig
 from hybrid.optim.lr_schedule import LRSchedule
 from hybrid.optim.wd_schedule import WeightDecaySchedule
+from hybrid.optim.weight_decay import decay_everything, exclude_1d_params  # noqa: F401 - re-exported
 from hybrid.zero import LossScaler
 
 NoDecayFn = Callable[[str, torch.nn.Parameter], bool]
@@ -39,15 +40,6 @@ def build_wd_schedule(cfg: HybridConfig) -> WeightDecaySchedule:
     start, end = cfg.optimizer.weight_decay_range
     return WeightDecaySchedule(start, end, cfg.optimizer.weight_decay_incr_style,
                                cfg.scheduler.weight_decay_incr_length)
-
-
-def exclude_1d_params(name: str, param: torch.nn.Parameter) -> bool:
-    """True for biases and norm weights (any parameter with at most one dimension): no weight decay."""
-    return param.dim() <= 1
-
-
-def decay_everything(name: str, param: torch.nn.Parameter) -> bool:
-    return False
 
 
 def no_weight_decay_rule(cfg: HybridConfig, user_rule: Optional[NoDecayFn]) -> NoDecayFn:
