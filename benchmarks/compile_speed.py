@@ -1,0 +1,121 @@
+"""Tokens/s and peak RSS of compiled blocks (model_zoo.compile) over eager, on CPU at world 4 (TP2 x DP2, ZeRO-1).
+
+Two models: the demo's ``tiny`` GPT (4 layers, hidden 128, sequence 128) and a GPT-2-small-sized one (12 layers,
+hidden 768, vocabulary 50257) at a short sequence. Each contender of a round is a fresh job of 4 spawned
+processes: build, compile (compiled only; from a warm inductor cache, filled before the first round, so the
+rounds time steady-state steps, not compiling), ``--warmup`` steps untimed, then ``--steps`` timed steps. Tokens/s
+counts the global batch's tokens over the median step time of rank 0; peak RSS is the largest rank's
+``ru_maxrss``. Rounds interleave eager and compiled, so the machine's drifting load hits both alike; the
+published figure is the median of the per-round compiled/eager ratios with their min-max
+(benchmarks/paired.py).
+
+    python benchmarks/compile_speed.py [--rounds 3] [--models tiny gpt2-small]
+
+Target (issue 51): compiled at least 0.95x eager tokens/s on the demo model on CPU (no regression); the larger
+model is reported as it comes out.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Optional
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks.paired import PairedRatio  # noqa: E402
+from hybrid.argument_parser import ArgumentParser  # noqa: E402
+from tests.multiproc import run_distributed  # noqa: E402
+
+WORLD, TP = 4, 2
+MODELS = {  # name: (preset, layers, sequence, micro-batch)
+    "tiny": ("tiny", 4, 128, 4),
+    "gpt2-small": ("gpt2-small", 12, 64, 2),
+}
+
+
+def job(model_name: str, compiled: bool, cache_dir: Optional[str], warmup: int, steps: int, tp: int = TP,
+        layers: Optional[int] = None, sequence_parallel: bool = False) -> dict:
+    """One rank of a ``tp`` x (4 / tp) ZeRO-1 job: build ``model_name`` (``layers`` overrides its depth), compile
+    its blocks when ``compiled``, train ``warmup`` + ``steps`` steps. Returns the median of the timed steps, the
+    first step, the compile figures (:class:`model_zoo.compile.CompileReport`) and this rank's peak RSS."""
+    import resource
+
+    import torch
+
+    import hybrid
+    from hybrid.config.parse import config_from_dict
+    from model_zoo import GPTModel, get_preset
+    from model_zoo.compile import compile_blocks
+
+    preset, depth, seq, micro = MODELS[model_name]
+    topo = hybrid.Topology(tp=tp, timeout_s=1200)
+    cfg = get_preset(preset).replace(num_layers=layers or depth, seq_length=seq, hidden_dropout=0.0,
+                                     attention_dropout=0.0, sequence_parallel=sequence_parallel)
+    model = GPTModel(cfg, topo, seed=1)
+    engine = hybrid.initialize(model, config_from_dict({
+        "optimizer": {"type": "adamw", "lr": 1e-4}, "zero": {"stage": 1}, "steps_per_print": 0,
+        "micro_batch_size": micro, "global_batch_size": micro * topo.dp_size}), topology=topo)
+    report = compile_blocks(model, cache_dir=cache_dir) if compiled else None
+    g = torch.Generator().manual_seed(topo.dp_rank)
+    ids = torch.randint(0, cfg.vocab_size, (micro, seq), generator=g)
+    times = []
+    for _ in range(warmup + steps):
+        start = time.perf_counter()
+        engine.train_batch([{"input_ids": ids, "labels": ids}])
+        times.append(time.perf_counter() - start)
+    engine.close()
+    topo.close()
+    return {"step_s": statistics.median(times[warmup:]), "first_step_s": times[0],
+            "tokens": micro * seq * topo.dp_size, **(report.figures() if report else {}),
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def run(model_name: str, compiled: bool, cache_dir: str, warmup: int, steps: int) -> dict:
+    ranks = run_distributed(job, WORLD, model_name, compiled, cache_dir, warmup, steps, timeout=2400,
+                            start="spawn", env={"OMP_NUM_THREADS": "1"})
+    return {"tokens_per_s": ranks[0]["tokens"] / ranks[0]["step_s"],
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks)}
+
+
+def main() -> None:
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="compile-cache-") as cache:
+        for name in args.models:  # fill the cache: the rounds time steps, not compiles
+            run(name, True, cache, 1, 1)
+        results = {(name, c): [] for name in args.models for c in (False, True)}
+        for r in range(args.rounds):
+            for name in args.models:
+                for compiled in ((False, True) if r % 2 == 0 else (True, False)):
+                    out = run(name, compiled, cache, args.warmup, args.steps)
+                    results[(name, compiled)].append(out)
+                    print(f"round {r + 1} {name} {'compiled' if compiled else 'eager'}: "
+                          f"{out['tokens_per_s']:.0f} tokens/s, peak RSS {out['peak_rss_mib']:.0f} MiB", flush=True)
+
+    def paired(name, key):
+        eager, comp = results[(name, False)], results[(name, True)]
+        return PairedRatio(tuple(range(args.rounds)), tuple(c[key] / e[key] for e, c in zip(eager, comp))).format()
+
+    def med(name, compiled, key):
+        values = [x[key] for x in results[(name, compiled)]]
+        return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
+
+    print("\n| model | eager tokens/s | compiled tokens/s | compiled / eager | eager peak RSS MiB | "
+          "compiled peak RSS MiB | RSS compiled / eager |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name in args.models:
+        print(f"| {name} | {med(name, False, 'tokens_per_s')} | {med(name, True, 'tokens_per_s')} | "
+              f"{paired(name, 'tokens_per_s')} | {med(name, False, 'peak_rss_mib')} | "
+              f"{med(name, True, 'peak_rss_mib')} | {paired(name, 'peak_rss_mib')} |")
+
+
+if __name__ == "__main__":
+    main()
