@@ -198,6 +198,9 @@ class _SumGradRows(torch.autograd.Function):
 
 
 # ---- public API ------------------------------------------------------------------------
+# With one TP rank each primitive is the identity both ways, and returns its input without an autograd function:
+# a compiled block (model_zoo.compile) then holds no user autograd function, which AOTAutograd's cache cannot
+# store (a warm start would trace the block's forward and backward again).
 def copy_to_tp_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     """Identity forward; backward all-reduces the gradient over ``"tp"``.
 
@@ -205,27 +208,27 @@ def copy_to_tp_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     rank's gradient is a partial sum), and to wrap replicated parameters used
     on sequence-sharded activations.
     """
-    return _CopyToTP.apply(x, topo)
+    return x if topo.tp_size == 1 else _CopyToTP.apply(x, topo)
 
 
 def reduce_from_tp_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     """All-reduce (sum) over ``"tp"`` forward; identity backward. Any shape."""
-    return _ReduceFromTP.apply(x, topo)
+    return x if topo.tp_size == 1 else _ReduceFromTP.apply(x, topo)
 
 
 def scatter_to_tp_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     """``[..., n*k] -> [..., k]``: keep this TP rank's last-dim chunk; backward all-gathers it."""
-    return _ScatterToTP.apply(x, topo)
+    return x if topo.tp_size == 1 else _ScatterToTP.apply(x, topo)
 
 
 def gather_from_tp_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     """``[..., k] -> [..., n*k]``: all-gather the last dim over ``"tp"`` in rank order; backward splits."""
-    return _GatherFromTP.apply(x, topo)
+    return x if topo.tp_size == 1 else _GatherFromTP.apply(x, topo)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     """``[s, ...] -> [s/n, ...]``: keep this TP rank's sequence chunk; backward all-gathers dim 0."""
-    return _ScatterToSP.apply(x, topo)
+    return x if topo.tp_size == 1 else _ScatterToSP.apply(x, topo)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, topo: "Topology",
@@ -237,12 +240,12 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, topo: "Topology",
     ``reduce_scatter_grad=False`` it only keeps this rank's chunk (the gathered
     tensor was used identically on every rank).
     """
-    return _GatherFromSP.apply(x, topo, reduce_scatter_grad)
+    return x if topo.tp_size == 1 else _GatherFromSP.apply(x, topo, reduce_scatter_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     """``[s, ...] -> [s/n, ...]``: sum over ``"tp"`` and keep this rank's chunk; backward all-gathers dim 0."""
-    return _ReduceScatterToSP.apply(x, topo)
+    return x if topo.tp_size == 1 else _ReduceScatterToSP.apply(x, topo)
 
 
 def sum_grad_rows(x: torch.Tensor, topo: "Topology", lo: int, hi: int, axis: str) -> torch.Tensor:
