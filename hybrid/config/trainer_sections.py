@@ -68,6 +68,7 @@ _COMPILE_KEYS = (
                                                 help="with model.compile: inductor's cache folder, so that a "
                                                      "restarted run compiles from its cache (unset: "
                                                      "checkpoint.save/compile-cache, else inductor's default)")))
+COMPILE_MODEL_KEYS: Tuple[str, ...] = tuple(key for key, _, _ in _COMPILE_KEYS)
 _ALIASES = {"position_embedding_type": (Alias("--use-rotary-position-embeddings", const="rope", compat=True,
                                               help="Megatron-LM's older spelling of --position-embedding-type "
                                                    "rope"),),
@@ -102,8 +103,7 @@ def _model_section() -> type:
         else:
             rules = {k: v for k, v in meta.items() if k not in _DESCRIPTION}
             keys.append((mk.key, Optional[hints[mk.field]], _field(None, **spelling, **rules)))
-    training = tuple(mk.key for mk in MODEL_KEYS if fields[mk.field].metadata["kind"] == TRAINING) + tuple(
-        key for key, _, _ in _COMPILE_KEYS)
+    training = tuple(mk.key for mk in MODEL_KEYS if fields[mk.field].metadata["kind"] == TRAINING) + COMPILE_MODEL_KEYS
     return dataclasses.make_dataclass("ModelConfig", keys, namespace={
         "__module__": __name__,
         "__doc__": "The model_zoo GPT the trainer builds: a preset, and/or shape settings that override it (one "

@@ -452,8 +452,8 @@ def config_from_args(args: Mapping[str, Any], where) -> GPTConfig:
         raise refuse("--use-rope-scaling", "convert the weights and give hybrid's --rope-scaling settings yourself")
     if args.get("squared_relu"):
         raise refuse("--squared-relu", "hybrid's MLPs are GELU (tanh) and SwiGLU")
-    swiglu = bool(args.get("swiglu"))
-    if not swiglu and not args.get("openai_gelu"):
+    mlp = {True: "swiglu", False: "gelu"}[bool(args.get("swiglu"))]  # Megatron's --swiglu, else its GELU
+    if mlp == "gelu" and not args.get("openai_gelu"):
         raise refuse("GELU without --openai-gelu (the exact erf GELU)", "hybrid's GELU MLP is the tanh approximation, "
                      "Megatron's --openai-gelu")
     position = args.get("position_embedding_type", "learned_absolute")
@@ -478,7 +478,7 @@ def config_from_args(args: Mapping[str, Any], where) -> GPTConfig:
         max_position_embeddings=int(args["max_position_embeddings"]) if args.get("max_position_embeddings") else None,
         position=positions[position], norm=norms[args.get("normalization", "LayerNorm")],
         norm_eps=float(args.get("norm_epsilon", 1e-5)), rope_theta=float(args.get("rotary_base", 10000) or 10000),
-        mlp="swiglu" if swiglu else "gelu", bias=bias,
+        mlp=mlp, bias=bias,
         qkv_bias=True if args.get("add_qkv_bias") and not bias else None, qk_norm=bool(args.get("qk_layernorm")),
         tie_embeddings=not args.get("untie_embeddings_and_output_weights", False),
         hidden_dropout=float(args.get("hidden_dropout", 0.0)),

@@ -76,7 +76,9 @@ FULL = {
             "loss_spike_factor": 3.0, "loss_spike_window": 50},
     "eval": {"interval": 25, "iters": 4},
     "logging": {"log_interval": 5, "tensorboard_dir": "tb", "peak_tflops": 312.0, "log_params_norm": True,
-                "log_num_zeros_in_grad": False, "moe_per_layer_logging": True},
+                "log_num_zeros_in_grad": False, "moe_per_layer_logging": True, "wandb_project": "proj",
+                "wandb_exp_name": "run1", "wandb_save_dir": "wandb", "profile": True, "profile_step_start": 3,
+                "profile_step_end": 5, "profile_ranks": [0, 1]},
     "distributed": {"timeout_minutes": 5.0, "allow_tp_across_nodes": True},
 }
 

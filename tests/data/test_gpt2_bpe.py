@@ -87,8 +87,9 @@ def test_file_errors_name_the_flag(files, tmp_path):
     (dict(merge_file="m"), ("GPT2BPETokenizer reads --vocab-file and --merge-file; --vocab-file is missing",
                             ("vocab_file",))),
     (dict(tokenizer_type="gpt2bpetokenizer", tokenizer_model="m", vocab_file="v", merge_file="m"),
-     ("--tokenizer-model is a file of SentencePieceTokenizer or HuggingFaceTokenizer, but --tokenizer-type is "
-      "GPT2BPETokenizer; set --tokenizer-type to SentencePieceTokenizer or HuggingFaceTokenizer, or give "
+     ("--tokenizer-model is a file of SentencePieceTokenizer or HuggingFaceTokenizer or TikTokenizer, but "
+      "--tokenizer-type is GPT2BPETokenizer; set --tokenizer-type to SentencePieceTokenizer or HuggingFaceTokenizer "
+      "or TikTokenizer, or give "
       "--vocab-file and --merge-file",
       ("tokenizer_model", "tokenizer_type"))),
 ])

@@ -111,17 +111,19 @@ def test_the_trainer_model_section_is_derived_from_gptconfig():
     import dataclasses
 
     from hybrid.config import ModelConfig
-    from hybrid.config.trainer_sections import MODEL_KEYS
+    from hybrid.config.trainer_sections import COMPILE_MODEL_KEYS, MODEL_KEYS
     from model_zoo.config import ANY_VALUE_ON_LOAD, SHAPE_FIELDS, GPTConfig
 
     fields = {f.name: f for f in dataclasses.fields(GPTConfig)}
-    assert [f.name for f in dataclasses.fields(ModelConfig)] == ["preset"] + [mk.key for mk in MODEL_KEYS]
+    # the preset and how the model runs (compiled or not) are the section's own; every other key is GPTConfig's
+    assert [f.name for f in dataclasses.fields(ModelConfig)] == ["preset", *COMPILE_MODEL_KEYS] + [mk.key for mk in
+                                                                                                    MODEL_KEYS]
     assert {mk.field for mk in MODEL_KEYS} == {n for n, f in fields.items() if f.metadata["trainer"]}
     for mk in MODEL_KEYS:
         mine = next(f for f in dataclasses.fields(ModelConfig) if f.name == mk.key)
         assert mine.metadata["help"] == fields[mk.field].metadata["help"]
     training = tuple(mk.key for mk in MODEL_KEYS if fields[mk.field].metadata["kind"] == "training")
-    assert ModelConfig.TRAINING_KEYS == training
+    assert ModelConfig.TRAINING_KEYS == training + COMPILE_MODEL_KEYS
     assert {"hidden_dropout", "attention_dropout", "sequence_parallel", "moe_aux_loss_coeff",
             "moe_expert_capacity_factor"} <= set(training)
     # shapes: the checkpoint's (the expert TP size decides how a checkpoint cuts the experts)

@@ -28,24 +28,37 @@ def _torchrun(*args):
     return [sys.executable, "-m", "torch.distributed.run", *args]
 
 
+# A variant of the main job kept short: 8 iterations on a small corpus, evaluated, saved and sampled at the end.
+SHORT_DEMO = dict(TRAIN_ITERS="8", EVAL_INTERVAL="8", SAVE_INTERVAL="8", LOG_INTERVAL="4", MAX_DOCUMENTS="1500",
+                  SEQ_LENGTH="64", MAX_NEW_TOKENS="8")
+
+
+def _demo(work: Path, timeout: float = 600, **env) -> str:
+    """Run launch_scripts/pretrain_gpt_tiny.sh in ``work`` with ``env``; its stdout, once it exited 0."""
+    proc = subprocess.run(["bash", str(REPO / "launch_scripts/pretrain_gpt_tiny.sh")], cwd=REPO, text=True,
+                          capture_output=True, timeout=timeout, env=_env(SETUP="0", WORK_DIR=str(work), **env))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _validation_losses(out: str):
+    return [float(line.split("lm loss:")[1].split("|")[0]) for line in out.splitlines()
+            if line.startswith("validation at iteration")]
+
+
 def test_tiny_demo_end_to_end(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from hybrid.monitor import TEST_TAGS, TRAIN_TAGS, VALID_TAGS
 
     work = tmp_path / "tiny"
-    proc = subprocess.run(["bash", str(REPO / "launch_scripts/pretrain_gpt_tiny.sh")], cwd=REPO, text=True,
-                          capture_output=True, timeout=600,
-                          env=_env(SETUP="0", WORK_DIR=str(work), TRAIN_ITERS="24", EVAL_INTERVAL="8",
-                                   SAVE_INTERVAL="12", LOG_INTERVAL="4", MAX_DOCUMENTS="3000", SEQ_LENGTH="64"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = proc.stdout
+    out = _demo(work, TRAIN_ITERS="24", EVAL_INTERVAL="8", SAVE_INTERVAL="12", LOG_INTERVAL="4", MAX_DOCUMENTS="3000",
+                SEQ_LENGTH="64")
     assert "tensorboard --logdir" in out and "a sample from the trained model" in out
     # Validation loss clearly falls: from about ln(vocab) = 8.3 at initialisation to well below it at every
     # evaluation, and on from the first evaluation. (Not monotone: this corpus has batches whose gradient
     # norm spikes 50-100x at any layout, one process included, and 24 steps leave no time to recover.)
-    valid = [float(line.split("lm loss:")[1].split("|")[0]) for line in out.splitlines()
-             if line.startswith("validation at iteration")]
+    valid = _validation_losses(out)
     assert len(valid) == 3 and max(valid) < math.log(4096) - 0.8 and min(valid[1:]) < valid[0], valid
     # The test split (the demo's --split 90,5,5), once, at the end
     test = [line for line in out.splitlines() if line.startswith("test at iteration")]
@@ -88,18 +101,11 @@ def test_tiny_moe_demo_trains_expert_parallel(tmp_path):
     (TP=2 x DP=2, EP=2, sequence parallelism) on 4 processes, reports its routing, saves a checkpoint holding every
     expert, and the sample at the end is generated from it."""
     work = tmp_path / "moe"
-    proc = subprocess.run(["bash", str(REPO / "launch_scripts/pretrain_gpt_tiny.sh")], cwd=REPO, text=True,
-                          capture_output=True, timeout=600,
-                          env=_env(SETUP="0", MODEL="tiny-moe", WORK_DIR=str(work), TRAIN_ITERS="8",
-                                   EVAL_INTERVAL="8", SAVE_INTERVAL="8", LOG_INTERVAL="4", MAX_DOCUMENTS="1500",
-                                   SEQ_LENGTH="64", MAX_NEW_TOKENS="8"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = proc.stdout
+    out = _demo(work, MODEL="tiny-moe", **SHORT_DEMO)
     assert "tp=2 dp=2 pp=1 ep=2" in out
     trained = [line for line in out.splitlines() if line.startswith("iteration") and "/8 |" in line]
     assert len(trained) == 2 and all("moe load max/mean:" in line and "moe aux loss:" in line for line in trained)
-    valid = [float(line.split("lm loss:")[1].split("|")[0]) for line in out.splitlines()
-             if line.startswith("validation at iteration")]
+    valid = _validation_losses(out)
     assert valid and valid[-1] < math.log(4096) - 0.3, valid  # learning: well below the untrained ln(vocab)
     reader = CheckpointReader(work / "checkpoints")
     assert reader.iteration == 8 and reader.layout.ep == 2
@@ -115,16 +121,9 @@ def test_tiny_cp_demo_trains_context_parallel_with_document_masking(tmp_path):
     from hybrid.config import saved_setting
 
     work = tmp_path / "cp"
-    proc = subprocess.run(["bash", str(REPO / "launch_scripts/pretrain_gpt_tiny.sh")], cwd=REPO, text=True,
-                          capture_output=True, timeout=600,
-                          env=_env(SETUP="0", CP="2", WORK_DIR=str(work), TRAIN_ITERS="8", EVAL_INTERVAL="8",
-                                   SAVE_INTERVAL="8", LOG_INTERVAL="4", MAX_DOCUMENTS="1500", SEQ_LENGTH="64",
-                                   MAX_NEW_TOKENS="8"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = proc.stdout
+    out = _demo(work, CP="2", **SHORT_DEMO)
     assert "world=4 tp=2 dp=1 pp=1 cp=2" in out
-    valid = [float(line.split("lm loss:")[1].split("|")[0]) for line in out.splitlines()
-             if line.startswith("validation at iteration")]
+    valid = _validation_losses(out)
     assert valid and valid[-1] < math.log(4096) - 0.3, valid  # learning: well below the untrained ln(vocab)
     reader = CheckpointReader(work / "checkpoints")
     assert reader.iteration == 8 and (reader.layout.tp, reader.layout.dp) == (2, 2)
@@ -194,18 +193,11 @@ def test_tiny_demo_trains_compiled(tmp_path):
     reports the compile once, learns, keeps inductor's cache under the checkpoint folder, and saves a checkpoint
     the sample is generated from (eager)."""
     work = tmp_path / "compiled"
-    proc = subprocess.run(["bash", str(REPO / "launch_scripts/pretrain_gpt_tiny.sh")], cwd=REPO, text=True,
-                          capture_output=True, timeout=900,
-                          env=_env(SETUP="0", COMPILE="1", WORK_DIR=str(work), TRAIN_ITERS="8", EVAL_INTERVAL="8",
-                                   SAVE_INTERVAL="8", LOG_INTERVAL="4", MAX_DOCUMENTS="1500", SEQ_LENGTH="64",
-                                   MAX_NEW_TOKENS="8"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = proc.stdout
+    out = _demo(work, timeout=900, COMPILE="1", **SHORT_DEMO)
     reports = [line for line in out.splitlines() if line.startswith("torch.compile: ")]
     assert len(reports) == 1 and reports[0].startswith("torch.compile: 4 transformer blocks as one compiled "
                                                        "function (inductor): "), reports
-    valid = [float(line.split("lm loss:")[1].split("|")[0]) for line in out.splitlines()
-             if line.startswith("validation at iteration")]
+    valid = _validation_losses(out)
     assert valid and valid[-1] < math.log(4096) - 0.3, valid  # learning: well below the untrained ln(vocab)
     assert any((work / "checkpoints" / "compile-cache").iterdir())
     reader = CheckpointReader(work / "checkpoints")
