@@ -65,6 +65,10 @@ _eager = torch.compiler.disable
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+# Wire bytes per payload byte of a ring collective over n ranks (the model of hybrid.comm_accounting.Traffic.report).
+RING_WIRE_FACTOR = {"all_reduce": lambda n: 2.0 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+                    "reduce_scatter": lambda n: (n - 1) / n}
+
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,
@@ -133,6 +137,12 @@ class Communicator:
                 sends: Optional[Dict[int, int]] = None) -> None:
         """Count one operation (:meth:`hybrid.comm_accounting.Traffic.record`)."""
         self._traffic.record(op, self._real_axis(axis), nbytes, wire_factor, peer, fan_out, each, sends)
+
+    def record_traced(self, op: str, axis: str, nbytes: int) -> None:
+        """Count an ``all_reduce``, ``all_gather`` or ``reduce_scatter`` of ``nbytes`` payload over ``axis`` that a
+        compiled region ran as a functional collective (:mod:`hybrid.tensor_parallel.traceable`), as this
+        communicator counts its own; not timed (``blocked_seconds`` leaves it out)."""
+        self._record(op, axis, nbytes, RING_WIRE_FACTOR[op](self.size(axis)))
 
     def backend(self, axis: str) -> Optional[str]:
         """The backend of ``axis``'s group (``"gloo"``, ``"nccl"``), or None without a process group."""
@@ -215,7 +225,7 @@ class Communicator:
             return comm_two_level.all_reduce(self, tensor, op, quant, async_op)
         if quant is not None:
             return comm_compressed.all_reduce(self, tensor, axis, op, quant, async_op)
-        self._record("all_reduce", axis, _nbytes(tensor), 2.0 * (n - 1) / n)
+        self._record("all_reduce", axis, _nbytes(tensor), RING_WIRE_FACTOR["all_reduce"](n))
         finish = (lambda: tensor.div_(n)) if op == "avg" else None
         return self._launch("all_reduce", axis, lambda a: dist.all_reduce(tensor, op=_REDUCE_OPS[op],
                                                                           group=self._group(axis), async_op=a),
@@ -242,7 +252,7 @@ class Communicator:
         output, input = _untracked(output), _untracked(input)
         if quant is not None:
             return comm_compressed.all_gather(self, output, input, axis, quant, async_op)
-        self._record("all_gather", axis, _nbytes(output), (n - 1) / n)
+        self._record("all_gather", axis, _nbytes(output), RING_WIRE_FACTOR["all_gather"](n))
         return self._gather_flat(output, input, axis, async_op)
 
     def _gather_flat(self, output: torch.Tensor, input: torch.Tensor, axis: str, async_op: bool,
@@ -301,7 +311,7 @@ class Communicator:
             return Handle() if async_op else None
         if quant is not None:
             return comm_compressed.reduce_scatter(self, output, input, axis, op, quant, async_op)
-        self._record("reduce_scatter", axis, _nbytes(input), (n - 1) / n)
+        self._record("reduce_scatter", axis, _nbytes(input), RING_WIRE_FACTOR["reduce_scatter"](n))
         if self._p2p(axis):
             return self._messages.reduce_scatter(output, input, axis, op, async_op)
         finish = (lambda: output.div_(n)) if op == "avg" else None

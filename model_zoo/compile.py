@@ -7,14 +7,16 @@ shapes, so the first block's graph serves all of them: compile time does not gro
 guards fail (another shape, another structure) is a recompile that :class:`CompileReport` counts. ``dynamic=False``:
 the shapes of a run are fixed (its micro-batch and sequence length), and static shapes give inductor the most room.
 
+The tensor-parallel collectives inside a block (the all-reduces, sequence parallelism's all-gathers and
+reduce-scatters) trace as functional collectives (:mod:`hybrid.tensor_parallel.traceable`), so a dense block under
+ZeRO 0-2 is one graph with no break at any TP size; :class:`_Counted`, the eager wrapper each block's ``forward``
+points at, has the communicator count them as an eager run does.
+
 What stays outside the graphs, and why: the block's own module hooks run eagerly around the compiled ``forward``
 (``nn.Module.__call__`` runs them, then calls ``forward``), and so does everything between blocks (the embedding,
 the loss, the pipeline's transfers). Inside a block, what dynamo cannot trace is marked ``torch.compiler.disable``
 where it is defined, so that each call is one graph break with nothing beneath it traced:
 
-* the communicator's collectives (:class:`hybrid.comm.Communicator`): the tensor-parallel all-reduces, sequence
-  parallelism's all-gathers and reduce-scatters. At TP1 none is reached (the tensor-parallel mappings are the
-  identity), so a dense block at TP1 under ZeRO 0-2 is one graph with no break;
 * ZeRO-3's gathers, from the hooks of the block's linear layers (:class:`hybrid.zero.param_gather.ParamGatherer`'s
   ``module_pre``, ``module_post`` and ``read``);
 * selective recompute's checkpoint of the attention core (:func:`hybrid.tensor_parallel.random.checkpoint`: its
@@ -35,9 +37,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import types
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
+import torch.utils.checkpoint
+
+from hybrid.tensor_parallel import traceable
 
 if TYPE_CHECKING:  # pragma: no cover
     from model_zoo.config import GPTConfig
@@ -125,9 +130,43 @@ def compile_blocks(model, *, backend: str = "inductor", cache_dir: Optional[str]
     if problem:
         raise ValueError(problem)
     cache = use_cache_dir(cache_dir)
+    # The tensor-parallel mappings trace as one autograd function (hybrid.tensor_parallel.traceable), which
+    # AOTAutograd's cache refuses by default: without this a warm start traces every block's forward and backward
+    # again. Its forward and backward are graphs dynamo traced, so the cache key holds them.
+    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
     compiled = torch.compile(TransformerLayer.forward, backend=backend, dynamic=False)
+    forward = _Counted(compiled, topo)
     blocks = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     for block in blocks:
-        block.forward = types.MethodType(compiled, block)
+        block.forward = types.MethodType(forward, block)
     return CompileReport(len(blocks), backend, cache, CompileReport._now())
 
+
+# Raised by torch.utils.checkpoint (non-reentrant, early stop: the default) inside a replay once it has the tensors
+# it needs back; in a compiled block that is after the whole graph ran.
+_STOP_RECOMPUTATION = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
+
+
+class _Counted:
+    """A compiled ``TransformerLayer.forward`` whose collectives ``topo``'s communicator counts as it counts its
+    own (:mod:`hybrid.tensor_parallel.traceable`): the forward ones after each call, the backward ones when the
+    gradient of the block's output arrives (once per backward, whatever replays the block)."""
+
+    def __init__(self, compiled, topo):
+        self.compiled, self.topo = compiled, topo
+        self.forward: List[traceable.Note] = []  # the last complete call's forward collectives
+
+    def __call__(self, block, *args, **kwargs):
+        try:
+            out = self.compiled(block, *args, **kwargs)
+        except _STOP_RECOMPUTATION:
+            # A full-recompute replay that checkpoint stopped early ran every forward collective of the graph, but
+            # dynamo's replayed notes come after the graph returns: count the block's forward ones as last noted.
+            traceable.count(self.topo.comm, self.forward)
+            raise
+        forward, backward = traceable.drain()
+        traceable.count(self.topo.comm, forward)
+        self.forward = forward
+        if backward and out.requires_grad:
+            out.register_hook(lambda grad: traceable.count(self.topo.comm, backward))
+        return out

@@ -24,7 +24,11 @@ TP ranks hold under grouped-query attention) goes through::
     sum_grad_rows            fwd: identity           bwd: all-reduce rows [lo, hi) over "tp/k"
 
 Every collective goes through ``topology.comm`` on the ``"tp"`` group (or a
-``"tp/k"`` sub-group of it).
+``"tp/k"`` sub-group of it), except inside a compiled region
+(``torch.compiler.is_compiling()``, :mod:`model_zoo.compile`): there each
+primitive is the same pair of collectives on the same group as functional
+collectives that dynamo traces (:mod:`hybrid.tensor_parallel.traceable`,
+which also says how the communicator still counts them).
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
+from hybrid.tensor_parallel import traceable
+from hybrid.tensor_parallel.traceable import (ALL_REDUCE, ALL_REDUCE_ROWS, GATHER_FIRST, GATHER_LAST, IDENTITY,
+                                              REDUCE_SCATTER_FIRST, SPLIT_FIRST, SPLIT_LAST)
 
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.topology import Topology
@@ -50,12 +58,7 @@ def _all_reduce(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
 
 
 def _split_last(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
-    n = topo.tp_size
-    if n == 1:
-        return x
-    if x.shape[-1] % n != 0:
-        raise ValueError(f"last dim {x.shape[-1]} is not divisible by the tensor-parallel size {n}")
-    return x.chunk(n, dim=-1)[topo.tp_rank].contiguous()
+    return x if topo.tp_size == 1 else traceable.chunk(x, topo.tp_size, topo.tp_rank, -1)
 
 
 def _gather_last(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
@@ -63,22 +66,14 @@ def _gather_last(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     if n == 1:
         return x
     x = x.contiguous()
-    # Gathered along dim 0 (the layout every backend accepts), then viewed as [n, *x.shape].
+    # Gathered along dim 0 (the layout every backend accepts), then rank-ordered along the last dim.
     buf = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
     topo.comm.all_gather_into_tensor(buf, x, AXIS)
-    buf = buf.view((n,) + tuple(x.shape))
-    # [n, ..., k] -> [..., n*k] with rank r's piece at columns [r*k, (r+1)*k).
-    return buf.movedim(0, -2).reshape(*x.shape[:-1], n * x.shape[-1])
+    return traceable.ranks_to_last(buf, x.shape, n)
 
 
 def _split_first(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
-    n = topo.tp_size
-    if n == 1:
-        return x
-    if x.shape[0] % n != 0:
-        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the tensor-parallel size {n}; "
-                         f"with sequence_parallel=True the sequence must split evenly over TP ranks")
-    return x.chunk(n, dim=0)[topo.tp_rank].contiguous()
+    return x if topo.tp_size == 1 else traceable.chunk(x, topo.tp_size, topo.tp_rank, 0)
 
 
 def _gather_first(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
@@ -95,9 +90,7 @@ def _reduce_scatter_first(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     n = topo.tp_size
     if n == 1:
         return x
-    if x.shape[0] % n != 0:
-        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the tensor-parallel size {n}; "
-                         f"with sequence_parallel=True the sequence must split evenly over TP ranks")
+    traceable.check_splits(x, n, 0)
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
     topo.comm.reduce_scatter_tensor(out, x, AXIS)
@@ -198,9 +191,14 @@ class _SumGradRows(torch.autograd.Function):
 
 
 # ---- public API ------------------------------------------------------------------------
-# With one TP rank each primitive is the identity both ways, and returns its input without an autograd function:
-# a compiled block (model_zoo.compile) then holds no user autograd function, which AOTAutograd's cache cannot
-# store (a warm start would trace the block's forward and backward again).
+# With one TP rank each primitive is the identity both ways, and returns its input without an autograd function.
+# Inside a compiled region (model_zoo.compile) each one is the same pair of collectives as functional collectives
+# that dynamo traces (hybrid.tensor_parallel.traceable): no graph break; eager code keeps the communicator's
+# autograd functions above (byte counts, timed waits, gloo's point-to-point paths).
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
 def copy_to_tp_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     """Identity forward; backward all-reduces the gradient over ``"tp"``.
 
@@ -208,27 +206,37 @@ def copy_to_tp_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     rank's gradient is a partial sum), and to wrap replicated parameters used
     on sequence-sharded activations.
     """
-    return x if topo.tp_size == 1 else _CopyToTP.apply(x, topo)
+    if topo.tp_size == 1:
+        return x
+    return traceable.conjugate(x, topo, IDENTITY, ALL_REDUCE) if _compiling() else _CopyToTP.apply(x, topo)
 
 
 def reduce_from_tp_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     """All-reduce (sum) over ``"tp"`` forward; identity backward. Any shape."""
-    return x if topo.tp_size == 1 else _ReduceFromTP.apply(x, topo)
+    if topo.tp_size == 1:
+        return x
+    return traceable.conjugate(x, topo, ALL_REDUCE, IDENTITY) if _compiling() else _ReduceFromTP.apply(x, topo)
 
 
 def scatter_to_tp_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     """``[..., n*k] -> [..., k]``: keep this TP rank's last-dim chunk; backward all-gathers it."""
-    return x if topo.tp_size == 1 else _ScatterToTP.apply(x, topo)
+    if topo.tp_size == 1:
+        return x
+    return traceable.conjugate(x, topo, SPLIT_LAST, GATHER_LAST) if _compiling() else _ScatterToTP.apply(x, topo)
 
 
 def gather_from_tp_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     """``[..., k] -> [..., n*k]``: all-gather the last dim over ``"tp"`` in rank order; backward splits."""
-    return x if topo.tp_size == 1 else _GatherFromTP.apply(x, topo)
+    if topo.tp_size == 1:
+        return x
+    return traceable.conjugate(x, topo, GATHER_LAST, SPLIT_LAST) if _compiling() else _GatherFromTP.apply(x, topo)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     """``[s, ...] -> [s/n, ...]``: keep this TP rank's sequence chunk; backward all-gathers dim 0."""
-    return x if topo.tp_size == 1 else _ScatterToSP.apply(x, topo)
+    if topo.tp_size == 1:
+        return x
+    return traceable.conjugate(x, topo, SPLIT_FIRST, GATHER_FIRST) if _compiling() else _ScatterToSP.apply(x, topo)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, topo: "Topology",
@@ -240,12 +248,20 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, topo: "Topology",
     ``reduce_scatter_grad=False`` it only keeps this rank's chunk (the gathered
     tensor was used identically on every rank).
     """
-    return x if topo.tp_size == 1 else _GatherFromSP.apply(x, topo, reduce_scatter_grad)
+    if topo.tp_size == 1:
+        return x
+    if _compiling():
+        return traceable.conjugate(x, topo, GATHER_FIRST, REDUCE_SCATTER_FIRST if reduce_scatter_grad else SPLIT_FIRST)
+    return _GatherFromSP.apply(x, topo, reduce_scatter_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     """``[s, ...] -> [s/n, ...]``: sum over ``"tp"`` and keep this rank's chunk; backward all-gathers dim 0."""
-    return x if topo.tp_size == 1 else _ReduceScatterToSP.apply(x, topo)
+    if topo.tp_size == 1:
+        return x
+    if _compiling():
+        return traceable.conjugate(x, topo, REDUCE_SCATTER_FIRST, GATHER_FIRST)
+    return _ReduceScatterToSP.apply(x, topo)
 
 
 def sum_grad_rows(x: torch.Tensor, topo: "Topology", lo: int, hi: int, axis: str) -> torch.Tensor:
@@ -255,4 +271,6 @@ def sum_grad_rows(x: torch.Tensor, topo: "Topology", lo: int, hi: int, axis: str
     alike and use for different outputs: each rank's gradient of them is a
     partial sum, and the sum keeps the copies equal.
     """
+    if _compiling():
+        return traceable.conjugate(x, topo, IDENTITY, ALL_REDUCE_ROWS, axis, lo, hi)
     return _SumGradRows.apply(x, topo, lo, hi, axis)

@@ -3,9 +3,15 @@ process.
 
 Graph breaks. A dense block at TP1 is one graph with no break, and every block reuses it (no recompile with
 depth): the default run holds that with dynamo alone (backend ``eager``: the counts are dynamo's, whatever backend
-lowers the graphs). Every other layout breaks where model_zoo.compile says (a collective, ZeRO-3's hooks, the
-selective checkpoint); its measured count, per compiled block and the same at every depth, is :data:`BLOCK_GRAPHS`
-(slow, multi-process), which docs/compile.md quotes. A change that adds a break fails these tests.
+lowers the graphs). So is a dense block at TP2, its collectives traced as functional collectives (the default run
+holds that at world 2 without sequence parallelism). Other layouts break where model_zoo.compile says (ZeRO-3's
+hooks, the selective checkpoint); the measured count of each, per compiled block and the same at every depth, is
+:data:`BLOCK_GRAPHS` (slow, multi-process), which docs/compile.md quotes. A change that adds a break fails these
+tests.
+
+Accounting. The communicator's report for the "tp" axis of a compiled TP2 run is the eager run's (default run:
+TP2; slow: sequence parallelism, with selective recompute and biases), and under full recompute it counts the
+collectives the compiled replay runs beyond the eager one's.
 
 Parity. 10 AdamW steps, fp32, compiled with inductor against one eager process in plain PyTorch
 (tests/engine/parity_training.py, its bounds unchanged): transformer_bound costs every reduction at gamma(k) in any
@@ -29,17 +35,17 @@ GQA = dict(DENSE, num_query_groups=2, rope_scaling="llama3", rope_scaling_factor
 GPT2 = dict(vocab_size=200, hidden_size=32, num_layers=2, num_heads=4, seq_length=16, init_std=0.05)
 
 # Graphs and graph breaks dynamo counts while compiling one block's forward and backward, by layout (torch 2.13;
-# measured, at 2 and 4 layers alike). TP2 breaks at the row-parallel all-reduces (and under sequence parallelism at
-# the all-gathers and reduce-scatters too): the autograd function around each collective runs eagerly, and its
-# forward is traced again as a frame of its own up to the collective, hence more breaks than collectives.
+# measured, at 2 and 4 layers alike). At TP2 the tensor-parallel collectives are functional collectives that dynamo
+# traces (hybrid.tensor_parallel.traceable): a dense block is one graph, with or without sequence parallelism.
+# What still breaks: selective recompute's checkpoint of the attention core, and ZeRO-3's hooks.
 BLOCK_GRAPHS = {  # name: (world, tp, zero stage, model overrides) -> (graphs, breaks)
     "tp1": ((1, 1, 1, {}), (1, 0)),
     "tp1-full-recompute": ((1, 1, 1, {"recompute": "full"}), (1, 0)),
     "tp1-selective": ((1, 1, 1, {"recompute": "selective"}), (4, 2)),
     "dp2-zero1": ((2, 1, 1, {}), (1, 0)),
-    "tp2": ((2, 2, 1, {}), (12, 15)),
-    "tp2-sp": ((2, 2, 1, {"sequence_parallel": True}), (13, 24)),
-    "tp2-sp-selective": ((2, 2, 1, {"sequence_parallel": True, "recompute": "selective"}), (14, 25)),
+    "tp2": ((2, 2, 1, {}), (1, 0)),
+    "tp2-sp": ((2, 2, 1, {"sequence_parallel": True}), (1, 0)),
+    "tp2-sp-selective": ((2, 2, 1, {"sequence_parallel": True, "recompute": "selective"}), (4, 2)),
     "dp2-zero3": ((2, 1, 3, {}), (9, 17)),
 }
 
@@ -69,6 +75,113 @@ def count_block_graphs(tp: int, stage: int, overrides: dict, layers: int = 2, ba
     engine.close()
     topo.close()
     return int(figures["graphs"]), int(figures["breaks"]), all(map(lambda x: x == x, losses))
+
+
+def tp_traffic(overrides: dict, backend: str = "eager"):
+    """One rank of TP2: the "tp" part of the engine's communication report (``comm_report``: the last global
+    batch) after 2 training steps, eager and with the blocks compiled; and the compiled run's (graphs, breaks)."""
+    import hybrid
+    from hybrid.config.parse import config_from_dict
+    from model_zoo import GPTModel, get_preset
+    from model_zoo.compile import compile_blocks
+
+    torch._dynamo.reset()
+    topo = hybrid.Topology(tp=2, timeout_s=60)
+    cfg = get_preset("tiny").replace(num_layers=2, seq_length=32, **overrides)
+    ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    reports, figures = [], None
+    for compiled in (False, True):
+        model = GPTModel(cfg, topo, seed=1)
+        engine = hybrid.initialize(model, config_from_dict({
+            "optimizer": {"type": "adamw", "lr": 1e-3}, "steps_per_print": 0, "micro_batch_size": 2,
+            "global_batch_size": 2 * topo.dp_size}), topology=topo)
+        report = compile_blocks(model, backend=backend) if compiled else None
+        for _ in range(2):
+            engine.train_batch([{"input_ids": ids, "labels": ids}])
+        reports.append({k: v for k, v in engine.comm_report().items() if k.endswith("/tp")})
+        figures = report and report.figures()
+        engine.close()
+    topo.close()
+    return reports, (int(figures["graphs"]), int(figures["breaks"]))
+
+
+def test_a_compiled_tp2_block_is_one_graph_and_its_collectives_are_counted_as_eager():
+    """The one fast case of functional collectives (hybrid.tensor_parallel.traceable): at TP2 a dense block is one
+    graph with no break, and the communicator's report for the "tp" axis (calls, payload, wire bytes) is the eager
+    run's."""
+    for (eager, compiled), counts in run_distributed(tp_traffic, 2, {}, timeout=300):
+        assert counts == (1, 0)
+        assert compiled == eager and eager["all_reduce/tp"]["calls"] > 0, (eager, compiled)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [{"sequence_parallel": True},
+                                       {"sequence_parallel": True, "recompute": "selective", "bias": True}],
+                         ids=["sp", "sp-selective-bias"])
+def test_compiled_collectives_are_counted_as_eager(overrides):
+    for (eager, compiled), _ in run_distributed(tp_traffic, 2, overrides, timeout=300):
+        assert compiled == eager and len(eager) >= 2, (eager, compiled)
+
+
+@pytest.mark.slow
+def test_a_compiled_full_recompute_counts_the_collectives_its_replay_runs():
+    """Full recompute replays each block in backward, and checkpoint stops the replay once the tensors it saves are
+    back. Eager, that is before the MLP's output all-reduce (nothing after it is saved); compiled, the whole graph
+    has run by then, that all-reduce of [s, b, h] included, and the report counts it: one more per layer."""
+    from model_zoo import get_preset
+
+    s, b, h, layers = 32, 2, get_preset("tiny").hidden_size, 2  # tp_traffic's model, fp32
+    for (eager, compiled), _ in run_distributed(tp_traffic, 2, {"recompute": "full"}, timeout=300):
+        more = {k: compiled["all_reduce/tp"][k] - eager["all_reduce/tp"][k] for k in ("calls", "payload_bytes")}
+        assert more == {"calls": layers, "payload_bytes": layers * s * b * h * 4}, (eager, compiled)
+        assert compiled.keys() == eager.keys() == {"all_reduce/tp"}
+
+
+PRIMITIVES = ["copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",
+              "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+              "gather_from_sequence_parallel_region/no-reduce-scatter", "reduce_scatter_to_sequence_parallel_region",
+              "sum_grad_rows"]
+
+
+def primitive_compiled_and_eager(name: str):
+    """One rank of TP2: a mapping of hybrid.tensor_parallel.mappings applied to this rank's own [4, 2, 6] input, and
+    a random cotangent pulled back, eager (the communicator) and compiled whole (aot_eager, fullgraph: functional
+    collectives, no break). Returns whether the outputs and the input's gradients are equal, and the
+    communicator's report of each run."""
+    import hybrid
+    from hybrid.tensor_parallel import mappings, traceable
+
+    topo = hybrid.Topology(tp=2, timeout_s=60)
+    rows_axis = topo.enable_tp_subgroups(2)
+    fn, _, variant = name.partition("/")
+    primitive = getattr(mappings, fn)
+    extra = {"sum_grad_rows": (1, 3, rows_axis)}.get(fn, ())
+    kwargs = {"reduce_scatter_grad": False} if variant else {}
+    x = torch.randn(4, 2, 6, generator=torch.Generator().manual_seed(topo.tp_rank))
+
+    def run(f):
+        topo.comm.reset_stats()
+        xx = x.clone().requires_grad_()
+        y = f(xx, topo, *extra, **kwargs)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(10 + topo.tp_rank)))
+        forward, backward = traceable.drain()
+        traceable.count(topo.comm, forward + backward)
+        return y.detach(), xx.grad, topo.comm.report()
+
+    torch._dynamo.reset()
+    (y, grad, report), (y_c, grad_c, report_c) = run(primitive), run(
+        torch.compile(primitive, backend="aot_eager", fullgraph=True, dynamic=False))
+    topo.close()
+    return torch.equal(y, y_c), torch.equal(grad, grad_c), report, report_c
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PRIMITIVES)
+def test_each_traced_mapping_gives_the_eager_values_gradients_and_counts(name):
+    """The sums run over two ranks in both paths (gloo, the same pairs): the values are equal, not merely close."""
+    for same_output, same_grad, report, report_c in run_distributed(primitive_compiled_and_eager, 2, name):
+        assert same_output and same_grad
+        assert report == report_c and report, (report, report_c)
 
 
 @pytest.mark.parametrize("layers", [2, 4])
