@@ -27,6 +27,7 @@ def _args(**kw):
     return argparse.Namespace(**defaults)
 
 
+@pytest.mark.slow  # two 16-layer trainings on 4 ranks (~30 s); the planner's truth tests keep fast cases
 def test_the_planner_names_the_largest_stage3_model_that_trains_within_a_budget():
     args = _args()
     stage3 = next(c for c in bench.CONTENDERS if c.name == "hybrid zero-3")
