@@ -120,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                "training (hybrid.convert.from_deepspeed)")
     ds.add_argument("--input", required=True, help="the folder DeepSpeed saved into (its latest) or a global_stepN")
     ds.add_argument("--tag", help="the global_stepN folder to read (default: the one latest names)")
-    ds.add_argument("--hf-config", required=True, help="the model's Hugging Face config.json (or the folder with it)")
+    ds.add_argument("--hf-config", help="a Hugging Face model's config.json (or the folder with it)")
+    ds.add_argument("--model-config", help="Megatron-DeepSpeed GPT saved without its args: a JSON of them "
+                                           "(num_layers, hidden_size, num_attention_heads, seq_length, ...)")
     ds.add_argument("--save", required=True, help="save directory for the hybrid checkpoint")
 
     mg = sub.add_parser("from-megatron", help="a Megatron-LM (Megatron-Core GPT) checkpoint, --ckpt-format torch or "
@@ -212,7 +214,8 @@ def run(args) -> str:
         from hybrid.convert.from_deepspeed import convert_from_deepspeed
         from hybrid.convert.reshard import DEFAULT_BUCKET_SIZE
 
-        out = convert_from_deepspeed(args.input, args.save, hf_config=args.hf_config, tp=args.tp, dp=args.dp,
+        out = convert_from_deepspeed(args.input, args.save, hf_config=args.hf_config,
+                                     model_config=args.model_config, tp=args.tp, dp=args.dp,
                                      pp=args.pp, target_zero_stage=args.target_zero_stage, tag=args.tag,
                                      bucket_size=DEFAULT_BUCKET_SIZE if args.zero_bucket_size is None
                                      else args.zero_bucket_size, progress=progress,

@@ -24,9 +24,12 @@ reconstruction (read for the facts; the code here is hybrid's):
   moments (``optimizer_state_dict["state"][g]``) follow the same layout.
 
 The fp32 masters and both moments are then renamed and rearranged to hybrid's
-parameters with the Hugging Face maps (:mod:`hybrid.convert.hf_gpt2`,
-:mod:`hybrid.convert.hf_llama`: the model's ``config.json`` says which), the
-same element permutation applied to all three, and written in the target
+parameters with a name map, the same element permutation applied to all three:
+Megatron-DeepSpeed's GPT (:mod:`hybrid.convert.megatron_deepspeed_names`) when
+the checkpoint's names are its ``language_model.encoder.layers.*``, the model's
+shape from the ``args`` it saved (or ``--model-config``); otherwise the Hugging
+Face maps (:mod:`hybrid.convert.hf_gpt2`, :mod:`hybrid.convert.hf_llama`: the
+model's ``config.json`` says which). They are and written in the target
 layout by the offline reshard's writer (:func:`hybrid.convert.reshard.write_shares`):
 model files, ZeRO partitions planned by the optimizer's own rules, and
 ``metadata.json`` with the iteration (DeepSpeed's ``global_steps``), consumed
@@ -47,7 +50,7 @@ import torch
 
 from hybrid.checkpoint import CheckpointWriter
 from hybrid.config.parse import config_from_dict
-from hybrid.convert import safe_pickle
+from hybrid.convert import megatron_deepspeed_names, safe_pickle
 from hybrid.convert.consolidate import MASTER, WEIGHT, ZERO_STATE_FORMAT, ConversionError, SavedTensor, Target
 from hybrid.convert.hf import _fresh_buffers, _hybrid_full, gpt_param_layout, map_for_hf
 from hybrid.convert.hf_io import read_json
@@ -81,6 +84,7 @@ class DeepSpeedState:
     skipped_steps: int
     optimizer: Dict[str, Any]  # hybrid's optimizer header entry: type, lr, betas, eps, weight_decay, momentum
     scheduled: bool  # whether the run had a DeepSpeed learning-rate scheduler
+    saved_args: Dict[str, Any]  # the client state's "args" (Megatron-DeepSpeed's arguments); {} when none
 
 
 # ---- reading ---------------------------------------------------------------------------------------------
@@ -174,7 +178,8 @@ def read_deepspeed(path, tag: Optional[str] = None) -> DeepSpeedState:
         global_steps=int(_field(model, "global_steps", model_files[0])), global_samples=int(model.get("global_samples") or 0),
         skipped_steps=int(model.get("skipped_steps") or 0),
         optimizer=_optimizer_settings(groups, model.get("ds_config") or {}, optim_files[0]),
-        scheduled=model.get("lr_scheduler") is not None)
+        scheduled=model.get("lr_scheduler") is not None,
+        saved_args=megatron_deepspeed_names.checkpoint_args(model, model_files[0]))
 
 
 def _stage(sd: Mapping[str, Any], file: Path) -> int:
@@ -303,7 +308,7 @@ class _MemorySource:
         return piece if dtype is None else piece.to(dtype)
 
 
-def _hf_names_check(ds: DeepSpeedState, links, arch, cfg) -> None:
+def _names_check(ds: DeepSpeedState, links, arch, cfg, described_by: str) -> None:
     have = set(ds.state[MASTER])
     used = {n for link in links for n in link.hf}
     missing = sorted(n for n in used - have if ds.shared.get(n) not in have)
@@ -311,18 +316,48 @@ def _hf_names_check(ds: DeepSpeedState, links, arch, cfg) -> None:
     if missing or unknown:
         parts = ([f"missing {', '.join(missing[:5])}"] if missing else []) + \
                 ([f"without a place in hybrid's model: {', '.join(unknown[:5])}"] if unknown else [])
-        raise ConversionError(f"{ds.path} does not hold the {arch.ARCHITECTURE} that --hf-config describes: "
+        raise ConversionError(f"{ds.path} does not hold the {arch.ARCHITECTURE} that {described_by} describes: "
                               f"{'; '.join(parts)}")
 
 
-def _hybrid_state(ds: DeepSpeedState, links, layout) -> Dict[str, Dict[str, torch.Tensor]]:
-    """Masters and moments under hybrid's names: each link's HF tensors concatenated (and transposed), one
-    permutation of elements applied alike to all three."""
-    out = {}
-    for key, by_name in ds.state.items():
-        named = _Tensors({**{a: by_name[b] for a, b in ds.shared.items() if b in by_name}, **by_name})
-        out[key] = {link.hybrid: _hybrid_full(named, link, layout[link.hybrid][0], torch.float32) for link in links}
-    return out
+def hybrid_tensors(by_name: Mapping[str, torch.Tensor], shared: Mapping[str, str], arch, cfg, links,
+                   layout) -> Dict[str, torch.Tensor]:
+    """Whole tensors under the map's names as hybrid's: each link's tensors concatenated (and transposed), then
+    the map's own row order where it has one (Megatron-DeepSpeed's per-head q/k/v)."""
+    named = _Tensors({**{a: by_name[b] for a, b in shared.items() if b in by_name}, **by_name})
+    rearrange = getattr(arch, "rearrange", lambda name, t, cfg: t)
+    return {link.hybrid: rearrange(link.hybrid, _hybrid_full(named, link, layout[link.hybrid][0], torch.float32), cfg)
+            for link in links}
+
+
+def _hybrid_state(ds: DeepSpeedState, arch, cfg, links, layout) -> Dict[str, Dict[str, torch.Tensor]]:
+    """Masters and moments under hybrid's names, one permutation of elements applied alike to all three."""
+    return {key: hybrid_tensors(by_name, ds.shared, arch, cfg, links, layout) for key, by_name in ds.state.items()}
+
+
+def model_map(ds: DeepSpeedState, hf_config=None, model_config=None):
+    """The name map and :class:`GPTConfig` of ``ds``'s model, and what described it (for messages): Megatron-
+    DeepSpeed's GPT when its names say so (shape from the saved args, else ``model_config``), else the HF map
+    ``hf_config`` names."""
+    if megatron_deepspeed_names.matches(ds.state[MASTER]):
+        if ds.saved_args:
+            where = f"the args saved in {ds.path}"
+            args = ds.saved_args
+        elif model_config is not None:
+            where = f"--model-config {model_config}"
+            args = read_json(Path(model_config))
+        else:
+            raise ConversionError(f"{ds.path} holds Megatron-DeepSpeed GPT names but no saved args: pass "
+                                  f"--model-config JSON with its arguments (num_layers, hidden_size, "
+                                  f"num_attention_heads, seq_length, padded_vocab_size, ...)")
+        return megatron_deepspeed_names, megatron_deepspeed_names.config_from_saved_args(args, where), where
+    if hf_config is None:
+        raise ConversionError(f"{ds.path} holds Hugging Face names: pass --hf-config with the model's config.json")
+    cfg_path = Path(hf_config)
+    cfg_path = cfg_path / "config.json" if cfg_path.is_dir() else cfg_path
+    hf = read_json(cfg_path)
+    arch = map_for_hf(hf, cfg_path)
+    return arch, arch.config_from_hf(hf, cfg_path), f"--hf-config {cfg_path}"
 
 
 def target_layout(tp: int, dp: int, pp: int, target_zero_stage: int, bucket_size: int) -> ParallelLayout:
@@ -368,32 +403,29 @@ def write_converted(src: _MemorySource, save, target: ParallelLayout, *, iterati
     return writer.iter_dir
 
 
-def convert_from_deepspeed(input_dir, save, *, hf_config, tp: int = 1, dp: int = 1, target_zero_stage: int = 1,
+def convert_from_deepspeed(input_dir, save, *, hf_config=None, model_config=None, tp: int = 1, dp: int = 1, target_zero_stage: int = 1,
                            pp: int = 1, bucket_size: int = DEFAULT_BUCKET_SIZE, tag: Optional[str] = None,
                            progress: Optional[ProgressFactory] = None, force: bool = False) -> Path:
     """Write the DeepSpeed checkpoint ``input_dir`` as a hybrid checkpoint in ``save`` for a job of ``tp`` x
     ``dp`` x ``pp`` ranks at ZeRO ``target_zero_stage`` with ``bucket_size`` (its ``--zero-bucket-size``).
 
-    ``hf_config``: the model's Hugging Face ``config.json`` (or the folder holding it): it names the
-    architecture and shapes. Returns the iteration directory (``save/latest`` points at it).
+    ``hf_config``: a Hugging Face model's ``config.json`` (or the folder holding it): it names the
+    architecture and shapes. ``model_config``: for Megatron-DeepSpeed's GPT saved without its args, a JSON of
+    them. Returns the iteration directory (``save/latest`` points at it).
     """
-    cfg_path = Path(hf_config)
-    cfg_path = cfg_path / "config.json" if cfg_path.is_dir() else cfg_path
-    hf = read_json(cfg_path)
-    arch = map_for_hf(hf, cfg_path)
-    cfg = arch.config_from_hf(hf, cfg_path)
     target = target_layout(tp, dp, pp, target_zero_stage, bucket_size)
+    ds = read_deepspeed(input_dir, tag)
+    arch, cfg, described_by = model_map(ds, hf_config, model_config)
     try:
         cfg.validate(tp)
     except ValueError as e:
-        raise ConversionError(f"{cfg_path} describes a model that cannot be split over --tp {tp}: {e}") from None
-    ds = read_deepspeed(input_dir, tag)
+        raise ConversionError(f"{described_by} describes a model that cannot be split over --tp {tp}: {e}") from None
     links = arch.links(cfg)
     layout = gpt_param_layout(cfg)
-    _hf_names_check(ds, links, arch, cfg)
+    _names_check(ds, links, arch, cfg, described_by)
     header = {"format": ZERO_STATE_FORMAT, "optimizer": ds.optimizer, "step": ds.step,
               "global_steps": ds.global_steps, "skipped_steps": ds.skipped_steps, "loss_scaler": None}
-    src = _MemorySource(_hybrid_state(ds, links, layout), layout, DTYPES[ds.precision], _fresh_buffers(arch, cfg),
+    src = _MemorySource(_hybrid_state(ds, arch, cfg, links, layout), layout, DTYPES[ds.precision], _fresh_buffers(arch, cfg),
                         header, cfg.to_dict(), ds.path)
     schedule: Dict[str, Any] = {"iteration": ds.global_steps}
     if not ds.scheduled:  # a constant rate: the loading job's settings are checked against it

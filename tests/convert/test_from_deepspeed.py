@@ -37,9 +37,9 @@ from safetensors.torch import load_file
 from hybrid.checkpoint import CheckpointReader
 from hybrid.convert import safe_pickle
 from hybrid.convert.consolidate import MASTER, WEIGHT, CheckpointSource, ConversionError
-from hybrid.convert.from_deepspeed import _merge_stage3, _merge_stage12, convert_from_deepspeed, read_deepspeed
-from hybrid.convert.hf import map_for_hf
-from hybrid.convert.hf_gpt2 import config_from_hf
+from hybrid.convert.from_deepspeed import (_merge_stage3, _merge_stage12, convert_from_deepspeed, hybrid_tensors,
+                                           model_map, read_deepspeed)
+from hybrid.convert.hf import gpt_param_layout
 from hybrid.dtypes import DTYPES
 from tests.convert.test_cli import _tool  # the command line as a module
 from tests.multiproc import run_distributed
@@ -48,9 +48,26 @@ from tests.numerics import adam_trajectory_tolerance, gamma, max_ratio, record, 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
-def _fixture(stage):
-    root = FIXTURES / f"deepspeed_zero{stage}"
+def _fixture(stage, model=""):
+    root = FIXTURES / f"deepspeed_{model}zero{stage}"
     return root, json.loads((root / "run.json").read_text())
+
+
+def _hf_config(root):
+    """The fixture's HF config.json; None for Megatron-DeepSpeed's GPT (from-deepspeed reads its saved args)."""
+    return root / "config.json" if (root / "config.json").exists() else None
+
+
+def _model_of(root):
+    """The fixture's name map and model config, as from-deepspeed picks them."""
+    arch, cfg, _ = model_map(read_deepspeed(root / "checkpoint"), hf_config=_hf_config(root))
+    return arch, cfg
+
+
+def _as_hybrid(tensors, root):
+    """Whole tensors under the fixture's names (DeepSpeed's) under hybrid's names and in its layout."""
+    arch, cfg = _model_of(root)
+    return hybrid_tensors(tensors, {}, arch, cfg, arch.links(cfg), gpt_param_layout(cfg))
 
 
 def _trainer_args(run, load, tp, dp, stage):
@@ -85,7 +102,7 @@ def _continue(argv):
 
 
 def _assert_continues_like_deepspeed(got, root, run):
-    cfg = config_from_hf(json.loads((root / "config.json").read_text()), "config.json")
+    _, cfg = _model_of(root)
     tokens = run["world"] * run["micro_batch_size"] * cfg.seq_length
     fwd = transformer_bound(cfg, tokens, part="loss")
     assert got["iterations"] == run["steps"]
@@ -95,12 +112,10 @@ def _assert_continues_like_deepspeed(got, root, run):
         assert ratio <= 1, f"step {run['steps'][i]}: hybrid {a} vs DeepSpeed {b}: {ratio:.2f} x the bound {bound:.3g}"
     # The weights after the continued steps: within Adam's drift bound of DeepSpeed's final masters, element by
     # element (a wrong step count or moment moves them by a good fraction of lr per step).
-    final = load_file(root / "final.safetensors")
-    for link in map_for_hf(json.loads((root / "config.json").read_text()), "config.json").links(cfg):
-        want = torch.cat([final[n].t() if link.transpose else final[n] for n in link.hf])
-        mine = torch.from_numpy(got["weights"][link.hybrid][: want.shape[0]])  # less the padded vocabulary rows
+    for name, want in _as_hybrid(load_file(root / "final.safetensors"), root).items():
+        mine = torch.from_numpy(got["weights"][name][: want.shape[0]])  # less the padded vocabulary rows
         ratio = max_ratio(mine, want, adam_trajectory_tolerance(len(run["steps"]), run["lr"]))
-        assert ratio <= 1, f"{link.hybrid}: {ratio:.2f} x the bound"
+        assert ratio <= 1, f"{name}: {ratio:.2f} x the bound"
 
 
 def test_zero2_checkpoint_continues_in_one_process_like_deepspeed(tmp_path):
@@ -111,22 +126,78 @@ def test_zero2_checkpoint_continues_in_one_process_like_deepspeed(tmp_path):
     _assert_continues_like_deepspeed(got, root, run)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero_checkpoint_continues_at_tp2_dp2_zero1_like_deepspeed(tmp_path, stage):
-    root, run = _fixture(stage)
+def test_megatron_deepspeed_gpt_continues_in_one_process_like_deepspeed(tmp_path):
+    """Megatron-DeepSpeed's GPT names (its fused per-head query_key_value regrouped to [q; k; v]), the model's
+    shape read from the args it saved as DeepSpeed client state: no --hf-config."""
+    root, run = _fixture(2, "megatron_")
     out = tmp_path / "converted"
-    convert_from_deepspeed(root / "checkpoint", out, hf_config=root / "config.json", tp=2, dp=2, target_zero_stage=1)
+    convert_from_deepspeed(root / "checkpoint", out, tp=1, dp=1, target_zero_stage=0)
+    assert CheckpointReader(out).trainer_state["imported_from"]["architecture"] == "Megatron-DeepSpeed GPTModel"
+    got = run_distributed(_continue, 1, _trainer_args(run, out, 1, 1, 0), timeout=120)[0]
+    _assert_continues_like_deepspeed(got, root, run)
+
+
+def _without_saved_args(root, folder):
+    """A copy of ``root``'s checkpoint whose model states hold no Megatron-DeepSpeed args."""
+    folder.mkdir(parents=True)
+    (folder.parent / "latest").write_text(folder.name)
+    for f in (root / "checkpoint" / "global_step20").iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    states = folder / "mp_rank_00_model_states.pt"
+    sd = torch.load(states, weights_only=False)  # the fixture's own file: trusted
+    del sd["args"]
+    torch.save(sd, states)
+
+
+def test_megatron_deepspeed_without_saved_args_takes_model_config(tmp_path, capsys):
+    root, _ = _fixture(2, "megatron_")
+    _without_saved_args(root, tmp_path / "ds" / "global_step20")
+    tool = _tool()
+    args = ["from-deepspeed", "--input", str(tmp_path / "ds"), "--no-progress"]
+    assert tool.main(args + ["--save", str(tmp_path / "a")]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "no saved args: pass --model-config" in err
+    assert tool.main(args + ["--save", str(tmp_path / "b"), "--model-config", str(root / "model_config.json")]) == 0
+    with_args = convert_from_deepspeed(root / "checkpoint", tmp_path / "c")
+    a, b = CheckpointReader(tmp_path / "b"), CheckpointReader(with_args)
+    assert a.model_config == b.model_config
+    with CheckpointSource(a) as sa, CheckpointSource(b) as sb:
+        for name in sb.tensors:
+            assert torch.equal(sa.read(name, MASTER), sb.read(name, MASTER)), name
+
+
+@pytest.mark.parametrize("args, refusal", [
+    ({"num_experts": [4]}, "--num-experts"), ({"openai_gelu": False}, "--openai-gelu"),
+    ({"apply_residual_connection_post_layernorm": True}, "--apply-residual-connection-post-layernorm"),
+    ({"swiglu": True}, "'mlp': 'swiglu'"), ({"num_key_value_heads": 1}, "--num-key-value-heads 1")])
+def test_megatron_deepspeed_args_hybrid_does_not_compute_alike_are_refused(args, refusal):
+    from hybrid.convert.megatron_deepspeed_names import config_from_saved_args
+
+    saved = json.loads((FIXTURES / "deepspeed_megatron_zero2" / "model_config.json").read_text())
+    assert config_from_saved_args({**saved, "num_experts": [1]}, "args").num_layers == 2  # its dense default
+    with pytest.raises(ConversionError, match=refusal) as err:
+        config_from_saved_args({**saved, **args}, "args")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, model", [(2, ""), (3, ""), (2, "megatron_")])
+def test_zero_checkpoint_continues_at_tp2_dp2_zero1_like_deepspeed(tmp_path, stage, model):
+    root, run = _fixture(stage, model)
+    out = tmp_path / "converted"
+    convert_from_deepspeed(root / "checkpoint", out, hf_config=_hf_config(root), tp=2, dp=2, target_zero_stage=1)
     assert CheckpointReader(out).layout.to_json() == {"tp": 2, "dp": 2, "pp": 1, "zero_stage": 1, "precision": "fp32"}
     got = run_distributed(_continue, 4, _trainer_args(run, out, 2, 2, 1), timeout=240)[0]
     _assert_continues_like_deepspeed(got, root, run)
 
 
-@pytest.mark.parametrize("folder", ["deepspeed_zero2", "deepspeed_zero3", "deepspeed_llama_zero1_bf16"])
+@pytest.mark.parametrize("folder", ["deepspeed_zero2", "deepspeed_zero3", "deepspeed_llama_zero1_bf16",
+                                    "deepspeed_megatron_zero2"])
 def test_conversion_carries_deepspeeds_own_view_of_the_state(tmp_path, folder):
     """Every master and moment equals, bit for bit, what DeepSpeed's own accessors returned at the save
     (``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``: reference.safetensors), renamed and
-    rearranged as the HF map says (GPT-2's Conv1D transposed, Llama's q/k/v and gate/up stacked)."""
+    rearranged as the name map says (GPT-2's Conv1D transposed, Llama's q/k/v and gate/up stacked,
+    Megatron-DeepSpeed's per-head q/k/v regrouped)."""
     root = FIXTURES / folder
     run = json.loads((root / "run.json").read_text())
     reference = load_file(root / "reference.safetensors")
@@ -136,23 +207,21 @@ def test_conversion_carries_deepspeeds_own_view_of_the_state(tmp_path, folder):
     for key, want in reference.items():
         what, name = key.split("/", 1)
         assert torch.equal(ds.state[what][name], want), key
-    out = convert_from_deepspeed(root / "checkpoint", tmp_path / "c", hf_config=root / "config.json", tp=2, dp=2,
+    out = convert_from_deepspeed(root / "checkpoint", tmp_path / "c", hf_config=_hf_config(root), tp=2, dp=2,
                                  target_zero_stage=1)
     reader = CheckpointReader(out)
     assert (reader.iteration, reader.consumed_samples, reader.layout.precision) == (20, 80, ds.precision)
     assert reader.trainer_state["engine"]["lr_schedule"]["settings"]["max_lr"] == run["lr"]
     assert reader.load_optimizer_shard(1, 1)["step"] == 20
-    hf = json.loads((root / "config.json").read_text())
-    arch = map_for_hf(hf, "config.json")
+    want = {key: _as_hybrid({k.split("/", 1)[1]: t for k, t in reference.items() if k.startswith(key + "/")}, root)
+            for key in (MASTER, "exp_avg", "exp_avg_sq")}
     with CheckpointSource(reader) as src:
-        for link in arch.links(arch.config_from_hf(hf, "config.json")):
-            want = {key: torch.cat([reference[f"{key}/{n}"].t() if link.transpose else reference[f"{key}/{n}"]
-                                    for n in link.hf]) for key in (MASTER, "exp_avg", "exp_avg_sq")}
-            for key, tensor in want.items():
-                assert torch.equal(src.read(link.hybrid, key), tensor), (link.hybrid, key)
+        for name in want[MASTER]:
+            for key in want:
+                assert torch.equal(src.read(name, key), want[key][name]), (name, key)
             # the model files hold the masters rounded to the run's precision
-            weight = src.read(link.hybrid, WEIGHT)
-            assert weight.dtype == DTYPES[ds.precision] and torch.equal(weight, want[MASTER].to(weight.dtype))
+            weight = src.read(name, WEIGHT)
+            assert weight.dtype == DTYPES[ds.precision] and torch.equal(weight, want[MASTER][name].to(weight.dtype))
 
 
 def test_flat_partitions_reassemble_as_deepspeed_lays_them_out():
