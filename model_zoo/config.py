@@ -118,6 +118,12 @@ class GPTConfig:
     norm: str = setting("layernorm", kind=SHAPE, flag="--normalization",
                         help="layernorm or rmsnorm (any case: Megatron's LayerNorm, RMSNorm)")
     norm_eps: float = setting(1e-5, kind=FUNCTION, gt=0.0, flag="--norm-epsilon", help="epsilon of LayerNorm/RMSNorm")
+    # Megatron's zero-centred gamma (layernorm_zero_centered_gamma): every norm's weight w is stored as gamma - 1,
+    # drawn as zeros, and the norm multiplies by 1 + w, so that weight decay pulls the scale towards 1, not 0.
+    apply_layernorm_1p: bool = setting(False, kind=FUNCTION, switch=True,
+                                       help="every norm (LayerNorm or RMSNorm) stores its weight as gamma - 1, "
+                                            "initialised to 0, and scales by 1 + weight (Megatron's zero-centred "
+                                            "gamma)")
     rope_theta: float = setting(10000.0, kind=CONTEXT, gt=0.0, flag="--rotary-base",
                                 help="base (theta) of rotary position embeddings")
     # RoPE scaling (model_zoo.rope.rope_inv_freq): "linear" divides every frequency by rope_scaling_factor; "llama3"

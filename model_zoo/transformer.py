@@ -41,11 +41,11 @@ def make_norm(config: GPTConfig, topology: "Topology", device, dtype, per_head: 
     """The config's norm over the hidden size ``[s(/tp), b, h]``, or with ``per_head`` over the head dim of this
     rank's query or key heads ``[..., d]``."""
     size, sp = (config.head_dim, False) if per_head else (config.hidden_size, config.sequence_parallel)
+    common = dict(eps=config.norm_eps, sequence_parallel=sp, per_head=per_head,
+                  zero_centered=config.apply_layernorm_1p, device=device, dtype=dtype)
     if config.norm == "rmsnorm":
-        return RMSNorm(size, topology, eps=config.norm_eps, sequence_parallel=sp, per_head=per_head, device=device,
-                       dtype=dtype)
-    return LayerNorm(size, topology, eps=config.norm_eps, bias=config.bias, sequence_parallel=sp,
-                     per_head=per_head, device=device, dtype=dtype)
+        return RMSNorm(size, topology, **common)
+    return LayerNorm(size, topology, bias=config.bias, **common)
 
 
 # ---- attention ---------------------------------------------------------------------------------

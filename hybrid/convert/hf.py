@@ -200,7 +200,11 @@ def _export_tensor(src: CheckpointSource, link: Link, index: int, what: str, dty
     # A transposed HF tensor is filled through its transpose view: one strided pass, no second copy.
     hf = torch.empty(_hf_shape(link, index, src.tensors[link.hybrid].full_shape), dtype=dtype)
     view = hf.t() if link.transpose else hf
-    if len(link.hf) == 1:
+    if link.offset:  # a zero-centred norm weight (gamma - 1, one HF tensor): HF stores gamma; add in fp32, round once
+        exact = torch.empty(view.shape, dtype=torch.float32)
+        src.read(link.hybrid, what, out=exact)
+        view.copy_(exact + link.offset)
+    elif len(link.hf) == 1:
         src.read(link.hybrid, what, out=view)
     else:
         src.read_rows(link.hybrid, *link.row_range(index, src.tensors[link.hybrid].full_shape[0]), what, out=view)
@@ -351,6 +355,8 @@ def _hybrid_full(hf: HFDirectory, link: Link, full_shape: Tuple[int, ...], dtype
     for i, name in enumerate(link.hf):
         rows = full[slice(*link.row_range(i, full_shape[0]))]
         hf.read_into(name, rows.t() if link.transpose else rows)
+    if link.offset:
+        full -= link.offset
     return full
 
 

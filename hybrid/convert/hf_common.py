@@ -48,6 +48,9 @@ class Link:
     hf: Tuple[str, ...]
     transpose: bool = False
     rows: Optional[Tuple[int, ...]] = None
+    # added to the hybrid tensor to make the HF one: 1 for a zero-centred norm weight (apply_layernorm_1p stores
+    # gamma - 1; Hugging Face's norms store gamma itself)
+    offset: float = 0.0
 
     def row_range(self, index: int, total: int) -> Tuple[int, int]:
         """Rows ``[lo, hi)`` of the hybrid tensor (``total`` rows) that HF tensor ``index`` makes."""
@@ -56,6 +59,12 @@ class Link:
             raise ConversionError(f"{self.hybrid}: {total} rows cannot be cut into {list(sizes)}")
         lo = sum(sizes[:index])
         return lo, lo + sizes[index]
+
+
+def norm_weight(cfg, hybrid: str, hf: str) -> Link:
+    """The link of a norm's weight ``[h]``: exported as ``1 + weight`` when ``cfg.apply_layernorm_1p`` (the model
+    stores gamma - 1), as stored otherwise."""
+    return Link(hybrid, (hf,), offset=1.0 if cfg.apply_layernorm_1p else 0.0)
 
 
 def require(hf: Dict[str, Any], key: str, where: str) -> Any:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from hybrid.convert.hf_common import Link, refuse, setting
+from hybrid.convert.hf_common import Link, norm_weight, refuse, setting
 from model_zoo.config import GPTConfig
 
 ARCHITECTURE = "GPT2LMHeadModel"
@@ -86,12 +86,13 @@ def links(cfg: GPTConfig) -> List[Link]:
     for i in range(cfg.num_layers):
         src, dst = f"transformer.h.{i}.", f"layers.{i}."
         for hf_name, name in (("ln_1", "input_norm"), ("ln_2", "post_attention_norm")):
-            out += [Link(f"{dst}{name}.{p}", (f"{src}{hf_name}.{p}",)) for p in ("weight", "bias")]
+            out += [norm_weight(cfg, f"{dst}{name}.weight", f"{src}{hf_name}.weight"),
+                    Link(f"{dst}{name}.bias", (f"{src}{hf_name}.bias",))]
         for hf_name, name in (("attn.c_attn", "attention.qkv_proj"), ("attn.c_proj", "attention.out_proj"),
                               ("mlp.c_fc", "mlp.in_proj"), ("mlp.c_proj", "mlp.out_proj")):
             out.append(Link(f"{dst}{name}.weight", (f"{src}{hf_name}.weight",), transpose=True))
             out.append(Link(f"{dst}{name}.bias", (f"{src}{hf_name}.bias",)))
-    out += [Link("final_norm.weight", ("transformer.ln_f.weight",)),
+    out += [norm_weight(cfg, "final_norm.weight", "transformer.ln_f.weight"),
             Link("final_norm.bias", ("transformer.ln_f.bias",))]
     if not cfg.tie_embeddings:
         out.append(Link("lm_head.weight", ("lm_head.weight",)))

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
-from hybrid.convert.hf_common import Link, refuse, setting
+from hybrid.convert.hf_common import Link, norm_weight, refuse, setting
 from model_zoo.config import GPTConfig, swiglu_ffn_size
 from model_zoo.qkv_layout import qkv_layout
 
@@ -144,7 +144,7 @@ class LlamaFamily:
         for i in range(cfg.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             out += [
-                Link(f"{dst}input_norm.weight", (f"{src}input_layernorm.weight",)),
+                norm_weight(cfg, f"{dst}input_norm.weight", f"{src}input_layernorm.weight"),
                 Link(f"{dst}attention.qkv_proj.weight", tuple(f"{src}self_attn.{x}_proj.weight" for x in "qkv"),
                      rows=rows),
             ]
@@ -152,13 +152,14 @@ class LlamaFamily:
                 out.append(Link(f"{dst}attention.qkv_proj.bias",
                                 tuple(f"{src}self_attn.{x}_proj.bias" for x in "qkv"), rows=rows))
             if cfg.qk_norm:
-                out += [Link(f"{dst}attention.{x}_norm.weight", (f"{src}self_attn.{x}_norm.weight",)) for x in "qk"]
+                out += [norm_weight(cfg, f"{dst}attention.{x}_norm.weight", f"{src}self_attn.{x}_norm.weight")
+                        for x in "qk"]
             out += [
                 Link(f"{dst}attention.out_proj.weight", (f"{src}self_attn.o_proj.weight",)),
-                Link(f"{dst}post_attention_norm.weight", (f"{src}post_attention_layernorm.weight",)),
+                norm_weight(cfg, f"{dst}post_attention_norm.weight", f"{src}post_attention_layernorm.weight"),
             ]
             out += self.mlp_links(cfg, i)
-        out.append(Link("final_norm.weight", ("model.norm.weight",)))
+        out.append(norm_weight(cfg, "final_norm.weight", "model.norm.weight"))
         if not cfg.tie_embeddings:
             out.append(Link("lm_head.weight", ("lm_head.weight",)))
         return out

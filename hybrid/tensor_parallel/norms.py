@@ -14,6 +14,12 @@ full gradient.
 The arithmetic is :mod:`hybrid.kernels` (fused CUDA kernels where they
 apply, torch otherwise). RMSNorm follows the Llama definition: normalise in
 fp32, cast back to the input dtype, then multiply by the weight.
+
+With ``zero_centered`` (the model's ``apply_layernorm_1p``, Megatron's
+zero-centred gamma) the stored weight is ``gamma - 1``, initialised to
+zeros, and the norm scales by ``1 + weight``: the sum is formed here, before
+the arithmetic, so the fused kernels and the torch path see the same
+``gamma`` and the weight's gradient is the one of ``gamma``.
 """
 
 from __future__ import annotations
@@ -43,14 +49,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class _TPNorm(nn.Module):
     def __init__(self, hidden_size: int, topology: "Topology", eps: float, sequence_parallel: bool,
-                 bias: bool, per_head: bool, device, dtype):
+                 bias: bool, per_head: bool, zero_centered: bool, device, dtype):
         super().__init__()
         self.topology = topology
         self.hidden_size, self.eps, self.sequence_parallel = hidden_size, eps, sequence_parallel
-        self.per_head = per_head
+        self.per_head, self.zero_centered = per_head, zero_centered
         # each TP rank sees part of what the weights multiply: their gradient is summed over "tp"
         self.partial_input = (sequence_parallel or per_head) and topology.tp_size > 1
-        self.weight = self._param(hidden_size, tp_init.ONES, device, dtype)
+        self.weight = self._param(hidden_size, tp_init.ZEROS if zero_centered else tp_init.ONES, device, dtype)
         self.bias = self._param(hidden_size, tp_init.ZEROS, device, dtype) if bias else None
 
     @staticmethod
@@ -65,8 +71,14 @@ class _TPNorm(nn.Module):
             return p
         return copy_to_tp_region(p, self.topology)
 
+    def gamma(self) -> torch.Tensor:
+        """The scale ``[h]`` the norm multiplies by: ``1 + weight`` when zero-centred, else ``weight``."""
+        w = self._shared(self.weight)
+        return w + 1 if self.zero_centered else w
+
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}, sp={self.sequence_parallel}, per_head={self.per_head}"
+        return (f"{self.hidden_size}, eps={self.eps}, sp={self.sequence_parallel}, per_head={self.per_head}"
+                + (", zero_centered=True" if self.zero_centered else ""))
 
 
 class LayerNorm(_TPNorm):
@@ -74,12 +86,12 @@ class LayerNorm(_TPNorm):
     ``per_head`` (this rank's heads)."""
 
     def __init__(self, hidden_size: int, topology: "Topology", *, eps: float = 1e-5,
-                 sequence_parallel: bool = False, bias: bool = True, per_head: bool = False, device=None,
-                 dtype=None):
-        super().__init__(hidden_size, topology, eps, sequence_parallel, bias, per_head, device, dtype)
+                 sequence_parallel: bool = False, bias: bool = True, per_head: bool = False,
+                 zero_centered: bool = False, device=None, dtype=None):
+        super().__init__(hidden_size, topology, eps, sequence_parallel, bias, per_head, zero_centered, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(x, self._shared(self.weight), self._shared(self.bias), self.eps)
+        return layer_norm(x, self.gamma(), self._shared(self.bias), self.eps)
 
 
 class RMSNorm(_TPNorm):
@@ -87,8 +99,9 @@ class RMSNorm(_TPNorm):
     (this rank's heads)."""
 
     def __init__(self, hidden_size: int, topology: "Topology", *, eps: float = 1e-6,
-                 sequence_parallel: bool = False, per_head: bool = False, device=None, dtype=None):
-        super().__init__(hidden_size, topology, eps, sequence_parallel, False, per_head, device, dtype)
+                 sequence_parallel: bool = False, per_head: bool = False, zero_centered: bool = False, device=None,
+                 dtype=None):
+        super().__init__(hidden_size, topology, eps, sequence_parallel, False, per_head, zero_centered, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self._shared(self.weight), self.eps)
+        return rms_norm(x, self.gamma(), self.eps)
