@@ -230,9 +230,6 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
     _refused("--use-torch-fsdp2", "ZeRO stage 3 (--zero-stage 3) partitions the parameters"),
     _refused("--tp-comm-overlap", "hybrid does not overlap tensor-parallel communication with compute; keep the "
                                   "tensor-parallel group within a node"),
-    _refused("--apply-layernorm-1p", "hybrid applies norm weights as stored (no 1 + w reparameterisation)"),
-    _refused("--calculate-per-token-loss", "hybrid's loss is the mean over each micro-batch's tokens, then over "
-                                           "micro-batches and data-parallel ranks"),
     _refused("--no-save-optim", _ALL_STATE),
     _refused("--no-save-rng", _ALL_STATE),
     _refused("--save-retain-interval", _RETAIN, takes_value=True),

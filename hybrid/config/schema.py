@@ -420,6 +420,11 @@ class HybridConfig:
     optimizer: OptimizerConfig = _section(OptimizerConfig, "inner optimizer")
     scheduler: SchedulerConfig = _section(SchedulerConfig, "learning-rate schedule")
     clip_grad: float = _field(0.0, ge=0.0, help="clip the global gradient L2 norm to this value; 0 disables")
+    calculate_per_token_loss: bool = _field(False, help="the loss is the global batch's summed token losses "
+                                                        "over its count of unmasked tokens (Megatron-LM's), not "
+                                                        "the mean of each micro-batch's per-token mean: micro-"
+                                                        "batches with more unmasked tokens (--eod-mask-loss) "
+                                                        "weigh more")
     micro_batch_size: Optional[int] = _field(None, ge=1, help="samples per data-parallel rank per micro-step")
     gradient_accumulation_steps: Optional[int] = _field(None, ge=1, help="micro-steps per optimizer step")
     global_batch_size: Optional[int] = _field(None, ge=1, help="samples per optimizer step over all "

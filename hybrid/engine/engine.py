@@ -39,7 +39,7 @@ from hybrid.engine.checkpoint import EngineCheckpoints
 from hybrid.engine.parts import TrainingParts
 from hybrid.engine.precision import prepare_precision
 from hybrid.engine.rng import RandomState
-from hybrid.engine.stage import EngineStage, autocast, scale_side_losses
+from hybrid.engine.stage import EngineStage, autocast, loss_tokens, scale_side_losses
 from hybrid.engine.step_logger import StepLogger
 from hybrid.layout import ParallelLayout, pipeline_problem
 from hybrid.optim.lr_schedule import LRSchedule, check_same_settings
@@ -221,7 +221,10 @@ class Engine:
                              f"{len(microbatches)}")
         if self._awaiting_step or self._micro_in_batch:
             raise RuntimeError("train_batch was called in the middle of a global batch of backward()/step() calls")
-        stats = self.pipeline.step(microbatches, self.pipeline_stage)
+        stage = self.pipeline_stage
+        if self.config.calculate_per_token_loss:
+            stage = dataclasses.replace(stage, token_scale=self._token_scale(microbatches))
+        stats = self.pipeline.step(microbatches, stage)
         self.last_pipeline_stats = stats
         loss = self._pipeline_loss(stats.losses)
         if dp_mean:
@@ -230,6 +233,16 @@ class Engine:
         self.micro_steps += gas
         self._losses.append(loss)
         return self._end_global_batch(), float(loss)
+
+    def _token_scale(self, microbatches: Sequence[Mapping[str, Any]]) -> float:
+        """``calculate_per_token_loss``'s factor on each micro-batch's token count (:class:`EngineStage`):
+        ``accumulation * dp / N``, ``N`` the unmasked tokens of the whole global batch (this rank's
+        ``microbatches`` summed over ``"dp"``; every pipeline stage holds the same micro-batches)."""
+        topo = self.topology
+        total = torch.stack([loss_tokens(mb) for mb in microbatches]).sum().to(topo.device).reshape(1)
+        topo.comm.all_reduce(total, "dp")
+        # a global batch with no unmasked token has no loss to average (its losses are NaN): scaled by 1 token
+        return len(microbatches) * topo.dp_size / max(float(total[0]), 1.0)
 
     def eval_batch(self, microbatches: Sequence[Mapping[str, Any]]) -> float:
         """The mean loss of ``microbatches`` through the pipeline, forward only (validation)."""

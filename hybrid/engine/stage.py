@@ -40,6 +40,16 @@ def scale_side_losses(module: torch.nn.Module, optimizer: "ZeroOptimizer") -> No
         scale.value = optimizer.loss_scale / optimizer.gradient_accumulation_steps
 
 
+def loss_tokens(microbatch: Mapping[str, Any]) -> torch.Tensor:
+    """The denominator of the model's mean loss on ``microbatch``: the sum of its ``loss_mask`` ``[b, s]``, or
+    the count of its ``labels`` ``[b, s]`` without one (float64 scalar, on the labels' device)."""
+    mask = microbatch.get("loss_mask")
+    if mask is not None:
+        return mask.sum(dtype=torch.float64)
+    labels = microbatch["labels"]
+    return torch.tensor(float(labels.numel()), dtype=torch.float64, device=labels.device)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineStage:
     """This rank's pipeline stage as the executor computes it (a :class:`~hybrid.pipeline.StageCompute`).
@@ -47,7 +57,10 @@ class EngineStage:
     ``module``: a pipeline-aware model (``forward_part(part, hidden, **microbatch)``, such as
     :class:`model_zoo.GPTModel`); ``whole_model``: the stage is the whole model (one part: pp=1 and one
     chunk), run through ``module(**microbatch)``; ``autocast_device`` / ``autocast_dtype``: the engine's
-    autocast (no dtype: none).
+    autocast (no dtype: none). ``token_scale`` (``calculate_per_token_loss``; None: off): the last part
+    multiplies each micro-batch's mean loss by its token count (:func:`loss_tokens`) times this,
+    ``accumulation * dp / N`` for the global batch's ``N`` tokens, so that after the optimizer's
+    ``1 / accumulation`` and its ``"dp"`` average the gradient is that of the summed token losses over ``N``.
     """
 
     module: torch.nn.Module
@@ -55,6 +68,7 @@ class EngineStage:
     whole_model: bool
     autocast_device: str
     autocast_dtype: Optional[torch.dtype]
+    token_scale: Optional[float] = None
 
     def forward(self, chunk: int, part: int, hidden: Optional[torch.Tensor],
                 microbatch: Mapping[str, Any]) -> torch.Tensor:
@@ -64,8 +78,13 @@ class EngineStage:
             if self.whole_model:
                 # The whole model: through its __call__, so that hooks on the model itself run. ZeRO-3's do (the
                 # root's pre-hook installs its saved-tensor hooks and watches reads of a tied head's weight).
-                return self.module(**microbatch)
-            return self.module.forward_part(part, hidden, **microbatch)
+                out = self.module(**microbatch)
+            else:
+                out = self.module.forward_part(part, hidden, **microbatch)
+        last = self.whole_model or part == self.module.split.num_parts - 1
+        if self.token_scale is None or not last or microbatch.get("labels") is None:
+            return out
+        return out * (loss_tokens(microbatch) * self.token_scale).to(out.dtype)
 
     def backward(self, output: torch.Tensor, grad: Optional[torch.Tensor], chunk: int) -> None:
         """Backpropagate through the optimizer: the loss (``grad`` None, scaled there) or a part's output with the

@@ -33,13 +33,12 @@ SCRIPTS = {p.stem: json.loads(p.read_text()) for p in sorted((CORPUS / "scripts"
 CONFIGS = sorted(p.stem for p in (CORPUS / "deepspeed").glob("*.json") if not p.name.endswith(".source.json"))
 
 _FP8 = {"--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"}
-_LLAMA3 = _FP8 | {"--apply-layernorm-1p", "--calculate-per-token-loss"}
 # script -> the features its first launch refuses (empty: accepted as it is)
 EXPECTED_SCRIPTS = {
     "megatron_gpt3_175b": set(),  # its --step-batch-size-schedule: tests/config/test_step_batch_schedule.py
-    "megatron_llama3_8b_fp8_mock": set(_LLAMA3),  # its --grad-reduce-in-bf16 is noted: hybrid's bf16 reduce
-    "megatron_llama3_8b_fp8_data": set(_LLAMA3),
-    "megatron_fsdp_llama3_8b_fp8_mock": set(_LLAMA3),  # Megatron-FSDP itself is ZeRO stage 3
+    "megatron_llama3_8b_fp8_mock": set(_FP8),  # its --grad-reduce-in-bf16 is noted: hybrid's bf16 reduce
+    "megatron_llama3_8b_fp8_data": set(_FP8),
+    "megatron_fsdp_llama3_8b_fp8_mock": set(_FP8),  # Megatron-FSDP itself is ZeRO stage 3
     "megatron_mixtral_8x7b": set(),  # its MoE flags are keys (docs/moe.md), at the 32 ranks its EP 8 x PP 4 needs
     # its MoE flags are keys or no-ops (--moe-permute-fusion...); gpt-oss's attention and MLP variants are not
     "megatron_gptoss_train": _FP8 | {
