@@ -145,7 +145,9 @@ Note = Tuple[str, str, int]  # (op, axis, payload bytes): one collective, as Com
 
 
 def drain() -> Tuple[List[Note], List[Note]]:
-    """The forward and the backward collectives noted since the last call (the compiled block that just ran)."""
+    """The forward and the backward collectives noted since the last call (the compiled block that just ran).
+    Whatever compiles code that calls the mappings calls this after each call (``model_zoo.compile`` does), or the
+    notes pile up."""
     forward = [(op, axis, nbytes) for op, axis, nbytes, backward in _NOTES if not backward]
     backward = [(op, axis, nbytes) for op, axis, nbytes, is_backward in _NOTES if is_backward]
     _NOTES.clear()
