@@ -84,3 +84,41 @@ def test_cp2_ring_with_documents_matches_one_process():
 ])
 def test_cp_layouts_match_one_process(world, tp, cp, overrides, documents):
     _check(world, tp, cp, overrides, documents)
+
+
+def _documents_apart(cp: int, comm_type: str):
+    """This rank's logits for two packed documents, then with every token of the first changed: ``(a, b, docs)``
+    with ``docs`` the rank's own document ids (its chunks' positions, in its local order)."""
+    from hybrid.context_parallel.split import split_for_rank
+
+    topo = Topology(cp=cp)
+    cfg = GPTConfig(**{**BASE, "cp_comm_type": comm_type})
+    model = GPTModel(cfg, topo, dtype=torch.float64, seed=3).eval()
+    first, s = 6, BASE["seq_length"]  # the first document's 6 tokens span chunk 0 and part of chunk 1
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, cfg.vocab_size, (2, s), generator=g)
+    changed = tokens.clone()
+    changed[:, :first] = (tokens[:, :first] + 1 + torch.randint(0, cfg.vocab_size - 2, (2, first), generator=g)) \
+        % cfg.vocab_size  # every one differs
+    docs = torch.tensor([[0] * first + [1] * (s - first)] * 2)
+    positions = torch.cat([torch.arange(first), torch.arange(s - first)])[None].expand(2, -1)
+    with torch.no_grad():
+        a, b = (model(t, position_ids=positions, document_ids=docs) for t in (tokens, changed))
+    return a.numpy(), b.numpy(), split_for_rank(docs, topo, seq_dim=1).numpy()  # plain arrays cross processes
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "a2a"])
+def test_changing_the_first_document_changes_no_logit_of_the_second_under_cp(comm_type):
+    """Issue 50's document acceptance with context parallelism: at CP2 the two documents' tokens are spread over
+    both ranks' chunks; replacing every token of the first leaves each of the second's logits bit-identical on
+    every rank (a masked key gets weight exactly 0, and both runs add the same terms in the same order)."""
+    seen_first = 0
+    for a, b, docs in run_distributed(_documents_apart, 2, 2, comm_type, timeout=120):
+        a, b, docs = torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(docs)
+        second = docs == 1
+        assert second.any()
+        assert torch.equal(a[second], b[second])
+        if (docs == 0).any():
+            seen_first += 1
+            assert not torch.equal(a[docs == 0], b[docs == 0])  # the change itself is seen
+    assert seen_first >= 1
