@@ -272,11 +272,16 @@ def run_experts(tokens: torch.Tensor, counts: List[int], experts: List[Expert], 
     """Tokens ``[n, h]`` grouped by expert (``counts[j]`` rows for ``experts[j]``, in order) -> ``[n, h]``.
 
     The one place that chooses how a rank's experts compute: one grouped
-    matrix product per projection (``torch._grouped_mm``, when ``grouped`` and
-    torch offers it for the dtype) or a loop over the experts (each expert module called, so
-    hooks on it run: ZeRO-3 gathers its weights there).
+    matrix product per projection (``torch._grouped_mm``, when ``grouped``, torch offers it
+    for the dtype and the widths are on its 16-byte strides) or a loop over the experts (each
+    expert module called, so hooks on it run: ZeRO-3 gathers its weights there).
     """
-    if grouped and hasattr(torch, "_grouped_mm") and tokens.shape[0] > 0 and tokens.dtype in _GROUPED_DTYPES:
+    # torch._grouped_mm needs each operand's rows on 16-byte strides: h, the input projection's width [b f'] and
+    # the expert's own [f'] (a few elements off, e.g. a shrunk model's f' = 172 in bf16, and it raises)
+    widths = (tokens.shape[-1], experts[0].in_proj.weight.shape[0], experts[0].out_proj.weight.shape[1])
+    aligned = all(w * tokens.element_size() % 16 == 0 for w in widths)
+    if grouped and aligned and hasattr(torch, "_grouped_mm") and tokens.shape[0] > 0 and \
+            tokens.dtype in _GROUPED_DTYPES:
         pairs = [e.weights() for e in experts]
         offs = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
         w_in = torch.stack([w for w, _ in pairs]).transpose(1, 2)  # [E_l, h, b f']

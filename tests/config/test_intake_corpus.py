@@ -253,31 +253,45 @@ def test_keys_that_change_nothing_are_named_in_one_note():
 
 # ---- a shrunk script trains ------------------------------------------------------------------------------
 
-# Megatron-DeepSpeed's pretrain_llama2_distributed.sh with a small model and batch: TP 2 x PP 2 on 4 processes,
-# as the script lays them out (its DeepSpeed config read through --deepspeed_config).
+# A script shrunk: its model, batch and run lengths small, each flag it gives replaced (one it does not give is
+# not added). Megatron-DeepSpeed's pretrain_llama2_distributed.sh with these trains at TP 2 x PP 2 on 4
+# processes, as the script lays them out (its DeepSpeed config read through --deepspeed_config).
 SHRUNK = {"--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "172", "--num-attention-heads": "4",
-          "--num-key-value-heads": "2", "--seq-length": "32", "--max-position-embeddings": "32",
-          "--micro-batch-size": "1", "--global-batch-size": "4", "--train-iters": "3", "--lr-warmup-iters": "1",
-          "--eval-interval": "2", "--eval-iters": "1"}
+          "--num-key-value-heads": "2", "--num-query-groups": "2", "--kv-channels": "16", "--seq-length": "32",
+          "--max-position-embeddings": "32", "--vocab-size": "256", "--micro-batch-size": "1",
+          "--global-batch-size": "4", "--train-iters": "3", "--lr-warmup-iters": "1", "--lr-decay-iters": "3",
+          "--train-samples": "12", "--lr-warmup-samples": "4", "--lr-decay-samples": "12", "--eval-interval": "2",
+          "--eval-iters": "1", "--log-interval": "1"}
+# The DeepSpeed config's batch keys, shrunk as their flags are.
+SHRUNK_DS = {"train_batch_size": "--global-batch-size", "train_micro_batch_size_per_gpu": "--micro-batch-size"}
 
 
-def _shrunk(argv: list) -> list:
+def _shrunk(argv: list, **sizes) -> list:
+    """``argv`` with the value of each flag of SHRUNK (and ``sizes``: ``tensor_model_parallel_size="2"`` for
+    ``--tensor-model-parallel-size 2``) it gives replaced."""
     out = list(argv)
-    for flag, value in SHRUNK.items():
-        out[out.index(flag) + 1] = value
+    for flag, value in {**SHRUNK, **{"--" + k.replace("_", "-"): v for k, v in sizes.items()}}.items():
+        if flag in out:
+            out[out.index(flag) + 1] = value
     return out
 
 
-def _train_shrunk(argv: list, processes: int) -> subprocess.CompletedProcess:
+def _train_shrunk(argv: list, processes: int, iterations: int = 3) -> subprocess.CompletedProcess:
+    """Run ``hybrid.train`` with ``argv`` on ``processes`` CPU processes; it must log ``iterations`` iterations,
+    each with a finite loss."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(processes), "-m", "hybrid.train", *argv], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert len([line for line in proc.stdout.splitlines() if line.startswith("iteration")]) == 3
-    notes = [line for line in proc.stderr.splitlines() if "note:" in line]
-    assert len(notes) == 1 and "--deepspeed (" in notes[0] and "--num-key-value-heads 2 (read as" in notes[0]
+    # the launcher's report of the failed processes ends stderr: their own errors are the lines with 'error:'
+    errors = sorted({line for line in proc.stderr.splitlines() if "error:" in line})
+    assert proc.returncode == 0, "\n".join([proc.stdout[-3000:], *errors] or [proc.stderr[-3000:]])
+    logged = [line for line in proc.stdout.splitlines() if line.startswith("iteration")]
+    assert len(logged) == iterations, proc.stdout
+    for line in logged:
+        loss = re.search(r"lm loss:? ([-+0-9.eE]+|nan|inf)", line)
+        assert loss and np.isfinite(float(loss.group(1))), line
     return proc
 
 
@@ -286,15 +300,78 @@ def test_the_shrunk_megatron_deepspeed_llama2_script_trains_on_4_processes(files
     ckpt = str(tmp_path / "ckpt")
     proc = _train_shrunk(_shrunk(script_argv("mds_pretrain_llama2", files, save=ckpt, load=ckpt)), 4)
     assert "tp=2 dp=1 pp=2" in proc.stdout
+    notes = [line for line in proc.stderr.splitlines() if "note:" in line]
+    assert len(notes) == 1 and "--deepspeed (" in notes[0] and "--num-key-value-heads 2 (read as" in notes[0]
 
 
 def test_the_shrunk_script_at_one_pipeline_stage_trains_on_2_processes(files, tmp_path):
     """The same script with its pipeline size set to 1 as well, to fit the suite's two processes (TP 2)."""
     ckpt = str(tmp_path / "ckpt")
-    argv = _shrunk(script_argv("mds_pretrain_llama2", files, save=ckpt, load=ckpt))
-    argv[argv.index("--pipeline-model-parallel-size") + 1] = "1"
+    argv = _shrunk(script_argv("mds_pretrain_llama2", files, save=ckpt, load=ckpt),
+                   pipeline_model_parallel_size="1")
     proc = _train_shrunk(argv, 2)
     assert "tp=2 dp=1 pp=1" in proc.stdout and "bf16" in proc.stdout  # bf16 from its DeepSpeed config
+
+
+# The fp8 Llama 3 8B scripts' only refusals (EXPECTED_SCRIPTS): the shrunk runs leave them out, with their values.
+_FP8_VALUES = {"--fp8-format": 1, "--fp8-amax-history-len": 1, "--fp8-amax-compute-algo": 1, "--fp8-param-gather": 0}
+# script -> processes, the layout it trains at, the sizes beside SHRUNK. Each axis the script uses above 1 stays
+# above 1 (EP within DP for Mixtral); a script at TP 1 x PP 1 trains data-parallel on 2 processes.
+SHRUNK_RUNS = {
+    # TP 8 x PP 16 -> TP 2 x PP 2; its step-wise batch 16 to 1536 over 12B tokens -> 1, 2, 3 over 96 tokens (3
+    # samples of 32): the 3 iterations take 1, 2 and 3 samples; its decay 430000 -> 1000 iterations, so that its
+    # --lr-warmup-fraction .001 is one warmup step (hybrid refuses a fraction that rounds to none)
+    "megatron_gpt3_175b": (4, "tp=2 dp=1 pp=2", dict(tensor_model_parallel_size="2", pipeline_model_parallel_size="2",
+                                                     global_batch_size="3", lr_decay_iters="1000")),
+    # PP 4 x EP 8 over DP 8 -> PP 2 x EP 2 over DP 2; 8 experts top-2 kept
+    "megatron_mixtral_8x7b": (4, "tp=1 dp=2 pp=2", dict(pipeline_model_parallel_size="2",
+                                                        expert_model_parallel_size="2")),
+    "megatron_llama3_8b_fp8_mock": (2, "tp=1 dp=2 pp=1", {}),
+    # its --vocab-size at least the test tokenizer's 600 tokens
+    "megatron_llama3_8b_fp8_data": (2, "tp=1 dp=2 pp=1", dict(vocab_size="640")),
+    "megatron_fsdp_llama3_8b_fp8_mock": (2, "tp=1 dp=2 pp=1", {}),
+    "mds_pretrain_llama": (4, "tp=2 dp=1 pp=2", {}),
+    # its run and schedule in tokens at --seq-length 32: 3 iterations of 4 samples, warmup 1 sample, decay 12
+    "mds_moe_gpt_350m_dense": (2, "tp=1 dp=2 pp=1", dict(train_tokens=str(3 * 4 * 32), train_samples="16",
+                                                          lr_warmup_tokens="32", lr_decay_tokens=str(12 * 32))),
+}
+# script -> the documents its dataset needs: the Mixtral script's --split 99990,8,2 gives its valid split 8/100000
+# of them, at least one document of seq_length + 1 tokens for its evaluation
+SHRUNK_DOCUMENTS = {"megatron_mixtral_8x7b": 25000}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SHRUNK_RUNS))
+def test_each_accepted_script_shrunk_trains(name, files, tmp_path):
+    """Each accepted Megatron-LM HEAD script, the fp8 Llama 3 8B ones without their fp8 flags (their only
+    refusals), and the accepted Megatron-DeepSpeed ones, with their model and batch sizes shrunk (SHRUNK and
+    SHRUNK_RUNS: nothing else of the script changes but the run's length and log interval), train on 2-4 CPU
+    processes: every iteration logged with a finite loss, at the layout printed."""
+    processes, layout, sizes = SHRUNK_RUNS[name]
+    ckpt = str(tmp_path / "ckpt")
+    data = {}
+    if name in SHRUNK_DOCUMENTS:
+        from hybrid.data.indexed import write_dataset
+
+        rng = np.random.default_rng(1)
+        write_dataset(tmp_path / "data", [rng.integers(3, 250, size=40) for _ in range(SHRUNK_DOCUMENTS[name])])
+        data = {"data": str(tmp_path / "data")}
+    argv = script_argv(name, files, save=ckpt, load=ckpt, **data)
+    for flag, takes_value in _FP8_VALUES.items():
+        if flag in argv:
+            del argv[argv.index(flag):argv.index(flag) + 1 + takes_value]
+    if name == "megatron_gpt3_175b":
+        at = argv.index("--step-batch-size-schedule") + 1
+        argv[at:at + 6] = ["0:1", "32:2", "96:3"]
+    argv = _shrunk(argv, **sizes)
+    config = SCRIPTS[name]["deepspeed_config"]
+    if config is not None:  # its DeepSpeed config's batch sizes shrunk as the flags are
+        shrunk = {key: int(argv[argv.index(flag) + 1]) for key, flag in SHRUNK_DS.items()}
+        (files["root"] / f"{name}.ds_config.json").write_text(json.dumps({**config, **shrunk}))
+    proc = _train_shrunk(argv, processes)
+    assert layout in proc.stdout, proc.stdout[-2000:]
+    if name == "megatron_gpt3_175b":  # the step-wise batch grew
+        assert re.findall(r"global batch size: (\d+)", proc.stdout) == ["1", "2", "3"], proc.stdout[-2000:]
 
 
 # The keys DeepSpeed's own ZeRO and offload configs define (deepspeed/runtime/zero/config.py and offload_config.py

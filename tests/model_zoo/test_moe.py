@@ -131,6 +131,24 @@ def test_layer_matches_a_plain_token_loop():
     assert layer.stats.tokens_per_expert.sum().item() == 8 * 3 * 2
 
 
+def test_grouped_experts_off_16_byte_strides_run_the_loop():
+    """An expert width torch._grouped_mm cannot take (f' = 5 fp32: 20-byte rows; its own error is "strides
+    should be multiple of 16 bytes") runs the loop: the same arithmetic, so bit-identical output and grads."""
+    cfg = small_config(ffn_hidden_size=5)
+    topo = Topology.local()
+    looped, grouped = build_layer(cfg, topo, dtype=torch.float32), \
+        build_layer(cfg.replace(moe_grouped_gemm=True), topo, dtype=torch.float32)
+    x, cot = inputs(cfg, batch=2, dtype=torch.float32)
+    ys = []
+    for layer in (looped, grouped):
+        y = layer(x)
+        (y * cot).sum().backward()
+        ys.append(y.detach())
+    assert torch.equal(ys[0], ys[1])
+    for a, b in zip(looped.parameters(), grouped.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
 def test_grouped_and_looped_experts_agree():
     """fp32 (torch._grouped_mm takes no float64): both within the first-order rounding bound of a float64 loop."""
     cfg = small_config()
