@@ -51,12 +51,12 @@ import torch
 
 from hybrid.checkpoint import CheckpointReader
 from hybrid.convert.consolidate import MASTER, CheckpointSource, ConversionError
+from hybrid.convert.converted_writer import MOMENTS
 from hybrid.convert.output import ProgressFactory, nbytes_of, new_checkpoint_in, open_bar
 from hybrid.convert.safe_pickle import PlainGlobals, UnsafePickleError, check_globals
 from hybrid.dtypes import DTYPES, PRECISION_OF_DTYPE
 
 OPTIMIZER, TRAIN_STATE, MODEL_PREFIX = "optimizer", "train_state", "model."  # torchtitan's state names
-MOMENTS = ("exp_avg", "exp_avg_sq")
 ADAM_TYPES = ("adam", "adamw")  # the optimizers whose state maps onto torch.optim.AdamW's
 MODEL_CONFIG_FILE = "hybrid_model_config.json"  # beside the DCP files: what from-dcp builds the model from
 METADATA_FILE = ".metadata"

@@ -57,6 +57,7 @@ import torch
 
 from hybrid.convert import safe_pickle
 from hybrid.convert.consolidate import MASTER, ZERO_STATE_FORMAT, ConversionError
+from hybrid.convert.converted_writer import MOMENTS, MemorySource, target_layout, write_converted
 from hybrid.convert.output import ProgressFactory
 from hybrid.convert.reshard import DEFAULT_BUCKET_SIZE, OFFLINE_STAGES
 from model_zoo.config import GPTConfig
@@ -65,7 +66,6 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's name for its
 LEGACY_FILE = "model_optim_rng.pt"
 DISTRIBUTED_OPTIMIZER_FILE = "distrib_optim.pt"  # a legacy --use-distributed-optimizer run's flat state
 COMMON_FILE = "common.pt"  # torch_dist: what every rank shares
-MOMENTS = ("exp_avg", "exp_avg_sq")
 _RANK_DIR = re.compile(r"mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
@@ -595,7 +595,6 @@ def convert_from_megatron(load, save, *, tp: int = 1, dp: int = 1, target_zero_s
     directory (``save/latest`` points at it).
     """
     # in-memory tensors under hybrid's names, written by the offline writer as from-deepspeed writes them
-    from hybrid.convert.from_deepspeed import _MemorySource, target_layout, write_converted
     from hybrid.convert.hf import gpt_buffer_layout, gpt_param_layout
     from hybrid.dtypes import DTYPES
 
@@ -636,7 +635,7 @@ def convert_from_megatron(load, save, *, tp: int = 1, dp: int = 1, target_zero_s
                      "client": {},
                      "imported_from": {"format": f"megatron-lm {state.format}", "path": str(state.path.resolve()),
                                        "optimizer": with_optimizer}}
-    src = _MemorySource(full, layout, DTYPES[precision], {}, header, cfg.to_dict(), state.path)
+    src = MemorySource(full, layout, DTYPES[precision], {}, header, cfg.to_dict(), state.path)
     return write_converted(src, save, target.replace(precision=precision), iteration=state.iteration,
                            consumed_samples=consumed, trainer_state=trainer_state, bucket_size=bucket_size,
                            description=f"from-megatron {state.format}", with_optimizer=with_optimizer,
