@@ -189,6 +189,9 @@ def _live_tensors() -> List[torch.Tensor]:
         for obj in gc.get_objects():
             try:
                 if isinstance(obj, torch.Tensor) and obj.device.type != "meta" and not obj.is_sparse:
+                    # fake and functional tensors (what torch.compile keeps in its caches) hold no memory: this
+                    # raises for them
+                    obj.untyped_storage().data_ptr()
                     out.append(obj)
             except Exception:  # noqa: BLE001 - tensor subclasses without a storage
                 continue

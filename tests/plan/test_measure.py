@@ -38,3 +38,12 @@ def test_live_tensor_bytes_sees_new_tensors():
     before = live_tensor_bytes()
     t = torch.empty(1 << 18)  # 1 MiB
     assert live_tensor_bytes() - before >= t.numel() * 4
+
+
+def test_tensors_a_compiler_keeps_are_not_counted():
+    """torch.compile leaves fake tensors in its caches (no memory, no data pointer): the tracker skips them."""
+    f = torch.compile(lambda x: (x * 2).sin(), backend="aot_eager")
+    f(torch.randn(8))
+    with LiveTensorTracker() as tracker:
+        torch.ones(256)
+    assert tracker.peak_bytes >= tracker.start_bytes + 256 * 4
