@@ -92,6 +92,7 @@ def test_legacy_checkpoint_resumes_and_resaves_exactly(tmp_path, stage, commit):
                 assert torch.equal(g_old[key], g_new[key]), f"{name} {key}"
 
 
+@pytest.mark.slow  # the default run keeps the exact resume-and-resave of the legacy checkpoint
 def test_legacy_zero1_checkpoint_continues_in_other_layouts(tmp_path):
     copy = str(tmp_path / "legacy")
     shutil.copytree(os.path.join(OUT, "zero1"), copy)

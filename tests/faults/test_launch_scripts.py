@@ -73,7 +73,7 @@ def test_single_node_scripts_rendezvous_on_loopback_only():
         assert '--rdzv-endpoint "127.0.0.1:$MASTER_PORT"' in text, script
 
 
-@pytest.mark.parametrize("stage", ["2", "3"])
+@pytest.mark.parametrize("stage", ["2", pytest.param("3", marks=pytest.mark.slow)])  # stage 3 slow: ~6 s more
 def test_gpt2_1_5b_script(tmp_path, stage):
     # stage 3: the trainer's train_batch must run the model through its hooks (the tied head's weight, a unit of
     # its own under a persistence threshold of 100 elements, is read outside its module)
@@ -109,6 +109,7 @@ def test_slurm_script_with_srun_and_scontrol_stand_ins(tmp_path):
     _trained(proc, tmp_path / "checkpoints")
 
 
+@pytest.mark.slow  # a second full run of the demo script; tests/training/test_launch.py keeps its main case
 def test_tiny_demo_script_reuses_the_environment_and_trains_grouped_query_attention_in_a_pipeline(tmp_path):
     from hybrid.convert.hf import export_to_hf
     from hybrid.convert.reshard import reshard_checkpoint

@@ -93,6 +93,7 @@ def _rank_of(pid: int) -> Optional[int]:
     return None
 
 
+@pytest.mark.slow  # ~25 s; the default run keeps tests/test_comm.py's lost-peer timeout and the killed-rank case
 def test_stopped_rank_ends_the_job_with_the_collective_named():
     timeout_s = 6.0
     cmd = _torchrun(["-m", "hybrid.train", *TINY, "--tensor-model-parallel-size", "2", "--train-iters", "100000",

@@ -170,6 +170,7 @@ def test_sigterm_saves_a_loadable_checkpoint(tmp_path):
     assert f"exiting at iteration {reader.iteration + 1}: reached --exit-interval" in resumed.stdout
 
 
+@pytest.mark.slow  # the default run keeps tests/test_emulated_cluster.py's two-node training
 def test_two_node_rendezvous_on_one_machine(tmp_path):
     port = free_port()
     common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
