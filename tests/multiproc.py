@@ -27,6 +27,7 @@ slower peer was still making them.
 
 from __future__ import annotations
 
+import datetime
 import os
 import queue
 import socket
@@ -34,8 +35,6 @@ import sys
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
-
-import datetime
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -88,15 +87,13 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwa
 
 def _wait_for_all(port: int, world_size: int, timeout_s: float) -> None:
     """Return once every rank has called this (the parent's store counts them), or after ``timeout_s``."""
-    import torch.distributed as tdist
-
-    store = tdist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                            timeout=datetime.timedelta(seconds=timeout_s))
     if store.add("harness/finished", 1) == world_size:
         store.set("harness/all_finished", "1")
     try:
         store.wait(["harness/all_finished"])
-    except tdist.DistStoreError:
+    except dist.DistStoreError:
         pass  # a rank that never finishes is the parent's to report
 
 
