@@ -60,6 +60,29 @@ def engine_config(spec: Dict) -> Dict:
             "recompute": spec.get("recompute", "none"), "steps_per_print": 0, **pipeline}
 
 
+def train_step(engine, batches, tracker=None, saved=None) -> List[int]:
+    """One optimizer step of ``engine`` over ``batches`` (one micro-batch each, its own labels); with ``tracker``
+    (a LiveTensorTracker) the live-tensor peak after each forward and after each backward and step, in order;
+    ``saved`` (SavedActivations) watches the first forward."""
+    peaks = []
+    for i, x in enumerate(batches):
+        if saved is not None and i == 0:
+            with saved:
+                loss = engine(x, x)
+        else:
+            loss = engine(x, x)
+        if tracker is not None:
+            peaks.append(tracker.peak_bytes)
+            tracker.reset_peak()
+        engine.backward(loss)
+        del loss
+        engine.step()
+        if tracker is not None:
+            peaks.append(tracker.peak_bytes)
+            tracker.reset_peak()
+    return peaks
+
+
 def _measure_one(spec: Dict, baseline: int) -> Dict:
     import hybrid
     from hybrid import Topology
@@ -76,32 +99,13 @@ def _measure_one(spec: Dict, baseline: int) -> Dict:
     batches = [torch.randint(0, cfg.vocab_size, (spec["micro"], cfg.seq_length), generator=gen)
                for _ in range(gas)]
 
-    def train_step(tracker=None, saved=None) -> List[int]:
-        peaks = []
-        for i, x in enumerate(batches):
-            if saved is not None and i == 0:
-                with saved:
-                    loss = engine(x, x)
-            else:
-                loss = engine(x, x)
-            if tracker is not None:
-                peaks.append(tracker.peak_bytes)
-                tracker.reset_peak()
-            engine.backward(loss)
-            del loss
-            engine.step()
-            if tracker is not None:
-                peaks.append(tracker.peak_bytes)
-                tracker.reset_peak()
-        return peaks
-
-    train_step()
+    train_step(engine, batches)
     if spec.get("optimizer") == "onebit_adam":
-        train_step()  # the first compressed step allocates the error buffers: measure the one after
+        train_step(engine, batches)  # the first compressed step allocates the error buffers: measure the one after
     saved = SavedActivations(storage_keys(model.parameters()))
     with LiveTensorTracker() as tracker:
         state = tracker.start_bytes - baseline
-        peaks = [p - baseline for p in train_step(tracker, saved)]
+        peaks = [p - baseline for p in train_step(engine, batches, tracker, saved)]
     opt = engine.optimizer
     out = {"state": state, "report": engine.memory_report(), "saved": saved.bytes,
            "forward_peak": peaks[0], "backward_peak": max(peaks[1:]), "peak": max(peaks), "comm": engine.comm_report(),

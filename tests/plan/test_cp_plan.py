@@ -14,6 +14,7 @@ from hybrid.plan.context_parallel import (block_bytes, cp_problem_at, ring_bytes
 from hybrid.plan.layouts import enumerate_layouts, evaluate
 from hybrid.plan.links import LinkSpec
 from model_zoo import get_preset
+from tests.plan.harness import train_step
 
 GIB = 2**30
 # Llama-3-8B: h=4096, 32 layers, 32 query heads of d=128, 8 key/value groups.
@@ -179,22 +180,9 @@ def _measure_cp_peaks(cps):
         # every rank of a cp group reads the same whole sequence (the model keeps its chunks)
         x = torch.randint(0, cfg.vocab_size, (1, MEASURED_SEQ), generator=torch.Generator().manual_seed(7))
 
-        def step(tracker=None):
-            peaks = []
-            loss = engine(x, x)
-            if tracker is not None:
-                peaks.append(tracker.peak_bytes)
-                tracker.reset_peak()
-            engine.backward(loss)
-            del loss
-            engine.step()
-            if tracker is not None:
-                peaks.append(tracker.peak_bytes)
-            return peaks
-
-        step()
+        train_step(engine, [x])
         with LiveTensorTracker() as tracker:
-            peaks = [p - baseline for p in step(tracker)]
+            peaks = [p - baseline for p in train_step(engine, [x], tracker)]
         out.append({"cp": cp, "forward_peak": peaks[0], "backward_peak": peaks[1], "peak": max(peaks)})
         engine.optimizer.remove_hooks()
         engine.close()
