@@ -9,7 +9,12 @@ counts the global batch's tokens over the median step time of rank 0; peak RSS i
 published figure is the median of the per-round compiled/eager ratios with their min-max
 (benchmarks/paired.py).
 
-    python benchmarks/compile_speed.py [--rounds 3] [--models tiny gpt2-small]
+    python benchmarks/compile_speed.py [--rounds 3] [--models tiny gpt2-small] [--tensorboard-dir runs/compile_speed]
+
+Every timed step of rank 0 also goes to TensorBoard, eager and compiled side by side: one run folder per contender
+(``<dir>/<model>/eager``, ``<dir>/<model>/compiled``) under the trainer's own tags, ``train/iteration_time_s`` and
+``train/tokens_per_sec`` (hybrid.monitor.scalars), x-axis the timed step counted over the rounds;
+``tensorboard --logdir <dir>`` overlays the two.
 
 Target (issue 51): compiled at least 0.95x eager tokens/s on the demo model on CPU (no regression); the larger
 model is reported as it comes out.
@@ -69,7 +74,7 @@ def job(model_name: str, compiled: bool, cache_dir: Optional[str], warmup: int, 
         times.append(time.perf_counter() - start)
     engine.close()
     topo.close()
-    return {"step_s": statistics.median(times[warmup:]), "first_step_s": times[0],
+    return {"step_s": statistics.median(times[warmup:]), "first_step_s": times[0], "step_times_s": times[warmup:],
             "tokens": micro * seq * topo.dp_size, **(report.figures() if report else {}),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
@@ -77,16 +82,35 @@ def job(model_name: str, compiled: bool, cache_dir: Optional[str], warmup: int, 
 def run(model_name: str, compiled: bool, cache_dir: str, warmup: int, steps: int) -> dict:
     ranks = run_distributed(job, WORLD, model_name, compiled, cache_dir, warmup, steps, timeout=2400,
                             start="spawn", env={"OMP_NUM_THREADS": "1"})
-    return {"tokens_per_s": ranks[0]["tokens"] / ranks[0]["step_s"],
-            "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks)}
+    return {"tokens_per_s": ranks[0]["tokens"] / ranks[0]["step_s"], "tokens": ranks[0]["tokens"],
+            "step_times_s": ranks[0]["step_times_s"], "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks)}
+
+
+def write_tensorboard(log_dir: str, results: dict) -> None:
+    """Each contender's timed steps, ``results[(model, compiled)]`` a list over rounds of :func:`run`'s figures, as
+    TensorBoard scalars in ``log_dir/<model>/<eager|compiled>``: ``train/iteration_time_s`` and
+    ``train/tokens_per_sec`` at step 1, 2, ... counted over the rounds in order."""
+    from hybrid.monitor.tensorboard_writer import TensorBoardSink
+
+    for (name, compiled), rounds in results.items():
+        sink = TensorBoardSink(os.path.join(log_dir, name, "compiled" if compiled else "eager"))
+        step = 0
+        for out in rounds:
+            for seconds in out["step_times_s"]:
+                step += 1
+                sink.add_scalars(step, {"train/iteration_time_s": seconds,
+                                        "train/tokens_per_sec": out["tokens"] / seconds})
+        sink.close()
 
 
 def main() -> None:
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--tensorboard-dir", default=os.path.join("runs", "compile_speed"),
+                        help="event files of every timed step, eager and compiled")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="compile-cache-") as cache:
         for name in args.models:  # fill the cache: the rounds time steps, not compiles
@@ -99,6 +123,8 @@ def main() -> None:
                     results[(name, compiled)].append(out)
                     print(f"round {r + 1} {name} {'compiled' if compiled else 'eager'}: "
                           f"{out['tokens_per_s']:.0f} tokens/s, peak RSS {out['peak_rss_mib']:.0f} MiB", flush=True)
+    write_tensorboard(args.tensorboard_dir, results)
+    print(f"step times, eager and compiled: tensorboard --logdir {args.tensorboard_dir}")
 
     def paired(name, key):
         eager, comp = results[(name, False)], results[(name, True)]
