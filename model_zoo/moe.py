@@ -268,28 +268,91 @@ class _ContiguousGrad(torch.autograd.Function):
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm takes (no float64)
 
 
-def run_experts(tokens: torch.Tensor, counts: List[int], experts: List[Expert], grouped: bool) -> torch.Tensor:
-    """Tokens ``[n, h]`` grouped by expert (``counts[j]`` rows for ``experts[j]``, in order) -> ``[n, h]``.
-
-    The one place that chooses how a rank's experts compute: one grouped
-    matrix product per projection (``torch._grouped_mm``, when ``grouped``, torch offers it
-    for the dtype and the widths are on its 16-byte strides) or a loop over the experts (each
-    expert module called, so hooks on it run: ZeRO-3 gathers its weights there).
-    """
+def _grouped(tokens: torch.Tensor, rows: int, experts: List[Expert], grouped: bool) -> bool:
+    """Whether ``rows`` tokens like ``tokens`` go through one grouped matrix product per projection: ``grouped``
+    asked for, torch offers it for the dtype, and the widths are on its 16-byte strides."""
     # torch._grouped_mm needs each operand's rows on 16-byte strides: h, the input projection's width [b f'] and
     # the expert's own [f'] (a few elements off, e.g. a shrunk model's f' = 172 in bf16, and it raises)
     widths = (tokens.shape[-1], experts[0].in_proj.weight.shape[0], experts[0].out_proj.weight.shape[1])
     aligned = all(w * tokens.element_size() % 16 == 0 for w in widths)
-    if grouped and aligned and hasattr(torch, "_grouped_mm") and tokens.shape[0] > 0 and \
-            tokens.dtype in _GROUPED_DTYPES:
-        pairs = [e.weights() for e in experts]
-        offs = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
-        w_in = torch.stack([w for w, _ in pairs]).transpose(1, 2)  # [E_l, h, b f']
-        w_out = torch.stack([w for _, w in pairs]).transpose(1, 2)  # [E_l, f', h]
-        mid = torch._grouped_mm(_ContiguousGrad.apply(tokens), w_in, offs=offs)
-        return torch._grouped_mm(_ContiguousGrad.apply(experts[0].activation(mid)), w_out, offs=offs)
+    return grouped and aligned and hasattr(torch, "_grouped_mm") and rows > 0 and tokens.dtype in _GROUPED_DTYPES
+
+
+def _grouped_experts(tokens: torch.Tensor, counts: List[int], experts: List[Expert]) -> torch.Tensor:
+    pairs = [e.weights() for e in experts]
+    offs = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
+    w_in = torch.stack([w for w, _ in pairs]).transpose(1, 2)  # [E_l, h, b f']
+    w_out = torch.stack([w for _, w in pairs]).transpose(1, 2)  # [E_l, f', h]
+    mid = torch._grouped_mm(_ContiguousGrad.apply(tokens), w_in, offs=offs)
+    return torch._grouped_mm(_ContiguousGrad.apply(experts[0].activation(mid)), w_out, offs=offs)
+
+
+def run_experts(tokens: torch.Tensor, counts: List[int], experts: List[Expert], grouped: bool) -> torch.Tensor:
+    """Tokens ``[n, h]`` grouped by expert (``counts[j]`` rows for ``experts[j]``, in order) -> ``[n, h]``.
+
+    The one place that chooses how a rank's experts compute (:func:`_grouped` decides, for
+    :func:`run_experts_on_blocks` too): one grouped matrix product per projection
+    (``torch._grouped_mm``, when ``grouped``, torch offers it for the dtype and the widths are
+    on its 16-byte strides) or a loop over the experts (each expert module called, so hooks on
+    it run: ZeRO-3 gathers its weights there).
+    """
+    if _grouped(tokens, tokens.shape[0], experts, grouped):
+        return _grouped_experts(tokens, counts, experts)
     pieces = tokens.split(list(counts))
     return torch.cat([expert(piece) for expert, piece in zip(experts, pieces)])
+
+
+def run_experts_on_blocks(blocks: List[List[torch.Tensor]], experts: List[Expert],
+                          grouped: bool) -> List[List[torch.Tensor]]:
+    """:func:`run_experts` on rows that come in blocks: ``blocks[j]`` lists ``experts[j]``'s rows as blocks ``[n_i, h]``
+    (one per source rank, as an expert-parallel rank receives them); returns each expert's outputs cut into the same
+    blocks. The loop concatenates only each expert's own blocks (no copy for a single block), the grouped product
+    all of them in expert order; either way the rows an expert computes on, and its outputs, are those of
+    :func:`run_experts` on the expert-major concatenation."""
+    sizes = [[block.shape[0] for block in own] for own in blocks]
+    if _grouped(blocks[0][0], sum(map(sum, sizes)), experts, grouped):
+        out = _grouped_experts(torch.cat([block for own in blocks for block in own]), [sum(n) for n in sizes],
+                               experts).split([n for own in sizes for n in own])
+        cut, at = [], 0
+        for own in sizes:
+            cut.append(list(out[at:at + len(own)]))
+            at += len(own)
+        return cut
+    return [list(expert(own[0] if len(own) == 1 else torch.cat(own)).split(n))
+            for expert, own, n in zip(experts, blocks, sizes)]
+
+
+class _Combine(torch.autograd.Function):
+    """The weighted sum of each token's expert outputs: ``out`` ``[N, h]``, the outputs of the kept assignments
+    ``assign`` ``[N]`` (indices into the ``T k`` (token, choice) slots, ``token = assign // k`` given as ``src``),
+    ``weights`` ``[T, k]`` -> ``[T, h]``: the k slots added in choice order, a dropped slot (``dropped``: the other
+    indices) contributing 0. Forward is the plain composition (slots filled, viewed ``[T, k, h]``, summed); written
+    as one function so that backward gathers each row's gradient from its token's (``gy[src]``) instead of
+    materialising the ``[T k, h]`` expansion of the sum's gradient and scattering it back. The values, forward
+    and backward, are those of the composition (same products and sums in the same dtypes)."""
+
+    @staticmethod
+    def forward(ctx, out, weights, assign, src, dropped, k):
+        T, h = weights.shape[0], out.shape[1]
+        w = weights.reshape(-1).index_select(0, assign).unsqueeze(1).to(out.dtype)  # [N, 1]
+        slots = out.new_empty(T * k, h).index_copy_(0, assign, out * w)
+        if dropped.numel():
+            slots.index_fill_(0, dropped, 0)
+        ctx.save_for_backward(out, w, assign, src)
+        ctx.weights_meta = (weights.shape, weights.dtype)
+        return slots.view(T, k, h).sum(1)  # the k choices added in choice order, whatever the layout
+
+    @staticmethod
+    def backward(ctx, gy):
+        out, w, assign, src = ctx.saved_tensors
+        rows = gy.index_select(0, src)  # each kept slot's gradient: its token's
+        g_out = rows * w if ctx.needs_input_grad[0] else None
+        g_weights = None
+        if ctx.needs_input_grad[1]:
+            shape, dtype = ctx.weights_meta
+            g_w = (rows * out).sum(1, keepdim=True).to(dtype).squeeze(1)
+            g_weights = g_w.new_zeros(shape.numel()).index_add_(0, assign, g_w).view(shape)
+        return g_out, g_weights, None, None, None, None
 
 
 # ---- the layer -----------------------------------------------------------------------------------------------
@@ -421,40 +484,44 @@ class MoELayer(nn.Module):
         """Tokens ``[T, h]`` routed as ``experts``/``weights`` ``[T, k]`` (assignments outside ``keep`` dropped)
         -> the weighted sum of their experts' outputs ``[T, h]``."""
         T, k = experts.shape
-        h, E, ep = tokens.shape[1], self.config.num_experts, self.topology.ep_size
+        E, ep = self.config.num_experts, self.topology.ep_size
         flat = experts.reshape(-1)
-        assign = torch.arange(T * k, device=tokens.device)
-        if keep is not None:
-            assign = assign[keep.reshape(-1)]
-        order = torch.sort(flat[assign], stable=True).indices
-        assign = assign[order]  # kept assignments, grouped by expert (then by token)
-        counts = torch.bincount(flat[assign], minlength=E)
-        routed = tokens.index_select(0, torch.div(assign, k, rounding_mode="floor"))  # [N, h]
-        local = self.experts.local()
-        if ep == 1:
-            out = run_experts(routed, counts.tolist(), local, self.config.moe_grouped_gemm)
+        if keep is not None:  # a dropped assignment's expert becomes E: the stable sort puts it after the kept
+            flat = flat.masked_fill(~keep.reshape(-1), E)
+        order = torch.sort(flat, stable=True).indices  # kept assignments grouped by expert (then by token), dropped
+        counts = torch.bincount(flat, minlength=E + 1)[:E]
+        exchange = None
+        if ep > 1:  # how many rows each rank sends each of my experts: under way while the tokens are gathered
+            send = counts.view(ep, self.local_count)
+            recv = torch.empty_like(send)
+            exchange = (recv, self.topology.comm.all_to_all_single(recv, send, "ep", async_op=True))
+        counts = counts.tolist()
+        assign, dropped = order[:sum(counts)], order[sum(counts):]
+        src = torch.div(assign, k, rounding_mode="floor")  # each kept assignment's token
+        routed = tokens.index_select(0, src)  # [N, h]
+        if exchange is None:
+            out = run_experts(routed, counts, self.experts.local(), self.config.moe_grouped_gemm)
         else:
-            out = self._across_ep(routed, counts)
-        weighted = out * weights.reshape(-1).index_select(0, assign).unsqueeze(1).to(out.dtype)
-        slots = out.new_zeros(T * k, h).index_copy(0, assign, weighted)  # dropped assignments stay zero
-        return slots.view(T, k, h).sum(1)  # the k choices added in choice order, whatever the layout
+            out = self._across_ep(routed, counts, *exchange)
+        return _Combine.apply(out, weights, assign, src, dropped, k)
 
-    def _across_ep(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _across_ep(self, routed: torch.Tensor, counts: List[int], recv: torch.Tensor, exchange) -> torch.Tensor:
         """Send the routed tokens ``[N, h]`` (grouped by global expert, ``counts`` ``[E]``) to their experts' ep
-        ranks, run them there, and bring the outputs back in the same order."""
+        ranks, run them there, and bring the outputs back in the same order. ``recv`` ``[ep, E/ep]``: the rows each
+        rank sends each local expert, filled by the count exchange ``exchange`` (all-to-all over ``"ep"``)."""
         topo, ep, n_local = self.topology, self.topology.ep_size, self.local_count
-        send = counts.view(ep, n_local).contiguous()
-        recv = torch.empty_like(send)
-        topo.comm.all_to_all_single(recv, send, "ep")  # how many tokens each rank sends each of my experts
-        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        exchange.wait()
+        got = recv.tolist()
+        in_splits = [sum(counts[r * n_local:(r + 1) * n_local]) for r in range(ep)]
+        out_splits = [sum(row) for row in got]
         arrived = all_to_all_v(routed, out_splits, in_splits, topo, "ep", op="moe_dispatch",
                                back_op="moe_dispatch_grad", quant=self.dispatch_quant)
-        # arrived rows: by source rank, then by my local expert; regroup by local expert
-        expert_of_row = torch.arange(n_local, device=routed.device).repeat(ep).repeat_interleave(recv.reshape(-1))
-        regroup = torch.sort(expert_of_row, stable=True).indices
-        out = run_experts(arrived.index_select(0, regroup), recv.sum(0).tolist(), self.experts.local(),
-                          self.config.moe_grouped_gemm)
-        back = out.index_select(0, torch.argsort(regroup))
+        # arrived rows: by source rank, then by my local expert; each expert takes its block from every source and
+        # the outputs go back in the same blocks (no regrouping gather, no scatter in backward)
+        blocks = arrived.split([n for row in got for n in row])
+        outs = run_experts_on_blocks([[blocks[r * n_local + j] for r in range(ep)] for j in range(n_local)],
+                                     self.experts.local(), self.config.moe_grouped_gemm)
+        back = torch.cat([outs[j][r] for r in range(ep) for j in range(n_local)])
         return all_to_all_v(back, in_splits, out_splits, topo, "ep", op="moe_combine", back_op="moe_combine_grad",
                             quant=self.dispatch_quant)
 
