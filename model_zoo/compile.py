@@ -23,12 +23,19 @@ where it is defined, so that each call is one graph break with nothing beneath i
   RNG-replay context is a closure dynamo's checkpoint operator does not take): the core runs eagerly under the
   checkpoint, as without compilation. Full recompute checkpoints the whole compiled block from outside
   (``GPTModel.forward_part``) and adds no break.
+* an MoE layer's routed experts (:meth:`model_zoo.moe.MoELayer._routed_experts`: the balancing losses, capacity,
+  the data-dependent dispatch and its all-to-all over ``"ep"``, the routing statistics); the router before it and a
+  shared expert after it stay compiled;
+* context-parallel attention (:func:`hybrid.context_parallel.context_parallel_attention`, ring or all-to-all, with
+  the document ids it is given).
+
+A break inside a module the block calls (the MoE layer, the attention) is counted again in the module's own frame,
+which dynamo compiles separately once the block's frame stops at the module's call.
 
 The graph and break counts of each layout are measured and held by ``tests/compile/`` (docs/compile.md lists
 them); none grows with depth.
 
-Start-up refusals are :func:`compile_problem`'s (plain rules, read by config validation and by
-:func:`compile_blocks`). The inductor cache (the FX graph cache: a warm start compiles nothing again) lives where
+The inductor cache (the FX graph cache: a warm start compiles nothing again) lives where
 :func:`use_cache_dir` points it, before the first compile.
 """
 
@@ -37,36 +44,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import types
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.utils.checkpoint
 
 from hybrid.tensor_parallel import traceable
 
-if TYPE_CHECKING:  # pragma: no cover
-    from model_zoo.config import GPTConfig
-
-# The flag and config key every refusal names.
-FLAG = "--torch-compile"
-KEY = "model.compile"
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"  # inductor reads its cache folder from here at each compile
-
-
-def compile_problem(config: "GPTConfig", *, cp: int = 1) -> Optional[str]:
-    """Why ``config`` cannot be compiled block by block, in one line naming the flag and the fix; None when it can.
-
-    MoE blocks route a data-dependent number of tokens to each expert (dynamic shapes in every step) and
-    exchange them with ``all_to_all_v``; context parallelism's ring passes key/value blocks between ranks inside
-    the attention. Both would break every block into many small graphs: refused until they are made traceable.
-    """
-    if config.is_moe:
-        return (f"{FLAG} ({KEY}) does not compile MoE blocks yet (data-dependent routing); drop {FLAG} or "
-                f"train a dense model")
-    if cp > 1:
-        return (f"{FLAG} ({KEY}) does not compile context-parallel attention yet; drop {FLAG} or "
-                f"--context-parallel-size")
-    return None
 
 
 def use_cache_dir(path: Optional[str]) -> Optional[str]:
@@ -122,13 +107,10 @@ class CompileReport:
 def compile_blocks(model, *, backend: str = "inductor", cache_dir: Optional[str] = None) -> CompileReport:
     """Compile ``model``'s transformer blocks (a :class:`~model_zoo.gpt.GPTModel`, this pipeline stage's blocks)
     in place: one ``torch.compile`` of ``TransformerLayer.forward``, bound to each block. Call it before the first
-    forward. Raises ValueError (:func:`compile_problem`) on a model it does not compile."""
+    forward."""
     from model_zoo.transformer import TransformerLayer
 
     topo = model.topology
-    problem = compile_problem(model.config, cp=topo.cp_size)
-    if problem:
-        raise ValueError(problem)
     cache = use_cache_dir(cache_dir)
     # The tensor-parallel mappings trace as one autograd function (hybrid.tensor_parallel.traceable), which
     # AOTAutograd's cache refuses by default: without this a warm start traces every block's forward and backward

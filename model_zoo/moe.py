@@ -528,13 +528,41 @@ class MoELayer(nn.Module):
     # ---- forward -------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg, topo = self.config, self.topology
-        s_local, b, h = x.shape
-        k = cfg.moe_router_topk
+        h = x.shape[-1]
+        # The router's scores and top-k: static shapes, traced into a compiled block (model_zoo.compile)
         weight = copy_to_tp_region(self.router.weight, topo) if self.tp > 1 else self.router.weight
         dt = torch.promote_types(x.dtype, torch.float32)
         logits = F.linear(x.reshape(-1, h).to(dt), weight.to(dt))  # [T_local, E], in fp32 (or wider)
         bias = self.router.expert_bias if cfg.moe_router_enable_expert_bias else None
         routing = route(logits, cfg, bias)
+        y = self._routed_experts(x, routing.experts, routing.weights, routing.probs, routing.logits)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                gate_w = self.shared_expert_gate.weight
+                gate_w = copy_to_tp_region(gate_w, topo) if self.tp > 1 else gate_w
+                shared = torch.sigmoid(F.linear(x, gate_w)) * shared
+            y = y + shared
+        return y
+
+    # Inside a compiled block this runs eagerly, one graph break (model_zoo.compile): the capacity and dispatch
+    # are data-dependent (tokens per expert, the variable-split all-to-all through the communicator, which counts
+    # its bytes), and the side channels must run on every call rather than be traced once: the statistics the
+    # monitor and the expert bias read (self.stats, on training's calls only, outside a recompute), and the
+    # balancing losses' attachment, whose backward reads the gradient scale the engine sets at backward time.
+    @torch.compiler.disable
+    def _routed_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, probs: torch.Tensor,
+                        logits: torch.Tensor) -> torch.Tensor:
+        """The routed part of the layer for input ``x`` ``[s/tp, b, h]`` routed as :class:`Routing`'s ``experts``,
+        ``weights`` ``[T, k]``, ``probs``, ``logits`` ``[T, E]`` (``T = s/tp b``, this rank's tokens): the balancing
+        losses (sums over ``"tp"`` and ``"cp"``), the capacity (gathers over ``"tp"``, ``"cp"``), the dispatch
+        (all-to-all over ``"ep"``; all-gather and reduce-scatter over ``"tp"`` with split experts) and the
+        statistics. Returns the weighted expert outputs ``[s/tp, b, h]``, carrying the balancing losses into
+        backward."""
+        cfg, topo = self.config, self.topology
+        s_local, b, h = x.shape
+        k = cfg.moe_router_topk
+        routing = Routing(experts, weights, probs, logits)
         whole = s_local * self.tp * self.cp  # the sequence length: its tokens are on the tp x cp ranks
         aux, aux_value, z_value = self._losses(routing, whole, b)
 
@@ -557,13 +585,6 @@ class MoELayer(nn.Module):
                 rows = slice(topo.tp_rank * s_local, (topo.tp_rank + 1) * s_local) if self.tp > 1 else slice(None)
                 keep_local = keep_whole[rows].reshape(-1, k)
             y = self._dispatch(x.reshape(-1, h), routing.experts, routing.weights, keep_local).view(s_local, b, h)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
-                gate_w = self.shared_expert_gate.weight
-                gate_w = copy_to_tp_region(gate_w, topo) if self.tp > 1 else gate_w
-                shared = torch.sigmoid(F.linear(x, gate_w)) * shared
-            y = y + shared
         if self.training and not self.tracker.recomputing:  # training's routing, counted once (not evaluation's)
             self._count(routing.experts, keep_whole, s_local, b, aux_value, z_value)
         if aux is not None and self.training and torch.is_grad_enabled():

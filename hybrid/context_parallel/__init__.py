@@ -39,6 +39,11 @@ def check_attention(comm_type: str, cp: int, attention_dropout: float = 0.0) -> 
         raise ValueError(problem)
 
 
+# Inside a compiled block (model_zoo.compile) the attention runs eagerly, one graph break per call: the ring's
+# asynchronous send/recv of key/value blocks, overlapped with the block in hand, and its own backward ring are
+# communicator calls inside an autograd function; the all-to-all variant and the document segments (lengths read
+# on the host) likewise. Everything around the attention (projections, norms, RoPE, the MLP) stays compiled.
+@torch.compiler.disable
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo: "Topology",
                                comm_type: str = "p2p", document_ids: Optional[torch.Tensor] = None,
                                scale: Optional[float] = None, dropout_p: float = 0.0) -> torch.Tensor:

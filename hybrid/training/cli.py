@@ -183,13 +183,7 @@ def _check_model(config: HybridConfig) -> None:
     from hybrid.training.model import keys_named_in, model_config
 
     try:
-        model = model_config(config, vocab_size=config.model.vocab_size or 1).validate(
+        model_config(config, vocab_size=config.model.vocab_size or 1).validate(
             config.tensor_parallel_size or 1, config.expert_parallel_size or 1, config.context_parallel_size or 1)
     except ValueError as e:
         raise _error(f"model settings: {e}", *keys_named_in(str(e))) from None
-    if config.model.compile:  # what torch.compile does not take yet, refused before any process group work
-        from model_zoo.compile import compile_problem
-
-        problem = compile_problem(model, cp=config.context_parallel_size or 1)
-        if problem:
-            raise _error(problem, "model.compile")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.parity_training import WORLD, check, reference, train
+from tests.engine.parity_training import MICRO, MOE, SEED, WORLD, check, data, reference, train
 from tests.multiproc import run_distributed
 
 DENSE = dict(vocab_size=200, hidden_size=32, num_layers=2, num_heads=4, seq_length=16, init_std=0.05, bias=False,
@@ -34,25 +34,42 @@ DENSE = dict(vocab_size=200, hidden_size=32, num_layers=2, num_heads=4, seq_leng
 GQA = dict(DENSE, num_query_groups=2, rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_positions=8)
 GPT2 = dict(vocab_size=200, hidden_size=32, num_layers=2, num_heads=4, seq_length=16, init_std=0.05)
 
+# A tiny MoE block (model_zoo.moe): top-2 of 4 experts, the balancing loss on, dropless; experts have no biases.
+TINY_MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 64, "moe_aux_loss_coeff": 0.01,
+            "bias": False}
+
 # Graphs and graph breaks dynamo counts while compiling one block's forward and backward, by layout (torch 2.13;
 # measured, at 2 and 4 layers alike). At TP2 the tensor-parallel collectives are functional collectives that dynamo
 # traces (hybrid.tensor_parallel.traceable): a dense block is one graph, with or without sequence parallelism.
-# What still breaks: selective recompute's checkpoint of the attention core, and ZeRO-3's hooks.
-BLOCK_GRAPHS = {  # name: (world, tp, zero stage, model overrides) -> (graphs, breaks)
-    "tp1": ((1, 1, 1, {}), (1, 0)),
-    "tp1-full-recompute": ((1, 1, 1, {"recompute": "full"}), (1, 0)),
-    "tp1-selective": ((1, 1, 1, {"recompute": "selective"}), (4, 2)),
-    "dp2-zero1": ((2, 1, 1, {}), (1, 0)),
-    "tp2": ((2, 2, 1, {}), (1, 0)),
-    "tp2-sp": ((2, 2, 1, {"sequence_parallel": True}), (1, 0)),
-    "tp2-sp-selective": ((2, 2, 1, {"sequence_parallel": True, "recompute": "selective"}), (4, 2)),
-    "dp2-zero3": ((2, 1, 3, {}), (9, 17)),
+# What still breaks: selective recompute's checkpoint of the attention core, ZeRO-3's hooks, an MoE layer's routed
+# experts (MoELayer._routed_experts: counted twice, as the block's frame stops at the MoE layer's call and the
+# layer's own frame at the routed call; 3 graphs: the block up to the MoE layer, the router, the residual after it)
+# and context-parallel attention (one break per attention call, 2 graphs).
+BLOCK_GRAPHS = {  # name: (world, topology axes, zero stage, model overrides) -> (graphs, breaks)
+    "tp1": ((1, {}, 1, {}), (1, 0)),
+    "tp1-full-recompute": ((1, {}, 1, {"recompute": "full"}), (1, 0)),
+    "tp1-selective": ((1, {}, 1, {"recompute": "selective"}), (4, 2)),
+    "dp2-zero1": ((2, {}, 1, {}), (1, 0)),
+    "tp2": ((2, {"tp": 2}, 1, {}), (1, 0)),
+    "tp2-sp": ((2, {"tp": 2}, 1, {"sequence_parallel": True}), (1, 0)),
+    "tp2-sp-selective": ((2, {"tp": 2}, 1, {"sequence_parallel": True, "recompute": "selective"}), (4, 2)),
+    "dp2-zero3": ((2, {}, 3, {}), (9, 17)),
+    "moe": ((1, {}, 1, TINY_MOE), (3, 2)),
+    "moe-shared-expert-capacity-bias": ((1, {}, 1, {**TINY_MOE, "moe_shared_expert_intermediate_size": 64,
+                                                    "moe_expert_capacity_factor": 1.0, "moe_z_loss_coeff": 1e-3,
+                                                    "moe_router_enable_expert_bias": True}), (4, 2)),
+    "dp2-ep2-moe": ((2, {"ep": 2}, 1, TINY_MOE), (3, 2)),
+    "tp2-sp-moe": ((2, {"tp": 2}, 1, {**TINY_MOE, "sequence_parallel": True}), (3, 2)),
+    "cp2-documents": ((2, {"cp": 2}, 1, {}), (4, 3)),
+    "cp2-a2a-documents": ((2, {"cp": 2}, 1, {"cp_comm_type": "a2a"}), (4, 3)),
 }
 
 
-def count_block_graphs(tp: int, stage: int, overrides: dict, layers: int = 2, backend: str = "eager"):
-    """Two training steps of a ``layers``-layer tiny GPT with its blocks compiled; (graphs, breaks) and whether the
-    loss is finite. Runs in the calling process (world 1) or one rank of run_distributed."""
+def count_block_graphs(axes: dict, stage: int, overrides: dict, layers: int = 2, backend: str = "eager"):
+    """Two training steps of a ``layers``-layer tiny GPT with its blocks compiled, on a topology of ``axes``
+    (``tp``, ``ep``, ``cp``; the rest of the world is dp); at cp > 1 each sequence packs two documents. Returns
+    (graphs, breaks) and whether the loss is finite. Runs in the calling process (world 1) or one rank of
+    run_distributed."""
     import hybrid
     from hybrid.config.parse import config_from_dict
     from model_zoo import GPTModel, get_preset
@@ -60,7 +77,7 @@ def count_block_graphs(tp: int, stage: int, overrides: dict, layers: int = 2, ba
     from model_zoo.transformer import TransformerLayer
 
     torch._dynamo.reset()  # a block compiled by an earlier test of this process would be a cache hit
-    topo = hybrid.Topology(tp=tp, timeout_s=60)
+    topo = hybrid.Topology(**axes, timeout_s=60)
     cfg = get_preset("tiny").replace(num_layers=layers, seq_length=32, **overrides)
     model = GPTModel(cfg, topo, seed=1)
     zero = {"stage": stage, **({"persistence_threshold": 0} if stage == 3 else {})}
@@ -70,7 +87,10 @@ def count_block_graphs(tp: int, stage: int, overrides: dict, layers: int = 2, ba
     report = compile_blocks(model, backend=backend)
     assert report.blocks == layers and all(isinstance(m, TransformerLayer) for m in model.layers.children())
     ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
-    losses = [engine.train_batch([{"input_ids": ids, "labels": ids}])[1] for _ in range(2)]
+    batch = {"input_ids": ids, "labels": ids}
+    if topo.cp_size > 1:  # document masking's ids flow through the compiled block into the attention
+        batch["document_ids"] = (torch.arange(32) >= 11).long().expand(2, 32)
+    losses = [engine.train_batch([batch])[1] for _ in range(2)]
     figures = report.figures()
     engine.close()
     topo.close()
@@ -186,7 +206,7 @@ def test_each_traced_mapping_gives_the_eager_values_gradients_and_counts(name):
 
 @pytest.mark.parametrize("layers", [2, 4])
 def test_a_dense_block_at_tp1_is_one_graph_reused_by_every_layer(layers):
-    graphs, breaks, finite = count_block_graphs(1, 1, {}, layers)
+    graphs, breaks, finite = count_block_graphs({}, 1, {}, layers)
     assert (graphs, breaks) == (1, 0) and finite
 
 
@@ -204,23 +224,64 @@ def test_the_report_line_names_blocks_graphs_breaks_and_time():
                            "0 graph break(s), "), line
 
 
-def test_moe_and_context_parallel_are_refused_naming_the_flag():
-    from model_zoo import get_preset
-    from model_zoo.compile import compile_problem
+def _moe_steps(cfg, ids, labels, compiled: bool, aux_scale: float = 0.5):
+    """Two forward and backward passes of one process's MoE model ``cfg`` on the same micro-batch, the expert bias
+    updated between them; the balancing losses' gradient scale is set to ``aux_scale`` after each forward (the
+    engine sets it before backward). Returns, per pass: the loss, every parameter's gradient and each MoE layer's
+    statistics; and the compile report."""
+    from hybrid.topology import Topology
+    from model_zoo import GPTModel
+    from model_zoo.compile import compile_blocks
+    from model_zoo.moe import moe_layers
 
-    assert compile_problem(get_preset("tiny")) is None
-    for problem in (compile_problem(get_preset("tiny-moe")), compile_problem(get_preset("tiny"), cp=2)):
-        assert problem.startswith("--torch-compile (model.compile) does not compile") and "\n" not in problem
+    model = GPTModel(cfg, Topology.local(), seed=SEED)
+    report = compile_blocks(model) if compiled else None
+    steps = []
+    for _ in range(2):
+        model.zero_grad()
+        model.moe_aux_scale.value = 1.0
+        loss = model(ids, labels=labels)
+        model.moe_aux_scale.value = aux_scale
+        loss.backward()
+        stats = [(layer.stats.tokens_per_expert.clone(), layer.stats.aux_loss.clone(), layer.stats.z_loss.clone())
+                 for _, layer in moe_layers(model)]
+        steps.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, stats))
+        model.after_optimizer_step()  # the expert bias moves (a buffer the compiled router reads at each call)
+    return steps, report
 
 
-def test_the_trainer_refuses_an_moe_model_at_start_up():
-    from hybrid.config import ConfigError
-    from hybrid.training.cli import parse_args, validate
+def test_a_compiled_moe_block_trains_as_eager_with_its_losses_statistics_and_bias():
+    """The one fast MoE case (one process, 2 layers, inductor): the router compiles, the routed experts run eagerly
+    (BLOCK_GRAPHS["moe"]), and forward and backward equal eager within tests/numerics.py's bounds (as
+    tests/engine/parity_training.check costs an MoE model), with the side channels the compiled block must not
+    bake in: the balancing and z-losses reach backward at the scale set after the forward, the routing statistics
+    (monitor, expert bias) are counted on every call, and the router reads the expert bias as it moves."""
+    from model_zoo import GPTConfig
+    from tests.numerics import U, max_ratio, transformer_bound
 
-    config = parse_args(["--model", "tiny-moe", "--torch-compile", "--mock-data", "--train-iters", "1",
-                         "--micro-batch-size", "1", "--global-batch-size", "1", "--lr", "1e-3"])
-    with pytest.raises(ConfigError, match="--torch-compile"):
-        validate(config, 1)
+    torch._dynamo.reset()
+    cfg = GPTConfig(**{**MOE, "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 0.01})
+    ids, labels = (t[:MICRO] for t in data(MOE))
+    (eager, _), (compiled, report) = (_moe_steps(cfg, ids, labels, c) for c in (False, True))
+    assert (report.figures()["graphs"], report.figures()["breaks"]) == BLOCK_GRAPHS["moe"][1]
+    tokens = MICRO * cfg.seq_length
+    moe = cfg.num_layers * (cfg.hidden_size + cfg.moe_router_topk) * U  # router and k-way sum, as check() adds
+    fwd = transformer_bound(cfg, tokens, part="loss") + moe
+    grads = transformer_bound(cfg, tokens, part="grads") + fwd
+    for (loss_e, grads_e, stats_e), (loss_c, grads_c, stats_c) in zip(eager, compiled):
+        assert abs(loss_c - loss_e) <= fwd * abs(loss_e), (loss_c, loss_e)
+        for name, g in grads_e.items():
+            assert max_ratio(grads_c[name], g, grads * g.abs().max()) <= 1, name
+        for (tokens_e, aux_e, z_e), (tokens_c, aux_c, z_c) in zip(stats_e, stats_c):
+            assert torch.equal(tokens_c, tokens_e) and aux_e > 0 and z_e > 0
+            assert abs(aux_c - aux_e) <= fwd * aux_e and abs(z_c - z_e) <= fwd * z_e
+    # what the checks above could miss: the bias moved the second pass's routing, and the balancing losses'
+    # gradient (at its scale) is far outside the bound on the router
+    (tokens_1, _, _), (tokens_2, _, _) = eager[0][2][0], eager[1][2][0]
+    assert not torch.equal(tokens_2 - tokens_1, tokens_1)
+    (_, no_aux, _), _ = _moe_steps(cfg, ids, labels, False, aux_scale=0.0)[0]
+    router = "layers.0.mlp.router.weight"
+    assert max_ratio(no_aux[router], eager[0][1][router], grads * eager[0][1][router].abs().max()) > 1
 
 
 def test_the_cache_goes_under_the_save_folder_unless_given():
@@ -239,34 +300,40 @@ def test_compiled_training_matches_one_eager_process():
 @pytest.mark.slow  # ~20-60 s each at world 2
 @pytest.mark.parametrize("name", [n for n in BLOCK_GRAPHS if BLOCK_GRAPHS[n][0][0] > 1])
 def test_graph_breaks_of_each_layout(name):
-    (world, tp, stage, overrides), want = BLOCK_GRAPHS[name]
-    for graphs, breaks, finite in run_distributed(count_block_graphs, world, tp, stage, overrides, timeout=300):
+    (world, axes, stage, overrides), want = BLOCK_GRAPHS[name]
+    for graphs, breaks, finite in run_distributed(count_block_graphs, world, axes, stage, overrides, timeout=300):
         assert (graphs, breaks) == want and finite, f"{name}: {graphs} graphs, {breaks} breaks, want {want}"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tp1-full-recompute", "tp1-selective"])
-def test_graph_breaks_of_recompute(name):
-    (_, tp, stage, overrides), want = BLOCK_GRAPHS[name]
-    graphs, breaks, finite = count_block_graphs(tp, stage, overrides)
+@pytest.mark.parametrize("name", [n for n in BLOCK_GRAPHS if BLOCK_GRAPHS[n][0][0] == 1 and n not in ("tp1", "moe")])
+def test_graph_breaks_of_one_process_layouts(name):
+    """tp1 and moe: the default run's tests above."""
+    (_, axes, stage, overrides), want = BLOCK_GRAPHS[name]
+    graphs, breaks, finite = count_block_graphs(axes, stage, overrides)
     assert (graphs, breaks) == want and finite
 
 
-LAYOUTS = {  # (tp, pp, zero stage, base model, model overrides, engine config)
-    "tp2xdp2-zero1": (2, 1, 1, DENSE, {}, {}),
-    "tp2xdp2-zero1-overlap-gather": (2, 1, 1, DENSE, {}, {"zero": {"overlap_param_gather": True}}),
-    "tp2-sp-selective": (2, 1, 1, DENSE, {"recompute": "selective"}, {}),
-    "dp4-zero3": (1, 1, 3, DENSE, {}, {}),
+LAYOUTS = {  # (tp, pp, zero stage, base model, model overrides, engine config, more of train()'s arguments)
+    "tp2xdp2-zero1": (2, 1, 1, DENSE, {}, {}, {}),
+    "tp2xdp2-zero1-overlap-gather": (2, 1, 1, DENSE, {}, {"zero": {"overlap_param_gather": True}}, {}),
+    "tp2-sp-selective": (2, 1, 1, DENSE, {"recompute": "selective"}, {}, {}),
+    "dp4-zero3": (1, 1, 3, DENSE, {}, {}, {}),
     "pp2xdp2-interleaved": (1, 2, 1, dict(DENSE, num_layers=4), {},
-                            {"pipeline": {"schedule": "interleaved", "layers_per_virtual_stage": 1}}),
-    "gqa-rope-scaling-tp2xdp2": (2, 1, 1, GQA, {}, {}),
-    "gpt2-tp2xdp2-full-recompute": (2, 1, 1, GPT2, {"recompute": "full"}, {}),
+                            {"pipeline": {"schedule": "interleaved", "layers_per_virtual_stage": 1}}, {}),
+    "gqa-rope-scaling-tp2xdp2": (2, 1, 1, GQA, {}, {}, {}),
+    "gpt2-tp2xdp2-full-recompute": (2, 1, 1, GPT2, {"recompute": "full"}, {}, {}),
+    # parity_training.MOE: dropless, the balancing and z-losses on; the experts over ep2 inside dp4
+    "moe-ep2xdp2": (1, 1, 1, MOE, {}, {}, {"ep": 2}),
+    "cp2xdp2-ring-documents": (1, 1, 1, DENSE, {}, {}, {"cp": 2, "packed": True}),
 }
 
 
 @pytest.mark.slow  # inductor compiles on every rank of world 4: ~1-3 min each on 2 cores
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_compiled_layout_trains_as_one_process(name):
-    tp, pp, stage, base, overrides, extra = LAYOUTS[name]
-    runs = run_distributed(train, WORLD, tp, pp, 1, stage, overrides, 1, base, True, extra, timeout=600)
-    check(runs, reference(overrides, base), overrides, base)
+    tp, pp, stage, base, overrides, extra, more = LAYOUTS[name]
+    more = {"ep": 1, **more}
+    runs = run_distributed(train, WORLD, tp, pp, more.pop("ep"), stage, overrides, base=base, compiled=True,
+                           extra=extra, timeout=600, **more)
+    check(runs, reference(overrides, base, packed=more.get("packed", False)), overrides, base)

@@ -39,14 +39,22 @@ def data(base: dict = MOE):
                                                                                      generator=g)
 
 
+def documents(base: dict = MOE):
+    """Packed-document ids ``[n, s]`` for :func:`data`'s sequences: two documents each, the first ending at a
+    position that varies from sample to sample (across the context-parallel chunks too)."""
+    n, s = STEPS * GLOBAL, base["seq_length"]
+    ends = 1 + (torch.arange(n) * 5) % (s - 1)
+    return (torch.arange(s) >= ends[:, None]).long()
+
+
 def _plain(tensors):
     return {n: t.detach().float().numpy().copy() for n, t in tensors.items()}
 
 
 def train(tp: int, pp: int, ep: int, stage: int, overrides: dict, cp: int = 1, base: dict = MOE,
-          compiled: bool = False, extra: Optional[dict] = None):
+          compiled: bool = False, extra: Optional[dict] = None, packed: bool = False):
     """``compiled``: each transformer block through torch.compile (model_zoo.compile); ``extra``: more engine
-    config keys (a pipeline schedule, zero switches)."""
+    config keys (a pipeline schedule, zero switches); ``packed``: attention inside :func:`documents`."""
     import hybrid
     from hybrid.config.parse import config_from_dict
     from hybrid.pipeline.split import split_from_config
@@ -65,13 +73,14 @@ def train(tp: int, pp: int, ep: int, stage: int, overrides: dict, cp: int = 1, b
         compile_blocks(model)
     engine = hybrid.initialize(model, config, topology=topo)
     ids, labels = data(base)
+    docs = documents(base) if packed else None
     share = GLOBAL // topo.dp_size
     out = {"losses": [], "norms": []}
     for step in range(STEPS):
         first = step * GLOBAL + topo.dp_rank * share
-        xs, ys = ids[first:first + share], labels[first:first + share]
-        _, loss = engine.train_batch([{"input_ids": xs[k:k + MICRO], "labels": ys[k:k + MICRO]}
-                                      for k in range(0, share, MICRO)], dp_mean=True)
+        rows = [slice(k, k + MICRO) for k in range(first, first + share, MICRO)]
+        _, loss = engine.train_batch([{"input_ids": ids[r], "labels": labels[r],
+                                       **({"document_ids": docs[r]} if packed else {})} for r in rows], dp_mean=True)
         out["losses"].append(loss)
         out["norms"].append(engine.get_grad_norm())
     with engine.gathered_parameters():
@@ -81,7 +90,7 @@ def train(tp: int, pp: int, ep: int, stage: int, overrides: dict, cp: int = 1, b
     return out
 
 
-def reference(overrides: dict, base: dict = MOE):
+def reference(overrides: dict, base: dict = MOE, packed: bool = False):
     from hybrid.tensor_parallel.gather import full_state
     from hybrid.topology import Topology
     from model_zoo import GPTConfig, GPTModel
@@ -93,6 +102,7 @@ def reference(overrides: dict, base: dict = MOE):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=LR, betas=(0.9, 0.95), eps=1e-8)
     ids, labels = data(base)
+    docs = documents(base) if packed else None
     micro_count = GLOBAL // MICRO
     if model.moe_aux_scale is not None:
         model.moe_aux_scale.value = 1.0 / micro_count  # the balancing losses' gradients, as the LM loss's
@@ -101,7 +111,8 @@ def reference(overrides: dict, base: dict = MOE):
         opt.zero_grad()
         total = 0.0
         for k in range(step * GLOBAL, (step + 1) * GLOBAL, MICRO):
-            loss = model(ids[k:k + MICRO], labels=labels[k:k + MICRO])
+            loss = model(ids[k:k + MICRO], labels=labels[k:k + MICRO],
+                         document_ids=docs[k:k + MICRO] if packed else None)
             (loss / micro_count).backward()
             total += loss.item()
         grad_l1.append(sum(float(p.grad.abs().sum()) for p in model.parameters()))
