@@ -25,6 +25,14 @@ Reproduce (from the repository root)::
     python benchmarks/zero3_profile.py --steps 8 --with-zero0       # 3 rounds, about 3 minutes on 2 cores
     python benchmarks/zero3_profile.py --rounds 1 --steps 4         # a quick look
     python benchmarks/zero3_profile.py --steps 8 --stage3-bucket 1500000   # stage 3 in buckets
+    flock /work/bench.lock python benchmarks/zero3_profile.py --compile --steps 8   # compiled blocks vs eager
+    flock /work/bench.lock python benchmarks/zero3_profile.py --compile --steps 8 --prefetch-bucket 500000
+
+``--compile`` runs stage 3 twice instead of against the peers: eager, and with every transformer block compiled
+(``model_zoo.compile.compile_blocks``, inductor; the warm-up steps hold the compile), and prints compiled over
+eager: the step, the time blocked in the gather hooks (the gathers compute did not hide), and the gathers'
+unhidden time (:func:`_unhidden_gather_seconds`: the units one step gathered, gathered again one at a time and
+waited for), with the gatherer's own prefetch counts per step.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from tests.multiproc import run_distributed  # noqa: E402
 WORLD = 4
 CONTENDERS = ("torch DDP", "torch FSDP2 (reshard)", "hybrid zero-3")
 REUSE = "hybrid zero-3 reuse"  # with --reuse: zero.max_reuse_distance set
+COMPILED = "hybrid zero-3 compiled"  # with --compile: every transformer block through torch.compile
 # The GPT, batch and optimizer of benchmarks/zero_vs_peers.py's default run (the names its helpers read).
 MODEL = dict(hidden=256, layers=4, heads=8, vocab=8192, seq=128, global_batch=16, lr=1e-3, wd=0.1)
 
@@ -66,6 +75,7 @@ class _Timers:
     def wrap(self, obj, method: str, key: str) -> None:
         inner = getattr(obj, method)
 
+        @torch.compiler.disable  # inside a compiled block: one graph break, as the wrapped hook is (model_zoo.compile)
         def timed(*a, **k):
             if key in self._active:  # nested in a call of the same kind: the outer call counts it
                 return inner(*a, **k)
@@ -108,7 +118,7 @@ class _Phases:
             self.values[name + " blocked"] = comm.blocked_seconds() - b0
 
 
-def _build_hybrid(args, stage: int, breakdown: bool, reuse: int = 0):
+def _build_hybrid(args, stage: int, breakdown: bool, reuse: int = 0, compiled: bool = False):
     import hybrid
     from hybrid import Topology
     from model_zoo import GPTModel
@@ -120,15 +130,31 @@ def _build_hybrid(args, stage: int, breakdown: bool, reuse: int = 0):
     zero = {"stage": stage, "max_reuse_distance": reuse} if stage == 3 else {"stage": stage}
     if stage == 3 and args.stage3_bucket:
         zero["bucket_size"] = args.stage3_bucket
+    if stage == 3 and args.prefetch_bucket is not None:
+        zero["prefetch_bucket_size"] = args.prefetch_bucket
     engine = hybrid.initialize(model, {"zero": zero, "micro_batch_size": micro,
                                        "global_batch_size": args.global_batch,
                                        "optimizer": {"lr": args.lr, "weight_decay": args.wd}},
                                topology=topo, no_weight_decay=lambda n, p: p.ndim < 2)
+    if compiled:
+        from model_zoo.compile import compile_blocks
+
+        compile_blocks(model)
     opt, comm = engine.optimizer, topo.comm
     timers = _Timers(comm)
+    issued: List[int] = []  # the units stage 3 gathered in the last step, in order
+    if stage == 3:
+        gather = opt.gatherer._issue
+
+        def issue(indices, why, checked=True):
+            issued.extend(indices)
+            return gather(indices, why, checked)
+
+        opt.gatherer._issue = issue
     if breakdown and stage == 3:
         g, r = opt.gatherer, opt.reducer
         timers.wrap(opt.order, "verify", "order check")
+        timers.wrap(g, "_complete", "gather wait")  # every wait for a gather to land, wherever it is called
         for name in ("module_pre", "module_post", "use_external", "_unpack", "_pack"):
             timers.wrap(g, name, "gather hooks")
         r.remove_hooks()  # the autograd hooks hold bound methods: wrap first, then attach again
@@ -140,7 +166,9 @@ def _build_hybrid(args, stage: int, breakdown: bool, reuse: int = 0):
     phase = _Phases()
 
     def step(x, y):
-        g0 = getattr(opt, "gatherer", None) and opt.gatherer.gathered_numel_total
+        g = getattr(opt, "gatherer", None)
+        g0 = g and (g.gathered_numel_total, g.prefetch_issued, g.prefetch_hits)
+        issued.clear()
         with phase("forward", comm):
             loss = engine(x, y)
         with phase("backward", comm):
@@ -148,7 +176,9 @@ def _build_hybrid(args, stage: int, breakdown: bool, reuse: int = 0):
         with phase("step", comm):
             engine.step()
         if stage == 3:
-            phase.values["gathered elements"] = opt.gatherer.gathered_numel_total - g0
+            phase.values["gathered elements"] = g.gathered_numel_total - g0[0]
+            phase.values["prefetched units"] = g.prefetch_issued - g0[1]
+            phase.values["prefetch hits"] = g.prefetch_hits - g0[2]
         return loss
 
     def stats():
@@ -156,7 +186,25 @@ def _build_hybrid(args, stage: int, breakdown: bool, reuse: int = 0):
         out.update(timers.take())
         return out
 
-    return step, topo.dp_rank, stats
+    def unhidden():
+        return _unhidden_gather_seconds(opt.gatherer, list(issued)) if stage == 3 else {}
+
+    return step, topo.dp_rank, stats, unhidden
+
+
+def _unhidden_gather_seconds(g, units: List[int], repeats: int = 3) -> Dict[str, float]:
+    """``{"unhidden gather": s}``: the median over ``repeats`` of the wall time this rank takes to all-gather (over
+    ``dp``, in the gatherer's format) ``units`` (one step's gathers) one after another, waiting for each: what the
+    step's gathers cost when nothing overlaps them. Collective: every DP rank passes the same units (the order
+    check held them equal)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in units:
+            buf = torch.empty(g.units[i].numel, dtype=g.chunks[i].dtype, device=g.chunks[i].device)
+            g.comm.all_gather_into_tensor(buf, g.chunks[i], "dp", quant=g.quant)
+        times.append(time.perf_counter() - t0)
+    return {"unhidden gather": statistics.median(times)}
 
 
 def _build_torch(kind: str, args):
@@ -187,21 +235,24 @@ def _build_torch(kind: str, args):
             opt.zero_grad(set_to_none=True)
         return loss
 
-    return step, dist.get_rank(), lambda: dict(phase.values)
+    return step, dist.get_rank(), lambda: dict(phase.values), dict
 
 
 def child(args) -> Dict:
     """Every contender on this rank, their steps interleaved in rotating order (a busy spell hits all alike).
 
     Returns per contender the wall and CPU seconds of each measured step
-    (CPU: every thread of this process, gloo's included), its losses and
-    each step's breakdown.
+    (CPU: every thread of this process, gloo's included), its losses,
+    each step's breakdown and, for stage 3, the unhidden time of the last
+    step's gathers (added to every step's breakdown).
     """
     built = {}
     for kind in args.contenders:
         torch.manual_seed(0)
         if kind == REUSE:
             built[kind] = _build_hybrid(args, 3, args.breakdown, args.reuse)
+        elif kind == COMPILED:
+            built[kind] = _build_hybrid(args, 3, args.breakdown, compiled=True)
         elif kind.startswith("hybrid"):
             built[kind] = _build_hybrid(args, int(kind[-1]), args.breakdown)
         else:
@@ -212,7 +263,7 @@ def child(args) -> Dict:
     for s in range(args.warmup + args.steps):
         x, y = batch(s, args)
         for kind in args.contenders[s % n:] + args.contenders[:s % n]:
-            step, dp_rank, stats = built[kind]
+            step, dp_rank, stats, _ = built[kind]
             xs, ys = x[dp_rank * micro:(dp_rank + 1) * micro], y[dp_rank * micro:(dp_rank + 1) * micro]
             t0, c0 = time.perf_counter(), time.process_time()
             loss = step(xs, ys)
@@ -224,6 +275,10 @@ def child(args) -> Dict:
             else:
                 stats()
             rec["losses"].append(float(loss.detach()))
+    for kind in args.contenders:  # in the same order on every rank: the replayed gathers are collectives
+        unhidden = built[kind][3]()
+        for s in out[kind]["stats"]:
+            s.update(unhidden)
     return out
 
 
@@ -240,6 +295,39 @@ def _breakdown(per_rank: List[Dict], kind: str) -> Dict[str, float]:
     return {k: statistics.median(s.get(k, 0.0) for s in stats) for k in keys}
 
 
+COUNTS = ("calls", "elements", "units", "hits")  # breakdown rows that count rather than time
+
+
+def _compiled_over_eager(wall: Dict[str, List[float]], breakdowns: Dict[str, List[Dict[str, float]]]) -> None:
+    """The --compile table: per step, eager and compiled stage 3 (median over rounds, min-max over rounds) and the
+    ratio of the medians: the step, the time blocked waiting for gathers to land (the exposed gathers; the gather
+    hooks' blocked time also holds the order check's all-reduces, which wait for the slowest rank), in the
+    communicator at all (the reduce-scatters' waits and the order checks too), the gathers' unhidden time, the
+    exposed share (blocked waiting for gathers over unhidden), and the gatherer's prefetch counts."""
+    def per_round(kind: str) -> Dict[str, List[float]]:
+        rows = {"step": wall[kind]}
+        b = breakdowns[kind]
+        rows["blocked in gather waits"] = [r["gather wait blocked"] for r in b]
+        rows["blocked, all"] = [r["forward blocked"] + r["backward blocked"] + r["step blocked"] for r in b]
+        rows["unhidden gather"] = [r["unhidden gather"] for r in b]
+        rows["exposed share"] = [r["gather wait blocked"] / r["unhidden gather"] for r in b]
+        rows["prefetched units"] = [r["prefetched units"] for r in b]
+        rows["prefetch hits"] = [r["prefetch hits"] for r in b]
+        return rows
+
+    def cell(vals: List[float], key: str) -> str:
+        scale, unit = (1.0, "") if key.endswith(COUNTS + ("share",)) else (1e3, "ms")
+        lo, mid, hi = (scale * v for v in (min(vals), statistics.median(vals), max(vals)))
+        return f"{mid:9.2f}{unit:2s} ({lo:.2f}-{hi:.2f})"
+
+    eager, compiled = per_round("hybrid zero-3"), per_round(COMPILED)
+    print("\nstage 3 compiled over eager, per rank and step (median over rounds, min-max over rounds):")
+    print(f"  {'':24s}{'eager':>28s}{'compiled':>28s}{'median ratio':>16s}")
+    for key in eager:
+        ratio = statistics.median(compiled[key]) / max(statistics.median(eager[key]), 1e-12)
+        print(f"  {key:24s}{cell(eager[key], key):>28s}{cell(compiled[key], key):>28s}{ratio:15.2f}x")
+
+
 def main(argv=None) -> None:
     ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=10, help="measured steps (after --warmup)")
@@ -247,6 +335,10 @@ def main(argv=None) -> None:
     ap.add_argument("--bucket", type=int, default=25_000_000, help="DDP gradient bucket, elements (hybrid's default)")
     ap.add_argument("--stage3-bucket", type=int, default=0,
                     help="hybrid stage 3's zero.bucket_size, elements (0: the default; DDP keeps --bucket)")
+    ap.add_argument("--prefetch-bucket", type=int, default=None,
+                    help="hybrid stage 3's zero.prefetch_bucket_size, elements (unset: the default, which holds this "
+                         "whole model: every gather starts at the end of the step before; smaller: the gathers "
+                         "are issued from the module hooks, inside forward and backward)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, each in fresh processes; the table shows medians")
     ap.add_argument("--reuse", type=int, default=0,
                     help="also run stage 3 with zero.max_reuse_distance set to this many elements")
@@ -254,11 +346,16 @@ def main(argv=None) -> None:
                     help="also run hybrid stage 0 (the same model code as stage 3, DDP's algorithm)")
     ap.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                     help="time stage 3 without the hook timers")
+    ap.add_argument("--compile", action="store_true",
+                    help="stage 3 eager against stage 3 with its transformer blocks compiled, without the peers")
     args = ap.parse_args(argv)
     for key, value in MODEL.items():
         setattr(args, key, value)
-    args.contenders = CONTENDERS + ((REUSE,) if args.reuse else ()) + (("hybrid zero-0",) if args.with_zero0 else ())
-    ours, peers = [k for k in args.contenders if k.startswith("hybrid zero-3")], CONTENDERS[:2]
+    first = ("hybrid zero-3", COMPILED) if args.compile else CONTENDERS
+    args.contenders = first + ((REUSE,) if args.reuse else ()) + (("hybrid zero-0",) if args.with_zero0 else ())
+    ours = [k for k in args.contenders if k.startswith("hybrid zero-3")]
+    peers = [k for k in CONTENDERS[:2] if k in args.contenders]
+    pairs = [(z3, peer) for z3 in ours for peer in peers] + ([(COMPILED, "hybrid zero-3")] if args.compile else [])
     wall: Dict[str, List[float]] = collections.defaultdict(list)
     cpu: Dict[str, List[float]] = collections.defaultdict(list)
     ratios: Dict[tuple, List[float]] = collections.defaultdict(list)
@@ -273,10 +370,9 @@ def main(argv=None) -> None:
             wall[k].append(statistics.median(steps[k]))
             cpu[k].append(statistics.median(cpus[k]))
             breakdowns[k].append(_breakdown(per_rank, k))
-        for z3 in ours:
-            for peer in peers:  # paired: the same step, back to back
-                ratios[z3, peer].append(statistics.median(a / b for a, b in zip(steps[z3], steps[peer])))
-                cpu_ratios[z3, peer].append(statistics.median(a / b for a, b in zip(cpus[z3], cpus[peer])))
+        for z3, peer in pairs:  # paired: the same step, back to back
+            ratios[z3, peer].append(statistics.median(a / b for a, b in zip(steps[z3], steps[peer])))
+            cpu_ratios[z3, peer].append(statistics.median(a / b for a, b in zip(cpus[z3], cpus[peer])))
         mean_loss = {k: [statistics.mean(r[k]["losses"][i] for r in per_rank)
                          for i in range(len(per_rank[0][k]["losses"]))] for k in args.contenders}
         loss_gap = max([loss_gap] + [abs(a - b) for k in args.contenders[1:]
@@ -290,12 +386,13 @@ def main(argv=None) -> None:
     for k in args.contenders:
         rounds = " ".join(f"{1e3 * t:.0f}" for t in wall[k])
         print(f"{k:24s} {1e3 * statistics.median(wall[k]):10.1f}ms {statistics.median(cpu[k]):8.2f}s   {rounds}")
-    for z3 in ours:
-        for peer in peers:
-            rs = " ".join(f"{r:.2f}" for r in ratios[z3, peer])
-            print(f"{z3:19s} / {peer:22s} step {statistics.median(ratios[z3, peer]):.2f}x (rounds: {rs}), "
-                  f"CPU {statistics.median(cpu_ratios[z3, peer]):.2f}x")
+    for z3, peer in pairs:
+        rs = " ".join(f"{r:.2f}" for r in ratios[z3, peer])
+        print(f"{z3:19s} / {peer:22s} step {statistics.median(ratios[z3, peer]):.2f}x (rounds: {rs}), "
+              f"CPU {statistics.median(cpu_ratios[z3, peer]):.2f}x")
     print(f"largest gap between the contenders' mean losses: {loss_gap:.2e}")
+    if args.compile and args.breakdown:
+        _compiled_over_eager(wall, breakdowns)
     if args.breakdown:
         print("\nbreakdown per rank and step (median over ranks and steps, then over rounds). thread CPU: the "
               "training thread's; process CPU: every thread (gloo's too); blocked: waiting in the communicator; "
@@ -310,7 +407,7 @@ def main(argv=None) -> None:
                     cells.append(f"{'':>17s}")
                     continue
                 v = statistics.median(vals)
-                cells.append(f"{v:17.0f}" if ("calls" in key or "elements" in key) else f"{1e3 * v:15.1f}ms")
+                cells.append(f"{v:17.0f}" if key.endswith(COUNTS) else f"{1e3 * v:15.1f}ms")
             print(f"  {key:30s}" + "".join(cells))
 
 
