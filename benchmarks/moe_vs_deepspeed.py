@@ -310,14 +310,17 @@ def slowest(times: List[float]) -> List[float]:
 
 # ---- profile ------------------------------------------------------------------------------------------------
 CATEGORIES = (  # first match wins: (category, substrings of an operator's name)
-    ("all-to-all (incl. waiting)", ("all_to_all", "alltoall", "gloo:")),
+    # hybrid's communicator names each wait after its operation ("moe_dispatch/ep", "all_to_all/ep": the count
+    # exchange); DeepSpeed's is its _AllToAll function
+    ("all-to-all (incl. waiting)", ("all_to_all", "alltoall", "gloo:", "moe_dispatch", "moe_combine")),
     ("other collectives", ("all_reduce", "allreduce", "broadcast", "barrier", "all_gather")),
     ("expert matmuls", ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm", "aten::matmul",
                         "aten::linear")),
     ("routing (softmax/topk/sort/cumsum)", ("softmax", "topk", "sort", "cumsum", "argmax", "one_hot", "argsort",
                                            "bincount", "histc", "logsumexp")),
     ("data movement (index/scatter/gather/copy/cat)", ("index", "scatter", "gather", "copy_", "cat", "clone",
-                                                       "contiguous", "masked", "where", "zeros", "empty", "fill_")),
+                                                       "contiguous", "masked", "where", "zeros", "empty", "fill_",
+                                                       "_combine")),  # hybrid's weighted sum over the k choices
 )
 
 
@@ -602,14 +605,17 @@ def driver(args) -> int:
         text += [f"    {c}" for c in entry["commands"]]
         text.append("")
         results["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        results["loadavg_end"] = os.getloadavg()  # the machine is shared: the load at both ends says how quiet
         results["text"] = "\n".join(text)
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1, default=str)
+    results.setdefault("loadavg_end", os.getloadavg())
     head = (f"{started:%Y-%m-%d %H:%M}-{datetime.datetime.now().astimezone():%H:%M} {started.tzname()}, "
             f"{os.cpu_count()} CPU cores, load average at start "
-            f"{' '.join(f'{v:.2f}' for v in results['loadavg_start'])}"
+            f"{' '.join(f'{v:.2f}' for v in results['loadavg_start'])}, at the end "
+            f"{' '.join(f'{v:.2f}' for v in results['loadavg_end'])}"
             f"; h={args.hidden}, {args.experts} SwiGLU experts of {args.expert_ffn}, top-{args.topk}, "
             f"[s, b] = [{args.seq}, {args.micro_batch}] tokens per rank, capacity factor {args.capacity_factor}, "
             f"aux coeff {args.aux}, fp32; {args.rounds} interleaved rounds x {args.steps} steps after "
