@@ -23,6 +23,8 @@ slow.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -97,16 +99,17 @@ def count_block_graphs(axes: dict, stage: int, overrides: dict, layers: int = 2,
     return int(figures["graphs"]), int(figures["breaks"]), all(map(lambda x: x == x, losses))
 
 
-def tp_traffic(overrides: dict, backend: str = "eager"):
-    """One rank of TP2: the "tp" part of the engine's communication report (``comm_report``: the last global
-    batch) after 2 training steps, eager and with the blocks compiled; and the compiled run's (graphs, breaks)."""
+def tp_traffic(overrides: dict, backend: str = "eager", axes: Optional[dict] = None, axis: str = "tp"):
+    """One rank of TP2 (or of a topology of ``axes``): the ``axis`` part of the engine's communication report
+    (``comm_report``: the last global batch) after 2 training steps, eager and with the blocks compiled; and the
+    compiled run's (graphs, breaks)."""
     import hybrid
     from hybrid.config.parse import config_from_dict
     from model_zoo import GPTModel, get_preset
     from model_zoo.compile import compile_blocks
 
     torch._dynamo.reset()
-    topo = hybrid.Topology(tp=2, timeout_s=60)
+    topo = hybrid.Topology(**(axes or {"tp": 2}), timeout_s=60)
     cfg = get_preset("tiny").replace(num_layers=2, seq_length=32, **overrides)
     ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     reports, figures = [], None
@@ -118,7 +121,7 @@ def tp_traffic(overrides: dict, backend: str = "eager"):
         report = compile_blocks(model, backend=backend) if compiled else None
         for _ in range(2):
             engine.train_batch([{"input_ids": ids, "labels": ids}])
-        reports.append({k: v for k, v in engine.comm_report().items() if k.endswith("/tp")})
+        reports.append({k: v for k, v in engine.comm_report().items() if k.endswith("/" + axis)})
         figures = report and report.figures()
         engine.close()
     topo.close()
@@ -141,6 +144,15 @@ def test_a_compiled_tp2_block_is_one_graph_and_its_collectives_are_counted_as_ea
 def test_compiled_collectives_are_counted_as_eager(overrides):
     for (eager, compiled), _ in run_distributed(tp_traffic, 2, overrides, timeout=300):
         assert compiled == eager and len(eager) >= 2, (eager, compiled)
+
+
+@pytest.mark.slow
+def test_a_compiled_moe_block_counts_its_all_to_alls_as_eager():
+    """DP2 x EP2: the routed experts run eagerly inside the compiled block, so the communicator counts the dispatch
+    and combine all-to-alls over "ep" (and their gradients) as an eager run does."""
+    for (eager, compiled), counts in run_distributed(tp_traffic, 2, TINY_MOE, "eager", {"ep": 2}, "ep", timeout=300):
+        assert counts == BLOCK_GRAPHS["dp2-ep2-moe"][1]
+        assert compiled == eager and {"moe_dispatch/ep", "moe_combine_grad/ep"} <= eager.keys(), (eager, compiled)
 
 
 @pytest.mark.slow
