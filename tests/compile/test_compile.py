@@ -296,6 +296,18 @@ def test_a_compiled_moe_block_trains_as_eager_with_its_losses_statistics_and_bia
     assert max_ratio(no_aux[router], eager[0][1][router], grads * eager[0][1][router].abs().max()) > 1
 
 
+@pytest.mark.parametrize("flags,world", [(["--model", "tiny-moe", "--expert-model-parallel-size", "2"], 2),
+                                         (["--model", "tiny", "--context-parallel-size", "2"], 2)], ids=["moe", "cp"])
+def test_the_trainer_takes_moe_and_context_parallel_compiled(flags, world):
+    """Start-up refused both before MoE and context-parallel blocks compiled; they pass validation now."""
+    from hybrid.training.cli import parse_args, validate
+
+    config = parse_args(flags + ["--torch-compile", "--mock-data", "--train-iters", "1", "--micro-batch-size", "1",
+                                 "--global-batch-size", "2", "--lr", "1e-3"])
+    assert config.model.compile
+    validate(config, world)
+
+
 def test_the_cache_goes_under_the_save_folder_unless_given():
     from model_zoo.compile import default_cache_dir
 
