@@ -4,7 +4,9 @@ Two models: the demo's ``tiny`` GPT (4 layers, hidden 128, sequence 128) and a G
 hidden 768, vocabulary 50257) at a short sequence. Each contender of a round is a fresh job of 4 spawned
 processes: build, compile (compiled only; from a warm inductor cache, filled before the first round, so the
 rounds time steady-state steps, not compiling), ``--warmup`` steps untimed, then ``--steps`` timed steps. Tokens/s
-counts the global batch's tokens over the median step time of rank 0; peak RSS is the largest rank's
+counts the global batch's tokens over the median step time of rank 0; CPU ms/step is each rank's median process
+CPU time per timed step summed over the ranks (the work, nearly independent of how a loaded machine shares its
+cores); peak RSS is the largest rank's
 ``ru_maxrss``. Rounds interleave eager and compiled, so the machine's drifting load hits both alike; the
 published figure is the median of the per-round compiled/eager ratios with their min-max
 (benchmarks/paired.py).
@@ -67,14 +69,16 @@ def job(model_name: str, compiled: bool, cache_dir: Optional[str], warmup: int, 
     report = compile_blocks(model, cache_dir=cache_dir) if compiled else None
     g = torch.Generator().manual_seed(topo.dp_rank)
     ids = torch.randint(0, cfg.vocab_size, (micro, seq), generator=g)
-    times = []
+    times, cpu = [], []
     for _ in range(warmup + steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         engine.train_batch([{"input_ids": ids, "labels": ids}])
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     engine.close()
     topo.close()
     return {"step_s": statistics.median(times[warmup:]), "first_step_s": times[0], "step_times_s": times[warmup:],
+            "cpu_step_s": statistics.median(cpu[warmup:]),
             "tokens": micro * seq * topo.dp_size, **(report.figures() if report else {}),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
@@ -83,6 +87,7 @@ def run(model_name: str, compiled: bool, cache_dir: str, warmup: int, steps: int
     ranks = run_distributed(job, WORLD, model_name, compiled, cache_dir, warmup, steps, timeout=2400,
                             start="spawn", env={"OMP_NUM_THREADS": "1"})
     return {"tokens_per_s": ranks[0]["tokens"] / ranks[0]["step_s"], "tokens": ranks[0]["tokens"],
+            "cpu_ms_per_step": 1e3 * sum(r["cpu_step_s"] for r in ranks),
             "step_times_s": ranks[0]["step_times_s"], "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks)}
 
 
@@ -134,13 +139,18 @@ def main() -> None:
         values = [x[key] for x in results[(name, compiled)]]
         return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
 
-    print("\n| model | eager tokens/s | compiled tokens/s | compiled / eager | eager peak RSS MiB | "
-          "compiled peak RSS MiB | RSS compiled / eager |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| model | eager tokens/s | compiled tokens/s | compiled / eager | eager CPU ms/step | "
+          "compiled CPU ms/step | CPU compiled / eager | eager peak RSS MiB | compiled peak RSS MiB | "
+          "RSS compiled / eager |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.models:
         print(f"| {name} | {med(name, False, 'tokens_per_s')} | {med(name, True, 'tokens_per_s')} | "
-              f"{paired(name, 'tokens_per_s')} | {med(name, False, 'peak_rss_mib')} | "
-              f"{med(name, True, 'peak_rss_mib')} | {paired(name, 'peak_rss_mib')} |")
+              f"{paired(name, 'tokens_per_s')} | {med(name, False, 'cpu_ms_per_step')} | "
+              f"{med(name, True, 'cpu_ms_per_step')} | {paired(name, 'cpu_ms_per_step')} | "
+              f"{med(name, False, 'peak_rss_mib')} | {med(name, True, 'peak_rss_mib')} | "
+              f"{paired(name, 'peak_rss_mib')} |")
+    print("CPU ms/step: the timed steps' median process CPU time (every thread, gloo's included), summed over the "
+          "4 ranks: the work a step does, steadier than wall time on shared cores.")
 
 
 if __name__ == "__main__":
