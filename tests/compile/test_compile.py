@@ -60,10 +60,13 @@ BLOCK_GRAPHS = {  # name: (world, topology axes, zero stage, model overrides) ->
     "moe-shared-expert-capacity-bias": ((1, {}, 1, {**TINY_MOE, "moe_shared_expert_intermediate_size": 64,
                                                     "moe_expert_capacity_factor": 1.0, "moe_z_loss_coeff": 1e-3,
                                                     "moe_router_enable_expert_bias": True}), (4, 2)),
+    "moe-full-recompute": ((1, {}, 1, {**TINY_MOE, "recompute": "full"}), (3, 2)),
+    "moe-selective": ((1, {}, 1, {**TINY_MOE, "recompute": "selective"}), (6, 4)),
     "dp2-ep2-moe": ((2, {"ep": 2}, 1, TINY_MOE), (3, 2)),
     "tp2-sp-moe": ((2, {"tp": 2}, 1, {**TINY_MOE, "sequence_parallel": True}), (3, 2)),
     "cp2-documents": ((2, {"cp": 2}, 1, {}), (4, 3)),
     "cp2-a2a-documents": ((2, {"cp": 2}, 1, {"cp_comm_type": "a2a"}), (4, 3)),
+    "cp2-moe-documents": ((2, {"cp": 2}, 1, TINY_MOE), (6, 5)),
 }
 
 
