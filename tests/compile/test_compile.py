@@ -5,20 +5,25 @@ Graph breaks. A dense block at TP1 is one graph with no break, and every block r
 depth): the default run holds that with dynamo alone (backend ``eager``: the counts are dynamo's, whatever backend
 lowers the graphs). So is a dense block at TP2, its collectives traced as functional collectives (the default run
 holds that at world 2 without sequence parallelism). Other layouts break where model_zoo.compile says (ZeRO-3's
-hooks, the selective checkpoint); the measured count of each, per compiled block and the same at every depth, is
-:data:`BLOCK_GRAPHS` (slow, multi-process), which docs/compile.md quotes. A change that adds a break fails these
-tests.
+hooks, the selective checkpoint, an MoE layer's routed experts, context-parallel attention); the measured count of
+each, per compiled block and the same at every depth, is :data:`BLOCK_GRAPHS` (slow, multi-process; the default run
+holds the one-process MoE block's), which docs/compile.md quotes. A change that adds a break fails these tests.
+
+MoE and context parallelism. The default run checks a compiled MoE block against eager in one process, with the
+side channels a graph could bake in or skip (the balancing losses' gradient scale, the routing statistics, the
+expert bias), and that the trainer's validation takes both with --torch-compile.
 
 Accounting. The communicator's report for the "tp" axis of a compiled TP2 run is the eager run's (default run:
 TP2; slow: sequence parallelism, with selective recompute and biases), and under full recompute it counts the
-collectives the compiled replay runs beyond the eager one's.
+collectives the compiled replay runs beyond the eager one's. Slow: the "ep" report of a compiled MoE block at
+DP2 x EP2 is the eager run's (its all-to-alls run eagerly).
 
 Parity. 10 AdamW steps, fp32, compiled with inductor against one eager process in plain PyTorch
 (tests/engine/parity_training.py, its bounds unchanged): transformer_bound costs every reduction at gamma(k) in any
 summation order, which is what fusion changes (inductor reorders and blocks the sums of a fused kernel), and each
 elementary function at ELEMENTARY roundings, which covers inductor's own vectorized exp/tanh; fusing an elementwise
 chain only drops intermediate roundings. The default run keeps one process at TP1; the layouts of the issue are
-slow.
+slow, with an MoE model at DP2 x EP2 and CP2 x DP2 (ring, packed documents).
 """
 
 from __future__ import annotations
