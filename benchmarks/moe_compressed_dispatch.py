@@ -65,6 +65,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import re
 import shutil
@@ -392,6 +393,73 @@ def loss_part(args, results: dict, failures: List[str]) -> List[str]:
     return out
 
 
+def _t_quantile(p: float, df: int) -> float:
+    """Student's t quantile (two-sided intervals: ``p`` = 0.975) by bisection on its CDF, the density integrated
+    with Simpson's rule: no SciPy needed, accurate to 1e-6 for df >= 2."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def cdf(t, n=2000):  # 0.5 + integral of the density from 0 to t
+        h = t / n
+        f = [c * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i in range(n + 1)]
+        return 0.5 + h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+    lo, hi = 0.0, 100.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def mean_interval(values: List[float]) -> dict:
+    """Mean, sample standard deviation and the 95% t-interval of the mean of ``values`` (n >= 2)."""
+    n, mean = len(values), statistics.mean(values)
+    sd = statistics.stdev(values)
+    half = _t_quantile(0.975, n - 1) * sd / math.sqrt(n)
+    return {"n": n, "mean": mean, "sd": sd, "low": mean - half, "high": mean + half}
+
+
+def summarize(paths: List[str]) -> str:
+    """Every seed's final validation loss over the loss runs kept in ``paths`` (this script's ``--json`` files, or
+    the results file that holds many under ``runs``): int8 and the fp32-tp1 control against fp32 of the same seed,
+    and over the seeds the mean change with its 95% t-interval (seeds are independent draws of data order and
+    initial weights; a seed's runs are paired)."""
+    finals: Dict[int, Dict[str, float]] = {}
+    for path in paths:
+        data = json.load(open(path))
+        for run in (data["runs"].values() if "runs" in data else [data]):
+            loss = run["results"].get("loss", {})
+            if any(k in LOSS_EXTRA for k in loss):  # the first runs' layout: one seed, rows by contender
+                loss = {str(run["args"].get("seeds", DEMO_SEED)): {k: v for k, v in loss.items() if k in LOSS_EXTRA}}
+            for seed, rows in loss.items():
+                if seed.isdigit():
+                    for name, row in rows.items():
+                        finals.setdefault(int(seed), {})[name] = row["final_valid"]
+    names = [n for n in LOSS_EXTRA if n != "fp32"]
+    out = ["| seed | fp32 | " + " | ".join(f"{n} | {n} vs fp32" for n in names) + " |",
+           "|---|---:|" + "---:|---:|" * len(names)]
+    changes: Dict[str, List[float]] = {n: [] for n in names}
+    for seed in sorted(finals):
+        row = finals[seed]
+        if "fp32" not in row:
+            continue
+        cells = []
+        for n in names:
+            if n in row:
+                changes[n].append(row[n] / row["fp32"] - 1)
+                cells += [f"{row[n]:.4f}", f"{100 * changes[n][-1]:+.2f}%"]
+            else:
+                cells += ["", ""]
+        out.append(f"| {seed} | {row['fp32']:.4f} | " + " | ".join(cells) + " |")
+    out.append("")
+    for n, values in changes.items():
+        if len(values) >= 2:
+            m = mean_interval(values)
+            out.append(f"{n} vs fp32 over {m['n']} seeds: mean {100 * m['mean']:+.2f}%, 95% interval of the mean "
+                       f"[{100 * m['low']:+.2f}%, {100 * m['high']:+.2f}%], sd {100 * m['sd']:.2f}%, per seed "
+                       f"{100 * min(values):+.2f}% to {100 * max(values):+.2f}%")
+    return "\n".join(out)
+
+
 # ---- the driver ----------------------------------------------------------------------------------------------------
 def warm_quantize_kernel() -> None:
     """Build (or load) the int8 packing kernel here, once, before any run: its first build takes minutes on a
@@ -428,6 +496,9 @@ def parse(argv=None) -> argparse.Namespace:
                                                             "each (the first the demo's own)")
     ap.add_argument("--work-dir", default="/tmp/hmq_loss", help="the loss part's runs (WORK_DIR per contender)")
     ap.add_argument("--json", default=os.path.join(REPO, "benchmarks", "results", "moe_compressed_dispatch.json"))
+    ap.add_argument("--summarize", nargs="+", metavar="JSON", help="print the loss runs kept in these --json files "
+                    "(or the results file) over all their seeds, with the mean change and its 95%% interval; runs "
+                    "nothing")
     ap.add_argument("--worker", default="", help="internal: run this contender under torchrun")
     args = ap.parse_args(argv)
     bad = set(p.strip() for p in args.parts.split(",") if p.strip()) - {"cluster", "loss"}
@@ -441,6 +512,9 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.summarize:
+        print(summarize(args.summarize))
+        return 0
     # SIGTERM unwinds like Ctrl-C: the loss part's runs are ended and the emulated cluster torn down on the way out
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
