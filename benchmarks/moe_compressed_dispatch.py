@@ -52,6 +52,8 @@ Reproduce (from the repository root, as root; ``flock /work/bench.lock`` on a sh
     python benchmarks/moe_compressed_dispatch.py --parts cluster --rates 50mbit,200mbit --rounds 3
     python benchmarks/moe_compressed_dispatch.py --parts loss --seeds 1234,1235,1236,1237
     python benchmarks/moe_compressed_dispatch.py --parts loss --loss-contenders fp32-tp1 --seeds 1234,1235,1236,1237
+    python benchmarks/moe_compressed_dispatch.py --summarize benchmarks/results/moe_compressed_dispatch.json
+                                    # every kept loss run: per-seed table, mean change and its 95% t-interval
     python benchmarks/moe_compressed_dispatch.py --parts cluster --rates 200mbit --rounds 1 --steps 2 \\
         --dispatch-passes 1 --json /tmp/mcd.json                                  # the machinery, quickly
 
