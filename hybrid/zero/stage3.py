@@ -243,8 +243,12 @@ class Stage3Optimizer(ZeroOptimizer):
                 hooks.append(module.register_forward_hook(lambda m, a, o: g.exit_forward(),
                                                           prepend=self._nested_in is not None))
             elif unit is not None:
-                hooks.append(module.register_forward_pre_hook(lambda m, a, unit=unit: g.module_pre(unit)))
-                hooks.append(module.register_forward_hook(lambda m, a, o: g.module_post()))
+                # Disabled for torch.compile as the gatherer's methods are: inside a compiled block dynamo would
+                # otherwise compile each hook as a frame of its own, specialised on its unit, until its recompile
+                # limit (a warning on every rank), to run nothing but the disabled call (docs/compile.md).
+                hooks.append(module.register_forward_pre_hook(
+                    torch.compiler.disable(lambda m, a, unit=unit: g.module_pre(unit))))
+                hooks.append(module.register_forward_hook(torch.compiler.disable(lambda m, a, o: g.module_post())))
         return hooks
 
     # ---- the training step ----------------------------------------------------------------------------

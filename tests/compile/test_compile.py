@@ -60,7 +60,7 @@ BLOCK_GRAPHS = {  # name: (world, topology axes, zero stage, model overrides) ->
     "tp2": ((2, {"tp": 2}, 1, {}), (1, 0)),
     "tp2-sp": ((2, {"tp": 2}, 1, {"sequence_parallel": True}), (1, 0)),
     "tp2-sp-selective": ((2, {"tp": 2}, 1, {"sequence_parallel": True, "recompute": "selective"}), (4, 2)),
-    "dp2-zero3": ((2, {}, 3, {}), (9, 17)),
+    "dp2-zero3": ((2, {}, 3, {}), (9, 8)),
     "moe": ((1, {}, 1, TINY_MOE), (3, 2)),
     "moe-shared-expert-capacity-bias": ((1, {}, 1, {**TINY_MOE, "moe_shared_expert_intermediate_size": 64,
                                                     "moe_expert_capacity_factor": 1.0, "moe_z_loss_coeff": 1e-3,
