@@ -53,13 +53,12 @@ from hybrid.comm_handle import CollectiveError, Guard, Handle, OpName  # importe
 from hybrid.comm_p2p import PointToPointCollectives
 from hybrid.comm_tensors import nbytes as _nbytes
 from hybrid.comm_tensors import untracked as _untracked
+from hybrid.compile_marks import eager
 from hybrid.compression import Quantization
 from hybrid.group_table import AliasedGroups, AxisGroups
 
 # A collective is a gloo/NCCL call with byte accounting and a timed wait that torch.compile cannot trace: a compiled
-# region (model_zoo.compile) runs each as one graph break, eagerly, nothing beneath it traced. Eager callers pay
-# one context switch per call.
-_eager = torch.compiler.disable
+# region (model_zoo.compile) runs each method marked @eager as one graph break, nothing beneath it traced.
 
 # torch 2.13 renamed the flat-tensor collectives; older releases (>= 2.4) have only the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -206,7 +205,7 @@ class Communicator:
             raise first
 
     # ---- collectives ------------------------------------------------------------
-    @_eager
+    @eager
     def all_reduce(self, tensor: torch.Tensor, axis: str, op: str = "sum",
                    async_op: bool = False, quant: Optional[Quantization] = None,
                    two_level: bool = False) -> Optional[Handle]:
@@ -231,7 +230,7 @@ class Communicator:
                                                                           group=self._group(axis), async_op=a),
                             async_op, finish)
 
-    @_eager
+    @eager
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, axis: str,
                                async_op: bool = False, quant: Optional[Quantization] = None) -> Optional[Handle]:
         """Gather ``input`` [k, ...] from every rank of ``axis`` into ``output`` [n*k, ...], in group-rank order.
@@ -269,7 +268,7 @@ class Communicator:
         or None (the backend's own collectives; :meth:`hybrid.comm_p2p.PointToPointCollectives.shape`)."""
         return self._messages.shape(axis)
 
-    @_eager
+    @eager
     def reduce_scatter_tensor(self, output: torch.Tensor, input: Union[torch.Tensor, Sequence[torch.Tensor]],
                               axis: str, op: str = "sum", async_op: bool = False,
                               quant: Optional[Quantization] = None, two_level: bool = False) -> Optional[Handle]:
@@ -319,7 +318,7 @@ class Communicator:
             output, input, op=_REDUCE_OPS[op], group=self._group(axis), async_op=a),
             async_op, finish)
 
-    @_eager
+    @eager
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, axis: str,
                           async_op: bool = False) -> Optional[Handle]:
         """Row ``i`` of ``input`` [n, ...] goes to rank ``i`` of ``axis``; row ``i`` of ``output`` (same shape)
@@ -333,7 +332,7 @@ class Communicator:
             return Handle() if async_op else None
         return self._all_to_all("all_to_all", _untracked(output), _untracked(input), axis, async_op, None)
 
-    @_eager
+    @eager
     def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
                      input_splits: Sequence[int], axis: str, async_op: bool = False,
                      op: str = "all_to_all_v") -> Optional[Handle]:
@@ -373,7 +372,7 @@ class Communicator:
             return None
         return self._track(Handle(None, rest, self._timeout, None, self._untrack))
 
-    @_eager
+    @eager
     def all_gather(self, tensors: List[torch.Tensor], input: torch.Tensor, axis: str) -> None:
         """Gather equally shaped ``input`` from every rank of ``axis`` into the list ``tensors``."""
         n = self.size(axis)
@@ -384,7 +383,7 @@ class Communicator:
         with self._guard(self._name("all_gather", axis)):
             dist.all_gather([_untracked(t) for t in tensors], _untracked(input), group=self._group(axis))
 
-    @_eager
+    @eager
     def broadcast(self, tensor: torch.Tensor, axis: str, src: int = 0) -> None:
         """Broadcast ``tensor`` from group rank ``src`` of ``axis`` to the rest of the group."""
         n = self.size(axis)
@@ -415,7 +414,7 @@ class Communicator:
             dist.barrier(group=self._group(axis))
 
     # ---- point to point ---------------------------------------------------------
-    @_eager
+    @eager
     def send(self, tensor: torch.Tensor, axis: str, dst: int, async_op: bool = False,
              tag: int = 0) -> Optional[Handle]:
         """Send ``tensor`` to rank ``dst`` of this rank's ``axis`` group (e.g. ``pp_rank + 1``, the next stage).
@@ -426,7 +425,7 @@ class Communicator:
         """
         return self._point_to_point("send", dist.isend, tensor, axis, dst, async_op, tag)
 
-    @_eager
+    @eager
     def recv(self, tensor: torch.Tensor, axis: str, src: int, async_op: bool = False,
              tag: int = 0) -> Optional[Handle]:
         """Receive into ``tensor`` from rank ``src`` of this rank's ``axis`` group (e.g. ``pp_rank - 1``)."""

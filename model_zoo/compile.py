@@ -14,8 +14,9 @@ points at, has the communicator count them as an eager run does.
 
 What stays outside the graphs, and why: the block's own module hooks run eagerly around the compiled ``forward``
 (``nn.Module.__call__`` runs them, then calls ``forward``), and so does everything between blocks (the embedding,
-the loss, the pipeline's transfers). Inside a block, what dynamo cannot trace is marked ``torch.compiler.disable``
-where it is defined, so that each call is one graph break with nothing beneath it traced:
+the loss, the pipeline's transfers). Inside a block, what dynamo cannot trace is marked ``@eager``
+(:mod:`hybrid.compile_marks`, ``torch.compiler.disable`` once :func:`compile_blocks` arms it) where it is defined,
+so that each call is one graph break with nothing beneath it traced:
 
 * ZeRO-3's gathers, from the hooks of the block's linear layers (:class:`hybrid.zero.param_gather.ParamGatherer`'s
   ``module_pre``, ``module_post`` and ``read``);
@@ -49,6 +50,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.utils.checkpoint
 
+from hybrid import compile_marks
 from hybrid.tensor_parallel import traceable
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"  # inductor reads its cache folder from here at each compile
@@ -112,6 +114,7 @@ def compile_blocks(model, *, backend: str = "inductor", cache_dir: Optional[str]
 
     topo = model.topology
     cache = use_cache_dir(cache_dir)
+    compile_marks.prepare()  # hybrid's eager-only functions, marked without importing dynamo: armed now
     # The tensor-parallel mappings trace as one autograd function (hybrid.tensor_parallel.traceable), which
     # AOTAutograd's cache refuses by default: without this a warm start traces every block's forward and backward
     # again. Its forward and backward are graphs dynamo traced, so the cache key holds them.

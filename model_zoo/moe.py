@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid import param_meta
+from hybrid.compile_marks import eager
 from hybrid.compression import Quantization
 from hybrid.context_parallel.loss import sum_over_cp, with_cp_factor
 from hybrid.context_parallel.split import gather_sequence, local_positions
@@ -550,7 +551,7 @@ class MoELayer(nn.Module):
     # its bytes), and the side channels must run on every call rather than be traced once: the statistics the
     # monitor and the expert bias read (self.stats, on training's calls only, outside a recompute), and the
     # balancing losses' attachment, whose backward reads the gradient scale the engine sets at backward time.
-    @torch.compiler.disable
+    @eager
     def _routed_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, probs: torch.Tensor,
                         logits: torch.Tensor) -> torch.Tensor:
         """The routed part of the layer for input ``x`` ``[s/tp, b, h]`` routed as :class:`Routing`'s ``experts``,

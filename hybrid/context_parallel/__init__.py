@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from hybrid.compile_marks import eager
 from hybrid.context_parallel.ring_attention import ring_attention
 from hybrid.grid import CP_COMM_TYPES, cp_comm_type_problem, cp_dropout_problem
 from hybrid.context_parallel.split import (check_seq_length, gather_sequence, local_positions, split_for_rank,
@@ -43,7 +44,7 @@ def check_attention(comm_type: str, cp: int, attention_dropout: float = 0.0) -> 
 # asynchronous send/recv of key/value blocks, overlapped with the block in hand, and its own backward ring are
 # communicator calls inside an autograd function; the all-to-all variant and the document segments (lengths read
 # on the host) likewise. Everything around the attention (projections, norms, RoPE, the MLP) stays compiled.
-@torch.compiler.disable
+@eager
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo: "Topology",
                                comm_type: str = "p2p", document_ids: Optional[torch.Tensor] = None,
                                scale: Optional[float] = None, dropout_p: float = 0.0) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hybrid.compile_marks import constant_result
 from hybrid.kernels.library import custom_op
 from hybrid.kernels.registry import default_registry
 
@@ -49,7 +50,7 @@ def _fused_supported(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]
     return x.device == weight.device
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _fused_max_hidden(device_index: int, rms: bool, has_bias: bool) -> int:
     """Largest ``hidden`` the cuda_norm op takes on this device, 0 without the op.
 

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Dict, Iterator, Tuple
 import torch
 import torch.utils.checkpoint
 
+from hybrid.compile_marks import eager
+
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.topology import Topology
 
@@ -136,7 +138,7 @@ def _replay_contexts(tracker: RNGTracker):
 
 # torch.compile's checkpoint operator takes no RNG-replay context: a compiled block (model_zoo.compile) runs this
 # checkpoint eagerly, as one graph break; a compiled block checkpointed whole (full recompute) still runs compiled.
-@torch.compiler.disable
+@eager
 def checkpoint(function, *args, tracker: RNGTracker, **kwargs):
     """``function(*args, **kwargs)`` without keeping its activations; recomputed in backward.
 

@@ -77,6 +77,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from hybrid.comm import CollectiveError, Communicator, Handle
+from hybrid.compile_marks import eager
 from hybrid.compression import Quantization
 from hybrid.zero.order_check import OrderCheck
 from hybrid.zero.param_reads import ParameterReads
@@ -440,7 +441,7 @@ class ParamGatherer:
         rest = self.traces.get("forward", [])[self._cursor:]
         return rest + self.traces.get("backward", []) if self._backward_follows else rest
 
-    @torch.compiler.disable  # inside a compiled block: one graph break, run eagerly (model_zoo.compile)
+    @eager  # inside a compiled block: one graph break, run eagerly (model_zoo.compile)
     def module_pre(self, unit: Optional[int]) -> None:
         frame: List[int] = []
         if unit is not None:
@@ -449,7 +450,7 @@ class ParamGatherer:
             frame.append(unit)
         self.frames.append(frame)
 
-    @torch.compiler.disable  # inside a compiled block: one graph break, run eagerly (model_zoo.compile)
+    @eager  # inside a compiled block: one graph break, run eagerly (model_zoo.compile)
     def module_post(self) -> None:
         if not self.frames:
             return
@@ -512,7 +513,7 @@ class ParamGatherer:
                 for module in modules:
                     self._rewatch(module)
 
-    @torch.compiler.disable  # inside a compiled block: one graph break, run eagerly (model_zoo.compile)
+    @eager  # inside a compiled block: one graph break, run eagerly (model_zoo.compile)
     def read(self, param) -> None:
         """An attribute read of ``param``: during a forward, outside our own bookkeeping, a use of its unit."""
         if self.watching and not self.busy:

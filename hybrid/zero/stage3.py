@@ -23,11 +23,13 @@ sharded over the node's ``l`` ranks (``1/l`` of the gathered units per rank).
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from hybrid import param_meta
+from hybrid.compile_marks import eager
 from hybrid.zero.assembled import AssembledTensor, assembled_or_copy
 from hybrid.zero.base import BackwardPass, ZeroOptimizer
 from hybrid.zero.flat_buffer import ZeroConfigError, dtype_name, is_embedding_or_output
@@ -39,6 +41,19 @@ from hybrid.zero.param_gather import ParamGatherer
 from hybrid.zero.secondary_partition import SecondaryPartition, hpz_size_problem
 from hybrid.zero.stage3_grads import Stage3GradReducer
 from hybrid.zero.stage3_layout import Unit, build_units, param_index, partition_numel
+
+
+# A ZeRO-3 unit's forward hooks (Stage3._register_module_hooks). Module-level and marked @eager, as the gatherer's
+# methods are: inside a compiled block each call is one graph break; a closure per unit would be compiled by dynamo
+# as a frame of its own, specialised on its unit, until its recompile limit (a warning on every rank).
+@eager
+def _gather_unit(gatherer: ParamGatherer, unit: int, module, args) -> None:
+    gatherer.module_pre(unit)
+
+
+@eager
+def _release_unit(gatherer: ParamGatherer, module, args, output) -> None:
+    gatherer.module_post()
 
 
 def _partition_runs(units: List[Unit], dp_rank: int, tp_size: int, tp_rank: int):
@@ -243,12 +258,8 @@ class Stage3Optimizer(ZeroOptimizer):
                 hooks.append(module.register_forward_hook(lambda m, a, o: g.exit_forward(),
                                                           prepend=self._nested_in is not None))
             elif unit is not None:
-                # Disabled for torch.compile as the gatherer's methods are: inside a compiled block dynamo would
-                # otherwise compile each hook as a frame of its own, specialised on its unit, until its recompile
-                # limit (a warning on every rank), to run nothing but the disabled call (docs/compile.md).
-                hooks.append(module.register_forward_pre_hook(
-                    torch.compiler.disable(lambda m, a, unit=unit: g.module_pre(unit))))
-                hooks.append(module.register_forward_hook(torch.compiler.disable(lambda m, a, o: g.module_post())))
+                hooks.append(module.register_forward_pre_hook(functools.partial(_gather_unit, g, unit)))
+                hooks.append(module.register_forward_hook(functools.partial(_release_unit, g)))
         return hooks
 
     # ---- the training step ----------------------------------------------------------------------------
