@@ -353,7 +353,7 @@ LAYOUTS = {  # (tp, pp, zero stage, base model, model overrides, engine config, 
     "dp4-zero3": (1, 1, 3, DENSE, {}, {}, {}),
     "pp2xdp2-interleaved": (1, 2, 1, dict(DENSE, num_layers=4), {},
                             {"pipeline": {"schedule": "interleaved", "layers_per_virtual_stage": 1}}, {}),
-    "gqa-rope-scaling-tp2xdp2": (2, 1, 1, GQA, {}, {}, {}),
+    "gqa-rope-scaling-qk-norm-tp2xdp2": (2, 1, 1, GQA, {"qk_norm": True}, {}, {}),
     "gpt2-tp2xdp2-full-recompute": (2, 1, 1, GPT2, {"recompute": "full"}, {}, {}),
     # parity_training.MOE: dropless, the balancing and z-losses on; the experts over ep2 inside dp4
     "moe-ep2xdp2": (1, 1, 1, MOE, {}, {}, {"ep": 2}),
