@@ -172,8 +172,6 @@ def test_integers_are_read_exactly_not_through_a_float():
         parse_args(["--seed", "12345678901234567"])
 
 
-@pytest.mark.slow  # the default run keeps tests/config/test_flags.py's nearest-flag message (the same parser, in
-# this process) and tests/test_argument_parser.py's usage error from `python -m hybrid.train`
 def test_unknown_flag_is_rejected_with_the_nearest_flag():
     proc = subprocess.run([sys.executable, "-m", "hybrid.train", "--hiden-size", "64"], capture_output=True,
                           text=True, env={**os.environ, "WORLD_SIZE": "1"})

@@ -45,10 +45,7 @@ ASYNC = ("--async-save",)
 
 
 @pytest.mark.parametrize("zero_stage,extra", [
-    # z1 is slow: tests/checkpoint/test_legacy_checkpoint.py's ZeRO-1 case resaves synchronously at TP2 x DP2 and
-    # resumes bit-identically (the default run keeps it, and z2-async here)
-    pytest.param(1, (), id="z1", marks=pytest.mark.slow),
-    pytest.param(2, ASYNC, id="z2-async"), pytest.param(2, QUANTIZED, id="z2-quantized", marks=pytest.mark.slow),
+    pytest.param(1, (), id="z1"), pytest.param(2, ASYNC, id="z2-async"), pytest.param(2, QUANTIZED, id="z2-quantized", marks=pytest.mark.slow),
     pytest.param(1, ASYNC, id="z1-async", marks=pytest.mark.slow), pytest.param(2, (), id="z2", marks=pytest.mark.slow),
     pytest.param(2, QUANTIZED + ASYNC, id="z2-quantized-async", marks=pytest.mark.slow)])
 def test_resume_is_bit_identical(tmp_path, zero_stage, extra):

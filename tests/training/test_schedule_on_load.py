@@ -42,14 +42,8 @@ def _cosine(i: int, length: int) -> float:
     return 1e-3 + (1e-2 - 1e-3) * (1 + math.cos(math.pi * (i - 1) / (length - 1))) / 2
 
 
-# Slow: the other spelling of each behaviour (one key, spelled twice through hybrid.config's Alias). The default
-# run keeps each behaviour once and each kind of spelling once (--override-opt-param-scheduler also parsed in
-# test_cli.py).
-@pytest.mark.parametrize("spelling", [
-    "--use-checkpoint-opt-param-scheduler",
-    pytest.param("--use-checkpoint-opt_param-scheduler", marks=pytest.mark.slow),
-    pytest.param("--override-opt-param-scheduler", marks=pytest.mark.slow),
-    "--override-opt_param-scheduler"])
+@pytest.mark.parametrize("spelling", ["--use-checkpoint-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler",
+                                      "--override-opt-param-scheduler", "--override-opt_param-scheduler"])
 def test_a_longer_resumed_run_keeps_or_takes_the_schedule_as_told(tmp_path, monkeypatch, capsys, spelling):
     first, second = tmp_path / "first", tmp_path / "second"
     code, straight, err = _main(RUN + ["--train-iters", "4", "--save", first, "--save-interval", "2"], monkeypatch,
