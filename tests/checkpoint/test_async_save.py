@@ -149,9 +149,19 @@ def _tensors_equal(a, b) -> bool:
 
 
 @pytest.mark.parametrize("stage,offload", [(1, "none"), (2, "cpu"), (3, "none")])
-def test_the_next_update_waits_for_the_writers_copy_of_the_live_state(tmp_path, stage, offload):
+def test_the_next_update_waits_for_the_writers_copy_of_the_live_state(tmp_path, monkeypatch, stage, offload):
     from hybrid.checkpoint.snapshot import HostSnapshot
 
+    # The writer is released once training waits at the fence (not after a fixed time: on a loaded machine the
+    # forward and backward could outlast it, and the fence would then not wait at all).
+    waiting, fence = threading.Event(), background.BackgroundSaver.fence
+
+    def noting_fence(saver):
+        if not saver._copied.is_set():
+            waiting.set()
+        return fence(saver)
+
+    monkeypatch.setattr(background.BackgroundSaver, "fence", noting_fence)
     engine = _engine(stage, offload, topology=Topology.local())
     _train(engine, 1, seed=1)
     model_at_save = clone_state(dict(engine.optimizer.model_state_for_save()))
@@ -160,12 +170,13 @@ def test_the_next_update_waits_for_the_writers_copy_of_the_live_state(tmp_path, 
     released = threading.Event()
 
     def release():
-        released.set()
+        if waiting.wait(120):
+            released.set()
         hold.release()
 
     try:
         engine.save_checkpoint(tmp_path)
-        threading.Timer(0.3, release).start()
+        threading.Thread(target=release, daemon=True).start()
         _train(engine, 1, seed=2)  # forward and backward run; the update waits at the fence for the copy
         assert released.is_set(), "the optimizer step finished while the writer had not copied the state"
         report = engine.wait_checkpoint()
