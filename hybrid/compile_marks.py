@@ -33,6 +33,13 @@ _DYNAMO = "torch._dynamo"
 _MARKED: List[Tuple[Callable, List[Callable]]] = []
 
 
+def _twin(fn: Callable, disabled: List[Callable]) -> Callable:
+    """``fn``'s ``torch.compiler.disable`` twin, made into ``disabled`` the first time."""
+    if not disabled:
+        disabled.append(torch.compiler.disable(fn))
+    return disabled[0]
+
+
 def eager(fn: F) -> F:
     """``fn`` wrapped to run eagerly under ``torch.compile`` (see the module docstring); a method decorator too."""
     disabled: List[Callable] = []  # torch.compiler.disable(fn), once made
@@ -41,9 +48,7 @@ def eager(fn: F) -> F:
     def run(*args, **kwargs):
         if _DYNAMO not in sys.modules:  # nothing has compiled in this process, so nothing is tracing
             return fn(*args, **kwargs)
-        if not disabled:
-            disabled.append(torch.compiler.disable(fn))
-        return disabled[0](*args, **kwargs)
+        return _twin(fn, disabled)(*args, **kwargs)
 
     _MARKED.append((fn, disabled))
     return run  # type: ignore[return-value]
@@ -66,5 +71,4 @@ def prepare() -> None:
 
     skip_code(_RUN_CODE)
     for fn, disabled in _MARKED:
-        if not disabled:
-            disabled.append(torch.compiler.disable(fn))
+        _twin(fn, disabled)
