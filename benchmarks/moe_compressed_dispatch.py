@@ -82,6 +82,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from benchmarks.cluster_ranks import print_on_rank0, read_ranks  # noqa: E402
 from benchmarks.paired import paired_ratio  # noqa: E402
 
 CONTENDERS = ("fp32", "int8")  # the denominator of every ratio first
@@ -184,10 +185,7 @@ def worker(args) -> int:
     dist.barrier()
     mine = {"dispatch": dispatch, "times": times[args.warmup:], "blocked": blocked[args.warmup:], "losses": losses,
             "step_tx": (_tx_bytes() - tx0) if local0 else 0, "report": report}
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    if dist.get_rank() == 0:
-        print(WORKER_PREFIX + json.dumps(every), flush=True)
+    print_on_rank0(WORKER_PREFIX, mine)
     dist.barrier()
     return 0
 
@@ -249,14 +247,13 @@ def cluster_part(args, results: dict, failures: List[str]) -> List[str]:
             for r in range(args.rounds):
                 for name in (CONTENDERS if r % 2 == 0 else tuple(reversed(CONTENDERS))):
                     res = cluster.run(worker_argv(name, args), timeout_s=args.timeout, cwd=REPO)
-                    line = next((ln for ln in res.nodes[0].output.splitlines() if ln.startswith(WORKER_PREFIX)),
-                                None)
-                    if not res.ok or line is None:
+                    every = read_ranks(res.nodes[0].output, WORKER_PREFIX)
+                    if not res.ok or every is None:
                         msg = f"[{rate}, round {r + 1}] {name}: FAILED {res.describe()[-400:]}"
                         print(msg, flush=True)
                         failures.append(msg)
                         continue
-                    row = summarise(json.loads(line[len(WORKER_PREFIX):]), args)
+                    row = summarise(every, args)
                     row["run_wall_s"] = res.wall_s
                     row["run_tx_total"] = sum(v["tx_bytes"] for v in res.link_bytes.values())
                     runs.setdefault(name, {})[r] = row

@@ -64,6 +64,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from benchmarks.cluster_ranks import print_on_rank0, read_ranks  # noqa: E402
 from benchmarks.paired import paired_ratio  # noqa: E402
 from tests.multiproc import run_distributed  # noqa: E402  (the repository's gloo process harness)
 
@@ -179,10 +180,7 @@ def worker(args) -> int:
     hybrid.init_distributed(backend="gloo")
     c = next(c for c in CONTENDERS if c.name == args.worker)
     mine = bench_child(c, args)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    if dist.get_rank() == 0:
-        print(WORKER_PREFIX + json.dumps(every), flush=True)
+    print_on_rank0(WORKER_PREFIX, mine)
     dist.barrier()
     return 0
 
@@ -209,11 +207,11 @@ def cluster_main(args, chosen: List[Contender]) -> List[str]:
             for r in range(args.cluster_rounds):
                 for c in (chosen if r % 2 == 0 else list(reversed(chosen))):
                     res = cluster.run(worker_argv(c, args), timeout_s=args.cluster_timeout, cwd=REPO)
-                    line = next((ln for ln in res.nodes[0].output.splitlines() if ln.startswith(WORKER_PREFIX)), None)
-                    if not res.ok or line is None:
+                    every = read_ranks(res.nodes[0].output, WORKER_PREFIX)
+                    if not res.ok or every is None:
                         print(f"[{rate}, round {r + 1}] {c.name}: FAILED {res.describe()[-400:]}", flush=True)
                         continue
-                    row = summarise(json.loads(line[len(WORKER_PREFIX):]))
+                    row = summarise(every)
                     runs.setdefault(c.name, {})[r] = row
                     tx = sum(v["tx_bytes"] for v in res.link_bytes.values())
                     link.setdefault(c.name, []).append(tx / (args.warmup + args.cluster_steps))

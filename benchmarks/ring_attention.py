@@ -41,7 +41,6 @@ Reproduce (from the repository root; ``flock /work/bench.lock`` on a shared mach
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -54,6 +53,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from benchmarks.cluster_ranks import print_on_rank0, read_ranks  # noqa: E402
 from benchmarks.paired import PairedRatio, paired_ratio  # noqa: E402
 from hybrid.argument_parser import ArgumentParser  # noqa: E402
 from tests.multiproc import run_distributed  # noqa: E402
@@ -184,8 +184,6 @@ def _spread(xs, scale: float, fmt: str) -> str:
 def worker(a) -> int:
     """Under torchrun (one agent per emulated node): measure placement ``--worker`` and print every rank's
     figures from rank 0 as one ``ring_attention worker: {json}`` line."""
-    import torch.distributed as dist
-
     import hybrid
     from hybrid.topology import Topology
 
@@ -194,10 +192,7 @@ def worker(a) -> int:
     topo = Topology(**PLACEMENTS[a.worker])  # ranks_per_node from torchrun's LOCAL_WORLD_SIZE
     mine = measure(topo, a.lengths, a.heads, a.head_dim, a.calls)
     mine["cp_groups"] = topo.grid.all_groups("cp")
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    if dist.get_rank() == 0:
-        print(WORKER_PREFIX + json.dumps(every), flush=True)
+    print_on_rank0(WORKER_PREFIX, mine)
     topo.close()
     return 0
 
@@ -231,15 +226,14 @@ def cluster_main(a) -> int:
                 for name in (names if r % 2 == 0 else names[::-1]):
                     load = os.getloadavg()[0]
                     res = cluster.run(worker_argv(name, a), timeout_s=a.cluster_timeout, cwd=REPO)
-                    line = next((ln for ln in res.nodes[0].output.splitlines() if ln.startswith(WORKER_PREFIX)), None)
-                    if not res.ok or line is None:
+                    every = read_ranks(res.nodes[0].output, WORKER_PREFIX)
+                    if not res.ok or every is None:
                         failed.append(f"{rate} round {r} {name}")
                         print(f"[{rate}, round {r}] {name}: FAILED {res.describe()}\n{res.nodes[0].output[-1500:]}",
                               flush=True)
                         continue
                     # JSON made the lengths strings
-                    ranks = [{(int(k) if k.isdigit() else k): v for k, v in rk.items()}
-                             for rk in json.loads(line[len(WORKER_PREFIX):])]
+                    ranks = [{(int(k) if k.isdigit() else k): v for k, v in rk.items()} for rk in every]
                     run_tx = sum(v["tx_bytes"] for v in res.link_bytes.values())
                     for s in a.lengths:
                         row = summarise(ranks, s)

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid import comm_compressed, comm_two_level
-from hybrid.comm_accounting import Traffic
+from hybrid.comm_accounting import RING_WIRE_FACTOR, Traffic
 from hybrid.comm_handle import CollectiveError, Guard, Handle, OpName  # importers read them here too
 from hybrid.comm_p2p import PointToPointCollectives
 from hybrid.comm_tensors import nbytes as _nbytes
@@ -63,10 +63,6 @@ from hybrid.group_table import AliasedGroups, AxisGroups
 # torch 2.13 renamed the flat-tensor collectives; older releases (>= 2.4) have only the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-# Wire bytes per payload byte of a ring collective over n ranks (the model of hybrid.comm_accounting.Traffic.report).
-RING_WIRE_FACTOR = {"all_reduce": lambda n: 2.0 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-                    "reduce_scatter": lambda n: (n - 1) / n}
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -295,7 +291,8 @@ class Communicator:
                                  f"elements, expected multiples of {n} adding up to {n} x {output.numel()}")
             splits = two_level and comm_two_level.splits_over_nodes(self, axis)
             if len(segments) > 1 and n > 1 and quant is None and not splits and self._p2p(axis):
-                self._record("reduce_scatter", axis, total * segments[0].element_size(), (n - 1) / n)
+                self._record("reduce_scatter", axis, total * segments[0].element_size(),
+                             RING_WIRE_FACTOR["reduce_scatter"](n))
                 return self._messages.reduce_scatter(output, segments, axis, op, async_op)
             input = segments[0] if len(segments) == 1 else torch.cat([s.view(n, -1) for s in segments], 1).view(-1)
         input = _untracked(input)
@@ -379,7 +376,7 @@ class Communicator:
         if n == 1:
             tensors[0].copy_(input)
             return
-        self._record("all_gather", axis, _nbytes(input) * n, (n - 1) / n)
+        self._record("all_gather", axis, _nbytes(input) * n, RING_WIRE_FACTOR["all_gather"](n))
         with self._guard(self._name("all_gather", axis)):
             dist.all_gather([_untracked(t) for t in tensors], _untracked(input), group=self._group(axis))
 

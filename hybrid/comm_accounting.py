@@ -14,6 +14,10 @@ from typing import Dict, List, Optional, Tuple
 
 from hybrid.group_table import AxisGroups
 
+# Wire bytes per payload byte that one rank sends in a ring collective over n ranks (Traffic.report's model).
+RING_WIRE_FACTOR = {"all_reduce": lambda n: 2.0 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+                    "reduce_scatter": lambda n: (n - 1) / n}
+
 
 @dataclasses.dataclass
 class OpStats:

@@ -14,6 +14,7 @@ from typing import Callable, List, Optional, Protocol
 
 import torch
 
+from hybrid.comm_accounting import RING_WIRE_FACTOR
 from hybrid.comm_handle import Handle
 from hybrid.comm_tensors import nbytes, padded
 from hybrid.compression import Quantization
@@ -60,7 +61,7 @@ def all_gather(comm: _Host, output: torch.Tensor, input: torch.Tensor, axis: str
     n, k = comm.size(axis), input.numel()
     wire = _quant.pack(input.reshape(1, k), quant.bits, quant.block)
     gathered = torch.empty(n, wire.shape[1], dtype=wire.dtype, device=wire.device)
-    comm._record("all_gather", axis, nbytes(gathered), (n - 1) / n)
+    comm._record("all_gather", axis, nbytes(gathered), RING_WIRE_FACTOR["all_gather"](n))
 
     def finish() -> None:
         values = _quant.unpack(gathered, k, quant.bits, quant.block)

@@ -29,7 +29,7 @@ Megatron-DeepSpeed's GPT (:mod:`hybrid.convert.megatron_deepspeed_names`) when
 the checkpoint's names are its ``language_model.encoder.layers.*``, the model's
 shape from the ``args`` it saved (or ``--model-config``); otherwise the Hugging
 Face maps (:mod:`hybrid.convert.hf_gpt2`, :mod:`hybrid.convert.hf_llama`: the
-model's ``config.json`` says which). They are and written in the target
+model's ``config.json`` says which). They are written in the target
 layout by the offline reshard's writer (:func:`hybrid.convert.reshard.write_shares`):
 model files, ZeRO partitions planned by the optimizer's own rules, and
 ``metadata.json`` with the iteration (DeepSpeed's ``global_steps``), consumed

@@ -56,28 +56,33 @@ _REFUSED_FLAGS = ("apply_residual_connection_post_layernorm", "use_rotary_positi
 
 def config_from_saved_args(args: Mapping[str, Any], where) -> GPTConfig:
     """The model Megatron-DeepSpeed's ``args`` describe (its ``--layernorm-epsilon`` is Megatron-LM's
-    ``--norm-epsilon``; its ``--num-experts`` defaults to ``[1]``, dense; the default MLP width 4h recorded as
-    None, as the trainer records it). Only its GPT-2-style model is read: anything else is refused in one line."""
+    ``--norm-epsilon``; its ``--num-experts`` defaults to ``[1]``, dense; the default MLP width recorded as
+    None, as the trainer records it). Only its GPT-2-style model is read: anything else is refused in one line
+    naming every problem."""
     args = dict(args)
     if "norm_epsilon" not in args and "layernorm_epsilon" in args:
         args["norm_epsilon"] = args["layernorm_epsilon"]
     experts = args.get("num_experts")
     if experts is not None and set(experts if isinstance(experts, (list, tuple)) else [experts]) == {1}:
         args["num_experts"] = None
-    for flag in _REFUSED_FLAGS:
-        if args.get(flag):
-            raise ConversionError(f"{where}: the run used --{flag.replace('_', '-')}; from-deepspeed reads "
-                                  f"Megatron-DeepSpeed's GPT-2-style model ({_GPT2_STYLE})")
+    problems = [f"the run used --{flag.replace('_', '-')}" for flag in _REFUSED_FLAGS if args.get(flag)]
     if args.get("num_key_value_heads") not in (None, args.get("num_attention_heads")):
-        raise ConversionError(f"{where}: the run used --num-key-value-heads {args['num_key_value_heads']}; "
-                              f"from-deepspeed reads Megatron-DeepSpeed's multi-head attention layout only")
-    if args.get("ffn_hidden_size") == 4 * int(args.get("hidden_size", 0)):
-        args["ffn_hidden_size"] = None
-    cfg = config_from_args(args, where)
-    other = {k: getattr(cfg, k) for k, v in _GPT2_STYLE.items() if getattr(cfg, k) != v}
-    if other:
-        raise ConversionError(f"{where} describes a model with {other}; from-deepspeed reads Megatron-DeepSpeed's "
-                              f"GPT-2-style model ({_GPT2_STYLE})")
+        problems.append(f"the run used --num-key-value-heads {args['num_key_value_heads']} (grouped-query "
+                        f"attention)")
+    cfg = None
+    try:
+        cfg = config_from_args(args, where)
+    except ConversionError as e:
+        problems.append(str(e).removeprefix(f"{where}: "))
+    if cfg is not None:
+        other = {k: getattr(cfg, k) for k, v in _GPT2_STYLE.items() if getattr(cfg, k) != v}
+        if other:
+            problems.append(f"it describes a model with {other}")
+    if problems:  # every one of them, so that one pass fixes them all
+        raise ConversionError(f"{where}: {'; '.join(problems)}; from-deepspeed reads Megatron-DeepSpeed's "
+                              f"GPT-2-style model ({_GPT2_STYLE}) with multi-head attention")
+    if cfg.ffn_hidden_size == cfg.replace(ffn_hidden_size=None).ffn_size:  # the default width, as the trainer
+        cfg = cfg.replace(ffn_hidden_size=None)                              # records it
     return cfg
 
 

@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, List, Tuple
 import torch
 import torch.distributed._functional_collectives as funcol
 
+from hybrid.comm_tensors import nbytes as _nbytes
+
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.comm import Communicator
     from hybrid.topology import Topology
@@ -120,7 +122,7 @@ def _note(kind: str, axis: str, x: torch.Tensor, n: int, lo: int, hi: int, backw
     op = _COUNTED_AS.get(kind)
     if op is None:
         return
-    nbytes = x.numel() * x.element_size()
+    nbytes = _nbytes(x)
     if kind == ALL_REDUCE_ROWS:
         nbytes = nbytes // x.shape[0] * (hi - lo)
     elif op == "all_gather":

@@ -33,7 +33,7 @@ from typing import Optional
 import pytest
 import torch
 
-from tests.engine.parity_training import MICRO, MOE, SEED, WORLD, check, data, reference, train
+from tests.engine.parity_training import MICRO, MOE, SEED, WORLD, bounds, check, data, reference, train
 from tests.multiproc import run_distributed
 
 DENSE = dict(vocab_size=200, hidden_size=32, num_layers=2, num_heads=4, seq_length=16, init_std=0.05, bias=False,
@@ -277,17 +277,14 @@ def test_a_compiled_moe_block_trains_as_eager_with_its_losses_statistics_and_bia
     bake in: the balancing and z-losses reach backward at the scale set after the forward, the routing statistics
     (monitor, expert bias) are counted on every call, and the router reads the expert bias as it moves."""
     from model_zoo import GPTConfig
-    from tests.numerics import U, max_ratio, transformer_bound
+    from tests.numerics import max_ratio
 
     torch._dynamo.reset()
     cfg = GPTConfig(**{**MOE, "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 0.01})
     ids, labels = (t[:MICRO] for t in data(MOE))
     (eager, _), (compiled, report) = (_moe_steps(cfg, ids, labels, c) for c in (False, True))
     assert (report.figures()["graphs"], report.figures()["breaks"]) == BLOCK_GRAPHS["moe"][1]
-    tokens = MICRO * cfg.seq_length
-    moe = cfg.num_layers * (cfg.hidden_size + cfg.moe_router_topk) * U  # router and k-way sum, as check() adds
-    fwd = transformer_bound(cfg, tokens, part="loss") + moe
-    grads = transformer_bound(cfg, tokens, part="grads") + fwd
+    fwd, grads = bounds(cfg, MICRO * cfg.seq_length)
     for (loss_e, grads_e, stats_e), (loss_c, grads_c, stats_c) in zip(eager, compiled):
         assert abs(loss_c - loss_e) <= fwd * abs(loss_e), (loss_c, loss_e)
         for name, g in grads_e.items():

@@ -169,7 +169,10 @@ def test_megatron_deepspeed_without_saved_args_takes_model_config(tmp_path, caps
 @pytest.mark.parametrize("args, refusal", [
     ({"num_experts": [4]}, "--num-experts"), ({"openai_gelu": False}, "--openai-gelu"),
     ({"apply_residual_connection_post_layernorm": True}, "--apply-residual-connection-post-layernorm"),
-    ({"swiglu": True}, "'mlp': 'swiglu'"), ({"num_key_value_heads": 1}, "--num-key-value-heads 1")])
+    ({"swiglu": True}, "'mlp': 'swiglu'"), ({"num_key_value_heads": 1}, "--num-key-value-heads 1"),
+    # several at once: every one named in the one line
+    ({"use_rotary_position_embeddings": True, "num_key_value_heads": 1, "openai_gelu": False},
+     "--use-rotary-position-embeddings.*--num-key-value-heads 1.*--openai-gelu")])
 def test_megatron_deepspeed_args_hybrid_does_not_compute_alike_are_refused(args, refusal):
     from hybrid.convert.megatron_deepspeed_names import config_from_saved_args
 

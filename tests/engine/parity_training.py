@@ -126,15 +126,22 @@ def reference(overrides: dict, base: dict = MOE, packed: bool = False):
 NORM_TOL = 1e-2  # later steps' gradient norms: as test_batch_ramp_dist.py argues
 
 
+def bounds(cfg, tokens: int):
+    """Relative bounds (loss, gradients) of one forward and backward of ``cfg`` over ``tokens`` tokens against
+    another summation order: :func:`tests.numerics.transformer_bound`, plus an MoE layer's two more reductions
+    per layer (the router's h-term logits and each token's k-way expert sum; u per term of each, as
+    transformer_bound counts a reduction: tests/numerics.U, fp32 plus the reference's)."""
+    moe = cfg.num_layers * (cfg.hidden_size + cfg.moe_router_topk) * U if cfg.is_moe else 0.0
+    fwd = transformer_bound(cfg, tokens, part="loss") + moe
+    return fwd, transformer_bound(cfg, tokens, part="grads") + fwd
+
+
 def check(runs, ref, overrides, base: dict = MOE):
     from model_zoo import GPTConfig
 
     cfg = GPTConfig(**{**base, **overrides})
     tokens = MICRO * cfg.seq_length
-    # an MoE layer's router (h-term logits) and each token's k-way expert sum are two more reductions per layer
-    # (u per term of each, as transformer_bound counts a reduction: tests/numerics.U, fp32 plus the reference's)
-    moe = cfg.num_layers * (cfg.hidden_size + cfg.moe_router_topk) * U if cfg.is_moe else 0.0
-    fwd = transformer_bound(cfg, tokens, part="loss") + moe
+    fwd, first = bounds(cfg, tokens)
     merged = {}
     for run in runs:
         for name, value in run["params"].items():  # every context-parallel rank holds the same parameters
@@ -147,7 +154,6 @@ def check(runs, ref, overrides, base: dict = MOE):
             assert ratio <= 1, f"step {i + 1} loss {got} vs {want}: {ratio:.2f} x the bound"
         # step 1 runs at the very same parameters: its gradient norm differs by rounding alone (a balancing loss
         # whose gradient missed its scale on one micro-batch moved it by 1e-3 relative, three times this bound)
-        first = transformer_bound(cfg, tokens, part="grads") + fwd
         ratio = record(abs(run["norms"][0] - ref["norms"][0]) / (first * ref["norms"][0]))
         assert ratio <= 1, f"step 1 gradient norm {run['norms'][0]} vs {ref['norms'][0]}: {ratio:.2f} x the bound"
         for i, (got, want) in enumerate(zip(run["norms"], ref["norms"])):
