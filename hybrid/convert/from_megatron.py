@@ -463,8 +463,6 @@ def config_from_args(args: Mapping[str, Any], where) -> GPTConfig:
     norms = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}
     if args.get("normalization", "LayerNorm") not in norms:
         raise refuse(f"--normalization {args.get('normalization')}", "hybrid has LayerNorm and RMSNorm")
-    if args.get("apply_layernorm_1p"):
-        raise refuse("--apply-layernorm-1p", "hybrid's norms scale by the weight itself")
     heads, hidden = int(args["num_attention_heads"]), int(args["hidden_size"])
     kv = args.get("kv_channels")
     bias = bool(args.get("add_bias_linear", True))
@@ -477,6 +475,7 @@ def config_from_args(args: Mapping[str, Any], where) -> GPTConfig:
         seq_length=int(args.get("seq_length") or args.get("max_position_embeddings")),
         max_position_embeddings=int(args["max_position_embeddings"]) if args.get("max_position_embeddings") else None,
         position=positions[position], norm=norms[args.get("normalization", "LayerNorm")],
+        apply_layernorm_1p=bool(args.get("apply_layernorm_1p")),  # every norm's weight stored as gamma - 1, as here
         norm_eps=float(args.get("norm_epsilon", 1e-5)), rope_theta=float(args.get("rotary_base", 10000) or 10000),
         mlp=mlp, bias=bias,
         qkv_bias=True if args.get("add_qkv_bias") and not bias else None, qk_norm=bool(args.get("qk_layernorm")),

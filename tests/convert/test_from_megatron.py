@@ -332,6 +332,24 @@ def test_models_hybrid_computes_otherwise_are_refused_naming_megatrons_flag():
             config_from_args({**args, **change}, "x")
 
 
+def test_a_layernorm_1p_run_gives_megatrons_logits():
+    """Megatron's --apply-layernorm-1p stores every norm's weight as gamma - 1 and scales by 1 + weight (its fused
+    and Transformer Engine norms alike). The fixture's norms with 1 taken off their weights and the flag set in
+    the saved args describe the same model: converted, it gives Megatron's logits, and its config carries the
+    flag (so the trainer and to-hf treat the weights as zero-centred)."""
+    ref, state = _reference(), read_megatron(LEGACY, optimizer=False)
+    args = {**state.args, "apply_layernorm_1p": True}
+    shifted = {n: t - 1 if n.endswith(("layernorm.weight", "layer_norm_weight")) else t
+               for n, t in state.tensors["weight"].items()}
+    cfg = config_from_args(args, "x")
+    assert cfg.apply_layernorm_1p and not config_from_args(state.args, "x").apply_layernorm_1p
+    model = model_from_state(cfg, to_hybrid(shifted, cfg, "x"))
+    with torch.no_grad():
+        logits = model(ref["probe"])
+    bound = 2 * transformer_bound(cfg, ref["probe"].numel(), part="logits") * ref["logits"].abs().max().item()
+    assert max_ratio(logits, ref["logits"], bound) <= 1.0
+
+
 def test_command_line_converts_and_refuses_bad_input_in_one_line(tmp_path, capsys):
     tool = _tool()
     args = ["from-megatron", "--no-progress"]
