@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import dataclasses
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -221,10 +221,7 @@ class Engine:
                              f"{len(microbatches)}")
         if self._awaiting_step or self._micro_in_batch:
             raise RuntimeError("train_batch was called in the middle of a global batch of backward()/step() calls")
-        stage = self.pipeline_stage
-        if self.config.calculate_per_token_loss:
-            stage = dataclasses.replace(stage, token_scale=self._token_scale(microbatches))
-        stats = self.pipeline.step(microbatches, stage)
+        stats = self.pipeline.step(microbatches, self._loss_stage(microbatches))
         self.last_pipeline_stats = stats
         loss = self._pipeline_loss(stats.losses)
         if dp_mean:
@@ -234,24 +231,59 @@ class Engine:
         self._losses.append(loss)
         return self._end_global_batch(), float(loss)
 
-    def _token_scale(self, microbatches: Sequence[Mapping[str, Any]]) -> float:
-        """``calculate_per_token_loss``'s factor on each micro-batch's token count (:class:`EngineStage`):
-        ``accumulation * dp / N``, ``N`` the unmasked tokens of the whole global batch (this rank's
-        ``microbatches`` summed over ``"dp"``; every pipeline stage holds the same micro-batches)."""
+    def _loss_stage(self, microbatches: Sequence[Mapping[str, Any]], tokens: Optional[float] = None) -> EngineStage:
+        """The pipeline stage computing the loss as the run defines it on this global batch: with
+        ``calculate_per_token_loss``, the last part weighs each micro-batch's mean loss by its token count times
+        ``accumulation * dp / N`` (:class:`EngineStage`), ``N`` the global batch's unmasked tokens
+        (``tokens``, or :meth:`loss_token_count`), so that the mean over the micro-batches and ``"dp"`` is the
+        summed token losses over ``N``."""
+        stage = self.pipeline_stage
+        if not self.config.calculate_per_token_loss:
+            return stage
+        total = self.loss_token_count(microbatches) if tokens is None else tokens
+        # a global batch with no unmasked token has no loss to average (its losses are NaN): scaled by 1 token
+        return dataclasses.replace(stage, token_scale=len(microbatches) * self.topology.dp_size / max(total, 1.0))
+
+    def loss_token_count(self, microbatches: Sequence[Mapping[str, Any]]) -> float:
+        """``N``: the unmasked tokens of the global batch whose micro-batches on this data-parallel rank are
+        ``microbatches`` (each one's loss-mask sum, :func:`loss_tokens`; all-reduce over ``"dp"``; every pipeline
+        stage holds the same micro-batches)."""
         topo = self.topology
         total = torch.stack([loss_tokens(mb) for mb in microbatches]).sum().to(topo.device).reshape(1)
         topo.comm.all_reduce(total, "dp")
-        # a global batch with no unmasked token has no loss to average (its losses are NaN): scaled by 1 token
-        return len(microbatches) * topo.dp_size / max(float(total[0]), 1.0)
+        return float(total[0])
 
-    def eval_batch(self, microbatches: Sequence[Mapping[str, Any]]) -> float:
-        """The mean loss of ``microbatches`` through the pipeline, forward only (validation)."""
+    def eval_batch(self, microbatches: Sequence[Mapping[str, Any]], tokens: Optional[float] = None) -> float:
+        """The loss of ``microbatches`` through the pipeline, forward only (validation): the mean over the
+        micro-batches, or with ``calculate_per_token_loss`` their token losses over the global batch's unmasked
+        tokens (``tokens`` when the caller counted them, :meth:`loss_token_count`), this rank's share of the
+        average over ``"dp"``, as :meth:`train_batch` reports it."""
         if self.pipeline is None:
             raise TypeError(f"eval_batch needs a pipeline-aware model (such as model_zoo.GPTModel); for "
                             f"{type(self.module).__name__} call engine(...) under torch.no_grad()")
         with torch.no_grad():
-            stats = self.pipeline.step(microbatches, self.pipeline_stage, train=False)
+            stats = self.pipeline.step(microbatches, self._loss_stage(microbatches, tokens), train=False)
         return float(self._pipeline_loss(stats.losses))
+
+    def eval_batches(self, batches: Iterable[Sequence[Mapping[str, Any]]]) -> float:
+        """The loss of several global batches (each given as this rank's micro-batches), forward only, averaged
+        over ``"dp"`` (collective): the mean of :meth:`eval_batch`'s, or with ``calculate_per_token_loss`` all
+        their token losses over all their unmasked tokens (each batch weighed by its count, Megatron-LM's
+        validation loss)."""
+        per_token = self.config.calculate_per_token_loss
+        total = weight = 0.0
+        for microbatches in batches:
+            tokens = self.loss_token_count(microbatches) if per_token else None
+            if tokens == 0:  # nothing to predict in this batch (the same count on every rank): it weighs nothing
+                continue
+            w = tokens if per_token else 1.0
+            total += w * self.eval_batch(microbatches, tokens)
+            weight += w
+        # no batch, or none with an unmasked token: no loss to report
+        mean = torch.tensor([total / weight if weight else float("nan")], dtype=torch.float64,
+                            device=self.topology.device)
+        self.topology.comm.all_reduce(mean, "dp", op="avg")
+        return float(mean[0])
 
     def _pipeline_loss(self, losses: List[float]) -> torch.Tensor:
         """The mean of the last stage's micro-batch losses, on every stage (broadcast over ``"pp"``): float64 [1]."""

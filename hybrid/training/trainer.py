@@ -18,6 +18,7 @@ sections (``model``, ``data``, ``checkpoint``, ``run``, ``eval``, ``logging``,
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import time
 from typing import Optional, Sequence
@@ -308,26 +309,21 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, split: str = "valid") -> Optional[float]:
-        """The mean loss of ``split``'s (``"valid"`` or ``"test"``) first ``--eval-iters`` global batches, each
-        batch's loss averaged over its micro-batches and then over ``"dp"`` (collective); None where the run
-        has no data for that split."""
+        """The loss of ``split``'s (``"valid"`` or ``"test"``) first ``--eval-iters`` global batches
+        (:meth:`~hybrid.engine.Engine.eval_batches`: collective over ``"dp"``; their token losses over their
+        unmasked tokens with ``--calculate-per-token-loss``); None where the run has no data for that split."""
         dataset = getattr(self.data, split)
         if dataset is None:
             return None
-        engine, device = self.engine, self.topology.device
+        engine = self.engine
         engine.eval()
         sampler = GlobalBatchSampler(len(dataset), 0, self.batch.micro_batch_size,
                                      self.batch.global_batch_size, self.topology.dp_rank, self.topology.dp_size)
-        losses = []
+        batches = itertools.islice(iter_global_batches(dataset, sampler), self.config.eval.iters)
         # (in eval mode the MoE layers do not count their routing: the report and the expert bias see training's)
-        for k, micro_batches in enumerate(iter_global_batches(dataset, sampler)):
-            if k >= self.config.eval.iters:
-                break
-            losses.append(engine.eval_batch(self._model_inputs(micro_batches)))
+        loss = engine.eval_batches(self._model_inputs(micro_batches) for micro_batches in batches)
         engine.train()
-        mean = torch.tensor(sum(losses) / len(losses), dtype=torch.float32, device=device)
-        self.topology.comm.all_reduce(mean, "dp", op="avg")
-        return float(mean)
+        return loss
 
     # ---- the loop -----------------------------------------------------------------------------------
     def train(self) -> int:

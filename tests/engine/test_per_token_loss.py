@@ -115,6 +115,62 @@ def test_without_the_flag_micro_batches_weigh_equally():
     assert abs(run["loss"] - ref["per_micro_batch"]["loss"]) <= _loss_bound(ref["per_micro_batch"]["loss"])
 
 
+def _evaluate(topo, per_token: bool = True) -> float:
+    """``eval_batches`` at ``topo`` over two global batches of 2 samples, samples 0-1 then 2-3 (unmasked tokens
+    9 and 7: unequal)."""
+    import hybrid
+    from model_zoo import GPTConfig, GPTModel
+
+    engine = hybrid.initialize(GPTModel(GPTConfig(**CFG), topo, seed=SEED),
+                               {"precision": "fp32", "zero": {"stage": 1}, "steps_per_print": 0,
+                                "optimizer": {"type": "sgd", "lr": 1.0}, "micro_batch_size": 1,
+                                "global_batch_size": 2, "calculate_per_token_loss": per_token}, topology=topo)
+    engine.eval()
+    data, share = _data(), 2 // topo.dp_size
+    return engine.eval_batches([data[2 * b + topo.dp_rank * share:2 * b + (topo.dp_rank + 1) * share]
+                                for b in range(2)])
+
+
+def _eval_reference():
+    """One process, eval mode: the per-token loss of all four samples (their token losses over their 16 tokens)
+    and the mean of the two batches' micro-batch means."""
+    from hybrid.topology import Topology
+    from model_zoo import GPTConfig, GPTModel
+
+    model = GPTModel(GPTConfig(**CFG), Topology.local(), seed=SEED).eval()
+    with torch.no_grad():
+        means = [float(model(**mb)) for mb in _data()]
+    return {"per_token": sum(m * n for m, n in zip(means, COUNTS)) / sum(COUNTS),
+            "per_micro_batch": sum(means) / SAMPLES}
+
+
+def test_validation_weighs_every_token_alike_across_batches():
+    """--calculate-per-token-loss's validation loss: all the evaluated batches' token losses over all their
+    unmasked tokens (Megatron-LM's), not the mean of the batches' losses; without it, the mean of micro-batch
+    means as before."""
+    from hybrid.topology import Topology
+
+    ref = _eval_reference()
+    for per_token, key in ((True, "per_token"), (False, "per_micro_batch")):
+        got = _evaluate(Topology.local(), per_token)
+        assert abs(got - ref[key]) <= _loss_bound(ref[key]), (key, got, ref[key])
+    # the two definitions differ by far more than the bound here: the test tells them apart
+    assert abs(ref["per_token"] - ref["per_micro_batch"]) > 100 * _loss_bound(ref["per_token"])
+
+
+def _evaluate_dp() -> float:
+    from hybrid.topology import Topology
+
+    return _evaluate(Topology(tp=1))
+
+
+@pytest.mark.slow
+def test_validation_per_token_over_two_data_parallel_ranks():
+    ref = _eval_reference()["per_token"]
+    for got in run_distributed(_evaluate_dp, 2, timeout=240):
+        assert abs(got - ref) <= _loss_bound(ref)
+
+
 def _dist(layout):
     """:func:`_step` on this rank, its tensors as numpy arrays (pickled by value, not as shared torch storage)."""
     from hybrid.topology import Topology
