@@ -330,8 +330,8 @@ class ExpertSplitOptimizer(ZeroOptimizer):
         TP and pipeline shard) would write it; on DP rank 0, the one that writes the model file.
 
         Every rank must call it: under stage 3 both halves gather their units (over ``dp`` and ``edp``), and
-        the ranks of DP rank 0's ``ep`` group (``edp`` rank 0) send their experts to it (host copies, an
-        object all-gather over ``ep``). So a model file is the same at every ``ep`` size, and a weights-only
+        the other ranks of DP rank 0's ``ep`` group (``edp`` rank 0) send it their experts
+        (:meth:`_experts_to_dp_rank_0`). So a model file is the same at every ``ep`` size, and a weights-only
         load finds each rank's experts in it (:meth:`load_model_state`). Other ranks get their own shard
         (stages 0-2: what the file does not need) or None (stage 3).
         """
@@ -341,14 +341,37 @@ class ExpertSplitOptimizer(ZeroOptimizer):
             return dense  # not in DP rank 0's ep group: no file takes these experts from here
         if expert is None:
             raise AssertionError("edp rank 0 must hold its experts' whole weights")
-        mine = {k: expert[k].detach().to("cpu", copy=True) for k in sorted(self._expert_keys)}
-        others = self.comm.all_gather_object(mine, "ep")
-        if dense is None:
-            return None
+        others = self._experts_to_dp_rank_0({k: expert[k] for k in sorted(self._expert_keys)})
+        if others is None or dense is None:
+            return dense
         merged = {k: v for k, v in dense.items() if k not in self._expert_keys}
-        for part in others:
-            merged.update(part)
+        merged.update({k: expert[k].detach().to("cpu", copy=True) for k in self._expert_keys})
+        merged.update(others)
         return merged
+
+    def _experts_to_dp_rank_0(self, mine: Dict[str, torch.Tensor]) -> Optional[Dict[str, torch.Tensor]]:
+        """Ep rank 0 of this ``ep`` group (DP rank 0) receives every other ep rank's expert weights ``mine``
+        (name -> whole tensor) as host copies and returns them; the others send theirs and return None.
+
+        Their names, shapes and dtypes go first (an object all-gather over ``"ep"``: metadata only), then each
+        tensor as one message to ep rank 0 (send/recv over ``"ep"``, in name order). Only the writer holds the
+        other ranks' experts, and one tensor at a time is in flight on the device."""
+        meta = [(k, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in mine.items()]
+        shared = self.comm.all_gather_object(meta, "ep")
+        device = self.topology.device
+        if self.topology.ep_rank != 0:
+            for key in mine:
+                self.comm.send(mine[key].detach().to(device).contiguous(), "ep", dst=0)
+            return None
+        received = {}
+        for src, entries in enumerate(shared):
+            if src == 0:
+                continue
+            for key, shape, dtype in entries:
+                buf = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                self.comm.recv(buf, "ep", src=src)
+                received[key] = buf.to("cpu", copy=True) if buf.device.type != "cpu" else buf
+        return received
 
     def load_model_state(self, state: Dict[str, torch.Tensor]) -> None:
         """Load a whole-model ``state_dict`` of this TP and pipeline shard (:meth:`model_state_for_save`: every

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid.param_meta import is_expert
 from tests.multiproc import run_distributed
 from tests.numerics import adam_trajectory_tolerance
 from tests.zero.common import clone_state, no_decay, numpy_params, reference_adamw, token_batch, train_zero
@@ -197,13 +198,18 @@ def _resume(stage):
     b = more(model2, opt2)
     header = {k: saved[k] for k in ("format", "ep_size", "ep_rank", "edp_size", "edp_rank")}
     # the model file's state: every ep rank's experts on DP rank 0; each rank loads its own back from it
+    topo.comm.reset_stats()
     whole = opt.model_state_for_save()
+    sent = topo.comm.report().get("send/ep", {}).get("wire_bytes", 0)
+    own_keys = sorted(whole)
+    own_expert_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if is_expert(p))
     whole = topo.comm.all_gather_object(whole, "world")[0]  # what DP rank 0 wrote, read by every rank
     model3, _, opt3 = _build(stage)
     opt3.load_model_state(whole)
     return {"a": a, "b": b, "header": header, "expert_index": [r["name"] for r in saved["expert"]["param_index"]],
             "has_dense_index": "param_index" not in saved["dense"] and bool(saved["param_index"]),
-            "whole_keys": sorted(whole), "reloaded": _params(model3, opt3)}
+            "whole_keys": sorted(whole), "reloaded": _params(model3, opt3), "own_keys": own_keys, "sent": sent,
+            "own_expert_bytes": own_expert_bytes}
 
 
 def _refusals():
@@ -354,6 +360,13 @@ def test_resume_is_bit_identical(fast):
             assert (value == got["b"][name]).all(), name
             assert (value == got["reloaded"][name]).all(), name  # weights-only load of the model file
         assert got["whole_keys"] == sorted(ToyMoE().state_dict())  # every expert, as one process holds them
+        # only the writer holds the other ranks' experts: DP rank 1 (ep rank 1 of DP rank 0's ep group) sends its
+        # own, tensor by tensor, and keeps its own shard; the ranks of the other ep group send nothing
+        if rank == 0:
+            assert got["own_keys"] == got["whole_keys"] and got["sent"] == 0
+        else:
+            assert got["own_keys"] != got["whole_keys"]
+            assert got["sent"] == (got["own_expert_bytes"] if rank < EP else 0)
 
 
 def test_refusals_name_the_key(fast):
