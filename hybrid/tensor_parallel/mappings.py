@@ -47,156 +47,76 @@ if TYPE_CHECKING:  # pragma: no cover
 AXIS = "tp"
 
 
-# ---- raw collectives (no autograd) -------------------------------------------------
-def _all_reduce(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
-    if topo.tp_size == 1:
-        return x
+# ---- the transforms, eagerly (no autograd) ------------------------------------------------
+# Each takes (x, topo, axis, lo, hi) and runs through ``topo.comm`` on ``axis`` (of more than one rank: the public
+# functions return a one-rank axis's input as it is).
+def _all_reduce(x: torch.Tensor, topo: "Topology", axis: str, lo: int, hi: int) -> torch.Tensor:
     # A fresh buffer: the incoming tensor may be shared with other graph edges.
     out = x.contiguous().clone()
-    topo.comm.all_reduce(out, AXIS)
+    topo.comm.all_reduce(out, axis)
     return out
 
 
-def _split_last(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
-    return x if topo.tp_size == 1 else traceable.chunk(x, topo.tp_size, topo.tp_rank, -1)
+def _all_reduce_rows(x: torch.Tensor, topo: "Topology", axis: str, lo: int, hi: int) -> torch.Tensor:
+    out = x.contiguous().clone()
+    topo.comm.all_reduce(out[lo:hi], axis)  # rows along dim 0: a contiguous view
+    return out
 
 
-def _gather_last(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
-    n = topo.tp_size
-    if n == 1:
-        return x
+def _gather_first(x: torch.Tensor, topo: "Topology", axis: str, lo: int, hi: int) -> torch.Tensor:
     x = x.contiguous()
+    out = x.new_empty((topo.size(axis) * x.shape[0],) + tuple(x.shape[1:]))
+    topo.comm.all_gather_into_tensor(out, x, axis)
+    return out
+
+
+def _gather_last(x: torch.Tensor, topo: "Topology", axis: str, lo: int, hi: int) -> torch.Tensor:
     # Gathered along dim 0 (the layout every backend accepts), then rank-ordered along the last dim.
-    buf = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
-    topo.comm.all_gather_into_tensor(buf, x, AXIS)
-    return traceable.ranks_to_last(buf, x.shape, n)
+    return traceable.ranks_to_last(_gather_first(x, topo, axis, lo, hi), x.shape, topo.size(axis))
 
 
-def _split_first(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
-    return x if topo.tp_size == 1 else traceable.chunk(x, topo.tp_size, topo.tp_rank, 0)
-
-
-def _gather_first(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
-    n = topo.tp_size
-    if n == 1:
-        return x
-    x = x.contiguous()
-    out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
-    topo.comm.all_gather_into_tensor(out, x, AXIS)
-    return out
-
-
-def _reduce_scatter_first(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
-    n = topo.tp_size
-    if n == 1:
-        return x
+def _reduce_scatter_first(x: torch.Tensor, topo: "Topology", axis: str, lo: int, hi: int) -> torch.Tensor:
+    n = topo.size(axis)
     traceable.check_splits(x, n, 0)
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
-    topo.comm.reduce_scatter_tensor(out, x, AXIS)
+    topo.comm.reduce_scatter_tensor(out, x, axis)
     return out
 
 
-# ---- autograd functions ----------------------------------------------------------------
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topo):
-        ctx.topo = topo
-        return x.view_as(x)
+_EAGER = {
+    IDENTITY: lambda x, topo, axis, lo, hi: x.view_as(x),
+    SPLIT_LAST: lambda x, topo, axis, lo, hi: traceable.chunk(x, topo.size(axis), topo.rank_in(axis), -1),
+    SPLIT_FIRST: lambda x, topo, axis, lo, hi: traceable.chunk(x, topo.size(axis), topo.rank_in(axis), 0),
+    ALL_REDUCE: _all_reduce, ALL_REDUCE_ROWS: _all_reduce_rows, GATHER_FIRST: _gather_first,
+    GATHER_LAST: _gather_last, REDUCE_SCATTER_FIRST: _reduce_scatter_first,
+}
+
+
+class _EagerConjugate(torch.autograd.Function):
+    """Forward ``fwd``, backward ``bwd`` (two transforms, each the other's adjoint) through the communicator."""
 
     @staticmethod
-    def backward(ctx, g):
-        return _all_reduce(g, ctx.topo), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topo):
-        return _all_reduce(x, topo)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topo):
-        ctx.topo = topo
-        return _split_last(x, topo)
+    def forward(ctx, x, topo, fwd, bwd, axis, lo, hi):
+        ctx.args = (topo, bwd, axis, lo, hi)
+        return _EAGER[fwd](x, topo, axis, lo, hi)
 
     @staticmethod
     def backward(ctx, g):
-        return _gather_last(g, ctx.topo), None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topo):
-        ctx.topo = topo
-        return _gather_last(x, topo)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _split_last(g, ctx.topo), None
-
-
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topo):
-        ctx.topo = topo
-        return _split_first(x, topo)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_first(g, ctx.topo), None
-
-
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topo, reduce_scatter_grad):
-        ctx.topo = topo
-        ctx.reduce_scatter_grad = reduce_scatter_grad
-        return _gather_first(x, topo)
-
-    @staticmethod
-    def backward(ctx, g):
-        if ctx.reduce_scatter_grad:
-            return _reduce_scatter_first(g, ctx.topo), None, None
-        return _split_first(g, ctx.topo), None, None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topo):
-        ctx.topo = topo
-        return _reduce_scatter_first(x, topo)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_first(g, ctx.topo), None
-
-
-class _SumGradRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topo, lo, hi, axis):
-        ctx.topo, ctx.lo, ctx.hi, ctx.axis = topo, lo, hi, axis
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous().clone()
-        ctx.topo.comm.all_reduce(g[ctx.lo:ctx.hi], ctx.axis)  # rows along dim 0: a contiguous view
-        return g, None, None, None, None
+        topo, bwd, axis, lo, hi = ctx.args
+        return (_EAGER[bwd](g, topo, axis, lo, hi),) + (None,) * 6
 
 
 # ---- public API ------------------------------------------------------------------------
 # With one TP rank each primitive is the identity both ways, and returns its input without an autograd function.
 # Inside a compiled region (model_zoo.compile) each one is the same pair of collectives as functional collectives
-# that dynamo traces (hybrid.tensor_parallel.traceable): no graph break; eager code keeps the communicator's
-# autograd functions above (byte counts, timed waits, gloo's point-to-point paths).
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
+# that dynamo traces (hybrid.tensor_parallel.traceable): no graph break; eager code runs the pair through the
+# communicator (byte counts, timed waits, gloo's point-to-point paths). Each primitive names its pair once.
+def _pair(x: torch.Tensor, topo: "Topology", fwd: str, bwd: str, axis: str = AXIS, lo: int = 0,
+          hi: int = 0) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return traceable.conjugate(x, topo, fwd, bwd, axis, lo, hi)
+    return _EagerConjugate.apply(x, topo, fwd, bwd, axis, lo, hi)
 
 
 def copy_to_tp_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
@@ -208,35 +128,35 @@ def copy_to_tp_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     """
     if topo.tp_size == 1:
         return x
-    return traceable.conjugate(x, topo, IDENTITY, ALL_REDUCE) if _compiling() else _CopyToTP.apply(x, topo)
+    return _pair(x, topo, IDENTITY, ALL_REDUCE)
 
 
 def reduce_from_tp_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     """All-reduce (sum) over ``"tp"`` forward; identity backward. Any shape."""
     if topo.tp_size == 1:
         return x
-    return traceable.conjugate(x, topo, ALL_REDUCE, IDENTITY) if _compiling() else _ReduceFromTP.apply(x, topo)
+    return _pair(x, topo, ALL_REDUCE, IDENTITY)
 
 
 def scatter_to_tp_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     """``[..., n*k] -> [..., k]``: keep this TP rank's last-dim chunk; backward all-gathers it."""
     if topo.tp_size == 1:
         return x
-    return traceable.conjugate(x, topo, SPLIT_LAST, GATHER_LAST) if _compiling() else _ScatterToTP.apply(x, topo)
+    return _pair(x, topo, SPLIT_LAST, GATHER_LAST)
 
 
 def gather_from_tp_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     """``[..., k] -> [..., n*k]``: all-gather the last dim over ``"tp"`` in rank order; backward splits."""
     if topo.tp_size == 1:
         return x
-    return traceable.conjugate(x, topo, GATHER_LAST, SPLIT_LAST) if _compiling() else _GatherFromTP.apply(x, topo)
+    return _pair(x, topo, GATHER_LAST, SPLIT_LAST)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     """``[s, ...] -> [s/n, ...]``: keep this TP rank's sequence chunk; backward all-gathers dim 0."""
     if topo.tp_size == 1:
         return x
-    return traceable.conjugate(x, topo, SPLIT_FIRST, GATHER_FIRST) if _compiling() else _ScatterToSP.apply(x, topo)
+    return _pair(x, topo, SPLIT_FIRST, GATHER_FIRST)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, topo: "Topology",
@@ -250,18 +170,14 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, topo: "Topology",
     """
     if topo.tp_size == 1:
         return x
-    if _compiling():
-        return traceable.conjugate(x, topo, GATHER_FIRST, REDUCE_SCATTER_FIRST if reduce_scatter_grad else SPLIT_FIRST)
-    return _GatherFromSP.apply(x, topo, reduce_scatter_grad)
+    return _pair(x, topo, GATHER_FIRST, REDUCE_SCATTER_FIRST if reduce_scatter_grad else SPLIT_FIRST)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, topo: "Topology") -> torch.Tensor:
     """``[s, ...] -> [s/n, ...]``: sum over ``"tp"`` and keep this rank's chunk; backward all-gathers dim 0."""
     if topo.tp_size == 1:
         return x
-    if _compiling():
-        return traceable.conjugate(x, topo, REDUCE_SCATTER_FIRST, GATHER_FIRST)
-    return _ReduceScatterToSP.apply(x, topo)
+    return _pair(x, topo, REDUCE_SCATTER_FIRST, GATHER_FIRST)
 
 
 def sum_grad_rows(x: torch.Tensor, topo: "Topology", lo: int, hi: int, axis: str) -> torch.Tensor:
@@ -271,6 +187,4 @@ def sum_grad_rows(x: torch.Tensor, topo: "Topology", lo: int, hi: int, axis: str
     alike and use for different outputs: each rank's gradient of them is a
     partial sum, and the sum keeps the copies equal.
     """
-    if _compiling():
-        return traceable.conjugate(x, topo, IDENTITY, ALL_REDUCE_ROWS, axis, lo, hi)
-    return _SumGradRows.apply(x, topo, lo, hi, axis)
+    return _pair(x, topo, IDENTITY, ALL_REDUCE_ROWS, axis, lo, hi)
