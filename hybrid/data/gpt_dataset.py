@@ -96,6 +96,15 @@ def build_gpt_indices(lengths: np.ndarray, seq_length: int, num_samples: int, se
     return {"doc_index": doc_index.ravel(), "sample_index": sample_index, "shuffle_index": shuffle_index}
 
 
+def document_ids(is_eod):
+    """The document of each token, numbered from 0 in each sample (along the last dim), from where the
+    end-of-document tokens are (``is_eod``: a boolean numpy array or torch tensor ``[..., s]``; int64 of the same
+    kind and shape back). Megatron's rule (``--reset-attention-mask``, ``--reset-position-ids``): a token after an
+    end-of-document token starts the next document, and the end-of-document token belongs to the one it ends."""
+    eod = is_eod.astype(np.int64) if isinstance(is_eod, np.ndarray) else is_eod.to(torch.int64)
+    return eod.cumsum(-1) - eod  # the end-of-document tokens strictly before each token
+
+
 def make_sample(tokens: np.ndarray, eod_id: int | None, eod_mask_loss: bool, reset_position_ids: bool) -> dict:
     """The training dict for ``seq_length + 1`` tokens.
 
@@ -114,11 +123,9 @@ def make_sample(tokens: np.ndarray, eod_id: int | None, eod_mask_loss: bool, res
         is_eod = inputs == eod_id
         if eod_mask_loss:
             loss_mask[is_eod] = 0.0
-        if reset_position_ids:
-            doc_start = np.zeros(length, dtype=np.int64)
-            after_eod = np.flatnonzero(is_eod[:-1]) + 1
-            doc_start[after_eod] = after_eod
-            position_ids -= np.maximum.accumulate(doc_start)
+        if reset_position_ids:  # each document's positions from 0: less the index of its first token
+            doc = document_ids(is_eod)
+            position_ids -= np.searchsorted(doc, doc)  # doc never decreases: its first index per document
     return {
         "tokens": torch.from_numpy(inputs),
         "labels": torch.from_numpy(labels),

@@ -15,16 +15,14 @@ import torch
 
 from hybrid.config import HybridConfig
 from hybrid.data import SplitTooSmallError, build_train_valid_test_datasets, parse_split
+from hybrid.data.gpt_dataset import document_ids
 
 
 def packed_document_ids(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
     """The document of each input token, int64 of ``tokens``' shape (``[b, s]`` or ``[s]``), numbered from 0 in
-    each sample: Megatron's rule (``--reset-attention-mask``), a token after an end-of-document token starts the
-    next document and the end-of-document token belongs to the one it ends. Read by
-    :func:`model_zoo.document_attention.document_attention`; the positions that ``--reset-position-ids``
-    restarts (:func:`hybrid.data.gpt_dataset.make_sample`) start at the same tokens."""
-    is_eod = (tokens == eod_id).to(torch.int64)
-    return is_eod.cumsum(-1) - is_eod  # the end-of-document tokens strictly before each token
+    each sample (:func:`hybrid.data.gpt_dataset.document_ids`: the rule ``--reset-position-ids`` restarts positions
+    by too). Read by :func:`model_zoo.document_attention.document_attention`."""
+    return document_ids(tokens == eod_id)
 
 
 class MockDataset(torch.utils.data.Dataset):
