@@ -62,7 +62,7 @@ def test_per_document_sdpa_equals_the_dense_mask_forward_and_backward(heads, gro
     # a mistake is far above the bound: attending across one boundary moves the first sample's outputs
     crossed = dense_document_attention(q, k, v, torch.zeros_like(ids), enable_gqa=gqa)
     if len(lengths[0]) > 1:
-        assert float((crossed - ref).abs().max()) > 1e3 * bound
+        assert float((crossed - ref).detach().abs().max()) > 1e3 * bound
 
 
 def test_the_segments_are_the_runs_of_equal_ids_and_decreasing_ids_are_refused():
