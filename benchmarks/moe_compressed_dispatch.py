@@ -6,7 +6,7 @@ Two contenders, the same model and data, side by side in one run:
 name            what crosses the expert-parallel all-to-all (``hybrid/tensor_parallel/all_to_all.py``)
 ==============  ==========================================================================================
 fp32            every routed token row as the model's fp32 values, both ways, and its gradient back
-int8            the same rows packed in int8 blocks of ``model_zoo.moe.DISPATCH_BLOCK`` values with one fp32
+int8            the same rows packed in int8 blocks of ``model_zoo.config.DISPATCH_BLOCK`` values with one fp32
                 scale each (``hybrid.compression.Quantization(8, DISPATCH_BLOCK)``), dequantized on arrival
 ==============  ==========================================================================================
 
@@ -466,7 +466,7 @@ def warm_quantize_kernel() -> None:
     import torch
 
     from hybrid.kernels import quantize
-    from model_zoo.moe import DISPATCH_BLOCK
+    from model_zoo.config import DISPATCH_BLOCK
 
     quantize.pack(torch.zeros(2, DISPATCH_BLOCK), 8, DISPATCH_BLOCK)
 

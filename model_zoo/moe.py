@@ -30,7 +30,6 @@ from torch import nn
 
 from hybrid import param_meta
 from hybrid.compile_marks import eager
-from hybrid.compression import Quantization
 from hybrid.context_parallel.loss import sum_over_cp, with_cp_factor
 from hybrid.context_parallel.split import gather_sequence, local_positions
 from hybrid.tensor_parallel import init as tp_init
@@ -43,10 +42,6 @@ from model_zoo.mlp import ParallelMLP  # the shared expert is a dense MLP of its
 
 if TYPE_CHECKING:  # pragma: no cover
     from hybrid.topology import Topology
-
-
-# Values per fp32 scale in a quantized dispatch: 1 + 4/64 bytes per value, 0.27x of fp32 on the wire.
-DISPATCH_BLOCK = 64
 
 
 # ---- the balancing losses' gradient scale ----------------------------------------------------------------------
@@ -423,7 +418,7 @@ class MoELayer(nn.Module):
         self.cp = topology.cp_size
         self.token_axes = ("dp",) + (("cp",) if self.cp > 1 else ()) + (("tp",) if self.tp > 1 else ())
         # --moe-quantized-dispatch: tokens (and their gradients) cross the all-to-all as int8 blocks
-        self.dispatch_quant = Quantization(8, DISPATCH_BLOCK) if config.moe_quantized_dispatch else None
+        self.dispatch_quant = config.dispatch_quantization
         self.stats = MoEStats.zeros(E, device if device is not None and torch.device(device).type != "meta"
                                     else "cpu")
 

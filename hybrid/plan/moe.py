@@ -23,6 +23,7 @@ combine and its backward), and a fifth and sixth (forward replayed) under full r
 routing a rank sends ``T k h p / ep`` to every rank of its ``ep`` group, ``(ep - 1) / ep`` of it off the
 rank; which of those peers sit on other nodes follows from the rank grid (:mod:`hybrid.plan.links`: ``ep``
 consecutive dp ranks, ``tp`` apart, so ``tp * ep`` ranks within a node keep the all-to-all on the node).
+With ``moe_quantized_dispatch`` a row's ``h p`` bytes become its packed size, ``ceil(h / 64) (64 + 4)``.
 
 **Routed-token activations** (:func:`moe_layer_activation_bytes`), per MoE layer, replacing the dense MLP's::
 
@@ -149,9 +150,11 @@ def moe_layers_of(config: GPTConfig, layers: Optional[Sequence[int]] = None) -> 
 
 def all_to_all_bytes(config: GPTConfig, micro_batch: int, tp: int, sequence_parallel: bool, p: int) -> int:
     """Bytes of one dispatch (or combine) of one MoE layer and micro-batch on one rank: ``T k h p``, every
-    chosen (token, expert) row, the ``1/ep`` for this rank's own experts included."""
-    return routing_tokens(config, micro_batch, tp, sequence_parallel) * config.moe_router_topk * \
-        config.hidden_size * p
+    chosen (token, expert) row, the ``1/ep`` for this rank's own experts included; with
+    ``moe_quantized_dispatch`` each row of ``h`` values travels packed (``GPTConfig.dispatch_quantization``)."""
+    quant = config.dispatch_quantization
+    row = quant.wire_bytes(config.hidden_size) if quant is not None else config.hidden_size * p
+    return routing_tokens(config, micro_batch, tp, sequence_parallel) * config.moe_router_topk * row
 
 
 def a2a_calls(recompute: str) -> int:

@@ -150,8 +150,8 @@ def test_dense_plan_unchanged_by_moe_support():
     assert all(e.memory.routed_worst == 0 for e in evals)
 
 
-def _a2a_worker(ep: int):
-    cfg = get_preset("tiny-moe", num_layers=2, seq_length=16)
+def _a2a_worker(ep: int, quantized: bool = False):
+    cfg = get_preset("tiny-moe", num_layers=2, seq_length=16, moe_quantized_dispatch=quantized)
     topo = Topology(tp=1, ep=ep)
     torch.manual_seed(0)
     model = GPTModel(cfg, topo)
@@ -161,13 +161,14 @@ def _a2a_worker(ep: int):
     return {k: dict(v) for k, v in report.items() if k.endswith("/ep")}
 
 
-def test_all_to_all_bytes_match_the_communicator():
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "int8-dispatch"])
+def test_all_to_all_bytes_match_the_communicator(quantized):
     """A real step at ep=2 on 2 ranks (fp32, micro-batch 2 of 16 tokens, 2 MoE layers): the dispatch sends
     every chosen row, exactly the formula's payload; the combine returns what each rank's experts received, which
-    adds up over the ep group to the same."""
+    adds up over the ep group to the same. With int8 dispatch each row travels packed, and the formula says so."""
     pytest.importorskip("model_zoo.moe")
-    cfg = get_preset("tiny-moe", num_layers=2, seq_length=16)
-    results = run_distributed(_a2a_worker, 2, 2)
+    cfg = get_preset("tiny-moe", num_layers=2, seq_length=16, moe_quantized_dispatch=quantized)
+    results = run_distributed(_a2a_worker, 2, 2, quantized)
     cand = Candidate(ParallelLayout(tp=1, dp=2, ep=2, precision="fp32"), micro_batch=2)
     planned = moe_volume(cfg, cand, micro_batches=1)
     for op in ("moe_dispatch", "moe_combine_grad"):  # the rows this rank routed: exactly T k h p per call
@@ -181,3 +182,7 @@ def test_all_to_all_bytes_match_the_communicator():
     sent = sum(r["moe_dispatch/ep"]["wire_bytes"] for r in results)
     returned = sum(r["moe_combine/ep"]["wire_bytes"] for r in results)
     assert sent == returned > 0
+    if quantized:  # int8 values and one fp32 scale per 64 (h = 128: whole blocks) against 4 bytes a value
+        plain = moe_volume(cfg.replace(moe_quantized_dispatch=False), cand, micro_batches=1)
+        ratio = planned["moe_dispatch/ep"]["payload_bytes"] / plain["moe_dispatch/ep"]["payload_bytes"]
+        assert ratio == (64 + 4) / (64 * 4)
