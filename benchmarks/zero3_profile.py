@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.zero_vs_peers import PlainGPT, batch, gpt_config, param_groups  # noqa: E402
 from hybrid.argument_parser import ArgumentParser  # noqa: E402
+from hybrid.compile_marks import eager  # noqa: E402
 from tests.multiproc import run_distributed  # noqa: E402
 
 WORLD = 4
@@ -75,7 +76,7 @@ class _Timers:
     def wrap(self, obj, method: str, key: str) -> None:
         inner = getattr(obj, method)
 
-        @torch.compiler.disable  # inside a compiled block: one graph break, as the wrapped hook is (model_zoo.compile)
+        @eager  # inside a compiled block: one graph break, as the wrapped hook is (model_zoo.compile)
         def timed(*a, **k):
             if key in self._active:  # nested in a call of the same kind: the outer call counts it
                 return inner(*a, **k)
