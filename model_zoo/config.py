@@ -215,6 +215,15 @@ class GPTConfig:
     moe_router_topk_scaling_factor: Optional[float] = setting(None, kind=FUNCTION, gt=0.0,
                                                               help="multiply the top-k weights by this (DeepSeek's "
                                                                    "routed_scaling_factor)")
+    moe_router_num_groups: Optional[int] = setting(None, kind=FUNCTION, ge=1,
+                                                   help="group-limited routing: the experts in this many equal "
+                                                        "groups (DeepSeek-V3's n_group: e.g. the nodes or devices "
+                                                        "of the expert-parallel group)")
+    moe_router_group_topk: Optional[int] = setting(None, kind=FUNCTION, ge=1,
+                                                   help="group-limited routing: each token's experts come from "
+                                                        "this many groups, those whose top (topk / group_topk) "
+                                                        "scores sum highest (DeepSeek-V3's topk_group); unset: "
+                                                        "any experts")
     moe_router_enable_expert_bias: bool = setting(False, kind=TRAINING, switch=True,
                                                   help="aux-loss-free balancing: a per-expert bias, added to the "
                                                        "scores only to choose experts, moves each step toward the "
@@ -449,6 +458,18 @@ def moe_problem(config: GPTConfig, tp_size: int = 1, ep_size: int = 1) -> Option
                                ("moe_token_dispatcher_type", MOE_DISPATCHERS, "--moe-token-dispatcher-type")):
         if getattr(c, key) not in allowed:
             return f"{flag} {getattr(c, key)!r} is not one of {', '.join(allowed)}"
+    groups, group_topk = c.moe_router_num_groups, c.moe_router_group_topk
+    if group_topk is not None:
+        if groups is None:
+            return "--moe-router-group-topk needs --moe-router-num-groups: the groups it chooses among"
+        if e % groups:
+            return (f"--num-experts {e} must be divisible by --moe-router-num-groups {groups}: the groups are "
+                    f"equal")
+        per_group, k = e // groups, c.moe_router_topk
+        if not group_topk <= groups or not group_topk <= k <= group_topk * per_group or k // group_topk > per_group:
+            return (f"--moe-router-group-topk {group_topk} cannot take --moe-router-topk {k} experts from "
+                    f"--moe-router-num-groups {groups} groups of {per_group}: choose a group_topk in "
+                    f"[{-(-k // per_group)}, {min(k, groups)}]")
     if c.moe_expert_capacity_factor is not None and not c.moe_expert_capacity_factor > 0:
         return (f"--moe-expert-capacity-factor {c.moe_expert_capacity_factor!r} must be > 0 (leave it unset for "
                 f"dropless routing)")

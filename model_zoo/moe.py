@@ -112,7 +112,8 @@ def route(logits: torch.Tensor, config: GPTConfig, expert_bias: Optional[torch.T
     """Choose ``config.moe_router_topk`` experts per token from ``logits`` ``[T, E]`` (fp32).
 
     Scores are the softmax or sigmoid of the logits; the top k are chosen by
-    score plus ``expert_bias`` (when given: it only chooses). Weights: softmax
+    score plus ``expert_bias`` (when given: it only chooses), among the experts of
+    each token's best groups under group-limited routing (:func:`group_mask`). Weights: softmax
     scores renormalised over the chosen k unless ``moe_router_pre_softmax``;
     sigmoid scores always renormalised (k > 1); then times
     ``moe_router_topk_scaling_factor``.
@@ -125,6 +126,12 @@ def route(logits: torch.Tensor, config: GPTConfig, expert_bias: Optional[torch.T
         scores = torch.sigmoid(logits)
         probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     choose = scores if expert_bias is None else scores + expert_bias
+    if config.moe_router_group_topk is not None:
+        # Megatron-Core ranks the groups by the logits for softmax scores renormalised over the chosen k (it takes
+        # the top k of the logits then), else by the selection scores
+        by_logits = config.moe_router_score_function == "softmax" and not config.moe_router_pre_softmax and \
+            expert_bias is None
+        choose = choose.masked_fill(~group_mask(logits if by_logits else choose, config), float("-inf"))
     experts = torch.topk(choose.detach(), k, dim=-1).indices
     weights = scores.gather(1, experts)
     renormalise = config.moe_router_score_function == "sigmoid" or not config.moe_router_pre_softmax
@@ -133,6 +140,18 @@ def route(logits: torch.Tensor, config: GPTConfig, expert_bias: Optional[torch.T
     if config.moe_router_topk_scaling_factor is not None:
         weights = weights * config.moe_router_topk_scaling_factor
     return Routing(experts, weights, probs, logits)
+
+
+@torch.no_grad()
+def group_mask(key: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    """Group-limited routing (``moe_router_num_groups`` ``G``, ``moe_router_group_topk`` ``g``): which experts
+    each token may choose, ``[T, E]`` bool. The ``E`` experts form ``G`` equal groups in order; a group's rank is
+    the sum of its top ``k // g`` values of ``key`` ``[T, E]``, and each token keeps its ``g`` best groups."""
+    T, E = key.shape
+    G, g = config.moe_router_num_groups, config.moe_router_group_topk
+    ranked = key.view(T, G, E // G).topk(config.moe_router_topk // g, dim=-1).values.sum(-1)  # [T, G]
+    keep = torch.zeros_like(ranked, dtype=torch.bool).scatter_(1, ranked.topk(g, dim=-1).indices, True)
+    return keep.repeat_interleave(E // G, dim=1)
 
 
 def capacity(config: GPTConfig, seq_length: int) -> Optional[int]:

@@ -65,8 +65,8 @@ _FP8 = ("hybrid trains in bf16, fp16 or fp32 (--bf16, --fp16): fp8 and fp4 train
 MOE = "hybrid's MoE settings are Megatron-Core's that docs/moe.md lists"
 _NO_EP_OVERLAP = ("hybrid does not overlap the expert-parallel all-to-alls with compute; the values trained are the "
                   "same")
-_GROUP_LIMITED = ("group-limited (device- or node-limited) routing is not implemented: each token chooses its "
-                  "--moe-router-topk experts among all --num-experts; remove it")
+_TOPK_LIMITED_DEVICES = ("Megatron's deprecated spelling of device-limited routing: use --moe-router-num-groups "
+                         "(the expert-parallel size) and --moe-router-group-topk")
 _UPCYCLING = ("upcycling a dense checkpoint into an MoE model is not implemented: train the MoE model from its own "
               "initialisation")
 _DEEPEP = ("DeepEP and Megatron's flex dispatcher are not used: hybrid dispatches tokens with its own all-to-all "
@@ -183,9 +183,7 @@ MEGATRON_FLAGS: Tuple[MegatronFlag, ...] = (
     _accepted("--moe-pad-experts-for-cuda-graph-inference", "an inference setting (CUDA graphs at decode); "
                                                              "training is the same"),
     _accepted("--moe-upcycling-granularity", "no upcycling", values=("1",), refusal=_UPCYCLING),
-    _refused("--moe-router-num-groups", _GROUP_LIMITED, takes_value=True),
-    _refused("--moe-router-group-topk", _GROUP_LIMITED, takes_value=True),
-    _refused("--moe-router-topk-limited-devices", _GROUP_LIMITED, takes_value=True),
+    _refused("--moe-router-topk-limited-devices", _TOPK_LIMITED_DEVICES, takes_value=True),
     _refused("--moe-input-jitter-eps", "router input jitter is not implemented: the router sees the hidden states "
                                        "as they are; remove it (--moe-z-loss-coeff regularises the router)",
              takes_value=True),

@@ -84,8 +84,9 @@ def test_the_distributed_optimizer_yields_to_an_explicit_zero_stage():
     (["--recompute-method", "block"], r"^--recompute-method block is a Megatron-LM setting hybrid does not take: "
                                       r".*; accepted: --recompute-method uniform$"),
     (["--recompute-num-layers", "4"], r"accepted: --recompute-num-layers 1$"),
-    (["--num-experts", "8", "--moe-router-num-groups", "4"], r"^--moe-router-num-groups 4 is a Megatron-LM flag "
-                                                             r"hybrid does not take: group-limited .* routing"),
+    (["--num-experts", "8", "--moe-router-topk-limited-devices", "4"],
+     r"^--moe-router-topk-limited-devices 4 is a Megatron-LM flag hybrid does not take: Megatron's deprecated .* "
+     r"--moe-router-num-groups"),
     (["--num-experts", "8", "--moe-router-load-balancing-type", "sinkhorn"],
      r"^--moe-router-load-balancing-type sinkhorn is a Megatron-LM setting hybrid does not take: .*Sinkhorn.*: give "
      r"aux_loss, seq_aux_loss"),
@@ -238,7 +239,7 @@ def test_what_the_noted_settings_mean():
 
 def test_refused_and_invalid_flags_are_listed_in_one_error():
     argv = SMALL + ["--fp8-format", "hybrid", "--fp8-param-gather", "--num-experts", "8", "--moe-router-topk", "2",
-                    "--moe-router-num-groups", "2", "--moe-router-load-balancing-type", "sinkhorn",
+                    "--moe-router-topk-limited-devices", "2", "--moe-router-load-balancing-type", "sinkhorn",
                     "--data-path2", "0.5", "a", "0.5", "b", "--lr", "-1", "--window-size", "127,0"]
     with pytest.raises(ConfigError) as raised:
         config_from_command_line(argv)
@@ -246,7 +247,7 @@ def test_refused_and_invalid_flags_are_listed_in_one_error():
     assert message.startswith("7 settings need changing: (1) ") and "\n" not in message
     for part in ("--fp8-format hybrid is a Megatron-LM flag hybrid does not take: hybrid trains in bf16",
                  "--fp8-param-gather is a Megatron-LM flag hybrid does not take: hybrid trains in bf16",
-                 "--moe-router-num-groups 2 is a Megatron-LM flag hybrid does not take: group-limited",
+                 "--moe-router-topk-limited-devices 2 is a Megatron-LM flag hybrid does not take: Megatron's",
                  "--moe-router-load-balancing-type sinkhorn is a Megatron-LM setting hybrid does not take: S-BASE's",
                  "--data-path2 0.5 a 0.5 b is a Megatron-LM flag",
                  "--window-size 127,0 is a Megatron-LM flag hybrid does not take: gpt-oss's variants",

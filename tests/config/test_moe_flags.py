@@ -39,6 +39,9 @@ def test_the_moe_keys_reach_the_model():
     assert (cfg.expert_parallel_size, gpt.expert_tensor_parallel_size) == (2, 1)
     assert model_config(parse_args(MOE + ["--moe-layer-freq", "2"], world_size=1), 64).moe_layer_pattern() == \
         (True, False)  # every 2nd layer from layer 0, as Megatron counts
+    grouped = model_config(parse_args(MOE + ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1"],
+                                      world_size=1), 64)
+    assert (grouped.moe_router_num_groups, grouped.moe_router_group_topk) == (2, 1)  # DeepSeek's group-limited
 
 
 # issue 49, item 10: each bad value is one line naming the flag (and the flag's key) and what to change
@@ -62,6 +65,13 @@ def test_the_moe_keys_reach_the_model():
                                       r"--moe-shared-expert-intermediate-size"),
     (["--expert-tensor-parallel-size", "3", "--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
      r"--expert-tensor-parallel-size 3 must be 1 .* or the tensor-parallel size 2"),
+    (["--moe-router-group-topk", "1"], 1, r"--moe-router-group-topk needs --moe-router-num-groups"),
+    (["--moe-router-num-groups", "3", "--moe-router-group-topk", "1"], 1,
+     r"--num-experts 4 must be divisible by --moe-router-num-groups 3"),
+    # top-2 of 4 experts in 4 groups of 1: one group cannot hold 2 experts
+    (["--moe-router-num-groups", "4", "--moe-router-group-topk", "1"], 1,
+     r"--moe-router-group-topk 1 cannot take --moe-router-topk 2 experts from --moe-router-num-groups 4 groups of "
+     r"1: choose a group_topk in \[2, 2\]"),
 ])
 def test_a_bad_moe_setting_is_one_line_naming_the_flag(extra, world, match):
     with pytest.raises(ConfigError, match=match) as raised:
@@ -93,14 +103,14 @@ def test_an_moe_preset_is_not_read_as_dense():
 
 
 def test_every_refused_moe_flag_is_listed_in_one_launch():
-    argv = MOE + ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1", "--moe-input-jitter-eps", "0.01",
+    argv = MOE + ["--moe-router-topk-limited-devices", "2", "--moe-input-jitter-eps", "0.01",
                   "--moe-token-dispatcher-type", "flex", "--moe-enable-deepep", "--moe-use-upcycling",
                   "--moe-expert-parallel-size", "2", "--moe-permute-fusion", "--moe-router-fusion"]
     with pytest.raises(ConfigError) as raised:
         config_from_command_line(argv)
     message = str(raised.value)
-    assert message.startswith("7 settings need changing: (1) ") and "\n" not in message
-    for flag in ("--moe-router-num-groups 2", "--moe-router-group-topk 1", "--moe-input-jitter-eps 0.01",
+    assert message.startswith("6 settings need changing: (1) ") and "\n" not in message
+    for flag in ("--moe-router-topk-limited-devices 2", "--moe-input-jitter-eps 0.01",
                  "--moe-token-dispatcher-type flex", "--moe-enable-deepep", "--moe-use-upcycling",
                  "--moe-expert-parallel-size 2"):
         assert f"{flag} is a Megatron-LM" in message, flag

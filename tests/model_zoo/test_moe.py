@@ -75,6 +75,40 @@ def test_route_matches_a_per_token_reference(overrides):
         assert torch.allclose(r.weights[t], w, rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("overrides,with_bias", [
+    ({"moe_router_score_function": "sigmoid", "moe_router_topk_scaling_factor": 2.5}, True),  # DeepSeek-V3
+    ({}, False),  # softmax renormalised over the chosen k: Megatron-Core ranks the groups by the logits
+    ({"moe_router_pre_softmax": True}, False),  # softmax over all experts: by the softmax scores
+])
+def test_group_limited_routing_matches_a_per_token_reference(overrides, with_bias):
+    """--moe-router-num-groups 4 --moe-router-group-topk 2 with top-4 of 8 experts: each token ranks its 4 groups of
+    2 by the sum of their top 4 // 2 = 2 values, keeps the best 2 groups, and takes its 4 experts from them."""
+    E, G, g, k = 8, 4, 2, 4
+    cfg = small_config(num_experts=E, moe_router_topk=k, moe_router_num_groups=G, moe_router_group_topk=g,
+                       **overrides)
+    assert cfg.validate() is cfg
+    logits = torch.randn(40, E, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    bias = torch.randn(E, dtype=torch.float64) * 0.1 if with_bias else None
+    r = route(logits, cfg, bias)
+    plain = route(logits, cfg.replace(moe_router_num_groups=None, moe_router_group_topk=None), bias)
+    sigmoid = cfg.moe_router_score_function == "sigmoid"
+    for t in range(40):
+        scores = logits[t].sigmoid() if sigmoid else torch.softmax(logits[t], 0)
+        select = scores + (bias if with_bias else 0)
+        key = logits[t] if not sigmoid and not cfg.moe_router_pre_softmax and not with_bias else select
+        rank = [sum(sorted(key[j * 2:(j + 1) * 2].tolist(), reverse=True)[:k // g]) for j in range(G)]
+        groups = sorted(range(G), key=lambda j: -rank[j])[:g]
+        allowed = [e for e in range(E) if e // (E // G) in groups]
+        chosen = sorted(allowed, key=lambda e: -select[e].item())[:k]
+        assert r.experts[t].tolist() == chosen
+        w = scores[chosen]
+        if sigmoid or not cfg.moe_router_pre_softmax:
+            w = w / w.sum()
+        assert torch.allclose(r.weights[t], w * (cfg.moe_router_topk_scaling_factor or 1.0), rtol=1e-12, atol=0)
+    # the groups matter on these logits: some token's experts differ from unlimited routing's
+    assert not torch.equal(r.experts, plain.experts)
+
+
 @pytest.mark.parametrize("policy", ["probs", "position"])
 def test_capacity_keeps_per_sequence_what_the_policy_says(policy):
     s, b, k, E, cap = 10, 3, 2, 4, 3
