@@ -82,6 +82,9 @@ class MoEFamily(LlamaFamily):
         if cfg.moe_router_enable_expert_bias:
             out.append(f"moe_router_enable_expert_bias=True ({a}'s router has no expert bias: it would choose "
                        f"other experts)")
+        if cfg.moe_router_group_topk is not None:
+            out.append(f"moe_router_group_topk={cfg.moe_router_group_topk} ({a}'s router chooses among all experts, "
+                       f"not within groups)")
         if self.renormalise and cfg.moe_router_pre_softmax:
             out.append(f"moe_router_pre_softmax=True ({a} renormalises the top-k weights)")
         if not self.sparse_step and not all(cfg.moe_layer_pattern()):

@@ -371,7 +371,8 @@ def test_export_refuses_what_no_moe_class_computes(tmp_path):
     for change, reason in ((dict(moe_router_score_function="sigmoid"), "router is a softmax"),
                            (dict(moe_router_enable_expert_bias=True), "no expert bias"),
                            (dict(moe_router_pre_softmax=True), "renormalises the top-k weights"),
-                           (dict(moe_layer_freq=2), "experts in every layer")):
+                           (dict(moe_layer_freq=2), "experts in every layer"),
+                           (dict(moe_router_num_groups=2, moe_router_group_topk=1), "not within groups")):
         bad = cfg.replace(**change)
         with pytest.raises(ConversionError, match=f"not MixtralForCausalLM: .*{reason}"):
             map_for_config(bad)
