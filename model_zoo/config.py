@@ -466,10 +466,12 @@ def moe_problem(config: GPTConfig, tp_size: int = 1, ep_size: int = 1) -> Option
             return (f"--num-experts {e} must be divisible by --moe-router-num-groups {groups}: the groups are "
                     f"equal")
         per_group, k = e // groups, c.moe_router_topk
-        if not group_topk <= groups or not group_topk <= k <= group_topk * per_group or k // group_topk > per_group:
+        # enough groups to hold k experts, at most every group, and at least one expert from each chosen group
+        fewest, most = -(-k // per_group), min(k, groups)
+        if not fewest <= group_topk <= most:
             return (f"--moe-router-group-topk {group_topk} cannot take --moe-router-topk {k} experts from "
                     f"--moe-router-num-groups {groups} groups of {per_group}: choose a group_topk in "
-                    f"[{-(-k // per_group)}, {min(k, groups)}]")
+                    f"[{fewest}, {most}]")
     if c.moe_expert_capacity_factor is not None and not c.moe_expert_capacity_factor > 0:
         return (f"--moe-expert-capacity-factor {c.moe_expert_capacity_factor!r} must be > 0 (leave it unset for "
                 f"dropless routing)")

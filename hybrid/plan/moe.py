@@ -23,7 +23,7 @@ combine and its backward), and a fifth and sixth (forward replayed) under full r
 routing a rank sends ``T k h p / ep`` to every rank of its ``ep`` group, ``(ep - 1) / ep`` of it off the
 rank; which of those peers sit on other nodes follows from the rank grid (:mod:`hybrid.plan.links`: ``ep``
 consecutive dp ranks, ``tp`` apart, so ``tp * ep`` ranks within a node keep the all-to-all on the node).
-With ``moe_quantized_dispatch`` a row's ``h p`` bytes become its packed size, ``ceil(h / 64) (64 + 4)``.
+With ``moe_quantized_dispatch`` a row's ``h p`` bytes become its packed size (``GPTConfig.dispatch_quantization``).
 
 **Routed-token activations** (:func:`moe_layer_activation_bytes`), per MoE layer, replacing the dense MLP's::
 

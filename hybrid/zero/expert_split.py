@@ -370,7 +370,7 @@ class ExpertSplitOptimizer(ZeroOptimizer):
             for key, shape, dtype in entries:
                 buf = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
                 self.comm.recv(buf, "ep", src=src)
-                received[key] = buf.to("cpu", copy=True) if buf.device.type != "cpu" else buf
+                received[key] = buf.cpu()  # the buffer itself on a CPU run
         return received
 
     def load_model_state(self, state: Dict[str, torch.Tensor]) -> None:

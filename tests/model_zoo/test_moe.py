@@ -96,9 +96,10 @@ def test_group_limited_routing_matches_a_per_token_reference(overrides, with_bia
         scores = logits[t].sigmoid() if sigmoid else torch.softmax(logits[t], 0)
         select = scores + (bias if with_bias else 0)
         key = logits[t] if not sigmoid and not cfg.moe_router_pre_softmax and not with_bias else select
-        rank = [sum(sorted(key[j * 2:(j + 1) * 2].tolist(), reverse=True)[:k // g]) for j in range(G)]
+        per_group = E // G
+        rank = [sum(sorted(key[j * per_group:(j + 1) * per_group].tolist(), reverse=True)[:k // g]) for j in range(G)]
         groups = sorted(range(G), key=lambda j: -rank[j])[:g]
-        allowed = [e for e in range(E) if e // (E // G) in groups]
+        allowed = [e for e in range(E) if e // per_group in groups]
         chosen = sorted(allowed, key=lambda e: -select[e].item())[:k]
         assert r.experts[t].tolist() == chosen
         w = scores[chosen]

@@ -4,6 +4,7 @@ routed-token activations, and the layouts with expert parallelism."""
 import pytest
 import torch
 
+from hybrid.compression import SCALE_BYTES
 from hybrid.layout import ParallelLayout
 from hybrid.plan import Candidate, Choices, Cluster, TrainingSetup, estimate_memory, plan
 from hybrid.plan.comm_volume import moe_volume
@@ -14,6 +15,7 @@ from hybrid.plan.moe import (expert_parallel_sizes, moe_layer_activation_bytes, 
                              split_expert_shapes)
 from hybrid.topology import Topology
 from model_zoo import GPTModel, count_model_parameters, get_preset
+from model_zoo.config import DISPATCH_BLOCK
 from model_zoo.flops import (active_parameters, count_parameters, expert_parameters, flops_per_token,
                              matmul_parameters)
 from tests.multiproc import run_distributed
@@ -182,7 +184,7 @@ def test_all_to_all_bytes_match_the_communicator(quantized):
     sent = sum(r["moe_dispatch/ep"]["wire_bytes"] for r in results)
     returned = sum(r["moe_combine/ep"]["wire_bytes"] for r in results)
     assert sent == returned > 0
-    if quantized:  # int8 values and one fp32 scale per 64 (h = 128: whole blocks) against 4 bytes a value
+    if quantized:  # int8 values and one fp32 scale per block (h = 128: whole blocks) against 4 bytes a value
         plain = moe_volume(cfg.replace(moe_quantized_dispatch=False), cand, micro_batches=1)
         ratio = planned["moe_dispatch/ep"]["payload_bytes"] / plain["moe_dispatch/ep"]["payload_bytes"]
-        assert ratio == (64 + 4) / (64 * 4)
+        assert cfg.hidden_size % DISPATCH_BLOCK == 0 and ratio == (DISPATCH_BLOCK + SCALE_BYTES) / (DISPATCH_BLOCK * 4)
